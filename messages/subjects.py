@@ -1,0 +1,199 @@
+"""Every NATS subject, stream, consumer and bucket name of rlbus, built and validated in one place.
+
+Owns: the naming scheme (all subjects of a run live under `rlbus.<run>.`), token validation, and the
+subject patterns each role may publish or subscribe to (used for the servers' user permissions).
+Does not: talk to a server (messages/bus.py) or create streams (messages/streams.py).
+No other module writes a subject literal; tests/test_subjects.py checks that.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from rlbus.messages.errors import SubjectError
+
+_TOKEN: Final = re.compile(r"[A-Za-z0-9_-]+")
+_ROOT: Final = "rlbus"
+
+Role = Literal["feeder", "generator", "trainer", "publisher", "checkpointer", "sandbox", "evaluator",
+               "observer", "admin", "leaf"]
+ROLES: Final[tuple[Role, ...]] = ("feeder", "generator", "trainer", "publisher", "checkpointer", "sandbox",
+                                  "evaluator", "observer", "admin", "leaf")
+
+
+def token(value: str, what: str) -> str:
+    """Return `value` if it is a single subject token (letters, digits, '_' or '-'), else raise."""
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
+        raise SubjectError(f"{what} {value!r} cannot be a subject token (use letters, digits, '_' or '-')")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Subjects, stream names and bucket names of one run. `Subjects("r1").tasks("eu")` etc."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        token(self.run, "run id")
+
+    # ---- subjects -------------------------------------------------------------------------------
+    @property
+    def prefix(self) -> str:
+        """`rlbus.<run>`: every subject of the run starts with it."""
+        return f"{_ROOT}.{self.run}"
+
+    def everything(self) -> str:
+        """Wildcard over every subject of the run."""
+        return f"{self.prefix}.>"
+
+    def tasks(self, region: str) -> str:
+        """Tasks assigned to one region (TASKS work queue of that region)."""
+        return f"{self.prefix}.tasks.{token(region, 'region')}"
+
+    def rollouts(self, region: str) -> str:
+        """Rollouts produced in one region (that region's ROLLOUTS stream)."""
+        return f"{self.prefix}.rollouts.{token(region, 'region')}"
+
+    def all_rollouts(self) -> str:
+        return f"{self.prefix}.rollouts.*"
+
+    def trainlog(self) -> str:
+        """One TrainStep per optimizer step."""
+        return f"{self.prefix}.trainlog"
+
+    def weights(self) -> str:
+        """WeightManifest announcements."""
+        return f"{self.prefix}.weights"
+
+    def checkpoints(self) -> str:
+        """CheckpointMark announcements."""
+        return f"{self.prefix}.checkpoints"
+
+    def state_uploads(self) -> str:
+        """Trainer → checkpointer: 'my state for step N is uploaded' notices."""
+        return f"{self.prefix}.state"
+
+    def evals(self) -> str:
+        """EvalReport announcements."""
+        return f"{self.prefix}.evals"
+
+    def sandbox(self, region: str) -> str:
+        """Request/reply subject of a region's sandbox supervisors (queue group)."""
+        return f"{self.prefix}.sandbox.{token(region, 'region')}"
+
+    def health(self, region: str, kind: str, actor: str) -> str:
+        """Heartbeats of one actor."""
+        return f"{self.prefix}.health.{token(region, 'region')}.{token(kind, 'kind')}.{token(actor, 'actor id')}"
+
+    def all_health(self) -> str:
+        return f"{self.prefix}.health.>"
+
+    def events(self, region: str, kind: str) -> str:
+        """Lifecycle events and incidents raised by actors of one kind in one region."""
+        return f"{self.prefix}.events.{token(region, 'region')}.{token(kind, 'kind')}"
+
+    def all_events(self) -> str:
+        return f"{self.prefix}.events.>"
+
+    def dead_letter(self, source: str) -> str:
+        """Where a consumer republishes a message it could not use, by source stream name."""
+        return f"{self.prefix}.dlq.{token(source, 'dead-letter source')}"
+
+    def all_dead_letters(self) -> str:
+        return f"{self.prefix}.dlq.>"
+
+    # ---- stream, consumer and bucket names ------------------------------------------------------
+    def _name(self, base: str, region: str | None = None) -> str:
+        parts = [base, self.run] + ([token(region, "region")] if region is not None else [])
+        return "_".join(parts)
+
+    def tasks_stream(self, region: str) -> str:
+        return self._name("TASKS", region)
+
+    def rollouts_stream(self, region: str) -> str:
+        """A region's own rollout stream (leaf) — the hub's is `hub_rollouts_stream()`."""
+        return self._name("ROLLOUTS", region)
+
+    def hub_rollouts_stream(self) -> str:
+        """The hub's ROLLOUTS stream: the hub's own rollouts plus every leaf stream, sourced."""
+        return self._name("ROLLOUTS")
+
+    def trainlog_stream(self) -> str:
+        return self._name("TRAINLOG")
+
+    def weights_stream(self) -> str:
+        return self._name("WEIGHTS")
+
+    def checkpoints_stream(self) -> str:
+        return self._name("CHECKPOINTS")
+
+    def state_stream(self) -> str:
+        return self._name("STATE")
+
+    def evals_stream(self) -> str:
+        return self._name("EVALS")
+
+    def health_stream(self) -> str:
+        return self._name("HEALTH")
+
+    def events_stream(self) -> str:
+        return self._name("EVENTS")
+
+    def dead_letter_stream(self) -> str:
+        return self._name("DLQ")
+
+    def partials_bucket(self, region: str) -> str:
+        """KV bucket of in-progress rollouts of one region."""
+        return self._name("PARTIALS", region)
+
+    def weights_bucket(self, region: str) -> str:
+        """Object store of weight blobs, one copy per region."""
+        return self._name("WEIGHTS", region)
+
+    def latest_bucket(self, region: str) -> str:
+        """KV bucket holding the `latest` weight pointer, one per region."""
+        return self._name("LATEST", region)
+
+    def checkpoint_bucket(self) -> str:
+        """Hub object store of trainer state uploads and checkpoints."""
+        return self._name("CKPT")
+
+    def durable(self, role: str, region: str | None = None) -> str:
+        """Durable consumer name for a role (one shared per role and region)."""
+        return "_".join([token(role, "role")] + ([token(region, "region")] if region else []))
+
+
+def role_permissions(role: Role) -> tuple[list[str], list[str]]:
+    """(publish allow, subscribe allow) patterns for a role, across every run.
+
+    Every role may use JetStream's API and acks, reply inboxes, service discovery, and publish its own
+    heartbeats and events. Data subjects are granted by role: only the trainer side writes weights,
+    checkpoints and TRAINLOG; only the feeder writes tasks; only generators write rollouts.
+    """
+    run = f"{_ROOT}.*"
+    common_pub = ["$JS.API.>", "$JS.*.API.>", "$JS.ACK.>", "$JS.FC.>", "_INBOX.>", "$SRV.>",
+                  f"{run}.health.>", f"{run}.events.>", f"{run}.dlq.>"]
+    common_sub = ["_INBOX.>", "$SRV.>", f"{run}.>", "$JS.EVENT.>"]
+    kv_partials = "$KV.PARTIALS_*.>"
+    obj_weights = ["$O.WEIGHTS_*.>", "$KV.LATEST_*.>"]
+    obj_ckpt = ["$O.CKPT_*.>"]
+    data: dict[str, list[str]] = {
+        "feeder": [f"{run}.tasks.*"],
+        "generator": [f"{run}.rollouts.*", f"{run}.sandbox.*", kv_partials],
+        "trainer": [f"{run}.trainlog", f"{run}.state", f"{run}.weights", *obj_weights, *obj_ckpt],
+        "publisher": [f"{run}.weights", *obj_weights, "$O.CKPT_*.>"],
+        "checkpointer": [f"{run}.checkpoints", *obj_ckpt],
+        "sandbox": [],
+        "evaluator": [f"{run}.evals", f"{run}.sandbox.*"],
+        "observer": [],
+        "admin": [">"],
+        "leaf": [">"],
+    }
+    if role not in data:
+        raise SubjectError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    if role in ("admin", "leaf"):
+        return [">"], [">"]
+    return common_pub + data[role], common_sub + ["$KV.>", "$O.>"]
