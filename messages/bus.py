@@ -1,0 +1,307 @@
+"""The bus client: one NATS connection per actor, typed JetStream publish/consume, KV and object store.
+
+Owns: connecting (bounded, logged retry; deliberate ping settings), typed publish with `Nats-Msg-Id`
+dedupe that waits for the stream's ack, typed pull consumption as an async iterator of `Delivery`
+(ack / in-progress / nak / term), dead-lettering of anything that does not decode, and object-store
+transfers that stream into buffers and check a digest. Does not: create streams (messages/streams.py)
+or name subjects (messages/subjects.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Final, Generic, TypeVar
+
+import anyio
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+import tenacity
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import ObjectMeta, ObjectMetaOptions, PubAck
+
+from rlbus.messages import codec
+from rlbus.messages.errors import BadMessage, BusUnavailable, DigestMismatch, PermissionDenied
+from rlbus.messages.schemas import Event, Message
+from rlbus.messages.subjects import Subjects
+
+log = structlog.get_logger()
+
+M = TypeVar("M", bound=Message)
+
+MSG_ID_HEADER: Final = "Nats-Msg-Id"
+REASON_HEADER: Final = "Rlbus-Dead-Letter-Reason"
+SOURCE_HEADER: Final = "Rlbus-Dead-Letter-Subject"
+OBJECT_CHUNK: Final = 512 * 1024
+"""Object-store chunk size: well under nats-server's default 1 MiB max payload."""
+
+_CONNECT_RETRY: Final[dict[str, Any]] = dict(
+    retry=tenacity.retry_if_exception_type(
+        (OSError, nats.errors.NoServersError, nats.errors.TimeoutError, TimeoutError)
+    ),
+    wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=2.0),
+    reraise=True,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who is on the other end of a connection: stamped on the events the bus raises itself."""
+
+    actor_id: str = "client"
+    kind: str = "client"
+    region: str = "local"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectOptions:
+    """Connection settings, chosen deliberately (nats-py's defaults see a hung server after ~4 min)."""
+
+    user: str | None = None
+    password: str | None = None
+    connect_timeout_s: float = 2.0
+    retry_for_s: float = 20.0
+    ping_interval_s: float = 5.0
+    max_outstanding_pings: int = 3
+    reconnect_wait_s: float = 0.5
+    publish_timeout_s: float = 5.0
+
+
+@dataclass(slots=True)
+class Delivery(Generic[M]):
+    """One decoded message from a pull consumer, with its JetStream acknowledgement verbs."""
+
+    message: M
+    raw: Msg = field(repr=False)
+
+    @property
+    def num_delivered(self) -> int:
+        """How many times JetStream has delivered this message (1 on first delivery)."""
+        return int(self.raw.metadata.num_delivered)
+
+    @property
+    def stream_seq(self) -> int:
+        return int(self.raw.metadata.sequence.stream)
+
+    async def ack(self) -> None:
+        """Acknowledge and wait for the server to confirm (a lost ack would mean a redelivery)."""
+        await self.raw.ack_sync()
+
+    async def in_progress(self) -> None:
+        """Hold the message: resets its ack wait while long work goes on."""
+        await self.raw.in_progress()
+
+    async def nak(self, delay_s: float | None = None) -> None:
+        """Give the message back for redelivery, optionally after a delay."""
+        await self.raw.nak(delay=delay_s)
+
+    async def term(self) -> None:
+        """Never deliver this message again."""
+        await self.raw.term()
+
+
+class Bus:
+    """A connection to one NATS server (one region), bound to a run's subjects."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, *, identity: Identity, domain: str | None,
+                 options: ConnectOptions) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.identity = identity
+        self.domain = domain
+        self.options = options
+        self.js: JetStreamContext = nc.jetstream(domain=domain, timeout=options.publish_timeout_s)
+        self.dead_lettered = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    @classmethod
+    async def connect(cls, servers: str | Sequence[str], *, run: str, identity: Identity | None = None,
+                      domain: str | None = None, options: ConnectOptions | None = None) -> Bus:
+        """Connect with a bounded, logged retry. `domain` picks the JetStream domain (region) to use.
+
+        :raises BusUnavailable: when no server answered within `options.retry_for_s`.
+        """
+        opts = options or ConnectOptions()
+        ident = identity or Identity()
+        urls = [servers] if isinstance(servers, str) else list(servers)
+
+        async def on_error(err: Exception) -> None:
+            log.warning("bus_error", error=repr(err), actor=ident.actor_id)
+
+        async def on_disconnect() -> None:
+            log.info("bus_disconnected", actor=ident.actor_id)
+
+        async def on_reconnect() -> None:
+            log.info("bus_reconnected", actor=ident.actor_id)
+
+        retry = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_delay(opts.retry_for_s),
+            before_sleep=lambda rs: log.warning(
+                "bus_connect_retry", servers=urls, attempt=rs.attempt_number,
+                error=repr(rs.outcome.exception() if rs.outcome else None)),
+            **_CONNECT_RETRY,
+        )
+        try:
+            async for attempt in retry:
+                with attempt:
+                    nc = await nats.connect(
+                        urls, name=f"{ident.kind}:{ident.actor_id}", user=opts.user, password=opts.password,
+                        connect_timeout=opts.connect_timeout_s, ping_interval=opts.ping_interval_s,
+                        max_outstanding_pings=opts.max_outstanding_pings, allow_reconnect=True,
+                        max_reconnect_attempts=-1, reconnect_time_wait=opts.reconnect_wait_s,
+                        error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+                    )
+        except nats.errors.Error as err:
+            if "authorization" in str(err).lower():
+                raise PermissionDenied(f"{urls}: the server refused user {opts.user!r}: {err}") from err
+            raise BusUnavailable(f"no NATS server answered at {urls} within {opts.retry_for_s}s; "
+                                 f"start one with `rlbus up` or set regions.<name>.nats_urls") from err
+        except OSError as err:
+            raise BusUnavailable(f"no NATS server answered at {urls} within {opts.retry_for_s}s; "
+                                 f"start one with `rlbus up` or set regions.<name>.nats_urls") from err
+        log.debug("bus_connected", servers=urls, run=run, domain=domain)
+        return cls(nc, Subjects(run), identity=ident, domain=domain, options=opts)
+
+    async def close(self) -> None:
+        """Flush and close; bounded so a dead server never hangs shutdown."""
+        if self.nc.is_closed:
+            return
+        with anyio.move_on_after(3.0, shield=True):
+            try:
+                await self.nc.drain()
+            except (nats.errors.Error, TimeoutError) as err:
+                log.debug("bus_drain_failed", error=repr(err))
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    def jetstream(self, domain: str | None) -> JetStreamContext:
+        """A JetStream context for another region's domain (e.g. the hub's, from a leaf)."""
+        if domain == self.domain:
+            return self.js
+        return self.nc.jetstream(domain=domain, timeout=self.options.publish_timeout_s)
+
+    # ---- publishing -----------------------------------------------------------------------------
+    async def publish(self, subject: str, message: Message, *, msg_id: str | None = None,
+                      timeout_s: float | None = None) -> PubAck:
+        """Publish to a stream and wait for its ack. With `msg_id`, a repeat within the stream's
+        duplicate window is stored once (the ack then says `duplicate=True`)."""
+        data, headers = codec.encode(message)
+        if msg_id is not None:
+            headers[MSG_ID_HEADER] = msg_id
+        return await self.js.publish(subject, data, timeout=timeout_s or self.options.publish_timeout_s,
+                                     headers=headers or None)
+
+    async def publish_core(self, subject: str, message: Message) -> None:
+        """Fire-and-forget core NATS publish (heartbeats): no stream ack is awaited."""
+        data, headers = codec.encode(message)
+        await self.nc.publish(subject, data, headers=headers or None)
+
+    async def event(self, event: Event) -> None:
+        """Publish a lifecycle event to the events stream; a missing stream is logged, not fatal."""
+        subject = self.subjects.events(event.region or self.identity.region, event.actor_kind or self.identity.kind)
+        try:
+            await self.publish(subject, event, timeout_s=2.0)
+        except (nats.errors.Error, TimeoutError) as err:
+            log.warning("event_not_stored", event_kind=event.event, error=repr(err))
+
+    # ---- consuming ------------------------------------------------------------------------------
+    async def consume(self, stream: str, durable: str, kind: type[M], *, batch: int = 8,
+                      fetch_timeout_s: float = 1.0, domain: str | None = None) -> AsyncIterator[Delivery[M]]:
+        """Pull from an existing durable consumer forever, yielding decoded messages of `kind`.
+
+        Anything that does not decode as `kind` is dead-lettered with its reason and terminated;
+        the iteration goes on. The caller acks each delivery.
+        """
+        js = self.jetstream(domain) if domain is not None else self.js
+        psub = await js.pull_subscribe_bind(durable=durable, stream=stream)
+        try:
+            while True:
+                try:
+                    msgs = await psub.fetch(batch, timeout=fetch_timeout_s)
+                except (nats.errors.TimeoutError, TimeoutError):
+                    continue                      # idle; the next fetch is the cancel point
+                for msg in msgs:
+                    try:
+                        message = codec.decode_as(msg.data, msg.headers, kind)
+                    except BadMessage as err:
+                        await self.dead_letter(msg, reason=str(err), source=stream)
+                        continue
+                    yield Delivery(message=message, raw=msg)
+        finally:
+            with anyio.move_on_after(1.0, shield=True):
+                await psub.unsubscribe()
+
+    async def dead_letter(self, msg: Msg, *, reason: str, source: str) -> bool:
+        """Store the raw bytes with the reason on the dead-letter stream, then `term` the original.
+
+        If the dead-letter stream cannot take it, the original is nak'ed (kept) instead: nothing is lost.
+        """
+        headers = {REASON_HEADER: reason[:1000], SOURCE_HEADER: msg.subject}
+        for key, value in (msg.headers or {}).items():
+            headers.setdefault(key, value)
+        headers.pop(MSG_ID_HEADER, None)
+        try:
+            await self.js.publish(self.subjects.dead_letter(source), msg.data, headers=headers,
+                                  timeout=self.options.publish_timeout_s)
+        except (nats.errors.Error, TimeoutError) as err:
+            log.error("dead_letter_failed", source=source, reason=reason, error=repr(err))
+            if msg.reply:
+                await msg.nak(delay=5.0)
+            return False
+        if msg.reply:
+            await msg.term()
+        self.dead_lettered += 1
+        log.warning("message_dead_lettered", source=source, subject=msg.subject, reason=reason)
+        await self.event(Event(event="dead_letter", actor_id=self.identity.actor_id,
+                               actor_kind=self.identity.kind, region=self.identity.region,
+                               detail=reason[:500], data={"source": source, "subject": msg.subject}))
+        return True
+
+    # ---- object store ---------------------------------------------------------------------------
+    async def put_object(self, bucket: str, name: str, data: bytes | memoryview, *,
+                         domain: str | None = None) -> str:
+        """Upload bytes in chunks; returns their `sha256:<hex>` digest for the announcing message."""
+        store = await self.jetstream(domain).object_store(bucket)
+        meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK))
+        await store.put(name, io.BytesIO(data), meta=meta)
+        return digest(data)
+
+    async def get_object(self, bucket: str, name: str, *, expected_digest: str | None = None,
+                         domain: str | None = None) -> bytes:
+        """Download into a buffer (never nats-py's quadratic plain `get()`), checking the digest.
+
+        :raises DigestMismatch: when the bytes differ from `expected_digest`.
+        """
+        store = await self.jetstream(domain).object_store(bucket)
+        buffer = io.BytesIO()
+        try:
+            await store.get(name, writeinto=buffer)
+        except nats.js.errors.DigestMismatchError as err:
+            raise DigestMismatch(f"object {bucket}/{name}: chunks do not match the store's digest") from err
+        data = buffer.getvalue()
+        if expected_digest is not None and (actual := digest(data)) != expected_digest:
+            raise DigestMismatch(f"object {bucket}/{name}: digest {actual} != announced {expected_digest}")
+        return data
+
+
+def digest(data: bytes | memoryview) -> str:
+    """Content digest used in manifests and checkpoint marks: `sha256:<hex>`."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def headers_of(msg: Msg) -> Mapping[str, str]:
+    return msg.headers or {}

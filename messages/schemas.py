@@ -1,0 +1,228 @@
+"""The wire vocabulary of rlbus: every message kind as a frozen, tagged msgspec Struct.
+
+Owns: message fields, their defaults and the schema version. Each message is encoded as a
+MessagePack *map* with named fields (never array_like) and a `kind` tag, so any MessagePack reader can
+read it. Evolution: new fields get defaults and go last; unknown fields from newer producers are
+skipped; a `schema` above `SCHEMA_VERSION` is refused by the codec and dead-lettered.
+Does not: encode, compress or route (messages/codec.py, messages/subjects.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Final, Literal, TypeAlias
+
+import msgspec
+
+SCHEMA_VERSION: Final = 1
+"""Highest schema version this build reads. Bump only with a migration note in the README."""
+
+
+class Message(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
+    """Base of every bus message; `kind` is the wire tag and `schema` the version of its fields."""
+
+    schema: int = SCHEMA_VERSION
+
+
+class TensorBlob(msgspec.Struct, frozen=True, kw_only=True):
+    """A tensor on the wire: dtype name (torch spelling, e.g. "bfloat16"), shape, raw little-endian bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+class Task(Message, tag="task"):
+    """One coding task. Produced by actors/feeder.py; consumed by a region's generators (TASKS)."""
+
+    task_id: str
+    prompt: str
+    verifier: dict[str, str] = {}
+    """Verifier spec: e.g. {"kind": "python_tests", "tests": "...", "entry": "f"}."""
+    group_size: int = 4
+    region: str = ""
+    seed: int = 0
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class SandboxVerdict(msgspec.Struct, frozen=True, kw_only=True):
+    """Outcome of running a completion against its tests."""
+
+    passed: int = 0
+    total: int = 0
+    exit_code: int | None = None
+    status: Literal["ok", "failed", "timeout", "crashed", "oom", "output_limit", "error"] = "error"
+
+
+class Rollout(Message, tag="rollout"):
+    """One sampled completion with everything the trainer needs.
+
+    Produced by actors/generator.py; consumed by actors/trainer.py (ROLLOUTS, durable) and recorders.
+    """
+
+    rollout_id: str
+    task_id: str
+    group_index: int
+    group_size: int
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    behaviour_logprobs: list[float]
+    """Per completion token: log-probability under the weights that sampled it."""
+    policy_versions: list[int]
+    """Per completion token: which policy version produced it (changes at an in-flight update)."""
+    loss_mask: list[int] = []
+    """Per completion token: 1 if the policy produced it (trained on), 0 for observations."""
+    routing: TensorBlob | None = None
+    """MoE routing record (int64 (T, n_moe_layers, top_k)), replayed by the trainer."""
+    reward: float = 0.0
+    verdict: SandboxVerdict = SandboxVerdict()
+    timings: dict[str, float] = {}
+    region: str = ""
+    generator_id: str = ""
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class WeightManifest(Message, tag="weight_manifest"):
+    """A published policy version. Produced by actors/publisher.py; consumed by generators and relays."""
+
+    version: int
+    base_version: int | None = None
+    """The version a delta applies to; None for a full snapshot."""
+    encoding: Literal["full", "delta"] = "full"
+    objects: list[str] = []
+    """Object-store names holding the encoded version, in order."""
+    digests: list[str] = []
+    sizes: list[int] = []
+    version_digest: str = ""
+    """Digest over every tensor of the decoded version; generators check it after applying."""
+    raw_bytes: int = 0
+    regions_ready: list[str] = []
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class CheckpointMark(Message, tag="checkpoint_mark"):
+    """A durable checkpoint. Produced by actors/checkpointer.py; consumed by the trainer (resume) and all."""
+
+    step: int
+    policy_version: int
+    objects: list[str] = []
+    digests: list[str] = []
+    consumed_rollout_ids: list[str] = []
+    """Every rollout id the checkpointed state has already trained on (or dropped)."""
+    parent_step: int | None = None
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class SandboxLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """Resource limits of one sandboxed execution."""
+
+    cpu_seconds: float = 2.0
+    memory_mb: int = 256
+    max_processes: int = 16
+    max_file_mb: int = 8
+    max_open_files: int = 64
+    wall_seconds: float = 5.0
+    max_output_kb: int = 64
+
+
+class SandboxRequest(Message, tag="sandbox_request"):
+    """Run code against tests. Produced by generators/evaluators; consumed by actors/sandbox.py (request/reply)."""
+
+    request_id: str
+    code: str
+    tests: str
+    limits: SandboxLimits = SandboxLimits()
+
+
+class SandboxResult(Message, tag="sandbox_result"):
+    """The reply to a SandboxRequest. Produced by actors/sandbox.py; consumed by its requester."""
+
+    request_id: str
+    verdict: SandboxVerdict
+    stdout: str = ""
+    stderr: str = ""
+    isolation: str = ""
+    cpu_seconds: float = 0.0
+    max_rss_kb: int = 0
+    wall_seconds: float = 0.0
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    """Liveness and progress of one actor. Produced by every actor (actors/base.py); consumed by `rlbus health`."""
+
+    actor_id: str
+    actor_kind: str
+    region: str
+    state: str
+    run: str = ""
+    policy_version: int | None = None
+    counters: dict[str, int] = {}
+    gauges: dict[str, float] = {}
+    restarts: int = 0
+    last_error: str = ""
+    pid: int = 0
+    sent_at: float = msgspec.field(default_factory=time.time)
+
+
+EventKind: TypeAlias = Literal[
+    "started", "stopped", "crashed", "restarted", "failed", "dead_letter", "checkpoint",
+    "weights_published", "weights_rejected", "stale_dropped", "incident",
+]
+
+
+class Event(Message, tag="event"):
+    """A lifecycle event or incident. Produced by any actor or launcher; consumed by `rlbus events`, recorders."""
+
+    event: EventKind
+    actor_id: str = ""
+    actor_kind: str = ""
+    region: str = ""
+    detail: str = ""
+    data: dict[str, str] = {}
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class DroppedRollout(msgspec.Struct, frozen=True, kw_only=True):
+    """A rollout the trainer refused, and why."""
+
+    rollout_id: str
+    reason: str
+
+
+class TrainStep(Message, tag="train_step"):
+    """One optimizer step. Produced by actors/trainer.py on TRAINLOG; consumed by ledgers, recorders, replay."""
+
+    step: int
+    policy_version: int
+    parent_checkpoint: int | None = None
+    rollout_ids: list[str] = []
+    dropped: list[DroppedRollout] = []
+    loss: float = 0.0
+    kl: float = 0.0
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    staleness: dict[str, int] = {}
+    """Histogram: versions behind (as a string key) → number of rollouts."""
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class EvalReport(Message, tag="eval_report"):
+    """Held-out evaluation of one version. Produced by actors/evaluator.py; consumed by events/metrics, plots."""
+
+    policy_version: int
+    task_seed: int
+    n: int
+    pass_at_1: float
+    ci_low: float
+    ci_high: float
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+AnyMessage: TypeAlias = (
+    Task | Rollout | WeightManifest | CheckpointMark | SandboxRequest | SandboxResult | Heartbeat | Event
+    | TrainStep | EvalReport
+)
+MESSAGE_TYPES: Final[tuple[type[Message], ...]] = (
+    Task, Rollout, WeightManifest, CheckpointMark, SandboxRequest, SandboxResult, Heartbeat, Event,
+    TrainStep, EvalReport,
+)
