@@ -1,0 +1,26 @@
+"""Which class implements which actor kind: one closed `match`, no plugin registry.
+
+Owns: `ACTOR_KINDS` and `build_actor(kind, ident, bus, settings)`. Launchers call this; adding a kind
+means adding a case here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.demo import DemoConsumer, DemoProducer, DemoSettings
+from rlbus.messages.bus import Bus
+
+ACTOR_KINDS: Final = ("demo_producer", "demo_consumer")
+
+
+def build_actor(kind: str, ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Actor:
+    """Construct the actor of `kind`; `settings` are the kind's topology settings as plain values."""
+    match kind:
+        case "demo_producer":
+            return DemoProducer(ident, bus, DemoSettings(**settings), limits)
+        case "demo_consumer":
+            return DemoConsumer(ident, bus, limits=limits, **settings)
+        case _:
+            raise ValueError(f"unknown actor kind {kind!r}; known kinds: {', '.join(ACTOR_KINDS)}")

@@ -1,0 +1,59 @@
+"""The `rlbus` command: one argparse parser with a subcommand per job, heavy imports inside each.
+
+Owns: `main(argv)`: parse, configure logging, run the subcommand, map `RlbusError` to exit code 2
+with a one-line message. Each subcommand lives in its own `ops/<name>.py` exposing `register(sub)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Final
+
+from rlbus.messages.errors import RlbusError
+from rlbus.ops.logging import configure_logging
+
+SUBCOMMANDS: Final = ("up", "validate", "clean", "pretrain", "bench", "health", "events", "record", "replay",
+                      "plot", "chaos")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlbus",
+        description="Asynchronous RL for language-model coding agents over NATS JetStream. "
+                    "Run `rlbus up` for the main job on the embedded default topology.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--log-json", action="store_true", help="JSON logs even on a terminal")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"rlbus.ops.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"rlbus.ops.{name}":
+                raise
+            continue                      # that subcommand is not built yet
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(json=True if args.log_json else None,
+                      level=logging.DEBUG if args.verbose else logging.WARNING if args.command in
+                      ("validate", "health", "events", "replay") else logging.INFO)
+    try:
+        return int(args.handler(args) or 0)
+    except RlbusError as err:
+        print(f"rlbus {args.command}: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"rlbus {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
