@@ -207,7 +207,7 @@ class Actor(abc.ABC):
                 metadata={**self.ident.log_fields(), "pid": str(os.getpid())},
             )
             await service.add_endpoint(name="status", handler=status,
-                                       subject=f"$SRV.STATUS.rlbus-{self.ident.kind}.{self.ident.actor_id}")
+                                       subject=self.bus.subjects.service_status(self.ident.kind, self.ident.actor_id))
         except (nats.errors.Error, ValueError) as err:
             log.warning("service_discovery_unavailable", error=repr(err))
             return None

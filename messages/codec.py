@@ -69,7 +69,7 @@ def decode(data: bytes, headers: Mapping[str, str] | None = None) -> AnyMessage:
     raw = unwrap(data, headers)
     try:
         message: AnyMessage = _DECODER.decode(raw)
-    except msgspec.DecodeError as err:
+    except (msgspec.DecodeError, UnicodeDecodeError) as err:   # invalid UTF-8 escapes msgspec as the latter
         _refuse_newer_schema(raw)
         raise BadMessage(str(err)) from None
     if message.schema > SCHEMA_VERSION:
@@ -90,7 +90,7 @@ def decode_as(data: bytes, headers: Mapping[str, str] | None, kind: type[M]) -> 
 def _refuse_newer_schema(raw: bytes) -> None:
     try:
         envelope = _ENVELOPE_DECODER.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):
         return
     if envelope.schema > SCHEMA_VERSION:
         raise UnsupportedSchema(

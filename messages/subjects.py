@@ -105,6 +105,11 @@ class Subjects:
     def all_dead_letters(self) -> str:
         return f"{self.prefix}.dlq.>"
 
+    @staticmethod
+    def service_status(kind: str, actor: str) -> str:
+        """The `status` endpoint of an actor's NATS micro service (beside `$SRV.PING/INFO/STATS`)."""
+        return f"$SRV.STATUS.rlbus-{token(kind, 'kind')}.{token(actor, 'actor id')}"
+
     # ---- stream, consumer and bucket names ------------------------------------------------------
     def _name(self, base: str, region: str | None = None) -> str:
         parts = [base, self.run] + ([token(region, "region")] if region is not None else [])

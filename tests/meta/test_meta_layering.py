@@ -1,0 +1,88 @@
+"""Repository rules that code review alone would miss: imports point one way, and subject strings are
+built only in messages/subjects.py."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ALLOWED: dict[str, set[str]] = {
+    "messages": set(),
+    "kernels": set(),
+    "model": {"kernels"},
+    "actors": {"messages", "model", "kernels"},
+    "topology": {"messages", "actors"},
+    "ops": {"messages", "model", "kernels", "actors", "topology"},
+}
+
+
+def rlbus_imports(path: Path) -> set[str]:
+    """The top-level rlbus folders a module imports (absolute `rlbus.<folder>` imports)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "rlbus" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def test_imports_point_down() -> None:
+    """ops → topology → actors → model|messages|kernels; nothing below imports upward."""
+    bad = []
+    for layer, allowed in ALLOWED.items():
+        for path in (ROOT / layer).rglob("*.py"):
+            for imported in rlbus_imports(path) - allowed - {layer}:
+                bad.append(f"{path.relative_to(ROOT)} imports rlbus.{imported}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
+    """The import walker recognises both import forms (so the rule above can fail)."""
+    sample = tmp_path / "x.py"
+    sample.write_text("import rlbus.ops.cli\nfrom rlbus.actors.base import Actor\nfrom . import y\n")
+    assert rlbus_imports(sample) == {"ops", "actors"}
+
+
+_PACKAGES = ("actors", "messages", "model", "kernels", "topology", "ops", "tests")
+_SUBJECT_START = re.compile(r"(rlbus\.(?!(%s)\b)|\$KV\.|\$O\.|\$JS\.)" % "|".join(_PACKAGES))
+
+
+def subject_literals(path: Path) -> list[str]:
+    """String constants (f-string parts included) that begin like a subject: `rlbus.<x>`, `$KV.`, `$O.`, `$JS.`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _SUBJECT_START.match(node.value):
+            found.append(f"{path.name}:{node.lineno}: {node.value[:60]!r}")
+    return found
+
+
+def test_no_subject_literals_outside_subjects_module() -> None:
+    """Subject strings appear only in messages/subjects.py."""
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", ".venv", "build") or rel == Path("messages/subjects.py"):
+            continue
+        offenders += subject_literals(path)
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_literal_finder_sees_subjects(tmp_path: Path) -> None:
+    """The finder flags plain and f-string subjects but not module paths (so the rule above can fail)."""
+    sample = tmp_path / "x.py"
+    sample.write_text('a = "rlbus.r1.tasks"\nb = f"rlbus.{run}.x"\nc = "rlbus.ops.cli"\nd = "$KV.B.k"\n')
+    assert len(subject_literals(sample)) == 3
+
+
+def test_root_is_a_namespace_package() -> None:
+    """No __init__.py at the root (pytest would import the repository twice)."""
+    assert not (ROOT / "__init__.py").exists()
+    assert not (ROOT / "tests" / "__init__.py").exists()
