@@ -52,7 +52,7 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
 
 
 _PACKAGES = ("actors", "messages", "model", "kernels", "topology", "ops", "tests")
-_SUBJECT_START = re.compile(r"(rlbus\.(?!(%s)\b)|\$KV\.|\$O\.|\$JS\.)" % "|".join(_PACKAGES))
+_SUBJECT_START = re.compile(r"(rlbus\.(?!(%s)\b)|\$KV\.|\$O\.|\$JS\.|\$SRV\.)" % "|".join(_PACKAGES))
 
 
 def subject_literals(path: Path) -> list[str]:
