@@ -1,0 +1,127 @@
+"""Reading and validating topology files: every problem at once, each with file, key path and expectation.
+
+Owns: `validate(path)` (never raises for bad input: unreadable, not UTF-8, not TOML, bad keys, bad
+values, broken cross-field rules are all `Problem`s), `load(path)` (raises `TopologyError` with all
+of them), and re-exports the pure `check(topology)`. Order of work: tomllib into a dict, walk the dict
+against the schema collecting every key/type/range problem (msgspec alone stops at the first), decode
+with msgspec for the typed object, then run the cross-field rules. Does not: start anything.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import msgspec.inspect as mi
+import structlog
+
+from rlbus.messages.errors import TopologyError
+from rlbus.topology._walk import Walker, key_path
+from rlbus.topology.problem import Problem
+from rlbus.topology.rules import check, check_sections
+from rlbus.topology.schema import Topology
+
+__all__ = ["Problem", "check", "load", "validate", "validate_text"]
+
+log = structlog.get_logger()
+
+_TOPOLOGY_TYPE: Final = mi.type_info(Topology)
+
+
+def validate(path: str | os.PathLike[str], *, local_cores: int | None = None) -> tuple[Topology | None, list[Problem]]:
+    """(topology, problems) for the file at `path`; the topology is None when any problem is an error.
+
+    Every problem carries `file=str(path)`. Also warns when a region's credentials file is missing or
+    its credentials environment variable is unset (they may exist where the actors run).
+    """
+    file = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return None, [Problem(key="", message="cannot read: no such file", file=file)]
+    except IsADirectoryError:
+        return None, [Problem(key="", message="cannot read: is a directory, expected a TOML file", file=file)]
+    except PermissionError:
+        return None, [Problem(key="", message="cannot read: permission denied", file=file)]
+    except OSError as err:
+        return None, [Problem(key="", message=f"cannot read: {err.strerror or err}", file=file)]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return None, [Problem(key="", message=f"not a TOML file: not UTF-8 text (byte 0x{data[err.start]:02x} at "
+                              f"offset {err.start})", file=file)]
+    topology, problems = validate_text(text, local_cores=local_cores)
+    if topology is not None:
+        problems += _environment(topology)
+    return topology, [msgspec.structs.replace(p, file=file) for p in problems]
+
+
+def validate_text(text: str, *, local_cores: int | None = None) -> tuple[Topology | None, list[Problem]]:
+    """(topology, problems) for TOML text; problems carry no file. Pure apart from `os.cpu_count()`."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        return None, [Problem(key="", message=f"not valid TOML: {err}")]
+    walker = Walker()
+    usable, cleaned = walker.walk(raw, _TOPOLOGY_TYPE, [])
+    problems = walker.problems
+    if not usable:
+        return None, problems
+    try:
+        topology = msgspec.convert(cleaned, type=Topology)
+    except msgspec.ValidationError as err:  # the walker should have caught it; report rather than crash
+        return None, [*problems, _from_validation_error(err)]
+    # Bad values were dropped so their defaults apply; a rule resting on such a section would judge the
+    # default, so its problems wait until the key-level problems are fixed. A bad top-level key taints all.
+    tainted = {p.key.split(".")[0].split("[")[0] for p in problems if p.severity == "error"}
+    if not any(("." not in p.key and "[" not in p.key) for p in problems):
+        problems += [p for p, sections in check_sections(topology, local_cores=local_cores) if not sections & tainted]
+    if any(p.severity == "error" for p in problems):
+        return None, problems
+    return topology, problems
+
+
+def load(path: str | os.PathLike[str], *, local_cores: int | None = None) -> Topology:
+    """The topology in the file at `path`; logs its warnings.
+
+    :raises TopologyError: naming the file and every problem (one per line) if any is an error.
+    """
+    topology, problems = validate(path, local_cores=local_cores)
+    if topology is None:
+        errors = sum(p.severity == "error" for p in problems)
+        lines = "\n".join(f"  {p}" for p in problems)
+        raise TopologyError(f"{path}: {errors} problem{'s' if errors != 1 else ''}; fix them and run "
+                            f"`rlbus validate {path}`:\n{lines}")
+    for problem in problems:
+        log.warning("topology_warning", file=problem.file, key=problem.key, message=problem.message)
+    return topology
+
+
+def _environment(topology: Topology) -> list[Problem]:
+    out: list[Problem] = []
+    for i, region in enumerate(topology.regions):
+        if region.embedded:
+            continue
+        if region.credentials_file is not None and not Path(region.credentials_file).is_file():
+            out.append(Problem(key=f"regions[{i}].credentials_file", severity="warning",
+                               message=f"no file {region.credentials_file!r} here (relative paths are from the "
+                                       "working directory); the actors will fail to connect without it"))
+        if region.credentials_env is not None and region.credentials_env not in os.environ:
+            out.append(Problem(key=f"regions[{i}].credentials_env", severity="warning",
+                               message=f"environment variable {region.credentials_env} is not set here"))
+    return out
+
+
+def _from_validation_error(err: msgspec.ValidationError) -> Problem:
+    text = str(err)
+    message, _, where = text.partition(" - at `$")
+    parts: list[Any] = []
+    for piece in where.rstrip("`").replace("[", ".[").split("."):
+        if piece.startswith("[") and piece[1:-1].isdigit():
+            parts.append(int(piece[1:-1]))
+        elif piece:
+            parts.append(piece)
+    return Problem(key=key_path(parts), message=message)

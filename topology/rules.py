@@ -1,0 +1,278 @@
+"""Cross-field rules of a topology: the checks no single key's type can express.
+
+Owns: `check(topology) -> list[Problem]`, pure (the only input besides the topology is the local
+core count, passed in), collecting every problem: hub count, unique names, the trainer side in the
+hub, counts that must fit together, references to regions, credentials by reference only, and the
+torch-threads-per-host warning. Does not: read files or check key types (topology/_walk.py).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Final
+
+from rlbus.topology.problem import Problem, Severity
+from rlbus.topology.schema import TORCH_KINDS, ActorSpec, Region, Topology
+
+_INLINE_CREDENTIALS: Final = re.compile(r"^[a-z]+://[^/@]*@")
+_LOCAL_HOSTS: Final = frozenset({"localhost", "127.0.0.1", "::1"})
+_HUB_ONLY: Final = ("trainer", "publisher", "checkpointer")
+_WHY: Final = {
+    "trainer": "the run trains one policy",
+    "publisher": "it turns each trainer version into weights for the generators",
+    "checkpointer": "the trainer acks rollouts only once a checkpoint covers them",
+    "feeder": "it assigns each task to exactly one region",
+    "evaluator": "two would evaluate the same versions twice",
+}
+
+
+Found = tuple[Problem, frozenset[str]]
+"""A problem and the top-level sections (`regions`, `trainer`, ...) whose values it depends on."""
+
+
+def check(topology: Topology, *, local_cores: int | None = None) -> list[Problem]:
+    """Every cross-field problem of `topology`, errors and warnings, in a stable order.
+
+    `local_cores` is the core count of this machine for the torch-threads warning (default
+    `os.cpu_count()`); pass it explicitly to make the result independent of the machine.
+    """
+    return [problem for problem, _ in check_sections(topology, local_cores=local_cores)]
+
+
+def check_sections(topology: Topology, *, local_cores: int | None = None) -> list[Found]:
+    """`check()` with, for each problem, the top-level sections it depends on.
+
+    `validate()` uses the sections to drop rule problems that rest on a value already reported as bad
+    (that value was replaced by its default, so the rule would be judging the default).
+    """
+    cores = local_cores if local_cores is not None else (os.cpu_count() or 1)
+    out: list[Found] = []
+    out += _regions(topology)
+    out += _actor_names(topology)
+    out += _singletons(topology)
+    out += _workers(topology)
+    out += _region_weights(topology)
+    out += _settings(topology)
+    out += _servers(topology)
+    out += _threads(topology, cores)
+    return out
+
+
+def _p(key: str, message: str, severity: Severity = "error", *, also: tuple[str, ...] = ()) -> Found:
+    section = key.split(".")[0].split("[")[0]
+    return Problem(key=key, message=message, severity=severity), frozenset({section, *also})
+
+
+def _entries(topology: Topology) -> Iterator[tuple[int, Region, int, ActorSpec]]:
+    for i, region in enumerate(topology.regions):
+        for j, spec in enumerate(region.actors):
+            yield i, region, j, spec
+
+
+def _count(region: Region, *kinds: str) -> int:
+    return sum(spec.count for spec in region.actors if spec.kind in kinds)
+
+
+def _hub_index(topology: Topology) -> int | None:
+    return next((i for i, r in enumerate(topology.regions) if r.role == "hub"), None)
+
+
+def _regions(topology: Topology) -> Iterator[Found]:
+    seen: dict[str, int] = {}
+    for i, region in enumerate(topology.regions):
+        if region.name in seen:
+            yield _p(f"regions[{i}].name", f"duplicate region name {region.name!r} (also regions[{seen[region.name]}]"
+                     "); expected each region to have its own name")
+        seen.setdefault(region.name, i)
+    hubs = [i for i, r in enumerate(topology.regions) if r.role == "hub"]
+    if not hubs:
+        yield _p("regions", 'no hub: expected exactly one region with role = "hub" (the one that runs the '
+                 'trainer), found only leaf regions')
+    for i in hubs[1:]:
+        yield _p(f"regions[{i}].role", f"a second hub; regions[{hubs[0]}] ({topology.regions[hubs[0]].name!r}) is "
+                 'already the hub: expected exactly one hub, set role = "leaf" here')
+    for i, region in enumerate(topology.regions):
+        if region.role == "leaf" and not any(spec.count for spec in region.actors):
+            yield _p(f"regions[{i}].actors", f"leaf region {region.name!r} runs no actor; its server would idle",
+                     "warning")
+
+
+def _actor_names(topology: Topology) -> Iterator[Found]:
+    for i, region in enumerate(topology.regions):
+        seen: dict[str, int] = {}
+        for j, spec in enumerate(region.actors):
+            if spec.label in seen:
+                field = "name" if spec.name is not None else "kind"
+                yield _p(f"regions[{i}].actors[{j}].{field}",
+                         f"duplicate actor name {spec.label!r} in region {region.name!r} (also "
+                         f"regions[{i}].actors[{seen[spec.label]}]); give each entry a distinct `name`, or merge "
+                         "them into one entry with a larger count")
+            seen.setdefault(spec.label, j)
+    owners: dict[str, str] = {}
+    for instance in topology.instances():
+        other = owners.setdefault(instance.actor_id, instance.region)
+        if other != instance.region:
+            yield _p("regions", f"actor id {instance.actor_id!r} comes out of both region {other!r} and region "
+                     f"{instance.region!r}; rename one of the regions or actor entries")
+
+
+def _singletons(topology: Topology) -> Iterator[Found]:
+    hub = _hub_index(topology)
+    hub_key = f"regions[{hub}].actors" if hub is not None else "regions"
+    for kind in ("trainer", "publisher", "checkpointer", "feeder", "evaluator"):
+        where = [(i, r, j, s) for i, r, j, s in _entries(topology) if s.kind == kind and s.count > 0]
+        if not where and kind != "evaluator":
+            place = "the hub region" if kind in _HUB_ONLY else "one region"
+            yield _p(hub_key, f'no {kind}: expected exactly one [[regions.actors]] kind = "{kind}" with count = 1 '
+                     f"in {place} ({_WHY[kind]})")
+        for n, (i, region, j, spec) in enumerate(where):
+            key = f"regions[{i}].actors[{j}]"
+            if n > 0:
+                fi, _, fj, _ = where[0]
+                yield _p(f"{key}.kind", f"a second {kind} entry (the first is regions[{fi}].actors[{fj}]); expected "
+                         f"at most one {kind} per run: {_WHY[kind]}")
+            elif spec.count > 1:
+                yield _p(f"{key}.count", f"expected count = 1 for the {kind} ({_WHY[kind]}), found {spec.count}")
+            if kind in _HUB_ONLY and hub is not None and region.role != "hub":
+                yield _p(f"{key}.kind", f"the {kind} must run in the hub region {topology.regions[hub].name!r}, "
+                         f"found it in leaf region {region.name!r}")
+
+
+def _workers(topology: Topology) -> Iterator[Found]:
+    generator_entries = [(i, j) for i, _, j, s in _entries(topology) if s.kind == "generator"]
+    if not sum(_count(r, "generator") for r in topology.regions):
+        if generator_entries:
+            i, j = generator_entries[0]
+            yield _p(f"regions[{i}].actors[{j}].count", "0 generators in the whole run: expected count >= 1 in at "
+                     "least one region, or no task is ever worked on")
+        else:
+            yield _p("regions", 'no generator: expected [[regions.actors]] kind = "generator" with count >= 1 in at '
+                     "least one region")
+    for i, region in enumerate(topology.regions):
+        users = [k for k in ("generator", "evaluator") if _count(region, k)]
+        if users and not _count(region, "sandbox"):
+            yield _p(f"regions[{i}].actors", f"region {region.name!r} has {' and '.join(u + 's' for u in users)} "
+                     'but no sandbox: they run code on the sandboxes of their own region; expected a [[regions.actors]] '
+                     'kind = "sandbox" with count >= 1 here')
+        if _count(region, "sandbox") and not users:
+            yield _p(f"regions[{i}].actors", f"region {region.name!r} has sandboxes but no generator or evaluator "
+                     "to use them", "warning")
+
+
+def _region_weights(topology: Topology) -> Iterator[Found]:
+    weights = topology.feeder.region_weights
+    if not weights:
+        return
+    names = [r.name for r in topology.regions]
+    for name, weight in weights.items():
+        key = f"feeder.region_weights.{name}"
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else "regions are: " + ", ".join(names)
+            yield _p(key, f"unknown region {name!r}; {hint}", also=("regions",))
+        elif weight > 0 and not _count(topology.region(name), "generator"):
+            yield _p(key, f"region {name!r} gets tasks (weight {weight}) but has no generator to work on them",
+                     also=("regions",))
+    if all(w == 0 for w in weights.values()):
+        yield _p("feeder.region_weights", "every weight is 0: expected at least one region with a weight > 0")
+    for region in topology.regions:
+        if _count(region, "generator") and weights.get(region.name, 0) == 0:
+            yield _p("feeder.region_weights", f"region {region.name!r} has generators but gets no tasks (weight 0 "
+                     "or missing)", "warning", also=("regions",))
+
+
+def _settings(topology: Topology) -> Iterator[Found]:
+    gen, trainer, sandbox = topology.generator, topology.trainer, topology.sandbox
+    if trainer.batch_rollouts < gen.group_size:
+        yield _p("trainer.batch_rollouts", f"{trainer.batch_rollouts} rollouts cannot hold one whole group of "
+                 f"generator.group_size = {gen.group_size}; expected batch_rollouts >= group_size", also=("generator",))
+    elif trainer.batch_rollouts % gen.group_size:
+        yield _p("trainer.batch_rollouts", f"{trainer.batch_rollouts} is not a multiple of generator.group_size = "
+                 f"{gen.group_size}; batches will split groups", "warning", also=("generator",))
+    if trainer.staleness_versions == 0:
+        yield _p("trainer.staleness_versions", "0 drops every rollout that saw a weight update while it was "
+                 "generated; expect most rollouts dropped", "warning")
+    penalty = trainer.length_penalty
+    if penalty.coef > 0 and penalty.budget >= gen.max_tokens:
+        yield _p("trainer.length_penalty.budget", f"budget {penalty.budget} >= generator.max_tokens = "
+                 f"{gen.max_tokens}: the length penalty can never apply", "warning", also=("generator",))
+    weights = topology.weights
+    if weights.keep_versions < weights.full_every:
+        yield _p("weights.keep_versions", f"expected keep_versions >= weights.full_every = {weights.full_every}, "
+                 f"found {weights.keep_versions}: a generator that starts late could not rebuild the latest version "
+                 "(its full snapshot would be deleted)")
+    restart = topology.restart
+    if restart.backoff_initial_s > restart.backoff_max_s:
+        yield _p("restart.backoff_initial_s", f"expected backoff_initial_s <= restart.backoff_max_s = "
+                 f"{restart.backoff_max_s}, found {restart.backoff_initial_s}")
+    if sandbox.cpu_seconds > sandbox.wall_seconds:
+        yield _p("sandbox.cpu_seconds", f"{sandbox.cpu_seconds} CPU seconds can never be used within "
+                 f"sandbox.wall_seconds = {sandbox.wall_seconds}", "warning")
+    if sandbox.concurrency > sandbox.pool_size:
+        yield _p("sandbox.concurrency", f"concurrency {sandbox.concurrency} > sandbox.pool_size = "
+                 f"{sandbox.pool_size}: requests beyond the pool only queue", "warning")
+    launch = topology.launch
+    if launch.backend == "local" and launch.ray_address is not None:
+        yield _p("launch.ray_address", 'ignored: launch.backend is "local"', "warning")
+
+
+def _servers(topology: Topology) -> Iterator[Found]:
+    regions = topology.regions
+    hub = _hub_index(topology)
+    reference = regions[hub] if hub is not None else regions[0]
+    for i, region in enumerate(regions):
+        if region.embedded != reference.embedded:
+            yield _p(f"regions[{i}].nats_urls", f"region {region.name!r} {'gives no' if region.embedded else 'gives'} "
+                     f"nats_urls but region {reference.name!r} {'does not' if reference.embedded else 'does'}: "
+                     "expected either every region to join existing servers or none (rlbus up starts them all)")
+        for k, url in enumerate(region.nats_urls):
+            if _INLINE_CREDENTIALS.match(url):
+                yield _p(f"regions[{i}].nats_urls[{k}]", "credentials inline in the URL; expected them by "
+                         "reference only: put them in a .creds file and set credentials_file or credentials_env")
+        if region.credentials_file is not None and region.credentials_env is not None:
+            yield _p(f"regions[{i}].credentials_env", "both credentials_file and credentials_env are set; expected "
+                     "one of them")
+        if region.embedded and (region.credentials_file is not None or region.credentials_env is not None):
+            field = "credentials_file" if region.credentials_file is not None else "credentials_env"
+            yield _p(f"regions[{i}].{field}", "ignored: the region has no nats_urls, so rlbus up starts its server "
+                     "and makes its own users", "warning")
+        if not region.embedded and topology.durability.replicas > len(region.nats_urls):
+            yield _p(f"regions[{i}].nats_urls", f"durability.replicas = {topology.durability.replicas} but only "
+                     f"{len(region.nats_urls)} server URL(s) given; the cluster must have at least that many servers",
+                     "warning", also=("durability",))
+    if topology.durability.replicas > 1 and any(r.embedded for r in regions):
+        yield _p("durability.replicas", f"expected 1 with embedded servers (single-node), found "
+                 f"{topology.durability.replicas}; use replicas > 1 only with nats_urls of clustered servers",
+                 also=("regions",))
+    if topology.launch.backend == "ray":
+        seen: dict[str, str] = {}
+        for i, region in enumerate(regions):
+            other = seen.setdefault(region.resource, region.name)
+            if other != region.name:
+                yield _p(f"regions[{i}].ray_resource", f"Ray resource {region.resource!r} is also region {other!r}'s: "
+                         "their actors cannot be told apart in placement", "warning", also=("launch",))
+
+
+def _threads(topology: Topology, local_cores: int) -> Iterator[Found]:
+    hosts: dict[str, list[int]] = defaultdict(list)
+    for i, region in enumerate(topology.regions):
+        host = region.host if region.host is not None and region.host not in _LOCAL_HOSTS else "localhost"
+        hosts[host].append(i)
+    for host, indices in hosts.items():
+        given = [topology.regions[i].cores for i in indices if topology.regions[i].cores is not None]
+        cores = given[0] if given else (local_cores if host == "localhost" else None)
+        if cores is None:
+            continue
+        asks = [(topology.regions[i].name, spec) for i in indices for spec in topology.regions[i].actors
+                if spec.kind in TORCH_KINDS and spec.count]
+        threads = sum(spec.count * spec.torch_threads for _, spec in asks)
+        if threads > cores:
+            first = indices[0]
+            key = f"regions[{first}].host" if topology.regions[first].host is not None else f"regions[{first}].actors"
+            detail = ", ".join(f"{name}/{spec.label} {spec.count}x{spec.torch_threads}" for name, spec in asks)
+            yield _p(key, f"host {host!r} has {cores} cores but its torch actors ask for {threads} threads "
+                     f"({detail}); lower torch_threads or counts, or expect them to slow each other down", "warning")
