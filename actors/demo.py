@@ -16,7 +16,7 @@ import structlog
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.messages.bus import Bus
-from rlbus.messages.schemas import Rollout
+from rlbus.messages.schemas import Rollout, TensorBlob
 
 log = structlog.get_logger()
 
@@ -32,13 +32,14 @@ class DemoSettings:
 
 
 def synthetic_rollout(rollout_id: str, region: str, producer: str, tokens: int, rng: random.Random) -> Rollout:
-    """A Rollout of realistic size: `tokens` completion tokens with logprobs and versions (~12 B/token)."""
+    """A Rollout of realistic size: `tokens` completion tokens with logprobs, versions and mask (13 B/token)."""
     return Rollout(
         rollout_id=rollout_id, task_id=f"demo-{rng.randrange(10**6)}", group_index=0, group_size=1,
-        prompt_tokens=[rng.randrange(256) for _ in range(64)],
-        completion_tokens=[rng.randrange(256) for _ in range(tokens)],
-        behaviour_logprobs=[-rng.random() * 4 for _ in range(tokens)],
-        policy_versions=[0] * tokens, loss_mask=[1] * tokens, reward=float(rng.random() < 0.3),
+        prompt_tokens=TensorBlob.of([rng.randrange(256) for _ in range(64)], "int32"),
+        completion_tokens=TensorBlob.of([rng.randrange(256) for _ in range(tokens)], "int32"),
+        behaviour_logprobs=TensorBlob.of([-rng.random() * 4 for _ in range(tokens)], "float32"),
+        policy_versions=TensorBlob.of([0] * tokens, "int32"), loss_mask=TensorBlob.of([1] * tokens, "uint8"),
+        reward=float(rng.random() < 0.3),
         region=region, generator_id=producer,
     )
 

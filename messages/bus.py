@@ -91,7 +91,11 @@ class Delivery(Generic[M]):
         return int(self.raw.metadata.sequence.stream)
 
     async def ack(self) -> None:
-        """Acknowledge and wait for the server to confirm (a lost ack would mean a redelivery)."""
+        """Acknowledge (fire-and-forget: a lost ack means a redelivery, which consumers must tolerate)."""
+        await self.raw.ack()
+
+    async def ack_sync(self) -> None:
+        """Acknowledge and wait for the server to confirm it."""
         await self.raw.ack_sync()
 
     async def in_progress(self) -> None:
@@ -204,6 +208,27 @@ class Bus:
             headers[MSG_ID_HEADER] = msg_id
         return await self.js.publish(subject, data, timeout=timeout_s or self.options.publish_timeout_s,
                                      headers=headers or None)
+
+    async def publish_batch(self, items: Sequence[tuple[str, Message, str | None]], *,
+                            window: int = 256, compress_above: int = codec.COMPRESS_ABOVE) -> list[PubAck]:
+        """Publish many (subject, message, msg_id) pipelined, at most `window` unacked at once, and wait
+        for every ack. Acks come back in order; any refusal raises after the earlier ones are stored."""
+        acks: list[PubAck] = []
+        pending: list[Any] = []
+        for subject, message, msg_id in items:
+            data, headers = codec.encode(message, compress_above=compress_above)
+            if msg_id is not None:
+                headers[MSG_ID_HEADER] = msg_id
+            # no wait_stall: with one, nats-py wraps every call in asyncio.wait_for (a task per message)
+            pending.append(await self.js.publish_async(subject, data, headers=headers or None))
+            if len(pending) >= window:
+                acks += await self._collect(pending)
+                pending = []
+        return acks + await self._collect(pending)
+
+    async def _collect(self, futures: list[Any]) -> list[PubAck]:
+        with anyio.fail_after(self.options.publish_timeout_s * 2):
+            return [await future for future in futures]
 
     async def publish_core(self, subject: str, message: Message) -> None:
         """Fire-and-forget core NATS publish (heartbeats): no stream ack is awaited."""

@@ -10,9 +10,11 @@ Does not: encode, compress or route (messages/codec.py, messages/subjects.py).
 from __future__ import annotations
 
 import time
-from typing import Final, Literal, TypeAlias
+from collections.abc import Iterable
+from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
+import numpy as np
 
 SCHEMA_VERSION: Final = 1
 """Highest schema version this build reads. Bump only with a migration note in the README."""
@@ -25,11 +27,35 @@ class Message(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
 
 
 class TensorBlob(msgspec.Struct, frozen=True, kw_only=True):
-    """A tensor on the wire: dtype name (torch spelling, e.g. "bfloat16"), shape, raw little-endian bytes."""
+    """A tensor on the wire: dtype name (torch spelling, e.g. "bfloat16"), shape, raw little-endian bytes.
+
+    Per-token arrays of a Rollout travel this way too: decoding them costs a byte copy, not one Python
+    object per token, and any MessagePack reader gets plain `bin` data it can reinterpret.
+    """
 
     dtype: str
     shape: tuple[int, ...]
     data: bytes
+
+    @classmethod
+    def of(cls, values: Iterable[float] | np.ndarray, dtype: str) -> TensorBlob:
+        """A 1-D or n-D array (numpy dtype names: int32, int64, float32, uint8, ...) as a blob."""
+        array = np.ascontiguousarray(np.asarray(values, dtype=np.dtype(dtype).newbyteorder("<")))
+        return cls(dtype=dtype, shape=tuple(int(d) for d in array.shape), data=array.tobytes())
+
+    def numpy(self) -> np.ndarray[Any, Any]:
+        """A read-only numpy view of the data (numpy dtypes only; bfloat16 needs codec.blob_to_tensor)."""
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
+
+    def tolist(self) -> list[Any]:
+        return list(self.numpy().tolist())
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+def _empty(dtype: str) -> TensorBlob:
+    return TensorBlob(dtype=dtype, shape=(0,), data=b"")
 
 
 class Task(Message, tag="task"):
@@ -64,14 +90,16 @@ class Rollout(Message, tag="rollout"):
     task_id: str
     group_index: int
     group_size: int
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    behaviour_logprobs: list[float]
-    """Per completion token: log-probability under the weights that sampled it."""
-    policy_versions: list[int]
-    """Per completion token: which policy version produced it (changes at an in-flight update)."""
-    loss_mask: list[int] = []
-    """Per completion token: 1 if the policy produced it (trained on), 0 for observations."""
+    prompt_tokens: TensorBlob
+    """int32 (P,) prompt token ids."""
+    completion_tokens: TensorBlob
+    """int32 (T,) completion token ids (all turns, observations included)."""
+    behaviour_logprobs: TensorBlob
+    """float32 (T,): per completion token, log-probability under the weights that sampled it."""
+    policy_versions: TensorBlob
+    """int32 (T,): per completion token, which policy version produced it (changes at an in-flight update)."""
+    loss_mask: TensorBlob = msgspec.field(default_factory=lambda: _empty("uint8"))
+    """uint8 (T,): 1 where the policy produced the token (trained on), 0 for observations; empty = all 1."""
     routing: TensorBlob | None = None
     """MoE routing record (int64 (T, n_moe_layers, top_k)), replayed by the trainer."""
     reward: float = 0.0

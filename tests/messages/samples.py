@@ -14,9 +14,10 @@ def samples() -> list[Message]:
     return [
         Task(task_id="t1", prompt="def f(x):", verifier={"kind": "python_tests", "tests": "assert f(1)==2"},
              group_size=4, region="hub", seed=7, created_at=t),
-        Rollout(rollout_id="r1", task_id="t1", group_index=2, group_size=4, prompt_tokens=[1, 2, 3],
-                completion_tokens=[4, 5], behaviour_logprobs=[-0.5, -1.25], policy_versions=[3, 4],
-                loss_mask=[1, 1], routing=TensorBlob(dtype="int64", shape=(2, 1, 1), data=bytes(16)),
+        Rollout(rollout_id="r1", task_id="t1", group_index=2, group_size=4,
+                prompt_tokens=TensorBlob.of([1, 2, 3], "int32"), completion_tokens=TensorBlob.of([4, 5], "int32"),
+                behaviour_logprobs=TensorBlob.of([-0.5, -1.25], "float32"),
+                policy_versions=TensorBlob.of([3, 4], "int32"), loss_mask=TensorBlob.of([1, 1], "uint8"), routing=TensorBlob(dtype="int64", shape=(2, 1, 1), data=bytes(16)),
                 reward=1.0, verdict=SandboxVerdict(passed=3, total=3, exit_code=0, status="ok"),
                 timings={"generate_s": 0.5}, region="eu", generator_id="g1", created_at=t),
         WeightManifest(version=5, base_version=4, encoding="delta", objects=["v5.0"], digests=["sha256:ab"],

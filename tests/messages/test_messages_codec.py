@@ -3,6 +3,7 @@ but BadMessage."""
 
 from __future__ import annotations
 
+import struct
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from samples import samples  # noqa: E402
 
 from rlbus.messages import codec  # noqa: E402
 from rlbus.messages.errors import BadMessage, UnsupportedSchema  # noqa: E402
-from rlbus.messages.schemas import MESSAGE_TYPES, Rollout, Task  # noqa: E402
+from rlbus.messages.schemas import MESSAGE_TYPES, Rollout, Task, TensorBlob  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -48,7 +49,9 @@ def test_wire_format_is_a_named_map_readable_by_plain_msgpack() -> None:
     plain = msgpack.unpackb(data, raw=False)
     assert plain["kind"] == "rollout"
     assert plain["rollout_id"] == "r1"
-    assert plain["behaviour_logprobs"] == [-0.5, -1.25]
+    logprobs = plain["behaviour_logprobs"]
+    assert logprobs["dtype"] == "float32" and logprobs["shape"] == [2]
+    assert struct.unpack("<2f", logprobs["data"]) == (-0.5, -1.25)
 
 
 def test_unknown_extra_field_is_skipped() -> None:
@@ -80,8 +83,10 @@ def test_bad_field_names_its_path() -> None:
 
 def test_large_payloads_are_compressed_and_flagged() -> None:
     """Above the threshold the payload is zstd and the header says so; below it stays plain."""
-    big = Rollout(rollout_id="r", task_id="t", group_index=0, group_size=1, prompt_tokens=[1] * 10_000,
-                  completion_tokens=[2] * 10_000, behaviour_logprobs=[-0.1] * 10_000, policy_versions=[0] * 10_000)
+    big = Rollout(rollout_id="r", task_id="t", group_index=0, group_size=1,
+                  prompt_tokens=TensorBlob.of([1] * 10_000, "int32"), completion_tokens=TensorBlob.of([2] * 10_000, "int32"),
+                  behaviour_logprobs=TensorBlob.of([-0.1] * 10_000, "float32"),
+                  policy_versions=TensorBlob.of([0] * 10_000, "int32"))
     data, headers = codec.encode(big)
     assert headers == {codec.ENCODING_HEADER: codec.ZSTD}
     assert len(data) < len(msgspec.msgpack.encode(big)) // 5
@@ -108,6 +113,13 @@ def test_tensor_blob_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
     back = codec.blob_to_tensor(codec.tensor_to_blob(t))
     assert back.dtype == dtype and back.shape == t.shape
     assert torch.equal(back.view(torch.uint8), t.contiguous().view(torch.uint8))
+
+
+def test_per_token_arrays_read_back_as_lists() -> None:
+    """TensorBlob.of / tolist round-trip per-token arrays exactly (float32 values that are exact)."""
+    blob = TensorBlob.of([-0.5, 0.25, -8.0], "float32")
+    assert blob.tolist() == [-0.5, 0.25, -8.0] and len(blob) == 3
+    assert TensorBlob.of([], "int32").tolist() == []
 
 
 def test_tensor_blob_with_wrong_size_is_bad() -> None:
