@@ -81,15 +81,15 @@ def expectation(t: mi.Type) -> str:
             return f"{text}, at most {max_length} characters" if max_length else text
         case mi.LiteralType(values=values):
             return "one of " + ", ".join(repr(v) for v in values)
-        case mi.ListType(item_type=mi.StructType(cls=cls)):
-            return f"an array of tables ({cls.__name__})"
+        case mi.ListType(item_type=mi.StructType(), min_length=min_length):
+            return f"{'a non-empty' if min_length else 'an'} array of tables"
         case mi.ListType(item_type=item, min_length=min_length):
             lead = "a non-empty array" if min_length else "an array"
             return f"{lead}, each item {expectation(item)}"
         case mi.DictType(value_type=value):
             return f"a table, each value {expectation(value)}"
-        case mi.StructType(cls=cls):
-            return f"a table ({cls.__name__})"
+        case mi.StructType():
+            return "a table"
         case mi.UnionType(types=types):
             return " or ".join(expectation(x) for x in types if not isinstance(x, mi.NoneType))
     return str(t)
@@ -105,7 +105,13 @@ class Walker:
         self.problems.append(Problem(key=key_path(path), message=message))
 
     def _wrong(self, path: Sequence[PathPart], t: mi.Type, value: object, extra: str = "") -> None:
-        self._add(path, f"expected {expectation(t)}, found {describe_value(value)}{extra}")
+        want = expectation(t)
+        header = re.sub(r"\[\d+\]", "", key_path(path))
+        if isinstance(t, mi.StructType) and header:
+            want += f" [{header}]"
+        elif isinstance(t, mi.ListType) and isinstance(t.item_type, mi.StructType):
+            want += f" [[{header}]]"
+        self._add(path, f"expected {want}, found {describe_value(value)}{extra}")
 
     def walk(self, value: Any, t: mi.Type, path: list[PathPart]) -> tuple[bool, Any]:
         """Check `value` against `t` at `path`; returns (usable, cleaned value)."""
