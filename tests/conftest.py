@@ -1,9 +1,44 @@
+"""Shared fixtures: one real JetStream server per session, a bus per test isolated by run id."""
+
 from __future__ import annotations
 
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
 import pytest
+
+from rlbus.messages.bus import Bus, ConnectOptions
+from rlbus.topology.servers import EmbeddedServer
 
 
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     """nats-py is asyncio-only."""
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    """One JetStream server for the session (per-role users); tests that kill servers start their own."""
+    server = EmbeddedServer.start(tmp_path_factory.mktemp("js"), name="session")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def new_run() -> str:
+    """A fresh run id, so subjects, streams and buckets of tests never collide."""
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+async def admin_bus(nats_server: EmbeddedServer) -> AsyncIterator[Bus]:
+    """A bus connected as the admin role (provisions streams), on a fresh run id."""
+    cred = nats_server.credential("admin")
+    bus = await Bus.connect(nats_server.url, run=new_run(),
+                            options=ConnectOptions(user=cred.user, password=cred.password))
+    try:
+        yield bus
+    finally:
+        await bus.close()
