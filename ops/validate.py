@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -31,8 +32,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from rlbus.topology.load import validate
 
     if args.reference:
@@ -72,7 +71,7 @@ def _handler(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resolve(path: Any) -> Any:
+def _resolve(path: Path) -> Path:
     """A path as given if it exists (or looks like a path), else the shipped example of that name."""
     if path.exists() or len(path.parts) > 1 or path.suffix:
         return path

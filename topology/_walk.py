@@ -188,8 +188,7 @@ class Walker:
         return False, None
 
     def _container(self, value: Any, t: mi.ListType | mi.DictType, path: list[PathPart]) -> tuple[bool, Any]:
-        want = list if isinstance(t, mi.ListType) else dict
-        if not isinstance(value, want):
+        if not isinstance(value, list if isinstance(t, mi.ListType) else dict):
             self._wrong(path, t, value)
             return False, None
         ok = True
@@ -202,6 +201,7 @@ class Walker:
             items = [self.walk(item, t.item_type, [*path, i]) for i, item in enumerate(value)]
             return ok and all(good for good, _ in items), [cleaned for _, cleaned in items]
         out: dict[str, Any] = {}
+        assert isinstance(value, dict)
         for key, item in value.items():
             key_ok, _ = self.walk(key, t.key_type, [*path, key])
             item_ok, cleaned = self.walk(item, t.value_type, [*path, key])

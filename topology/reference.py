@@ -38,7 +38,9 @@ def field_docs(cls: type[msgspec.Struct]) -> dict[str, str]:
 
 def struct_tables() -> Iterator[tuple[str, mi.StructType]]:
     """(TOML table header, struct type) for every table of the schema, depth first from the top level."""
-    yield from _tables("", mi.type_info(Topology))
+    top = mi.type_info(Topology)
+    assert isinstance(top, mi.StructType)
+    yield from _tables("", top)
 
 
 def _unwrap(t: mi.Type) -> mi.Type:
@@ -90,9 +92,9 @@ def _cell(text: str) -> str:
 
 def reference_markdown() -> str:
     """The whole key reference as Markdown: per table a header line and a key | type | default | meaning table."""
-    lines = ["# Topology file reference", "",
-             "Generated from `topology/schema.py` (`rlbus validate --reference`); every key, its type, its default "
-             "and what it means.", ""]
+    intro = ("Generated from `topology/schema.py` (`rlbus validate --reference`); every key, its type, its "
+             "default and what it means.")
+    lines = ["# Topology file reference", "", intro, ""]
     for header, t in struct_tables():
         docs = field_docs(t.cls)
         title = f"`{header}`" if header else "top level"
