@@ -1,0 +1,235 @@
+"""Batched sampling from the policy with a KV cache, in-flight weight swaps and MTP speculation.
+
+Owns `generate` (temperature / greedy sampling, eos, per-token behaviour logprob, policy version
+and MoE routing, a swap hook between decoding steps, optional MXFP8 weights) and
+`speculative_generate` (greedy; MTP heads draft, the main head verifies). Does not own the
+transformer, the tokenizer or multi-turn summarisation (`model/summarize.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rlbus.model.quant import WeightQuant, quantized_copy, refresh_quantized
+from rlbus.model.transformer import Transformer
+
+SwapHook = Callable[[int], "int | None"]
+"""on_step(step) -> new version or None. Called before the forward pass that yields generated token
+`step` (0 = before the prompt prefill). A caller that returns a version has already swapped the
+model's weights in place (`load_state_dict`, `param.copy_`), so token `step` and every later one
+come from the new weights and carry that version, while the KV cache built so far is kept.
+Pass `swapper.maybe_swap` to use an object."""
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    """One generated sequence, pads stripped. N = number of generated tokens."""
+
+    prompt: Tensor
+    """(P,) int64 prompt ids as given."""
+    tokens: Tensor
+    """(N,) int64 generated ids; the last one is eos when finish_reason == "eos"."""
+    logprobs: Tensor
+    """(N,) float32 behaviour logprobs: log softmax(logits / tau)[token] of the distribution the
+    token was drawn from, tau = temperature (tau = 1 for greedy). RL sampling uses temperature 1,
+    which makes these the policy's plain logprobs. Under weight_quant they are the quantised model's."""
+    versions: Tensor
+    """(N,) int64 policy version of the weights whose logits produced each token."""
+    routing: Tensor | None
+    """(P + N, n_moe_layers, top_k) int64 experts each prompt and generated token ran through when
+    it was fed to the model (replay it over prompt + tokens); None without MoE."""
+    finish_reason: Literal["eos", "length"]
+
+
+@dataclass
+class SpeculativeStats:
+    """Counters of one `speculative_generate` call, summed over active rows."""
+
+    drafted: int = 0
+    """Draft tokens proposed by the MTP heads and checked by the main head."""
+    accepted: int = 0
+    """Draft tokens kept (equal to the main head's greedy choice)."""
+    forward_passes: int = 0
+    """Model calls, prefill included."""
+    generated: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """prompts of lengths P_b -> tokens (B, P) int64 left-padded with pad_id, mask (B, P) bool."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generation needs at least one prompt and every prompt needs a token")
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for b, prompt in enumerate(prompts):
+        tokens[b, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+        mask[b, width - len(prompt):] = True
+    return tokens.to(device), mask.to(device)
+
+
+def sample_next(logits: Tensor, temperature: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """logits (B, V) -> (token (B,) int64, logprob (B,) float32) of log softmax(logits / tau)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+    if temperature == 0:
+        token = logp.argmax(-1)
+    else:
+        token = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    return token, logp.gather(-1, token[:, None])[:, 0]
+
+
+def _check_budget(model: Transformer, prompt_len: int, max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prompt_len + max_new_tokens > model.config.max_seq_len:
+        raise ValueError(f"prompt of {prompt_len} + {max_new_tokens} new tokens exceeds max_seq_len "
+                         f"{model.config.max_seq_len}; shorten the prompt or summarise the history")
+
+
+class _Recorder:
+    """Collects per-row generated tokens until eos."""
+
+    def __init__(self, batch: int, eos_id: int | None) -> None:
+        self.eos_id = eos_id
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.logprobs: list[list[float]] = [[] for _ in range(batch)]
+        self.versions: list[list[int]] = [[] for _ in range(batch)]
+        self.finished = [False] * batch
+
+    def add(self, b: int, token: int, logprob: float, version: int) -> None:
+        if self.finished[b]:
+            return
+        self.tokens[b].append(token)
+        self.logprobs[b].append(logprob)
+        self.versions[b].append(version)
+        self.finished[b] = token == self.eos_id
+
+    def done(self) -> bool:
+        return all(self.finished)
+
+    def results(self, prompts: Sequence[Sequence[int]], mask: Tensor, routing: list[Tensor]) -> list[SampledSequence]:
+        out = []
+        steps = torch.cat(routing[1:], dim=1).cpu() if len(routing) > 1 else None
+        for b, prompt in enumerate(prompts):
+            n = len(self.tokens[b])
+            route = None
+            if routing:
+                parts = [routing[0][b][mask[b]].cpu()] + ([steps[b, :n]] if steps is not None else [])
+                route = torch.cat(parts)
+            out.append(SampledSequence(
+                prompt=torch.as_tensor(list(prompt), dtype=torch.long),
+                tokens=torch.tensor(self.tokens[b], dtype=torch.long),
+                logprobs=torch.tensor(self.logprobs[b], dtype=torch.float32),
+                versions=torch.tensor(self.versions[b], dtype=torch.long),
+                routing=route, finish_reason="eos" if self.finished[b] else "length"))
+        return out
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             temperature: float = 1.0, eos_id: int | None = None, pad_id: int = 0, version: int = 0,
+             on_step: SwapHook | None = None, generator: torch.Generator | None = None,
+             weight_quant: WeightQuant = "none") -> list[SampledSequence]:
+    """Sample up to max_new_tokens per prompt; one batched KV-cached forward per step.
+
+    Prompts of unequal length are left-padded (pad_id) with an attention mask, so every row's
+    positions start at 0. A row stops at eos; the batch stops when every row has.
+    temperature 0 is greedy. weight_quant="mxfp8" samples from a copy of the model whose Linear
+    weights are MXFP8 round-tripped (re-quantised after every swap the hook reports).
+    """
+    tokens, mask = left_pad(prompts, pad_id, model.embed.weight.device)
+    B, P = tokens.shape
+    _check_budget(model, P, max_new_tokens)
+    net = quantized_copy(model, weight_quant) if weight_quant != "none" else model
+    cache = net.new_cache(B, P + max_new_tokens)
+    record = _Recorder(B, eos_id)
+    routing: list[Tensor] = []
+    inputs, input_mask = tokens, mask
+    for step in range(max_new_tokens):
+        if on_step is not None and (new_version := on_step(step)) is not None:
+            version = new_version
+            if net is not model:
+                refresh_quantized(net, model)
+        out = net(inputs, cache=cache, attention_mask=input_mask)
+        if out.routing is not None:
+            routing.append(out.routing)
+        token, logprob = sample_next(out.logits[:, -1], temperature, generator)
+        for b, (t, lp) in enumerate(zip(token.tolist(), logprob.tolist(), strict=True)):
+            record.add(b, t, lp, version)
+        if record.done():
+            break
+        inputs, input_mask = token[:, None], None
+    if routing:   # feed the last tokens once more, only to learn their routing
+        routing.append(net(token[:, None], cache=cache).routing)  # type: ignore[arg-type]
+    return record.results(prompts, mask, routing)
+
+
+@torch.no_grad()
+def speculative_generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                         eos_id: int | None = None, pad_id: int = 0, version: int = 0,
+                         draft_tokens: int | None = None) -> tuple[list[SampledSequence], SpeculativeStats]:
+    """Greedy decoding where MTP heads draft and the main head verifies (Stern et al. 2018;
+    Cai et al. 2024, Medusa): the output equals `generate(..., temperature=0)` token for token.
+
+    Each step feeds [y, d_1..d_K] (y: the main head's last greedy token, d_k: head k's guess
+    for the token k after y). The main head's greedy choice after each fed token checks the next
+    draft; the longest agreeing prefix d_1..d_a (a = the minimum over active rows, so rows stay
+    aligned in the cache) is kept plus the main head's token after it, and the cache rolls back to
+    drop the rejected drafts. logprobs are the main head's temperature-1 logprobs.
+    """
+    n_heads = model.config.mtp_heads
+    K = n_heads if draft_tokens is None else draft_tokens
+    if not 1 <= K <= n_heads:
+        raise ValueError(f"draft_tokens {K} must be in [1, mtp_heads={n_heads}]; the model needs MTP heads")
+    tokens, mask = left_pad(prompts, pad_id, model.embed.weight.device)
+    B, P = tokens.shape
+    _check_budget(model, P, max_new_tokens)
+    cache = model.new_cache(B, P + max_new_tokens)
+    stats = SpeculativeStats(forward_passes=1)
+    record = _Recorder(B, eos_id)
+    out = model(tokens, cache=cache, attention_mask=mask)
+    routing = [out.routing] if out.routing is not None else []
+    logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+    y = logp.argmax(-1)
+    for b, (t, lp) in enumerate(zip(y.tolist(), logp.gather(-1, y[:, None])[:, 0].tolist(), strict=True)):
+        record.add(b, t, lp, version)
+    drafts = torch.stack([m[:, -1].argmax(-1) for m in out.mtp_logits[:K]], dim=1)    # (B, K)
+    n = 1
+    while n < max_new_tokens and not record.done():
+        k_eff = min(K, max_new_tokens - n - 1)
+        start = cache.length
+        out = model(torch.cat([y[:, None], drafts[:, :k_eff]], dim=1), cache=cache)
+        stats.forward_passes += 1
+        logp = torch.log_softmax(out.logits.float(), dim=-1)                            # (B, 1+k, V)
+        greedy = logp.argmax(-1)
+        active = torch.tensor([not f for f in record.finished], device=greedy.device)
+        agree = (greedy[:, :k_eff] == drafts[:, :k_eff]).long().cumprod(dim=1).sum(dim=1)
+        a = int(agree[active].min()) if k_eff else 0
+        n_active = int(active.sum())
+        stats.drafted += k_eff * n_active
+        stats.accepted += a * n_active
+        kept = greedy[:, :a + 1]                       # == drafts[:, :a] then the main head's next token
+        kept_logp = logp[:, :a + 1].gather(-1, kept[..., None])[..., 0]
+        for b in range(B):
+            for t, lp in zip(kept[b].tolist(), kept_logp[b].tolist(), strict=True):
+                record.add(b, t, lp, version)
+        n += a + 1
+        cache.truncate(start + 1 + a)
+        if out.routing is not None:
+            routing.append(out.routing[:, :a + 1])
+        y = greedy[:, a]
+        drafts = torch.stack([m[:, a].argmax(-1) for m in out.mtp_logits[:K]], dim=1)
+    if routing:
+        routing.append(model(y[:, None], cache=cache).routing)  # type: ignore[arg-type]
+    stats.generated = sum(len(t) for t in record.tokens)
+    return record.results(prompts, mask, routing), stats
