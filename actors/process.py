@@ -1,0 +1,66 @@
+"""Running one actor instance from command-line style arguments: the body of every actor process.
+
+Owns: `build_parser()` and `run_actor(argv)`: parse, read the role's credentials, connect, build the
+actor of the requested kind, host it until it stops. Used by the `python -m rlbus.ops.actor` entry
+(local backend) and by the Ray backend's actor wrapper. Does not: configure logging (the entry does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+
+from rlbus.actors.base import ActorId, ActorLimits, State
+from rlbus.actors.host import Endpoint, credentials_from_file, host, open_bus
+from rlbus.actors.kinds import build_actor
+from rlbus.messages.bus import Identity
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rlbus.ops.actor", description="Run one rlbus actor.")
+    p.add_argument("--kind", required=True, help="actor kind")
+    p.add_argument("--run", required=True, help="run id")
+    p.add_argument("--region", required=True, help="region name")
+    p.add_argument("--id", required=True, dest="actor_id", help="actor id")
+    p.add_argument("--url", required=True, action="append", help="NATS server URL (repeatable)")
+    p.add_argument("--domain", default=None, help="JetStream domain of the region")
+    p.add_argument("--role", default=None, help="role whose credentials to use (default: the kind)")
+    p.add_argument("--credentials", type=Path, default=None,
+                   help="credentials.json of the embedded servers (else RLBUS_NATS_USER/RLBUS_NATS_PASSWORD)")
+    p.add_argument("--settings", default="{}", help="JSON object of kind settings")
+    p.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat interval")
+    p.add_argument("--drain-s", type=float, default=10.0, help="drain time limit after SIGTERM")
+    return p
+
+
+async def serve_actor(args: argparse.Namespace) -> State:
+    """Connect as the role and host the actor until it stops; returns its final state.
+
+    :raises ActorFailed: when the actor failed.
+    """
+    user = password = None
+    if args.credentials is not None:
+        user, password = credentials_from_file(args.credentials, args.role or args.kind)
+    elif os.environ.get("RLBUS_NATS_USER"):
+        user, password = os.environ["RLBUS_NATS_USER"], os.environ.get("RLBUS_NATS_PASSWORD", "")
+    ident = ActorId(run=args.run, region=args.region, kind=args.kind, actor_id=args.actor_id)
+    limits = ActorLimits(heartbeat_interval_s=args.heartbeat_s, drain_timeout_s=args.drain_s)
+    endpoint = Endpoint(urls=tuple(args.url), domain=args.domain, user=user, password=password)
+    bus = await open_bus(endpoint, run=args.run,
+                         identity=Identity(actor_id=args.actor_id, kind=args.kind, region=args.region))
+    try:
+        actor = build_actor(args.kind, ident, bus, json.loads(args.settings), limits)
+        return await host(actor)
+    finally:
+        await bus.close()
+
+
+def run_actor(argv: Sequence[str]) -> State:
+    """Parse `argv` and run the actor to completion on a fresh event loop (blocking)."""
+    args = build_parser().parse_args(list(argv))
+    return anyio.run(serve_actor, args, backend="asyncio")

@@ -1,0 +1,186 @@
+"""The `local` launch backend: one supervised OS process per actor instance.
+
+Owns: starting each actor process (`python -m rlbus.ops.actor ...`), restarting a crashed or killed one
+with exponential backoff within the restart policy (each restart an `Event(restarted)`), declaring it
+`failed` once the policy is exhausted (an `Event(failed)`; the other actors go on — never a restart
+loop), and stopping everything by PID: SIGTERM, a bounded drain, then SIGKILL.
+Does not: decide which actors exist (topology/launch.py) or talk to actors (they use the bus).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import anyio
+import structlog
+
+log = structlog.get_logger()
+
+EventSink = Callable[[str, "ProcessSpec", str], Awaitable[None]]
+"""Called as `sink(event_kind, spec, detail)` for `started`, `restarted`, `crashed` and `failed`."""
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """At most `max_restarts` restarts within `window_s`; delays double from `backoff_initial_s`."""
+
+    max_restarts: int = 5
+    window_s: float = 300.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+    def delay(self, attempt: int) -> float:
+        """Backoff before restart number `attempt` (1-based)."""
+        return float(min(self.backoff_max_s, self.backoff_initial_s * 2 ** max(0, attempt - 1)))
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSpec:
+    """One actor process: its identity (for events and logs), command line and environment."""
+
+    actor_id: str
+    kind: str
+    region: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Supervised:
+    """The live record of one supervised actor."""
+
+    spec: ProcessSpec
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    recent: deque[float] = field(default_factory=deque)
+    state: str = "starting"
+    """starting | running | restarting | failed | stopped | exited"""
+    last_exit: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+
+class LocalSupervisor:
+    """Runs and supervises actor processes until cancelled; then stops them all by PID."""
+
+    def __init__(self, specs: Sequence[ProcessSpec], *, policy: RestartPolicy, log_dir: Path,
+                 on_event: EventSink | None = None, drain_timeout_s: float = 15.0) -> None:
+        self.actors = {spec.actor_id: Supervised(spec) for spec in specs}
+        self.policy = policy
+        self.log_dir = log_dir
+        self.on_event = on_event
+        self.drain_timeout_s = drain_timeout_s
+        self._stopping = False
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Start every actor, supervise until cancelled, then stop all of them (shielded, bounded)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            async with anyio.create_task_group() as tg:
+                for entry in self.actors.values():
+                    self._start(entry)
+                task_status.started()
+                for entry in self.actors.values():
+                    tg.start_soon(self._supervise, entry)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.stop()
+
+    def _start(self, entry: Supervised) -> None:
+        spec = entry.spec
+        env = {**os.environ, **spec.env, "RLBUS_RESTARTS": str(entry.restarts)}
+        out: IO[bytes] = (self.log_dir / f"{spec.actor_id}.log").open("ab")
+        try:
+            entry.process = subprocess.Popen(list(spec.argv), env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            out.close()
+        entry.state = "running"
+        log.info("actor_process_started", actor=spec.actor_id, kind=spec.kind, pid=entry.process.pid,
+                 restarts=entry.restarts)
+
+    async def _supervise(self, entry: Supervised) -> None:
+        await self._emit("started", entry, f"pid {entry.pid}")
+        while True:
+            assert entry.process is not None
+            code = await anyio.to_thread.run_sync(entry.process.wait, abandon_on_cancel=True)
+            entry.last_exit = code
+            if self._stopping:
+                return
+            if code == 0:
+                entry.state = "exited"
+                log.info("actor_process_exited", actor=entry.spec.actor_id)
+                return
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            log.warning("actor_process_crashed", actor=entry.spec.actor_id, how=how)
+            await self._emit("crashed", entry, how)
+            now = time.monotonic()
+            while entry.recent and now - entry.recent[0] > self.policy.window_s:
+                entry.recent.popleft()
+            if len(entry.recent) >= self.policy.max_restarts:
+                entry.state = "failed"
+                log.error("actor_process_failed", actor=entry.spec.actor_id, restarts=entry.restarts)
+                await self._emit("failed", entry, f"{how}; {len(entry.recent)} restarts within "
+                                                  f"{self.policy.window_s:.0f}s exhausted the restart policy")
+                return
+            entry.state = "restarting"
+            entry.recent.append(now)
+            entry.restarts += 1
+            await anyio.sleep(self.policy.delay(len(entry.recent)))
+            if self._stopping:
+                return
+            self._start(entry)
+            await self._emit("restarted", entry, f"{how}; restart {entry.restarts}, pid {entry.pid}")
+
+    async def _emit(self, kind: str, entry: Supervised, detail: str) -> None:
+        if self.on_event is None:
+            return
+        try:
+            with anyio.fail_after(5):
+                await self.on_event(kind, entry.spec, detail)
+        except Exception as err:   # an unreachable bus must not stop supervision
+            log.warning("supervisor_event_not_sent", event_kind=kind, error=repr(err))
+
+    async def stop(self) -> None:
+        """SIGTERM every live actor process, wait up to the drain timeout, then SIGKILL survivors."""
+        self._stopping = True
+        live = [e for e in self.actors.values() if e.process is not None and e.process.poll() is None]
+        for entry in live:
+            _signal(entry, signal.SIGTERM)
+        deadline = time.monotonic() + self.drain_timeout_s
+        for entry in live:
+            assert entry.process is not None
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                await anyio.to_thread.run_sync(entry.process.wait, remaining)
+            except subprocess.TimeoutExpired:
+                log.warning("actor_process_drain_timeout", actor=entry.spec.actor_id, pid=entry.pid)
+                _signal(entry, signal.SIGKILL)
+                await anyio.to_thread.run_sync(entry.process.wait)
+        for entry in self.actors.values():
+            if entry.state not in ("failed", "exited"):
+                entry.state = "stopped"
+
+    def pids(self) -> dict[str, int]:
+        """PIDs of the live actor processes, by actor id."""
+        return {a: e.pid for a, e in self.actors.items()
+                if e.process is not None and e.process.poll() is None and e.pid is not None}
+
+
+def _signal(entry: Supervised, signum: signal.Signals) -> None:
+    if entry.process is None or entry.process.poll() is not None:
+        return
+    try:
+        os.kill(entry.process.pid, signum)
+    except ProcessLookupError:
+        return
