@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Final
 
 from rlbus.topology.problem import Problem, Severity
-from rlbus.topology.schema import TORCH_KINDS, ActorSpec, Region, Topology
+from rlbus.topology.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology
 
 _INLINE_CREDENTIALS: Final = re.compile(r"^[a-z]+://[^/@]*@")
 _LOCAL_HOSTS: Final = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -53,13 +53,19 @@ def check_sections(topology: Topology, *, local_cores: int | None = None) -> lis
     out: list[Found] = []
     out += _regions(topology)
     out += _actor_names(topology)
-    out += _singletons(topology)
-    out += _workers(topology)
+    if not _is_bus_demo(topology):          # a bus demo has no trainer side or generators by design
+        out += _singletons(topology)
+        out += _workers(topology)
     out += _region_weights(topology)
     out += _settings(topology)
     out += _servers(topology)
     out += _threads(topology, cores)
     return out
+
+
+def _is_bus_demo(topology: Topology) -> bool:
+    kinds = {spec.kind for region in topology.regions for spec in region.actors}
+    return bool(kinds) and kinds <= DEMO_KINDS
 
 
 def _p(key: str, message: str, severity: Severity = "error", *, also: tuple[str, ...] = ()) -> Found:

@@ -42,10 +42,14 @@ NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
-ActorKind = Literal["feeder", "generator", "trainer", "publisher", "checkpointer", "sandbox", "evaluator"]
+ActorKind = Literal["feeder", "generator", "trainer", "publisher", "checkpointer", "sandbox", "evaluator",
+                    "demo_producer", "demo_consumer"]
 ACTOR_KINDS: Final[tuple[ActorKind, ...]] = (
     "feeder", "generator", "trainer", "publisher", "checkpointer", "sandbox", "evaluator",
+    "demo_producer", "demo_consumer",
 )
+DEMO_KINDS: Final[frozenset[str]] = frozenset({"demo_producer", "demo_consumer"})
+"""The bus demo's actors (actors/demo.py): a topology made only of these is a bus demo, not an RL run."""
 TORCH_KINDS: Final[frozenset[str]] = frozenset({"generator", "trainer", "publisher", "evaluator"})
 """Kinds that run torch; only their `torch_threads` count towards a host's cores."""
 
