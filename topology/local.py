@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -44,13 +45,21 @@ class RestartPolicy:
 
 @dataclass(frozen=True, slots=True)
 class ProcessSpec:
-    """One actor process: its identity (for events and logs), command line and environment."""
+    """One actor instance: its identity (for events and logs), the arguments of `actors/process.py`
+    (`--kind ... --run ...`), its environment, and its Ray resource label (ray backend)."""
 
     actor_id: str
     kind: str
     region: str
-    argv: tuple[str, ...]
+    args: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
+    resource: str = ""
+    """Ray custom resource that places it, e.g. `region:eu` (ray backend only)."""
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        """The command line of the actor's own process (local backend)."""
+        return (sys.executable, "-m", "rlbus.ops.actor", *self.args)
 
 
 @dataclass(slots=True)
