@@ -65,7 +65,8 @@ class StreamSettings:
     rollout_max_age_s: float = 0.0
     """ROLLOUTS streams keep rollouts this long for replay; 0 = forever."""
     duplicate_window_s: float = 600.0
-    """Publishes with an already seen Nats-Msg-Id inside this window are stored once."""
+    """Publishes with an already seen Nats-Msg-Id inside this window are stored once (a stream with a
+    shorter max age gets a window of its max age: JetStream requires window <= max age)."""
     health_max_age_s: float = 3600.0
     """HEALTH keeps heartbeats this long."""
     events_max_age_s: float = 7 * 86400.0
@@ -87,9 +88,6 @@ class StreamSettings:
             problems.append(f"max_deliver must be >= 1 or -1 (unlimited), got {self.max_deliver}")
         if self.ack_wait_s == 0 or self.trainer_ack_wait_s == 0 or self.duplicate_window_s == 0:
             problems.append("ack_wait_s, trainer_ack_wait_s and duplicate_window_s must be > 0")
-        if 0 < self.rollout_max_age_s < self.duplicate_window_s:
-            problems.append(f"duplicate_window_s ({self.duplicate_window_s}) cannot exceed rollout_max_age_s "
-                            f"({self.rollout_max_age_s})")
         if problems:
             raise TopologyError("stream settings: " + "; ".join(problems))
 
@@ -278,3 +276,14 @@ async def provision_all(connect: Callable[[str], Awaitable[NATS]], subjects: Sub
                 await provision_hub(nc, subjects, hub, regions, settings)
         finally:
             await nc.close()
+
+
+async def provision_run(nc: NATS, subjects: Subjects, *, hub: str, domains: Mapping[str, str | None],
+                        settings: StreamSettings) -> None:
+    """Provision every region and the hub through one admin connection to the hub: each region's
+    resources through `$JS.<domain>.API` across its leaf link (so every leaf must be linked now)."""
+    if hub not in domains:
+        raise TopologyError(f"hub {hub!r} is not one of the regions {sorted(domains)}")
+    for region in [*sorted(r for r in domains if r != hub), hub]:
+        await provision_region(nc, subjects, region, domain=domains[region], settings=settings)
+    await provision_hub(nc, subjects, hub, domains, settings)
