@@ -81,9 +81,10 @@ class DemoConsumer(Actor):
 
     kind = "demo_consumer"
 
-    def __init__(self, ident: ActorId, bus: Bus, *, durable: str = "demo", limits: ActorLimits | None = None) -> None:
+    def __init__(self, ident: ActorId, bus: Bus, *, durable: str | None = None,
+                 limits: ActorLimits | None = None) -> None:
         super().__init__(ident, bus, limits)
-        self.durable = durable
+        self.durable = durable or bus.subjects.durable("trainer")   # plays the trainer's part
         self.seen: set[str] = set()
 
     async def setup(self) -> None:

@@ -91,9 +91,10 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     nats_urls: list[NatsUrl] = []
     """Existing servers to join; empty: `rlbus up` starts an embedded server for this region on loopback."""
     credentials_file: str | None = None
-    """Path of a NATS .creds file for `nats_urls`; credentials are only ever given by reference."""
+    """Path of a credentials JSON file for `nats_urls` (`{role: {user, password}}`, like the embedded servers'
+    `credentials.json`); credentials are only ever given by reference, never inline."""
     credentials_env: EnvName | None = None
-    """Name of an environment variable holding the path of a NATS .creds file (alternative to credentials_file)."""
+    """Name of an environment variable holding the path of such a credentials file (alternative to credentials_file)."""
     ray_resource: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     """Ray custom resource that places this region's actors (ray backend); default `region:<name>`."""
     host: Annotated[str, msgspec.Meta(min_length=1)] | None = None

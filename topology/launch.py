@@ -1,0 +1,218 @@
+"""Launching a topology: servers (embedded or joined), streams, and every actor through a backend.
+
+Owns: `Launch`, the run's lifetime as an async context manager — start the embedded region servers
+(or join the `nats_urls` given), provision every stream, connect an admin bus at the hub for events,
+turn the topology's actor instances into `ProcessSpec`s (role, credentials, settings), and run them
+through the `local` or `ray` backend until cancelled; then stop actors, then servers, by PID.
+Does not: draw progress (ops/up.py) or implement actors (actors/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import msgspec
+import structlog
+
+from rlbus.messages.bus import Bus, ConnectOptions, Identity
+from rlbus.messages.errors import TopologyError
+from rlbus.messages.schemas import Event
+import nats
+
+from rlbus.messages.streams import StreamSettings, provision_all
+from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
+from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
+from rlbus.topology.schema import Topology, parse_duration
+
+log = structlog.get_logger()
+
+ROLE_OF_KIND: Final[dict[str, str]] = {
+    "feeder": "feeder", "generator": "generator", "trainer": "trainer", "publisher": "publisher",
+    "checkpointer": "checkpointer", "sandbox": "sandbox", "evaluator": "evaluator",
+    "demo_producer": "generator", "demo_consumer": "trainer",
+}
+"""The NATS user (and so the publish rights) each actor kind connects as."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    """Where each region's bus is and how to authenticate to it."""
+
+    urls: dict[str, tuple[str, ...]]
+    domains: dict[str, str]
+    hub: str
+    credentials: dict[str, Path | None]
+    """Region → credentials JSON file ({role: {user, password}}), None: no auth."""
+
+
+def kind_settings(topology: Topology, kind: str) -> dict[str, Any]:
+    """The settings section an actor kind reads, as plain JSON-able values."""
+    section: Any
+    match kind:
+        case "feeder":
+            section = topology.feeder
+        case "generator":
+            section = topology.generator
+        case "trainer":
+            section = topology.trainer
+        case "checkpointer":
+            section = topology.checkpoint
+        case "sandbox":
+            section = topology.sandbox
+        case "evaluator":
+            section = topology.evaluator
+        case "publisher":
+            section = topology.weights
+        case _:
+            return {}
+    return dict(msgspec.to_builtins(section))
+
+
+def actor_specs(topology: Topology, endpoints: Endpoints, *, heartbeat_s: float = 2.0,
+                drain_s: float = 10.0) -> list[ProcessSpec]:
+    """One ProcessSpec per actor instance of the topology."""
+    specs = []
+    for inst in topology.instances():
+        region = topology.region(inst.region)
+        role = ROLE_OF_KIND[inst.kind]
+        args = ["--kind", inst.kind, "--run", topology.run, "--region", inst.region, "--id", inst.actor_id,
+                "--domain", endpoints.domains[inst.region], "--role", role,
+                "--settings", json.dumps(kind_settings(topology, inst.kind)),
+                "--heartbeat-s", str(heartbeat_s), "--drain-s", str(drain_s)]
+        for url in endpoints.urls[inst.region]:
+            args += ["--url", url]
+        creds = endpoints.credentials[inst.region]
+        if creds is not None:
+            args += ["--credentials", str(creds)]
+        env = {"OMP_NUM_THREADS": str(inst.torch_threads), "RLBUS_TORCH_THREADS": str(inst.torch_threads)}
+        specs.append(ProcessSpec(actor_id=inst.actor_id, kind=inst.kind, region=inst.region, args=tuple(args),
+                                 env=env, resource=region.resource))
+    return specs
+
+
+def stream_settings(topology: Topology) -> StreamSettings:
+    """Stream settings from the topology's durability and retention sections."""
+    return StreamSettings(
+        rollout_max_age_s=parse_duration(topology.retention.rollouts_max_age),
+        health_max_age_s=parse_duration(topology.retention.health_max_age),
+        events_max_age_s=parse_duration(topology.retention.events_max_age),
+        replicas=topology.durability.replicas,
+        weights_keep=topology.weights.keep_versions,
+    )
+
+
+class Launch:
+    """One run of a topology on this machine (servers, streams, actors); use `async with Launch.open(...)`."""
+
+    def __init__(self, topology: Topology, state_dir: Path, endpoints: Endpoints, regions: RegionSet | None,
+                 admin: Bus) -> None:
+        self.topology = topology
+        self.state_dir = state_dir
+        self.endpoints = endpoints
+        self.regions = regions
+        self.admin = admin
+        self.supervisor: Any = None
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, topology: Topology, *, state_dir: Path | None = None, fresh: bool = False) -> AsyncIterator[Launch]:
+        """Start (or resume, or join) the run's servers and streams; stop the embedded servers on exit."""
+        state = (state_dir or topology.state_path).resolve()
+        if fresh and state.exists():
+            shutil.rmtree(state)
+        state.mkdir(parents=True, exist_ok=True)
+        names = [r.name for r in topology.regions]
+        regions: RegionSet | None = None
+        if all(r.embedded for r in topology.regions):
+            sync = None if topology.durability.sync_interval == "default" else topology.durability.sync_interval
+            regions = await anyio.to_thread.run_sync(
+                lambda: RegionSet.start(state / "nats", names, topology.hub.name, sync_interval=sync))
+            creds_file: Path | None = state / "nats" / CREDENTIALS_NAME
+            endpoints = Endpoints(urls={n: (regions.url(n),) for n in names}, domains={n: n for n in names},
+                                  hub=topology.hub.name, credentials={n: creds_file for n in names})
+        else:
+            endpoints = Endpoints(
+                urls={r.name: tuple(r.nats_urls) for r in topology.regions}, domains={n: n for n in names},
+                hub=topology.hub.name, credentials={r.name: _external_credentials(r.credentials_file,
+                                                                                  r.credentials_env)
+                                                    for r in topology.regions})
+        try:
+            admin = await _admin_bus(topology, endpoints)
+            try:
+                await provision_all(lambda region: _admin_connect(endpoints, region), admin.subjects,
+                                    hub=topology.hub.name, regions=endpoints.domains,
+                                    settings=stream_settings(topology))
+                yield cls(topology, state, endpoints, regions, admin)
+            finally:
+                await admin.close()
+        finally:
+            if regions is not None:
+                await anyio.to_thread.run_sync(regions.stop)
+
+    async def run_actors(self, *, backend: str | None = None, heartbeat_s: float = 2.0,
+                         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run every actor through the backend until cancelled; stopping drains them."""
+        specs = actor_specs(self.topology, self.endpoints, heartbeat_s=heartbeat_s)
+        r = self.topology.restart
+        policy = RestartPolicy(max_restarts=r.max_restarts, window_s=r.window_s,
+                               backoff_initial_s=r.backoff_initial_s, backoff_max_s=r.backoff_max_s)
+        chosen = backend or self.topology.launch.backend
+        if chosen == "ray":
+            from rlbus.topology.ray_backend import RayBackend
+
+            self.supervisor = RayBackend(specs, policy=policy, address=self.topology.launch.ray_address,
+                                         regions=[reg.resource for reg in self.topology.regions],
+                                         on_event=self._event, log_dir=self.state_dir / "logs")
+        else:
+            self.supervisor = LocalSupervisor(specs, policy=policy, log_dir=self.state_dir / "logs",
+                                              on_event=self._event)
+        await self.supervisor.run(task_status=task_status)
+
+    async def _event(self, kind: str, spec: ProcessSpec, detail: str) -> None:
+        await self.admin.event(Event(event=kind, actor_id=spec.actor_id, actor_kind=spec.kind,  # type: ignore[arg-type]
+                                     region=spec.region, detail=detail))
+
+
+def _admin_credentials(endpoints: Endpoints, region: str) -> tuple[str | None, str | None]:
+    creds = endpoints.credentials[region]
+    if creds is None:
+        return None, None
+    entry = json.loads(creds.read_text()).get("admin")
+    if entry is None:
+        raise TopologyError(f"{creds}: no admin credentials; `rlbus up` needs them to provision streams and "
+                            f"record events")
+    return str(entry["user"]), str(entry["password"])
+
+
+async def _admin_connect(endpoints: Endpoints, region: str) -> nats.aio.client.Client:
+    user, password = _admin_credentials(endpoints, region)
+    return await nats.connect(list(endpoints.urls[region]), user=user, password=password, connect_timeout=5,
+                              max_reconnect_attempts=3)
+
+
+async def _admin_bus(topology: Topology, endpoints: Endpoints) -> Bus:
+    hub = topology.hub.name
+    user, password = _admin_credentials(endpoints, hub)
+    return await Bus.connect(list(endpoints.urls[hub]), run=topology.run,
+                             identity=Identity(actor_id="launcher", kind="launcher", region=hub),
+                             domain=endpoints.domains[hub], options=ConnectOptions(user=user, password=password))
+
+
+def _external_credentials(path: str | None, env: str | None) -> Path | None:
+    if path is not None:
+        return Path(path)
+    if env is not None:
+        value = os.environ.get(env)
+        if not value:
+            raise TopologyError(f"credentials_env {env!r} is not set; export it with the path of the region's "
+                                f"credentials file")
+        return Path(value)
+    return None
