@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
 from rlbus.messages.bus import Bus, ConnectOptions
+from rlbus.topology.regions import RegionSet
 from rlbus.topology.servers import EmbeddedServer
 
 
@@ -42,3 +44,13 @@ async def admin_bus(nats_server: EmbeddedServer) -> AsyncIterator[Bus]:
         yield bus
     finally:
         await bus.close()
+
+
+@pytest.fixture
+def regions(tmp_path: Path) -> Iterator[RegionSet]:
+    """A hub and two leaf regions (`hub`, `eu`, `us`), each leaf linked through a cuttable relay."""
+    rs = RegionSet.start(tmp_path / "regions", ["hub", "eu", "us"], "hub", relay=True)
+    try:
+        yield rs
+    finally:
+        rs.stop()

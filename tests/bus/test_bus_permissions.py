@@ -1,0 +1,99 @@
+"""Every connection authenticates as its role: other roles' subjects are refused, bad credentials too."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import anyio
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client as NATS
+
+from rlbus.messages.subjects import Subjects
+from rlbus.topology.servers import EmbeddedServer
+
+pytestmark = pytest.mark.anyio
+
+
+async def _connect(server: EmbeddedServer, role: str, errors: list[Exception]) -> NATS:
+    async def on_error(err: Exception) -> None:
+        errors.append(err)
+
+    return await nats.connect(**server.connect_options(role), error_cb=on_error, allow_reconnect=False)
+
+
+CASES: list[tuple[str, Callable[[Subjects], list[str]], Callable[[Subjects], str]]] = [
+    ("generator", lambda s: [s.trainlog(), s.weights(), s.tasks("hub"), s.checkpoints()], lambda s: s.rollouts("hub")),
+    ("feeder", lambda s: [s.rollouts("hub"), s.trainlog()], lambda s: s.tasks("hub")),
+    ("trainer", lambda s: [s.tasks("hub"), s.rollouts("hub"), s.checkpoints()], lambda s: s.trainlog()),
+    ("sandbox", lambda s: [s.rollouts("hub"), s.evals()], lambda s: s.health("hub", "sandbox", "s1")),
+    ("observer", lambda s: [s.weights(), s.tasks("hub")], lambda s: s.events("hub", "observer")),
+]
+
+
+@pytest.mark.parametrize(("role", "forbidden", "allowed"), CASES, ids=[c[0] for c in CASES])
+async def test_role_is_refused_other_roles_subjects(nats_server: EmbeddedServer, role: str,
+                                                    forbidden: Callable[[Subjects], list[str]],
+                                                    allowed: Callable[[Subjects], str]) -> None:
+    """Publishes on another role's subjects raise a permissions violation and reach nobody; its own arrive."""
+    s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    watcher_errors: list[Exception] = []
+    errors: list[Exception] = []
+    watcher = await _connect(nats_server, "admin", watcher_errors)
+    conn = await _connect(nats_server, role, errors)
+    try:
+        sub = await watcher.subscribe(s.everything())
+        await watcher.flush()
+        for subject in [*forbidden(s), allowed(s)]:
+            await conn.publish(subject, subject.encode())
+        await conn.flush()
+        with anyio.fail_after(5):
+            got = await sub.next_msg(timeout=5)
+            while len(errors) < len(forbidden(s)):
+                await anyio.sleep(0.02)
+        assert got.subject == allowed(s)
+        with pytest.raises(nats.errors.TimeoutError):  # nothing else was let through
+            await sub.next_msg(timeout=0.2)
+        assert sorted(str(e) for e in errors) == sorted(
+            f'nats: permissions violation for publish to "{subject}"' for subject in forbidden(s))
+        assert conn.is_connected and watcher_errors == []
+    finally:
+        await conn.close()
+        await watcher.close()
+
+
+async def test_jetstream_publish_on_forbidden_subject_gets_no_ack(nats_server: EmbeddedServer) -> None:
+    """A generator's js.publish to TRAINLOG is never stored or acked, though the stream exists."""
+    s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    errors: list[Exception] = []
+    admin = await _connect(nats_server, "admin", [])
+    generator = await _connect(nats_server, "generator", errors)
+    try:
+        await admin.jetstream().add_stream(name=s.trainlog_stream(), subjects=[s.trainlog()])
+        with pytest.raises(nats.errors.TimeoutError):
+            await generator.jetstream().publish(s.trainlog(), b"step", timeout=1.0)
+        assert (await admin.jetstream().stream_info(s.trainlog_stream())).state.messages == 0
+        assert any("permissions violation" in str(e) for e in errors)
+    finally:
+        await admin.jetstream().delete_stream(s.trainlog_stream())
+        await generator.close()
+        await admin.close()
+
+
+@pytest.mark.parametrize("who", ["wrong password", "unknown user", "leaf credential"])
+async def test_bad_credentials_are_refused(nats_server: EmbeddedServer, who: str) -> None:
+    """A wrong password, an unknown user, and the leaf-link credential are all refused for clients."""
+    good = nats_server.credential("generator")
+    user, password = {"wrong password": (good.user, good.password + "x"),
+                      "unknown user": ("mallory", good.password),
+                      "leaf credential": tuple(nats_server.credential("leaf"))}[who]
+    errors: list[Exception] = []
+
+    async def on_error(err: Exception) -> None:
+        errors.append(err)
+
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(nats_server.url, user=user, password=password, allow_reconnect=False,
+                           max_reconnect_attempts=0, error_cb=on_error)
