@@ -66,6 +66,7 @@ async def _up(topology: Any, args: argparse.Namespace) -> int:
                                                                      heartbeat_s=args.heartbeat_s,
                                                                      task_status=task_status))
                 tg.start_soon(view.watch, launch.admin)
+                tg.start_soon(_cancel_on_signal, tg.cancel_scope)
                 if args.duration is not None:
                     await anyio.sleep(args.duration)
                     tg.cancel_scope.cancel()
@@ -75,6 +76,19 @@ async def _up(topology: Any, args: argparse.Namespace) -> int:
         summary = view.summary(launch)
     print(summary, flush=True)
     return 0
+
+
+async def _cancel_on_signal(scope: Any) -> None:
+    """Ctrl-C (SIGINT) or SIGTERM: cancel, which drains the actors and stops the servers."""
+    import signal
+
+    import anyio
+
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            print(f"rlbus up: {signal.Signals(signum).name}: draining", flush=True)
+            scope.cancel()
+            return
 
 
 class _ProgressView:

@@ -1,0 +1,126 @@
+"""The local backend on a real 3-region embedded bus: a SIGKILLed actor is restarted with an Event and
+the others are undisturbed; past the restart policy it is failed and the run keeps its other actors;
+`rlbus up` starts and stops cleanly and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+
+from rlbus.messages import codec
+from rlbus.messages.bus import Bus
+from rlbus.messages.schemas import Event
+from rlbus.topology.examples import example_path
+from rlbus.topology.launch import Launch
+from rlbus.topology.load import load
+from rlbus.topology.schema import RestartSettings, Topology
+
+pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
+
+
+def _demo(tmp_path: Path, max_restarts: int) -> Topology:
+    topology = load(example_path("demo"))
+    return msgspec.structs.replace(
+        topology, run=f"t{uuid.uuid4().hex[:8]}", state_dir=str(tmp_path / "state"),
+        restart=RestartSettings(max_restarts=max_restarts, window_s=120, backoff_initial_s=0.2, backoff_max_s=0.5))
+
+
+async def _next_event(bus: Bus, psub: object, kind: str, actor: str, timeout_s: float = 30) -> Event:
+    with anyio.fail_after(timeout_s):
+        while True:
+            try:
+                msgs = await psub.fetch(10, timeout=1)  # type: ignore[attr-defined]
+            except Exception:   # nats TimeoutError: nothing yet
+                continue
+            for msg in msgs:
+                await msg.ack()
+                event = codec.decode_as(msg.data, msg.headers, Event)
+                if event.event == kind and event.actor_id == actor:
+                    return event
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_sigkilled_actor_restarts_then_fails_past_policy(tmp_path: Path) -> None:
+    """SIGKILL → restarted (Event), others keep their PIDs; the second kill exhausts max_restarts=1 → failed."""
+    topology = _demo(tmp_path, max_restarts=1)
+    async with Launch.open(topology) as launch, anyio.create_task_group() as tg:
+        await tg.start(lambda task_status: launch.run_actors(heartbeat_s=0.5, task_status=task_status))
+        events = await launch.admin.js.pull_subscribe(launch.admin.subjects.all_events(), durable="t",
+                                                      stream=launch.admin.subjects.events_stream())
+        sup = launch.supervisor
+        before = sup.pids()
+        victim = "eu-demo_producer-0"
+        os.kill(before[victim], signal.SIGKILL)
+        restarted = await _next_event(launch.admin, events, "restarted", victim)
+        assert "SIGKILL" in restarted.detail
+        after = sup.pids()
+        assert after[victim] != before[victim]
+        assert {k: v for k, v in after.items() if k != victim} == {k: v for k, v in before.items() if k != victim}
+        os.kill(after[victim], signal.SIGKILL)
+        failed = await _next_event(launch.admin, events, "failed", victim)
+        assert "restart policy" in failed.detail
+        assert sup.actors[victim].state == "failed"
+        others = {k: v for k, v in sup.pids().items()}
+        assert victim not in others and set(others) == set(before) - {victim}
+        assert all(_alive(pid) for pid in others.values())
+        tg.cancel_scope.cancel()
+    assert not any(_alive(pid) for pid in before.values())
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("stop", ["for", "sigint"])
+def test_rlbus_up_three_regions_stops_clean(tmp_path: Path, stop: str) -> None:
+    """`rlbus up` on the 3-region demo runs, stops (by --for or Ctrl-C) with exit 0, and no process survives."""
+    state = tmp_path / "state"
+    cmd = [sys.executable, "-m", "rlbus.ops.cli", "up", "demo", "--state-dir", str(state)]
+    if stop == "for":
+        proc = subprocess.run(cmd + ["--for", "6"], capture_output=True, text=True, timeout=120)
+        out, code = proc.stdout, proc.returncode
+    else:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            lines = []
+            assert p.stdout is not None
+            for line in p.stdout:                     # wait until actors report progress
+                lines.append(line)
+                if "published=" in line:
+                    break
+            p.send_signal(signal.SIGINT)
+            rest, _ = p.communicate(timeout=60)
+            out, code = "".join(lines) + rest, p.returncode
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert code == 0, out[-2000:]
+    assert "rlbus up: summary" in out and "demo_producer.published" in out
+    assert "eu-demo_producer-0: stopped" in out and "hub-demo_consumer-0: stopped" in out
+    assert _processes_mentioning(str(state)) == []
