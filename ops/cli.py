@@ -53,6 +53,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"rlbus {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:                # `rlbus ... | head`: the reader left; not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
