@@ -230,7 +230,7 @@ def trainer_consumer(subjects: Subjects, settings: StreamSettings) -> ConsumerCo
 def _api(region: str, domain: str | None) -> str:
     if not domain:
         raise TopologyError(f"region {region!r} needs a JetStream domain for the hub to source its rollouts")
-    return f"$JS.{domain}.API"
+    return Subjects.js_api(domain)
 
 
 async def provision_region(nc: NATS, subjects: Subjects, region: str, *, domain: str | None,

@@ -106,6 +106,11 @@ class Subjects:
         return f"{self.prefix}.dlq.>"
 
     @staticmethod
+    def js_api(domain: str) -> str:
+        """The JetStream API prefix of another domain (region), e.g. for sourcing a leaf's stream."""
+        return f"$JS.{token(domain, 'JetStream domain')}.API"
+
+    @staticmethod
     def service_status(kind: str, actor: str) -> str:
         """The `status` endpoint of an actor's NATS micro service (beside `$SRV.PING/INFO/STATS`)."""
         return f"$SRV.STATUS.rlbus-{token(kind, 'kind')}.{token(actor, 'actor id')}"
