@@ -40,6 +40,8 @@ ROLE_OF_KIND: Final[dict[str, str]] = {
     "demo_producer": "generator", "demo_consumer": "trainer",
 }
 """The NATS user (and so the publish rights) each actor kind connects as."""
+RUN_FILE: Final = "run.json"
+"""Written into the state directory by `Launch.open`: where the run's buses are, for `rlbus health` & co."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +146,7 @@ class Launch:
                 hub=topology.hub.name, credentials={r.name: _external_credentials(r.credentials_file,
                                                                                   r.credentials_env)
                                                     for r in topology.regions})
+        write_run_file(state / RUN_FILE, topology.run, endpoints)
         try:
             admin = await _admin_bus(topology, endpoints)
             try:
@@ -179,6 +182,16 @@ class Launch:
     async def _event(self, kind: str, spec: ProcessSpec, detail: str) -> None:
         await self.admin.event(Event(event=kind, actor_id=spec.actor_id, actor_kind=spec.kind,  # type: ignore[arg-type]
                                      region=spec.region, detail=detail))
+
+
+def write_run_file(path: Path, run: str, endpoints: Endpoints) -> None:
+    """`{run, hub, urls: {region: [url]}, domains, credentials: {region: path|null}}`, replaced atomically."""
+    doc = {"run": run, "hub": endpoints.hub, "urls": {r: list(u) for r, u in endpoints.urls.items()},
+           "domains": dict(endpoints.domains),
+           "credentials": {r: None if c is None else str(c.resolve()) for r, c in endpoints.credentials.items()}}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def _admin_credentials(endpoints: Endpoints, region: str) -> tuple[str | None, str | None]:
