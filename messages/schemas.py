@@ -128,6 +128,39 @@ class WeightManifest(Message, tag="weight_manifest"):
     created_at: float = msgspec.field(default_factory=time.time)
 
 
+class VersionReady(Message, tag="version_ready"):
+    """A new policy version's bf16 weights are uploaded to the hub's CKPT object store.
+
+    Produced by actors/trainer.py on `state.version` (STATE stream); consumed by actors/publisher.py,
+    which encodes it for the generators and announces it with a WeightManifest.
+    """
+
+    version: int
+    step: int
+    object: str
+    digest: str
+    version_digest: str = ""
+    """Digest over every tensor of the version (kernels/delta.py); generators check it after applying."""
+    raw_bytes: int = 0
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class StateUploaded(Message, tag="state_uploaded"):
+    """The trainer's full state for a step (fp32 weights, optimizer, RNG, consumed ids) is in CKPT.
+
+    Produced by actors/trainer.py on `state.upload` (STATE stream); consumed by actors/checkpointer.py,
+    which verifies the digests, makes it durable and publishes a CheckpointMark.
+    """
+
+    step: int
+    policy_version: int
+    objects: list[str]
+    digests: list[str]
+    consumed_rollout_ids: list[str] = []
+    parent_step: int | None = None
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
 class CheckpointMark(Message, tag="checkpoint_mark"):
     """A durable checkpoint. Produced by actors/checkpointer.py; consumed by the trainer (resume) and all."""
 
@@ -248,9 +281,9 @@ class EvalReport(Message, tag="eval_report"):
 
 AnyMessage: TypeAlias = (
     Task | Rollout | WeightManifest | CheckpointMark | SandboxRequest | SandboxResult | Heartbeat | Event
-    | TrainStep | EvalReport
+    | TrainStep | EvalReport | VersionReady | StateUploaded
 )
 MESSAGE_TYPES: Final[tuple[type[Message], ...]] = (
     Task, Rollout, WeightManifest, CheckpointMark, SandboxRequest, SandboxResult, Heartbeat, Event,
-    TrainStep, EvalReport,
+    TrainStep, EvalReport, VersionReady, StateUploaded,
 )

@@ -19,10 +19,12 @@ attract messages across the leaf link (hub → leaf TASKS, leaf → hub HEALTH/E
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Final, Literal
 
+import anyio
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -38,14 +40,17 @@ from nats.js.api import (
     StreamConfig,
     StreamSource,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError
 
-from rlbus.messages.errors import TopologyError
+from rlbus.messages.errors import BusUnavailable, TopologyError
 from rlbus.messages.subjects import Subjects
 
 log = structlog.get_logger()
 
 _STREAM_NAME_IN_USE: Final = 10058  # JetStream err_code: stream name already in use with a different config
+_WRONG_EXPECTED_STREAM: Final = 10060  # JetStream err_code: expected stream does not match
+_PROBE_STREAM: Final = "RLBUS_ROUTING_PROBE"  # no stream has this name: probes are refused, never stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +217,7 @@ def hub_streams(subjects: Subjects, hub: str, regions: Mapping[str, str | None],
         _limits(settings, subjects.trainlog_stream(), [subjects.trainlog()]),
         _limits(settings, subjects.weights_stream(), [subjects.weights()]),
         _limits(settings, subjects.checkpoints_stream(), [subjects.checkpoints()]),
-        _limits(settings, subjects.state_stream(), [subjects.state_uploads()]),
+        _limits(settings, subjects.state_stream(), [subjects.all_state()]),
         _limits(settings, subjects.evals_stream(), [subjects.evals()]),
         _limits(settings, subjects.health_stream(), [subjects.all_health()], max_age_s=settings.health_max_age_s),
         _limits(settings, subjects.events_stream(), [subjects.all_events()], max_age_s=settings.events_max_age_s),
@@ -287,3 +292,32 @@ async def provision_run(nc: NATS, subjects: Subjects, *, hub: str, domains: Mapp
     for region in [*sorted(r for r in domains if r != hub), hub]:
         await provision_region(nc, subjects, region, domain=domains[region], settings=settings)
     await provision_hub(nc, subjects, hub, domains, settings)
+
+
+async def wait_routable(nc: NATS, subject: str, *, timeout_s: float = 10.0) -> None:
+    """Block until a stream captures `subject` as seen from `nc`'s server.
+
+    A stream's interest crosses a leaf link a few ms after the stream is created (or the link comes
+    up); a publish in that gap gets "no responders". The probe publishes an empty message that
+    expects a stream that does not exist, so the capturing stream answers with an error and stores
+    nothing. Needs publish permission on `subject`.
+
+    :raises BusUnavailable: no stream answered within `timeout_s` (not provisioned, or link down).
+    """
+    js = nc.jetstream()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await js.publish(subject, b"", stream=_PROBE_STREAM, timeout=min(1.0, timeout_s))
+        except BadRequestError as err:
+            if err.err_code == _WRONG_EXPECTED_STREAM:
+                return
+            raise
+        except (NoStreamResponseError, NatsTimeoutError):
+            if time.monotonic() > deadline:
+                where = nc.connected_url.netloc if nc.connected_url is not None else "a closed connection"
+                raise BusUnavailable(f"no stream captures {subject!r} as seen from {where} within "
+                                     f"{timeout_s}s; is it provisioned, and is the leaf link up?") from None
+            await anyio.sleep(0.05)
+        else:
+            raise BusUnavailable(f"routing probe on {subject!r} was stored: a stream is named {_PROBE_STREAM}")

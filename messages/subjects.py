@@ -73,8 +73,15 @@ class Subjects:
         return f"{self.prefix}.checkpoints"
 
     def state_uploads(self) -> str:
-        """Trainer → checkpointer: 'my state for step N is uploaded' notices."""
-        return f"{self.prefix}.state"
+        """Trainer → checkpointer: `StateUploaded` notices (full trainer state of step N is in CKPT)."""
+        return f"{self.prefix}.state.upload"
+
+    def version_ready(self) -> str:
+        """Trainer → publisher: `VersionReady` notices (bf16 weights of version N are in CKPT)."""
+        return f"{self.prefix}.state.version"
+
+    def all_state(self) -> str:
+        return f"{self.prefix}.state.>"
 
     def evals(self) -> str:
         """EvalReport announcements."""
@@ -191,9 +198,9 @@ def role_permissions(role: Role) -> tuple[list[str], list[str]]:
     obj_weights = ["$O.WEIGHTS_*.>", "$KV.LATEST_*.>"]
     obj_ckpt = ["$O.CKPT_*.>"]
     data: dict[str, list[str]] = {
-        "feeder": [f"{run}.tasks.*"],
+        "feeder": [f"{run}.tasks.*", kv_partials],
         "generator": [f"{run}.rollouts.*", f"{run}.sandbox.*", kv_partials],
-        "trainer": [f"{run}.trainlog", f"{run}.state", f"{run}.weights", *obj_weights, *obj_ckpt],
+        "trainer": [f"{run}.trainlog", f"{run}.state.*", *obj_ckpt],
         "publisher": [f"{run}.weights", *obj_weights, "$O.CKPT_*.>"],
         "checkpointer": [f"{run}.checkpoints", *obj_ckpt],
         "sandbox": [],

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from rlbus.messages.schemas import (
     CheckpointMark, DroppedRollout, EvalReport, Event, Heartbeat, Message, Rollout, SandboxLimits,
-    SandboxRequest, SandboxResult, SandboxVerdict, Task, TensorBlob, TrainStep, WeightManifest,
+    SandboxRequest, SandboxResult, SandboxVerdict, StateUploaded, Task, TensorBlob, TrainStep, VersionReady,
+    WeightManifest,
 )
 
 
@@ -38,4 +39,8 @@ def samples() -> list[Message]:
                   dropped=[DroppedRollout(rollout_id="r0", reason="stale: 5 versions behind")],
                   loss=0.25, kl=0.01, reward_mean=0.5, reward_std=0.5, staleness={"1": 1}, created_at=t),
         EvalReport(policy_version=4, task_seed=1, n=200, pass_at_1=0.2, ci_low=0.15, ci_high=0.26, created_at=t),
+        VersionReady(version=4, step=4, object="weights/raw-v4", digest="sha256:01", version_digest="blake2b:02",
+                     raw_bytes=2048, created_at=t),
+        StateUploaded(step=4, policy_version=4, objects=["state/step-4"], digests=["sha256:03"],
+                      consumed_rollout_ids=["r1"], parent_step=2, created_at=t),
     ]
