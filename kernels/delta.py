@@ -1,0 +1,373 @@
+"""Lossless weight-delta codec: encode a tensor against a base of the same shape and dtype, apply in place.
+
+Owns: the four encodings (full snapshot, sparse, bitmask, dense XOR) and the per-tensor choice by
+size, per-tensor and per-version digests, the torch reference `find_changes` of the Triton kernel
+in `kernels/delta_triton.py`, and the full-snapshot-or-delta helpers. The one-blob-per-version
+format lives in `kernels/delta_state.py`. Does not own object names, chunking or upload (publisher).
+
+Values of changed elements are coded as the difference of their *ordered keys* (a bijection of the
+bit pattern that sorts like the float), so a +-1 ulp step costs a sign bit whatever carry chain its
+XOR has; bit exactness holds for every pattern (NaN payloads, +-Inf, +-0, subnormals) because the
+arithmetic is modulo 2**bits. Positions are gaps coded with Rice / Exp-Golomb (`kernels/bitcode.py`).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Collection
+from typing import Final
+
+import msgspec
+import numpy as np
+import torch
+import zstandard
+from torch import Tensor
+
+from rlbus.kernels import bitcode
+from rlbus.kernels.bitcode import get_varint, put_varint
+
+DIGEST_SIZE: Final = 16
+"""Bytes of a tensor or version digest (blake2b)."""
+PAYLOAD_DIGEST_SIZE: Final = 8
+"""Bytes of a payload digest (blake2b): detects corruption in transit."""
+BITS: Final[dict[torch.dtype, torch.dtype]] = {torch.bfloat16: torch.int16, torch.float16: torch.int16,
+                                               torch.float32: torch.int32}
+DTYPES: Final[dict[str, torch.dtype]] = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                                         "float32": torch.float32}
+_CHUNK: Final = 1 << 18
+"""Elements compared per step when finding changes (keeps the mask in L2 cache)."""
+_BITMASK_FROM: Final = 1 / 64
+_DENSE_FROM: Final = 1 / 8
+"""Fractions of changed elements from which the bitmask, dense and full candidates are tried too."""
+
+
+class DeltaCorrupt(ValueError):
+    """An encoded tensor or blob whose digest or structure does not check out: do not use it."""
+
+
+class BaseMismatch(ValueError):
+    """A delta encoded against a different base version than the one the target holds."""
+
+
+class Encoding(enum.IntEnum):
+    """How a tensor's payload is encoded."""
+
+    FULL = 0
+    """Byte planes of `new`, zstd."""
+    SPARSE = 1
+    """Count, gaps between changed positions (Rice/Exp-Golomb), ordered-key differences."""
+    BITMASK = 2
+    """Count, zstd of the changed-elements bitmask, ordered-key differences."""
+    DENSE_XOR = 3
+    """Byte planes of `old ^ new` over all elements, zstd."""
+
+
+class TensorHeader(msgspec.Struct, frozen=True, array_like=True):
+    """What a reader needs to check and apply one encoded tensor."""
+
+    encoding: int
+    dtype: str
+    shape: tuple[int, ...]
+    changed: int
+    """Elements whose bits differ from the base (numel for a full snapshot)."""
+    size: int
+    """Payload bytes."""
+    digest: bytes
+    """blake2b-16 of the new tensor's raw little-endian bytes."""
+    payload_digest: bytes
+    """blake2b-8 of the payload."""
+
+
+class EncodedTensor(msgspec.Struct, frozen=True):
+    """One tensor encoded against a base (or none): header plus payload bytes."""
+
+    header: TensorHeader
+    payload: bytes
+
+
+def bits_view(t: Tensor) -> Tensor:
+    """The same storage reinterpreted as int16 (bf16, fp16) or int32 (fp32), flattened: (N,)."""
+    if t.dtype not in BITS:
+        raise TypeError(f"delta codec supports {', '.join(DTYPES)}; got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError("delta codec needs a contiguous tensor; call .contiguous() first")
+    return t.detach().reshape(-1).view(BITS[t.dtype])
+
+
+def tensor_digest(t: Tensor) -> bytes:
+    """blake2b-16 of the raw little-endian bytes of `t` (contiguous; moved to CPU if needed)."""
+    flat = bits_view(t).cpu().numpy()
+    return hashlib.blake2b(flat.view(np.uint8).data, digest_size=DIGEST_SIZE).digest()
+
+
+def find_changes(new_bits: Tensor, old_bits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Torch reference of the change-finding kernel; any device.
+
+    new_bits, old_bits (N,) int16/int32 -> positions (K,) int64 of elements with new != old
+    (ascending), gaps (K,) int64 with gaps[i] = pos[i] - pos[i-1] - 1 (pos[-1] = -1), and
+    xor (K,) = new ^ old at those positions.
+    """
+    x = torch.bitwise_xor(new_bits.reshape(-1), old_bits.reshape(-1))
+    pos = torch.nonzero(x).reshape(-1)
+    gaps = torch.diff(pos, prepend=pos.new_full((1,), -1)) - 1
+    return pos, gaps, x[pos]
+
+
+def changed_positions(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """CPU fast path of `find_changes` positions: (N,) int16/int32 arrays -> (K,) int64, chunked."""
+    n = new.size
+    if n <= _CHUNK:
+        return np.flatnonzero(new != old)
+    parts = [np.flatnonzero(new[s:s + _CHUNK] != old[s:s + _CHUNK]) + s for s in range(0, n, _CHUNK)]
+    return np.concatenate(parts)
+
+
+def ordered_key(bits: np.ndarray) -> np.ndarray:
+    """Map float bit patterns (int16/int32) to integers that sort like the floats; an involution.
+
+    key = b ^ ((b >> (w-1)) & (2**(w-1) - 1)): negative floats get their magnitude bits flipped.
+    """
+    w = bits.dtype.itemsize * 8
+    return bits ^ ((bits >> (w - 1)) & bits.dtype.type((1 << (w - 1)) - 1))
+
+
+def _wrap(d: np.ndarray, w: int) -> np.ndarray:
+    """Reduce int64 values into the signed w-bit range (arithmetic modulo 2**w)."""
+    half = 1 << (w - 1)
+    return ((d + half) & ((1 << w) - 1)) - half
+
+
+def key_diffs(new_vals: np.ndarray, old_vals: np.ndarray) -> np.ndarray:
+    """(K,) int16/int32 bits -> (K,) int64 d = key(new) - key(old) modulo 2**w, signed; d != 0 iff bits differ."""
+    w = new_vals.dtype.itemsize * 8
+    return _wrap(ordered_key(new_vals).astype(np.int64) - ordered_key(old_vals).astype(np.int64), w)
+
+
+def apply_key_diffs(old_vals: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Inverse of `key_diffs`: bits whose key is key(old) + d modulo 2**w, same dtype as `old_vals`."""
+    w = old_vals.dtype.itemsize * 8
+    return ordered_key(_wrap(ordered_key(old_vals).astype(np.int64) + d, w).astype(old_vals.dtype))
+
+
+def _encode_diffs(d: np.ndarray, out: bytearray) -> None:
+    """Sign bits; escapes (|d| > 1) as gaps over the K values; escape magnitudes - 2."""
+    out += bitcode.pack_flags(d < 0)
+    m = np.abs(d)
+    esc = np.flatnonzero(m > 1)
+    put_varint(out, esc.size)
+    if esc.size:
+        bitcode.encode_ints(bitcode.gaps(esc), out)
+        bitcode.encode_ints(m[esc] - 2, out)
+
+
+def _decode_diffs(buf: memoryview, off: int, count: int) -> tuple[np.ndarray, int]:
+    neg, off = bitcode.unpack_flags(buf, off, count)
+    n_esc, off = get_varint(buf, off)
+    m = np.ones(count, dtype=np.int64)
+    if n_esc:
+        if n_esc > count:
+            raise ValueError(f"{n_esc} escapes among {count} values")
+        gaps, off = bitcode.decode_ints(buf, off, n_esc)
+        esc = np.cumsum(gaps + 1) - 1
+        if esc[-1] >= count:
+            raise ValueError("escape position past the last value")
+        mags, off = bitcode.decode_ints(buf, off, n_esc)
+        m[esc] = mags + 2
+    return np.where(neg, -m, m), off
+
+
+def _shuffle(bits: np.ndarray) -> bytes:
+    """(N,) int16/int32 -> byte planes: all first bytes, then all second bytes, ..."""
+    return bits.view(np.uint8).reshape(-1, bits.itemsize).T.tobytes()
+
+
+def _planes(raw: bytes, like: np.ndarray) -> np.ndarray:
+    """Inverse of `_shuffle` as a strided (N, itemsize) uint8 view of the planes."""
+    if len(raw) != like.nbytes:
+        raise ValueError(f"decompressed {len(raw)} bytes, tensor holds {like.nbytes}")
+    return np.frombuffer(raw, dtype=np.uint8).reshape(like.itemsize, like.size).T
+
+
+def _zstd(data: bytes, level: int) -> bytes:
+    return zstandard.ZstdCompressor(level=level).compress(data)
+
+
+def _unzstd(data: memoryview, size: int) -> bytes:
+    return zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+
+
+def _payload(enc: Encoding, new: np.ndarray, old: np.ndarray | None, pos: np.ndarray | None,
+             mask: np.ndarray | None, level: int) -> bytes:
+    if enc is Encoding.FULL:
+        return _zstd(_shuffle(new), level)
+    assert old is not None and pos is not None
+    if enc is Encoding.DENSE_XOR:
+        return _zstd(_shuffle(np.bitwise_xor(new, old)), level)
+    out = bytearray()
+    put_varint(out, pos.size)
+    if enc is Encoding.SPARSE:
+        if pos.size:
+            bitcode.encode_ints(bitcode.gaps(pos), out)
+    else:
+        zmask = _zstd(bitcode.pack_flags(mask if mask is not None else old != new), level)
+        put_varint(out, len(zmask))
+        out += zmask
+    if pos.size:
+        _encode_diffs(key_diffs(new[pos], old[pos]), out)
+    return bytes(out)
+
+
+def encode_tensor(new: Tensor, old: Tensor | None = None, *, digest: bytes | None = None,
+                  encodings: Collection[Encoding] | None = None, level: int = 1) -> EncodedTensor:
+    """Encode `new` against the base `old` (None: a full snapshot), choosing the smallest payload.
+
+    encodings: the candidates to try (default: by the fraction p of changed elements, SPARSE always,
+    BITMASK from p > 1/64, DENSE_XOR and FULL from p > 1/8). digest: `tensor_digest(new)` if known.
+    level: zstd level of the zstd-coded parts.
+    """
+    nb = bits_view(new)
+    if old is not None and (old.shape != new.shape or old.dtype != new.dtype):
+        raise ValueError(f"base {tuple(old.shape)}/{old.dtype} does not match {tuple(new.shape)}/{new.dtype}")
+    a = nb.cpu().numpy() if old is None or not new.is_cuda else None
+    pos = mask = b = None
+    if old is not None:
+        ob = bits_view(old)
+        if new.is_cuda:  # find changes on the device, move only K-sized results and the full arrays if needed
+            from rlbus.kernels.delta_triton import find_changes as find_changes_dev
+            pos_t, _, _ = find_changes_dev(nb, ob)
+            pos = pos_t.cpu().numpy()
+            a, b = nb.cpu().numpy(), ob.cpu().numpy()
+        else:
+            b = ob.numpy()
+            assert a is not None
+            pos = changed_positions(a, b)
+    assert a is not None
+    n = a.size
+    if encodings is None:
+        p = pos.size / n if pos is not None and n else 1.0
+        encodings = (Encoding.FULL,) if old is None else (Encoding.SPARSE,) + \
+            ((Encoding.BITMASK,) if p > _BITMASK_FROM else ()) + \
+            ((Encoding.DENSE_XOR, Encoding.FULL) if p > _DENSE_FROM else ())
+    if old is None and set(encodings) != {Encoding.FULL}:
+        raise ValueError(f"without a base only a full snapshot is possible, not {sorted(encodings)}")
+    if Encoding.BITMASK in encodings and b is not None:
+        mask = a != b
+    best: tuple[int, Encoding, bytes] | None = None
+    for enc in sorted(Encoding(e) for e in encodings):
+        payload = _payload(enc, a, b, pos, mask, level)
+        if best is None or len(payload) < best[0]:
+            best = (len(payload), enc, payload)
+    assert best is not None
+    _, enc, payload = best
+    header = TensorHeader(
+        encoding=int(enc), dtype=str(new.dtype).removeprefix("torch."), shape=tuple(new.shape),
+        changed=n if enc is Encoding.FULL else int(pos.size) if pos is not None else n, size=len(payload),
+        digest=digest if digest is not None else tensor_digest(new),
+        payload_digest=hashlib.blake2b(payload, digest_size=PAYLOAD_DIGEST_SIZE).digest())
+    return EncodedTensor(header, payload)
+
+
+def check_payload(header: TensorHeader, payload: bytes | memoryview) -> None:
+    """Raise DeltaCorrupt unless `payload` has the header's size and digest."""
+    if len(payload) != header.size or hashlib.blake2b(
+            payload, digest_size=PAYLOAD_DIGEST_SIZE).digest() != header.payload_digest:
+        raise DeltaCorrupt(f"payload of {len(payload)} bytes fails its digest (header: {header.size} bytes, "
+                           f"{header.payload_digest.hex()}); fetch it again or a full snapshot")
+
+
+def apply_(target: Tensor, encoded: EncodedTensor, *, verify: bool = False) -> Tensor:
+    """Apply `encoded` in place: `target` holds the base (any content for FULL) and ends holding `new`.
+
+    The payload digest is always checked before `target` is touched. verify=True also hashes the
+    result and compares it with the header's tensor digest (a full pass over the tensor).
+    :raises DeltaCorrupt: bad digest or structure; :raises ValueError: shape/dtype mismatch.
+    """
+    return apply_payload_(target, encoded.header, memoryview(encoded.payload), verify=verify)
+
+
+def apply_payload_(target: Tensor, header: TensorHeader, payload: memoryview, *, verify: bool = False,
+                   check: bool = True) -> Tensor:
+    """`apply_` with header and payload apart (sliced from a version blob); check=False: digest already checked."""
+    if DTYPES.get(header.dtype) != target.dtype or tuple(header.shape) != tuple(target.shape):
+        raise ValueError(f"encoded tensor {header.shape}/{header.dtype} does not fit target "
+                         f"{tuple(target.shape)}/{target.dtype}")
+    if check:
+        check_payload(header, payload)
+    flat = bits_view(target)
+    try:
+        _decode_into(flat, header, payload)
+    except (ValueError, IndexError, zstandard.ZstdError) as err:
+        raise DeltaCorrupt(f"payload passes its digest but does not decode ({err}); encoder bug?") from err
+    if verify and tensor_digest(target) != header.digest:
+        raise DeltaCorrupt(f"applied tensor's digest differs from {header.digest.hex()}: the target did not "
+                           "hold the base version; reload a full snapshot")
+    return target
+
+
+def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> None:
+    enc = Encoding(header.encoding)
+    n, itemsize = flat.numel(), flat.element_size()
+    if enc in (Encoding.FULL, Encoding.DENSE_XOR):
+        planes = _planes(_unzstd(payload, n * itemsize), np.empty(n, dtype=np.dtype(f"<i{itemsize}")))
+        host = flat.cpu().numpy() if flat.is_cuda else flat.numpy()
+        u8 = host.view(np.uint8).reshape(n, itemsize)
+        if enc is Encoding.FULL:
+            u8[...] = planes
+        else:
+            np.bitwise_xor(u8, planes, out=u8)
+        if flat.is_cuda:
+            flat.copy_(torch.from_numpy(host))
+        return
+    count, off = get_varint(payload, 0)
+    if count > n or count != header.changed:
+        raise ValueError(f"{count} changed elements in a payload for {n} (header: {header.changed})")
+    if enc is Encoding.SPARSE:
+        gaps, off = bitcode.decode_ints(payload, off, count)
+        pos = np.cumsum(gaps + 1) - 1
+    else:
+        zlen, off = get_varint(payload, off)
+        mask = np.unpackbits(np.frombuffer(_unzstd(payload[off:off + zlen], (n + 7) // 8), dtype=np.uint8),
+                             count=n, bitorder="little")
+        off += zlen
+        pos = np.flatnonzero(mask)
+        if pos.size != count:
+            raise ValueError(f"bitmask marks {pos.size} elements, count says {count}")
+    if count and (pos[-1] >= n or pos[0] < 0):
+        raise ValueError(f"position {int(pos[-1])} outside a tensor of {n} elements")
+    d, off = _decode_diffs(payload, off, count) if count else (np.zeros(0, np.int64), off)
+    if off != len(payload):
+        raise ValueError(f"payload has {len(payload) - off} trailing bytes")
+    if flat.device.type == "cpu":
+        host = flat.numpy()
+        host[pos] = apply_key_diffs(host[pos], d)
+    else:
+        apply_key_diffs_torch_(flat, torch.from_numpy(pos).to(flat.device), torch.from_numpy(d).to(flat.device))
+
+
+def apply_key_diffs_torch_(flat: Tensor, pos: Tensor, d: Tensor) -> None:
+    """Device path of the sparse apply: flat[pos] = bits with key(flat[pos]) + d (mod 2**w), in place."""
+    w = flat.element_size() * 8
+    old = flat[pos].to(torch.int64)
+    half, full = 1 << (w - 1), (1 << w) - 1
+    key = old ^ ((old >> (w - 1)) & (half - 1))  # sign-extended int64 keeps the ordered-key identity
+    new = ((key + d + half) & full) - half
+    flat[pos] = (new ^ ((new >> (w - 1)) & (half - 1))).to(flat.dtype)
+
+
+def snapshot_due(version: int, *, full_every: int) -> bool:
+    """Whether the publisher writes a full snapshot of `version`: version 0 and every `full_every`-th."""
+    if full_every < 1:
+        raise ValueError(f"full_every {full_every} must be >= 1")
+    return version % full_every == 0
+
+
+def delta_base(target: int, held: int | None, *, kept: Collection[int]) -> int | None:
+    """Base to encode `target` against for a generator holding `held`; None means a full snapshot.
+
+    A joiner (held None), a generator whose version is no longer kept, or one not behind `target`
+    gets a full snapshot; otherwise the multi-version delta held -> target (any base works).
+    """
+    if held is None or held >= target or held not in kept:
+        return None
+    return held

@@ -1,0 +1,169 @@
+"""Whole-model weight versions as one blob: encode a state dict against any base version, apply in place.
+
+Owns: the blob layout (magic, index digest, zstd-compressed index, payloads concatenated in index
+order), the per-version digest, and the thread pool over tensors. Does not own the per-tensor
+encodings (`kernels/delta.py`), object names or chunking (the publisher chunks the blob as bytes).
+
+Blob: b"RLWD" | u8 format 1 | u32 LE index length | blake2b-16 of the index | index | payloads.
+The index is `StateIndex` as a zstd-compressed MessagePack array.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Final, TypeVar
+
+import msgspec
+import zstandard
+from torch import Tensor
+
+from rlbus.kernels.delta import (
+    DIGEST_SIZE,
+    BaseMismatch,
+    DeltaCorrupt,
+    Encoding,
+    TensorHeader,
+    apply_payload_,
+    check_payload,
+    encode_tensor,
+    tensor_digest,
+)
+
+MAGIC: Final = b"RLWD"
+FORMAT: Final = 1
+_PREFIX: Final = struct.Struct("<4sBI16s")
+_INDEX_LEVEL: Final = 9
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+class StateIndex(msgspec.Struct, frozen=True, array_like=True):
+    """The index of a version blob: which tensors, how each is encoded, and the digests to check."""
+
+    version_digest: bytes
+    """`state_digest` of the new version's tensor digests."""
+    base_digest: bytes | None
+    """`state_digest` of the base version (None for a full snapshot)."""
+    names: tuple[str, ...]
+    headers: tuple[TensorHeader, ...]
+
+    @property
+    def digests(self) -> dict[str, bytes]:
+        """Tensor digests of the new version by name."""
+        return {n: h.digest for n, h in zip(self.names, self.headers, strict=True)}
+
+    def count(self, encoding: Encoding) -> int:
+        """Number of tensors stored with `encoding`."""
+        return sum(h.encoding == encoding for h in self.headers)
+
+
+def state_digest(digests: Mapping[str, bytes]) -> bytes:
+    """blake2b-16 over the (name, tensor digest) pairs sorted by name, each name length-prefixed."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    for name in sorted(digests):
+        raw = name.encode()
+        h.update(struct.pack("<I", len(raw)) + raw + digests[name])
+    return h.digest()
+
+
+def _pool_map(fn: Callable[[_T], _R], items: Sequence[_T], threads: int) -> list[_R]:
+    if threads <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(fn, items))
+
+
+def tensor_digests(tensors: Mapping[str, Tensor], *, threads: int = 2) -> dict[str, bytes]:
+    """`tensor_digest` of every tensor, hashed on `threads` threads (hashlib releases the GIL)."""
+    names = sorted(tensors, key=lambda n: -tensors[n].numel())
+    return dict(zip(names, _pool_map(lambda n: tensor_digest(tensors[n]), names, threads), strict=True))
+
+
+def encode_state(new: Mapping[str, Tensor], old: Mapping[str, Tensor] | None = None, *,
+                 digests: Mapping[str, bytes] | None = None, base_digest: bytes | None = None,
+                 encodings: Collection[Encoding] | None = None, level: int = 1, threads: int = 2
+                 ) -> tuple[StateIndex, bytes]:
+    """Encode the version `new` against the base version `old` (None: a full snapshot) as one blob.
+
+    Any base works (v-k -> v is `encode_state(v, v_minus_k)`). digests: the new version's tensor
+    digests if already known (a version is hashed once, whatever it is encoded against);
+    base_digest: the base's `state_digest` if known (else it is computed from `old`).
+    -> (index, blob); the index is also inside the blob.
+    """
+    if old is not None and set(old) != set(new):
+        raise ValueError(f"base and new version differ in tensors: only in new {sorted(set(new) - set(old))}, "
+                         f"only in base {sorted(set(old) - set(new))}")
+    names = sorted(new)
+    order = sorted(names, key=lambda n: -new[n].numel())  # big tensors first balance the pool
+    encoded = dict(zip(order, _pool_map(
+        lambda n: encode_tensor(new[n], None if old is None else old[n],
+                                digest=None if digests is None else digests[n],
+                                encodings=encodings if old is not None else None, level=level),
+        order, threads), strict=True))
+    if old is not None and base_digest is None:
+        base_digest = state_digest(tensor_digests(old, threads=threads))
+    headers = tuple(encoded[n].header for n in names)
+    index = StateIndex(version_digest=state_digest({n: encoded[n].header.digest for n in names}),
+                       base_digest=base_digest if old is not None else None, names=tuple(names), headers=headers)
+    raw_index = zstandard.ZstdCompressor(level=_INDEX_LEVEL).compress(msgspec.msgpack.encode(index))
+    parts = [_PREFIX.pack(MAGIC, FORMAT, len(raw_index), hashlib.blake2b(raw_index, digest_size=16).digest()),
+             raw_index, *(encoded[n].payload for n in names)]
+    return index, b"".join(parts)
+
+
+def read_index(blob: bytes | memoryview) -> tuple[StateIndex, int]:
+    """Parse and check a blob's index: -> (index, offset of the first payload).
+
+    :raises DeltaCorrupt: wrong magic or format, index digest mismatch, or sizes that do not add up.
+    """
+    view = memoryview(blob)
+    if len(view) < _PREFIX.size:
+        raise DeltaCorrupt(f"blob of {len(view)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+    magic, fmt, ilen, idigest = _PREFIX.unpack_from(view)
+    if magic != MAGIC or fmt != FORMAT:
+        raise DeltaCorrupt(f"not a weight blob of format {FORMAT} (magic {bytes(magic)!r}, format {fmt})")
+    raw_index = view[_PREFIX.size:_PREFIX.size + ilen]
+    if hashlib.blake2b(raw_index, digest_size=16).digest() != idigest:
+        raise DeltaCorrupt("blob index fails its digest; fetch the blob again or a full snapshot")
+    try:
+        index = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(raw_index), type=StateIndex)
+    except (msgspec.DecodeError, zstandard.ZstdError) as err:
+        raise DeltaCorrupt(f"blob index passes its digest but does not decode: {err}") from err
+    start = _PREFIX.size + ilen
+    if len(index.names) != len(index.headers) or start + sum(h.size for h in index.headers) != len(view):
+        raise DeltaCorrupt(f"blob holds {len(view) - start} payload bytes, its index lists "
+                           f"{sum(h.size for h in index.headers)}")
+    return index, start
+
+
+def apply_state_(target: MutableMapping[str, Tensor], blob: bytes | memoryview, *,
+                 expect_base: bytes | None = None, verify: bool = False, threads: int = 2) -> StateIndex:
+    """Apply a version blob in place: `target` holds the base version and ends holding the new one.
+
+    Every payload digest is checked before any tensor is touched. expect_base: the `state_digest`
+    of the version `target` holds; a delta against another base raises BaseMismatch. verify=True
+    also hashes every applied tensor against its digest (a full pass over the model).
+    :raises DeltaCorrupt: a digest or structure check fails; :raises BaseMismatch;
+    :raises ValueError: the target's tensors do not match the index.
+    """
+    index, off = read_index(blob)
+    if expect_base is not None and index.base_digest is not None and index.base_digest != expect_base:
+        raise BaseMismatch(f"delta is against base {index.base_digest.hex()}, target holds {expect_base.hex()}; "
+                           "fetch the delta from the held version or a full snapshot")
+    if set(target) != set(index.names):
+        raise ValueError(f"target and blob differ in tensors: missing {sorted(set(index.names) - set(target))}, "
+                         f"extra {sorted(set(target) - set(index.names))}")
+    view = memoryview(blob)
+    jobs = []
+    for name, header in zip(index.names, index.headers, strict=True):
+        payload = view[off:off + header.size]
+        check_payload(header, payload)
+        jobs.append((name, header, payload))
+        off += header.size
+    jobs.sort(key=lambda j: -j[1].size)
+    _pool_map(lambda j: apply_payload_(target[j[0]], j[1], j[2], verify=verify, check=False), jobs,
+              threads if sum(h.size for h in index.headers) > (1 << 20) or verify else 1)
+    return index

@@ -1,0 +1,131 @@
+"""Weight versions as one blob: whole-model round trips, multi-version deltas, digests, corruption."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+import torch
+
+from rlbus.kernels.delta import BaseMismatch, DeltaCorrupt, Encoding, bits_view, tensor_digest
+from rlbus.kernels.delta_state import apply_state_, encode_state, read_index, state_digest, tensor_digests
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"embed.weight": (torch.randn(300, 64, generator=gen) * 0.02).to(torch.bfloat16),
+            "blocks.0.mlp.up.weight": (torch.randn(128, 64, generator=gen) * 0.02).to(torch.bfloat16),
+            "blocks.0.norm.weight": torch.ones(64, dtype=torch.bfloat16),
+            "head.scale": torch.randn(7, generator=gen, dtype=torch.float32),
+            "head.bias": torch.randn(5, generator=gen).to(torch.float16)}
+
+
+def _step(state: dict[str, torch.Tensor], seed: int, lr: float) -> dict[str, torch.Tensor]:
+    """The bf16/fp16 cast of an fp32 step of size lr (what the trainer publishes), fp32 kept exact."""
+    gen = torch.Generator().manual_seed(seed)
+    return {k: (v.float() + lr * torch.randn(v.shape, generator=gen)).to(v.dtype) for k, v in state.items()}
+
+
+def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state.items()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(bits_view(a[k]), bits_view(b[k])) for k in a)
+
+
+def test_full_snapshot_then_delta_round_trip() -> None:
+    """A joiner seeds from a snapshot, then a delta v0 -> v1 brings it to v1 exactly."""
+    v0 = _model(0)
+    v1 = _step(v0, 1, 1e-4)
+    index0, snap = encode_state(v0)
+    assert index0.base_digest is None and index0.count(Encoding.FULL) == len(v0)
+    joiner = {k: torch.empty_like(v) for k, v in v0.items()}
+    apply_state_(joiner, snap, verify=True)
+    assert _equal(joiner, v0)
+    index1, delta = encode_state(v1, v0)
+    assert index1.base_digest == index0.version_digest
+    apply_state_(joiner, delta, expect_base=index0.version_digest, verify=True)
+    assert _equal(joiner, v1)
+    assert len(delta) < len(snap)
+
+
+def test_multi_version_delta_catches_up_a_lagging_generator() -> None:
+    """A delta v0 -> v3 applied to v0 equals v3; the delta from v2 would refuse a target holding v0."""
+    versions = [_model(0)]
+    for i in range(1, 4):
+        versions.append(_step(versions[-1], i, 3e-3))
+    digests = [state_digest(tensor_digests(v)) for v in versions]
+    index, blob = encode_state(versions[3], versions[0], base_digest=digests[0])
+    lagging = _clone(versions[0])
+    got = apply_state_(lagging, blob, expect_base=digests[0])
+    assert _equal(lagging, versions[3]) and not _equal(lagging, versions[2])
+    assert got.version_digest == digests[3] == index.version_digest
+    _, from_v2 = encode_state(versions[3], versions[2], base_digest=digests[2])
+    target = _clone(versions[0])
+    with pytest.raises(BaseMismatch, match="fetch the delta"):
+        apply_state_(target, from_v2, expect_base=digests[0])
+    assert _equal(target, versions[0])
+
+
+def test_version_digest_is_blake2b_over_sorted_name_digest_pairs() -> None:
+    """state_digest hashes (len, name, tensor digest) in name order, by hand."""
+    d = {"b": b"\x02" * 16, "a": b"\x01" * 16}
+    want = hashlib.blake2b(struct.pack("<I", 1) + b"a" + d["a"] + struct.pack("<I", 1) + b"b" + d["b"],
+                           digest_size=16).digest()
+    assert state_digest(d) == want
+    v = _model(3)
+    index, _ = encode_state(v)
+    assert index.digests == {k: tensor_digest(t) for k, t in v.items()}
+    assert index.version_digest == state_digest(index.digests)
+
+
+@pytest.mark.parametrize("where", ["payload", "index", "prefix", "truncated"])
+def test_corrupted_blob_is_detected_and_nothing_applied(where: str) -> None:
+    """Any flipped byte or a cut blob raises DeltaCorrupt before a single tensor changes."""
+    v0 = _model(0)
+    v1 = _step(v0, 1, 1e-3)
+    _, blob = encode_state(v1, v0)
+    bad = bytearray(blob)
+    if where == "payload":
+        bad[-3] ^= 0x01
+    elif where == "index":
+        bad[30] ^= 0x80
+    elif where == "prefix":
+        bad[0:4] = b"XXXX"
+    else:
+        del bad[-10:]
+    target = _clone(v0)
+    with pytest.raises(DeltaCorrupt):
+        apply_state_(target, bytes(bad))
+    assert _equal(target, v0)
+
+
+def test_target_with_other_tensors_is_refused() -> None:
+    """A target missing a tensor of the blob is a ValueError naming it."""
+    v0 = _model(0)
+    _, blob = encode_state(v0)
+    target = _clone(v0)
+    del target["head.bias"]
+    with pytest.raises(ValueError, match="head.bias"):
+        apply_state_(target, blob)
+
+
+def test_blob_index_reads_back_and_sizes_add_up() -> None:
+    """read_index returns the index encode_state built; payload sizes sum to the blob tail."""
+    v0 = _model(5)
+    v1 = _step(v0, 6, 1e-4)
+    index, blob = encode_state(v1, v0, threads=1)
+    got, start = read_index(blob)
+    assert got == index
+    assert start + sum(h.size for h in index.headers) == len(blob)
+    assert index.names == tuple(sorted(v1))
+    assert {h.encoding for h in index.headers} <= set(Encoding)
+
+
+def test_parallel_and_serial_encodings_are_identical() -> None:
+    """The thread pool changes nothing in the bytes."""
+    v0 = _model(7)
+    v1 = _step(v0, 8, 1e-3)
+    assert encode_state(v1, v0, threads=1)[1] == encode_state(v1, v0, threads=2)[1]
