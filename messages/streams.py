@@ -55,7 +55,7 @@ _PROBE_STREAM: Final = "RLBUS_ROUTING_PROBE"  # no stream has this name: probes 
 
 @dataclass(frozen=True, slots=True)
 class StreamSettings:
-    """Retention, redelivery and dedupe settings of a run's streams (from the topology; `tiny()` for tests)."""
+    """Retention, redelivery and dedupe settings of a run's streams (from the topology; tests: `tiny()`)."""
 
     ack_wait_s: float = 60.0
     """Generators' task consumer: an un-acked task is redelivered after this (long tasks send in-progress)."""
@@ -107,13 +107,15 @@ class StreamSettings:
 def _covers(have: Any, want: Any) -> bool:
     """True when every value set in `want` (recursively; lists element by element) equals `have`'s."""
     if isinstance(want, dict):
-        return isinstance(have, dict) and all(_covers(have.get(k), v) for k, v in want.items() if v is not None)
+        return isinstance(have, dict) and all(_covers(have.get(k), v)
+                                              for k, v in want.items() if v is not None)
     if isinstance(want, list):
         return isinstance(have, list) and len(have) == len(want) and all(map(_covers, have, want))
     return bool(have == want)
 
 
-async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> Literal["created", "updated", "unchanged"]:
+async def ensure_stream(js: JetStreamContext,
+                        config: StreamConfig) -> Literal["created", "updated", "unchanged"]:
     """Create `config`'s stream, or update it when a setting we care about differs; else change nothing."""
     assert config.name is not None
     try:
@@ -162,7 +164,8 @@ async def ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> Lite
         return "created"
 
 
-async def ensure_object_store(js: JetStreamContext, config: ObjectStoreConfig) -> Literal["created", "unchanged"]:
+async def ensure_object_store(js: JetStreamContext,
+                              config: ObjectStoreConfig) -> Literal["created", "unchanged"]:
     """Create an object-store bucket unless it exists (an existing bucket is left as it is)."""
     assert config.bucket is not None
     try:
@@ -209,7 +212,8 @@ def hub_streams(subjects: Subjects, hub: str, regions: Mapping[str, str | None],
                 settings: StreamSettings) -> list[StreamConfig]:
     """The hub-only streams. `regions`: region → JetStream domain, the hub included (sourced locally)."""
     sources = [StreamSource(name=subjects.rollouts_stream(region)) if region == hub else
-               StreamSource(name=subjects.rollouts_stream(region), external=ExternalStream(api=_api(region, domain)))
+               StreamSource(name=subjects.rollouts_stream(region),
+                            external=ExternalStream(api=_api(region, domain)))
                for region, domain in sorted(regions.items())]
     return [
         _limits(settings, subjects.hub_rollouts_stream(), None, max_age_s=settings.rollout_max_age_s,
@@ -219,8 +223,10 @@ def hub_streams(subjects: Subjects, hub: str, regions: Mapping[str, str | None],
         _limits(settings, subjects.checkpoints_stream(), [subjects.checkpoints()]),
         _limits(settings, subjects.state_stream(), [subjects.all_state()]),
         _limits(settings, subjects.evals_stream(), [subjects.evals()]),
-        _limits(settings, subjects.health_stream(), [subjects.all_health()], max_age_s=settings.health_max_age_s),
-        _limits(settings, subjects.events_stream(), [subjects.all_events()], max_age_s=settings.events_max_age_s),
+        _limits(settings, subjects.health_stream(), [subjects.all_health()],
+                max_age_s=settings.health_max_age_s),
+        _limits(settings, subjects.events_stream(), [subjects.all_events()],
+                max_age_s=settings.events_max_age_s),
         _limits(settings, subjects.dead_letter_stream(), [subjects.all_dead_letters()]),
     ]
 
@@ -320,4 +326,5 @@ async def wait_routable(nc: NATS, subject: str, *, timeout_s: float = 10.0) -> N
                                      f"{timeout_s}s; is it provisioned, and is the leaf link up?") from None
             await anyio.sleep(0.05)
         else:
-            raise BusUnavailable(f"routing probe on {subject!r} was stored: a stream is named {_PROBE_STREAM}")
+            raise BusUnavailable(f"routing probe on {subject!r} was stored: a stream is named "
+                                 f"{_PROBE_STREAM}")

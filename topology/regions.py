@@ -61,7 +61,8 @@ class RegionSet:
     (credentials.json), same stores; ports are picked afresh.
     """
 
-    def __init__(self, base_dir: Path, regions: tuple[str, ...], hub: str, users: Mapping[str, Credential]) -> None:
+    def __init__(self, base_dir: Path, regions: tuple[str, ...], hub: str,
+                 users: Mapping[str, Credential]) -> None:
         self.base_dir: Final = base_dir
         self.regions: Final = regions
         self.hub: Final = hub
@@ -87,7 +88,8 @@ class RegionSet:
                                   "ready_timeout_s": ready_timeout_s, "binary": binary}
         leaf = rs.users[LEAF_ROLE]
         try:
-            rs.servers[hub] = EmbeddedServer.start(base / hub, name=hub, domain=hub, leaf_listen=True, **common)
+            rs.servers[hub] = EmbeddedServer.start(base / hub, name=hub, domain=hub, leaf_listen=True,
+                                                   **common)
             hub_leaf_port = rs.servers[hub].leaf_port
             assert hub_leaf_port is not None  # leaf_listen=True
             for region in rs.leaves:
@@ -125,7 +127,8 @@ class RegionSet:
         try:
             return self.users[role]
         except KeyError:
-            raise ServerError(f"no credential for role {role!r}; roles: {', '.join(sorted(self.users))}") from None
+            raise ServerError(f"no credential for role {role!r}; roles: "
+                              f"{', '.join(sorted(self.users))}") from None
 
     def connect_options(self, region: str, role: str) -> dict[str, Any]:
         """Keyword arguments for `nats.connect` to `region`'s server as `role`."""

@@ -66,7 +66,8 @@ class Relay:
             self._thread = None
             raise ServerError(f"relay {self.name} cannot listen on {self.host}:{self._listen_port}: "
                               f"{self._error}; choose another port or stop what holds it") from self._error
-        log.info("relay_started", relay=self.name, port=self.port, upstream=f"{self.upstream[0]}:{self.upstream[1]}")
+        log.info("relay_started", relay=self.name, port=self.port,
+                 upstream=f"{self.upstream[0]}:{self.upstream[1]}")
         return self
 
     def stop(self) -> None:

@@ -22,6 +22,7 @@ import sys
 import sysconfig
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -86,7 +87,8 @@ def find_nats_server(binary: str | os.PathLike[str] | None = None) -> Path:
         for file in dist.files or ():
             if file.name in ("nats-server", "nats-server.exe"):
                 candidates.append(Path(str(dist.locate_file(file))).resolve())
-    candidates += [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
+    candidates += [Path(sysconfig.get_path("scripts")) / "nats-server",
+                   Path(sys.executable).parent / "nats-server"]
     if found := shutil.which("nats-server"):
         candidates.append(Path(found))
     for path in candidates:
@@ -140,11 +142,13 @@ def render_config(*, name: str, store_dir: Path, port: int, http_port: int, user
         # no_advertise: otherwise leaves learn the hub's real leafnode port from its INFO and reconnect
         # there directly, around a relay that is supposed to partition them
         leaf += [f"  host: {_q(host)}", f"  port: {leaf_port}", "  no_advertise: true",
-                 f"  authorization {{ users = [ {{user: {_q(cred.user)}, password: {_q(cred.password)}}} ] }}"]
+                 f"  authorization {{ users = [ {{user: {_q(cred.user)}, "
+                 f"password: {_q(cred.password)}}} ] }}"]
     if leaf_remote is not None:
         url, user, password = leaf_remote
         scheme, _, rest = url.partition("://")
-        authed = f"{scheme}://{urllib.request.quote(user, safe='')}:{urllib.request.quote(password, safe='')}@{rest}"
+        quote = urllib.parse.quote
+        authed = f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{rest}"
         leaf += [f"  reconnect: {_q(leaf_reconnect)}", f"  remotes = [ {{url: {_q(authed)}}} ]"]
     if leaf:
         lines += ["leafnodes {", *leaf, "}"]

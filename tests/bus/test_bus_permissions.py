@@ -11,6 +11,7 @@ import nats.errors
 import pytest
 from nats.aio.client import Client as NATS
 
+from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.servers import EmbeddedServer
 
@@ -25,7 +26,8 @@ async def _connect(server: EmbeddedServer, role: str, errors: list[Exception]) -
 
 
 CASES: list[tuple[str, Callable[[Subjects], list[str]], Callable[[Subjects], str]]] = [
-    ("generator", lambda s: [s.trainlog(), s.weights(), s.tasks("hub"), s.checkpoints()], lambda s: s.rollouts("hub")),
+    ("generator", lambda s: [s.trainlog(), s.weights(), s.tasks("hub"), s.checkpoints()],
+     lambda s: s.rollouts("hub")),
     ("feeder", lambda s: [s.rollouts("hub"), s.trainlog()], lambda s: s.tasks("hub")),
     ("trainer", lambda s: [s.tasks("hub"), s.rollouts("hub"), s.checkpoints()], lambda s: s.trainlog()),
     ("sandbox", lambda s: [s.rollouts("hub"), s.evals()], lambda s: s.health("hub", "sandbox", "s1")),
@@ -97,3 +99,27 @@ async def test_bad_credentials_are_refused(nats_server: EmbeddedServer, who: str
     with pytest.raises(nats.errors.Error, match="Authorization Violation"):
         await nats.connect(nats_server.url, user=user, password=password, allow_reconnect=False,
                            max_reconnect_attempts=0, error_cb=on_error)
+
+
+@pytest.mark.xfail(strict=True, raises=nats.errors.TimeoutError,
+                   reason="subjects.role_permissions grants buckets as `$O.WEIGHTS_*.>`, "
+                          "`$KV.PARTIALS_*.>`...: NATS wildcards are whole tokens, so `WEIGHTS_*` matches "
+                          "no bucket and the writes are refused (reported to the owner of subjects.py)")
+async def test_roles_write_the_buckets_they_are_granted(nats_server: EmbeddedServer) -> None:
+    """Publisher writes WEIGHTS and LATEST, generator PARTIALS, checkpointer CKPT (role_permissions)."""
+    s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    admin = await _connect(nats_server, "admin", [])
+    conns = {role: await _connect(nats_server, role, [])
+             for role in ("publisher", "generator", "checkpointer")}
+    try:
+        settings = StreamSettings.tiny()
+        await provision_region(admin, s, "hub", domain=None, settings=settings)
+        await provision_hub(admin, s, "hub", {"hub": None}, settings)
+        js = {role: nc.jetstream(timeout=1.0) for role, nc in conns.items()}
+        await (await js["publisher"].object_store(s.weights_bucket("hub"))).put("v1", b"w" * 1000)
+        await (await js["publisher"].key_value(s.latest_bucket("hub"))).put("latest", b"v1")
+        await (await js["generator"].key_value(s.partials_bucket("hub"))).put("r1", b"partial")
+        await (await js["checkpointer"].object_store(s.checkpoint_bucket())).put("step-1", b"c" * 1000)
+    finally:
+        for nc in (admin, *conns.values()):
+            await nc.close()
