@@ -159,8 +159,8 @@ def extract_code(completion: str) -> str:
 
 
 def case_for(task: Task, code: str, *, timeout_s: float = 1.0) -> GradeCase:
-    """The runner case grading `code` on all of `task`'s hidden tests."""
-    return GradeCase(code, task.entry_point, tuple((t.args, t.expected) for t in task.tests), timeout_s)
+    """The runner case grading a completion (`task.program(code)`) on all of `task`'s hidden tests."""
+    return GradeCase(task.program(code), task.entry_point, tuple((t.args, t.expected) for t in task.tests), timeout_s)
 
 
 def grade_many(pairs: Sequence[tuple[Task, str]], *, runner: Runner = subprocess_runner,

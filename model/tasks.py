@@ -27,7 +27,7 @@ _LETTERS: Final = "abcdeilnorst"
 
 
 @dataclass(frozen=True, slots=True)
-class TestCase:
+class HiddenTest:
     """One hidden test: `f(*literal_eval(args)) == literal_eval(expected)`; both are Python reprs."""
 
     args: str
@@ -36,7 +36,11 @@ class TestCase:
 
 @dataclass(frozen=True, slots=True)
 class Task:
-    """One coding task: the prompt the policy sees, the tests it is graded on, and a canonical solution."""
+    """One coding task: the prompt the policy sees, the tests it is graded on, and a canonical solution.
+
+    The prompt is a Python function header with a docstring (steps and two examples); `solution` is
+    the canonical body that continues it, so `prompt + solution` is the reference program.
+    """
 
     task_id: str
     family: str
@@ -44,7 +48,16 @@ class Task:
     prompt: str
     entry_point: str
     solution: str
-    tests: tuple[TestCase, ...]
+    tests: tuple[HiddenTest, ...]
+
+    def program(self, completion: str) -> str:
+        """The code to run for a completion: the prompt (header + docstring) followed by the body.
+
+        A completion that starts with its own `def`, `import` or `from` line is run as is.
+        """
+        if completion.lstrip().startswith(("def ", "import ", "from ")):
+            return completion
+        return self.prompt + completion
 
     @property
     def prompt_hash(self) -> str:
@@ -128,16 +141,16 @@ _STEP: Final[dict[str, Callable[[random.Random], _Step]]] = {"int": _int_step, "
 
 
 def _inputs(kind: Kind, rng: random.Random) -> list[object]:
-    """N_TESTS distinct inputs of a kind: ints in -9..20, lowercase words of 3-7 letters, int lists."""
+    """N_TESTS distinct inputs of a kind: ints in -9..20, lowercase words of 3-6 letters, 3-5 ints in -2..9."""
     seen: list[object] = []
     while len(seen) < N_TESTS:
         value: object
         if kind == "int":
             value = rng.randint(-9, 20)
         elif kind == "str":
-            value = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 7)))
+            value = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 6)))
         else:
-            value = [rng.randint(-3, 12) for _ in range(rng.randint(3, 6))]
+            value = [rng.randint(-2, 9) for _ in range(rng.randint(3, 5))]
         if value not in seen:
             seen.append(value)
     return seen
@@ -169,12 +182,11 @@ def _branch(rng: random.Random) -> tuple[str, list[str]]:
 
 
 def _render(kind: Kind, words: str, lines: list[str], out: Kind, cases: list[tuple[object, object]]) -> tuple[str, str]:
-    var = VAR[kind]
-    shown = "".join(f"    f({arg!r}) == {res!r}\n" for arg, res in cases[:N_SHOWN])
-    prompt = f'def f({var}):\n    """{words[0].upper()}{words[1:]}.\n{shown}    """\n'
+    """(prompt, solution): the prompt is a header with a docstring; the solution is the body that follows it."""
+    shown = "".join(f"\n    f({arg!r}) == {res!r}" for arg, res in cases[:N_SHOWN])
+    prompt = f'def f({VAR[kind]}):\n    """{words[0].upper()}{words[1:]}.{shown}"""\n'
     body = "".join(f"    {line}\n" for line in lines)
-    solution = f"def f({var}):\n{body}    return {VAR[out]}\n"
-    return prompt, solution
+    return prompt, f"{body}    return {VAR[out]}\n"
 
 
 def _run_canonical(solution: str, inputs: list[object]) -> list[object]:
@@ -211,13 +223,13 @@ def make_task(rng: random.Random, task_id: str) -> Task:
             step_words, lines, out = _pipeline(kind, n_steps, rng)
             words = ", then ".join(step_words)
         inputs = _inputs(kind, rng)
-        _, solution = _render(kind, words, lines, out, [])
-        outputs = _run_canonical(solution, inputs)
+        prompt, solution = _render(kind, words, lines, out, [])
+        outputs = _run_canonical(prompt + solution, inputs)
         if len({repr(o) for o in outputs}) < 3 or outputs == inputs:
             continue  # constant, near-constant or identity on the tests: no signal
         cases = list(zip(inputs, outputs, strict=True))
         prompt, solution = _render(kind, words, lines, out, cases)
-        tests = tuple(TestCase(args=repr((arg,)), expected=repr(res)) for arg, res in cases)
+        tests = tuple(HiddenTest(args=repr((arg,)), expected=repr(res)) for arg, res in cases)
         return Task(task_id, family, n_steps, prompt, "f", solution, tests)
 
 
@@ -228,9 +240,14 @@ def eval_tasks(seed: int, n: int = 200) -> list[Task]:
     return list(_distinct(_stream(seed, "eval"), n))
 
 
-def train_tasks(seed: int) -> Iterator[Task]:
-    """Endless training tasks of `seed`, skipping every prompt hash of the EVAL_POOL held-out tasks."""
-    held_out = {t.prompt_hash for t in _distinct(_stream(seed, "eval"), EVAL_POOL)}
+def train_tasks(seed: int, *, eval_seed: int | None = None) -> Iterator[Task]:
+    """Endless training tasks of `seed`, skipping every prompt hash of the EVAL_POOL held-out tasks.
+
+    The held-out set skipped is that of `eval_seed` (default: `seed`), so a run may draw training
+    data from several seeds while keeping one fixed evaluation set.
+    """
+    held_out_seed = seed if eval_seed is None else eval_seed
+    held_out = {t.prompt_hash for t in _distinct(_stream(held_out_seed, "eval"), EVAL_POOL)}
     for task in _stream(seed, "train"):
         if task.prompt_hash not in held_out:
             yield task

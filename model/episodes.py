@@ -1,0 +1,127 @@
+"""Multi-turn coding episodes: prompt, attempt, test feedback as an observation, retry (up to 3 attempts).
+
+Owns: the episode record (immutable; each step returns a new one), the token layout of an episode,
+and its loss mask (1 on tokens the policy generated, 0 on prompt, observations and framing).
+Does not own: sampling (`generate.py`) or grading (`grading.py`); the generator actor drives both.
+
+Layout: <|bos|> then per turn <|role|> content <|end_turn|>, where role is user, assistant,
+observation or summary. An assistant (or summary) turn's content is exactly the ids the policy
+sampled, normally ending with its own <|end_turn|>; a truncated one gets a closing <|end_turn|> that
+is masked out. The context handed to the policy ends with <|assistant|>.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Final, Literal
+
+from rlbus.model.grading import GradeResult
+from rlbus.model.tasks import Task
+from rlbus.model.tokenizer import ByteTokenizer
+
+Role = Literal["user", "assistant", "observation", "summary"]
+MAX_ATTEMPTS: Final = 3
+_POLICY_ROLES: Final = ("assistant", "summary")
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One turn. For policy roles, `ids` are the sampled ids verbatim; for others, the encoded text."""
+
+    role: Role
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    """A task's conversation so far and the grade of every attempt (one per assistant turn)."""
+
+    task: Task
+    turns: tuple[Turn, ...]
+    results: tuple[GradeResult, ...] = ()
+    max_attempts: int = MAX_ATTEMPTS
+
+    @property
+    def attempts(self) -> int:
+        return len(self.results)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and self.results[-1].passed
+
+    @property
+    def done(self) -> bool:
+        """Finished when the last attempt passed or the attempt budget is spent."""
+        return self.passed or self.attempts >= self.max_attempts
+
+    @property
+    def reward(self) -> float:
+        """The last attempt's reward (1.0 if it passed every hidden test, else 0.0; 0.0 before any)."""
+        return self.results[-1].reward if self.results else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeTokens:
+    """An episode flattened: ids (T,), loss_mask (T,) in {0, 1}, and the turn index of each token (-1: bos)."""
+
+    ids: list[int]
+    loss_mask: list[int]
+    turn: list[int]
+
+
+def start_episode(task: Task, tokenizer: ByteTokenizer, *, max_attempts: int = MAX_ATTEMPTS) -> Episode:
+    """A fresh episode holding only the task's prompt as the user turn."""
+    if max_attempts < 1:
+        raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+    return Episode(task, (Turn("user", tuple(tokenizer.encode(task.prompt))),), (), max_attempts)
+
+
+def completion_text(ids: Sequence[int], tokenizer: ByteTokenizer) -> str:
+    """The text of sampled ids, cut at the first <|end_turn|> or <|eos|>."""
+    stops = (tokenizer.end_turn_id, tokenizer.eos_id)
+    cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+    return tokenizer.decode(ids[:cut])
+
+
+def add_attempt(episode: Episode, completion_ids: Sequence[int], result: GradeResult,
+                tokenizer: ByteTokenizer) -> Episode:
+    """Append an attempt (the sampled ids) and its grade; a failed, non-final attempt adds an observation."""
+    if episode.done:
+        raise ValueError(f"episode of task {episode.task.task_id} is done after {episode.attempts} attempts")
+    turns = [*episode.turns, Turn("assistant", tuple(completion_ids))]
+    results = (*episode.results, result)
+    if not result.passed and len(results) < episode.max_attempts:
+        turns.append(Turn("observation", tuple(tokenizer.encode(result.observation()))))
+    return replace(episode, turns=tuple(turns), results=results)
+
+
+def add_summary(episode: Episode, summary_ids: Sequence[int]) -> Episode:
+    """Replace everything after the prompt with a policy-written summary turn (self-summarization)."""
+    return replace(episode, turns=(episode.turns[0], Turn("summary", tuple(summary_ids))))
+
+
+def _role_id(role: Role, tokenizer: ByteTokenizer) -> int:
+    return {"user": tokenizer.user_id, "assistant": tokenizer.assistant_id,
+            "observation": tokenizer.observation_id, "summary": tokenizer.summary_id}[role]
+
+
+def episode_tokens(episode: Episode, tokenizer: ByteTokenizer) -> EpisodeTokens:
+    """Flatten an episode; loss_mask is 1 exactly on the ids the policy sampled (assistant/summary content)."""
+    ids, mask, turn = [tokenizer.bos_id], [0], [-1]
+    for index, t in enumerate(episode.turns):
+        policy = t.role in _POLICY_ROLES
+        content = list(t.ids)
+        ids += [_role_id(t.role, tokenizer), *content]
+        mask += [0] + [1 if policy else 0] * len(content)
+        turn += [index] * (1 + len(content))
+        if not (policy and content and content[-1] == tokenizer.end_turn_id):
+            ids.append(tokenizer.end_turn_id)  # framing (or closing a truncated sample): not the policy's
+            mask.append(0)
+            turn.append(index)
+    return EpisodeTokens(ids, mask, turn)
+
+
+def context_ids(episode: Episode, tokenizer: ByteTokenizer) -> list[int]:
+    """What the policy continues for its next attempt: the episode so far, then <|assistant|>."""
+    return [*episode_tokens(episode, tokenizer).ids, tokenizer.assistant_id]
