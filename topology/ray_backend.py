@@ -1,0 +1,391 @@
+"""The `ray` launch backend: one Ray actor per actor instance, placed by `region:<name>` resources.
+
+Owns: joining a Ray cluster (`address`) or starting a local one with one custom resource per region,
+creating one Ray actor per `ProcessSpec` (`resources={spec.resource: 0.001}`, `num_cpus=0`, Ray's
+`max_restarts` from the restart policy), hosting the rlbus actor on the Ray actor's event loop, making
+Ray's restarts visible (`crashed`, then `restarted` once the new incarnation answers, or `failed` when
+Ray gives up), and a graceful stop: the Ray actor's `stop()` cancels the actor, which drains and sends
+its final heartbeat, then the Ray actor is killed. Does not: decide which actors exist (`rlbus up`),
+or talk to actors (they use the bus). `import ray` happens inside functions only (it is heavy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import redirect_stderr
+from dataclasses import dataclass
+from io import StringIO
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import structlog
+
+from rlbus.actors.base import ActorId, ActorLimits, State
+from rlbus.actors.host import Endpoint, credentials_from_file, open_bus
+from rlbus.actors.kinds import build_actor
+from rlbus.actors.process import build_parser
+from rlbus.messages.bus import Identity
+from rlbus.messages.errors import TopologyError
+from rlbus.topology.local import EventSink, ProcessSpec, RestartPolicy
+
+log = structlog.get_logger()
+
+RAY_ENV: Final = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+"""Set (unless already set) for the driver and so for every Ray process it starts."""
+MIN_OBJECT_STORE_BYTES: Final = 75 * 2**20
+"""Ray refuses a smaller object store."""
+REGION_CAPACITY: Final = 100.0
+"""Units of each `region:<name>` resource a locally started cluster declares."""
+ACTOR_SHARE: Final = 0.001
+"""Units of its region resource one actor asks for: placement only, never a limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one incarnation of a Ray actor runs, as the actor itself reports it."""
+
+    pid: int
+    node_id: str
+    node_ip: str
+    incarnation: str
+    """Random per incarnation: a restarted Ray actor reports a new one."""
+
+
+class RayActorHost:
+    """The body of one Ray actor: hosts one rlbus actor on the Ray actor's (asyncio) event loop.
+
+    Ray runs async actor methods on a thread that is not the main one, so OS signals cannot reach the
+    actor: `stop()` cancels it instead, which is the same drain as SIGTERM in the local backend.
+    """
+
+    def __init__(self, env: Mapping[str, str], worker_setup: Callable[[], None] | None = None) -> None:
+        os.environ.update(env)
+        if worker_setup is not None:
+            worker_setup()
+        self.incarnation = uuid.uuid4().hex
+        self._scope: anyio.CancelScope | None = None
+        self._done: anyio.Event | None = None
+        self._final: State | None = None
+        self._stop_requested = False
+
+    async def describe(self) -> Placement:
+        """Pid, Ray node and incarnation of this Ray actor."""
+        import ray
+
+        return Placement(pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),
+                         node_ip=ray.util.get_node_ip_address(), incarnation=self.incarnation)
+
+    async def serve(self, argv: Sequence[str], restarts: int) -> str:
+        """Run the actor of `argv` (`actors/process.py` arguments) until it ends or `stop()`; returns
+        its final state's value. A later call in the same incarnation waits for the first one."""
+        if self._done is not None:
+            await self._done.wait()
+            return (self._final or State.FAILED).value
+        if self._stop_requested:
+            return State.STOPPED.value
+        self._done = anyio.Event()
+        self._scope = anyio.CancelScope()
+        os.environ["RLBUS_RESTARTS"] = str(restarts)
+        try:
+            self._final = await serve_until_cancelled(build_parser().parse_args(list(argv)), self._scope)
+        except Exception as err:   # connecting or building failed: report, let the driver restart us
+            log.error("ray_actor_serve_failed", error=repr(err))
+            self._final = State.FAILED
+        finally:
+            self._done.set()
+        return self._final.value
+
+    async def stop(self) -> str | None:
+        """Cancel the actor (it drains and sends its final heartbeat); returns its final state's value."""
+        self._stop_requested = True
+        if self._scope is None or self._done is None:
+            return None
+        self._scope.cancel()
+        await self._done.wait()
+        return self._final.value if self._final is not None else None
+
+
+async def serve_until_cancelled(args: argparse.Namespace, scope: anyio.CancelScope) -> State:
+    """Connect as the role and serve the actor until it ends or `scope` is cancelled; the final state.
+
+    Mirrors `actors.process.serve_actor` without its OS signal handling (`actors.host.host` needs the
+    main thread); a cancelled actor drains and publishes its final heartbeat as after SIGTERM.
+    """
+    user = password = None
+    if args.credentials is not None:
+        user, password = credentials_from_file(args.credentials, args.role or args.kind)
+    elif os.environ.get("RLBUS_NATS_USER"):
+        user, password = os.environ["RLBUS_NATS_USER"], os.environ.get("RLBUS_NATS_PASSWORD", "")
+    ident = ActorId(run=args.run, region=args.region, kind=args.kind, actor_id=args.actor_id)
+    limits = ActorLimits(heartbeat_interval_s=args.heartbeat_s, drain_timeout_s=args.drain_s)
+    endpoint = Endpoint(urls=tuple(args.url), domain=args.domain, user=user, password=password)
+    state = State.STOPPED
+    with scope:
+        bus = await open_bus(endpoint, run=args.run,
+                             identity=Identity(actor_id=args.actor_id, kind=args.kind, region=args.region))
+        try:
+            actor = build_actor(args.kind, ident, bus, _settings(args.settings), limits)
+            try:
+                await actor.serve()
+            except Exception as err:   # the actor already reported it (failed heartbeat, crashed event)
+                log.error("actor_crashed", error=repr(err))
+            state = actor.state
+        finally:
+            with anyio.move_on_after(5, shield=True):
+                await bus.close()
+    return state
+
+
+def _settings(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise TopologyError(f"actor settings must be a JSON object, got {text!r}")
+    return value
+
+
+@dataclass(slots=True)
+class RayEntry:
+    """The live record of one Ray actor."""
+
+    spec: ProcessSpec
+    handle: Any = None
+    placement: Placement | None = None
+    restarts: int = 0
+    state: str = "starting"
+    """starting | running | restarting | failed | stopped | exited"""
+
+
+class RayBackend:
+    """Runs one Ray actor per spec and follows Ray's restarts until cancelled; then stops them all."""
+
+    def __init__(self, specs: Sequence[ProcessSpec], *, policy: RestartPolicy, address: str | None = None,
+                 num_cpus: int | None = None, on_event: EventSink | None = None, drain_timeout_s: float = 15.0,
+                 object_store_bytes: int = 128 * 2**20, temp_dir: Path | None = None,
+                 node_ip_address: str | None = None, worker_setup: Callable[[], None] | None = None) -> None:
+        """`address`: the cluster to join (`"auto"`, `"host:port"`, `"ray://..."`); None starts a local
+        cluster with `num_cpus` CPUs and `REGION_CAPACITY` of every spec's region resource, unless this
+        process is already connected to Ray (then that connection is used and left open).
+        `node_ip_address`: this machine's address as the cluster knows it (a node on 127.0.0.x).
+        `worker_setup`: called in every Ray actor before the rlbus actor starts (e.g. logging setup);
+        it must pickle (a module-level function or a `functools.partial` of one).
+
+        :raises TopologyError: a spec's arguments do not parse or it has no Ray resource.
+        """
+        for spec in specs:
+            _check_spec(spec)
+        self.actors = {spec.actor_id: RayEntry(spec) for spec in specs}
+        self.policy = policy
+        self.address = address
+        self.num_cpus = num_cpus
+        self.on_event = on_event
+        self.drain_timeout_s = drain_timeout_s
+        self.object_store_bytes = max(MIN_OBJECT_STORE_BYTES, object_store_bytes)
+        self.temp_dir = temp_dir
+        self.node_ip_address = node_ip_address
+        self.worker_setup = worker_setup
+        self._owns_ray = False
+        self._stopping = False
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Start every Ray actor, follow them until cancelled, then stop all of them (shielded, bounded)."""
+        try:
+            await anyio.to_thread.run_sync(self._connect)
+            actor_class = _actor_class()
+            async with anyio.create_task_group() as tg:
+                for entry in self.actors.values():
+                    self._create(entry, actor_class)
+                task_status.started()
+                for entry in self.actors.values():
+                    tg.start_soon(self._supervise, entry)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.stop()
+
+    def _connect(self) -> None:
+        import ray
+
+        for key, value in RAY_ENV.items():
+            os.environ.setdefault(key, value)
+        if ray.is_initialized():
+            log.info("ray_connection_reused")
+            return
+        common: dict[str, Any] = {"log_to_driver": False}
+        if self.node_ip_address is not None:
+            common["_node_ip_address"] = self.node_ip_address
+        try:
+            if self.address is not None:
+                ray.init(address=self.address, **common)
+            else:
+                regions = sorted({e.spec.resource for e in self.actors.values()})
+                ray.init(num_cpus=self.num_cpus, include_dashboard=False,
+                         object_store_memory=self.object_store_bytes, resources=dict.fromkeys(regions, REGION_CAPACITY),
+                         _temp_dir=str(self.temp_dir) if self.temp_dir is not None else None, **common)
+        except Exception as err:   # Ray raises ConnectionError, RuntimeError, ValueError, ...
+            where = f"join the Ray cluster at {self.address!r} ([launch] ray_address)" if self.address is not None \
+                else "start a local Ray cluster"
+            raise TopologyError(f"ray backend: cannot {where}: {err}") from err
+        self._owns_ray = True
+        have = ray.cluster_resources()
+        for resource in sorted({e.spec.resource for e in self.actors.values()} - set(have)):
+            log.warning("ray_resource_missing", resource=resource,
+                        hint="no node declares it yet; its actors wait until one does")
+        log.info("ray_connected", address=self.address or "local", resources=sorted(have))
+
+    def _create(self, entry: RayEntry, actor_class: Any) -> None:
+        spec = entry.spec
+        entry.handle = actor_class.options(
+            num_cpus=0, resources={spec.resource: ACTOR_SHARE}, max_restarts=self.policy.max_restarts,
+            max_task_retries=0, max_concurrency=8,
+        ).remote(dict(spec.env), self.worker_setup)
+        entry.state = "running"
+        log.info("ray_actor_created", actor=spec.actor_id, kind=spec.kind, resource=spec.resource)
+
+    async def _supervise(self, entry: RayEntry) -> None:
+        import ray
+
+        placement = await self._placement(entry)
+        if placement is None:
+            await self._fail(entry, "the Ray actor died before it started")
+            return
+        await self._emit("started", entry, _where(placement))
+        restarted = ""   # the detail of a restart to announce once the new incarnation serves
+        while True:
+            ref = entry.handle.serve.remote(list(entry.spec.args), entry.restarts)
+            if restarted:
+                await self._emit("restarted", entry, restarted)
+                restarted = ""
+            try:
+                final = await ref
+            except ray.exceptions.RayActorError as err:
+                how = f"Ray actor died ({type(err).__name__})"
+            else:
+                if self._stopping:
+                    return
+                if final != State.FAILED.value:
+                    entry.state = "exited"
+                    log.info("ray_actor_exited", actor=entry.spec.actor_id, state=final)
+                    return
+                how = "the actor failed"
+                ray.kill(entry.handle, no_restart=False)   # a fresh worker, counted by Ray's max_restarts
+            if self._stopping:
+                return
+            log.warning("ray_actor_crashed", actor=entry.spec.actor_id, how=how)
+            await self._emit("crashed", entry, how)
+            entry.state = "restarting"
+            old = entry.placement
+            placement = await self._placement(entry)
+            if placement is None:
+                await self._fail(entry, f"{how}; Ray gave up after {entry.restarts} restarts "
+                                        f"(max_restarts {self.policy.max_restarts})")
+                return
+            if old is not None and placement.incarnation == old.incarnation:
+                log.warning("ray_actor_unreachable_but_alive", actor=entry.spec.actor_id)
+                entry.state = "running"
+                continue   # serve() joins the one still running
+            entry.restarts += 1
+            await anyio.sleep(self.policy.delay(entry.restarts))
+            if self._stopping:
+                return
+            entry.state = "running"
+            restarted = f"{how}; restart {entry.restarts}, {_where(placement)}"
+            log.info("ray_actor_restarted", actor=entry.spec.actor_id, restarts=entry.restarts,
+                     pid=placement.pid, node_ip=placement.node_ip)
+
+    async def _placement(self, entry: RayEntry) -> Placement | None:
+        """The placement of the live incarnation, waiting while Ray (re)creates it; None once it is dead."""
+        import ray
+
+        while True:
+            try:
+                with anyio.fail_after(30):
+                    placement: Placement = await entry.handle.describe.remote()
+            except ray.exceptions.ActorDiedError:
+                return None
+            except (ray.exceptions.RayActorError, TimeoutError) as err:   # restarting or unreachable
+                log.info("ray_actor_waiting", actor=entry.spec.actor_id, why=type(err).__name__)
+                await anyio.sleep(0.5)
+                continue
+            entry.placement = placement
+            return placement
+
+    async def _fail(self, entry: RayEntry, detail: str) -> None:
+        entry.state = "failed"
+        log.error("ray_actor_failed", actor=entry.spec.actor_id, detail=detail)
+        await self._emit("failed", entry, detail)
+
+    async def _emit(self, kind: str, entry: RayEntry, detail: str) -> None:
+        if self.on_event is None:
+            return
+        try:
+            with anyio.fail_after(5):
+                await self.on_event(kind, entry.spec, detail)
+        except Exception as err:   # an unreachable bus must not stop supervision
+            log.warning("supervisor_event_not_sent", event_kind=kind, error=repr(err))
+
+    async def stop(self) -> None:
+        """Ask every Ray actor to stop (drain, final heartbeat) within the drain timeout, kill them all,
+        and shut down the local Ray cluster if this backend started it."""
+        self._stopping = True
+        live = [e for e in self.actors.values() if e.handle is not None and e.state not in ("failed", "stopped")]
+
+        async def stop_one(entry: RayEntry) -> None:
+            try:
+                await entry.handle.stop.remote()
+            except Exception as err:   # dead or restarting: it is killed below either way
+                log.info("ray_actor_stop_skipped", actor=entry.spec.actor_id, error=type(err).__name__)
+
+        with anyio.move_on_after(self.drain_timeout_s) as scope:
+            async with anyio.create_task_group() as tg:
+                for entry in live:
+                    tg.start_soon(stop_one, entry)
+        if scope.cancelled_caught:
+            log.warning("ray_actor_drain_timeout", actors=[e.spec.actor_id for e in live])
+        await anyio.to_thread.run_sync(self._kill_all)
+
+    def _kill_all(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for entry in self.actors.values():
+            if entry.handle is not None:
+                try:
+                    ray.kill(entry.handle, no_restart=True)
+                except Exception as err:   # already dead
+                    log.info("ray_actor_kill_skipped", actor=entry.spec.actor_id, error=repr(err))
+            if entry.state not in ("failed", "exited"):
+                entry.state = "stopped"
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+
+    def placements(self) -> dict[str, Placement]:
+        """The last known placement of every started Ray actor, by actor id."""
+        return {a: e.placement for a, e in self.actors.items() if e.placement is not None}
+
+
+def _check_spec(spec: ProcessSpec) -> None:
+    if not spec.resource:
+        raise TopologyError(f"actor {spec.actor_id}: the ray backend needs a Ray resource (region:<name>)")
+    errors = StringIO()
+    try:
+        with redirect_stderr(errors):
+            build_parser().parse_args(list(spec.args))
+    except SystemExit:
+        raise TopologyError(f"actor {spec.actor_id}: bad actor arguments {list(spec.args)}: "
+                            f"{errors.getvalue().strip()}") from None
+
+
+def _where(placement: Placement) -> str:
+    return f"pid {placement.pid} on {placement.node_ip} (node {placement.node_id[:12]})"
+
+
+def _actor_class() -> Any:
+    import ray
+
+    return ray.remote(RayActorHost)
