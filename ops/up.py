@@ -51,6 +51,9 @@ def _handler(args: argparse.Namespace) -> int:
 async def _up(topology: Any, args: argparse.Namespace) -> int:
     import anyio
 
+    import functools
+
+    from rlbus.ops.logging import configure_logging
     from rlbus.topology.launch import Launch
 
     view = _ProgressView(sys.stdout.isatty())
@@ -62,9 +65,9 @@ async def _up(topology: Any, args: argparse.Namespace) -> int:
         print(f"rlbus up: bus ready ({where}); state in {launch.state_dir}", flush=True)
         try:
             async with anyio.create_task_group() as tg:
-                await tg.start(lambda task_status: launch.run_actors(backend=args.backend,
-                                                                     heartbeat_s=args.heartbeat_s,
-                                                                     task_status=task_status))
+                await tg.start(lambda task_status: launch.run_actors(
+                    backend=args.backend, heartbeat_s=args.heartbeat_s, task_status=task_status,
+                    worker_setup=functools.partial(configure_logging, json=True)))
                 tg.start_soon(view.watch, launch.admin)
                 tg.start_soon(_cancel_on_signal, tg.cancel_scope)
                 if args.duration is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,8 +161,11 @@ class Launch:
                 await anyio.to_thread.run_sync(regions.stop)
 
     async def run_actors(self, *, backend: str | None = None, heartbeat_s: float = 2.0,
+                         worker_setup: Callable[[], None] | None = None,
                          task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Run every actor through the backend until cancelled; stopping drains them."""
+        """Run every actor through the backend until cancelled; stopping drains them.
+
+        `worker_setup` runs first in every Ray worker (e.g. logging configuration)."""
         specs = actor_specs(self.topology, self.endpoints, heartbeat_s=heartbeat_s)
         r = self.topology.restart
         policy = RestartPolicy(max_restarts=r.max_restarts, window_s=r.window_s,
@@ -172,8 +175,7 @@ class Launch:
             from rlbus.topology.ray_backend import RayBackend
 
             self.supervisor = RayBackend(specs, policy=policy, address=self.topology.launch.ray_address,
-                                         regions=[reg.resource for reg in self.topology.regions],
-                                         on_event=self._event, log_dir=self.state_dir / "logs")
+                                         on_event=self._event, worker_setup=worker_setup)
         else:
             self.supervisor = LocalSupervisor(specs, policy=policy, log_dir=self.state_dir / "logs",
                                               on_event=self._event)
