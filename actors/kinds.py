@@ -10,9 +10,10 @@ from typing import Any, Final
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.demo import DemoConsumer, DemoProducer, DemoSettings
+from rlbus.actors.sandbox import build_sandbox
 from rlbus.messages.bus import Bus
 
-ACTOR_KINDS: Final = ("demo_producer", "demo_consumer")
+ACTOR_KINDS: Final = ("demo_producer", "demo_consumer", "sandbox")
 
 
 def build_actor(kind: str, ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Actor:
@@ -22,5 +23,7 @@ def build_actor(kind: str, ident: ActorId, bus: Bus, settings: dict[str, Any], l
             return DemoProducer(ident, bus, DemoSettings(**settings), limits)
         case "demo_consumer":
             return DemoConsumer(ident, bus, limits=limits, **settings)
+        case "sandbox":
+            return build_sandbox(ident, bus, settings, limits)
         case _:
             raise ValueError(f"unknown actor kind {kind!r}; known kinds: {', '.join(ACTOR_KINDS)}")

@@ -1,0 +1,408 @@
+"""The pre-forked sandbox executor: a long-lived process inside one jail that runs snippets on request.
+
+Owns: the executor's side of the pipe protocol (4-byte big-endian length + UTF-8 JSON frames on
+fds 0/1), one fresh forked child per execution (setsid, rlimits, non-root uid, fresh private working
+directory, wall timeout, output cap), counting passed/total asserts, and after each execution killing
+every process of it (pid 1 of a pid namespace: kill(-1) until /proc is empty; otherwise a child
+subreaper killing its descendants) and wiping its files.
+Does not: choose or build the jail (actors/_sandbox_pool.py). Stdlib only: it is run as
+`python -I -S -c <this file's text> <config JSON>` with an interpreter the jail can reach.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import struct
+import sys
+import time
+from typing import Any, Final
+
+PR_SET_PDEATHSIG: Final = 1
+PR_SET_DUMPABLE: Final = 4
+PR_SET_CHILD_SUBREAPER: Final = 36
+DRAIN_S: Final = 1.0
+"""After a kill, how long the pipes may take to reach EOF (every writer is dead by then)."""
+RESULT_CAP: Final = 1 << 20
+LINE_CAP: Final = 2000
+"""Characters of an assertion-failure message written to stderr."""
+
+
+class Config:
+    """What the pool tells the executor about its jail (from argv[1], a JSON object)."""
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self.pidns: bool = bool(raw.get("pidns", False))
+        """True when this process is pid 1 of its own pid namespace (bwrap, unshare)."""
+        self.work_root: str = str(raw["work_root"])
+        self.wipe: list[str] = [str(p) for p in raw.get("wipe", [])]
+        """Directories private to this jail whose contents are removed after every execution."""
+        self.drop_uid: int | None = raw.get("drop_uid")
+        self.drop_gid: int | None = raw.get("drop_gid")
+        self.nproc_extra: int = int(raw.get("nproc_extra", 1))
+        """Processes of the snippet's uid that exist outside the execution (this executor)."""
+
+
+# ---- framing -----------------------------------------------------------------------------------
+def read_exactly(fd: int, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(fd: int) -> dict[str, Any]:
+    (n,) = struct.unpack(">I", read_exactly(fd, 4))
+    return json.loads(read_exactly(fd, n))
+
+
+def write_frame(fd: int, obj: dict[str, Any]) -> None:
+    data = json.dumps(obj).encode()
+    view = memoryview(struct.pack(">I", len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+# ---- the child: one execution ------------------------------------------------------------------
+def _child(cfg: Config, code: str, tests: list[ast.stmt], limits: dict[str, Any], workdir: str,
+           out_w: int, err_w: int, res_w: int) -> None:
+    """Runs in the forked child; never returns. Result lines on fd 3: P (assert passed), F (failed),
+    M (MemoryError), X (the code raised), D (done)."""
+    try:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.dup2(res_w, 3)
+        os.closerange(4, 1 << 16)
+        if not cfg.pidns:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.chdir(workdir)
+        os.umask(0o077)
+        os.environ.clear()
+        os.environ.update({"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8",
+                           "TMPDIR": "/tmp" if cfg.pidns else workdir})
+        if cfg.drop_uid is not None and os.geteuid() == 0:
+            os.setgroups([])
+            os.setgid(cfg.drop_gid if cfg.drop_gid is not None else cfg.drop_uid)
+            os.setuid(cfg.drop_uid)
+        _set_limits(cfg, limits)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        sys.stdin = open(0, closefd=False)
+    except BaseException as err:  # the jail itself failed: say so on stderr, exit 125
+        os.write(2, f"sandbox child setup failed: {err!r}\n".encode())
+        os._exit(125)
+    _run_snippet(code, tests)
+
+
+def _set_limits(cfg: Config, limits: dict[str, Any]) -> None:
+    cpu = max(1, int(-(-float(limits["cpu_seconds"]) // 1)))
+    mem = int(limits["memory_mb"]) << 20
+    nproc = int(limits["max_processes"]) + cfg.nproc_extra
+    fsize = int(limits["max_file_mb"]) << 20
+    nofile = int(limits["max_open_files"])
+    for what, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
+                             (resource.RLIMIT_NPROC, nproc, nproc), (resource.RLIMIT_FSIZE, fsize, fsize),
+                             (resource.RLIMIT_NOFILE, nofile, nofile), (resource.RLIMIT_CORE, 0, 0)):
+        resource.setrlimit(what, (soft, hard))
+
+
+def _run_snippet(code: str, tests: list[ast.stmt]) -> None:
+    def mark(tag: bytes) -> None:
+        try:
+            os.write(3, tag)
+        except OSError:
+            pass
+
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec(compile(code, "<code>", "exec"), namespace)
+    except MemoryError:
+        mark(b"M\n")
+        os._exit(1)
+    except BaseException as err:  # SyntaxError, SystemExit, anything the code raises
+        _report(err)
+        mark(b"X\n")
+        os._exit(1)
+    for node in tests:
+        try:
+            exec(compile(ast.Module(body=[node], type_ignores=[]), "<tests>", "exec"), namespace)
+        except MemoryError:
+            mark(b"M\n")
+            os._exit(1)
+        except BaseException as err:
+            _report(err, node)
+            if isinstance(node, ast.Assert):
+                mark(b"F\n")
+            continue
+        if isinstance(node, ast.Assert):
+            mark(b"P\n")
+    mark(b"D\n")
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(0)
+
+
+def _report(err: BaseException, node: ast.stmt | None = None) -> None:
+    where = f"line {node.lineno} of the tests: " if node is not None else ""
+    text = f"{where}{type(err).__name__}: {err}"
+    try:
+        sys.stderr.write(text[:LINE_CAP] + "\n")
+        sys.stderr.flush()
+    except BaseException:
+        pass
+
+
+# ---- the executor: one request ------------------------------------------------------------------
+class Executor:
+    """The long-lived side: forks one child per request, watches it, cleans up after it."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.seq = 0
+        self.me = os.getpid()
+        self.killed: set[int] = set()
+
+    def execute(self, req: dict[str, Any]) -> dict[str, Any]:
+        limits = req["limits"]
+        started = time.monotonic()
+        try:
+            tests = list(ast.parse(str(req.get("tests", "")), "<tests>").body)
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
+            return {"status": "error", "passed": 0, "total": 0, "detail": f"the tests do not parse: {err}"}
+        total = sum(isinstance(n, ast.Assert) for n in tests)
+        self.seq += 1
+        workdir = os.path.join(self.cfg.work_root, f"run{self.seq}")
+        os.mkdir(workdir, 0o700)
+        if self.cfg.drop_uid is not None and os.geteuid() == 0:
+            os.chown(workdir, self.cfg.drop_uid, self.cfg.drop_gid if self.cfg.drop_gid is not None else -1)
+        self.killed = set()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        res_r, res_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _child(self.cfg, str(req.get("code", "")), tests, limits, workdir, out_w, err_w, res_w)
+        for fd in (out_w, err_w, res_w):
+            os.close(fd)
+        result = self._watch(pid, limits, out_r, err_r, res_r, started)
+        result["total"] = total
+        self.kill_all(None)
+        self.killed.discard(pid)
+        result["leftovers_killed"] = len(self.killed)
+        self.wipe(workdir)
+        result["wall_seconds"] = time.monotonic() - started
+        return result
+
+    def _watch(self, pid: int, limits: dict[str, Any], out_r: int, err_r: int, res_r: int,
+               started: float) -> dict[str, Any]:
+        cap = int(limits["max_output_kb"]) * 1024
+        deadline = started + float(limits["wall_seconds"])
+        pidfd = os.pidfd_open(pid)
+        bufs: dict[int, bytearray] = {out_r: bytearray(), err_r: bytearray(), res_r: bytearray()}
+        open_fds = {out_r, err_r, res_r}
+        status = ""
+        exited = False
+        drain_until = 0.0
+        try:
+            while open_fds or not exited:
+                now = time.monotonic()
+                if not status and now >= deadline:
+                    status = "timeout"
+                if status and not drain_until:       # killed: every writer dies, so EOF follows
+                    self.kill_all(pid)
+                    drain_until = time.monotonic() + DRAIN_S
+                if exited and open_fds and not drain_until:   # the child is gone; its leftovers hold pipes
+                    self.kill_all(pid)
+                    drain_until = time.monotonic() + DRAIN_S
+                if drain_until and time.monotonic() >= drain_until:
+                    break
+                wait = (drain_until or deadline) - time.monotonic()
+                watch = list(open_fds) + ([] if exited else [pidfd])
+                ready, _, _ = select.select(watch, [], [], max(0.0, wait))
+                for fd in ready:
+                    if fd == pidfd:
+                        exited = True
+                        continue
+                    chunk = os.read(fd, 1 << 16)
+                    if not chunk:
+                        open_fds.discard(fd)
+                        continue
+                    if status == "output_limit":
+                        continue                     # killed at the cap; only draining now
+                    bufs[fd] += chunk
+                    if fd == res_r:
+                        if len(bufs[res_r]) > RESULT_CAP:
+                            status = "output_limit"
+                    elif len(bufs[out_r]) + len(bufs[err_r]) > cap:
+                        status = "output_limit"
+            if not exited:
+                self.kill_all(pid)
+            _, wstatus, usage = os.wait4(pid, 0)
+        finally:
+            for fd in (out_r, err_r, res_r, pidfd):
+                os.close(fd)
+        out, err = bytes(bufs[out_r]), bytes(bufs[err_r])
+        if len(out) + len(err) > cap:
+            out = out[:cap]
+            err = err[:max(0, cap - len(out))]
+        marks = bytes(bufs[res_r]).split()
+        passed = marks.count(b"P")
+        exit_code = os.waitstatus_to_exitcode(wstatus)
+        if not status:
+            if exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and usage.ru_utime + usage.ru_stime >= \
+                    float(limits["cpu_seconds"]) * 0.95:
+                status = "timeout"
+            elif b"M" in marks:
+                status = "oom"
+            elif exit_code == 125:
+                status = "error"
+            elif exit_code == 0 and b"D" in marks and b"F" not in marks:
+                status = "ok"
+            else:
+                status = "failed"
+        return {"status": status, "passed": passed, "exit_code": exit_code,
+                "stdout": out.decode("utf-8", "replace"), "stderr": err.decode("utf-8", "replace"),
+                "cpu_seconds": usage.ru_utime + usage.ru_stime, "max_rss_kb": usage.ru_maxrss}
+
+    # ---- cleanup -------------------------------------------------------------------------------
+    def kill_all(self, child: int | None) -> None:
+        """SIGKILL `child` (not reaped: its status is read later) and every other process of the
+        execution, setsid escapes included, and reap those; loops until /proc shows none, since a
+        fork bomb races the kill. Adds what it found to `self.killed`."""
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for _ in range(500):
+            others = [p for p in self._others() if p != child]
+            if not others:
+                return
+            self.killed.update(others)
+            if self.cfg.pidns:
+                try:
+                    os.kill(-1, signal.SIGKILL)      # pid 1 of the namespace: everyone but us
+                except ProcessLookupError:
+                    pass
+            else:
+                for pid in others:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            for pid in others:
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass                             # not ours yet: reparented to us once its parent dies
+            time.sleep(0.0002)
+        raise RuntimeError(f"processes of the execution survive SIGKILL: {self._others()}")
+
+    def _others(self) -> list[int]:
+        """Live or zombie processes of the execution: in a pid namespace every pid but ours; otherwise
+        our descendants (we are their subreaper, so orphans come back to us)."""
+        pids = [int(n) for n in os.listdir("/proc") if n.isdigit()]
+        if self.cfg.pidns:
+            return [p for p in pids if p != self.me]
+        parent: dict[int, int] = {}
+        for p in pids:
+            try:
+                with open(f"/proc/{p}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            parent[p] = int(stat[stat.rindex(b")") + 2:].split()[1])
+        mine: set[int] = set()
+        frontier = {self.me}
+        while frontier:
+            frontier = {p for p, pp in parent.items() if pp in frontier and p not in mine}
+            mine |= frontier
+        return sorted(mine)
+
+    def wipe(self, workdir: str) -> None:
+        """Remove the execution's files: its working directory and everything in the jail's private dirs."""
+        shutil.rmtree(workdir, onerror=_force)
+        for top in self.cfg.wipe:
+            try:
+                names = os.listdir(top)
+            except OSError:
+                continue
+            for name in names:
+                path = os.path.join(top, name)
+                if os.path.normpath(path) == os.path.normpath(self.cfg.work_root):
+                    continue
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, onerror=_force)
+                else:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+
+
+def _force(func: Any, path: str, exc: Any) -> None:
+    """rmtree error hook: the snippet may have made a directory unwritable; make it ours and retry."""
+    try:
+        os.chmod(os.path.dirname(path) or ".", 0o700)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, 0o700)
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+
+
+def main() -> None:
+    cfg = Config(json.loads(sys.argv[1]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # pid 1 takes signals from inside only if handled
+    _prctl(PR_SET_DUMPABLE, 0)                      # same-uid snippets cannot ptrace us
+    if not cfg.pidns:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)           # setsid escapes come back to us, so we can find them
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.makedirs(cfg.work_root, mode=0o711, exist_ok=True)
+    rfd, wfd = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    executor = Executor(cfg)
+    write_frame(wfd, {"ready": True, "uid": os.getuid(), "pid": os.getpid(), "pidns": cfg.pidns,
+                      "python": sys.version.split()[0]})
+    while True:
+        try:
+            req = read_frame(rfd)
+        except EOFError:
+            return
+        try:
+            result = executor.execute(req)
+        except Exception as err:  # an executor-side failure: report it, stay alive
+            result = {"status": "error", "passed": 0, "total": 0, "detail": f"executor: {err!r}"}
+        result["id"] = req.get("id", "")
+        write_frame(wfd, result)
+
+
+if __name__ == "__main__":
+    main()
