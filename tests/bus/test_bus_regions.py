@@ -7,6 +7,7 @@ duplicates none at the hub. Raw nats-py with `Nats-Msg-Id` headers; streams from
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
@@ -101,18 +102,17 @@ async def test_leaf_core_message_reaches_hub_subscriber_and_back(regions: Region
         at_eu = await gen_eu.subscribe(s.weights())
         for nc in (observer, gen_eu):
             await nc.flush()
-        with anyio.fail_after(10):
-            while True:  # interest crosses the links asynchronously: retry until the first arrives
+        got: set[bytes] = set()
+        with anyio.fail_after(10):  # interest crosses the links asynchronously: publish until all arrived
+            while got != {b"eu", b"us", b"v1"}:
                 await gen_eu.publish(s.health("eu", "generator", "g1"), b"eu")
                 await gen_us.publish(s.health("us", "generator", "g2"), b"us")
                 await publisher.publish(s.weights(), b"v1")
-                try:
-                    got = {(await at_hub.next_msg(0.5)).data, (await at_hub.next_msg(0.5)).data,
-                           (await at_eu.next_msg(0.5)).data}
-                    break
-                except nats.errors.TimeoutError:
-                    continue
-        assert got == {b"eu", b"us", b"v1"}
+                for sub in (at_hub, at_eu):
+                    with contextlib.suppress(nats.errors.TimeoutError):
+                        while True:
+                            got.add((await sub.next_msg(0.2)).data)
+        assert got == {b"eu", b"us", b"v1"}  # every direction delivered (else fail_after fired)
     finally:
         for nc in (observer, gen_eu, gen_us, publisher):
             await nc.close()
@@ -302,7 +302,8 @@ async def test_partitioned_leaf_keeps_serving_and_catches_up_exactly_once(region
                                                          stream=s.tasks_stream("eu"))
         regions.cut("eu")
         cut_until = time.monotonic() + CUT_S
-        with pytest.raises(nats.js.errors.NoStreamResponseError):  # the hub cannot reach eu's TASKS now
+        # the hub cannot reach eu's TASKS now: no responders, or (racing the drop) no ack
+        with pytest.raises((nats.js.errors.NoStreamResponseError, nats.errors.TimeoutError)):
             await hub_feeder.jetstream().publish(s.tasks("eu"), b"lost", timeout=2)
         served, i = [], 0
         while time.monotonic() < cut_until:
