@@ -155,14 +155,16 @@ def test_find_changes_reference_on_a_hand_example() -> None:
     assert pos.tolist() == [1, 3] and gaps.tolist() == [1, 1] and xor.tolist() == [2, 4]
 
 
-def test_chunked_cpu_path_equals_the_reference() -> None:
-    """The numpy change finder gives the reference positions across its chunk boundaries."""
+def test_word_wise_cpu_path_equals_the_reference() -> None:
+    """The numpy change finder (64-bit words, then lanes, then the tail) gives the reference positions."""
     gen = torch.Generator().manual_seed(0)
-    old = torch.randint(-1000, 1000, (600_001,), dtype=torch.int16, generator=gen)
-    new = old.clone()
-    new[torch.randint(0, old.numel(), (500,), generator=gen)] += 1
-    new[[0, 262_143, 262_144, 600_000]] -= 3
-    assert np.array_equal(changed_positions(new.numpy(), old.numpy()), find_changes(new, old)[0].numpy())
+    for dtype, n in ((torch.int16, 60_003), (torch.int32, 60_001), (torch.int16, 3)):
+        old = torch.randint(-1000, 1000, (n,), dtype=dtype, generator=gen)
+        new = old.clone()
+        new[torch.randint(0, n, (500,), generator=gen)] += 1
+        new[[0, n // 2, n - 2, n - 1]] -= 3
+        new[n // 2 + 1] = -old[n // 2 + 1] - 1  # sign flip
+        assert np.array_equal(changed_positions(new.numpy(), old.numpy()), find_changes(new, old)[0].numpy())
 
 
 def _sizes(new: torch.Tensor, old: torch.Tensor) -> dict[Encoding, int]:
