@@ -32,7 +32,7 @@ from typing import Any, Final, NamedTuple
 import structlog
 
 from rlbus.messages.errors import ServerError
-from rlbus.messages.subjects import ROLES, role_permissions, token
+from rlbus.messages.subjects import ROLES, BucketScope, role_permissions, token
 
 log = structlog.get_logger()
 
@@ -104,8 +104,8 @@ def _q(value: str) -> str:
     return json.dumps(value)
 
 
-def _user_block(cred: Credential, role: str) -> str:
-    pub, sub = role_permissions(role)  # type: ignore[arg-type]  # role comes from ROLES
+def _user_block(cred: Credential, role: str, scope: BucketScope | None) -> str:
+    pub, sub = role_permissions(role, scope)  # type: ignore[arg-type]  # role comes from ROLES
     perms = (f"permissions: {{publish: {{allow: {json.dumps(pub)}}}, "
              f"subscribe: {{allow: {json.dumps(sub)}}}}}")
     return f"    {{user: {_q(cred.user)}, password: {_q(cred.password)}, {perms}}}"
@@ -114,7 +114,7 @@ def _user_block(cred: Credential, role: str) -> str:
 def render_config(*, name: str, store_dir: Path, port: int, http_port: int, users: Mapping[str, Credential],
                   domain: str | None = None, leaf_port: int | None = None,
                   leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
-                  host: str = "127.0.0.1", leaf_reconnect: str = "1s") -> str:
+                  host: str = "127.0.0.1", leaf_reconnect: str = "1s", scope: BucketScope | None = None) -> str:
     """The text of a nats-server config (pure). Port -1 means "pick a free one"; `leaf_port` None: no
     leafnode listener; `leaf_remote` = (url, user, password) of the hub's leafnode port to join."""
     js = [f"  store_dir: {_q(str(store_dir))}"]
@@ -122,7 +122,7 @@ def render_config(*, name: str, store_dir: Path, port: int, http_port: int, user
         js.append(f"  domain: {_q(token(domain, 'JetStream domain'))}")
     if sync_interval is not None:
         js.append(f"  sync_interval: {_q(sync_interval)}")
-    clients = [_user_block(cred, role) for role, cred in users.items() if role != LEAF_ROLE]
+    clients = [_user_block(cred, role, scope) for role, cred in users.items() if role != LEAF_ROLE]
     lines = [
         f"server_name: {_q(name)}",
         f"host: {_q(host)}",
@@ -166,7 +166,8 @@ class EmbeddedServer:
 
     def __init__(self, store_dir: Path, *, name: str, users: Mapping[str, Credential], domain: str | None,
                  leaf_listen: bool, leaf_remote: tuple[str, str, str] | None, sync_interval: str | None,
-                 port: int, leaf_port: int, http_port: int, binary: Path, ready_timeout_s: float) -> None:
+                 port: int, leaf_port: int, http_port: int, binary: Path, ready_timeout_s: float,
+                 scope: BucketScope | None = None) -> None:
         if sync_interval is not None and not _SYNC_INTERVAL.fullmatch(sync_interval):
             raise ServerError(f"server {name}: sync_interval {sync_interval!r} is not 'always' or a duration "
                               f"like '100ms', '1s', '2m'")
@@ -179,6 +180,7 @@ class EmbeddedServer:
         self.sync_interval: Final = sync_interval
         self.binary: Final = binary
         self.ready_timeout_s = ready_timeout_s
+        self.scope: Final = scope
         self._port, self._leaf_port, self._http_port = port, leaf_port, http_port
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
@@ -189,7 +191,8 @@ class EmbeddedServer:
               users: Mapping[str, Credential] | None = None, leaf_listen: bool = False,
               leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
               port: int = -1, leaf_port: int = -1, http_port: int = -1,
-              binary: str | os.PathLike[str] | None = None, ready_timeout_s: float = 15.0) -> EmbeddedServer:
+              binary: str | os.PathLike[str] | None = None, ready_timeout_s: float = 15.0,
+              scope: BucketScope | None = None) -> EmbeddedServer:
         """Launch without waiting for readiness (call `wait_ready()`); lets a caller start several at once.
 
         `users`: role → credential; None generates a random password for every role of `subjects.ROLES`.
@@ -200,17 +203,25 @@ class EmbeddedServer:
                      users=generate_users() if users is None else users, domain=domain,
                      leaf_listen=leaf_listen, leaf_remote=leaf_remote, sync_interval=sync_interval,
                      port=port, leaf_port=leaf_port, http_port=http_port, binary=find_nats_server(binary),
-                     ready_timeout_s=ready_timeout_s)
+                     ready_timeout_s=ready_timeout_s, scope=scope)
         server._launch()
         return server
 
     @classmethod
-    def start(cls, store_dir: str | os.PathLike[str], **options: Any) -> EmbeddedServer:
-        """`spawn(store_dir, **options)` and wait until ready. Same options as `spawn`.
+    def start(cls, store_dir: str | os.PathLike[str], *, name: str = "rlbus", domain: str | None = None,
+              users: Mapping[str, Credential] | None = None, leaf_listen: bool = False,
+              leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
+              port: int = -1, leaf_port: int = -1, http_port: int = -1,
+              binary: str | os.PathLike[str] | None = None, ready_timeout_s: float = 15.0,
+              scope: BucketScope | None = None) -> EmbeddedServer:
+        """Launch (as `spawn`, same options) and block until the server is ready.
 
         :raises ServerError: binary missing, port taken, bad config, or not ready in time (log tail included).
         """
-        server = cls.spawn(store_dir, **options)
+        server = cls.spawn(store_dir, name=name, domain=domain, users=users, leaf_listen=leaf_listen,
+                           leaf_remote=leaf_remote, sync_interval=sync_interval, port=port,
+                           leaf_port=leaf_port, http_port=http_port, binary=binary,
+                           ready_timeout_s=ready_timeout_s, scope=scope)
         try:
             server.wait_ready()
         except BaseException:
@@ -272,7 +283,7 @@ class EmbeddedServer:
             raise ServerError(f"server {self.name} is already running (pid {self.pid})")
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._refuse_stale_process()
-        text = render_config(name=self.name, store_dir=self.store_dir, port=self._port,
+        text = render_config(scope=self.scope, name=self.name, store_dir=self.store_dir, port=self._port,
                              http_port=self._http_port, users=self.users, domain=self.domain,
                              leaf_port=self._leaf_port if self.leaf_listen else None,
                              leaf_remote=self.leaf_remote, sync_interval=self.sync_interval)
@@ -331,7 +342,7 @@ class EmbeddedServer:
             if _READY in text:
                 break
             if proc.poll() is not None:
-                self._proc = None
+                self._forget(proc, "nats_server_exited")
                 raise ServerError(f"server {self.name} exited with status {proc.returncode} before it was "
                                   f"ready (config {self.config_path}). Log:\n{self.log_tail()}")
             if time.monotonic() > deadline:
