@@ -11,8 +11,9 @@ import triton.language as tl
 
 
 @triton.jit
-def logprob_entropy_kernel(logits_ptr, targets_ptr, logprob_ptr, entropy_ptr, V, stride_row, inv_temp,
-                           BLOCK_V: tl.constexpr):
+def logprob_entropy_kernel(
+    logits_ptr, targets_ptr, logprob_ptr, entropy_ptr, V, stride_row, inv_temp, BLOCK_V: tl.constexpr
+):
     """One program per row: online logsumexp over BLOCK_V-wide slices of z = logits * inv_temp.
 
     m = running max, s = sum exp(z - m), t = sum exp(z - m) * z; rescaled by exp(m_old - m_new)

@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def pow2(e):
     """2^e exactly for int32 e in [-127, 127], built from bits as the product of two halves."""
@@ -36,14 +35,14 @@ def quantize_kernel(x_ptr, codes_ptr, scales_ptr, n_blocks, GROUPS: tl.constexpr
     offs = rows.to(tl.int64)[:, None] * 32 + cols[None, :]
     x = tl.load(x_ptr + offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    shared = tl.minimum(tl.maximum(exponent(amax) - 8, -127), 127)   # zero/subnormal amax -> -127
+    shared = tl.minimum(tl.maximum(exponent(amax) - 8, -127), 127)  # zero/subnormal amax -> -127
     y = x * pow2(-shared)[:, None]
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
     a = tl.abs(y)
-    e = tl.maximum(exponent(a), -6)                   # E4M3 subnormals share exponent -6
-    t = a * pow2(3 - e)                               # in [0, 16): one unit = one E4M3 step
-    r = (t + 8388608.0) - 8388608.0                   # round half to even in one fp32 rounding
+    e = tl.maximum(exponent(a), -6)  # E4M3 subnormals share exponent -6
+    t = a * pow2(3 - e)  # in [0, 16): one unit = one E4M3 step
+    r = (t + 8388608.0) - 8388608.0  # round half to even in one fp32 rounding
     q = r * pow2(e - 3)
     eq = exponent(q)
     normal = ((eq + 7) << 3) | ((q.to(tl.int32, bitcast=True) >> 20) & 7)

@@ -16,15 +16,18 @@ from torch import Tensor
 
 def _check(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     if logits.dim() < 2 or targets.shape != logits.shape[:-1]:
-        raise ValueError(f"logits (..., V) and targets (...) must agree, got {tuple(logits.shape)} "
-                         f"and {tuple(targets.shape)}")
+        raise ValueError(
+            f"logits (..., V) and targets (...) must agree, got {tuple(logits.shape)} "
+            f"and {tuple(targets.shape)}"
+        )
     if targets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"targets must be int32/int64 token ids, got {targets.dtype}")
     return logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
 
 
-def token_logprob_entropy_torch(logits: Tensor, targets: Tensor,
-                                temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+def token_logprob_entropy_torch(
+    logits: Tensor, targets: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
     """Reference. logits (..., V) any float, targets (...) int -> (logprob, entropy), float32 (...).
 
     z = logits / temperature; logprob = z[target] - logsumexp(z);
@@ -40,13 +43,14 @@ def token_logprob_entropy_torch(logits: Tensor, targets: Tensor,
 
 
 def _logprob_triton() -> Any:
-    from rlbus.kernels import _logprob_triton as module   # imports triton; reads TRITON_INTERPRET
+    from rlbus.kernels import _logprob_triton as module  # imports triton; reads TRITON_INTERPRET
 
     return module
 
 
-def token_logprob_entropy_triton(logits: Tensor, targets: Tensor,
-                                 temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+def token_logprob_entropy_triton(
+    logits: Tensor, targets: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
     """Same contract as `token_logprob_entropy_torch`, forward only, via the Triton kernel."""
     import triton
 
@@ -57,8 +61,9 @@ def token_logprob_entropy_triton(logits: Tensor, targets: Tensor,
     entropy = torch.empty(N, dtype=torch.float32, device=flat.device)
     if N:
         block = min(triton.next_power_of_2(V), 4096)
-        _logprob_triton().logprob_entropy_kernel[(N,)](flat, tgt.contiguous(), logprob, entropy, V, flat.stride(0), 1.0 / temperature,
-                        BLOCK_V=block)
+        _logprob_triton().logprob_entropy_kernel[(N,)](
+            flat, tgt.contiguous(), logprob, entropy, V, flat.stride(0), 1.0 / temperature, BLOCK_V=block
+        )
     return logprob.view(targets.shape), entropy.view(targets.shape)
 
 

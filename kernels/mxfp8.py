@@ -15,7 +15,7 @@ from torch import Tensor
 
 BLOCK: Final = 32
 E4M3_MAX: Final = 448.0
-E4M3_EMAX: Final = 8          # exponent of the largest normal E4M3 value, 448 = 1.75 * 2^8
+E4M3_EMAX: Final = 8  # exponent of the largest normal E4M3 value, 448 = 1.75 * 2^8
 
 
 def _blocks(x: Tensor) -> Tensor:
@@ -32,7 +32,7 @@ def mxfp8_quantize_torch(x: Tensor) -> tuple[Tensor, Tensor]:
     """
     blocks = _blocks(x).float()
     amax = blocks.abs().amax(dim=-1)
-    _, exp = torch.frexp(amax)                          # amax = m * 2^exp, m in [0.5, 1)
+    _, exp = torch.frexp(amax)  # amax = m * 2^exp, m in [0.5, 1)
     shared = torch.where(amax > 0, exp - 1 - E4M3_EMAX, torch.full_like(exp, -127)).clamp(-127, 127)
     scaled = blocks * torch.pow(2.0, -shared.float())[:, None]
     codes = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -58,7 +58,7 @@ _GROUPS: Final = 16
 
 
 def _mxfp8_triton() -> Any:
-    from rlbus.kernels import _mxfp8_triton as module   # imports triton; reads TRITON_INTERPRET
+    from rlbus.kernels import _mxfp8_triton as module  # imports triton; reads TRITON_INTERPRET
 
     return module
 
@@ -87,7 +87,9 @@ def mxfp8_dequantize_triton(codes: Tensor, scales: Tensor, dtype: torch.dtype = 
     out = torch.empty(blocks.shape, dtype=torch.float32, device=codes.device)
     if n:
         grid = (triton.cdiv(n, _GROUPS),)
-        _mxfp8_triton().dequantize_kernel[grid](blocks, scales.contiguous().reshape(-1), out, n, GROUPS=_GROUPS)
+        _mxfp8_triton().dequantize_kernel[grid](
+            blocks, scales.contiguous().reshape(-1), out, n, GROUPS=_GROUPS
+        )
     return out.view(codes.shape).to(dtype)
 
 

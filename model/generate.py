@@ -71,12 +71,14 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.bool)
     for b, prompt in enumerate(prompts):
-        tokens[b, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
-        mask[b, width - len(prompt):] = True
+        tokens[b, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+        mask[b, width - len(prompt) :] = True
     return tokens.to(device), mask.to(device)
 
 
-def sample_next(logits: Tensor, temperature: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+def sample_next(
+    logits: Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
     """logits (B, V) -> (token (B,) int64, logprob (B,) float32) of log softmax(logits / tau)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -92,8 +94,10 @@ def _check_budget(model: Transformer, prompt_len: int, max_new_tokens: int) -> N
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if prompt_len + max_new_tokens > model.config.max_seq_len:
-        raise ValueError(f"prompt of {prompt_len} + {max_new_tokens} new tokens exceeds max_seq_len "
-                         f"{model.config.max_seq_len}; shorten the prompt or summarise the history")
+        raise ValueError(
+            f"prompt of {prompt_len} + {max_new_tokens} new tokens exceeds max_seq_len "
+            f"{model.config.max_seq_len}; shorten the prompt or summarise the history"
+        )
 
 
 class _Recorder:
@@ -117,7 +121,9 @@ class _Recorder:
     def done(self) -> bool:
         return all(self.finished)
 
-    def results(self, prompts: Sequence[Sequence[int]], mask: Tensor, routing: list[Tensor]) -> list[SampledSequence]:
+    def results(
+        self, prompts: Sequence[Sequence[int]], mask: Tensor, routing: list[Tensor]
+    ) -> list[SampledSequence]:
         out = []
         steps = torch.cat(routing[1:], dim=1).cpu() if len(routing) > 1 else None
         for b, prompt in enumerate(prompts):
@@ -126,20 +132,33 @@ class _Recorder:
             if routing:
                 parts = [routing[0][b][mask[b]].cpu()] + ([steps[b, :n]] if steps is not None else [])
                 route = torch.cat(parts)
-            out.append(SampledSequence(
-                prompt=torch.as_tensor(list(prompt), dtype=torch.long),
-                tokens=torch.tensor(self.tokens[b], dtype=torch.long),
-                logprobs=torch.tensor(self.logprobs[b], dtype=torch.float32),
-                versions=torch.tensor(self.versions[b], dtype=torch.long),
-                routing=route, finish_reason="eos" if self.finished[b] else "length"))
+            out.append(
+                SampledSequence(
+                    prompt=torch.as_tensor(list(prompt), dtype=torch.long),
+                    tokens=torch.tensor(self.tokens[b], dtype=torch.long),
+                    logprobs=torch.tensor(self.logprobs[b], dtype=torch.float32),
+                    versions=torch.tensor(self.versions[b], dtype=torch.long),
+                    routing=route,
+                    finish_reason="eos" if self.finished[b] else "length",
+                )
+            )
         return out
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             temperature: float = 1.0, eos_id: int | None = None, pad_id: int = 0, version: int = 0,
-             on_step: SwapHook | None = None, generator: torch.Generator | None = None,
-             weight_quant: WeightQuant = "none") -> list[SampledSequence]:
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    version: int = 0,
+    on_step: SwapHook | None = None,
+    generator: torch.Generator | None = None,
+    weight_quant: WeightQuant = "none",
+) -> list[SampledSequence]:
     """Sample up to max_new_tokens per prompt; one batched KV-cached forward per step.
 
     Prompts of unequal length are left-padded (pad_id) with an attention mask, so every row's
@@ -160,7 +179,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
             version = new_version
             if net is not model:
                 refresh_quantized(net, model)
-        out = net(inputs, cache=cache, attention_mask=input_mask)
+        out = net(inputs, cache=cache, attention_mask=input_mask, with_mtp=False)
         if out.routing is not None:
             routing.append(out.routing)
         token, logprob = sample_next(out.logits[:, -1], temperature, generator)
@@ -169,15 +188,27 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
         if record.done():
             break
         inputs, input_mask = token[:, None], None
-    if routing:   # feed the last tokens once more, only to learn their routing
-        routing.append(net(token[:, None], cache=cache).routing)  # type: ignore[arg-type]
+    if routing:  # feed the last tokens once more, only to learn their routing
+        routing.append(net(token[:, None], cache=cache, with_mtp=False).routing)  # type: ignore[arg-type]
     return record.results(prompts, mask, routing)
 
 
+def _drafts(model: Transformer, hidden: Tensor, k: int) -> Tensor:
+    """hidden (B, 1, D) at the last kept position -> greedy drafts (B, k) of the first k MTP heads."""
+    return torch.cat([model.head(mtp(hidden)).argmax(-1) for mtp in model.mtp[:k]], dim=1)
+
+
 @torch.no_grad()
-def speculative_generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                         eos_id: int | None = None, pad_id: int = 0, version: int = 0,
-                         draft_tokens: int | None = None) -> tuple[list[SampledSequence], SpeculativeStats]:
+def speculative_generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    version: int = 0,
+    draft_tokens: int | None = None,
+) -> tuple[list[SampledSequence], SpeculativeStats]:
     """Greedy decoding where MTP heads draft and the main head verifies (Stern et al. 2018;
     Cai et al. 2024, Medusa): the output equals `generate(..., temperature=0)` token for token.
 
@@ -197,20 +228,20 @@ def speculative_generate(model: Transformer, prompts: Sequence[Sequence[int]], *
     cache = model.new_cache(B, P + max_new_tokens)
     stats = SpeculativeStats(forward_passes=1)
     record = _Recorder(B, eos_id)
-    out = model(tokens, cache=cache, attention_mask=mask)
+    out = model(tokens, cache=cache, attention_mask=mask, with_mtp=False)
     routing = [out.routing] if out.routing is not None else []
     logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
     y = logp.argmax(-1)
     for b, (t, lp) in enumerate(zip(y.tolist(), logp.gather(-1, y[:, None])[:, 0].tolist(), strict=True)):
         record.add(b, t, lp, version)
-    drafts = torch.stack([m[:, -1].argmax(-1) for m in out.mtp_logits[:K]], dim=1)    # (B, K)
+    drafts = _drafts(model, out.hidden[:, -1:], K)  # type: ignore[index]
     n = 1
     while n < max_new_tokens and not record.done():
         k_eff = min(K, max_new_tokens - n - 1)
         start = cache.length
-        out = model(torch.cat([y[:, None], drafts[:, :k_eff]], dim=1), cache=cache)
+        out = model(torch.cat([y[:, None], drafts[:, :k_eff]], dim=1), cache=cache, with_mtp=False)
         stats.forward_passes += 1
-        logp = torch.log_softmax(out.logits.float(), dim=-1)                            # (B, 1+k, V)
+        logp = torch.log_softmax(out.logits.float(), dim=-1)  # (B, 1+k, V)
         greedy = logp.argmax(-1)
         active = torch.tensor([not f for f in record.finished], device=greedy.device)
         agree = (greedy[:, :k_eff] == drafts[:, :k_eff]).long().cumprod(dim=1).sum(dim=1)
@@ -218,18 +249,18 @@ def speculative_generate(model: Transformer, prompts: Sequence[Sequence[int]], *
         n_active = int(active.sum())
         stats.drafted += k_eff * n_active
         stats.accepted += a * n_active
-        kept = greedy[:, :a + 1]                       # == drafts[:, :a] then the main head's next token
-        kept_logp = logp[:, :a + 1].gather(-1, kept[..., None])[..., 0]
+        kept = greedy[:, : a + 1]  # == drafts[:, :a] then the main head's next token
+        kept_logp = logp[:, : a + 1].gather(-1, kept[..., None])[..., 0]
         for b in range(B):
             for t, lp in zip(kept[b].tolist(), kept_logp[b].tolist(), strict=True):
                 record.add(b, t, lp, version)
         n += a + 1
         cache.truncate(start + 1 + a)
         if out.routing is not None:
-            routing.append(out.routing[:, :a + 1])
+            routing.append(out.routing[:, : a + 1])
         y = greedy[:, a]
-        drafts = torch.stack([m[:, a].argmax(-1) for m in out.mtp_logits[:K]], dim=1)
+        drafts = _drafts(model, out.hidden[:, a : a + 1], K)  # type: ignore[index]
     if routing:
-        routing.append(model(y[:, None], cache=cache).routing)  # type: ignore[arg-type]
+        routing.append(model(y[:, None], cache=cache, with_mtp=False).routing)  # type: ignore[arg-type]
     stats.generated = sum(len(t) for t in record.tokens)
     return record.results(prompts, mask, routing), stats

@@ -16,27 +16,37 @@ from torch import Tensor
 Aggregation: TypeAlias = Literal["token_mean", "sequence_mean", "token_sum_norm"]
 
 
-def group_relative_advantages(rewards: Tensor, group_ids: Tensor, *, scale_by_std: bool = False,
-                              eps: float = 1e-6) -> Tensor:
+def group_relative_advantages(
+    rewards: Tensor, group_ids: Tensor, *, scale_by_std: bool = False, eps: float = 1e-6
+) -> Tensor:
     """A_i = r_i - mean{r_j : g_j = g_i}, optionally / (std{r_j : g_j = g_i} + eps).
 
     rewards (N,) float, group_ids (N,) int -> (N,). GRPO (Shao et al. 2024, DeepSeekMath) divides
     by the group std; Dr. GRPO (Liu et al. 2025) shows that biases towards easy/hard groups and
-    drops it, hence the default. std is the sample std (ddof=1, as TRL); a group of one has std 0.
+    drops it, hence the default. std is the sample std (ddof=1, as TRL); a group of one has std 0,
+    and a group with std + eps == 0 gets advantage 0.
     """
     if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards and group_ids must both be (N,), got {tuple(rewards.shape)} "
-                         f"and {tuple(group_ids.shape)}")
+        raise ValueError(
+            f"rewards and group_ids must both be (N,), got {tuple(rewards.shape)} "
+            f"and {tuple(group_ids.shape)}"
+        )
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     counts = torch.bincount(inverse, minlength=n_groups).to(rewards.dtype)
-    means = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards) / counts
+    means = (
+        torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
+        / counts
+    )
     centred = rewards - means[inverse]
     if not scale_by_std:
         return centred
     sq = torch.zeros_like(means).index_add_(0, inverse, centred**2)
     std = torch.where(counts > 1, (sq / (counts - 1).clamp_min(1)).sqrt(), torch.zeros_like(sq))
-    return centred / (std[inverse] + eps)
+    denom = std[inverse] + eps
+    return torch.where(
+        denom > 0, centred / denom.clamp_min(torch.finfo(rewards.dtype).tiny), torch.zeros_like(centred)
+    )
 
 
 def truncated_importance_weights(logp_policy: Tensor, logp_behaviour: Tensor, cap: float) -> Tensor:
@@ -74,14 +84,16 @@ def length_penalty(lengths: Tensor, budget: float, *, coef: float = 1.0, power: 
     return coef * over**power
 
 
-def shape_rewards(rewards: Tensor, lengths: Tensor, budget: float, *, coef: float = 1.0,
-                  power: float = 2.0) -> Tensor:
+def shape_rewards(
+    rewards: Tensor, lengths: Tensor, budget: float, *, coef: float = 1.0, power: float = 2.0
+) -> Tensor:
     """r_i - P(L_i) with P from `length_penalty`; rewards, lengths (N,) -> (N,)."""
     return rewards - length_penalty(lengths, budget, coef=coef, power=power).to(rewards.dtype)
 
 
-def aggregate(values: Tensor, mask: Tensor, mode: Aggregation = "token_mean", *,
-              norm: float | None = None) -> Tensor:
+def aggregate(
+    values: Tensor, mask: Tensor, mode: Aggregation = "token_mean", *, norm: float | None = None
+) -> Tensor:
     """Reduce per-token values (B, T) over mask (B, T) (True/1 = counts) to a scalar.
 
     token_mean:     sum_bt m v / sum_bt m  (every token weighs the same; DAPO, Yu et al. 2025)
@@ -104,7 +116,9 @@ def aggregate(values: Tensor, mask: Tensor, mode: Aggregation = "token_mean", *,
         case "token_sum_norm":
             return total / (norm if norm is not None else values.numel())
         case _:
-            raise ValueError(f"unknown aggregation {mode!r}; expected token_mean, sequence_mean or token_sum_norm")
+            raise ValueError(
+                f"unknown aggregation {mode!r}; expected token_mean, sequence_mean or token_sum_norm"
+            )
 
 
 class LossTerms(NamedTuple):
@@ -120,8 +134,17 @@ class LossTerms(NamedTuple):
     """Fraction of masked tokens whose ratio exceeded the cap (detached)."""
 
 
-def rl_loss(logp: Tensor, logp_behaviour: Tensor, logp_ref: Tensor, advantages: Tensor, mask: Tensor, *,
-            is_cap: float = 2.0, kl_coef: float = 0.0, mode: Aggregation = "token_mean") -> LossTerms:
+def rl_loss(
+    logp: Tensor,
+    logp_behaviour: Tensor,
+    logp_ref: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    is_cap: float = 2.0,
+    kl_coef: float = 0.0,
+    mode: Aggregation = "token_mean",
+) -> LossTerms:
     """Off-policy corrected policy gradient with the k1 KL folded into the per-token advantage.
 
     logp (B, T) current-policy logprobs of the sampled tokens (with grad); logp_behaviour,
@@ -135,8 +158,10 @@ def rl_loss(logp: Tensor, logp_behaviour: Tensor, logp_ref: Tensor, advantages: 
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
     if not logp.shape == logp_behaviour.shape == logp_ref.shape == advantages.shape == mask.shape:
-        raise ValueError(f"shape mismatch: logp {tuple(logp.shape)}, behaviour {tuple(logp_behaviour.shape)}, "
-                         f"ref {tuple(logp_ref.shape)}, advantages {tuple(advantages.shape)}, mask {tuple(mask.shape)}")
+        raise ValueError(
+            f"shape mismatch: logp {tuple(logp.shape)}, behaviour {tuple(logp_behaviour.shape)}, "
+            f"ref {tuple(logp_ref.shape)}, advantages {tuple(advantages.shape)}, mask {tuple(mask.shape)}"
+        )
     weights = truncated_importance_weights(logp, logp_behaviour, is_cap)
     kl = k1_kl(logp.detach(), logp_ref)
     per_token = -weights * (advantages - kl_coef * kl) * logp
@@ -144,12 +169,23 @@ def rl_loss(logp: Tensor, logp_behaviour: Tensor, logp_ref: Tensor, advantages: 
     m = mask.bool()
     n = m.sum().clamp_min(1)
     ratio = torch.exp(logp.detach() - logp_behaviour)
-    return LossTerms(loss=pg, pg_loss=pg.detach(), kl=aggregate(kl, mask, mode).detach(),
-                     mean_weight=weights[m].sum() / n, truncated_fraction=(ratio[m] > is_cap).sum() / n)
+    return LossTerms(
+        loss=pg,
+        pg_loss=pg.detach(),
+        kl=aggregate(kl, mask, mode).detach(),
+        mean_weight=weights[m].sum() / n,
+        truncated_fraction=(ratio[m] > is_cap).sum() / n,
+    )
 
 
-def lm_loss(logits: Tensor, mtp_logits: list[Tensor], tokens: Tensor, *, mask: Tensor | None = None,
-            mtp_weight: float = 1.0) -> Tensor:
+def lm_loss(
+    logits: Tensor,
+    mtp_logits: list[Tensor],
+    tokens: Tensor,
+    *,
+    mask: Tensor | None = None,
+    mtp_weight: float = 1.0,
+) -> Tensor:
     """Next-token cross-entropy plus multi-token prediction (Gloeckle et al. 2024).
 
     logits (B, T, V) predict tokens[:, t+1]; mtp_logits[k-1] (B, T, V) predict tokens[:, t+1+k];
@@ -161,8 +197,9 @@ def lm_loss(logits: Tensor, mtp_logits: list[Tensor], tokens: Tensor, *, mask: T
 
     def ce(pred: Tensor, shift: int) -> Tensor:
         target, valid = tokens[:, shift:], mask[:, shift:]
-        per = torch.nn.functional.cross_entropy(pred[:, :-shift].flatten(0, 1).float(), target.flatten(),
-                                                reduction="none").view_as(target)
+        per = torch.nn.functional.cross_entropy(
+            pred[:, :-shift].flatten(0, 1).float(), target.flatten(), reduction="none"
+        ).view_as(target)
         return aggregate(per, valid, "token_mean")
 
     main = ce(logits, 1)

@@ -46,8 +46,12 @@ class Trajectory:
 
     def tensors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(tokens int64, policy_mask bool, logprobs float32, versions int64), each (L,)."""
-        return (torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.policy_mask, dtype=torch.bool),
-                torch.tensor(self.logprobs, dtype=torch.float32), torch.tensor(self.versions, dtype=torch.long))
+        return (
+            torch.tensor(self.tokens, dtype=torch.long),
+            torch.tensor(self.policy_mask, dtype=torch.bool),
+            torch.tensor(self.logprobs, dtype=torch.float32),
+            torch.tensor(self.versions, dtype=torch.long),
+        )
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,21 @@ class Summary:
         trajectory.add_sample(self.sample)
 
 
-def summarize_if_over_budget(model: Transformer, context: Sequence[int], *, budget: int, keep_prefix: int,
-                             summary_prompt: Sequence[int], max_summary_tokens: int, eos_id: int | None,
-                             temperature: float = 1.0, version: int = 0, on_step: SwapHook | None = None,
-                             generator: torch.Generator | None = None,
-                             weight_quant: WeightQuant = "none") -> Summary | None:
+def summarize_if_over_budget(
+    model: Transformer,
+    context: Sequence[int],
+    *,
+    budget: int,
+    keep_prefix: int,
+    summary_prompt: Sequence[int],
+    max_summary_tokens: int,
+    eos_id: int | None,
+    temperature: float = 1.0,
+    version: int = 0,
+    on_step: SwapHook | None = None,
+    generator: torch.Generator | None = None,
+    weight_quant: WeightQuant = "none",
+) -> Summary | None:
     """None when len(context) <= budget; otherwise the policy summarises and the history shrinks.
 
     The policy reads context + summary_prompt and writes at most max_summary_tokens; the new
@@ -85,16 +99,28 @@ def summarize_if_over_budget(model: Transformer, context: Sequence[int], *, budg
     if not 0 <= keep_prefix <= len(context):
         raise ValueError(f"keep_prefix {keep_prefix} must be within the context of {len(context)} tokens")
     if keep_prefix + len(summary_prompt) + max_summary_tokens > budget:
-        raise ValueError(f"keep_prefix {keep_prefix} + summary prompt {len(summary_prompt)} + "
-                         f"max_summary_tokens {max_summary_tokens} must fit the budget {budget}")
+        raise ValueError(
+            f"keep_prefix {keep_prefix} + summary prompt {len(summary_prompt)} + "
+            f"max_summary_tokens {max_summary_tokens} must fit the budget {budget}"
+        )
     room = model.config.max_seq_len - len(summary_prompt) - max_summary_tokens - keep_prefix
     if room < 0:
-        raise ValueError(f"max_seq_len {model.config.max_seq_len} cannot hold the prefix, summary prompt "
-                         f"and {max_summary_tokens} summary tokens")
+        raise ValueError(
+            f"max_seq_len {model.config.max_seq_len} cannot hold the prefix, summary prompt "
+            f"and {max_summary_tokens} summary tokens"
+        )
     history = list(context[keep_prefix:])
-    source = list(context[:keep_prefix]) + history[max(0, len(history) - room):] + list(summary_prompt)
-    sample = generate(model, [source], max_new_tokens=max_summary_tokens, temperature=temperature,
-                      eos_id=eos_id, version=version, on_step=on_step, generator=generator,
-                      weight_quant=weight_quant)[0]
+    source = list(context[:keep_prefix]) + history[max(0, len(history) - room) :] + list(summary_prompt)
+    sample = generate(
+        model,
+        [source],
+        max_new_tokens=max_summary_tokens,
+        temperature=temperature,
+        eos_id=eos_id,
+        version=version,
+        on_step=on_step,
+        generator=generator,
+        weight_quant=weight_quant,
+    )[0]
     new_context = list(context[:keep_prefix]) + list(summary_prompt) + sample.tokens.tolist()
     return Summary(context=new_context, source=source, sample=sample)

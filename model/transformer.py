@@ -80,8 +80,15 @@ class KVCache:
     position, so a row's first real token sits at position 0 whatever its padding.
     """
 
-    def __init__(self, config: ModelConfig, batch: int, max_len: int, *,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch: int,
+        max_len: int,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         if max_len > config.max_seq_len:
             raise ValueError(f"cache max_len {max_len} exceeds the model's max_seq_len {config.max_seq_len}")
         head_dim = config.d_model // config.n_heads
@@ -114,6 +121,8 @@ class ModelOutput(NamedTuple):
     """(B, T, n_moe_layers, top_k) int64 expert ids, in `moe_layers` order; None without MoE."""
     mtp_logits: list[Tensor]
     """mtp_logits[k-1] (B, T, V): head k's logits for token t+1+k; empty without MTP heads."""
+    hidden: Tensor | None = None
+    """(B, T, D) last block's output (before the final norm), for `Transformer.mtp_head_logits`."""
 
 
 class RMSNorm(nn.Module):
@@ -147,17 +156,18 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                cache: KVCache | None, layer: int) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None, layer: int
+    ) -> Tensor:
         """x (B, T, D) -> (B, T, D); writes k/v into cache slots [length, length+T) if given."""
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             start = cache.length
-            cache.k[layer][:, :, start:start + T] = k
-            cache.v[layer][:, :, start:start + T] = v
-            k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
+            cache.k[layer][:, :, start : start + T] = k
+            cache.v[layer][:, :, start : start + T] = v
+            k, v = cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T]
         if mask is None and cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
         else:
@@ -199,7 +209,11 @@ class MoE(nn.Module):
         else:
             gate = probs.gather(-1, ids)
         gate = (gate / gate.sum(-1, keepdim=True)).to(x.dtype)
-        flat_x, flat_ids, flat_gate = x.reshape(-1, D), ids.reshape(-1, self.top_k), gate.reshape(-1, self.top_k)
+        flat_x, flat_ids, flat_gate = (
+            x.reshape(-1, D),
+            ids.reshape(-1, self.top_k),
+            gate.reshape(-1, self.top_k),
+        )
         y = torch.zeros_like(flat_x)
         for e, expert in enumerate(self.experts):
             token, slot = torch.nonzero(flat_ids == e, as_tuple=True)
@@ -215,10 +229,19 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.d_model)
         self.attn = Attention(config)
         self.ffn_norm = RMSNorm(config.d_model)
-        self.ffn: nn.Module = MoE(config) if layer in config.moe_layers else SwiGLU(config.d_model, config.d_ff)
+        self.ffn: nn.Module = (
+            MoE(config) if layer in config.moe_layers else SwiGLU(config.d_model, config.d_ff)
+        )
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None,
-                ids: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        cache: KVCache | None,
+        ids: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, self.layer)
         if isinstance(self.ffn, MoE):
             y, ids = self.ffn(self.ffn_norm(x), ids)
@@ -248,7 +271,9 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        )
         self.mtp = nn.ModuleList(MTPHead(config.d_model) for _ in range(config.mtp_heads))
         cos, sin = rope_tables(config.d_model // config.n_heads, config.max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -261,7 +286,11 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() < 2 or name.startswith("mtp."):
                 continue
-            scale = 1 / math.sqrt(2 * self.config.n_layers) if name.endswith(("proj.weight", "down.weight")) else 1
+            scale = (
+                1 / math.sqrt(2 * self.config.n_layers)
+                if name.endswith(("proj.weight", "down.weight"))
+                else 1
+            )
             nn.init.normal_(p, mean=0.0, std=std * scale)
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
@@ -274,8 +303,20 @@ class Transformer(nn.Module):
         h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)
 
-    def forward(self, tokens: Tensor, *, cache: KVCache | None = None, routing: Tensor | None = None,
-                attention_mask: Tensor | None = None, positions: Tensor | None = None) -> ModelOutput:
+    def mtp_head_logits(self, hidden: Tensor) -> list[Tensor]:
+        """hidden (B, T, D) from ModelOutput.hidden -> one (B, T, V) logits tensor per MTP head."""
+        return [self.head(mtp(hidden)) for mtp in self.mtp]
+
+    def forward(
+        self,
+        tokens: Tensor,
+        *,
+        cache: KVCache | None = None,
+        routing: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        with_mtp: bool = True,
+    ) -> ModelOutput:
         """tokens (B, T) int64 -> ModelOutput.
 
         cache: tokens go into slots [cache.length, cache.length + T) and attend to everything
@@ -285,6 +326,7 @@ class Transformer(nn.Module):
         attended to by later tokens and do not advance positions. A padded row's outputs at its
         pad slots are meaningless. Right padding needs no mask (causality hides it).
         positions (B, T) int64 overrides the RoPE positions.
+        with_mtp=False skips the MTP heads (mtp_logits empty); `hidden` lets callers run them later.
         """
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
@@ -294,34 +336,44 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {self.config.max_seq_len}")
         n_moe = len(self.moe_index)
         if routing is not None and (not n_moe or routing.shape != (B, T, n_moe, self.config.top_k)):
-            raise ValueError(f"routing shape {tuple(routing.shape)} != {(B, T, n_moe, self.config.top_k)} "
-                             f"(B, T, n_moe_layers, top_k)")
+            raise ValueError(
+                f"routing shape {tuple(routing.shape)} != {(B, T, n_moe, self.config.top_k)} "
+                f"(B, T, n_moe_layers, top_k)"
+            )
         real = attention_mask.bool() if attention_mask is not None else None
         if positions is None:
-            base = cache.next_pos[:, None] if cache is not None else torch.zeros(B, 1, dtype=torch.long,
-                                                                                 device=tokens.device)
+            base = (
+                cache.next_pos[:, None]
+                if cache is not None
+                else torch.zeros(B, 1, dtype=torch.long, device=tokens.device)
+            )
             steps = real.long().cumsum(1) - 1 if real is not None else torch.arange(T, device=tokens.device)
             positions = (base + steps).clamp_min(0)
         mask = self._mask(real, cache, T, tokens.device)
         if cache is not None:
-            cache.key_mask[:, start:start + T] = real if real is not None else True
+            cache.key_mask[:, start : start + T] = real if real is not None else True
             cache.next_pos = cache.next_pos + (real.sum(1) if real is not None else T)
             cache.has_padding = cache.has_padding or (real is not None and not bool(real.all()))
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         x = self.embed(tokens)
         chosen: list[Tensor] = []
         for block in self.blocks:
-            ids = routing[:, :, self.moe_index[block.layer]] if routing is not None and \
-                block.layer in self.moe_index else None
+            ids = (
+                routing[:, :, self.moe_index[block.layer]]
+                if routing is not None and block.layer in self.moe_index
+                else None
+            )
             x, ids = block(x, cos, sin, mask, cache, ids)
             if ids is not None:
                 chosen.append(ids)
         if cache is not None:
             cache.length = start + T
-        mtp_logits = [self.head(mtp(x)) for mtp in self.mtp]
-        return ModelOutput(self.head(x), torch.stack(chosen, dim=2) if chosen else None, mtp_logits)
+        mtp_logits = self.mtp_head_logits(x) if with_mtp else []
+        return ModelOutput(self.head(x), torch.stack(chosen, dim=2) if chosen else None, mtp_logits, x)
 
-    def _mask(self, real: Tensor | None, cache: KVCache | None, T: int, device: torch.device) -> Tensor | None:
+    def _mask(
+        self, real: Tensor | None, cache: KVCache | None, T: int, device: torch.device
+    ) -> Tensor | None:
         """Boolean attention mask (B, 1, T, S), True = may attend; None when plain causal suffices."""
         padded = (real is not None and not bool(real.all())) or (cache is not None and cache.has_padding)
         if not padded and (cache is None or T == 1):
@@ -330,7 +382,7 @@ class Transformer(nn.Module):
         S = start + T
         q_pos = torch.arange(start, S, device=device)[:, None]
         k_pos = torch.arange(S, device=device)[None, :]
-        causal = k_pos <= q_pos                                          # (T, S)
+        causal = k_pos <= q_pos  # (T, S)
         if not padded:
             return causal
         B = real.shape[0] if real is not None else cache.batch  # type: ignore[union-attr]

@@ -21,13 +21,14 @@ def _model(seed: int = 0, **overrides: object) -> Transformer:
     return Transformer(ModelConfig.tiny(tie_embeddings=False, **overrides)).eval()
 
 
-def _full_logp(model: nn.Module, prompt: list[int], tokens: torch.Tensor,
-               routing: torch.Tensor | None = None) -> torch.Tensor:
+def _full_logp(
+    model: nn.Module, prompt: list[int], tokens: torch.Tensor, routing: torch.Tensor | None = None
+) -> torch.Tensor:
     """Reference: one uncached forward over prompt + tokens, logprob of each generated token."""
     seq = torch.tensor(prompt + tokens.tolist())[None]
     with torch.no_grad():
         out = model(seq, routing=None if routing is None else routing[None])
-    logp = torch.log_softmax(out.logits[0, len(prompt) - 1:-1], -1)
+    logp = torch.log_softmax(out.logits[0, len(prompt) - 1 : -1], -1)
     return logp.gather(-1, tokens[:, None])[:, 0]
 
 
@@ -37,7 +38,7 @@ def _greedy_reference(model: Transformer, prompt: list[int], n: int) -> list[int
     with torch.no_grad():
         for _ in range(n):
             seq.append(int(model(torch.tensor(seq)[None]).logits[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def test_greedy_generation_matches_full_forward_reference() -> None:
@@ -57,7 +58,7 @@ def test_sampled_logprobs_are_the_sampling_distribution() -> None:
     seq = generate(model, [PROMPTS[0]], max_new_tokens=8, temperature=0.5, generator=g)[0]
     full = torch.tensor(PROMPTS[0] + seq.tokens.tolist())[None]
     with torch.no_grad():
-        logits = model(full).logits[0, len(PROMPTS[0]) - 1:-1]
+        logits = model(full).logits[0, len(PROMPTS[0]) - 1 : -1]
     expected = torch.log_softmax(logits / 0.5, -1).gather(-1, seq.tokens[:, None])[:, 0]
     torch.testing.assert_close(seq.logprobs, expected, atol=1e-5, rtol=0)
 
@@ -69,7 +70,7 @@ def test_generation_stops_at_eos_per_row() -> None:
     eos = int(free[1].tokens[3])
     out = generate(model, PROMPTS, max_new_tokens=10, temperature=0, eos_id=eos)
     first = free[1].tokens.tolist().index(eos)
-    assert out[1].tokens.tolist() == free[1].tokens.tolist()[:first + 1]
+    assert out[1].tokens.tolist() == free[1].tokens.tolist()[: first + 1]
     assert out[1].finish_reason == "eos"
     for row in (0, 2):
         if eos not in free[row].tokens.tolist():
@@ -99,27 +100,30 @@ def test_in_flight_swap_changes_version_at_the_right_token() -> None:
         logits = ref(torch.tensor([PROMPTS[0]]), cache=cache).logits[0, -1]
         for step in range(12):
             if step == 5:
-                ref.load_state_dict(new_state)        # same kept cache, new weights
+                ref.load_state_dict(new_state)  # same kept cache, new weights
             if step > 0:
                 logits = ref(torch.tensor([[tokens[-1]]]), cache=cache).logits[0, -1]
             tokens.append(int(logits.argmax()))
     assert seq.tokens.tolist() == tokens
     old_only = generate(_model(0), [PROMPTS[0]], max_new_tokens=12, temperature=0)[0]
     assert seq.tokens[:5].tolist() == old_only.tokens[:5].tolist()
-    assert seq.tokens[5:].tolist() != old_only.tokens[5:].tolist()       # the swap mattered
+    assert seq.tokens[5:].tolist() != old_only.tokens[5:].tolist()  # the swap mattered
 
 
 def test_routing_record_replays_to_the_behaviour_logprobs() -> None:
     """The recorded routing covers prompt + completion and, replayed, reproduces the logprobs."""
     model = _model(moe_layers=(0, 1), n_experts=4, top_k=2)
-    out = generate(model, PROMPTS, max_new_tokens=9, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    out = generate(
+        model, PROMPTS, max_new_tokens=9, temperature=1.0, generator=torch.Generator().manual_seed(1)
+    )
     for prompt, seq in zip(PROMPTS, out, strict=True):
         assert seq.routing is not None and seq.routing.shape == (len(prompt) + 9, 2, 2)
         full = torch.tensor(prompt + seq.tokens.tolist())[None]
         with torch.no_grad():
             assert torch.equal(model(full).routing[0], seq.routing)  # type: ignore[index]
-        torch.testing.assert_close(seq.logprobs, _full_logp(model, prompt, seq.tokens, seq.routing),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            seq.logprobs, _full_logp(model, prompt, seq.tokens, seq.routing), atol=1e-5, rtol=0
+        )
 
 
 @pytest.fixture(scope="module")

@@ -50,8 +50,13 @@ def test_rope_scores_depend_only_on_relative_position() -> None:
 
     cos, sin = rope_tables(8, 64, 10000.0)
     q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
-    scores = [(apply_rope(q, cos[s + 5][None, None, None], sin[s + 5][None, None, None])
-               * apply_rope(k, cos[s][None, None, None], sin[s][None, None, None])).sum() for s in (0, 7, 30)]
+    scores = [
+        (
+            apply_rope(q, cos[s + 5][None, None, None], sin[s + 5][None, None, None])
+            * apply_rope(k, cos[s][None, None, None], sin[s][None, None, None])
+        ).sum()
+        for s in (0, 7, 30)
+    ]
     torch.testing.assert_close(torch.stack(scores), scores[0].expand(3))
 
 
@@ -63,11 +68,12 @@ def test_kv_cache_decoding_equals_full_forward() -> None:
         full = model(tokens)
         cache = model.new_cache(2, 32)
         parts = [model(tokens[:, :7], cache=cache)]
-        parts += [model(tokens[:, t:t + 1], cache=cache) for t in range(7, 24)]
+        parts += [model(tokens[:, t : t + 1], cache=cache) for t in range(7, 24)]
     assert cache.length == 24 and cache.next_pos.tolist() == [24, 24]
     torch.testing.assert_close(torch.cat([p.logits for p in parts], 1), full.logits, atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.cat([p.mtp_logits[1] for p in parts], 1), full.mtp_logits[1],
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.cat([p.mtp_logits[1] for p in parts], 1), full.mtp_logits[1], atol=1e-5, rtol=0
+    )
     assert torch.equal(torch.cat([p.routing for p in parts], 1), full.routing)  # type: ignore[misc]
 
 
@@ -82,7 +88,7 @@ def test_left_padded_batch_equals_each_prompt_alone() -> None:
     with torch.no_grad():
         cache = model.new_cache(2, 16)
         first = model(batch, cache=cache, attention_mask=mask).logits
-        rest = torch.cat([model(nxt[:, i:i + 1], cache=cache).logits for i in range(3)], 1)
+        rest = torch.cat([model(nxt[:, i : i + 1], cache=cache).logits for i in range(3)], 1)
         alone = model(torch.cat([short, nxt[1]])[None]).logits[0]
         alone_long = model(torch.cat([long, nxt[0]])[None]).logits[0]
     torch.testing.assert_close(first[1, 6:], alone[:4], atol=1e-5, rtol=0)
