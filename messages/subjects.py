@@ -183,34 +183,59 @@ class Subjects:
         return "_".join([token(role, "role")] + ([token(region, "region")] if region else []))
 
 
-def role_permissions(role: Role) -> tuple[list[str], list[str]]:
+@dataclass(frozen=True, slots=True)
+class BucketScope:
+    """The runs and regions whose KV and object-store buckets a server grants to roles.
+
+    NATS wildcards match whole tokens only, and a bucket name is one token (`WEIGHTS_<run>_<region>`),
+    so bucket rights must name each bucket: a server started for a run lists that run and its regions.
+    """
+
+    runs: tuple[str, ...] = ()
+    regions: tuple[str, ...] = ()
+
+    def buckets(self, kind: Literal["partials", "weights", "latest", "checkpoint"]) -> list[str]:
+        """`$KV.<bucket>.>` / `$O.<bucket>.>` publish patterns of one bucket kind, for every run and region."""
+        out: list[str] = []
+        for run in self.runs:
+            s = Subjects(run)
+            match kind:
+                case "partials":
+                    out += [f"$KV.{s.partials_bucket(r)}.>" for r in self.regions]
+                case "latest":
+                    out += [f"$KV.{s.latest_bucket(r)}.>" for r in self.regions]
+                case "weights":
+                    out += [f"$O.{s.weights_bucket(r)}.>" for r in self.regions]
+                case "checkpoint":
+                    out += [f"$O.{s.checkpoint_bucket()}.>"]
+        return out
+
+
+def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list[str], list[str]]:
     """(publish allow, subscribe allow) patterns for a role, across every run.
 
     Every role may use JetStream's API and acks, reply inboxes, service discovery, and publish its own
-    heartbeats and events. Data subjects are granted by role: only the trainer side writes weights,
-    checkpoints and TRAINLOG; only the feeder writes tasks; only generators write rollouts.
+    heartbeats and events. Data subjects are granted by role: only the trainer side (trainer, publisher,
+    checkpointer) writes weights, checkpoints and TRAINLOG; only the feeder writes tasks; only generators
+    write rollouts. Bucket writes are granted per bucket for the runs and regions of `scope`.
     """
+    scope = scope or BucketScope()
     run = f"{_ROOT}.*"
     common_pub = ["$JS.API.>", "$JS.*.API.>", "$JS.ACK.>", "$JS.FC.>", "_INBOX.>", "$SRV.>",
                   f"{run}.health.>", f"{run}.events.>", f"{run}.dlq.>"]
-    common_sub = ["_INBOX.>", "$SRV.>", f"{run}.>", "$JS.EVENT.>"]
-    kv_partials = "$KV.PARTIALS_*.>"
-    obj_weights = ["$O.WEIGHTS_*.>", "$KV.LATEST_*.>"]
-    obj_ckpt = ["$O.CKPT_*.>"]
+    common_sub = ["_INBOX.>", "$SRV.>", f"{run}.>", "$JS.EVENT.>", "$KV.>", "$O.>"]
     data: dict[str, list[str]] = {
-        "feeder": [f"{run}.tasks.*", kv_partials],
-        "generator": [f"{run}.rollouts.*", f"{run}.sandbox.*", kv_partials],
-        "trainer": [f"{run}.trainlog", f"{run}.state.*", *obj_ckpt],
-        "publisher": [f"{run}.weights", *obj_weights, "$O.CKPT_*.>"],
-        "checkpointer": [f"{run}.checkpoints", *obj_ckpt],
+        "feeder": [f"{run}.tasks.*", *scope.buckets("partials")],
+        "generator": [f"{run}.rollouts.*", f"{run}.sandbox.*", *scope.buckets("partials")],
+        "trainer": [f"{run}.trainlog", f"{run}.state.*", *scope.buckets("checkpoint")],
+        "publisher": [f"{run}.weights", *scope.buckets("weights"), *scope.buckets("latest")],
+        "checkpointer": [f"{run}.checkpoints", *scope.buckets("checkpoint")],
         "sandbox": [],
         "evaluator": [f"{run}.evals", f"{run}.sandbox.*"],
         "observer": [],
-        "admin": [">"],
-        "leaf": [">"],
     }
-    if role not in data:
-        raise SubjectError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
     if role in ("admin", "leaf"):
         return [">"], [">"]
-    return common_pub + data[role], common_sub + ["$KV.>", "$O.>"]
+    if role not in data:
+        raise SubjectError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    return common_pub + data[role], common_sub

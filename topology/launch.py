@@ -136,7 +136,8 @@ class Launch:
         if all(r.embedded for r in topology.regions):
             sync = None if topology.durability.sync_interval == "default" else topology.durability.sync_interval
             regions = await anyio.to_thread.run_sync(
-                lambda: RegionSet.start(state / "nats", names, topology.hub.name, sync_interval=sync))
+                lambda: RegionSet.start(state / "nats", names, topology.hub.name, sync_interval=sync,
+                                        run=topology.run))
             creds_file: Path | None = state / "nats" / CREDENTIALS_NAME
             endpoints = Endpoints(urls={n: (regions.url(n),) for n in names}, domains={n: n for n in names},
                                   hub=topology.hub.name, credentials={n: creds_file for n in names})

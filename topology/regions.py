@@ -19,7 +19,7 @@ from typing import Any, Final
 import structlog
 
 from rlbus.messages.errors import ServerError, TopologyError
-from rlbus.messages.subjects import ROLES, token
+from rlbus.messages.subjects import ROLES, BucketScope, token
 from rlbus.topology.relay import Relay
 from rlbus.topology.servers import LEAF_ROLE, Credential, EmbeddedServer, generate_users
 
@@ -73,8 +73,12 @@ class RegionSet:
     @classmethod
     def start(cls, base_dir: str | os.PathLike[str], regions: Iterable[str], hub: str, *,
               sync_interval: str | None = None, relay: bool = False, ready_timeout_s: float = 15.0,
-              link_timeout_s: float = 15.0, binary: str | os.PathLike[str] | None = None) -> RegionSet:
+              link_timeout_s: float = 15.0, binary: str | os.PathLike[str] | None = None,
+              run: str | None = None) -> RegionSet:
         """Start the hub, then every leaf (in parallel), and wait until every leaf is linked to the hub.
+
+        `run`: the run whose KV/object-store buckets the role users may write (NATS cannot wildcard part
+        of a bucket name); None grants no bucket writes except to admin.
 
         :raises TopologyError: `hub` is not one of `regions`, or a region name is repeated or invalid.
         :raises ServerError: a server did not start or a leaf did not link in time (nothing is left running).
@@ -84,7 +88,8 @@ class RegionSet:
             raise TopologyError(f"regions {list(names)} must be distinct and include the hub {hub!r}")
         base = Path(base_dir).resolve()
         rs = cls(base, names, hub, load_or_create_credentials(base))
-        common: dict[str, Any] = {"users": rs.users, "sync_interval": sync_interval,
+        scope = BucketScope(runs=(run,), regions=names) if run is not None else None
+        common: dict[str, Any] = {"users": rs.users, "sync_interval": sync_interval, "scope": scope,
                                   "ready_timeout_s": ready_timeout_s, "binary": binary}
         leaf = rs.users[LEAF_ROLE]
         try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+
 import uuid
+from pathlib import Path
 from collections.abc import Callable
 
 import anyio
@@ -12,7 +14,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
-from rlbus.messages.subjects import Subjects
+from rlbus.messages.subjects import BucketScope, Subjects
 from rlbus.topology.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
@@ -101,13 +103,12 @@ async def test_bad_credentials_are_refused(nats_server: EmbeddedServer, who: str
                            max_reconnect_attempts=0, error_cb=on_error)
 
 
-@pytest.mark.xfail(strict=True, raises=nats.errors.TimeoutError,
-                   reason="subjects.role_permissions grants buckets as `$O.WEIGHTS_*.>`, "
-                          "`$KV.PARTIALS_*.>`...: NATS wildcards are whole tokens, so `WEIGHTS_*` matches "
-                          "no bucket and the writes are refused (reported to the owner of subjects.py)")
-async def test_roles_write_the_buckets_they_are_granted(nats_server: EmbeddedServer) -> None:
-    """Publisher writes WEIGHTS and LATEST, generator PARTIALS, checkpointer CKPT (role_permissions)."""
+async def test_roles_write_the_buckets_they_are_granted(tmp_path: Path) -> None:
+    """On a server started for the run: publisher writes WEIGHTS and LATEST, generator PARTIALS,
+    checkpointer CKPT — and a generator may not write WEIGHTS or LATEST (bucket rights name each bucket)."""
     s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    nats_server = EmbeddedServer.start(tmp_path / "js", name="scoped", scope=BucketScope(runs=(s.run,),
+                                                                                          regions=("hub",)))
     admin = await _connect(nats_server, "admin", [])
     conns = {role: await _connect(nats_server, role, [])
              for role in ("publisher", "generator", "checkpointer")}
@@ -120,6 +121,11 @@ async def test_roles_write_the_buckets_they_are_granted(nats_server: EmbeddedSer
         await (await js["publisher"].key_value(s.latest_bucket("hub"))).put("latest", b"v1")
         await (await js["generator"].key_value(s.partials_bucket("hub"))).put("r1", b"partial")
         await (await js["checkpointer"].object_store(s.checkpoint_bucket())).put("step-1", b"c" * 1000)
+        with pytest.raises(nats.errors.TimeoutError):      # the server drops the refused publish: no ack
+            await (await js["generator"].key_value(s.latest_bucket("hub"))).put("latest", b"evil")
+        with pytest.raises(nats.errors.TimeoutError):
+            await (await js["generator"].object_store(s.weights_bucket("hub"))).put("v9", b"evil")
     finally:
         for nc in (admin, *conns.values()):
             await nc.close()
+        nats_server.stop()
