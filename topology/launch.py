@@ -27,7 +27,7 @@ from rlbus.messages.errors import TopologyError
 from rlbus.messages.schemas import Event
 import nats
 
-from rlbus.messages.streams import StreamSettings, provision_all
+from rlbus.messages.streams import StreamSettings, provision_all, wait_routable
 from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
 from rlbus.topology.schema import Topology, parse_duration
@@ -154,6 +154,8 @@ class Launch:
                 await provision_all(lambda region: _admin_connect(endpoints, region), admin.subjects,
                                     hub=topology.hub.name, regions=endpoints.domains,
                                     settings=stream_settings(topology))
+                for name in names:      # interest in a new stream crosses the leaf links a moment later
+                    await wait_routable(admin.nc, admin.subjects.tasks(name))
                 yield cls(topology, state, endpoints, regions, admin)
             finally:
                 await admin.close()
