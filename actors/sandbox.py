@@ -29,6 +29,7 @@ import msgspec
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from rlbus.actors._sandbox_pool import (
     ISOLATION_RANK,
@@ -136,6 +137,7 @@ class SandboxSupervisor(Actor):
         self.limiter = anyio.CapacityLimiter(self.config.concurrency)
         self.isolation: Isolation | None = None
         self.pool: ExecutorPool | None = None
+        self._sub: Subscription | None = None
         self._done: OrderedDict[str, SandboxResult] = OrderedDict()
         self._running: dict[str, anyio.Event] = {}
         self._exec_ms_mean = 0.0
@@ -154,25 +156,29 @@ class SandboxSupervisor(Actor):
         self.pool = ExecutorPool(jail, self.config.pool_size, on_failure=self._infra_failure)
         await self.pool.start()
         self.counters[f"isolation_{jail.level.replace('-', '_')}"] = 1
+        # subscribed before `ready`, so a requester that saw the actor ready is answered
+        subject = self.bus.subjects.sandbox(self.ident.region)
+        try:
+            self._sub = await self.bus.nc.subscribe(subject, queue=self.bus.subjects.durable("sandbox", self.ident.region))
+            await self.bus.nc.flush()
+        except BaseException:
+            await self.pool.aclose()
+            raise
         log.info("sandbox_ready", isolation=jail.level, pool_size=self.config.pool_size,
                  concurrency=self.config.concurrency, snippet_uid=jail.snippet_uid)
 
     async def run(self) -> None:
-        assert self.pool is not None and self.isolation is not None
-        subject = self.bus.subjects.sandbox(self.ident.region)
+        assert self.pool is not None and self.isolation is not None and self._sub is not None
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.pool.maintain)
-                sub = await self.bus.nc.subscribe(subject, queue=self.bus.subjects.durable("sandbox", self.ident.region))
                 await self.emit("started", detail=f"sandbox isolation {self.isolation}", isolation=self.isolation,
                                 pool_size=str(self.config.pool_size), concurrency=str(self.config.concurrency))
-                try:
-                    async for msg in sub.messages:
-                        tg.start_soon(self._handle, msg)
-                finally:
-                    with anyio.move_on_after(1.0, shield=True):
-                        await sub.unsubscribe()
+                async for msg in self._sub.messages:
+                    tg.start_soon(self._handle, msg)
         finally:
+            with anyio.move_on_after(1.0, shield=True):
+                await self._sub.unsubscribe()
             await self.pool.aclose()
 
     def heartbeat(self) -> Heartbeat:
