@@ -51,13 +51,16 @@ async def open_bus(endpoint: Endpoint, *, run: str, identity: Identity) -> Bus:
                              options=options)
 
 
-async def host(actor: Actor) -> State:
-    """Serve `actor` until it returns, fails, or the process gets SIGTERM/SIGINT; returns the final state.
+async def host(actor: Actor, *, signals: bool = True) -> State:
+    """Serve `actor` until it returns, fails, is cancelled, or (with `signals`) the process gets
+    SIGTERM/SIGINT; returns the final state. `signals=False` where signal handlers cannot be installed
+    (off the main thread, e.g. inside a Ray actor): cancel the caller's scope instead.
 
     :raises ActorFailed: when the actor ended in the FAILED state.
     """
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+        if signals:
+            tg.start_soon(_cancel_on_signal, tg.cancel_scope)
         try:
             await actor.serve()
         except* Exception as group:

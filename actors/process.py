@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -19,6 +20,7 @@ from rlbus.actors.base import ActorId, ActorLimits, State
 from rlbus.actors.host import Endpoint, credentials_from_file, host, open_bus
 from rlbus.actors.kinds import build_actor
 from rlbus.messages.bus import Identity
+from rlbus.messages.errors import RlbusError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,8 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def serve_actor(args: argparse.Namespace) -> State:
+def parse_settings(text: str) -> dict[str, Any]:
+    """The `--settings` JSON object; `RlbusError` naming the problem otherwise."""
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise RlbusError(f"actor settings are not JSON ({err}): {text[:200]!r}") from None
+    if not isinstance(value, dict):
+        raise RlbusError(f"actor settings must be a JSON object, got {text[:200]!r}")
+    return value
+
+
+async def serve_actor(args: argparse.Namespace, *, signals: bool = True) -> State:
     """Connect as the role and host the actor until it stops; returns its final state.
+    `signals=False`: no OS signal handlers (off the main thread); cancel the caller's scope to stop.
 
     :raises ActorFailed: when the actor failed.
     """
@@ -54,8 +68,8 @@ async def serve_actor(args: argparse.Namespace) -> State:
     bus = await open_bus(endpoint, run=args.run,
                          identity=Identity(actor_id=args.actor_id, kind=args.kind, region=args.region))
     try:
-        actor = build_actor(args.kind, ident, bus, json.loads(args.settings), limits)
-        return await host(actor)
+        actor = build_actor(args.kind, ident, bus, parse_settings(args.settings), limits)
+        return await host(actor, signals=signals)
     finally:
         await bus.close()
 

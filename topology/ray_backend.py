@@ -12,7 +12,6 @@ or talk to actors (they use the bus). `import ray` happens inside functions only
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -25,12 +24,9 @@ from typing import Any, Final
 import anyio
 import structlog
 
-from rlbus.actors.base import ActorId, ActorLimits, State
-from rlbus.actors.host import Endpoint, credentials_from_file, open_bus
-from rlbus.actors.kinds import build_actor
-from rlbus.actors.process import build_parser
-from rlbus.messages.bus import Identity
-from rlbus.messages.errors import TopologyError
+from rlbus.actors.base import State
+from rlbus.actors.process import build_parser, serve_actor
+from rlbus.messages.errors import ActorFailed, TopologyError
 from rlbus.topology.local import EventSink, ProcessSpec, RestartPolicy
 
 log = structlog.get_logger()
@@ -111,41 +107,15 @@ class RayActorHost:
 
 
 async def serve_until_cancelled(args: argparse.Namespace, scope: anyio.CancelScope) -> State:
-    """Connect as the role and serve the actor until it ends or `scope` is cancelled; the final state.
-
-    Mirrors `actors.process.serve_actor` without its OS signal handling (`actors.host.host` needs the
-    main thread); a cancelled actor drains and publishes its final heartbeat as after SIGTERM.
-    """
-    user = password = None
-    if args.credentials is not None:
-        user, password = credentials_from_file(args.credentials, args.role or args.kind)
-    elif os.environ.get("RLBUS_NATS_USER"):
-        user, password = os.environ["RLBUS_NATS_USER"], os.environ.get("RLBUS_NATS_PASSWORD", "")
-    ident = ActorId(run=args.run, region=args.region, kind=args.kind, actor_id=args.actor_id)
-    limits = ActorLimits(heartbeat_interval_s=args.heartbeat_s, drain_timeout_s=args.drain_s)
-    endpoint = Endpoint(urls=tuple(args.url), domain=args.domain, user=user, password=password)
-    state = State.STOPPED
+    """Serve the actor (actors/process.py, without OS signal handlers: Ray runs this off the main
+    thread) until it ends or `scope` is cancelled; a cancelled actor drains and sends its final heartbeat."""
     with scope:
-        bus = await open_bus(endpoint, run=args.run,
-                             identity=Identity(actor_id=args.actor_id, kind=args.kind, region=args.region))
         try:
-            actor = build_actor(args.kind, ident, bus, _settings(args.settings), limits)
-            try:
-                await actor.serve()
-            except Exception as err:   # the actor already reported it (failed heartbeat, crashed event)
-                log.error("actor_crashed", error=repr(err))
-            state = actor.state
-        finally:
-            with anyio.move_on_after(5, shield=True):
-                await bus.close()
-    return state
-
-
-def _settings(text: str) -> dict[str, Any]:
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise TopologyError(f"actor settings must be a JSON object, got {text!r}")
-    return value
+            return await serve_actor(args, signals=False)
+        except ActorFailed as err:       # the actor already reported it (failed heartbeat, crashed event)
+            log.error("actor_crashed", error=repr(err))
+            return State.FAILED
+    return State.STOPPED
 
 
 @dataclass(slots=True)
