@@ -143,6 +143,8 @@ class VersionReady(Message, tag="version_ready"):
     """Digest over every tensor of the version (kernels/delta.py); generators check it after applying."""
     raw_bytes: int = 0
     created_at: float = msgspec.field(default_factory=time.time)
+    model_config: dict[str, Any] = {}
+    """The architecture (model/transformer.py `ModelConfig` fields), so consumers can build the model."""
 
 
 class StateUploaded(Message, tag="state_uploaded"):

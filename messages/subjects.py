@@ -178,6 +178,16 @@ class Subjects:
         """Hub object store of trainer state uploads and checkpoints."""
         return self._name("CKPT")
 
+    @staticmethod
+    def version_object(version: int) -> str:
+        """CKPT object holding policy version N's bf16 weights (one full `encode_state` blob)."""
+        return f"weights-v{version}"
+
+    @staticmethod
+    def state_object(step: int, incarnation: str) -> str:
+        """CKPT object holding the trainer's full state after step N, uploaded by one trainer incarnation."""
+        return f"state-step-{step}-{token(incarnation, 'incarnation')}"
+
     def durable(self, role: str, region: str | None = None) -> str:
         """Durable consumer name for a role (one shared per role and region)."""
         return "_".join([token(role, "role")] + ([token(region, "region")] if region else []))
