@@ -37,7 +37,7 @@ def token_logprob_entropy_torch(
     flat, tgt = _check(logits, targets)
     logp = torch.log_softmax(flat.float() / temperature, dim=-1)
     p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    entropy = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)  # 0 * -inf-safe, also in grad
     logprob = logp.gather(-1, tgt.long()[:, None])[:, 0]
     return logprob.view(targets.shape), entropy.view(targets.shape)
 
@@ -83,7 +83,8 @@ class _LogprobEntropy(torch.autograd.Function):
         z = logits.float() / ctx.temperature
         p = torch.softmax(z, dim=-1)
         onehot = torch.zeros_like(p).scatter_(-1, targets.long()[..., None], 1.0)
-        mean_z = (p * torch.where(p > 0, z, torch.zeros_like(z))).sum(-1, keepdim=True)
+        z = torch.where(p > 0, z, torch.zeros_like(z))  # p = 0 where z = -inf: no 0 * inf
+        mean_z = (p * z).sum(-1, keepdim=True)
         grad = g_logprob[..., None] * (onehot - p) - g_entropy[..., None] * p * (z - mean_z)
         return (grad / ctx.temperature).to(logits.dtype), None, None
 

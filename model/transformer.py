@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -132,8 +132,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        """x * rsqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019)."""
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        """x * rsqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019), statistics in fp32."""
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -144,9 +145,9 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tens
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x1, x2) of the two halves of x (B, H, T, Dh) by cos/sin (B, 1, T, Dh/2)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    """Rotate pairs (x1, x2) of the two halves of x (B, H, T, Dh) by cos/sin (B, 1, T, Dh/2), in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -292,6 +293,15 @@ class Transformer(nn.Module):
                 else 1
             )
             nn.init.normal_(p, mean=0.0, std=std * scale)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Transformer:
+        """Keep the RoPE tables fp32 whatever dtype the model is cast to (only their device follows)."""
+        super()._apply(fn, recurse)
+        if self.rope_cos.dtype != torch.float32:
+            cfg = self.config
+            cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+            self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+        return self
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         """An empty cache on this model's device and dtype; max_len defaults to max_seq_len."""

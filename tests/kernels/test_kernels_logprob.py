@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,14 +16,17 @@ from rlbus.kernels.logprob import token_logprob_entropy, token_logprob_entropy_t
 
 _RUN_TRITON = """
 import sys, torch
-from rlbus.kernels.logprob import token_logprob_entropy_triton
+from rlbus.kernels.logprob import _LogprobEntropy, token_logprob_entropy_triton
 cases = torch.load(sys.argv[1])
 out = [token_logprob_entropy_triton(c["logits"], c["targets"], c["temperature"]) for c in cases]
-torch.save(out, sys.argv[2])
+logits = cases[0]["logits"].clone().requires_grad_()
+lp, ent = _LogprobEntropy.apply(logits, cases[0]["targets"], 0.7)
+(lp * torch.arange(6.0) + ent * 0.5).sum().backward()
+torch.save({"forward": out, "grad": logits.grad}, sys.argv[2])
 """
 
 
-def _cases() -> list[dict[str, object]]:
+def _cases() -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     wide = torch.randn(6, 300, generator=g) * 4  # 300: a partial last block
     wide[1, 5] = float("-inf")  # a banned token
@@ -40,7 +44,7 @@ def _cases() -> list[dict[str, object]]:
 
 
 @pytest.fixture(scope="module")
-def triton_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, object]], list[object]]:
+def triton_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run the Triton kernel in a subprocess under the interpreter on the shared cases."""
     tmp = tmp_path_factory.mktemp("logprob")
     cases = _cases()
@@ -75,15 +79,23 @@ def test_reference_keeps_leading_dims_and_dispatches_on_cpu() -> None:
 
 
 def test_triton_matches_torch_under_interpreter(
-    triton_results: tuple[list[dict[str, object]], list[object]],
+    triton_results: tuple[list[dict[str, Any]], dict[str, Any]],
 ) -> None:
     """Online-softmax kernel equals the materialised reference (fp32 and bf16 logits, temperature)."""
     cases, outputs = triton_results
-    for case, (lp, ent) in zip(cases, outputs, strict=True):  # type: ignore[misc]
-        ref_lp, ref_ent = token_logprob_entropy_torch(
-            case["logits"],
-            case["targets"],  # type: ignore[arg-type]
-            case["temperature"],
-        )  # type: ignore[arg-type]
+    for case, (lp, ent) in zip(cases, outputs["forward"], strict=True):
+        ref_lp, ref_ent = token_logprob_entropy_torch(case["logits"], case["targets"], case["temperature"])
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(ent, ref_ent, atol=1e-4, rtol=1e-5)
+
+
+def test_triton_backward_matches_torch_autograd(
+    triton_results: tuple[list[dict[str, Any]], dict[str, Any]],
+) -> None:
+    """The hand-written backward (logprob and entropy terms, a -inf logit) equals autograd's."""
+    cases, outputs = triton_results
+    logits = cases[0]["logits"].clone().requires_grad_()
+    lp, ent = token_logprob_entropy_torch(logits, cases[0]["targets"], 0.7)
+    (lp * torch.arange(6.0) + ent * 0.5).sum().backward()
+    assert torch.isfinite(outputs["grad"]).all()
+    torch.testing.assert_close(outputs["grad"], logits.grad, atol=1e-5, rtol=1e-4)

@@ -142,3 +142,20 @@ def test_cache_truncate_rolls_back_positions() -> None:
         assert cache.next_pos.tolist() == [5]
         again = model(tokens[:, 5:], cache=cache).logits
     torch.testing.assert_close(again, first)
+
+
+def test_bf16_model_keeps_fp32_rope_and_tracks_fp32_logits() -> None:
+    """Cast to bf16 (how generators hold weights), RoPE stays fp32 and logits stay near fp32's."""
+    model = _model(moe_layers=(1,))
+    half = _model(moe_layers=(1,)).to(torch.bfloat16)
+    assert half.rope_cos.dtype == torch.float32 and half.embed.weight.dtype == torch.bfloat16
+    tokens = torch.randint(0, 512, (2, 40))
+    with torch.no_grad():
+        ref, out = model(tokens).logits, half(tokens).logits
+        cache = half.new_cache(2, 40)
+        cached = torch.cat(
+            [half(tokens[:, :20], cache=cache).logits, half(tokens[:, 20:], cache=cache).logits], 1
+        )
+    assert out.dtype == torch.bfloat16 and cache.k[0].dtype == torch.bfloat16
+    assert float((out.float() - ref).abs().max()) < 0.05
+    torch.testing.assert_close(cached.float(), out.float(), atol=0.05, rtol=0)
