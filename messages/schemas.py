@@ -126,6 +126,13 @@ class WeightManifest(Message, tag="weight_manifest"):
     raw_bytes: int = 0
     regions_ready: list[str] = []
     created_at: float = msgspec.field(default_factory=time.time)
+    model_config: dict[str, Any] = {}
+    """The policy's `ModelConfig` fields, so a joining generator can build the model before any weights."""
+    bases: list[int | None] = []
+    """Per object: the version it applies to (None: a full snapshot). Empty from older publishers."""
+    yields: list[int] = []
+    """Per object: the version it produces: `version`, or for the full snapshot a joiner starts from, that
+    snapshot's (earlier) version, after which the object with that base brings it to `version`."""
 
 
 class VersionReady(Message, tag="version_ready"):
