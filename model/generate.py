@@ -173,7 +173,8 @@ def generate(
     cache = net.new_cache(B, P + max_new_tokens)
     record = _Recorder(B, eos_id)
     routing: list[Tensor] = []
-    inputs, input_mask = tokens, mask
+    inputs: Tensor = tokens
+    input_mask: Tensor | None = mask
     for step in range(max_new_tokens):
         if on_step is not None and (new_version := on_step(step)) is not None:
             version = new_version

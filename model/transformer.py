@@ -277,6 +277,8 @@ class Transformer(nn.Module):
         )
         self.mtp = nn.ModuleList(MTPHead(config.d_model) for _ in range(config.mtp_heads))
         cos, sin = rope_tables(config.d_model // config.n_heads, config.max_seq_len, config.rope_theta)
+        self.rope_cos: Tensor
+        self.rope_sin: Tensor
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.moe_index = {layer: i for i, layer in enumerate(sorted(config.moe_layers))}
@@ -367,10 +369,10 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         x = self.embed(tokens)
         chosen: list[Tensor] = []
-        for block in self.blocks:
+        for layer, block in enumerate(self.blocks):
             ids = (
-                routing[:, :, self.moe_index[block.layer]]
-                if routing is not None and block.layer in self.moe_index
+                routing[:, :, self.moe_index[layer]]
+                if routing is not None and layer in self.moe_index
                 else None
             )
             x, ids = block(x, cos, sin, mask, cache, ids)
