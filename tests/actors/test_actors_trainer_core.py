@@ -1,0 +1,143 @@
+"""The trainer's math apart from the bus: step planning (groups, staleness, packing), batch alignment,
+one RL step against hand-computed values, router replay, state round trip and the bf16 version blob."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlbus.actors._trainer_core import Objective, TrainerCore, plan_step, rollout_batch, versions_behind
+from rlbus.kernels.delta_state import apply_state_, encode_state
+from rlbus.messages.schemas import Rollout, TensorBlob
+from rlbus.model.transformer import ModelConfig, Transformer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from rl_rollouts import sample_rollouts  # noqa: E402
+
+
+def _r(task: str, g: int, versions: list[int], *, size: int = 2, prompt: list[int] | None = None,
+       completion: list[int] | None = None, logprobs: list[float] | None = None, mask: list[int] | None = None,
+       reward: float = 0.0) -> Rollout:
+    completion = completion if completion is not None else [1] * len(versions)
+    return Rollout(rollout_id=f"{task}-{g}", task_id=task, group_index=g, group_size=size,
+                   prompt_tokens=TensorBlob.of(prompt or [3], "int32"),
+                   completion_tokens=TensorBlob.of(completion, "int32"),
+                   behaviour_logprobs=TensorBlob.of(logprobs or [-1.0] * len(completion), "float32"),
+                   policy_versions=TensorBlob.of(versions, "int32"),
+                   loss_mask=TensorBlob.of(mask if mask is not None else [], "uint8"), reward=reward)
+
+
+def _core(config: ModelConfig, seed: int = 0) -> TrainerCore:
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    return TrainerCore(model, copy.deepcopy(model), lr=1e-3, seed=seed)
+
+
+def test_plan_drops_stale_groups_waits_for_incomplete_ones_and_fills_the_batch() -> None:
+    """version 3, bound 2: a group with a token at version 0 is 3 behind → dropped; two whole groups train."""
+    groups = {"a": [_r("a", 0, [3, 3]), _r("a", 1, [2])], "b": [_r("b", 0, [3])],
+              "c": [_r("c", 0, [1, 1]), _r("c", 1, [0, 2])], "d": [_r("d", 0, [2]), _r("d", 1, [1])]}
+    plan = plan_step(groups, version=3, staleness_versions=2, batch_rollouts=4)
+    assert plan.train == ("a", "d")
+    assert plan.drop == (("c", "stale: 3 versions behind (bound 2)"),)
+    assert versions_behind(groups["d"][1], 3) == 2
+
+
+def test_plan_waits_below_the_batch_and_packs_whole_groups() -> None:
+    """3 ready rollouts < batch 4 → no step (drops still reported); groups of 3 with batch 4 → one group."""
+    small = plan_step({"a": [_r("a", 0, [0]), _r("a", 1, [0])], "b": [_r("b", 0, [0])]}, version=0,
+                      staleness_versions=0, batch_rollouts=4, check=lambda r: "invalid: x" if r.task_id == "b" else None)
+    assert small.train == () and small.drop == (("b", "invalid: x"),)
+    threes = {t: [_r(t, g, [0], size=3) for g in range(3)] for t in ("a", "b")}
+    assert plan_step(threes, version=0, staleness_versions=0, batch_rollouts=4).train == ("a",)
+    assert plan_step(threes, version=0, staleness_versions=0, batch_rollouts=6).train == ("a", "b")
+
+
+def test_batch_aligns_completion_tokens_with_next_token_positions() -> None:
+    """Completion token t of row b sits at position P_b - 1 + t; loss_mask 0 and padding are off the mask."""
+    r1 = _r("x", 0, [0, 0, 0], prompt=[5, 6], completion=[7, 8, 9], logprobs=[-0.1, -0.2, -0.3], mask=[1, 0, 1],
+            reward=1.0)
+    r2 = _r("y", 0, [0], prompt=[4], completion=[3], logprobs=[-0.5], reward=0.5)
+    b = rollout_batch([r1, r2])
+    assert b.tokens.tolist() == [[5, 6, 7, 8, 9], [4, 3, 0, 0, 0]]
+    assert b.mask.tolist() == [[False, True, False, True], [True, False, False, False]]
+    torch.testing.assert_close(b.behaviour, torch.tensor([[0, -0.1, -0.2, -0.3], [-0.5, 0, 0, 0]]))
+    assert b.lengths.tolist() == [3, 1] and b.group_ids.tolist() == [0, 1] and b.rewards.tolist() == [1.0, 0.5]
+    assert b.routing is None
+
+
+def test_on_policy_step_matches_the_hand_computed_loss_and_moves_the_weights() -> None:
+    """At version 0 the policy is the behaviour and the reference: IS weights 1, KL 0, and
+    loss = -sum_bt A_b logp_bt / tokens with A_b = r_b - mean of its group."""
+    core = _core(ModelConfig.tiny(vocab_size=264))
+    rollouts = sample_rollouts(core.model, tasks=2, group_size=2, max_new_tokens=5)
+    before = [p.detach().clone() for p in core.model.parameters()]
+    stats = core.train_step(rollouts, Objective(kl_coef=0.1, grad_clip=0.0))
+    rewards = torch.tensor([r.reward for r in rollouts])
+    adv = rewards - rewards.view(2, 2).mean(1).repeat_interleave(2)
+    logp = [torch.from_numpy(r.behaviour_logprobs.numpy().copy()) for r in rollouts]
+    expected = -sum(float(a * lp.sum()) for a, lp in zip(adv, logp, strict=True)) / sum(len(lp) for lp in logp)
+    assert stats.loss == pytest.approx(expected, abs=1e-4)
+    assert stats.kl == 0.0 and stats.truncated_fraction == 0.0
+    assert stats.mean_weight == pytest.approx(1.0, abs=1e-4)
+    assert stats.applied and stats.tokens == sum(len(lp) for lp in logp)
+    assert any(not torch.equal(a, b) for a, b in zip(before, core.model.parameters(), strict=True))
+
+
+def test_router_replay_reproduces_the_behaviour_logprobs_of_an_moe_policy() -> None:
+    """With the recorded experts replayed the trainer's logprobs equal the sampler's; other experts differ."""
+    core = _core(ModelConfig.tiny(vocab_size=264, moe_layers=(0, 1), n_experts=4, top_k=2), seed=3)
+    rollouts = sample_rollouts(core.model, tasks=2, group_size=2, max_new_tokens=6, seed=1)
+    assert all(core.check(r) is None for r in rollouts)
+    batch = rollout_batch(rollouts, moe=core.moe)
+    assert batch.routing is not None and batch.routing.shape[2:] == (2, 2)
+    with torch.no_grad():
+        replayed = core.logprobs(core.model, batch)
+        other = core.logprobs(core.model, type(batch)(**{**batch.__dict__, "routing": (batch.routing + 1) % 4}))
+    torch.testing.assert_close(replayed[batch.mask], batch.behaviour[batch.mask], atol=1e-4, rtol=0)
+    assert (other[batch.mask] - batch.behaviour[batch.mask]).abs().max() > 1e-3
+    assert core.train_step(rollouts, Objective()).replayed
+
+
+def test_state_blob_round_trip_resumes_bit_identically() -> None:
+    """Weights, AdamW moments and RNG restored from the blob (the reference is rebuilt from the same
+    source): the next step gives bit-identical weights."""
+    config = ModelConfig.tiny(vocab_size=264)
+    a = _core(config, seed=0)
+    first = sample_rollouts(a.model, tasks=2, group_size=2, seed=5)
+    a.train_step(first, Objective())
+    blob = a.state_blob({"step": 1, "consumed": [r.rollout_id for r in first]})
+    b = _core(config, seed=0)
+    assert not torch.equal(a.model.embed.weight, b.model.embed.weight)
+    assert b.load_state_blob(blob) == {"step": 1, "consumed": [r.rollout_id for r in first]}
+    second = sample_rollouts(a.model, tasks=2, group_size=2, seed=6)
+    a.train_step(second, Objective())
+    b.train_step(second, Objective())
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
+    with pytest.raises(ValueError, match="architecture"):
+        _core(ModelConfig.tiny(vocab_size=300)).load_state_blob(blob)
+
+
+def test_version_blob_decodes_to_the_bf16_cast_of_the_master() -> None:
+    """encode_state(bf16_state) applied to any buffer gives the bf16 cast of the fp32 weights, bit for bit."""
+    core = _core(ModelConfig.tiny(vocab_size=264))
+    core.train_step(sample_rollouts(core.model, tasks=1, group_size=2), Objective())
+    _, blob = encode_state(core.bf16_state(), None)
+    target = {k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in core.model.state_dict().items()}
+    apply_state_(target, blob)
+    for name, master in core.model.state_dict().items():
+        assert torch.equal(target[name].view(torch.int16), master.to(torch.bfloat16).view(torch.int16)), name
+
+
+def test_check_names_what_the_model_cannot_train_on() -> None:
+    """Too long, out-of-vocabulary tokens and ragged per-token arrays each get a reason."""
+    core = _core(ModelConfig.tiny(vocab_size=264, max_seq_len=8))
+    assert core.check(_r("a", 0, [0] * 8)).startswith("too_long")
+    assert core.check(_r("a", 0, [0], completion=[300])).startswith("invalid: token id")
+    ragged = _r("a", 0, [0, 0], completion=[1, 2], logprobs=[-1.0])
+    assert core.check(ragged).startswith("invalid: per-token")
+    assert core.check(_r("a", 0, [0, 0])) is None
