@@ -2,9 +2,9 @@
 
 Owns: the executor's side of the pipe protocol (4-byte big-endian length + UTF-8 JSON frames on
 fds 0/1), one fresh forked child per execution (setsid, rlimits, non-root uid, fresh private working
-directory, wall timeout, output cap), counting passed/total asserts, and after each execution killing
-every process of it (pid 1 of a pid namespace: kill(-1) until /proc is empty; otherwise a child
-subreaper killing its descendants) and wiping its files.
+directory, wall timeout, output cap), counting passed/total asserts, and — after replying, before
+reading the next request — killing every process of the execution (pid 1 of a pid namespace:
+kill(-1) until /proc is empty; otherwise a child subreaper killing its descendants) and wiping its files.
 Does not: choose or build the jail (actors/_sandbox_pool.py). Stdlib only: it is run as
 `python -I -S -c <this file's text> <config JSON>` with an interpreter the jail can reach.
 """
@@ -123,41 +123,47 @@ def _set_limits(cfg: Config, limits: dict[str, Any]) -> None:
 
 
 def _run_snippet(code: str, tests: list[ast.stmt]) -> None:
-    def mark(tag: bytes) -> None:
-        try:
-            os.write(3, tag)
-        except OSError:
-            pass
-
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
         exec(compile(code, "<code>", "exec"), namespace)
     except MemoryError:
-        mark(b"M\n")
-        os._exit(1)
+        _finish(b"M", 1)
     except BaseException as err:  # SyntaxError, SystemExit, anything the code raises
         _report(err)
-        mark(b"X\n")
-        os._exit(1)
+        _finish(b"X", 1)
     for node in tests:
         try:
             exec(compile(ast.Module(body=[node], type_ignores=[]), "<tests>", "exec"), namespace)
         except MemoryError:
-            mark(b"M\n")
-            os._exit(1)
+            _finish(b"M", 1)
         except BaseException as err:
             _report(err, node)
             if isinstance(node, ast.Assert):
-                mark(b"F\n")
+                _mark(b"F\n")
             continue
         if isinstance(node, ast.Assert):
-            mark(b"P\n")
-    mark(b"D\n")
+            _mark(b"P\n")
+    _finish(b"D", 0)
+
+
+def _mark(tag: bytes) -> None:
+    try:
+        os.write(3, tag)
+    except OSError:
+        pass
+
+
+def _finish(tag: bytes, code: int) -> None:
+    """Flush the snippet's output, then the terminal mark with this process's CPU seconds and max RSS
+    (the executor replies on seeing it, before reaping), then exit."""
     try:
         sys.stdout.flush()
         sys.stderr.flush()
-    finally:
-        os._exit(0)
+    except BaseException:
+        pass
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    _mark(b"%s %.6f %d\n" % (tag, usage.ru_utime + usage.ru_stime, usage.ru_maxrss))
+    os._exit(code)
 
 
 def _report(err: BaseException, node: ast.stmt | None = None) -> None:
@@ -179,21 +185,23 @@ class Executor:
         self.seq = 0
         self.me = os.getpid()
         self.killed: set[int] = set()
+        self.cleanup_killed = 0
+        self.pending: tuple[int, str] | None = None
+        self.reaped = True
 
     def execute(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Run one request; the caller sends the result, then calls `cleanup()` before the next one."""
         limits = req["limits"]
         started = time.monotonic()
         try:
             tests = list(ast.parse(str(req.get("tests", "")), "<tests>").body)
         except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
             return {"status": "error", "passed": 0, "total": 0, "detail": f"the tests do not parse: {err}"}
-        total = sum(isinstance(n, ast.Assert) for n in tests)
         self.seq += 1
         workdir = os.path.join(self.cfg.work_root, f"run{self.seq}")
         os.mkdir(workdir, 0o700)
         if self.cfg.drop_uid is not None and os.geteuid() == 0:
             os.chown(workdir, self.cfg.drop_uid, self.cfg.drop_gid if self.cfg.drop_gid is not None else -1)
-        self.killed = set()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         res_r, res_w = os.pipe()
@@ -202,17 +210,33 @@ class Executor:
             _child(self.cfg, str(req.get("code", "")), tests, limits, workdir, out_w, err_w, res_w)
         for fd in (out_w, err_w, res_w):
             os.close(fd)
+        self.pending = (pid, workdir)
+        self.reaped = False
         result = self._watch(pid, limits, out_r, err_r, res_r, started)
-        result["total"] = total
-        self.kill_all(None)
-        self.killed.discard(pid)
-        result["leftovers_killed"] = len(self.killed)
-        self.wipe(workdir)
+        result["total"] = sum(isinstance(n, ast.Assert) for n in tests)
+        result["cleanup_killed"] = self.cleanup_killed
         result["wall_seconds"] = time.monotonic() - started
         return result
 
+    def cleanup(self) -> None:
+        """After the reply: kill and reap every process of the last execution, remove its files."""
+        if self.pending is None:
+            return
+        pid, workdir = self.pending
+        self.pending = None
+        self.killed = set()
+        if not self.reaped:                          # replied on its terminal mark: it is exiting now
+            self.kill_all(pid)
+            os.waitpid(pid, 0)
+        self.kill_all(None)
+        self.killed.discard(pid)
+        self.cleanup_killed = len(self.killed)
+        self.wipe(workdir)
+
     def _watch(self, pid: int, limits: dict[str, Any], out_r: int, err_r: int, res_r: int,
                started: float) -> dict[str, Any]:
+        """Read the child's output until its terminal mark (then reply at once: it is exiting), or its
+        exit, or a limit (then kill everything and drain the pipes to EOF)."""
         cap = int(limits["max_output_kb"]) * 1024
         deadline = started + float(limits["wall_seconds"])
         pidfd = os.pidfd_open(pid)
@@ -220,17 +244,14 @@ class Executor:
         open_fds = {out_r, err_r, res_r}
         status = ""
         exited = False
+        final: list[bytes] = []
         drain_until = 0.0
         try:
             while open_fds or not exited:
-                now = time.monotonic()
-                if not status and now >= deadline:
+                if not status and time.monotonic() >= deadline:
                     status = "timeout"
-                if status and not drain_until:       # killed: every writer dies, so EOF follows
-                    self.kill_all(pid)
-                    drain_until = time.monotonic() + DRAIN_S
-                if exited and open_fds and not drain_until:   # the child is gone; its leftovers hold pipes
-                    self.kill_all(pid)
+                if (status or (exited and open_fds)) and not drain_until:
+                    self.kill_all(pid)               # killed (or leftovers hold the pipes): EOF follows
                     drain_until = time.monotonic() + DRAIN_S
                 if drain_until and time.monotonic() >= drain_until:
                     break
@@ -251,11 +272,23 @@ class Executor:
                     if fd == res_r:
                         if len(bufs[res_r]) > RESULT_CAP:
                             status = "output_limit"
+                        final = _terminal(bufs[res_r])
                     elif len(bufs[out_r]) + len(bufs[err_r]) > cap:
                         status = "output_limit"
-            if not exited:
-                self.kill_all(pid)
-            _, wstatus, usage = os.wait4(pid, 0)
+                if final and not status:
+                    break                            # the harness finished and flushed: reply now
+            if final and not status:
+                for fd in (out_r, err_r):            # what it wrote before its mark is in the pipes
+                    _read_available(fd, bufs[fd], cap + 1)
+                if len(bufs[out_r]) + len(bufs[err_r]) > cap:
+                    status = "output_limit"
+                wstatus, cpu, rss = None, float(final[1]), int(final[2])
+            else:
+                if not exited:
+                    self.kill_all(pid)
+                _, raw_status, usage = os.wait4(pid, 0)
+                self.reaped = True
+                wstatus, cpu, rss = raw_status, usage.ru_utime + usage.ru_stime, usage.ru_maxrss
         finally:
             for fd in (out_r, err_r, res_r, pidfd):
                 os.close(fd)
@@ -263,24 +296,25 @@ class Executor:
         if len(out) + len(err) > cap:
             out = out[:cap]
             err = err[:max(0, cap - len(out))]
-        marks = bytes(bufs[res_r]).split()
-        passed = marks.count(b"P")
-        exit_code = os.waitstatus_to_exitcode(wstatus)
+        marks = [line.split()[0] for line in bytes(bufs[res_r]).splitlines() if line.split()]
+        if wstatus is None:
+            exit_code = 0 if final[0] == b"D" else 1
+        else:
+            exit_code = os.waitstatus_to_exitcode(wstatus)
         if not status:
-            if exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and usage.ru_utime + usage.ru_stime >= \
-                    float(limits["cpu_seconds"]) * 0.95:
+            if final:
+                status = {b"D": "failed" if b"F" in marks else "ok", b"M": "oom"}.get(final[0], "failed")
+            elif exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and cpu >= float(limits["cpu_seconds"]) * 0.95:
                 status = "timeout"
             elif b"M" in marks:
                 status = "oom"
             elif exit_code == 125:
                 status = "error"
-            elif exit_code == 0 and b"D" in marks and b"F" not in marks:
-                status = "ok"
             else:
                 status = "failed"
-        return {"status": status, "passed": passed, "exit_code": exit_code,
+        return {"status": status, "passed": marks.count(b"P"), "exit_code": exit_code,
                 "stdout": out.decode("utf-8", "replace"), "stderr": err.decode("utf-8", "replace"),
-                "cpu_seconds": usage.ru_utime + usage.ru_stime, "max_rss_kb": usage.ru_maxrss}
+                "cpu_seconds": cpu, "max_rss_kb": rss}
 
     # ---- cleanup -------------------------------------------------------------------------------
     def kill_all(self, child: int | None) -> None:
@@ -358,6 +392,32 @@ class Executor:
                         pass
 
 
+def _terminal(marks: bytearray) -> list[bytes]:
+    """The terminal mark line (D, X or M with CPU seconds and max RSS) if the child wrote it, else []."""
+    for line in bytes(marks).splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] in (b"D", b"X", b"M"):
+            try:
+                float(parts[1]), int(parts[2])
+            except ValueError:
+                continue
+            return parts
+    return []
+
+
+def _read_available(fd: int, buf: bytearray, limit: int) -> None:
+    """Append what `fd` holds right now (non-blocking), up to `limit` bytes in `buf`."""
+    os.set_blocking(fd, False)
+    try:
+        while len(buf) < limit:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return
+            buf += chunk
+    except BlockingIOError:
+        return
+
+
 def _force(func: Any, path: str, exc: Any) -> None:
     """rmtree error hook: the snippet may have made a directory unwritable; make it ours and retry."""
     try:
@@ -417,6 +477,7 @@ def main() -> None:
             result = {"status": "error", "passed": 0, "total": 0, "detail": f"executor: {err!r}"}
         result["id"] = req.get("id", "")
         write_frame(wfd, result)
+        executor.cleanup()        # before the next request is read: nothing of this one survives into it
 
 
 if __name__ == "__main__":

@@ -262,8 +262,8 @@ class SandboxSupervisor(Actor):
         self._exec_ms_mean = elapsed_ms if not self._exec_ms_mean else 0.9 * self._exec_ms_mean + 0.1 * elapsed_ms
         self.count("executions")
         self.count(f"verdict_{status}")
-        if raw.get("leftovers_killed"):
-            self.count("leftovers_killed", int(raw["leftovers_killed"]))
+        if raw.get("cleanup_killed"):                 # processes the previous execution left behind, killed
+            self.count("leftovers_killed", int(raw["cleanup_killed"]))
         stderr = str(raw.get("stderr", "")) or str(raw.get("detail", ""))
         return self._result(request.request_id, status, passed=int(raw.get("passed", 0)),  # type: ignore[arg-type]
                             total=int(raw.get("total", 0)), exit_code=raw.get("exit_code"),

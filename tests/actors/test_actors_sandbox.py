@@ -22,7 +22,7 @@ import anyio
 import pytest
 from nats.js.api import StreamConfig
 
-from rlbus.actors._sandbox_pool import SANDBOX_UID, available_levels
+from rlbus.actors._sandbox_pool import SANDBOX_UID, available_levels, descendants
 from rlbus.actors.base import ActorId, ActorLimits, State
 from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
 from rlbus.actors.sandbox_client import grade_result, request_for, run_in_sandbox, asserts_for
@@ -81,12 +81,13 @@ def _uid_processes(uid: int) -> set[int]:
     return out
 
 
-def _leftovers(actor: SandboxSupervisor) -> set[int]:
-    """Processes of the snippet uid that are not the pool's own jail/executor processes."""
+async def _no_leftovers(actor: SandboxSupervisor) -> None:
+    """Wait (2 s at most) until no process runs below the pool's executors: the executor replies as soon
+    as the snippet is done and kills what is left right after, before it reads the next request."""
     assert actor.pool is not None
-    ours = {pid for ex in actor.pool.executors() for pid in ex.host_pids()}
-    time.sleep(0.05)   # a killed process may take a moment to leave /proc
-    return _uid_processes(actor.pool.jail.snippet_uid) - ours - {os.getpid()}
+    with anyio.fail_after(2.0):
+        while {p for ex in actor.pool.executors() for p in descendants(ex.executor_pid())}:
+            await anyio.sleep(0.02)
 
 
 async def _events(bus: Bus) -> list[Event]:
@@ -199,7 +200,7 @@ assert os.listdir(".") == []
         async with serving(admin_bus, replace(SMALL, isolation=level, pool_size=1)) as actor:
             first = await run_in_sandbox(admin_bus, "hub", _req(ISOLATION_CODE, tests, asked), attempts=1)
             again = await run_in_sandbox(admin_bus, "hub", _req(ISOLATION_CODE, second, asked), attempts=1)
-            assert _leftovers(actor) == set()
+            await _no_leftovers(actor)
         listener.settimeout(0.01)
         with pytest.raises(TimeoutError):
             listener.accept()
@@ -313,7 +314,7 @@ async def test_executor_sigkill_mid_execution(admin_bus: Bus) -> None:
                 replies.append(codec.decode_as(msg.data, msg.headers, SandboxResult))
         assert actor.state in (State.READY, State.BUSY)
         assert actor.counters["executor_crashes"] == 1 and not actor.breaker.rejects()
-        assert _leftovers(actor) == set()
+        await _no_leftovers(actor)
     by_id = {r.request_id: r for r in replies}
     assert len(replies) == 6 and set(by_id) == {victim_req.request_id, *(r.request_id for r in others)}
     assert by_id[victim_req.request_id].verdict.status == "crashed"
@@ -368,12 +369,6 @@ def _actor_process(server: EmbeddedServer, run: str, actor_id: str, log: IO[byte
                             env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
-async def _jail_pids_of(pid: int) -> set[int]:
-    from rlbus.actors._sandbox_pool import descendants
-
-    return set(descendants(pid))
-
-
 @pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, id="sigterm"), pytest.param(signal.SIGKILL, id="sigkill")])
 async def test_actor_process_leaves_no_jail_behind(nats_server: EmbeddedServer, admin_bus: Bus,
                                                    sig: signal.Signals, tmp_path: Path) -> None:
@@ -392,7 +387,7 @@ async def test_actor_process_leaves_no_jail_behind(nats_server: EmbeddedServer, 
                 except Exception:
                     assert proc.poll() is None, (tmp_path / "actor.log").read_text()[-2000:]
         assert result.verdict.status == "ok"
-        jail_pids = await _jail_pids_of(proc.pid)
+        jail_pids = set(descendants(proc.pid))
         assert any(os.stat(f"/proc/{p}").st_uid == SANDBOX_UID for p in jail_pids if Path(f"/proc/{p}").exists())
         proc.send_signal(sig)
         code = await anyio.to_thread.run_sync(lambda: proc.wait(timeout=15))
