@@ -13,7 +13,7 @@ from rlbus.actors.demo import DemoConsumer, DemoProducer, DemoSettings
 from rlbus.actors.sandbox import build_sandbox
 from rlbus.messages.bus import Bus
 
-ACTOR_KINDS: Final = ("demo_producer", "demo_consumer", "sandbox")
+ACTOR_KINDS: Final = ("demo_producer", "demo_consumer", "sandbox", "trainer", "checkpointer")
 
 
 def build_actor(kind: str, ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Actor:
@@ -25,5 +25,13 @@ def build_actor(kind: str, ident: ActorId, bus: Bus, settings: dict[str, Any], l
             return DemoConsumer(ident, bus, limits=limits, **settings)
         case "sandbox":
             return build_sandbox(ident, bus, settings, limits)
+        case "trainer":
+            from rlbus.actors.trainer import build_trainer   # imports torch: only where needed
+
+            return build_trainer(ident, bus, settings, limits)
+        case "checkpointer":
+            from rlbus.actors.checkpointer import build_checkpointer
+
+            return build_checkpointer(ident, bus, settings, limits)
         case _:
             raise ValueError(f"unknown actor kind {kind!r}; known kinds: {', '.join(ACTOR_KINDS)}")

@@ -40,6 +40,8 @@ ROLE_OF_KIND: Final[dict[str, str]] = {
     "demo_producer": "generator", "demo_consumer": "trainer",
 }
 """The NATS user (and so the publish rights) each actor kind connects as."""
+PRETRAINED_DIR: Final = "pretrained"
+"""`<state_dir>/pretrained/`: where `rlbus up` pretrains once (model/pretrain.py writes `pretrain.pt` there)."""
 RUN_FILE: Final = "run.json"
 """Written into the state directory by `Launch.open`: where the run's buses are, for `rlbus health` & co."""
 
@@ -55,8 +57,11 @@ class Endpoints:
     """Region → credentials JSON file ({role: {user, password}}), None: no auth."""
 
 
-def kind_settings(topology: Topology, kind: str) -> dict[str, Any]:
-    """The settings section an actor kind reads, as plain JSON-able values."""
+def kind_settings(topology: Topology, kind: str, state_dir: Path | None = None) -> dict[str, Any]:
+    """The settings section an actor kind reads, as plain JSON-able values. `state_dir`: the run's state
+    directory (default the topology's); the trainer and checkpointer get it, the trainer also the
+    pretrained checkpoint folder `<state_dir>/pretrained` and the checkpoint interval."""
+    state = (state_dir or topology.state_path).resolve()
     section: Any
     match kind:
         case "feeder":
@@ -64,9 +69,10 @@ def kind_settings(topology: Topology, kind: str) -> dict[str, Any]:
         case "generator":
             section = topology.generator
         case "trainer":
-            section = topology.trainer
+            return {**msgspec.to_builtins(topology.trainer), "pretrained": str(state / PRETRAINED_DIR),
+                    "state_dir": str(state), "checkpoint_interval": topology.checkpoint.interval_steps}
         case "checkpointer":
-            section = topology.checkpoint
+            return {**msgspec.to_builtins(topology.checkpoint), "state_dir": str(state)}
         case "sandbox":
             section = topology.sandbox
         case "evaluator":
@@ -79,7 +85,7 @@ def kind_settings(topology: Topology, kind: str) -> dict[str, Any]:
 
 
 def actor_specs(topology: Topology, endpoints: Endpoints, *, heartbeat_s: float = 2.0,
-                drain_s: float = 10.0) -> list[ProcessSpec]:
+                drain_s: float = 10.0, state_dir: Path | None = None) -> list[ProcessSpec]:
     """One ProcessSpec per actor instance of the topology."""
     specs = []
     for inst in topology.instances():
@@ -87,7 +93,7 @@ def actor_specs(topology: Topology, endpoints: Endpoints, *, heartbeat_s: float 
         role = ROLE_OF_KIND[inst.kind]
         args = ["--kind", inst.kind, "--run", topology.run, "--region", inst.region, "--id", inst.actor_id,
                 "--domain", endpoints.domains[inst.region], "--role", role,
-                "--settings", json.dumps(kind_settings(topology, inst.kind)),
+                "--settings", json.dumps(kind_settings(topology, inst.kind, state_dir)),
                 "--heartbeat-s", str(heartbeat_s), "--drain-s", str(drain_s)]
         for url in endpoints.urls[inst.region]:
             args += ["--url", url]
@@ -169,7 +175,7 @@ class Launch:
         """Run every actor through the backend until cancelled; stopping drains them.
 
         `worker_setup` runs first in every Ray worker (e.g. logging configuration)."""
-        specs = actor_specs(self.topology, self.endpoints, heartbeat_s=heartbeat_s)
+        specs = actor_specs(self.topology, self.endpoints, heartbeat_s=heartbeat_s, state_dir=self.state_dir)
         r = self.topology.restart
         policy = RestartPolicy(max_restarts=r.max_restarts, window_s=r.window_s,
                                backoff_initial_s=r.backoff_initial_s, backoff_max_s=r.backoff_max_s)

@@ -141,3 +141,21 @@ def test_check_names_what_the_model_cannot_train_on() -> None:
     ragged = _r("a", 0, [0, 0], completion=[1, 2], logprobs=[-1.0])
     assert core.check(ragged).startswith("invalid: per-token")
     assert core.check(_r("a", 0, [0, 0])) is None
+
+
+def test_launcher_settings_decode_into_the_trainer_and_checkpointer_configs(tmp_path: Path) -> None:
+    """What topology/launch.py hands the trainer and checkpointer (tiny example) is what they accept."""
+    import msgspec
+
+    from rlbus.actors.checkpointer import CheckpointerConfig
+    from rlbus.actors.trainer import TrainerConfig
+    from rlbus.topology.examples import example_path
+    from rlbus.topology.launch import kind_settings
+    from rlbus.topology.load import load
+
+    topology = load(example_path("tiny"))
+    trainer = msgspec.convert(kind_settings(topology, "trainer", tmp_path), TrainerConfig)
+    assert trainer.batch_rollouts == 4 and trainer.checkpoint_interval == 2
+    assert trainer.pretrained == str(tmp_path.resolve() / "pretrained") and trainer.state_dir == str(tmp_path.resolve())
+    checkpointer = msgspec.convert(kind_settings(topology, "checkpointer", tmp_path), CheckpointerConfig)
+    assert checkpointer.keep == 2 and checkpointer.state_dir == str(tmp_path.resolve())

@@ -1,0 +1,218 @@
+"""The checkpointer actor: turns the trainer's uploaded state into durable checkpoints and announces them.
+
+Owns: its durable consumer on STATE filtered to `state.upload` (created in setup); per `StateUploaded`:
+download every object and check its digest (a mismatch or a missing object is an `Event(incident)` and no
+mark — the trainer's next upload is checked afresh), copy the objects atomically to
+`<state_dir>/checkpoints/step-<N>/` (temporary directory, fsync, rename), publish
+`CheckpointMark` (msg_id `ckpt-<N>`) and `Event(checkpoint)`, then keep only the newest `keep`
+checkpoints (directories and CKPT objects).
+Does not: decide when to checkpoint or read the state's contents (actors/trainer.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Annotated, Any, Final
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.messages.bus import Bus, Delivery
+from rlbus.messages.errors import DigestMismatch
+from rlbus.messages.schemas import CheckpointMark, StateUploaded
+from rlbus.messages.streams import ensure_consumer
+from rlbus.messages.subjects import Subjects
+
+log = structlog.get_logger()
+
+CHECKPOINTS_DIR: Final = "checkpoints"
+MARK_FILE: Final = "mark.json"
+_STEP_PREFIX: Final = "step-"
+
+
+def checkpoint_dir(state_dir: Path, step: int) -> Path:
+    """Where the durable copy of step N's checkpoint lives: `<state_dir>/checkpoints/step-<N>/`."""
+    return state_dir / CHECKPOINTS_DIR / f"{_STEP_PREFIX}{step}"
+
+
+def durable_steps(state_dir: Path) -> list[int]:
+    """Steps with a complete durable copy under `state_dir`, ascending (temporary directories excluded)."""
+    root = state_dir / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        suffix = entry.name.removeprefix(_STEP_PREFIX)
+        if entry.name.startswith(_STEP_PREFIX) and suffix.isdigit() and (entry / MARK_FILE).exists():
+            steps.append(int(suffix))
+    return sorted(steps)
+
+
+def durable_marks(state_dir: Path) -> list[tuple[int, list[str]]]:
+    """(step, object names) of every durable copy under `state_dir`, oldest step first."""
+    out = []
+    for step in durable_steps(state_dir):
+        try:
+            mark = json.loads((checkpoint_dir(state_dir, step) / MARK_FILE).read_text())
+            out.append((step, [str(name) for name in mark["objects"]]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def write_durable(state_dir: Path, mark: CheckpointMark, blobs: dict[str, bytes]) -> Path:
+    """Write the objects and `mark.json` into a temporary directory, fsync, then rename it into place.
+
+    A directory of the same step already there (a redelivered upload) is replaced only after the new one
+    is complete, so a reader sees the old or the new copy, never a partial one.
+    """
+    final = checkpoint_dir(state_dir, mark.step)
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    for name, data in blobs.items():
+        _write_synced(tmp / name, data)
+    _write_synced(tmp / MARK_FILE, json.dumps(msgspec.to_builtins(mark), indent=1).encode())
+    _fsync_dir(tmp)
+    if final.exists():
+        old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Topology `[checkpoint]` plus the launcher's `state_dir`."""
+
+    interval_steps: Annotated[int, msgspec.Meta(ge=1)] = 10
+    """Read by the trainer (it decides when to upload); listed here because the section is shared."""
+    keep: Annotated[int, msgspec.Meta(ge=1)] = 3
+    state_dir: str = ""
+    """The run's state directory; empty: no copy on disk, the CKPT objects are the durable copy."""
+    ack_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+
+
+def build_checkpointer(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Checkpointer:
+    """The checkpointer of a topology section (plain values) — called by actors/kinds.py."""
+    return Checkpointer(ident, bus, msgspec.convert(settings, CheckpointerConfig), limits)
+
+
+class Checkpointer(Actor):
+    """Verifies `StateUploaded`, makes it durable, publishes `CheckpointMark`; keeps the newest `keep`."""
+
+    kind = "checkpointer"
+
+    def __init__(self, ident: ActorId, bus: Bus, config: CheckpointerConfig | None = None,
+                 limits: ActorLimits | None = None) -> None:
+        super().__init__(ident, bus, limits)
+        self.config = config or CheckpointerConfig()
+        self.subjects: Subjects = bus.subjects
+        self.state_dir = Path(self.config.state_dir) if self.config.state_dir else None
+        self.kept: list[tuple[int, list[str]]] = []
+        """(step, objects) of the marks this checkpointer published, oldest first."""
+
+    async def setup(self) -> None:
+        s = self.subjects
+        await ensure_consumer(self.bus.js, s.state_stream(), ConsumerConfig(
+            durable_name=s.durable("checkpointer"), filter_subject=s.state_uploads(), ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.config.ack_wait_s, max_deliver=-1, max_ack_pending=1))
+        if self.state_dir is not None:              # a restarted checkpointer still prunes what it kept before
+            state_dir = self.state_dir
+            self.kept = await anyio.to_thread.run_sync(lambda: durable_marks(state_dir))
+
+    async def run(self) -> None:
+        s = self.subjects
+        async for delivery in self.bus.consume(s.state_stream(), s.durable("checkpointer"), StateUploaded, batch=1):
+            with self.busy():
+                await self._handle(delivery)
+
+    async def _handle(self, delivery: Delivery[StateUploaded]) -> None:
+        upload = delivery.message
+        bucket = self.subjects.checkpoint_bucket()
+        blobs: dict[str, bytes] = {}
+        try:
+            if not upload.objects or len(upload.objects) != len(upload.digests):
+                raise DigestMismatch(f"{len(upload.objects)} objects with {len(upload.digests)} digests")
+            for name, expected in zip(upload.objects, upload.digests, strict=True):
+                blobs[name] = await self.bus.get_object(bucket, name, expected_digest=expected)
+        except (DigestMismatch, nats.js.errors.NotFoundError) as err:
+            self.count("rejected")
+            log.warning("checkpoint_rejected", step=upload.step, objects=upload.objects, error=repr(err))
+            await self.emit("incident", detail=f"state upload of step {upload.step} rejected: {err}",
+                            step=str(upload.step), reason="digest" if isinstance(err, DigestMismatch) else "missing")
+            for name in upload.objects:
+                await _delete(self.bus, bucket, name)
+            await delivery.ack_sync()
+            return
+        mark = CheckpointMark(step=upload.step, policy_version=upload.policy_version, objects=list(upload.objects),
+                              digests=list(upload.digests), consumed_rollout_ids=list(upload.consumed_rollout_ids),
+                              parent_step=upload.parent_step)
+        if self.state_dir is not None:
+            state_dir = self.state_dir
+            await anyio.to_thread.run_sync(lambda: write_durable(state_dir, mark, blobs))
+        await self.bus.publish(self.subjects.checkpoints(), mark, msg_id=f"ckpt-{mark.step}")
+        await self.emit("checkpoint", detail=f"step {mark.step} (version {mark.policy_version}) is durable",
+                        step=str(mark.step), version=str(mark.policy_version),
+                        bytes=str(sum(len(b) for b in blobs.values())))
+        await delivery.ack_sync()
+        self.count("marks")
+        self.gauges["step"] = float(mark.step)
+        self.policy_version = mark.policy_version
+        log.info("checkpoint_marked", step=mark.step, version=mark.policy_version, objects=mark.objects,
+                 consumed=len(mark.consumed_rollout_ids))
+        await self._prune(mark)
+
+    async def _prune(self, mark: CheckpointMark) -> None:
+        """Keep the newest `keep` checkpoints: older durable directories and CKPT objects go."""
+        self.kept = [(s, o) for s, o in self.kept if s != mark.step] + [(mark.step, list(mark.objects))]
+        while len(self.kept) > self.config.keep:
+            _, objects = self.kept.pop(0)
+            for name in objects:
+                await _delete(self.bus, self.subjects.checkpoint_bucket(), name)
+        if self.state_dir is not None:
+            state_dir, keep = self.state_dir, self.config.keep
+            await anyio.to_thread.run_sync(lambda: _prune_dirs(state_dir, keep))
+
+
+def _prune_dirs(state_dir: Path, keep: int) -> None:
+    for step in durable_steps(state_dir)[:-keep]:
+        shutil.rmtree(checkpoint_dir(state_dir, step), ignore_errors=True)
+
+
+async def _delete(bus: Bus, bucket: str, name: str) -> None:
+    try:
+        store = await bus.js.object_store(bucket)
+        await store.delete(name)
+    except nats.js.errors.NotFoundError:
+        return
+    except (nats.errors.Error, TimeoutError) as err:
+        log.warning("checkpoint_object_delete_failed", object=name, error=repr(err))
