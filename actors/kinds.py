@@ -25,6 +25,14 @@ def build_actor(kind: str, ident: ActorId, bus: Bus, settings: dict[str, Any], l
             return DemoConsumer(ident, bus, limits=limits, **settings)
         case "sandbox":
             return build_sandbox(ident, bus, settings, limits)
+        case "feeder":
+            from rlbus.actors.feeder import build_feeder   # imports torch (model.tasks): only where needed
+
+            return build_feeder(ident, bus, settings, limits)
+        case "generator":
+            from rlbus.actors.generator import build_generator
+
+            return build_generator(ident, bus, settings, limits)
         case "trainer":
             from rlbus.actors.trainer import build_trainer   # imports torch: only where needed
 

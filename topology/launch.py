@@ -65,7 +65,7 @@ def kind_settings(topology: Topology, kind: str, state_dir: Path | None = None) 
     section: Any
     match kind:
         case "feeder":
-            section = topology.feeder
+            return feeder_settings(topology)
         case "generator":
             section = topology.generator
         case "trainer":
@@ -82,6 +82,20 @@ def kind_settings(topology: Topology, kind: str, state_dir: Path | None = None) 
         case _:
             return {}
     return dict(msgspec.to_builtins(section))
+
+
+def feeder_settings(topology: Topology) -> dict[str, Any]:
+    """`[feeder]` plus what the feeder cannot see itself: every region, the generator group size, and
+    (when `region_weights` is empty) shares proportional to each region's generator instances."""
+    settings = dict(msgspec.to_builtins(topology.feeder))
+    settings["regions"] = [r.name for r in topology.regions]
+    settings["group_size"] = topology.generator.group_size
+    if not topology.feeder.region_weights:
+        counts = {r.name: float(sum(1 for i in topology.instances(r.name) if i.kind == "generator"))
+                  for r in topology.regions}
+        if any(counts.values()):
+            settings["region_weights"] = counts
+    return settings
 
 
 def actor_specs(topology: Topology, endpoints: Endpoints, *, heartbeat_s: float = 2.0,

@@ -126,6 +126,10 @@ class FeederSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     """Share of tasks per region name, like `{hub = 1, eu = 2}`; default: proportional to generator counts."""
     max_tasks: PositiveInt | None = None
     """Stop after this many tasks; default: feed forever."""
+    tasks_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """A JSONL file of tasks (one object per line: task_id, prompt, entry_point, tests [{args, expected}]) instead of the built-in family."""
+    poll_interval_s: PositiveFloat = 1.0
+    """How often each region's backlog is checked and topped up, seconds."""
 
 
 class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -141,6 +145,16 @@ class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     """Save an in-progress rollout to the PARTIALS bucket every this many tokens, so a replacement resumes it."""
     concurrent_tasks: PositiveInt = 1
     """Tasks one generator works on at once."""
+    weights: Annotated[str, msgspec.Meta(pattern=r"^(sync|local:.+)$")] = "sync"
+    """Where the policy comes from: 'sync' (the versions the publisher announces) or 'local:<path to pretrain.pt>' (fixed)."""
+    local_version: NonNegativeInt = 0
+    """Policy version a 'local:' model reports in its rollouts."""
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=8)] = 3
+    """Attempts per episode; a failed attempt is followed by its test feedback as an observation."""
+    context_budget: NonNegativeInt = 0
+    """Summarise an episode whose next context is longer than this many tokens; 0: max_seq_len - max_tokens."""
+    sandbox_timeout_s: PositiveFloat = 15.0
+    """Seconds a generator waits for a sandbox verdict (two tries); no verdict grades the attempt as failed."""
 
 
 class LengthPenalty(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -1,0 +1,270 @@
+"""The state of one task's group of G multi-turn episodes: what a partial checkpoint holds, and the Rollouts.
+
+Owns: `PartialGroup` (the value saved under the task id in a region's PARTIALS KV, msgpack map via
+msgspec, `format` = PARTIAL_FORMAT), its pure transitions (start, add a sampled chunk, record a graded
+attempt, replace the history by a summary) and `build_rollout`, which flattens an episode into a
+`Rollout`. Pure: no bus, no model, no clock (callers pass `now`).
+Does not: sample, grade or talk to NATS (actors/generator.py drives all three).
+
+Token layout (model/episodes.py): <|bos|> then per turn <|role|> content <|end_turn|>; a policy turn's
+content is its sampled ids verbatim and gets no extra <|end_turn|> when it ends with one. A Rollout is
+that sequence up to the last sampled token: `prompt_tokens` = <|bos|><|user|>prompt<|end_turn|> and the
+next role id (<|assistant|>, the context of the first attempt); `completion_tokens` = the rest.
+loss_mask is 1 exactly on assistant tokens. Observations, framing and summaries are 0: a summary was
+sampled while reading the old history, which the Rollout no longer holds, so replaying it after the
+prompt would score it in a context it never saw. behaviour_logprobs are 0.0 where the mask is 0, and
+policy_versions there repeat the version of the nearest policy token before them (after them for the
+prompt), so min/max over a Rollout's versions are always real versions. The MoE routing record
+covers prompt + completion, (P + T, n_moe_layers, top_k) int64: each token's experts from the forward
+pass that first fed it, which is what `model.generate` reports and the trainer replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import msgspec
+import numpy as np
+
+from rlbus.messages.schemas import Rollout, SandboxVerdict, TensorBlob
+from rlbus.model.episodes import Episode, Turn, add_attempt, completion_text, context_ids
+from rlbus.model.grading import GradeResult
+from rlbus.model.tasks import Task
+from rlbus.model.tokenizer import ByteTokenizer
+
+PARTIAL_FORMAT: Final = 1
+"""Version of the PartialGroup layout; a partial of another format is ignored (the group starts over)."""
+
+
+class Attempt(msgspec.Struct, kw_only=True):
+    """One graded attempt: the grade the policy saw as feedback and the sandbox's verdict."""
+
+    status: str
+    n_passed: int
+    n_tests: int
+    feedback: str
+    verdict: SandboxVerdict = SandboxVerdict()
+    sandbox_error: bool = False
+    """The sandbox gave no verdict on the code (no reply, crashed, error): graded as a failed attempt."""
+
+    def grade(self) -> GradeResult:
+        return GradeResult(self.status, self.n_passed, self.n_tests, self.feedback)  # type: ignore[arg-type]
+
+
+class TurnState(msgspec.Struct, kw_only=True):
+    """A turn of the episode; assistant turns also carry each id's behaviour logprob and version."""
+
+    role: Literal["user", "assistant", "observation", "summary"]
+    ids: list[int]
+    logprobs: list[float] = []
+    versions: list[int] = []
+
+
+class EpisodeState(msgspec.Struct, kw_only=True):
+    """One of the G episodes: finished turns, the attempt being sampled (draft), routing so far."""
+
+    turns: list[TurnState]
+    attempts: list[Attempt] = []
+    draft_ids: list[int] = []
+    draft_logprobs: list[float] = []
+    draft_versions: list[int] = []
+    draft_done: bool = False
+    """The draft is complete (stop token or length) and waits for grading."""
+    ended: str = ""
+    """Why the episode stopped before its attempts were spent ("no_room": no context left), else ""."""
+    summaries: int = 0
+    routing: TensorBlob | None = None
+    """int64 (R, n_moe_layers, top_k): experts of the first R tokens of the current sequence (MoE only)."""
+
+    def done(self, max_attempts: int) -> bool:
+        """Passed, out of attempts, or ended."""
+        passed = bool(self.attempts) and self.attempts[-1].status == "passed"
+        return passed or len(self.attempts) >= max_attempts or bool(self.ended)
+
+
+class PartialGroup(msgspec.Struct, kw_only=True):
+    """A task's group in progress, saved after every sampled chunk and every graded round."""
+
+    format: int = PARTIAL_FORMAT
+    task_id: str
+    group_size: int
+    episodes: list[EpisodeState]
+    rounds: int = 0
+    """Graded rounds (agent turns of the group) completed."""
+    chunks: int = 0
+    """Sampling calls completed; seeds the next one, so a resumed group samples what the original would."""
+    sampled_tokens: int = 0
+    generate_s: float = 0.0
+    grade_s: float = 0.0
+    started_at: float = 0.0
+    writer: str = ""
+    """Generator that saved it last."""
+    resumes: int = 0
+
+    def finished(self, max_attempts: int) -> bool:
+        return all(ep.done(max_attempts) for ep in self.episodes)
+
+
+def encode_partial(state: PartialGroup) -> bytes:
+    return msgspec.msgpack.encode(state)
+
+
+def decode_partial(data: bytes) -> PartialGroup:
+    """:raises ValueError: the bytes are not a PartialGroup."""
+    try:
+        return msgspec.msgpack.decode(data, type=PartialGroup)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise ValueError(f"not a partial group: {err}") from None
+
+
+def new_group(task: Task, task_id: str, group_size: int, tokenizer: ByteTokenizer, *, now: float) -> PartialGroup:
+    """G fresh episodes holding only the prompt."""
+    prompt = tokenizer.encode(task.prompt)
+    return PartialGroup(task_id=task_id, group_size=group_size, started_at=now,
+                        episodes=[EpisodeState(turns=[TurnState(role="user", ids=list(prompt))])
+                                  for _ in range(group_size)])
+
+
+def episode_of(ep: EpisodeState, task: Task, max_attempts: int) -> Episode:
+    """The model/episodes.py view of the finished turns (the draft is not part of it)."""
+    return Episode(task, tuple(Turn(t.role, tuple(t.ids)) for t in ep.turns),
+                   tuple(a.grade() for a in ep.attempts), max_attempts)
+
+
+def base_context(ep: EpisodeState, task: Task, tokenizer: ByteTokenizer, max_attempts: int) -> list[int]:
+    """What the next attempt continues: the episode so far, then <|assistant|> (draft not included)."""
+    return context_ids(episode_of(ep, task, max_attempts), tokenizer)
+
+
+def prompt_length(task: Task, tokenizer: ByteTokenizer) -> int:
+    """Tokens kept ahead of a summary: <|bos|><|user|>prompt<|end_turn|>."""
+    return len(tokenizer.encode(task.prompt)) + 3
+
+
+def add_chunk(ep: EpisodeState, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+              routing: np.ndarray | None, context_len: int, *, stop_ids: Sequence[int], limit: int) -> int:
+    """Append a sampled chunk to the draft, cut after its first stop id; returns the ids kept.
+
+    `routing` (context_len + len(tokens), L, k) is the call's record over its context and tokens; the
+    rows not yet held are appended. The draft is done at a stop id or at `limit` ids.
+    """
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
+    ep.draft_ids += [int(t) for t in tokens[:cut]]
+    ep.draft_logprobs += [float(x) for x in logprobs[:cut]]
+    ep.draft_versions += [int(v) for v in versions[:cut]]
+    if routing is not None:
+        held = ep.routing.numpy() if ep.routing is not None else np.zeros((0, *routing.shape[1:]), np.int64)
+        rows = np.concatenate([held, routing[held.shape[0]: context_len + cut]])
+        ep.routing = TensorBlob.of(rows, "int64")
+    stopped = cut > 0 and tokens[cut - 1] in stop_ids
+    ep.draft_done = stopped or len(ep.draft_ids) >= limit
+    return cut
+
+
+def record_attempt(ep: EpisodeState, task: Task, attempt: Attempt, tokenizer: ByteTokenizer,
+                   max_attempts: int) -> None:
+    """Turn the done draft into an assistant turn graded by `attempt` (plus an observation when it
+    failed and attempts are left), and clear the draft."""
+    episode = add_attempt(episode_of(ep, task, max_attempts), ep.draft_ids, attempt.grade(), tokenizer)
+    ep.turns.append(TurnState(role="assistant", ids=list(ep.draft_ids), logprobs=list(ep.draft_logprobs),
+                              versions=list(ep.draft_versions)))
+    for turn in episode.turns[len(ep.turns):]:
+        ep.turns.append(TurnState(role=turn.role, ids=list(turn.ids)))
+    ep.attempts.append(attempt)
+    ep.draft_ids, ep.draft_logprobs, ep.draft_versions, ep.draft_done = [], [], [], False
+
+
+def record_summary(ep: EpisodeState, summary_ids: Sequence[int]) -> None:
+    """Replace the history after the prompt by a summary turn (model/episodes.py add_summary)."""
+    ep.turns = [ep.turns[0], TurnState(role="summary", ids=[int(t) for t in summary_ids])]
+    ep.routing = None
+    ep.summaries += 1
+
+
+def policy_text(ids: Sequence[int], tokenizer: ByteTokenizer) -> str:
+    """The text of sampled ids up to the first stop; ids the tokenizer does not know are skipped."""
+    return completion_text([t for t in ids if 0 <= t < tokenizer.vocab_size], tokenizer)
+
+
+@dataclass(frozen=True, slots=True)
+class Flat:
+    """An episode as one sequence (L,) with the per-token training arrays."""
+
+    ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    """-1 where no policy token is (filled in by `build_rollout`)."""
+
+
+def flatten(ep: EpisodeState, tokenizer: ByteTokenizer) -> Flat:
+    """The finished turns as laid out by model/episodes.py `episode_tokens`, with per-token arrays."""
+    role_id = {"user": tokenizer.user_id, "assistant": tokenizer.assistant_id,
+               "observation": tokenizer.observation_id, "summary": tokenizer.summary_id}
+    ids, mask, lps, vers = [tokenizer.bos_id], [0], [0.0], [-1]
+    for turn in ep.turns:
+        n = len(turn.ids)
+        ids += [role_id[turn.role], *turn.ids]
+        if turn.role == "assistant":
+            mask += [0] + [1] * n
+            lps += [0.0, *turn.logprobs]
+            vers += [-1, *turn.versions]
+        else:
+            mask += [0] * (n + 1)
+            lps += [0.0] * (n + 1)
+            vers += [-1] * (n + 1)
+        policy = turn.role in ("assistant", "summary")
+        if not (policy and turn.ids and turn.ids[-1] == tokenizer.end_turn_id):
+            ids.append(tokenizer.end_turn_id)
+            mask.append(0)
+            lps.append(0.0)
+            vers.append(-1)
+    return Flat(ids, mask, lps, vers)
+
+
+def fill_versions(versions: Sequence[int]) -> list[int]:
+    """Replace each -1 by the nearest real version before it, or after it for a leading run.
+
+    [-1, -1, 3, -1, 4, -1] -> [3, 3, 3, 3, 4, 4]; all -1 stays all -1.
+    """
+    out = list(versions)
+    last = -1
+    for i, v in enumerate(out):
+        last = v if v != -1 else last
+        out[i] = last
+    first = next((v for v in out if v != -1), -1)
+    return [first if v == -1 else v for v in out]
+
+
+def build_rollout(ep: EpisodeState, *, task: Task, task_id: str, group_index: int, group_size: int,
+                  tokenizer: ByteTokenizer, region: str, generator_id: str,
+                  timings: dict[str, float]) -> Rollout:
+    """The finished episode as a Rollout (layout in the module docstring); reward 1.0 when the last
+    attempt passed every hidden test, else 0.0 (no partial credit)."""
+    flat = flatten(ep, tokenizer)
+    policy_positions = [i for i, m in enumerate(flat.loss_mask) if m]
+    end = policy_positions[-1] + 1 if policy_positions else len(flat.ids)
+    n_prompt = prompt_length(task, tokenizer) + 1
+    if end < n_prompt:
+        raise ValueError(f"episode {task_id}-{group_index} has no sampled token to train on")
+    versions = fill_versions(flat.versions[:end])
+    last = ep.attempts[-1] if ep.attempts else Attempt(status="error", n_passed=0, n_tests=len(task.tests),
+                                                        feedback="never attempted")
+    routing = None
+    if ep.routing is not None and policy_positions:
+        rows = ep.routing.numpy()
+        if rows.shape[0] < end:
+            raise ValueError(f"routing of {task_id}-{group_index} covers {rows.shape[0]} of {end} tokens")
+        routing = TensorBlob.of(rows[:end], "int64")
+    return Rollout(
+        rollout_id=f"{task_id}-{group_index}", task_id=task_id, group_index=group_index, group_size=group_size,
+        prompt_tokens=TensorBlob.of(flat.ids[:n_prompt], "int32"),
+        completion_tokens=TensorBlob.of(flat.ids[n_prompt:end], "int32"),
+        behaviour_logprobs=TensorBlob.of(flat.logprobs[n_prompt:end], "float32"),
+        policy_versions=TensorBlob.of(versions[n_prompt:end], "int32"),
+        loss_mask=TensorBlob.of(flat.loss_mask[n_prompt:end], "uint8"),
+        routing=routing, reward=1.0 if last.status == "passed" else 0.0, verdict=last.verdict,
+        timings=dict(timings), region=region, generator_id=generator_id,
+    )

@@ -1,0 +1,336 @@
+"""The task feeder: puts coding tasks on every region's TASKS work queue, each backlog bounded yet full.
+
+Owns: `Feeder` (kind "feeder"), `FeederConfig`, the task sources (the built-in family
+`model.tasks.train_tasks(seed)`, or a JSONL file of tasks), the deterministic weighted region of each
+task, the verifier spec a generator rebuilds a task from (`verifier_for` / `task_from_verifier`), and
+the feeder's position, kept in the hub's PARTIALS KV under `POSITION_KEY`.
+Does not: generate or grade (actors/generator.py), provision streams (messages/streams.py).
+
+Task `i` of the sequence goes to region `assign_region(seed, i, weights)`, a pure function, and only
+there. Each region has its own cursor (the next sequence index it has not been given), so a cut-off
+region stops only its own cursor: its tasks wait for it, never move elsewhere (a retry reuses the msg id
+`task_id`, so the region's stream stores it once) and the other regions keep going. The cursors are
+saved after every batch of publishes; a restarted feeder republishes at most the tasks after the last
+save, which the streams' duplicate window drops: nothing is repeated, nothing skipped.
+
+JSONL task file: one JSON object per line with the `model.tasks.Task` fields, e.g.
+`{"task_id": "t1", "prompt": "def f(x):\\n    ...", "entry_point": "f",
+  "tests": [{"args": "(3,)", "expected": "8"}], "family": "int", "level": 1, "solution": ""}`
+(`args` is the repr of the argument tuple, `expected` the repr of the result; family, level and solution
+are optional).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+
+from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.messages.bus import Bus
+from rlbus.messages.schemas import Task as TaskMessage
+from rlbus.model.tasks import HiddenTest
+from rlbus.model.tasks import Task as CodingTask
+from rlbus.model.tasks import train_tasks
+
+log = structlog.get_logger()
+
+POSITION_KEY: Final = "feeder-position"
+"""Key of the feeder's cursors in the hub region's PARTIALS bucket (generators use task ids as keys)."""
+VERIFIER_KIND: Final = "rlbus-task-v1"
+"""`Task.verifier["kind"]` of tasks whose `Task.verifier["task"]` is a `model.tasks.Task` as JSON."""
+
+
+class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The topology's `[feeder]` section plus what the launcher adds (`regions`, `group_size`)."""
+
+    seed: int = 0
+    """Seed of the built-in task sequence and of the region assignment."""
+    backlog_per_region: int = 256
+    """Each region's TASKS stream holds at most this many tasks (queued or being worked on)."""
+    region_weights: dict[str, float] = {}
+    """Share of tasks per region; regions missing here get 0. Empty: equal shares over `regions`."""
+    max_tasks: int | None = None
+    """Feed only the first `max_tasks` tasks of the sequence (None: forever / to the end of the file)."""
+    tasks_file: str | None = None
+    """A JSONL file of tasks (see the module docstring) instead of the built-in family."""
+    poll_interval_s: float = 1.0
+    """How often each region's backlog is checked and topped up."""
+    regions: list[str] = []
+    """Regions to feed (the launcher passes every region of the topology); empty: the feeder's own."""
+    domains: dict[str, str] = {}
+    """Region → JetStream domain (default: the region name)."""
+    group_size: int = 8
+    """`Task.group_size`: completions a generator samples per task (the topology's generator.group_size)."""
+
+    def weights(self, own_region: str) -> list[tuple[str, float]]:
+        """(region, weight) pairs, sorted by region, of the regions that get tasks."""
+        regions = self.regions or [own_region]
+        if not self.region_weights:
+            return [(r, 1.0) for r in sorted(regions)]
+        return [(r, float(self.region_weights[r])) for r in sorted(regions) if self.region_weights.get(r, 0.0) > 0]
+
+
+# ---- the task sequence --------------------------------------------------------------------------
+def assign_region(seed: int, index: int, weights: Sequence[tuple[str, float]]) -> str:
+    """The region of task `index`: u = sha256("seed:index") as a fraction in [0, 1), then the first region
+    whose cumulative share exceeds u (regions in the given order). Pure and stable across processes."""
+    total = sum(w for _, w in weights)
+    if not weights or total <= 0:
+        raise ValueError(f"region weights {list(weights)} give no region a positive share")
+    u = int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "big") / 2.0**64
+    acc = 0.0
+    for region, weight in weights:
+        acc += weight / total
+        if u < acc:
+            return region
+    return weights[-1][0]
+
+
+def task_seed(seed: int, index: int) -> int:
+    """`Task.seed` of task `index`: 31 bits of sha256("task:seed:index"); generators seed sampling with it."""
+    return int.from_bytes(hashlib.sha256(f"task:{seed}:{index}".encode()).digest()[:4], "big") >> 1
+
+
+def verifier_for(task: CodingTask) -> dict[str, str]:
+    """`Task.verifier` of a coding task: {"kind": VERIFIER_KIND, "task": <the task's fields as JSON>}."""
+    doc = {"task_id": task.task_id, "family": task.family, "level": task.level, "prompt": task.prompt,
+           "entry_point": task.entry_point, "solution": task.solution,
+           "tests": [{"args": t.args, "expected": t.expected} for t in task.tests]}
+    return {"kind": VERIFIER_KIND, "task": json.dumps(doc)}
+
+
+def task_from_json(doc: Mapping[str, Any]) -> CodingTask:
+    """A `model.tasks.Task` from its JSON object (a verifier's or a task file line's).
+
+    :raises ValueError: a required field is missing or has the wrong type.
+    """
+    try:
+        tests = tuple(HiddenTest(args=str(t["args"]), expected=str(t["expected"])) for t in doc["tests"])
+        task = CodingTask(task_id=str(doc["task_id"]), family=str(doc.get("family", "file")),
+                          level=int(doc.get("level", 0)), prompt=str(doc["prompt"]),
+                          entry_point=str(doc["entry_point"]), solution=str(doc.get("solution", "")), tests=tests)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"task object needs task_id, prompt, entry_point and tests [{{args, expected}}]: "
+                         f"{err!r}") from None
+    if not task.tests:
+        raise ValueError(f"task {task.task_id!r} has no tests")
+    return task
+
+
+def task_from_verifier(message: TaskMessage) -> CodingTask:
+    """Rebuild the coding task a Task message carries (generator side).
+
+    :raises ValueError: the verifier is not of kind VERIFIER_KIND or its task does not parse.
+    """
+    if message.verifier.get("kind") != VERIFIER_KIND or "task" not in message.verifier:
+        raise ValueError(f"task {message.task_id}: verifier kind {message.verifier.get('kind')!r} is not "
+                         f"{VERIFIER_KIND!r}")
+    try:
+        doc = json.loads(message.verifier["task"])
+    except ValueError as err:
+        raise ValueError(f"task {message.task_id}: verifier task is not JSON: {err}") from None
+    return task_from_json(doc)
+
+
+def read_tasks_file(path: Path) -> list[CodingTask]:
+    """Every task of a JSONL file, in file order (blank lines skipped).
+
+    :raises ValueError: naming the file and line of the first bad line.
+    """
+    out = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append(task_from_json(json.loads(line)))
+        except ValueError as err:
+            raise ValueError(f"{path}:{number}: {err}") from None
+    return out
+
+
+class TaskSequence:
+    """Random access to the task sequence (built-in or file), caching the window still needed."""
+
+    def __init__(self, seed: int, tasks: list[CodingTask] | None = None, max_tasks: int | None = None) -> None:
+        self._listed = tasks
+        self._stream: Iterator[CodingTask] | None = None
+        self._seed = seed
+        self._cache: list[CodingTask] = []
+        self._base = 0
+        ends = [n for n in (max_tasks, None if tasks is None else len(tasks)) if n is not None]
+        self.end: int | None = min(ends) if ends else None
+        """First index past the sequence (None: endless)."""
+
+    def get(self, index: int) -> CodingTask:
+        if self._listed is not None:
+            return self._listed[index]
+        if index < self._base:
+            raise IndexError(f"task {index} was dropped from the cache (window starts at {self._base})")
+        if self._stream is None:
+            self._stream = train_tasks(self._seed)
+        self._cache.extend(itertools.islice(self._stream, index - self._base - len(self._cache) + 1))
+        return self._cache[index - self._base]
+
+    def forget_below(self, index: int) -> None:
+        """Drop cached tasks before `index` (every region's cursor is past them)."""
+        if self._listed is None and index > self._base:
+            del self._cache[: index - self._base]
+            self._base = index
+
+
+class Position(msgspec.Struct, kw_only=True):
+    """The feeder's saved state: per region, the next sequence index it has not been given."""
+
+    seed: int
+    source: str
+    weights: dict[str, float]
+    cursors: dict[str, int]
+
+
+class Feeder(Actor):
+    """Keeps every region's TASKS backlog at `backlog_per_region`; see the module docstring."""
+
+    kind = "feeder"
+
+    def __init__(self, ident: ActorId, bus: Bus, config: FeederConfig, limits: ActorLimits | None = None) -> None:
+        super().__init__(ident, bus, limits)
+        self.config = config
+        self.weights = config.weights(ident.region)
+        self.source = config.tasks_file or f"builtin:{config.seed}"
+        self.cursors: dict[str, int] = {r: 0 for r, _ in self.weights}
+        self._revision: int | None = None
+        self.tasks: TaskSequence
+
+    async def setup(self) -> None:
+        if not self.weights:
+            raise ValueError(f"feeder: region_weights {self.config.region_weights} give no region of "
+                             f"{self.config.regions} a share")
+        listed = None
+        if self.config.tasks_file is not None:
+            listed = await anyio.to_thread.run_sync(read_tasks_file, Path(self.config.tasks_file))
+        self.tasks = TaskSequence(self.config.seed, listed, self.config.max_tasks)
+        self.kv = await self.bus.js.key_value(self.bus.subjects.partials_bucket(self.ident.region))
+        await self._load_position()
+
+    async def run(self) -> None:
+        while True:
+            fed = 0
+            for region, _ in self.weights:
+                fed += await self._top_up(region)
+            self.tasks.forget_below(min(self.cursors.values()))
+            self.gauges["position"] = float(min(self.cursors.values()))
+            if fed:
+                await self._save_position()
+            if self._exhausted():
+                log.info("feeder_done", tasks=self.counters.get("tasks", 0), cursors=self.cursors)
+                await anyio.sleep_forever()
+            await anyio.sleep(self.config.poll_interval_s)
+
+    # ---- feeding --------------------------------------------------------------------------------
+    def _next_index(self, region: str) -> int | None:
+        """The first index at or after the region's cursor assigned to it, or None past the end."""
+        index = self.cursors[region]
+        while self.tasks.end is None or index < self.tasks.end:
+            if assign_region(self.config.seed, index, self.weights) == region:
+                return index
+            index += 1
+        return None
+
+    def _exhausted(self) -> bool:
+        return all(self._next_index(r) is None for r, _ in self.weights)
+
+    async def _backlog(self, region: str) -> int | None:
+        """Messages in the region's TASKS stream, or None when its server does not answer."""
+        js = self.bus.jetstream(self.config.domains.get(region, region))
+        try:
+            with anyio.fail_after(max(1.0, self.config.poll_interval_s * 2)):
+                info = await js.stream_info(self.bus.subjects.tasks_stream(region))
+        except (nats.errors.Error, TimeoutError) as err:
+            self.count("region_unreachable")
+            log.warning("feeder_region_unreachable", region=region, error=repr(err))
+            return None
+        return int(info.state.messages)
+
+    async def _top_up(self, region: str) -> int:
+        """Publish the region's next tasks until its backlog is at the bound; returns how many."""
+        backlog = await self._backlog(region)
+        if backlog is None:
+            return 0
+        self.gauges[f"backlog_{region}"] = float(backlog)
+        fed = 0
+        with self.busy():
+            while backlog + fed < self.config.backlog_per_region:
+                index = self._next_index(region)
+                if index is None:
+                    break
+                message = self._message(index, region)
+                try:
+                    ack = await self.bus.publish(self.bus.subjects.tasks(region), message, msg_id=message.task_id)
+                except (nats.errors.Error, TimeoutError) as err:
+                    self.count("publish_failures")
+                    log.warning("feeder_publish_failed", region=region, task_id=message.task_id, error=repr(err))
+                    break        # retried on the next poll, to the same region with the same msg id
+                self.cursors[region] = index + 1
+                fed += 1
+                self.count("duplicates" if ack.duplicate else "tasks")
+        if fed:
+            log.info("feeder_topped_up", region=region, tasks=fed, backlog=backlog + fed,
+                     cursor=self.cursors[region])
+        return fed
+
+    def _message(self, index: int, region: str) -> TaskMessage:
+        task = self.tasks.get(index)
+        return TaskMessage(task_id=task.task_id, prompt=task.prompt, verifier=verifier_for(task),
+                           group_size=self.config.group_size, region=region,
+                           seed=task_seed(self.config.seed, index))
+
+    # ---- position -------------------------------------------------------------------------------
+    async def _load_position(self) -> None:
+        try:
+            entry = await self.kv.get(POSITION_KEY)
+        except nats.js.errors.KeyNotFoundError:
+            log.info("feeder_position_new", source=self.source)
+            return
+        self._revision = entry.revision
+        try:
+            saved = msgspec.json.decode(entry.value or b"", type=Position)
+        except msgspec.DecodeError as err:
+            log.warning("feeder_position_unreadable", error=str(err))
+            return
+        if (saved.seed, saved.source, saved.weights) != (self.config.seed, self.source, dict(self.weights)):
+            start = max(saved.cursors.values(), default=0)
+            log.warning("feeder_assignment_changed", saved_seed=saved.seed, saved_source=saved.source,
+                        saved_weights=saved.weights, restart_at=start)
+            self.cursors = {r: start for r in self.cursors}
+        else:
+            self.cursors = {r: saved.cursors.get(r, 0) for r in self.cursors}
+        log.info("feeder_position_loaded", cursors=self.cursors)
+
+    async def _save_position(self) -> None:
+        """Compare-and-set the cursors; a lost race (two feeders) reloads the winner's position."""
+        value = msgspec.json.encode(Position(seed=self.config.seed, source=self.source,
+                                             weights=dict(self.weights), cursors=dict(self.cursors)))
+        try:
+            if self._revision is None:
+                self._revision = await self.kv.create(POSITION_KEY, value)
+            else:
+                self._revision = await self.kv.update(POSITION_KEY, value, last=self._revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            log.warning("feeder_position_conflict")
+            self.count("position_conflicts")
+            await self._load_position()
+
+
+def build_feeder(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Feeder:
+    """`actors/kinds.py` entry: the launcher's feeder settings as a plain dict."""
+    return Feeder(ident, bus, msgspec.convert(settings, FeederConfig), limits)

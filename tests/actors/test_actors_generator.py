@@ -1,0 +1,445 @@
+"""The generator against a real nats-server and the real sandbox supervisor, with a tiny random policy:
+a task becomes G multi-turn Rollouts whose arrays are what the policy saw (teacher-forced logprobs equal
+the behaviour logprobs), the task is acked only once the group is stored, a saved partial is resumed
+instead of regenerated, an over-budget history is summarised, and a generator process SIGKILLed
+mid-rollout hands its task to a new one that resumes it and publishes the group exactly once."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import nats.js.errors
+import pytest
+import torch
+
+from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.episode_group import (
+    Attempt,
+    PartialGroup,
+    decode_partial,
+    encode_partial,
+    new_group,
+    record_attempt,
+)
+from rlbus.actors.feeder import verifier_for
+from rlbus.actors.generator import Generator, GeneratorConfig, partial_key
+from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
+from rlbus.actors.weight_source import LocalWeights
+from rlbus.messages import codec
+from rlbus.messages.bus import Bus, ConnectOptions
+from rlbus.messages.schemas import Heartbeat, Rollout, SandboxVerdict
+from rlbus.messages.schemas import Task as TaskMessage
+from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
+from rlbus.messages.subjects import BucketScope
+from rlbus.model.tasks import Task, eval_tasks
+from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.topology.servers import EmbeddedServer
+
+pytestmark = pytest.mark.anyio
+torch.set_num_threads(1)
+
+RUNS = tuple(f"t{uuid.uuid4().hex[:8]}" for _ in range(8))
+"""Run ids of this module: the server grants their PARTIALS buckets to the generator role."""
+FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
+TOK = ByteTokenizer()
+CONFIG = GeneratorConfig(group_size=2, temperature=1.0, max_tokens=12, partial_every_tokens=5, max_attempts=3,
+                         sandbox_timeout_s=10.0)
+SANDBOX = SandboxConfig(pool_size=1, concurrency=2, cpu_seconds=2.0, wall_seconds=2.0, memory_mb=256,
+                        max_processes=8, max_file_mb=1, max_open_files=32, max_output_kb=16)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Env:
+    server: EmbeddedServer
+    run: str
+    admin: Bus
+
+    async def bus(self, role: str) -> Bus:
+        cred = self.server.credential(role)
+        return await Bus.connect(self.server.url, run=self.run,
+                                 options=ConnectOptions(user=cred.user, password=cred.password))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    """A server whose role users may write the PARTIALS buckets of this module's runs."""
+    srv = EmbeddedServer.start(tmp_path_factory.mktemp("gen-js"), name="gen",
+                               scope=BucketScope(runs=RUNS, regions=("hub",)))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+_free = list(RUNS)
+
+
+@pytest.fixture
+async def env(server: EmbeddedServer) -> AsyncIterator[Env]:
+    """A fresh run with the hub's region and hub streams provisioned (tiny settings)."""
+    run = _free.pop()
+    cred = server.credential("admin")
+    admin = await Bus.connect(server.url, run=run, options=ConnectOptions(user=cred.user, password=cred.password))
+    settings = StreamSettings.tiny()
+    await provision_region(admin.nc, admin.subjects, "hub", domain=None, settings=settings)
+    await provision_hub(admin.nc, admin.subjects, "hub", {"hub": None}, settings)
+    try:
+        yield Env(server, run, admin)
+    finally:
+        await admin.close()
+
+
+def tiny_model(**overrides: object) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.tiny(max_seq_len=1024, **overrides)).eval()  # type: ignore[arg-type]
+
+
+def coding_task(index: int = 0) -> Task:
+    return eval_tasks(11, n=4)[index]
+
+
+def task_message(task: Task, group_size: int = 2) -> TaskMessage:
+    return TaskMessage(task_id=task.task_id, prompt=task.prompt, verifier=verifier_for(task), group_size=group_size,
+                       region="hub", seed=1)
+
+
+@asynccontextmanager
+async def serving(env: Env, role: str, make: object) -> AsyncIterator[object]:
+    """Serve the actor `make(bus)` builds in this process until the block ends."""
+    bus = await env.bus(role)
+    actor = make(bus)  # type: ignore[operator]
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(actor.serve)
+            try:
+                yield actor
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        await bus.close()
+
+
+def generator(env: Env, model: Transformer, *, version: int, config: GeneratorConfig = CONFIG,
+              actor_id: str = "g1") -> object:
+    return serving(env, "generator", lambda bus: Generator(ActorId(env.run, "hub", "generator", actor_id), bus,
+                                                           config, FAST, weights=LocalWeights(model, version=version)))
+
+
+def sandbox(env: Env) -> object:
+    return serving(env, "sandbox", lambda bus: SandboxSupervisor(ActorId(env.run, "hub", "sandbox", "sb"), bus,
+                                                                  SANDBOX, FAST))
+
+
+async def stored(env: Env, stream: str) -> int:
+    return int((await env.admin.js.stream_info(stream)).state.messages)
+
+
+async def wait_until(predicate: object, timeout_s: float = 60.0) -> None:
+    with anyio.fail_after(timeout_s):  # hang guard only
+        while not await predicate():  # type: ignore[operator]
+            await anyio.sleep(0.05)
+
+
+async def rollouts(env: Env) -> list[Rollout]:
+    stream = env.admin.subjects.rollouts_stream("hub")
+    info = await env.admin.js.stream_info(stream)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        msg = await env.admin.js.get_msg(stream, seq)
+        out.append(codec.decode_as(msg.data, msg.headers, Rollout))
+    return sorted(out, key=lambda r: r.group_index)
+
+
+def teacher_forced(model: Transformer, rollout: Rollout) -> torch.Tensor:
+    """(T,) log-probability of each completion token given everything before it, one plain forward pass."""
+    ids = torch.tensor([*rollout.prompt_tokens.tolist(), *rollout.completion_tokens.tolist()])[None]
+    routing = None if rollout.routing is None else torch.from_numpy(rollout.routing.numpy().copy())[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids, routing=routing, with_mtp=False).logits[0].float(), dim=-1)
+    P = len(rollout.prompt_tokens)
+    return logp[P - 1:-1].gather(-1, ids[0, P:, None])[:, 0]
+
+
+def runs(mask: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each run of 1s."""
+    out, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        if not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def check_layout(rollout: Rollout, task: Task, attempts: int) -> None:
+    """prompt = the first attempt's context; the completion alternates attempts and test feedback."""
+    assert rollout.prompt_tokens.tolist() == TOK.prompt_ids(task.prompt)
+    T = len(rollout.completion_tokens)
+    assert len(rollout.behaviour_logprobs) == len(rollout.policy_versions) == len(rollout.loss_mask) == T
+    completion, mask = rollout.completion_tokens.tolist(), rollout.loss_mask.tolist()
+    spans = runs(mask)
+    assert len(spans) == attempts and rollout.timings["attempts"] == attempts
+    assert all(0 < e - s <= CONFIG.max_tokens for s, e in spans)
+    assert spans[0][0] == 0 and spans[-1][1] == T           # starts and ends with sampled tokens
+    for (_, end), (start, _) in zip(spans, spans[1:]):       # between attempts: feedback, then a new turn
+        between = completion[end:start]
+        if completion[end - 1] != TOK.end_turn_id:
+            assert between[0] == TOK.end_turn_id             # a truncated attempt is closed (masked)
+            between = between[1:]
+        assert between[0] == TOK.observation_id and between[-2:] == [TOK.end_turn_id, TOK.assistant_id]
+        assert TOK.decode(between[1:-2]).split(" tests passed.")[0] in {f"{k}/6" for k in range(7)}
+    assert all(lp == 0.0 for lp, m in zip(rollout.behaviour_logprobs.tolist(), mask) if not m)
+
+
+# ---- a task in, a group out ------------------------------------------------------------------------
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+async def test_task_becomes_a_group_of_consistent_multi_turn_rollouts(env: Env, moe: bool) -> None:
+    """G Rollouts with ids task-g, prompt = the first context, 3 attempts with feedback between, versions of
+    the held weights, loss mask on sampled tokens only, behaviour logprobs (and MoE routing) that a plain
+    forward pass over prompt + completion reproduces; then the task is acked and the partial deleted."""
+    model = tiny_model(moe_layers=(1,)) if moe else tiny_model()
+    task = coding_task()
+    await env.admin.publish(env.admin.subjects.tasks("hub"), task_message(task), msg_id=task.task_id)
+    async with sandbox(env), generator(env, model, version=3) as actor:
+        stream = env.admin.subjects.tasks_stream("hub")
+
+        async def done() -> bool:
+            return await stored(env, stream) == 0 and actor.counters.get("tasks", 0) == 1  # type: ignore[attr-defined]
+        await wait_until(done)
+        counters = dict(actor.counters)  # type: ignore[attr-defined]
+    group = await rollouts(env)
+    assert [r.rollout_id for r in group] == [f"{task.task_id}-0", f"{task.task_id}-1"]
+    assert counters["rollouts"] == 2 and counters.get("resumed", 0) == 0 and counters.get("sandbox_errors", 0) == 0
+    for g, r in enumerate(group):
+        assert (r.task_id, r.group_index, r.group_size, r.region, r.generator_id) == (task.task_id, g, 2, "hub", "g1")
+        check_layout(r, task, attempts=3)        # a random policy fails every attempt
+        assert r.reward == 0.0 and r.verdict.total == 6 and r.verdict.status in ("failed", "ok")
+        assert set(r.policy_versions.tolist()) == {3}
+        mask = torch.tensor(r.loss_mask.tolist(), dtype=torch.bool)
+        torch.testing.assert_close(teacher_forced(model, r)[mask], torch.tensor(r.behaviour_logprobs.tolist())[mask],
+                                   atol=2e-4, rtol=0)
+        if moe:
+            assert r.routing is not None
+            assert r.routing.shape == (len(r.prompt_tokens) + len(r.completion_tokens), 1, 2)
+        else:
+            assert r.routing is None
+    assert counters["tokens"] == sum(int(sum(r.loss_mask.tolist())) for r in group)
+    kv = await env.admin.js.key_value(env.admin.subjects.partials_bucket("hub"))
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await kv.get(partial_key(task.task_id))
+
+
+async def test_task_is_acked_only_after_its_group_is_stored(env: Env) -> None:
+    """With the region's ROLLOUTS stream gone the finished group cannot be stored: the task stays held (not
+    acked), the generator retries; once the stream is back the group lands once and the task is acked.
+    No sandbox answers here: every attempt is graded as a failed one, counted, and nothing crashes."""
+    s = env.admin.subjects
+    await env.admin.js.delete_stream(s.rollouts_stream("hub"))
+    task = coding_task(1)
+    await env.admin.publish(s.tasks("hub"), task_message(task), msg_id=task.task_id)
+    kv = await env.admin.js.key_value(s.partials_bucket("hub"))
+    async with generator(env, tiny_model(), version=0) as actor:
+        async def failing() -> bool:
+            return actor.counters.get("publish_failures", 0) >= 2  # type: ignore[attr-defined]
+        await wait_until(failing)
+        assert await stored(env, s.tasks_stream("hub")) == 1
+        consumer = await env.admin.js.consumer_info(s.tasks_stream("hub"), s.durable("generator", "hub"))
+        assert consumer.num_ack_pending == 1 and consumer.num_redelivered == 0      # held, never let go
+        partial = decode_partial((await kv.get(partial_key(task.task_id))).value or b"")
+        assert partial.finished(CONFIG.max_attempts)
+        await provision_region(env.admin.nc, s, "hub", domain=None, settings=StreamSettings.tiny())
+
+        async def acked() -> bool:
+            return await stored(env, s.tasks_stream("hub")) == 0
+        await wait_until(acked)
+        counters = dict(actor.counters)  # type: ignore[attr-defined]
+    group = await rollouts(env)
+    assert Counter(r.rollout_id for r in group) == {f"{task.task_id}-0": 1, f"{task.task_id}-1": 1}
+    assert counters["sandbox_errors"] == 6 and counters["tasks"] == 1
+    assert all(r.verdict.status == "error" and r.reward == 0.0 for r in group)
+    for r in group:
+        check_layout(r, task, attempts=3)
+
+
+async def test_redelivered_task_resumes_its_partial(env: Env) -> None:
+    """A partial holding one graded attempt per episode is resumed: those tokens, logprobs, versions and the
+    feedback stay as saved (not regenerated), the two remaining attempts come from the current weights."""
+    task = coding_task(2)
+    state = new_group(task, task.task_id, 2, TOK, now=0.0)
+    first = [*TOK.encode("return x"), TOK.end_turn_id]
+    for ep in state.episodes:
+        ep.draft_ids, ep.draft_logprobs, ep.draft_versions = list(first), [-0.5] * len(first), [5] * len(first)
+        record_attempt(ep, task, Attempt(status="failed", n_passed=1, n_tests=6, feedback="f(1) returned 1, expected 3",
+                                         verdict=SandboxVerdict(passed=1, total=6, status="failed")), TOK, 3)
+    state.rounds = 1
+    kv = await env.admin.js.key_value(env.admin.subjects.partials_bucket("hub"))
+    await kv.create(partial_key(task.task_id), encode_partial(state))
+    await env.admin.publish(env.admin.subjects.tasks("hub"), task_message(task), msg_id=task.task_id)
+    model = tiny_model()
+    async with sandbox(env), generator(env, model, version=9) as actor:
+        async def done() -> bool:
+            return actor.counters.get("tasks", 0) == 1  # type: ignore[attr-defined]
+        await wait_until(done)
+        counters = dict(actor.counters)  # type: ignore[attr-defined]
+    group = await rollouts(env)
+    assert counters["resumed"] == 1
+    feedback = TOK.encode("1/6 tests passed. f(1) returned 1, expected 3")
+    for r in group:
+        check_layout(r, task, attempts=3)
+        completion = r.completion_tokens.tolist()
+        n = len(first)
+        expected = [*first, TOK.observation_id, *feedback, TOK.end_turn_id, TOK.assistant_id]
+        assert completion[:len(expected)] == expected
+        assert r.behaviour_logprobs.tolist()[:n] == [-0.5] * n and r.policy_versions.tolist()[:n] == [5] * n
+        later = [i for i, m in enumerate(r.loss_mask.tolist()) if m and i >= n]
+        assert later and {r.policy_versions.tolist()[i] for i in later} == {9}
+        mask = torch.zeros(len(completion), dtype=torch.bool)
+        mask[later] = True
+        torch.testing.assert_close(teacher_forced(model, r)[mask], torch.tensor(r.behaviour_logprobs.tolist())[mask],
+                                   atol=2e-4, rtol=0)
+    # only the resumed attempts were sampled here
+    assert counters["tokens"] == sum(int(sum(r.loss_mask.tolist())) - len(first) for r in group)
+
+
+async def test_over_budget_history_is_summarised(env: Env) -> None:
+    """With a context budget just above the prompt, the history after a failed attempt is replaced by the
+    policy's own summary (masked out of the loss); the next attempts read prompt + summary, as replayed."""
+    task = coding_task(3)
+    keep = len(TOK.encode(task.prompt)) + 3
+    config = GeneratorConfig(
+        group_size=2, max_tokens=12, partial_every_tokens=12, max_attempts=2, context_budget=keep + 16,
+        sandbox_timeout_s=10.0)
+    await env.admin.publish(env.admin.subjects.tasks("hub"), task_message(task), msg_id=task.task_id)
+    model = tiny_model()
+    async with sandbox(env), generator(env, model, version=1, config=config) as actor:
+        async def done() -> bool:
+            return actor.counters.get("tasks", 0) == 1  # type: ignore[attr-defined]
+        await wait_until(done)
+        counters = dict(actor.counters)  # type: ignore[attr-defined]
+    assert counters["summaries"] == 2            # one per episode, before its second attempt
+    for r in await rollouts(env):
+        completion, mask = r.completion_tokens.tolist(), r.loss_mask.tolist()
+        assert r.prompt_tokens.tolist()[:-1] == TOK.prompt_ids(task.prompt)[:-1]
+        assert r.prompt_tokens.tolist()[-1] == TOK.summary_id             # the summary follows the prompt
+        assert len(runs(mask)) == 1 and r.timings["attempts"] == 2         # only the attempt after it is trained
+        s, e = runs(mask)[0]
+        assert completion[s - 1] == TOK.assistant_id and 0 < e - s <= 12 and e == len(completion)
+        assert s <= 12 + 2 and len(r.prompt_tokens) + len(completion) <= keep + 16 + 12
+        m = torch.tensor(mask, dtype=torch.bool)
+        torch.testing.assert_close(teacher_forced(model, r)[m], torch.tensor(r.behaviour_logprobs.tolist())[m],
+                                   atol=2e-4, rtol=0)
+
+
+# ---- chaos: a generator process SIGKILLed mid-rollout ---------------------------------------------------
+def _spawn(env: Env, actor_id: str, settings: dict[str, object], log_path: Path) -> subprocess.Popen[bytes]:
+    cred = env.server.credential("generator")
+    cmd = [sys.executable, "-m", "rlbus.ops.actor", "--kind", "generator", "--run", env.run, "--region", "hub",
+           "--id", actor_id, "--url", env.server.url, "--heartbeat-s", "0.2", "--drain-s", "3",
+           "--settings", json.dumps(settings)]
+    environ = {**os.environ, "RLBUS_NATS_USER": cred.user, "RLBUS_NATS_PASSWORD": cred.password,
+               "RLBUS_TORCH_THREADS": "1"}
+    with log_path.open("wb") as log:
+        return subprocess.Popen(cmd, env=environ, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+@pytest.mark.chaos
+async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once(env: Env, tmp_path: Path) -> None:
+    """SIGKILL a generator process mid-rollout: the task comes back to a new generator process, which resumes
+    the saved partial (resumed counter; every token saved before the kill is in the rollouts unchanged, with
+    the old version, and only the rest is sampled anew) and the group is in ROLLOUTS exactly once."""
+    checkpoint = tmp_path / "pretrain.pt"
+    model = tiny_model()
+    torch.save({"state_dict": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "tokenizer": TOK.info(), "meta": {}}, checkpoint)
+    settings = {"weights": f"local:{checkpoint}", "group_size": 2, "max_tokens": 48, "partial_every_tokens": 4,
+                "max_attempts": 3, "sandbox_timeout_s": 10.0}
+    task = coding_task(0)
+    s = env.admin.subjects
+    kv = await env.admin.js.key_value(s.partials_bucket("hub"))
+    key = partial_key(task.task_id)
+    heartbeats: dict[str, Heartbeat] = {}
+
+    async def listen() -> None:
+        sub = await env.admin.nc.subscribe(s.all_health())
+        try:
+            async for msg in sub.messages:
+                beat = codec.decode_as(msg.data, msg.headers, Heartbeat)
+                heartbeats[beat.actor_id] = beat
+        finally:
+            await sub.unsubscribe()
+
+    async def partial() -> PartialGroup | None:
+        try:
+            return decode_partial((await kv.get(key)).value or b"")
+        except nats.js.errors.KeyNotFoundError:
+            return None
+
+    async with sandbox(env), anyio.create_task_group() as tg:
+        tg.start_soon(listen)
+        victim = _spawn(env, "victim", {**settings, "local_version": 1}, tmp_path / "victim.log")
+        heir: subprocess.Popen[bytes] | None = None
+        try:
+            await env.admin.publish(s.tasks("hub"), task_message(task), msg_id=task.task_id)
+
+            async def sampling() -> bool:
+                state = await partial()
+                return state is not None and state.sampled_tokens > 0
+            await wait_until(sampling)
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait()
+            saved = await partial()
+            assert saved is not None and not saved.finished(3) and saved.writer == "victim"
+            heir = _spawn(env, "heir", {**settings, "local_version": 2}, tmp_path / "heir.log")
+
+            async def published() -> bool:
+                return await stored(env, s.rollouts_stream("hub")) >= 2 and await stored(env, s.tasks_stream("hub")) == 0
+            await wait_until(published, timeout_s=90)
+            assert _stop(heir) == 0, (tmp_path / "heir.log").read_text()[-3000:]
+
+            async def heir_stopped() -> bool:
+                return "heir" in heartbeats and heartbeats["heir"].state == "stopped"
+            await wait_until(heir_stopped)
+        finally:
+            for proc in (victim, heir):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            tg.cancel_scope.cancel()
+    group = await rollouts(env)
+    assert Counter(r.rollout_id for r in group) == {f"{task.task_id}-0": 1, f"{task.task_id}-1": 1}
+    assert heartbeats["heir"].counters["resumed"] == 1 and heartbeats["heir"].state == "stopped"
+    assert heartbeats["heir"].counters["tokens"] == sum(int(sum(r.loss_mask.tolist())) for r in group) - saved.sampled_tokens
+    for r, ep in zip(group, saved.episodes, strict=True):
+        before_kill = [t for turn in ep.turns if turn.role == "assistant" for t in turn.ids] + ep.draft_ids
+        completion, versions = r.completion_tokens.tolist(), r.policy_versions.tolist()
+        sampled = [i for i, m in enumerate(r.loss_mask.tolist()) if m]
+        old = [i for i in sampled if versions[i] == 1]
+        assert [completion[i] for i in old] == before_kill            # kept as saved, first, with version 1
+        assert sampled[:len(old)] == old and {versions[i] for i in sampled[len(old):]} <= {2}
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await kv.get(key)
