@@ -27,5 +27,10 @@ def configure_logging(*, json: bool | None = None, level: int = logging.INFO) ->
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
     )
+
+
+def _stderr_logger(*_args: object) -> structlog.PrintLogger:
+    """A logger on whatever `sys.stderr` is now (not the one at configure time: tests swap it)."""
+    return structlog.PrintLogger(sys.stderr)

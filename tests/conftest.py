@@ -54,3 +54,12 @@ def regions(tmp_path: Path) -> Iterator[RegionSet]:
         yield rs
     finally:
         rs.stop()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults() -> Iterator[None]:
+    """A test that runs the CLI configures structlog for its own captured stderr; undo it afterwards."""
+    yield
+    import structlog
+
+    structlog.reset_defaults()
