@@ -1,0 +1,228 @@
+"""`rlbus health`: the model's verdicts on hand-made heartbeats, and against a real server — a live actor
+shows up, a SIGKILLed actor process is dead past its deadline (`--once --json` exits 1), an idle actor
+is stalled, and the Prometheus scrape parses with prometheus-client's own parser."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.demo import DemoProducer, DemoSettings
+from rlbus.messages import codec
+from rlbus.messages.bus import Bus
+from rlbus.messages.schemas import Event, Heartbeat
+from rlbus.ops.healthmodel import HealthModel, HealthRules
+from rlbus.ops.healthview import registry_for, serve_metrics
+from rlbus.ops.healthwatch import HealthWatch
+from rlbus.topology.servers import EmbeddedServer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ops_helpers import json_in, provision_single, run_cli, target_of, url_args, write_credentials  # noqa: E402
+
+FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=1.0)
+RULES = ["--min-deadline-s", "1", "--stall-s", "1.5", "--settle-s", "0.3"]
+
+
+# ---- the model, by hand --------------------------------------------------------------------------------
+def _hb(actor: str = "a", *, at: float, state: str = "ready", counters: dict[str, int] | None = None,
+        version: int | None = None, pid: int = 10, restarts: int = 0) -> Heartbeat:
+    return Heartbeat(actor_id=actor, actor_kind="k", region="hub", state=state, counters=counters or {},
+                     policy_version=version, pid=pid, restarts=restarts, sent_at=at)
+
+
+def _feed(model: HealthModel, beats: list[Heartbeat]) -> None:
+    for hb in beats:
+        model.observe(hb, hb.sent_at)
+
+
+def test_deadline_is_k_times_the_median_interval_with_a_floor() -> None:
+    """Gaps 1.0, 1.2, 0.8 → interval 1.0 → deadline max(3 × 1.0, 3) = 3; gaps of 2 s → 6 s; dead only past it."""
+    model = HealthModel(HealthRules(deadline_factor=3, min_deadline_s=3, stall_s=0))
+    _feed(model, [_hb(at=t) for t in (100.0, 101.0, 102.2, 103.0)])
+    assert model.interval("a") == 1.0
+    assert model.judge("a", 105.9).status == "ok"
+    dead = model.judge("a", 106.1)
+    assert (dead.status, dead.deadline_s, dead.age_s) == ("dead", 3.0, 3.1)
+    _feed(model, [_hb("b", at=t) for t in (0.0, 2.0, 4.0)])
+    assert model.judge("b", 4.0).deadline_s == 6.0
+    _feed(model, [_hb("c", at=0.0)])
+    assert model.judge("c", 0.0).deadline_s == 6.0          # default interval 2 s until two beats were seen
+
+
+def test_stalled_lagging_restarting_failed_and_stopped() -> None:
+    """Each verdict from hand-made beats, and problems sort first (dead, failed, stalled, lagging, restarting)."""
+    model = HealthModel(HealthRules(stall_s=10, lag_versions=2, restart_window_s=30, min_deadline_s=3))
+    _feed(model, [_hb("stuck", at=t, counters={"n": 5}) for t in range(0, 12)])
+    _feed(model, [_hb("busy", at=t, counters={"n": t}, version=8) for t in range(0, 12)])
+    _feed(model, [_hb("old", at=t, counters={"n": t}, version=7) for t in range(0, 12)])
+    _feed(model, [_hb("boot", at=0.0, counters={"n": 0}), _hb("boot", at=1.0, counters={"n": 1}),
+                  _hb("boot", at=2.0, counters={"n": 0}, pid=11, restarts=1)]
+          + [_hb("boot", at=float(t), counters={"n": t}, pid=11, restarts=1) for t in range(3, 12)])
+    _feed(model, [_hb("done", at=0.0), _hb("done", at=1.0, state="stopped")])
+    _feed(model, [_hb("gone", at=t) for t in range(0, 12)])
+    model.observe_event(Event(event="failed", actor_id="gone", detail="restart policy exhausted"), 11.5)
+    model.observe_version(10)                                # a WeightManifest of version 10
+    v = {h.actor_id: h for h in model.verdicts(11.5)}
+    assert v["stuck"].problems == ["stalled"] and v["stuck"].no_progress_s == 11.5
+    assert (v["busy"].status, v["busy"].lag) == ("ok", 2)
+    assert (v["old"].status, v["old"].lag) == ("lagging", 3)
+    assert v["boot"].problems == ["restarting"] and v["boot"].restarts == 1
+    assert v["done"].status == "stopped" and model.judge("done", 1000.0).status == "stopped"   # silent, not dead
+    assert (v["gone"].status, v["gone"].last_error) == ("failed", "restart policy exhausted")
+    order = [h.actor_id for h in model.verdicts(11.5)]
+    assert order == ["gone", "stuck", "old", "boot", "busy", "done"]
+    assert model.judge("boot", 2.0 + 31).problems == ["dead"]   # restart window over; silent since 11 s
+
+
+def test_repeated_and_older_heartbeats_change_nothing() -> None:
+    """History read after live beats: a beat not newer than the last one is ignored (no zero gaps)."""
+    model = HealthModel()
+    _feed(model, [_hb(at=10.0), _hb(at=11.0)])
+    model.observe(_hb(at=11.0), 11.0)
+    model.observe(_hb(at=10.5), 12.0)
+    assert model.interval("a") == 1.0 and model.tracks["a"].seen_at == 11.0
+
+
+# ---- against a real server ------------------------------------------------------------------------------
+class _Idle(Actor):
+    """Heartbeats but never makes progress."""
+
+    kind = "idle"
+
+    async def setup(self) -> None:
+        pass
+
+    async def run(self) -> None:
+        await anyio.sleep_forever()
+
+
+async def _wait_beat(bus: Bus, actor: str, timeout_s: float = 30) -> Heartbeat:
+    sub = await bus.nc.subscribe(bus.subjects.all_health())
+    try:
+        with anyio.fail_after(timeout_s):
+            async for msg in sub.messages:
+                hb = codec.decode_as(msg.data, msg.headers, Heartbeat)
+                if hb.actor_id == actor and hb.state == "ready":
+                    return hb
+    finally:
+        await sub.unsubscribe()
+    raise AssertionError("unreachable")
+
+
+async def _snapshot(server: EmbeddedServer, run: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
+    capsys.readouterr()
+    code = await anyio.to_thread.run_sync(run_cli, ["health", *url_args(server, run), "--once", "--json", *RULES])
+    doc = json_in(capsys.readouterr().out)
+    return code, doc
+
+
+@pytest.fixture
+async def live(admin_bus: Bus) -> AsyncIterator[Bus]:
+    """A provisioned single-server run with an in-process producer (`p1`) and an idle actor (`i1`)."""
+    await provision_single(admin_bus)
+    run = admin_bus.subjects.run
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(DemoProducer(ActorId(run, "hub", "demo_producer", "p1"), admin_bus,
+                                   DemoSettings(rate_per_s=20, tokens=8), FAST).serve)
+        tg.start_soon(_Idle(ActorId(run, "hub", "idle", "i1"), admin_bus, FAST).serve)
+        yield admin_bus
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+@pytest.mark.chaos
+async def test_sigkilled_actor_is_dead_and_once_json_exits_1(live: Bus, nats_server: EmbeddedServer,
+                                                             tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A live actor process shows up ok; SIGKILLed, it is dead once its deadline passed and --once exits 1."""
+    run = live.subjects.run
+    creds = write_credentials(nats_server, tmp_path / "credentials.json", ["generator"])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlbus.ops.actor", "--kind", "demo_producer", "--run", run, "--region", "hub",
+         "--id", "victim", "--url", nats_server.url, "--role", "generator", "--credentials", str(creds),
+         "--heartbeat-s", "0.2", "--settings", json.dumps({"rate_per_s": 5, "tokens": 8})],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        beat = await _wait_beat(live, "victim")
+        assert beat.pid == proc.pid
+        await anyio.sleep(0.5)
+        code, doc = await _snapshot(nats_server, run, capsys)
+        actors = {a["actor_id"]: a for a in doc["actors"]}
+        assert code == 0 and doc["dead"] is False
+        assert actors["victim"]["status"] == "ok" and actors["victim"]["pid"] == proc.pid
+        assert actors["p1"]["status"] == "ok" and actors["p1"]["counters"]["published"] > 0
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = actors["victim"]["deadline_s"]
+        assert deadline == pytest.approx(max(3 * actors["victim"]["interval_s"], 1.0), abs=0.01)   # floor: 1 s
+        await anyio.sleep(deadline + 1.0)
+        code, doc = await _snapshot(nats_server, run, capsys)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    actors = {a["actor_id"]: a for a in doc["actors"]}
+    assert code == 1 and doc["dead"] is True and doc["summary"]["dead"] == 1
+    assert actors["victim"]["status"] == "dead" and actors["victim"]["age_s"] > deadline
+    assert actors["p1"]["status"] == "ok"
+    assert actors["i1"]["status"] == "stalled" and actors["i1"]["no_progress_s"] >= 1.5
+    assert doc["actors"][0]["actor_id"] == "victim"        # problems first
+    assert doc["bus"]["regions"][0]["region"] == "hub" and doc["bus"]["regions"][0]["reachable"] is True
+    assert doc["bus"]["rollouts_stored"] > 0
+
+
+@pytest.mark.anyio
+async def test_prometheus_scrape_parses(live: Bus, nats_server: EmbeddedServer) -> None:
+    """The metrics endpoint serves per-actor up/dead/stalled/state/counters and per-region gauges that parse."""
+    run = live.subjects.run
+    subject = live.subjects.health("hub", "demo_producer", "ghost")
+    for _ in range(3):                      # an actor whose heartbeats stop
+        await live.publish_core(subject, Heartbeat(actor_id="ghost", actor_kind="demo_producer", region="hub",
+                                                   state="busy", run=run, pid=1))
+        await anyio.sleep(0.2)
+    await _wait_beat(live, "p1")
+    await anyio.sleep(1.5)
+    target = target_of(nats_server, run)
+    async with await target.connect() as bus, anyio.create_task_group() as tg:
+        watch = HealthWatch(target, bus, HealthRules(min_deadline_s=1.0, stall_s=60))
+        await watch.load()
+        tg.start_soon(watch.follow)
+        await watch.probe()
+        snap = watch.snapshot()
+        port = await tg.start(lambda task_status: serve_metrics(registry_for(lambda: snap), 0, host="127.0.0.1",
+                                                                 task_status=task_status))
+        text = await anyio.to_thread.run_sync(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+        tg.cancel_scope.cancel()
+        await watch.aclose()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(name: str, **labels: str) -> float:
+        found = [s.value for s in families[name].samples if all(s.labels.get(k) == v for k, v in labels.items())]
+        assert len(found) == 1, (name, labels, found)
+        return float(found[0])
+
+    assert value("rlbus_actor_up", actor="p1", run=run, region="hub", kind="demo_producer") == 1.0
+    assert value("rlbus_actor_up", actor="ghost") == 0.0
+    assert value("rlbus_actor_dead", actor="ghost") == 1.0 and value("rlbus_actor_dead", actor="p1") == 0.0
+    assert value("rlbus_actor_stalled", actor="p1") == 0.0
+    assert value("rlbus_actor_state", actor="ghost", state="busy") == 1.0
+    assert value("rlbus_actor_state", actor="ghost", state="ready") == 0.0
+    assert value("rlbus_actor_counter", actor="p1", counter="published") >= 1.0
+    assert value("rlbus_actor_restarts", actor="p1") == 0.0
+    assert value("rlbus_region_up", region="hub") == 1.0
+    assert value("rlbus_region_tasks_pending", region="hub") == 0.0
+    assert value("rlbus_rollouts_stored", run=run) >= 1.0
+    assert value("rlbus_dead_letters", run=run) == 0.0
+    assert value("rlbus_actors", status="dead") == 1.0
