@@ -23,10 +23,14 @@ import signal
 import struct
 import sys
 import time
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 PR_SET_PDEATHSIG: Final = 1
 PR_SET_DUMPABLE: Final = 4
+PR_SET_NAME: Final = 15
+STANDBY_NAME: Final = b"rlbus-standby"
+"""The process name (comm) of a standby child; it becomes SNIPPET_NAME when its request arrives."""
+SNIPPET_NAME: Final = b"rlbus-snippet"
 PR_SET_CHILD_SUBREAPER: Final = 36
 DRAIN_S: Final = 1.0
 """After a kill, how long the pipes may take to reach EOF (every writer is dead by then)."""
@@ -75,18 +79,21 @@ def write_frame(fd: int, obj: dict[str, Any]) -> None:
 
 
 # ---- the child: one execution ------------------------------------------------------------------
-def _child(cfg: Config, code: str, tests: list[ast.stmt], limits: dict[str, Any], workdir: str,
-           out_w: int, err_w: int, res_w: int) -> None:
-    """Runs in the forked child; never returns. Result lines on fd 3: P (assert passed), F (failed),
-    M (MemoryError), X (the code raised), D (done)."""
+REQUEST_FD: Final = 4
+"""In a standby child: the pipe its request (code, tests, limits) arrives on, then EOF."""
+
+
+def _child(cfg: Config, workdir: str, out_w: int, err_w: int, res_w: int, req_r: int) -> None:
+    """A standby child: forked and set up (session, fds, directory, uid) while the executor is idle, so
+    a request only has to be read, limited and run. Never returns. Result lines on fd 3: P (assert
+    passed), F (failed), then the terminal D (done), X (the code raised) or M (MemoryError)."""
     try:
+        _prctl(PR_SET_NAME, STANDBY_NAME)
         os.setsid()
         devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        os.dup2(res_w, 3)
-        os.closerange(4, 1 << 16)
+        for src, dst in ((req_r, REQUEST_FD), (devnull, 0), (out_w, 1), (err_w, 2), (res_w, 3)):
+            os.dup2(src, dst)
+        os.closerange(REQUEST_FD + 1, 1 << 16)
         if not cfg.pidns:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -100,14 +107,23 @@ def _child(cfg: Config, code: str, tests: list[ast.stmt], limits: dict[str, Any]
             os.setgroups([])
             os.setgid(cfg.drop_gid if cfg.drop_gid is not None else cfg.drop_uid)
             os.setuid(cfg.drop_uid)
-        _set_limits(cfg, limits)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         sys.stdin = open(0, closefd=False)
+        chunks = []
+        while chunk := os.read(REQUEST_FD, 1 << 16):
+            chunks.append(chunk)
+        os.close(REQUEST_FD)
+        _prctl(PR_SET_NAME, SNIPPET_NAME)
+        if not chunks:                                  # the executor went away without a request
+            os._exit(0)
+        req = json.loads(b"".join(chunks))
+        tests = list(ast.parse(req["tests"], "<tests>").body)
+        _set_limits(cfg, req["limits"])
     except BaseException as err:  # the jail itself failed: say so on stderr, exit 125
         os.write(2, f"sandbox child setup failed: {err!r}\n".encode())
         os._exit(125)
-    _run_snippet(code, tests)
+    _run_snippet(req["code"], tests)
 
 
 def _set_limits(cfg: Config, limits: dict[str, Any]) -> None:
@@ -176,6 +192,17 @@ def _report(err: BaseException, node: ast.stmt | None = None) -> None:
         pass
 
 
+class Standby(NamedTuple):
+    """A forked child waiting for its request, with the executor's ends of its pipes."""
+
+    pid: int
+    workdir: str
+    req_w: int
+    out_r: int
+    err_r: int
+    res_r: int
+
+
 # ---- the executor: one request ------------------------------------------------------------------
 class Executor:
     """The long-lived side: forks one child per request, watches it, cleans up after it."""
@@ -188,35 +215,73 @@ class Executor:
         self.cleanup_killed = 0
         self.pending: tuple[int, str] | None = None
         self.reaped = True
+        self.standby: Standby | None = None
 
-    def execute(self, req: dict[str, Any]) -> dict[str, Any]:
-        """Run one request; the caller sends the result, then calls `cleanup()` before the next one."""
-        limits = req["limits"]
-        started = time.monotonic()
-        try:
-            tests = list(ast.parse(str(req.get("tests", "")), "<tests>").body)
-        except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
-            return {"status": "error", "passed": 0, "total": 0, "detail": f"the tests do not parse: {err}"}
+    def prepare(self) -> None:
+        """Fork the next execution's child now, while idle: it waits for its request on a pipe."""
+        if self.standby is not None:
+            return
         self.seq += 1
-        workdir = os.path.join(self.cfg.work_root, f"run{self.seq}")
+        workdir = os.path.join(self.cfg.work_root, f"run{self.me}-{self.seq}")   # executors may share work_root
         os.mkdir(workdir, 0o700)
         if self.cfg.drop_uid is not None and os.geteuid() == 0:
             os.chown(workdir, self.cfg.drop_uid, self.cfg.drop_gid if self.cfg.drop_gid is not None else -1)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         res_r, res_w = os.pipe()
+        req_r, req_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(self.cfg, str(req.get("code", "")), tests, limits, workdir, out_w, err_w, res_w)
-        for fd in (out_w, err_w, res_w):
+            _child(self.cfg, workdir, out_w, err_w, res_w, req_r)
+        for fd in (out_w, err_w, res_w, req_r):
             os.close(fd)
-        self.pending = (pid, workdir)
-        self.reaped = False
-        result = self._watch(pid, limits, out_r, err_r, res_r, started)
-        result["total"] = sum(isinstance(n, ast.Assert) for n in tests)
+        self.standby = Standby(pid, workdir, req_w, out_r, err_r, res_r)
+
+    def execute(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Run one request on the standby child; the caller sends the result, then calls `cleanup()`
+        and `prepare()` before reading the next request."""
+        started = time.monotonic()
+        tests_src = str(req.get("tests", ""))
+        try:
+            total = sum(isinstance(n, ast.Assert) for n in ast.parse(tests_src, "<tests>").body)
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
+            return {"status": "error", "passed": 0, "total": 0, "detail": f"the tests do not parse: {err}"}
+        payload = json.dumps({"code": str(req.get("code", "")), "tests": tests_src, "limits": req["limits"]}).encode()
+        for attempt in (1, 2):
+            self.prepare()
+            sb = self.standby
+            assert sb is not None
+            self.standby = None
+            self.pending = (sb.pid, sb.workdir)
+            self.reaped = False
+            try:
+                view = memoryview(payload)
+                while view:
+                    view = view[os.write(sb.req_w, view):]
+                break
+            except BrokenPipeError:                 # the standby died (killed from outside): use a new one
+                if attempt == 2:
+                    raise
+                for fd in (sb.out_r, sb.err_r, sb.res_r):
+                    os.close(fd)
+                self.cleanup()
+            finally:
+                os.close(sb.req_w)
+        result = self._watch(sb.pid, req["limits"], sb.out_r, sb.err_r, sb.res_r, started)
+        result["total"] = total
         result["cleanup_killed"] = self.cleanup_killed
         result["wall_seconds"] = time.monotonic() - started
         return result
+
+    def shutdown(self) -> None:
+        """Stop the standby child and remove its directory (the supervisor closed our input)."""
+        if self.standby is not None:
+            sb, self.standby = self.standby, None
+            for fd in (sb.req_w, sb.out_r, sb.err_r, sb.res_r):
+                os.close(fd)
+            self.pending = (sb.pid, sb.workdir)
+            self.reaped = False
+        self.cleanup()
 
     def cleanup(self) -> None:
         """After the reply: kill and reap every process of the last execution, remove its files."""
@@ -431,8 +496,13 @@ def _force(func: Any, path: str, exc: Any) -> None:
         pass
 
 
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
+_LIBC: list[Any] = []
+
+
+def _prctl(option: int, value: int | bytes) -> None:
+    if not _LIBC:
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    libc = _LIBC[0]
     if libc.prctl(option, value, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
 
@@ -464,12 +534,14 @@ def main() -> None:
     os.dup2(null, 1)
     executor = Executor(cfg)
     _warm_up()
+    executor.prepare()
     write_frame(wfd, {"ready": True, "uid": os.getuid(), "pid": os.getpid(), "pidns": cfg.pidns,
                       "python": sys.version.split()[0]})
     while True:
         try:
             req = read_frame(rfd)
         except EOFError:
+            executor.shutdown()
             return
         try:
             result = executor.execute(req)
@@ -478,6 +550,7 @@ def main() -> None:
         result["id"] = req.get("id", "")
         write_frame(wfd, result)
         executor.cleanup()        # before the next request is read: nothing of this one survives into it
+        executor.prepare()
 
 
 if __name__ == "__main__":

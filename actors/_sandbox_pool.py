@@ -39,6 +39,8 @@ SANDBOX_UID: Final = 65534
 EXEC_SOURCE_PATH: Final = Path(__file__).with_name("_sandbox_exec.py")
 START_TIMEOUT_S: Final = 15.0
 """An executor must say it is ready within this (a fresh jail + interpreter takes ~0.1 s idle)."""
+STANDBY_NAME: Final = "rlbus-standby"
+"""Process name of an executor's pre-forked child while it waits for a request (actors/_sandbox_exec.py)."""
 _SYSTEM_DIRS: Final = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _CLEAN_ENV: Final = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "LANG": "C.UTF-8"}
 
@@ -227,8 +229,9 @@ class ExecutorProcess:
             with anyio.fail_after(START_TIMEOUT_S):
                 ex.hello = await ex._receive()
         except (TimeoutError, ExecutorCrashed) as err:
+            why = ex.error_text() or repr(err)
             await ex.kill()
-            raise ExecutorStartFailed(f"{jail.level} executor did not start: {ex.error_text() or err!r}") from None
+            raise ExecutorStartFailed(f"{jail.level} executor did not start: {why}") from None
         if not ex.hello.get("ready"):
             await ex.kill()
             raise ExecutorStartFailed(f"{jail.level} executor said {ex.hello!r} instead of ready")
@@ -284,6 +287,18 @@ class ExecutorProcess:
             if nspid and nspid[-1] == "1":
                 return pid
         raise ProcessLookupError(f"no pid-1 executor below {self.process.pid}")
+
+    def snippet_pids(self) -> list[int]:
+        """Host pids of snippet processes running under this executor now (its idle standby child,
+        named `rlbus-standby`, excluded): empty between executions."""
+        out = []
+        for pid in descendants(self.executor_pid()):
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() != STANDBY_NAME:
+                    out.append(pid)
+            except OSError:
+                continue
+        return out
 
     def error_text(self) -> str:
         try:

@@ -86,7 +86,7 @@ async def _no_leftovers(actor: SandboxSupervisor) -> None:
     as the snippet is done and kills what is left right after, before it reads the next request."""
     assert actor.pool is not None
     with anyio.fail_after(2.0):
-        while {p for ex in actor.pool.executors() for p in descendants(ex.executor_pid())}:
+        while any(ex.snippet_pids() for ex in actor.pool.executors()):
             await anyio.sleep(0.02)
 
 

@@ -16,7 +16,7 @@ from typing import Final
 import anyio
 import pytest
 
-from rlbus.actors._sandbox_pool import available_levels, descendants
+from rlbus.actors._sandbox_pool import available_levels
 from rlbus.actors.base import ActorId, ActorLimits, State
 from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
 from rlbus.actors.sandbox_client import run_in_sandbox
@@ -104,9 +104,9 @@ def _named(marker: str) -> set[int]:
 
 
 def _snippet_processes(actor: SandboxSupervisor) -> set[int]:
-    """Every process below the pool's executors (their snippets, escaped or not)."""
+    """Every snippet process below the pool's executors (escaped or not; the idle standby child excluded)."""
     assert actor.pool is not None
-    return {p for ex in actor.pool.executors() for p in descendants(ex.executor_pid())}
+    return {p for ex in actor.pool.executors() for p in ex.snippet_pids()}
 
 
 @pytest.mark.parametrize(("level", "case"), PARAMS)
