@@ -134,9 +134,12 @@ def _print_table(snap: Any) -> None:
 
 async def _cancel_on_signal(scope: Any) -> None:
     import signal
+    import threading
 
     import anyio
 
+    if threading.current_thread() is not threading.main_thread():
+        return                       # signals reach only the main thread (e.g. called from a test's worker)
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
             scope.cancel()

@@ -201,7 +201,8 @@ class RegionHealth:
 
     @property
     def down(self) -> bool:
-        return self.reachable is False or (self.reachable is None and not self.jetstream)
+        """Its server refused a ping, or answered but its JetStream did not (unknown URL: never down)."""
+        return self.reachable is False or (self.reachable is True and not self.jetstream)
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,11 +54,12 @@ def render_table(snapshot: Snapshot) -> Group:
                 + (f"  newest version {snapshot.newest_policy_version}" if snapshot.newest_policy_version is not None else ""))
     actors = Table(title="actors", title_justify="left", expand=False)
     for col in ("status", "region", "kind", "actor", "state", "last beat", "version", "lag", "restarts",
-                "counters", "error"):
+                "counters, gauges", "error"):
         actors.add_column(col, overflow="fold")
     for a in snapshot.actors:
         status = Text(a.status if len(a.problems) <= 1 else "+".join(a.problems), style=_STYLE[a.status])
-        counters = " ".join(f"{k}={v}" for k, v in sorted(a.counters.items()))
+        counters = " ".join([f"{k}={v}" for k, v in sorted(a.counters.items())]
+                            + [f"{k}={v:g}" for k, v in sorted(a.gauges.items())])
         if "stalled" in a.problems:
             counters += f" (unchanged {_age(a.no_progress_s)})"
         actors.add_row(status, a.region, a.kind, a.actor_id, a.state, f"{_age(a.age_s)} / {_age(a.deadline_s)}",

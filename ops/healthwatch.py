@@ -118,10 +118,14 @@ class HealthWatch:
         try:
             if nc is None or nc.is_closed:
                 user, password = self.target.auth(region)
+                async def quiet(err: Exception) -> None:       # the table reports it; no traceback on stderr
+                    log.debug("region_ping_error", region=region, error=repr(err))
+
                 with anyio.fail_after(3.0):   # max_reconnect_attempts=-1 would retry a first connect forever
                     nc = await nats.connect(list(urls), user=user, password=password, connect_timeout=1.5,
                                             allow_reconnect=True, max_reconnect_attempts=2, reconnect_time_wait=0.5,
-                                            ping_interval=5, max_outstanding_pings=2, name="rlbus-health")
+                                            ping_interval=5, max_outstanding_pings=2, name="rlbus-health",
+                                            error_cb=quiet)
                 self._region_nc[region] = nc
             if not nc.is_connected:
                 return False, None, "disconnected"
@@ -151,7 +155,16 @@ class HealthWatch:
 
     async def probe(self) -> BusHealth:
         """Ask every region's server and the hub's streams for their numbers (bounded; errors recorded)."""
-        regions = [await self._region(r) for r in self._regions()]
+        names = self._regions()
+        found: dict[str, RegionHealth] = {}
+
+        async def one(region: str) -> None:
+            found[region] = await self._region(region)
+
+        async with anyio.create_task_group() as tg:       # a region that is down costs its timeout once
+            for region in names:
+                tg.start_soon(one, region)
+        regions = [found[r] for r in names]
         subjects, js = self.bus.subjects, self.bus.js
         hub = dlq = None
         newest: int | None = None
