@@ -33,7 +33,8 @@ def add_target_options(p: argparse.ArgumentParser, *, run_positional: bool = Tru
                    help="state directory of the run (default ./.rlbus/RUN); its run.json names the hub URL")
     g.add_argument("--url", action="append", default=None,
                    help="hub NATS URL (repeatable); with --url, --run (or RUN) names the run and run.json is not read")
-    g.add_argument("--run", dest="run_opt", default=None, help="run id (same as RUN)")
+    g.add_argument("--run", dest="run_opt", default=None, metavar="RUN",
+                   help="run id (same as RUN; for `replay publish`: the run to publish to)")
     g.add_argument("--hub", default=None, help="hub region name (default: from run.json, else 'hub')")
     g.add_argument("--user", default=None, help="NATS user (default: the role's entry of the credentials file)")
     g.add_argument("--password", default=None, help="NATS password")

@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Read a recording made by `rlbus record`. Filters (all optional, all must hold) select "
                     "messages by kind, policy-version range, reward range, region, task id and recorded time. "
                     "A filter on a field a kind lacks excludes that kind (e.g. --task keeps only rollouts).")
-    p.add_argument("file", type=Path, help="recording file (.rlrec)")
+    p.add_argument("file", type=Path, metavar="FILE", help="recording file (.rlrec)")
     filters = argparse.ArgumentParser(add_help=False)
     g = filters.add_argument_group("filters")
     g.add_argument("--kind", action="append", default=None, help=f"message kinds, repeatable or comma separated: "
