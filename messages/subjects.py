@@ -118,6 +118,13 @@ class Subjects:
         return f"$JS.{token(domain, 'JetStream domain')}.API"
 
     @staticmethod
+    def kv_key(bucket: str, key: str, *, domain: str | None = None) -> str:
+        """The subject a KV bucket stores `key` under; with `domain`, the one to *write* it from another
+        domain: `$KV.>` does not cross leaf links, `$JS.<domain>.API.$KV.>` does (the Go client's way)."""
+        subject = f"$KV.{token(bucket, 'bucket')}.{token(key, 'key')}"
+        return subject if domain is None else f"{Subjects.js_api(domain)}.{subject}"
+
+    @staticmethod
     def service_status(kind: str, actor: str) -> str:
         """The `status` endpoint of an actor's NATS micro service (beside `$SRV.PING/INFO/STATS`)."""
         return f"$SRV.STATUS.rlbus-{token(kind, 'kind')}.{token(actor, 'actor id')}"

@@ -77,8 +77,9 @@ def kind_settings(topology: Topology, kind: str, state_dir: Path | None = None) 
             section = topology.sandbox
         case "evaluator":
             section = topology.evaluator
-        case "publisher":
-            section = topology.weights
+        case "publisher":    # it writes every region's weight bucket: it needs their names and the hub
+            return {**msgspec.to_builtins(topology.weights), "regions": [r.name for r in topology.regions],
+                    "hub": topology.hub.name}
         case _:
             return {}
     return dict(msgspec.to_builtins(section))

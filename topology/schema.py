@@ -237,6 +237,9 @@ class WeightsSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Versions kept in each region's weight bucket; must reach back to the last full snapshot."""
     full_every: PositiveInt = 4
     """Publish a full snapshot every this many versions, XOR deltas in between; 1 publishes only full snapshots."""
+    delta_depth: PositiveInt = 3
+    """Deltas written per version: from each of the previous this-many kept versions (v-1 ... v-k -> v), so a
+    generator that fell behind catches up with one fetch; plus one from the latest full snapshot, for joiners."""
 
 
 class DurabilitySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -1,0 +1,465 @@
+"""The weight publisher: every trainer version, encoded for the generators, written into every region.
+
+Owns: `Publisher` (actor kind "publisher", contract 3 of RL.md). It consumes VersionReady from the hub's
+STATE stream (its own durable, filter `state.version`, one message in flight), downloads the raw bf16
+version from CKPT (digest-checked, every tensor re-hashed), keeps the last `keep_versions` versions
+decoded, and writes per version the deltas from the previous `delta_depth` versions and from the latest
+full snapshot, plus a full snapshot (the trainer's own blob) for version 0 and every `full_every`
+versions. One writer task per region copies the objects into that region's WEIGHTS store, then
+CAS-advances its LATEST `latest` to the manifest and prunes versions older than `keep_versions`; a
+region that fails is retried with backoff and catches up to the newest version. The manifest is
+announced on WEIGHTS (msg_id `weights-<N>`) once every reachable region is ready, with `regions_ready`,
+and only then is VersionReady acked. A version no region took is never announced.
+Does not: encode tensors (kernels/), apply weights (actors/weights.py) or train (actors/trainer.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import time
+from functools import partial
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Final
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
+from nats.js.client import KV_STREAM_TEMPLATE
+from nats.js.object_store import ObjectStore
+from torch import Tensor
+
+from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.weights import LATEST_KEY, decode_full
+from rlbus.kernels.delta import DeltaCorrupt, snapshot_due
+from rlbus.kernels.delta_state import encode_state
+from rlbus.messages import codec
+from rlbus.messages.bus import Bus, Delivery, digest
+from rlbus.messages.errors import BadMessage, DigestMismatch, TopologyError
+from rlbus.messages.schemas import VersionReady, WeightManifest
+from rlbus.messages.streams import ensure_consumer
+from rlbus.messages.subjects import Subjects
+
+log = structlog.get_logger()
+
+_BUS_ERRORS: Final = (nats.errors.Error, TimeoutError, OSError)
+_OBJECT_NAME: Final = re.compile(r"v(\d+)\.(full|from\d+)")
+_UNLIMITED: Final = 1 << 40
+_WRONG_LAST_SEQUENCE: Final = (10071, 10164)
+"""JetStream err_codes of a compare-and-set whose expected last subject sequence is stale."""
+
+
+class PublisherSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The `[weights]` section plus what the launcher adds (`regions`, `hub`) and timing for tests."""
+
+    regions: list[str]
+    """Every region of the run, the hub included; each one's JetStream domain is its name."""
+    hub: str
+    """The hub region (CKPT, STATE and WEIGHTS live there)."""
+    keep_versions: Annotated[int, msgspec.Meta(ge=1)] = 8
+    """Versions kept decoded here and as objects in each region (older ones are deleted)."""
+    full_every: Annotated[int, msgspec.Meta(ge=1)] = 4
+    """A full snapshot for version 0 and every this many versions."""
+    delta_depth: Annotated[int, msgspec.Meta(ge=1)] = 3
+    """Deltas from each of the previous this-many kept versions, plus one from the latest snapshot."""
+    region_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    """How long an announcement waits for a slow (not failing) region before going out without it."""
+    retry_initial_s: Annotated[float, msgspec.Meta(gt=0)] = 0.5
+    """First backoff of a failed region write or download; doubles up to `retry_max_s`."""
+    retry_max_s: Annotated[float, msgspec.Meta(gt=0)] = 15.0
+    """Longest backoff between retries of a failing region."""
+    download_attempts: Annotated[int, msgspec.Meta(ge=1)] = 5
+    """Tries of a CKPT object that is missing or fails its digest before the version is given up."""
+    ack_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    """Ack wait of the VersionReady consumer (held with in-progress acks while a version is worked on)."""
+    threads: Annotated[int, msgspec.Meta(ge=1)] = 2
+    """Codec threads for decoding and encoding."""
+
+
+def object_name(version: int, base: int | None) -> str:
+    """Name of a version's object in a region's WEIGHTS store: `v<N>.full` or `v<N>.from<B>`."""
+    return f"v{version}.full" if base is None else f"v{version}.from{base}"
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedVersion:
+    """A version ready to write: its manifest (regions_ready empty) and the bytes of every object it lists."""
+
+    manifest: WeightManifest
+    blobs: dict[str, bytes]
+    timings: dict[str, float]
+
+
+@dataclass
+class _Region:
+    """What the publisher knows about one region's weight bucket."""
+
+    name: str
+    target: EncodedVersion | None = None
+    done: int | None = None
+    """Version whose manifest this region's LATEST holds (as far as this publisher wrote it)."""
+    present: dict[str, str] | None = None
+    """Object name -> sha256 digest in the region's store; None until listed once."""
+    failing: bool = False
+    wake: anyio.Event = field(default_factory=anyio.Event)
+    write_s: float = 0.0
+
+
+class Publisher(Actor):
+    """Turns every VersionReady into weight objects in every region and one WeightManifest announcement."""
+
+    kind = "publisher"
+
+    def __init__(self, ident: ActorId, bus: Bus, settings: PublisherSettings,
+                 limits: ActorLimits | None = None) -> None:
+        super().__init__(ident, bus, limits)
+        if settings.hub not in settings.regions:
+            raise TopologyError(f"publisher settings: hub {settings.hub!r} is not one of the regions "
+                                f"{settings.regions}")
+        self.settings = settings
+        self.subjects: Subjects = bus.subjects
+        self.regions = {name: _Region(name) for name in settings.regions}
+        self._kept: dict[int, dict[str, Tensor]] = {}
+        self._digest_of: dict[int, bytes] = {}
+        self._snapshot: tuple[int, str, bytes] | None = None
+        """(version, sha256 digest, blob) of the latest full snapshot."""
+        self._unavailable: set[int] = set()
+        """Versions not in CKPT (or corrupt there): never tried again as bases."""
+        self._announced: int | None = None
+        self._progress = anyio.Condition()
+        self.last: EncodedVersion | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        hub = self._js(self.settings.hub)
+        await ensure_consumer(hub, self.subjects.state_stream(), ConsumerConfig(
+            durable_name=self.subjects.durable("publisher"), filter_subject=self.subjects.version_ready(),
+            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=self.settings.ack_wait_s,
+            max_deliver=-1, max_ack_pending=1))
+        self._announced = await self._last_announced()
+        self.policy_version = self._announced
+        log.info("publisher_ready", announced=self._announced, regions=self.settings.regions)
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for region in self.regions.values():
+                tg.start_soon(self._region_writer, region)
+            async for delivery in self.bus.consume(self.subjects.state_stream(), self.subjects.durable("publisher"),
+                                                   VersionReady, batch=1, domain=self.settings.hub):
+                with self.busy():
+                    async with anyio.create_task_group() as hold:
+                        hold.start_soon(self._keep_in_progress, delivery)
+                        await self._handle(delivery)
+                        hold.cancel_scope.cancel()
+
+    def _js(self, region: str) -> JetStreamContext:
+        return self.bus.jetstream(region)
+
+    async def _last_announced(self) -> int | None:
+        try:
+            raw = await self._js(self.settings.hub).get_last_msg(self.subjects.weights_stream(),
+                                                                 self.subjects.weights())
+        except nats.js.errors.NotFoundError:
+            return None
+        return codec.decode_as(raw.data or b"", raw.headers, WeightManifest).version
+
+    async def _keep_in_progress(self, delivery: Delivery[VersionReady]) -> None:
+        while True:
+            await anyio.sleep(self.settings.ack_wait_s / 3)
+            try:
+                await delivery.in_progress()
+            except _BUS_ERRORS as err:
+                log.warning("publisher_in_progress_failed", error=repr(err))
+
+    # ---- one version ----------------------------------------------------------------------------
+    async def _handle(self, delivery: Delivery[VersionReady]) -> None:
+        ready = delivery.message
+        if self._announced is not None and ready.version <= self._announced:
+            log.info("version_already_announced", version=ready.version, announced=self._announced)
+            self.count("duplicates")
+            await delivery.ack()
+            return
+        t0 = time.perf_counter()
+        encoded = await self._prepare(ready)
+        if encoded is None:
+            self.count("versions_refused")
+            await self.emit("weights_rejected", detail=f"version {ready.version}: CKPT object {ready.object} is "
+                            f"missing or corrupt; not announced", version=str(ready.version))
+            await delivery.term()
+            return
+        self.last = encoded
+        for region in self.regions.values():
+            region.target = encoded
+            region.wake.set()
+        ready_regions = await self._await_regions(ready.version)
+        manifest = msgspec.structs.replace(encoded.manifest, regions_ready=ready_regions)
+        await self._announce(manifest)
+        await delivery.ack()
+        self._announced = self.policy_version = ready.version
+        self.count("versions")
+        self._set_gauges()
+        log.info("weights_published", version=ready.version, regions=ready_regions, objects=manifest.objects,
+                 bytes=sum(manifest.sizes), seconds=round(time.perf_counter() - t0, 3),
+                 **{k: round(v, 3) for k, v in encoded.timings.items()})
+        await self.emit("weights_published", detail=f"version {ready.version}", version=str(ready.version),
+                        regions=",".join(ready_regions))
+
+    async def _announce(self, manifest: WeightManifest) -> None:
+        delay = self.settings.retry_initial_s
+        while True:
+            try:
+                await self.bus.publish(self.subjects.weights(), manifest, msg_id=f"weights-{manifest.version}")
+                return
+            except _BUS_ERRORS as err:
+                log.warning("weights_announce_retry", version=manifest.version, error=repr(err))
+                await anyio.sleep(delay)
+                delay = min(2 * delay, self.settings.retry_max_s)
+
+    async def _await_regions(self, version: int) -> list[str]:
+        """Regions whose LATEST holds `version`: all of them, or once the rest failed an attempt (or were
+        slow for `region_wait_s`) those that are ready; never none."""
+        deadline = time.monotonic() + self.settings.region_wait_s
+        while True:
+            ready = [r.name for r in self.regions.values() if r.done is not None and r.done >= version]
+            waiting = [r for r in self.regions.values() if r.name not in ready and not r.failing]
+            if ready and (not waiting or time.monotonic() >= deadline):
+                return ready
+            timeout = max(0.0, deadline - time.monotonic()) if ready else None
+            with anyio.move_on_after(timeout):
+                async with self._progress:
+                    await self._progress.wait()
+
+    async def _prepare(self, ready: VersionReady) -> EncodedVersion | None:
+        """Download and check the version, then encode its deltas; None when its CKPT object is unusable."""
+        t0 = time.perf_counter()
+        blob = await self._download(ready.object, ready.digest)
+        if blob is None:
+            return None
+        t1 = time.perf_counter()
+        try:
+            state, index = await anyio.to_thread.run_sync(partial(decode_full, blob, threads=self.settings.threads))
+        except (DeltaCorrupt, ValueError) as err:
+            log.error("version_blob_corrupt", version=ready.version, error=repr(err))
+            return None
+        if ready.version_digest and index.version_digest.hex() != ready.version_digest:
+            log.error("version_digest_mismatch", version=ready.version, announced=ready.version_digest,
+                      decoded=index.version_digest.hex())
+            return None
+        v = ready.version
+        t2 = time.perf_counter()
+        await self._reload_bases(v)
+        self._kept[v], self._digest_of[v] = state, index.version_digest
+        snap = self._snapshot[0] if self._snapshot is not None else None
+        if snapshot_due(v, full_every=self.settings.full_every) or snap is None or snap not in self._kept:
+            snap = v
+            self._snapshot = (v, ready.digest, blob)
+        bases = sorted({b for b in self._kept if v - self.settings.delta_depth <= b < v} |
+                       ({snap} if snap < v else set()), reverse=True)
+        blobs: dict[str, bytes] = {}
+        rows: list[tuple[str, str, int, int | None, int]] = []
+        for base in bases:
+            _, delta = await anyio.to_thread.run_sync(partial(
+                encode_state, state, self._kept[base], digests=index.digests, base_digest=self._digest_of[base],
+                threads=self.settings.threads))
+            name = object_name(v, base)
+            blobs[name] = delta
+            rows.append((name, digest(delta), len(delta), base, v))
+        assert self._snapshot is not None
+        snap_version, snap_digest, snap_blob = self._snapshot
+        name = object_name(snap_version, None)
+        blobs[name] = snap_blob
+        rows.append((name, snap_digest, len(snap_blob), None, snap_version))
+        t3 = time.perf_counter()
+        self._evict(v)
+        names, digests, sizes, base_list, yields = (list(col) for col in zip(*rows, strict=True))
+        manifest = WeightManifest(
+            version=v, base_version=v - 1 if v - 1 in bases else None,
+            encoding="delta" if v - 1 in bases else "full", objects=names, digests=digests, sizes=sizes,
+            version_digest=index.version_digest.hex(), raw_bytes=ready.raw_bytes, model_config=ready.model_config,
+            bases=base_list, yields=yields)
+        return EncodedVersion(manifest, blobs, {"download_s": t1 - t0, "decode_s": t2 - t1, "encode_s": t3 - t2})
+
+    async def _reload_bases(self, version: int) -> None:
+        """After a restart (or a gap): bring back the last few versions and the scheduled snapshot from CKPT,
+        so a restarted publisher writes the same objects as before. Missing ones are remembered and skipped."""
+        scheduled = version - version % self.settings.full_every
+        wanted = set(range(max(0, version - self.settings.delta_depth), version))
+        if self._snapshot is None and scheduled < version:
+            wanted.add(scheduled)
+        for base in sorted(wanted - self._kept.keys() - self._unavailable):
+            blob = await self._download(Subjects.version_object(base), None, attempts=1)
+            try:
+                if blob is None:
+                    raise DeltaCorrupt("missing from CKPT")
+                state, index = await anyio.to_thread.run_sync(partial(decode_full, blob, threads=self.settings.threads))
+            except (DeltaCorrupt, ValueError) as err:
+                log.info("base_unavailable", version=base, error=repr(err))
+                self._unavailable.add(base)
+                continue
+            self._kept[base], self._digest_of[base] = state, index.version_digest
+            if self._snapshot is None and base == scheduled:
+                self._snapshot = (base, digest(blob), blob)
+            log.info("base_reloaded", version=base)
+
+    def _evict(self, version: int) -> None:
+        floor = version - max(self.settings.keep_versions, self.settings.delta_depth + 1) + 1
+        snap = self._snapshot[0] if self._snapshot is not None else None
+        for old in [b for b in self._kept if b < floor and b != snap]:
+            del self._kept[old]
+            del self._digest_of[old]
+
+    async def _download(self, name: str, expected: str | None, *, attempts: int | None = None) -> bytes | None:
+        """A CKPT object, retried with backoff: transient bus errors forever, a missing or corrupt object
+        `attempts` times (default `download_attempts`) before None."""
+        tries = attempts or self.settings.download_attempts
+        delay = self.settings.retry_initial_s
+        bad = 0
+        while True:
+            try:
+                return await self.bus.get_object(self.subjects.checkpoint_bucket(), name, expected_digest=expected,
+                                                 domain=self.settings.hub)
+            except (DigestMismatch, nats.js.errors.NotFoundError) as err:
+                bad += 1
+                log.warning("version_object_unusable", object=name, attempt=bad, error=repr(err))
+                if bad >= tries:
+                    return None
+            except _BUS_ERRORS as err:
+                log.warning("version_download_retry", object=name, error=repr(err))
+            await anyio.sleep(delay)
+            delay = min(2 * delay, self.settings.retry_max_s)
+
+    # ---- regions --------------------------------------------------------------------------------
+    async def _region_writer(self, region: _Region) -> None:
+        """Bring one region to its newest target; on failure retry with backoff (a newer target wakes it)."""
+        delay = self.settings.retry_initial_s
+        while True:
+            target = region.target
+            if target is None or (region.done is not None and region.done >= target.manifest.version):
+                await region.wake.wait()
+                region.wake = anyio.Event()
+                continue
+            t0 = time.perf_counter()
+            try:
+                await self._write_region(region, target)
+            except (*_BUS_ERRORS, BadMessage) as err:
+                region.failing = True
+                self.count(f"region_failures_{region.name}")
+                log.warning("region_write_failed", region=region.name, version=target.manifest.version,
+                            error=repr(err), retry_s=delay)
+                await self._notify()
+                with anyio.move_on_after(delay):
+                    await region.wake.wait()
+                    region.wake = anyio.Event()
+                delay = min(2 * delay, self.settings.retry_max_s)
+                continue
+            if region.failing:
+                log.info("region_caught_up", region=region.name, version=target.manifest.version)
+            region.failing, region.done, region.write_s = False, target.manifest.version, time.perf_counter() - t0
+            delay = self.settings.retry_initial_s
+            self._set_gauges()
+            await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._progress:
+            self._progress.notify_all()
+
+    async def _write_region(self, region: _Region, target: EncodedVersion) -> None:
+        """Objects first (skipping those already there with the same digest), then LATEST, then pruning."""
+        js = self._js(region.name)
+        bucket = self.subjects.weights_bucket(region.name)
+        store = await js.object_store(bucket)
+        if region.present is None:
+            region.present = await _list_digests(store)
+        m = target.manifest
+        for name, want in zip(m.objects, m.digests, strict=True):
+            if region.present.get(name) == want:
+                continue
+            region.present.pop(name, None)
+            await self.bus.put_object(bucket, name, target.blobs[name], domain=region.name)
+            region.present[name] = want
+        await advance_latest(js, self.subjects.latest_bucket(region.name),
+                             msgspec.structs.replace(m, regions_ready=[region.name]),
+                             domain=None if region.name == self.bus.domain else region.name)
+        await self._prune(region, store, m)
+
+    async def _prune(self, region: _Region, store: ObjectStore, manifest: WeightManifest) -> None:
+        """Delete objects of versions older than the last `keep_versions` (never one the manifest lists)."""
+        assert region.present is not None
+        floor = manifest.version - self.settings.keep_versions + 1
+        listed = set(manifest.objects)
+        for name in list(region.present):
+            match = _OBJECT_NAME.fullmatch(name)
+            if match is None or name in listed or int(match.group(1)) >= floor:
+                continue
+            try:
+                await store.delete(name)
+            except nats.js.errors.NotFoundError:
+                pass
+            del region.present[name]
+            self.count("objects_deleted")
+
+    def _set_gauges(self) -> None:
+        newest = max((r.target.manifest.version for r in self.regions.values() if r.target is not None), default=-1)
+        for r in self.regions.values():
+            self.gauges[f"region_version_{r.name}"] = float(r.done if r.done is not None else -1)
+            self.gauges[f"region_ready_{r.name}"] = float(r.done is not None and r.done >= newest)
+        self.gauges["announced_version"] = float(self._announced if self._announced is not None else -1)
+
+
+async def advance_latest(js: JetStreamContext, bucket: str, manifest: WeightManifest, *,
+                         domain: str | None = None) -> bool:
+    """Compare-and-set a LATEST bucket's `latest` key to `manifest` unless it already holds this version or a
+    newer one; `js` reaches the bucket's domain, `domain` is given when that is not the client's own (the
+    write then goes through `$JS.<domain>.API`). -> True when written; concurrent writers (a restarted
+    publisher) only ever move it forward.
+    """
+    data, _ = codec.encode(manifest, compress_above=_UNLIMITED)
+    stream = KV_STREAM_TEMPLATE.format(bucket=bucket)
+    key = Subjects.kv_key(bucket, LATEST_KEY)
+    target = Subjects.kv_key(bucket, LATEST_KEY, domain=domain)
+    while True:
+        try:
+            last = await js.get_last_msg(stream, key)
+            revision = last.seq or 0
+            try:
+                current: int | None = codec.decode_as(last.data or b"", None, WeightManifest).version
+            except BadMessage:                    # a delete marker or garbage: overwrite it
+                current = None
+        except nats.js.errors.NotFoundError:
+            revision, current = 0, None
+        if current is not None and current >= manifest.version:
+            return False
+        try:
+            await js.publish(target, data, headers={Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(revision)})
+            return True
+        except nats.js.errors.APIError as err:
+            if err.err_code not in _WRONG_LAST_SEQUENCE:
+                raise
+            # someone moved it meanwhile: read again
+
+
+async def _list_digests(store: ObjectStore) -> dict[str, str]:
+    """Object name -> `sha256:<hex>` of every object in a store (from the store's own metadata)."""
+    try:
+        infos = await store.list(ignore_deletes=True)
+    except nats.js.errors.NotFoundError:
+        return {}
+    out = {}
+    for info in infos:
+        if info.name and info.digest and not info.deleted:
+            raw = base64.urlsafe_b64decode(info.digest.removeprefix("SHA-256="))
+            out[info.name] = "sha256:" + raw.hex()
+    return out
+
+
+def build_publisher(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Publisher:
+    """The publisher from its topology settings (`[weights]` plus `regions` and `hub`)."""
+    try:
+        config = msgspec.convert(settings, PublisherSettings)
+    except msgspec.ValidationError as err:
+        raise TopologyError(f"publisher settings {settings}: {err}") from None
+    return Publisher(ident, bus, config, limits)

@@ -1,0 +1,422 @@
+"""Generator-side weights: follow a region's published versions and swap them in between decoding steps.
+
+Owns: `WeightSync` (contract 4 of RL.md) — watches the region's LATEST KV key `latest`, plans the cheapest
+chain of objects from the version it has staged to the newest manifest (`plan_fetch`: a delta from the
+staged version, a multi-version delta, or a full snapshot [+ the delta from it]), fetches them from its
+own region's WEIGHTS object store with their digests checked, applies them into reused staging buffers
+in a worker thread (every tensor re-hashed against the version's digests), and copies the staged
+tensors into the live model in place from `maybe_swap(step)`, which `model.generate` calls between
+decoding steps. A corrupt or missing object raises `Event(weights_rejected)` and the next plan avoids it
+(a full snapshot); nothing unverified ever reaches the live model. Also the small helpers the publisher
+shares: architecture dicts and decoding a full blob into fresh tensors.
+Does not: encode or publish versions (actors/publisher.py), sample (model/generate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Final
+
+import anyio
+import nats.errors
+import nats.js.errors
+import structlog
+import torch
+from anyio.abc import TaskStatus
+from torch import Tensor
+
+from rlbus.kernels.delta import DTYPES, DeltaCorrupt
+from rlbus.kernels.delta_state import StateIndex, apply_state_, read_index
+from rlbus.messages import codec
+from rlbus.messages.bus import Bus
+from rlbus.messages.errors import BadMessage, DigestMismatch
+from rlbus.messages.schemas import Event, WeightManifest
+from rlbus.model.transformer import ModelConfig, Transformer
+
+log = structlog.get_logger()
+
+LATEST_KEY: Final = "latest"
+"""The key of each region's LATEST KV bucket that points at the newest WeightManifest."""
+_FETCH_ERRORS: Final = (nats.errors.Error, TimeoutError, OSError)
+
+
+# ---- architecture and blobs (shared with the publisher) ---------------------------------------------
+def config_dict(config: ModelConfig) -> dict[str, Any]:
+    """A ModelConfig as plain values (tuples as lists), as it travels in VersionReady and WeightManifest."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+
+
+def config_from_dict(fields: Mapping[str, Any]) -> ModelConfig:
+    """Inverse of `config_dict`. :raises ValueError: the fields do not make a ModelConfig."""
+    values = dict(fields)
+    if "moe_layers" in values:
+        values["moe_layers"] = tuple(values["moe_layers"])
+    try:
+        return ModelConfig(**values)
+    except TypeError as err:
+        raise ValueError(f"manifest model_config {sorted(values)} is not a ModelConfig: {err}") from None
+
+
+def empty_state(index: StateIndex) -> dict[str, Tensor]:
+    """Uninitialised CPU tensors with the names, shapes and dtypes a version blob's index lists."""
+    return {name: torch.empty(tuple(h.shape), dtype=DTYPES[h.dtype])
+            for name, h in zip(index.names, index.headers, strict=True)}
+
+
+def decode_full(blob: bytes | memoryview, *, threads: int = 2) -> tuple[dict[str, Tensor], StateIndex]:
+    """A full-snapshot blob as fresh tensors, every tensor re-hashed against its digest.
+
+    :raises DeltaCorrupt: the blob fails a digest or is a delta (it needs a base).
+    """
+    index, _ = read_index(blob)
+    if index.base_digest is not None:
+        raise DeltaCorrupt("expected a full snapshot, got a delta (it needs its base version)")
+    state = empty_state(index)
+    apply_state_(state, blob, verify=True, threads=threads)
+    return state, index
+
+
+# ---- which objects to fetch -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One object of a manifest: `base` -> `version` (base None: a full snapshot of `version`)."""
+
+    name: str
+    digest: str
+    size: int
+    base: int | None
+    version: int
+
+
+def manifest_parts(manifest: WeightManifest) -> list[Part]:
+    """The manifest's objects as parts; a manifest without `bases` is read as one object of its encoding."""
+    n = len(manifest.objects)
+    if len(manifest.bases) == n and len(manifest.yields) == n:
+        bases, yields = list(manifest.bases), list(manifest.yields)
+    else:
+        base = manifest.base_version if manifest.encoding == "delta" else None
+        bases, yields = [base] * n, [manifest.version] * n
+    if not len(manifest.digests) == len(manifest.sizes) == n:
+        raise BadMessage(f"manifest v{manifest.version}: {n} objects, {len(manifest.digests)} digests, "
+                         f"{len(manifest.sizes)} sizes")
+    return [Part(name, digest, size, base, version) for name, digest, size, base, version
+            in zip(manifest.objects, manifest.digests, manifest.sizes, bases, yields, strict=True)]
+
+
+def plan_fetch(parts: list[Part], staged: int | None, target: int, *,
+               avoid: frozenset[str] | set[str] = frozenset()) -> list[Part] | None:
+    """The fewest-bytes chain of parts from `staged` (None: nothing usable) to `target`.
+
+    Parts are edges base -> version; a full snapshot is an edge from "nothing", which is always
+    available, so any chain may start with one. -> [] when staged == target; None when no chain
+    avoids the object names in `avoid`. Dijkstra over a handful of edges.
+    """
+    if staged == target:
+        return []
+    start: list[tuple[int, int, int | None, list[Part]]] = [(0, 0, None, [])]
+    if staged is not None:
+        start.append((0, 1, staged, []))
+    heap, tie, done = start, 2, set[int | None]()
+    while heap:
+        cost, _, node, path = heapq.heappop(heap)
+        if node == target:
+            return path
+        if node in done:
+            continue
+        done.add(node)
+        for part in parts:
+            if part.base == node and part.name not in avoid and part.version not in done:
+                heapq.heappush(heap, (cost + part.size, tie, part.version, [*path, part]))
+                tie += 1
+    return None
+
+
+# ---- the sync ---------------------------------------------------------------------------------------
+class _PartFailed(Exception):
+    """An object whose blob did not apply or verify (internal: carries which one)."""
+
+    def __init__(self, part: Part, error: Exception) -> None:
+        super().__init__(f"{part.name}: {error!r}")
+        self.part = part
+        self.error = error
+
+
+class WeightSync:
+    """A region's published versions, staged off the event loop and swapped into a model in place.
+
+    Use `async with WeightSync.open(bus, region) as sync:` (or `tg.start(sync.run)`); then
+    `await sync.wait_for_version(0)`; pass `sync.maybe_swap` as `generate(..., on_step=)`.
+    Thread safety: staging and swapping share one lock; `maybe_swap` never waits for it (a decode in
+    progress means "not yet"), so generation never stalls on a download or a decode.
+    """
+
+    def __init__(self, bus: Bus, region: str | None = None, *, model: Transformer | None = None,
+                 dtype: torch.dtype = torch.bfloat16, verify: bool = True, threads: int = 1,
+                 retry_s: float = 1.0) -> None:
+        self.bus = bus
+        self.region = region or bus.identity.region
+        self.dtype = dtype
+        self.verify = verify
+        self.threads = threads
+        self.retry_s = retry_s
+        self._model = model
+        self._live: dict[str, Tensor] | None = None
+        self._staging: dict[str, Tensor] | None = None
+        self._staged_version: int | None = None
+        self._staged_digest: bytes | None = None
+        self._held_version: int | None = None
+        self._held_digest: bytes | None = None
+        self._lock = threading.Lock()
+        self._latest: WeightManifest | None = None
+        self._wake = anyio.Event()
+        self._staged_event = anyio.Event()
+        self._avoid: set[str] = set()
+        self.last_path: list[str] = []
+        """Object names fetched for the last staged version (tests and logs)."""
+        self.rejected = 0
+        self.swaps = 0
+        self.timings: dict[str, float] = {}
+        """Seconds of the last staged version: fetch, apply; and of the last swap: swap."""
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, bus: Bus, region: str | None = None, **options: Any) -> AsyncIterator[WeightSync]:
+        """A running sync for the block (its watcher subscribed before the block starts)."""
+        sync = cls(bus, region, **options)
+        async with anyio.create_task_group() as tg:
+            await tg.start(sync.run)
+            try:
+                yield sync
+            finally:
+                tg.cancel_scope.cancel()
+
+    # ---- what generators read ---------------------------------------------------------------------
+    @property
+    def model(self) -> Transformer:
+        """The live model (built from the first manifest's `model_config` when none was given)."""
+        if self._model is None:
+            raise RuntimeError("no weights yet: `await sync.wait_for_version(0)` before using the model")
+        return self._model
+
+    @property
+    def held_version(self) -> int | None:
+        """The version the live model holds (None before the first swap)."""
+        return self._held_version
+
+    @property
+    def held_digest(self) -> bytes | None:
+        """`state_digest` of the held version, as the manifest announced and the staging verified."""
+        return self._held_digest
+
+    @property
+    def staged_version(self) -> int | None:
+        """The version decoded and verified in the staging buffers, ready for the next swap."""
+        return self._staged_version
+
+    @property
+    def latest(self) -> WeightManifest | None:
+        """The newest manifest seen on the region's LATEST key."""
+        return self._latest
+
+    def build_model(self) -> Transformer:
+        """A model of the latest manifest's architecture in `dtype`, eval mode (weights: whatever init gives).
+
+        :raises RuntimeError: no manifest with a `model_config` yet.
+        """
+        if self._latest is None or not self._latest.model_config:
+            raise RuntimeError("no manifest with a model_config yet; wait for the publisher's first version")
+        return Transformer(config_from_dict(self._latest.model_config)).to(self.dtype).eval()
+
+    def maybe_swap(self, step: int = 0) -> int | None:
+        """Copy the staged version into the live model in place and return it; None if nothing newer is
+        staged or a decode holds the staging right now. Thread-safe; `generate`'s `on_step` hook."""
+        if self._staged_version is None or self._staged_version == self._held_version or self._model is None:
+            return None
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._swap_locked(step)
+        finally:
+            self._lock.release()
+
+    async def wait_for_version(self, version: int) -> None:
+        """Return once the live model holds `version` or newer, swapping in what is staged.
+
+        The swap happens here, so call it between generations (a running `generate` on this model swaps
+        through `maybe_swap` instead); `wait_for_staged` only waits.
+        """
+        while self._held_version is None or self._held_version < version:
+            await self.wait_for_staged(version)
+            if self._model is None:
+                self._model = await anyio.to_thread.run_sync(self.build_model)
+            await anyio.to_thread.run_sync(self._swap_blocking)
+
+    async def wait_for_staged(self, version: int) -> int:
+        """Return the staged version once it is `version` or newer (decoded and verified, not yet live)."""
+        while self._staged_version is None or self._staged_version < version:
+            await self._staged_event.wait()
+        return self._staged_version
+
+    # ---- the watcher and the fetcher ------------------------------------------------------------
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Watch the region's LATEST key and stage every newer version until cancelled."""
+        kv = await self.bus.js.key_value(self.bus.subjects.latest_bucket(self.region))
+        watcher = await kv.watch(LATEST_KEY)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._stage_loop)
+                task_status.started()
+                async for entry in watcher:
+                    if entry is None or not entry.value:     # end-of-history marker, delete or purge
+                        continue
+                    try:
+                        manifest = codec.decode_as(entry.value, None, WeightManifest)
+                    except BadMessage as err:
+                        log.warning("weights_manifest_unreadable", region=self.region, error=str(err))
+                        continue
+                    if self._latest is None or manifest.version > self._latest.version or (
+                            manifest.version == self._latest.version and manifest != self._latest):
+                        self._latest = manifest
+                        self._wake.set()
+        finally:
+            with anyio.move_on_after(2.0, shield=True):
+                await watcher.stop()
+
+    async def _stage_loop(self) -> None:
+        while True:
+            manifest = self._latest
+            if manifest is None or (self._staged_version is not None and self._staged_version >= manifest.version):
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                continue
+            if not await self._stage(manifest):
+                with anyio.move_on_after(self.retry_s):   # retry, or sooner when a newer manifest arrives
+                    await self._wake.wait()
+                    self._wake = anyio.Event()
+
+    async def _stage(self, manifest: WeightManifest) -> bool:
+        """Fetch, apply and verify one manifest into the staging buffers; False to retry later."""
+        if self._model is None and manifest.model_config:
+            self._model = await anyio.to_thread.run_sync(self.build_model)
+        try:
+            parts = manifest_parts(manifest)
+        except BadMessage as err:
+            await self._reject(manifest, "", str(err))
+            return False
+        self._avoid &= {p.name for p in parts}      # names are per version: forget those no longer listed
+        while (path := plan_fetch(parts, self._staged_version, manifest.version, avoid=self._avoid)) is not None:
+            outcome = await self._try(manifest, path)
+            if outcome is not None:
+                return outcome
+        log.warning("weights_no_path", region=self.region, version=manifest.version, staged=self._staged_version,
+                    avoided=sorted(self._avoid))
+        return False
+
+    async def _try(self, manifest: WeightManifest, path: list[Part]) -> bool | None:
+        """One planned chain: True staged; False a transient failure (retry later); None an object was
+        rejected and is avoided from now on (plan again)."""
+        t0 = time.perf_counter()
+        blobs = []
+        for part in path:
+            try:
+                blobs.append(await self.bus.get_object(self.bus.subjects.weights_bucket(self.region), part.name,
+                                                       expected_digest=part.digest))
+            except (DigestMismatch, nats.js.errors.NotFoundError) as err:
+                self._avoid.add(part.name)
+                await self._reject(manifest, part.name, f"{type(err).__name__}: {err}")
+                return None
+            except _FETCH_ERRORS as err:
+                log.warning("weights_fetch_failed", region=self.region, version=manifest.version, object=part.name,
+                            error=repr(err))
+                return False
+        t1 = time.perf_counter()
+        try:
+            await anyio.to_thread.run_sync(self._apply, path, blobs, manifest)
+        except _PartFailed as failed:
+            self._avoid.add(failed.part.name)
+            await self._reject(manifest, failed.part.name, repr(failed.error))
+            return None
+        self.timings.update(fetch=t1 - t0, apply=time.perf_counter() - t1)
+        self.last_path = [p.name for p in path]
+        log.info("weights_staged", region=self.region, version=manifest.version, objects=self.last_path,
+                 bytes=sum(p.size for p in path), fetch_s=round(t1 - t0, 3), apply_s=round(self.timings["apply"], 3))
+        self._staged_event.set()
+        self._staged_event = anyio.Event()
+        return True
+
+    def _apply(self, path: list[Part], blobs: list[bytes], manifest: WeightManifest) -> None:
+        """Worker thread: apply the chain into the staging buffers, verifying every tensor. On any failure
+        the staging is marked unusable (only a full snapshot rebuilds it); the live model is untouched.
+
+        :raises _PartFailed: naming the object that did not check out.
+        """
+        want = bytes.fromhex(manifest.version_digest) if manifest.version_digest else None
+        with self._lock:
+            for part, blob in zip(path, blobs, strict=True):
+                try:
+                    self._apply_part(part, blob)
+                    if part is path[-1] and want is not None and self._staged_digest != want:
+                        raise DeltaCorrupt(f"version {manifest.version} decodes to digest "
+                                           f"{(self._staged_digest or b'').hex()}, the manifest says {want.hex()}")
+                except (DeltaCorrupt, ValueError) as err:     # BaseMismatch is a ValueError
+                    self._staged_version = self._staged_digest = None
+                    raise _PartFailed(part, err) from err
+
+    def _apply_part(self, part: Part, blob: bytes) -> None:
+        expect = None
+        if part.base is None:
+            index, _ = read_index(blob)
+            if self._staging is None or {n: (tuple(t.shape), t.dtype) for n, t in self._staging.items()} != {
+                    n: (tuple(h.shape), DTYPES[h.dtype]) for n, h in zip(index.names, index.headers, strict=True)}:
+                self._staging = empty_state(index)
+        elif part.base != self._staged_version or self._staging is None:
+            raise ValueError(f"object {part.name} applies to version {part.base}, staging holds "
+                             f"{self._staged_version}")
+        else:
+            expect = self._staged_digest
+        index = apply_state_(self._staging, blob, expect_base=expect, verify=self.verify, threads=self.threads)
+        if (part.base is None) != (index.base_digest is None):
+            raise DeltaCorrupt(f"object {part.name} is listed with base {part.base} but holds "
+                               f"{'a full snapshot' if index.base_digest is None else 'a delta'}")
+        self._staged_version, self._staged_digest = part.version, index.version_digest
+
+    def _swap_blocking(self) -> None:
+        with self._lock:
+            self._swap_locked(-1)
+
+    def _swap_locked(self, step: int) -> int | None:
+        staged = self._staged_version
+        if staged is None or staged == self._held_version or self._staging is None or self._model is None:
+            return None
+        t0 = time.perf_counter()
+        if self._live is None:
+            self._live = dict(self._model.state_dict(keep_vars=True))
+            if set(self._live) != set(self._staging):
+                raise ValueError(f"the model's tensors differ from the published version's: missing "
+                                 f"{sorted(set(self._staging) - set(self._live))}, extra "
+                                 f"{sorted(set(self._live) - set(self._staging))}")
+        with torch.no_grad():
+            for name, tensor in self._staging.items():
+                self._live[name].data.copy_(tensor)
+        self._held_version, self._held_digest = staged, self._staged_digest
+        self.swaps += 1
+        self.timings["swap"] = time.perf_counter() - t0
+        log.info("weights_applied", region=self.region, version=staged, step=step,
+                 seconds=round(self.timings["swap"], 3))
+        return staged
+
+    async def _reject(self, manifest: WeightManifest, name: str, reason: str) -> None:
+        self.rejected += 1
+        log.warning("weights_rejected", region=self.region, version=manifest.version, object=name, reason=reason)
+        ident = self.bus.identity
+        await self.bus.event(Event(event="weights_rejected", actor_id=ident.actor_id, actor_kind=ident.kind,
+                                   region=self.region, detail=reason[:500],
+                                   data={"version": str(manifest.version), "object": name,
+                                         "staged": str(self._staged_version)}))
+

@@ -1,0 +1,396 @@
+"""Weights end to end on real nats-servers: a trainer stand-in (real AdamW steps) uploads versions, the
+publisher writes deltas and snapshots into every region, and WeightSync instances in each region hold the
+trainer's bf16 cast bit-exactly — through corruption, lag, joining late, a cut-off region, a swap in the
+middle of a generation, and a SIGKILLed publisher process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import nats.errors
+import pytest
+import torch
+from anyio.abc import TaskGroup
+from torch import Tensor
+
+from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.publisher import Publisher, PublisherSettings
+from rlbus.actors.version_source import VersionSource
+from rlbus.actors.weights import LATEST_KEY, WeightSync, config_dict
+from rlbus.kernels.delta import bits_view
+from rlbus.kernels.delta_state import state_digest, tensor_digests
+from rlbus.messages import codec
+from rlbus.messages.bus import Bus, ConnectOptions, Identity
+from rlbus.messages.schemas import Event, WeightManifest
+from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
+from rlbus.model.generate import generate
+from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
+
+pytestmark = pytest.mark.anyio
+FAST = ActorLimits(heartbeat_interval_s=0.3, drain_timeout_s=2.0)
+CONFIG = ModelConfig.tiny()
+
+
+# ---- the world ----------------------------------------------------------------------------------------
+@dataclass
+class _World:
+    """Regions started for one fresh run, and every bus a test opened on them (closed before the servers stop)."""
+
+    rs: RegionSet
+    run: str
+    buses: list[Bus] = field(default_factory=list)
+
+    async def bus(self, region: str, role: str, actor: str | None = None) -> Bus:
+        cred = self.rs.credentials(role)
+        bus = await Bus.connect(self.rs.url(region), run=self.run, domain=region,
+                                identity=Identity(actor_id=actor or f"{region}-{role}", kind=role, region=region),
+                                options=ConnectOptions(user=cred.user, password=cred.password))
+        self.buses.append(bus)
+        return bus
+
+
+@asynccontextmanager
+async def _regions(tmp_path: Path, names: tuple[str, ...] = ("hub", "eu", "us"), *,
+                   relay: bool = False) -> AsyncIterator[_World]:
+    """Regions started for a fresh run (so role users may write its buckets), every stream provisioned."""
+    run = f"t{uuid.uuid4().hex[:8]}"
+    rs = await anyio.to_thread.run_sync(lambda: RegionSet.start(tmp_path / "regions", names, "hub", run=run,
+                                                                relay=relay))
+    world = _World(rs, run)
+    try:
+        admin = await world.bus("hub", "admin")
+        await provision_run(admin.nc, admin.subjects, hub="hub", domains=rs.domains, settings=StreamSettings.tiny())
+        for region in names:
+            await wait_routable(admin.nc, admin.subjects.tasks(region))
+        yield world
+    finally:
+        for bus in world.buses:
+            await bus.close()
+        await anyio.to_thread.run_sync(rs.stop)
+
+
+def _settings(rs: RegionSet, **overrides: Any) -> PublisherSettings:
+    base: dict[str, Any] = {"regions": list(rs.regions), "hub": "hub", "keep_versions": 4, "full_every": 4,
+                            "delta_depth": 2, "region_wait_s": 2.0, "retry_initial_s": 0.2, "retry_max_s": 1.0,
+                            "ack_wait_s": 5.0, "threads": 1}
+    return PublisherSettings(**{**base, **overrides})
+
+
+async def _start_publisher(tg: TaskGroup, world: _World, settings: PublisherSettings) -> Publisher:
+    bus = await world.bus("hub", "publisher")
+    publisher = Publisher(ActorId(world.run, "hub", "publisher", "hub-publisher-0"), bus, settings, FAST)
+    await tg.start(publisher.serve)
+    return publisher
+
+
+def _source(lr: float = 1e-3, seed: int = 0) -> VersionSource:
+    torch.manual_seed(seed)
+    return VersionSource(Transformer(CONFIG), lr=lr, batch=2, seq_len=32, seed=seed)
+
+
+def _assert_bit_exact(sync: WeightSync, want: Mapping[str, Tensor]) -> None:
+    live = sync.model.state_dict()
+    assert set(live) == set(want)
+    for name, tensor in want.items():
+        assert live[name].dtype == torch.bfloat16
+        assert torch.equal(bits_view(live[name]), bits_view(tensor)), name
+    assert sync.held_digest == state_digest(tensor_digests(want))
+
+
+async def _events(bus: Bus, kind: str) -> list[Event]:
+    """Every stored Event of `kind` on the run's EVENTS stream."""
+    js, s = bus.js, bus.subjects
+    info = await js.stream_info(s.events_stream())
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            msg = await js.get_msg(s.events_stream(), seq)
+        except nats.js.errors.NotFoundError:
+            continue
+        event = codec.decode_as(msg.data or b"", msg.headers, Event)
+        if event.event == kind:
+            out.append(event)
+    return out
+
+
+async def _announcements(bus: Bus) -> list[WeightManifest]:
+    """The WEIGHTS stream in order."""
+    js, s = bus.js, bus.subjects
+    state = (await js.stream_info(s.weights_stream())).state
+    return [codec.decode_as((m := await js.get_msg(s.weights_stream(), seq)).data or b"", m.headers, WeightManifest)
+            for seq in range(state.first_seq, state.last_seq + 1) if state.messages]
+
+
+async def _wait_announced(bus: Bus, version: int, timeout_s: float = 30) -> WeightManifest:
+    with anyio.fail_after(timeout_s):         # hang guard
+        while True:
+            for manifest in await _announcements(bus):
+                if manifest.version == version:
+                    return manifest
+            await anyio.sleep(0.1)
+
+
+# ---- tests ----------------------------------------------------------------------------------------------
+async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exactly(tmp_path: Path) -> None:
+    """Versions 0-5 reach two syncs per region over deltas and snapshots; each holds every tensor of the
+    trainer's bf16 cast bit for bit, and every announcement lists all three regions."""
+    async with _regions(tmp_path) as world, anyio.create_task_group() as tg:
+        rs = world.rs
+        trainer = await world.bus("hub", "trainer")
+        publisher = await _start_publisher(tg, world, _settings(rs, full_every=3))
+        syncs = []
+        for region in rs.regions:
+            for i in range(2):
+                sync = WeightSync(await world.bus(region, "generator", f"{region}-gen-{i}"), region)
+                await tg.start(sync.run)
+                syncs.append(sync)
+        source = _source()
+        await source.publish(trainer)
+        for _ in range(5):
+            await source.step_and_publish(trainer)
+        with anyio.fail_after(60):
+            for sync in syncs:
+                await sync.wait_for_version(5)
+        for sync in syncs:
+            assert sync.held_version == 5
+            _assert_bit_exact(sync, source.history[5])
+            assert config_dict(sync.model.config) == config_dict(CONFIG)
+        manifests = await _announcements(trainer)
+        assert [m.version for m in manifests] == [0, 1, 2, 3, 4, 5]
+        assert all(sorted(m.regions_ready) == ["eu", "hub", "us"] for m in manifests)
+        v5 = manifests[-1]
+        assert v5.objects == ["v5.from4", "v5.from3", "v3.full"] and v5.bases == [4, 3, None]
+        assert v5.yields == [5, 5, 3] and v5.base_version == 4 and v5.encoding == "delta"
+        assert manifests[3].objects[-1] == "v3.full" and manifests[3].yields[-1] == 3
+        assert publisher.gauges["region_ready_us"] == 1.0 and publisher.gauges["region_version_eu"] == 5.0
+        store = await trainer.jetstream("eu").object_store(trainer.subjects.weights_bucket("eu"))
+        kept = {info.name for info in await store.list(ignore_deletes=True)}
+        assert "v0.full" not in kept and "v1.from0" not in kept and {"v3.full", "v5.from4"} <= kept
+        tg.cancel_scope.cancel()
+
+
+async def test_corrupted_object_is_rejected_with_an_event_and_a_full_snapshot_is_used(tmp_path: Path) -> None:
+    """Garbage written over the delta a generator would fetch fails its digest: an Event(weights_rejected)
+    names it, and the generator rebuilds the version from the full snapshot plus the delta from it."""
+    async with _regions(tmp_path, ("hub",)) as world, anyio.create_task_group() as tg:
+        rs = world.rs
+        trainer = await world.bus("hub", "trainer")
+        await _start_publisher(tg, world, _settings(rs))
+        gen_bus = await world.bus("hub", "generator", "hub-gen-0")
+        sync = WeightSync(gen_bus, "hub")
+        source = _source()
+        await source.publish(trainer)
+        await source.step_and_publish(trainer)
+        async with anyio.create_task_group() as inner:
+            await inner.start(sync.run)
+            with anyio.fail_after(30):
+                await sync.wait_for_version(1)
+            inner.cancel_scope.cancel()
+        await source.step_and_publish(trainer)
+        manifest = await _wait_announced(trainer, 2)
+        assert manifest.objects == ["v2.from1", "v2.from0", "v0.full"]
+        admin = await world.bus("hub", "admin")
+        store = await admin.js.object_store(admin.subjects.weights_bucket("hub"))
+        await store.put("v2.from1", os.urandom(manifest.sizes[0]))
+        await tg.start(sync.run)
+        with anyio.fail_after(30):
+            await sync.wait_for_version(2)
+        assert sync.last_path == ["v0.full", "v2.from0"]
+        _assert_bit_exact(sync, source.history[2])
+        rejected = await _events(admin, "weights_rejected")
+        assert [(e.data["object"], e.data["version"], e.actor_id) for e in rejected] == [("v2.from1", "2", "hub-gen-0")]
+        assert "DigestMismatch" in rejected[0].detail
+        tg.cancel_scope.cancel()
+
+
+async def test_lagging_generator_catches_up_by_one_multi_version_delta_and_joiner_seeds_from_snapshot(
+        tmp_path: Path) -> None:
+    """A generator that held v1 while v2..v3 went by fetches only v3.from1; a joiner with no model builds it
+    from the manifest's architecture and seeds from the v0 snapshot plus v3.from0; both are bit-exact."""
+    async with _regions(tmp_path, ("hub",)) as world, anyio.create_task_group() as tg:
+        rs = world.rs
+        trainer = await world.bus("hub", "trainer")
+        await _start_publisher(tg, world, _settings(rs, delta_depth=3))
+        lagging = WeightSync(await world.bus("hub", "generator", "hub-gen-0"), "hub")
+        source = _source()
+        await source.publish(trainer)
+        await source.step_and_publish(trainer)
+        async with anyio.create_task_group() as inner:
+            await inner.start(lagging.run)
+            with anyio.fail_after(30):
+                await lagging.wait_for_version(1)
+            inner.cancel_scope.cancel()
+        await source.step_and_publish(trainer)
+        await source.step_and_publish(trainer)
+        manifest = await _wait_announced(trainer, 3)
+        assert manifest.objects == ["v3.from2", "v3.from1", "v3.from0", "v0.full"]
+        joiner = WeightSync(await world.bus("hub", "generator", "hub-gen-1"), "hub")
+        await tg.start(lagging.run)
+        await tg.start(joiner.run)
+        with anyio.fail_after(30):
+            await lagging.wait_for_version(3)
+            await joiner.wait_for_version(3)
+        assert lagging.last_path == ["v3.from1"]
+        assert joiner.last_path == ["v0.full", "v3.from0"]
+        for sync in (lagging, joiner):
+            _assert_bit_exact(sync, source.history[3])
+        assert joiner.rejected == lagging.rejected == 0
+        tg.cancel_scope.cancel()
+
+
+async def test_swap_mid_generation_changes_the_version_at_that_token_and_matches_a_kept_cache_reference(
+        tmp_path: Path) -> None:
+    """Greedy generation with on_step=maybe_swap takes v1 at token K while v1 is published mid-generation:
+    tokens before K carry v0, from K on v1, and the tokens equal a reference decoding the prefix under v0 and
+    the rest under v1 with the same KV cache, token by token."""
+    K, N = 6, 16
+    async with _regions(tmp_path, ("hub",)) as world, anyio.create_task_group() as tg:
+        rs = world.rs
+        trainer = await world.bus("hub", "trainer")
+        await _start_publisher(tg, world, _settings(rs))
+        sync = WeightSync(await world.bus("hub", "generator", "hub-gen-0"), "hub")
+        await tg.start(sync.run)
+        source = _source(lr=3e-2)
+        await source.publish(trainer)
+        with anyio.fail_after(30):
+            await sync.wait_for_version(0)
+        prompt = [[1, 5, 9, 30, 77, 12]]
+        at_k = anyio.Event()
+        staged = anyio.Event()
+        seen: list[int] = []
+
+        def hook(step: int) -> int | None:
+            seen.append(step)
+            if step == K:
+                anyio.from_thread.run_sync(at_k.set)
+                anyio.from_thread.run(staged.wait)      # the new version arrives while we generate
+            return sync.maybe_swap(step)
+
+        async def publish_v1() -> None:
+            await at_k.wait()
+            await source.step_and_publish(trainer)
+            await sync.wait_for_staged(1)
+            staged.set()
+
+        tg.start_soon(publish_v1)
+        with anyio.fail_after(60):
+            [out] = await anyio.to_thread.run_sync(lambda: generate(
+                sync.model, prompt, max_new_tokens=N, temperature=0.0, version=sync.held_version or 0,
+                on_step=hook))
+        assert out.versions.tolist() == [0] * K + [1] * (N - K)
+        assert sync.held_version == 1
+        _assert_bit_exact(sync, source.history[1])
+        reference = _reference_decode(prompt[0], source.history[0], source.history[1], K, N)
+        assert out.tokens.tolist() == reference
+        all_old = _reference_decode(prompt[0], source.history[0], source.history[0], K, N)
+        assert reference != all_old               # the swap mattered: v1 decodes differently from v0
+        tg.cancel_scope.cancel()
+
+
+def _reference_decode(prompt: list[int], old: Mapping[str, Tensor], new: Mapping[str, Tensor], k: int,
+                      n: int) -> list[int]:
+    """Greedy token by token: prefill and tokens 0..k-1 under `old`, then `new` loaded in place, same cache."""
+    model = Transformer(CONFIG).to(torch.bfloat16).eval()
+    model.load_state_dict(dict(old))
+    cache = model.new_cache(1, len(prompt) + n)
+    tokens: list[int] = []
+    inputs = torch.tensor([prompt])
+    with torch.no_grad():
+        for step in range(n):
+            if step == k:
+                model.load_state_dict(dict(new))
+            logits = model(inputs, cache=cache, with_mtp=False).logits[:, -1]
+            token = int(torch.log_softmax(logits.float(), dim=-1).argmax(-1))
+            tokens.append(token)
+            inputs = torch.tensor([[token]])
+    return tokens
+
+
+async def test_cut_off_region_does_not_block_the_others_and_catches_up_after_heal(tmp_path: Path) -> None:
+    """With `us` cut off, versions are announced with hub and eu ready and the gauge says us is behind; after
+    the heal us's writer brings it to the newest version and its generator reaches it bit-exactly."""
+    async with _regions(tmp_path, relay=True) as world, anyio.create_task_group() as tg:
+        rs = world.rs
+        trainer = await world.bus("hub", "trainer")
+        publisher = await _start_publisher(tg, world, _settings(rs, region_wait_s=30.0))
+        us_sync = WeightSync(await world.bus("us", "generator", "us-gen-0"), "us")
+        await tg.start(us_sync.run)
+        source = _source()
+        await source.publish(trainer)
+        with anyio.fail_after(30):
+            await us_sync.wait_for_version(0)
+        await anyio.to_thread.run_sync(rs.cut, "us")
+        await source.step_and_publish(trainer)
+        await source.step_and_publish(trainer)
+        announced = await _wait_announced(trainer, 2, timeout_s=25)   # well before region_wait_s: us is failing
+        assert sorted(announced.regions_ready) == ["eu", "hub"]
+        assert publisher.gauges["region_ready_us"] == 0.0 and publisher.gauges["region_version_us"] == 0.0
+        assert us_sync.held_version == 0
+        await anyio.to_thread.run_sync(rs.heal, "us")
+        with anyio.fail_after(40):
+            await us_sync.wait_for_version(2)
+        _assert_bit_exact(us_sync, source.history[2])
+        assert publisher.gauges["region_ready_us"] == 1.0
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.chaos
+async def test_sigkilled_publisher_process_loses_no_announcement(tmp_path: Path) -> None:
+    """A publisher process SIGKILLed while versions stream in is restarted; every version is announced once
+    (a repeat only ever as the same manifest), in order, and the region's LATEST ends at the newest."""
+    async with _regions(tmp_path, ("hub", "eu")) as world:
+        rs, run = world.rs, world.run
+        trainer = await world.bus("hub", "trainer")
+        settings = msgspec.to_builtins(_settings(rs, region_wait_s=5.0))
+        source = _source()
+        proc = _spawn_publisher(rs, run, settings, tmp_path / "pub-1.log")
+        try:
+            await source.publish(trainer)
+            for _ in range(3):
+                await source.step_and_publish(trainer)
+            await _wait_announced(trainer, 1, timeout_s=60)
+            for _ in range(3):
+                await source.step_and_publish(trainer)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+            for _ in range(2):
+                await source.step_and_publish(trainer)
+            proc = _spawn_publisher(rs, run, settings, tmp_path / "pub-2.log")
+            await _wait_announced(trainer, 8, timeout_s=60)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+        manifests = await _announcements(trainer)
+        assert [m.version for m in manifests] == list(range(9))
+        counts = Counter(m.version for m in manifests)
+        assert set(counts.values()) == {1}
+        for manifest in manifests:
+            assert manifest.version_digest == state_digest(tensor_digests(source.history[manifest.version])).hex()
+        kv = await trainer.jetstream("eu").key_value(trainer.subjects.latest_bucket("eu"))
+        latest = codec.decode_as((await kv.get(LATEST_KEY)).value or b"", None, WeightManifest)
+        assert latest.version == 8 and latest.objects == manifests[-1].objects
+        assert latest.digests == manifests[-1].digests
+
+
+def _spawn_publisher(rs: RegionSet, run: str, settings: Any, log_path: Path) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "rlbus.ops.actor", "--kind", "publisher", "--run", run, "--region", "hub",
+            "--id", "hub-publisher-0", "--url", rs.url("hub"), "--domain", "hub", "--role", "publisher",
+            "--credentials", str(rs.base_dir / CREDENTIALS_NAME), "--settings", json.dumps(settings),
+            "--heartbeat-s", "0.5", "--drain-s", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with log_path.open("wb") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
