@@ -209,6 +209,10 @@ class SandboxSupervisor(Actor):
             with anyio.move_on_after(1.0, shield=True):
                 await self._reply(msg, self._error(request.request_id, "the sandbox supervisor is stopping; retry"))
             raise
+        except Exception as err:            # a fault of ours: answer, count it, never die of one request
+            log.exception("sandbox_request_failed", request_id=request.request_id)
+            await self._infra_failure(f"supervisor: {err!r}")
+            result = self._error(request.request_id, f"sandbox supervisor error: {err!r}")
         await self._reply(msg, result)
 
     async def _result_for(self, request: SandboxRequest) -> SandboxResult:
