@@ -27,7 +27,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.messages.bus import Bus, Delivery
-from rlbus.messages.errors import DigestMismatch
+from rlbus.messages import codec
+from rlbus.messages.errors import BadMessage, DigestMismatch
 from rlbus.messages.schemas import CheckpointMark, StateUploaded
 from rlbus.messages.streams import ensure_consumer
 from rlbus.messages.subjects import Subjects
@@ -119,6 +120,9 @@ class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     state_dir: str = ""
     """The run's state directory; empty: no copy on disk, the CKPT objects are the durable copy."""
     ack_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    drain_linger_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0
+    """On drain, keep marking uploads until none arrives for this long (the trainer checkpoints on its own
+    drain, usually at the same moment)."""
 
 
 def build_checkpointer(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Checkpointer:
@@ -154,6 +158,29 @@ class Checkpointer(Actor):
         async for delivery in self.bus.consume(s.state_stream(), s.durable("checkpointer"), StateUploaded, batch=1):
             with self.busy():
                 await self._handle(delivery)
+
+    async def drain(self) -> None:
+        """Mark the uploads that arrive while everything shuts down (the trainer's drain checkpoint)."""
+        if self.config.drain_linger_s <= 0:
+            return
+        s = self.subjects
+        psub = await self.bus.js.pull_subscribe_bind(durable=s.durable("checkpointer"), stream=s.state_stream())
+        try:
+            while True:
+                try:
+                    msgs = await psub.fetch(1, timeout=self.config.drain_linger_s)
+                except (nats.errors.TimeoutError, TimeoutError):
+                    return
+                for msg in msgs:
+                    try:
+                        upload = codec.decode_as(msg.data, msg.headers, StateUploaded)
+                    except BadMessage as err:
+                        await self.bus.dead_letter(msg, reason=str(err), source=s.state_stream())
+                        continue
+                    await self._handle(Delivery(message=upload, raw=msg))
+        finally:
+            with anyio.move_on_after(1.0, shield=True):
+                await psub.unsubscribe()
 
     async def _handle(self, delivery: Delivery[StateUploaded]) -> None:
         upload = delivery.message

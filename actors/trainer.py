@@ -32,6 +32,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from rlbus.actors._trainer_core import Objective, Plan, StepStats, TrainerCore, build_core, plan_step, versions_behind
 from rlbus.actors._trainer_resume import Resume, last_message, resume_point
 from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.ledger import reason_category
 from rlbus.kernels.delta_state import encode_state
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, Delivery
@@ -111,8 +112,8 @@ class Trainer(Actor):
         """Consumed rollouts not yet covered by a mark: acked when one is."""
         self.pending: dict[str, dict[str, Delivery[Rollout]]] = {}
         """Task id → rollout id → delivery, for groups not yet in a step (arrival order)."""
-        self.to_drop: list[tuple[Delivery[Rollout], str]] = []
-        """Dropped rollouts waiting for the next TrainStep to record them."""
+        self.to_drop: dict[str, tuple[Delivery[Rollout], str]] = {}
+        """Rollout id → (delivery, reason) of dropped rollouts waiting for the next TrainStep to record them."""
         self.marked_step = 0
         self.parent_checkpoint: int | None = None
         self.uploads: dict[int, str] = {}
@@ -120,6 +121,8 @@ class Trainer(Actor):
         self.last_upload_step = 0
         self.unlogged: list[TrainStep] = []
         self.keepalive_s = 1.0
+        self._checked: dict[str, str | None] = {}
+        """Rollout id → why the model cannot train on it (None: it can), computed once per pending rollout."""
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -191,7 +194,8 @@ class Trainer(Actor):
             plan = self._plan()
             for task_id, reason in plan.drop:
                 for d in self.pending.pop(task_id).values():
-                    self.to_drop.append((d, reason))
+                    self._checked.pop(d.message.rollout_id, None)
+                    self.to_drop[d.message.rollout_id] = (d, reason)
                     self.count("dropped")
             if plan.train:
                 with self.busy():
@@ -209,6 +213,9 @@ class Trainer(Actor):
             else:
                 self.held[rid] = delivery            # acked once its step's mark arrives
             return
+        if rid in self.to_drop:                      # redelivered while its drop waits for the next step
+            self.to_drop[rid] = (delivery, self.to_drop[rid][1])
+            return
         group = self.pending.setdefault(rollout.task_id, {})
         if rid in group:
             self.count("redelivered_pending")
@@ -218,12 +225,18 @@ class Trainer(Actor):
     def _plan(self) -> Plan:
         groups = {task: [d.message for d in members.values()] for task, members in self.pending.items()}
         return plan_step(groups, version=self.version, staleness_versions=self.config.staleness_versions,
-                         batch_rollouts=self.config.batch_rollouts, check=self._core().check)
+                         batch_rollouts=self.config.batch_rollouts, check=self._check)
+
+    def _check(self, rollout: Rollout) -> str | None:
+        rid = rollout.rollout_id
+        if rid not in self._checked:
+            self._checked[rid] = self._core().check(rollout)
+        return self._checked[rid]
 
     async def _step(self, plan: Plan) -> None:
         core = self._core()
         used = [d for task in plan.train for d in self.pending.pop(task).values()]
-        dropped, self.to_drop = self.to_drop, []
+        dropped, self.to_drop = list(self.to_drop.values()), {}
         rollouts = [d.message for d in used]
         staleness = Counter(str(versions_behind(r, self.version)) for r in rollouts)
         with anyio.CancelScope(shield=True):         # a step is applied and recorded together, or not at all
@@ -234,6 +247,7 @@ class Trainer(Actor):
             for d in [*used, *(d for d, _ in dropped)]:
                 self.consumed[d.message.rollout_id] = self.step
                 self.held[d.message.rollout_id] = d
+                self._checked.pop(d.message.rollout_id, None)
             self.unlogged.append(TrainStep(
                 step=self.step, policy_version=self.version, parent_checkpoint=self.parent_checkpoint,
                 rollout_ids=[r.rollout_id for r in rollouts],
@@ -245,12 +259,18 @@ class Trainer(Actor):
         if not stats.applied:
             self.count("nonfinite_steps")
         self.gauges.update(step=float(self.step), version=float(self.version), loss=stats.loss, kl=stats.kl,
-                           reward_mean=stats.reward_mean, grad_norm=stats.grad_norm)
+                           reward_mean=stats.reward_mean, grad_norm=stats.grad_norm,
+                           staleness_mean=sum(int(k) * n for k, n in staleness.items()) / max(1, len(rollouts)))
         log.info("trainer_step", step=self.step, version=self.version, rollouts=len(rollouts), dropped=len(dropped),
                  loss=round(stats.loss, 5), kl=round(stats.kl, 5), reward_mean=round(stats.reward_mean, 4),
                  grad_norm=round(stats.grad_norm, 4), tokens=stats.tokens, replayed=stats.replayed,
                  applied=stats.applied)
         await self._flush()
+        if dropped:
+            reasons = Counter(reason_category(why) for _, why in dropped)
+            await self.emit("stale_dropped" if set(reasons) == {"stale"} else "incident",
+                            detail=f"step {self.step} dropped {len(dropped)} rollouts",
+                            step=str(self.step), **{f"dropped_{k}": str(n) for k, n in reasons.items()})
         await self._announce()
         if self.step % self.config.checkpoint_interval == 0:
             await self._checkpoint()
@@ -365,7 +385,7 @@ class Trainer(Actor):
         while True:
             await anyio.sleep(self.keepalive_s)
             deliveries = [*self.held.values(), *(d for g in self.pending.values() for d in g.values()),
-                          *(d for d, _ in self.to_drop)]
+                          *(d for d, _ in self.to_drop.values())]
             try:
                 for delivery in deliveries:
                     await delivery.in_progress()

@@ -101,7 +101,8 @@ async def test_trainer_steps_publishes_versions_and_acks_only_once_a_mark_covers
     await provision(hub, run)
     config = TrainerConfig(lr=1e-3, batch_rollouts=4, staleness_versions=8, checkpoint_interval=2, mark_wait_s=10)
     trainer, tbus = await trainer_on(hub, run, config)
-    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerConfig(keep=2, state_dir=str(tmp_path / "state")))
+    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerConfig(keep=2, state_dir=str(tmp_path / "state"),
+                                                                    drain_linger_s=0.2))
     gen = await connect(hub, run, "generator")
     source = build_core("", lr=1e-3, seed=0).model
     rollouts = sample_rollouts(source, tasks=6, group_size=2, seed=1)
@@ -184,7 +185,8 @@ async def test_checkpointer_rejects_a_digest_mismatch_and_marks_the_next_good_up
     """A StateUploaded whose digest does not match its object → Event(incident), no mark, no directory;
     the next correct upload → CheckpointMark (msg id ckpt-<step>) and Event(checkpoint)."""
     await provision(hub, run)
-    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerConfig(keep=1, state_dir=str(tmp_path / "state")))
+    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerConfig(keep=1, state_dir=str(tmp_path / "state"),
+                                                                        drain_linger_s=0.2))
     tr = await connect(hub, run, "trainer")
     s = tr.subjects
     try:
@@ -208,3 +210,28 @@ async def test_checkpointer_rejects_a_digest_mismatch_and_marks_the_next_good_up
         await cbus.close()
         await tr.close()
 
+
+
+async def test_stopping_both_together_marks_the_trainers_drain_checkpoint(hub: RegionSet, run: str,
+                                                                        tmp_path: Path) -> None:
+    """SIGTERM-like cancellation of trainer and checkpointer at once: the trainer's drain uploads step 1, the
+    lingering checkpointer marks it, and the trainer acks its rollouts before it stops."""
+    await provision(hub, run)
+    trainer, tbus = await trainer_on(hub, run, TrainerConfig(lr=1e-3, batch_rollouts=4, checkpoint_interval=10))
+    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerConfig(state_dir=str(tmp_path / "state")))
+    gen = await connect(hub, run, "generator")
+    source = build_core("", lr=1e-3, seed=0).model
+    try:
+        async with anyio.create_task_group() as tg:
+            await Hosted(tg, ckpt).start()
+            await Hosted(tg, trainer).start()
+            await publish_rollouts(gen, sample_rollouts(source, tasks=2, group_size=2, seed=1))
+            await wait_for(gen, TrainStep, lambda found: len(found) >= 1)
+            assert await ack_pending(gen) == 4
+            tg.cancel_scope.cancel()
+        assert trainer.state is State.STOPPED and ckpt.state is State.STOPPED
+        assert [m.step for m in await wait_for(gen, CheckpointMark, lambda found: len(found) >= 1)] == [1]
+        assert await ack_pending(gen) == 0 and trainer.counters["acked"] == 4
+    finally:
+        for bus in (tbus, cbus, gen):
+            await bus.close()
