@@ -155,7 +155,8 @@ class Bus:
         try:
             async for attempt in retry:
                 with attempt:
-                    nc = await nats.connect(
+                    await _probe(urls, opts.connect_timeout_s)   # nats-py's own first connect never gives
+                    nc = await nats.connect(                     # up when reconnects are unlimited
                         urls, name=f"{ident.kind}:{ident.actor_id}", user=opts.user, password=opts.password,
                         connect_timeout=opts.connect_timeout_s, ping_interval=opts.ping_interval_s,
                         max_outstanding_pings=opts.max_outstanding_pings, allow_reconnect=True,
@@ -321,6 +322,23 @@ class Bus:
         if expected_digest is not None and (actual := digest(data)) != expected_digest:
             raise DigestMismatch(f"object {bucket}/{name}: digest {actual} != announced {expected_digest}")
         return data
+
+
+async def _probe(urls: Sequence[str], timeout_s: float) -> None:
+    """Raise OSError unless some server accepts a TCP connection."""
+    from urllib.parse import urlsplit
+
+    errors = []
+    for url in urls:
+        parts = urlsplit(url if "://" in url else f"nats://{url}")
+        try:
+            with anyio.fail_after(timeout_s):
+                stream = await anyio.connect_tcp(parts.hostname or "127.0.0.1", parts.port or 4222)
+            await stream.aclose()
+            return
+        except (OSError, TimeoutError) as err:
+            errors.append(f"{url}: {err!r}")
+    raise OSError("no server accepted a connection: " + "; ".join(errors))
 
 
 def digest(data: bytes | memoryview) -> str:
