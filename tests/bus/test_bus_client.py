@@ -104,3 +104,12 @@ async def test_object_store_round_trip_and_digest_check(admin_bus: Bus) -> None:
     assert await admin_bus.get_object(bucket, "state-1", expected_digest=d) == blob
     with pytest.raises(DigestMismatch, match="state-1"):
         await admin_bus.get_object(bucket, "state-1", expected_digest=digest(b"other"))
+
+
+async def test_no_server_is_a_clear_bounded_error() -> None:
+    """Connecting where no server listens ends in BusUnavailable naming the URL and what to do."""
+    from rlbus.messages.bus import ConnectOptions
+    from rlbus.messages.errors import BusUnavailable
+
+    with anyio.fail_after(30), pytest.raises(BusUnavailable, match=r"127\.0\.0\.1:1\b.*rlbus up"):
+        await Bus.connect("nats://127.0.0.1:1", run="x", options=ConnectOptions(retry_for_s=1.0))
