@@ -441,11 +441,14 @@ async def first_working_jail(levels: list[Isolation], **jail_kw: Any) -> tuple[J
     """
     why: list[str] = []
     for level in levels:
+        jail: Jail | None = None
         try:
             jail = build_jail(level, **jail_kw)
             ex = await ExecutorProcess.start(jail)
         except ExecutorStartFailed as err:
             why.append(f"{level}: {err}")
+            if jail is not None and jail.scratch is not None:
+                shutil.rmtree(jail.scratch, ignore_errors=True)
             continue
         await ex.close()
         return jail, why
