@@ -18,7 +18,8 @@ import os
 import time
 import uuid
 from collections import Counter
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
 
 import anyio
 import msgspec
@@ -42,6 +43,7 @@ from rlbus.messages.subjects import Subjects
 
 log = structlog.get_logger()
 
+T = TypeVar("T")
 _PUBLISH_ERRORS = (nats.errors.Error, TimeoutError)
 
 
@@ -276,17 +278,26 @@ class Trainer(Actor):
             await self._checkpoint()
 
     # ---- publishing -----------------------------------------------------------------------------
-    async def _publish(self, subject: str, message: Message, msg_id: str) -> None:
-        """Publish with `msg_id` dedupe, retrying transient failures for up to a minute."""
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Run an idempotent bus operation, retrying transient failures for up to a minute."""
         retry = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception_type(_PUBLISH_ERRORS),
             wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0), stop=tenacity.stop_after_delay(60),
-            before_sleep=lambda rs: log.warning("trainer_publish_retry", subject=subject, msg_id=msg_id,
-                                                attempt=rs.attempt_number),
+            before_sleep=lambda rs: log.warning("trainer_bus_retry", what=what, attempt=rs.attempt_number,
+                                                error=repr(rs.outcome.exception() if rs.outcome else None)),
             reraise=True)
         async for attempt in retry:
             with attempt:
-                await self.bus.publish(subject, message, msg_id=msg_id)
+                return await call()
+        raise AssertionError("unreachable")
+
+    async def _publish(self, subject: str, message: Message, msg_id: str) -> None:
+        """Publish with `msg_id` dedupe (a retried publish is stored once)."""
+        await self._retrying(msg_id, lambda: self.bus.publish(subject, message, msg_id=msg_id))
+
+    async def _put(self, name: str, blob: bytes) -> str:
+        """Upload to CKPT (a retry overwrites the same name); returns the digest."""
+        return await self._retrying(name, lambda: self.bus.put_object(self.subjects.checkpoint_bucket(), name, blob))
 
     async def _flush(self) -> None:
         """Store every TrainStep not yet on TRAINLOG, in order."""
@@ -310,7 +321,7 @@ class Trainer(Actor):
         blob, version_digest, raw = await anyio.to_thread.run_sync(encode)
         name = Subjects.version_object(version)
         bucket = self.subjects.checkpoint_bucket()
-        digest = await self.bus.put_object(bucket, name, blob)
+        digest = await self._put(name, blob)
         await self._publish(self.subjects.version_ready(), VersionReady(
             version=version, step=step, object=name, digest=digest, version_digest=version_digest, raw_bytes=raw,
             model_config=core.model_config_dict()), msg_id=f"version-{version}")
@@ -332,7 +343,7 @@ class Trainer(Actor):
                 "parent_step": self.parent_checkpoint, "saved_at": time.time()}
         blob = await anyio.to_thread.run_sync(core.state_blob, meta)
         name = Subjects.state_object(step, self.incarnation)
-        digest = await self.bus.put_object(self.subjects.checkpoint_bucket(), name, blob)
+        digest = await self._put(name, blob)
         self.uploads[step] = name
         await self._publish(self.subjects.state_uploads(), StateUploaded(
             step=step, policy_version=self.version, objects=[name], digests=[digest],
