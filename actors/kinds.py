@@ -13,7 +13,8 @@ from rlbus.actors.demo import DemoConsumer, DemoProducer, DemoSettings
 from rlbus.actors.sandbox import build_sandbox
 from rlbus.messages.bus import Bus
 
-ACTOR_KINDS: Final = ("demo_producer", "demo_consumer", "sandbox", "trainer", "checkpointer", "publisher")
+ACTOR_KINDS: Final = ("demo_producer", "demo_consumer", "sandbox", "feeder", "generator", "trainer", "checkpointer",
+                      "publisher", "evaluator")
 
 
 def build_actor(kind: str, ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Actor:
@@ -45,5 +46,9 @@ def build_actor(kind: str, ident: ActorId, bus: Bus, settings: dict[str, Any], l
             from rlbus.actors.publisher import build_publisher   # imports torch: only where needed
 
             return build_publisher(ident, bus, settings, limits)
+        case "evaluator":
+            from rlbus.actors.evaluator import build_evaluator   # imports torch: only where needed
+
+            return build_evaluator(ident, bus, settings, limits)
         case _:
             raise ValueError(f"unknown actor kind {kind!r}; known kinds: {', '.join(ACTOR_KINDS)}")

@@ -76,7 +76,7 @@ def kind_settings(topology: Topology, kind: str, state_dir: Path | None = None) 
         case "sandbox":
             section = topology.sandbox
         case "evaluator":
-            section = topology.evaluator
+            return {**msgspec.to_builtins(topology.evaluator), "max_tokens": topology.generator.max_tokens}
         case "publisher":    # it writes every region's weight bucket: it needs their names and the hub
             return {**msgspec.to_builtins(topology.weights), "regions": [r.name for r in topology.regions],
                     "hub": topology.hub.name}

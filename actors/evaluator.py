@@ -1,0 +1,117 @@
+"""Evaluator: greedy pass@1 of published policy versions on the held-out task set.
+
+Owns: following the region's published versions (actors/weights.py `WeightSync`), evaluating every
+`every_versions`-th version (version 0, the pretrained base, included) on `n_tasks` held-out tasks
+(model/tasks.py `eval_tasks`, disjoint from training by prompt hash) with greedy decoding, grading each
+completion in the region's sandboxes (actors/sandbox_client.py), and publishing an `EvalReport` with
+the 95% Wilson interval on `evals`. Does not: train, sample for training, or publish weights.
+Consumes WeightManifests (LATEST KV); produces EvalReport and Event(incident) when grading fails.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+import torch
+
+from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.sandbox_client import grade_cases
+from rlbus.actors.weights import WeightSync
+from rlbus.messages.bus import Bus
+from rlbus.messages.errors import SandboxCrashed
+from rlbus.messages.schemas import EvalReport, SandboxLimits
+from rlbus.model.evaluate import greedy_complete, wilson_interval
+from rlbus.model.episodes import completion_text
+from rlbus.model.grading import case_for, extract_code
+from rlbus.model.tasks import Task, eval_tasks
+from rlbus.model.tokenizer import ByteTokenizer
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True, slots=True)
+class EvaluatorSettings:
+    """`[evaluator]` of the topology, plus the generation budget."""
+
+    every_versions: int = 10
+    n_tasks: int = 64
+    seed: int = 1
+    max_tokens: int = 160
+    batch_size: int = 32
+
+
+class Evaluator(Actor):
+    """Evaluates version 0 and every `every_versions`-th version after it; one EvalReport each."""
+
+    kind = "evaluator"
+
+    def __init__(self, ident: ActorId, bus: Bus, settings: EvaluatorSettings,
+                 limits: ActorLimits | None = None) -> None:
+        super().__init__(ident, bus, limits)
+        self.settings = settings
+        self.tokenizer = ByteTokenizer()
+        self.tasks: list[Task] = []
+        self.last_evaluated: int | None = None
+
+    async def setup(self) -> None:
+        torch.set_num_threads(1)
+        self.tasks = await anyio.to_thread.run_sync(eval_tasks, self.settings.seed, self.settings.n_tasks)
+        self.sync = WeightSync(self.bus, self.ident.region)
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.sync.run)
+            target = 0
+            while True:
+                await self.sync.wait_for_staged(target)
+                await self.sync.wait_for_version(target)     # swap in here, between evaluations
+                version = self.sync.held_version
+                assert version is not None
+                if self._due(version):
+                    with self.busy():
+                        await self._evaluate(version)
+                target = version + 1
+
+    def _due(self, version: int) -> bool:
+        every = max(1, self.settings.every_versions)
+        if self.last_evaluated is None:
+            return True
+        return version // every > self.last_evaluated // every
+
+    async def _evaluate(self, version: int) -> None:
+        model = self.sync.model
+        prompts = [self.tokenizer.prompt_ids(t.prompt) for t in self.tasks]
+        ids = await anyio.to_thread.run_sync(lambda: greedy_complete(
+            model, prompts, max_new_tokens=self.settings.max_tokens, batch_size=self.settings.batch_size,
+            stop_ids=(self.tokenizer.end_turn_id, self.tokenizer.eos_id), pad_id=self.tokenizer.pad_id))
+        cases = [case_for(task, extract_code(completion_text(c, self.tokenizer)))
+                 for task, c in zip(self.tasks, ids, strict=True)]
+        try:
+            results = await grade_cases(self.bus, self.ident.region, cases, id_prefix=f"eval-{version}-"
+                                        f"{uuid.uuid4().hex[:6]}", limits=SandboxLimits(wall_seconds=5.0))
+        except SandboxCrashed as err:
+            self.count("eval_errors")
+            await self.emit("incident", detail=f"evaluation of version {version} not graded: {err}")
+            return
+        passed = sum(1 for r in results if r.passed)
+        n = len(results)
+        low, high = wilson_interval(passed, n)
+        report = EvalReport(policy_version=version, task_seed=self.settings.seed, n=n, pass_at_1=passed / max(1, n),
+                            ci_low=low, ci_high=high)
+        await self.bus.publish(self.bus.subjects.evals(), report, msg_id=f"eval-{version}-{self.settings.seed}")
+        self.last_evaluated = version
+        self.policy_version = version
+        self.count("evaluations")
+        self.gauges["pass_at_1"] = report.pass_at_1
+        log.info("evaluation_published", version=version, pass_at_1=round(report.pass_at_1, 4), n=n,
+                 ci_low=round(low, 4), ci_high=round(high, 4))
+
+
+def build_evaluator(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Evaluator:
+    """The evaluator from its topology settings (unknown keys are ignored)."""
+    known = {f for f in EvaluatorSettings.__dataclass_fields__}
+    return Evaluator(ident, bus, EvaluatorSettings(**{k: v for k, v in settings.items() if k in known}), limits)
