@@ -108,6 +108,8 @@ class Trainer(Actor):
         self.version = 0
         self.announced: int | None = None
         self.resumed = False
+        self.resume_source = ""
+        """Where the state came from: "ckpt" (the mark's object), "disk" (the durable copy) or "fresh"."""
         self.consumed: dict[str, int] = {}
         """Rollout id → the step that trained on or dropped it (ids of a resumed state: the mark's step)."""
         self.held: dict[str, Delivery[Rollout]] = {}
@@ -185,6 +187,7 @@ class Trainer(Actor):
                      consumed=len(self.consumed), source=point.source)
         self.version = point.next_version
         self.policy_version = self.version
+        self.resume_source = point.source
         self.resumed = True
         self.gauges.update(step=float(self.step), version=float(self.version))
 

@@ -84,6 +84,13 @@ async def running(actor: Actor) -> AsyncIterator[Actor]:
             await hosted.stop()
 
 
+async def until_acked(bus: Bus, pending: int) -> None:
+    """Wait until the trainer's consumer has exactly `pending` unacked rollouts (acks are asynchronous)."""
+    with anyio.fail_after(20):
+        while await ack_pending(bus) != pending:
+            await anyio.sleep(0.1)
+
+
 async def trainer_on(rs: RegionSet, run: str, config: TrainerConfig) -> tuple[Trainer, Bus]:
     bus = await connect(rs, run, "trainer", "hub-trainer-0")
     return Trainer(ActorId(run, HUB, "trainer", "hub-trainer-0"), bus, config, LIMITS), bus
@@ -117,9 +124,7 @@ async def test_trainer_steps_publishes_versions_and_acks_only_once_a_mark_covers
             checkpointer = await Hosted(tg, ckpt).start()
             marks = await wait_for(gen, CheckpointMark, lambda found: len(found) >= 1)
             assert marks[0].step == 2 and list(marks[0].consumed_rollout_ids) == uploads[0].consumed_rollout_ids
-            with anyio.fail_after(20):
-                while await ack_pending(gen) != 4:                # steps 1-2 acked, step 3 held
-                    await anyio.sleep(0.1)
+            await until_acked(gen, 4)                             # steps 1-2 acked, step 3 held
             versions = await wait_for(gen, VersionReady, lambda found: len(found) >= 4)
             blob = await gen.get_object(gen.subjects.checkpoint_bucket(), versions[-1].object,
                                         expected_digest=versions[-1].digest)
@@ -131,7 +136,7 @@ async def test_trainer_steps_publishes_versions_and_acks_only_once_a_mark_covers
                 assert torch.equal(target[name].view(torch.int16), value.to(torch.bfloat16).view(torch.int16))
             assert await hosted.stop() is State.STOPPED           # drain: checkpoint step 3, wait for its mark
             assert [m.step for m in await wait_for(gen, CheckpointMark, lambda found: len(found) >= 2)] == [2, 3]
-            assert await ack_pending(gen) == 0
+            await until_acked(gen, 0)
             await checkpointer.stop()
         assert [s.step for s in steps] == [1, 2, 3] and [s.policy_version for s in steps] == [1, 2, 3]
         assert all(math.isfinite(s.loss) and len(s.rollout_ids) == 4 and s.staleness for s in steps)
@@ -231,7 +236,48 @@ async def test_stopping_both_together_marks_the_trainers_drain_checkpoint(hub: R
             tg.cancel_scope.cancel()
         assert trainer.state is State.STOPPED and ckpt.state is State.STOPPED
         assert [m.step for m in await wait_for(gen, CheckpointMark, lambda found: len(found) >= 1)] == [1]
-        assert await ack_pending(gen) == 0 and trainer.counters["acked"] == 4
+        assert trainer.counters["acked"] == 4
+        await until_acked(gen, 0)
     finally:
         for bus in (tbus, cbus, gen):
+            await bus.close()
+
+
+async def test_a_new_trainer_resumes_from_the_durable_copy_when_ckpt_lost_the_state(hub: RegionSet, run: str,
+                                                                                  tmp_path: Path) -> None:
+    """Mark 2 durable, the CKPT object deleted: a new trainer loads the checkpointer's copy from disk (digest
+    checked), continues at step 2 with the same weights, and numbers its version after the last VersionReady."""
+    await provision(hub, run)
+    state = str(tmp_path / "state")
+    config = TrainerConfig(lr=1e-3, batch_rollouts=4, checkpoint_interval=2, state_dir=state, mark_wait_s=2)
+    first, bus1 = await trainer_on(hub, run, config)
+    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerConfig(state_dir=state, drain_linger_s=0.2))
+    gen = await connect(hub, run, "generator")
+    source = build_core("", lr=1e-3, seed=0).model
+    try:
+        async with anyio.create_task_group() as tg:
+            checkpointer = await Hosted(tg, ckpt).start()
+            hosted = await Hosted(tg, first).start()
+            await publish_rollouts(gen, sample_rollouts(source, tasks=4, group_size=2, seed=1))
+            marks = await wait_for(gen, CheckpointMark, lambda found: len(found) >= 1)
+            await hosted.stop()
+            assert first.core is not None
+            weights = {k: v.clone() for k, v in first.core.model.state_dict().items()}
+            store = await bus1.js.object_store(bus1.subjects.checkpoint_bucket())   # the trainer role may
+            await store.delete(marks[0].objects[0])
+            second, bus2 = await trainer_on(hub, run, config)
+            resumed = await Hosted(tg, second).start()
+            with anyio.fail_after(30):
+                while not second.resumed:
+                    await anyio.sleep(0.1)
+            assert second.resume_source == "disk" and second.step == 2 and second.version == 3
+            assert second.core is not None
+            assert all(torch.equal(weights[k], v) for k, v in second.core.model.state_dict().items())
+            versions = await wait_for(gen, VersionReady, lambda found: len(found) >= 4)
+            assert [v.version for v in versions] == [0, 1, 2, 3] and versions[-1].step == 2
+            await resumed.stop()
+            await checkpointer.stop()
+        await bus2.close()
+    finally:
+        for bus in (bus1, cbus, gen):
             await bus.close()

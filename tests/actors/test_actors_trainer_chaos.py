@@ -137,7 +137,7 @@ async def test_checkpointer_sigkill_is_restarted_and_marks_resume(hub: RegionSet
             os.kill(victim, signal.SIGKILL)
             await publish_rollouts(gen, second)
             result = await _until_all_consumed(gen, produced=24)
-            marks = await wait_for(gen, CheckpointMark, lambda found: found[-1].step == 6, timeout_s=60)
+            marks = await wait_for(gen, CheckpointMark, lambda found: bool(found) and found[-1].step == 6, timeout_s=60)
             with anyio.fail_after(30):
                 while await ack_pending(gen):        # mark 6 covers all 24: every rollout acked
                     await anyio.sleep(0.2)
