@@ -159,3 +159,25 @@ def test_launcher_settings_decode_into_the_trainer_and_checkpointer_configs(tmp_
     assert trainer.pretrained == str(tmp_path.resolve() / "pretrained") and trainer.state_dir == str(tmp_path.resolve())
     checkpointer = msgspec.convert(kind_settings(topology, "checkpointer", tmp_path), CheckpointerConfig)
     assert checkpointer.keep == 2 and checkpointer.state_dir == str(tmp_path.resolve())
+
+
+def test_build_core_starts_from_a_pretrained_checkpoint_folder_and_freezes_it_as_reference(tmp_path: Path) -> None:
+    """A `pretrain.pt` folder gives the starting weights and an equal, frozen reference; a missing one fails."""
+    import dataclasses
+
+    from rlbus.actors._trainer_core import build_core
+    from rlbus.model.pretrain import CHECKPOINT_NAME
+    from rlbus.model.tokenizer import ByteTokenizer
+
+    torch.manual_seed(7)
+    model = Transformer(ModelConfig.tiny(vocab_size=264, moe_layers=(1,)))
+    (tmp_path / "pretrained").mkdir()
+    torch.save({"state_dict": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "tokenizer": ByteTokenizer().info(), "meta": {"step": 1}}, tmp_path / "pretrained" / CHECKPOINT_NAME)
+    core = build_core(str(tmp_path / "pretrained"), lr=1e-3, seed=0)
+    assert core.config == model.config and core.moe == (1, 2)
+    for name, value in model.state_dict().items():
+        assert torch.equal(core.model.state_dict()[name], value) and torch.equal(core.reference.state_dict()[name], value)
+    assert not any(p.requires_grad for p in core.reference.parameters())
+    with pytest.raises(FileNotFoundError, match="rlbus pretrain"):
+        build_core(str(tmp_path / "nowhere"), lr=1e-3, seed=0)
