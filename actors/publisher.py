@@ -36,7 +36,7 @@ from torch import Tensor
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.weights import LATEST_KEY, decode_full
 from rlbus.kernels.delta import DeltaCorrupt, snapshot_due
-from rlbus.kernels.delta_state import encode_state
+from rlbus.kernels.delta_state import StateIndex, encode_state, read_index
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, Delivery, digest
 from rlbus.messages.errors import BadMessage, DigestMismatch, TopologyError
@@ -87,11 +87,16 @@ def object_name(version: int, base: int | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class EncodedVersion:
-    """A version ready to write: its manifest (regions_ready empty) and the bytes of every object it lists."""
+    """One stage of a version ready to write: its manifest (regions_ready empty) and the bytes of every
+    object it lists. The early stage lists only the delta from the previous version; the final one all."""
 
     manifest: WeightManifest
     blobs: dict[str, bytes]
     timings: dict[str, float]
+    """Seconds: receive (download + decode), encode_first (the delta from v-1), encode (all)."""
+    final: bool = True
+    staged_at: float = 0.0
+    """`time.perf_counter()` when it was handed to the region writers."""
 
 
 @dataclass
@@ -101,7 +106,11 @@ class _Region:
     name: str
     target: EncodedVersion | None = None
     done: int | None = None
-    """Version whose manifest this region's LATEST holds (as far as this publisher wrote it)."""
+    """Version whose final manifest this region's LATEST holds (as far as this publisher wrote it)."""
+    written: tuple[int, bool] | None = None
+    """(version, final) of the last stage written here."""
+    written_at: dict[int, float] = field(default_factory=dict)
+    """`time.perf_counter()` when each version's first stage reached LATEST (benchmarks)."""
     present: dict[str, str] | None = None
     """Object name -> sha256 digest in the region's store; None until listed once."""
     failing: bool = False
@@ -132,6 +141,7 @@ class Publisher(Actor):
         self._announced: int | None = None
         self._progress = anyio.Condition()
         self.last: EncodedVersion | None = None
+        """The newest stage handed to the region writers."""
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -184,17 +194,14 @@ class Publisher(Actor):
             await delivery.ack()
             return
         t0 = time.perf_counter()
-        encoded = await self._prepare(ready)
-        if encoded is None:
+        received = await self._receive(ready)
+        if received is None:
             self.count("versions_refused")
             await self.emit("weights_rejected", detail=f"version {ready.version}: CKPT object {ready.object} is "
                             f"missing or corrupt; not announced", version=str(ready.version))
             await delivery.term()
             return
-        self.last = encoded
-        for region in self.regions.values():
-            region.target = encoded
-            region.wake.set()
+        encoded = await self._encode(ready, *received, timings={"receive_s": time.perf_counter() - t0})
         ready_regions = await self._await_regions(ready.version)
         manifest = msgspec.structs.replace(encoded.manifest, regions_ready=ready_regions)
         await self._announce(manifest)
@@ -212,7 +219,9 @@ class Publisher(Actor):
         delay = self.settings.retry_initial_s
         while True:
             try:
-                await self.bus.publish(self.subjects.weights(), manifest, msg_id=f"weights-{manifest.version}")
+                ack = await self.bus.publish(self.subjects.weights(), manifest, msg_id=f"weights-{manifest.version}")
+                if ack.duplicate:             # announced before (a restart inside the duplicate window)
+                    self.count("announcements_deduplicated")
                 return
             except _BUS_ERRORS as err:
                 log.warning("weights_announce_retry", version=manifest.version, error=repr(err))
@@ -220,8 +229,8 @@ class Publisher(Actor):
                 delay = min(2 * delay, self.settings.retry_max_s)
 
     async def _await_regions(self, version: int) -> list[str]:
-        """Regions whose LATEST holds `version`: all of them, or once the rest failed an attempt (or were
-        slow for `region_wait_s`) those that are ready; never none."""
+        """Regions whose LATEST holds `version`'s final manifest: all of them, or once the rest failed an
+        attempt (or were slow for `region_wait_s`) those that are ready; never none."""
         deadline = time.monotonic() + self.settings.region_wait_s
         while True:
             ready = [r.name for r in self.regions.values() if r.done is not None and r.done >= version]
@@ -233,34 +242,51 @@ class Publisher(Actor):
                 async with self._progress:
                     await self._progress.wait()
 
-    async def _prepare(self, ready: VersionReady) -> EncodedVersion | None:
-        """Download and check the version, then encode its deltas; None when its CKPT object is unusable."""
-        t0 = time.perf_counter()
+    @property
+    def _deltas(self) -> bool:
+        """Whether versions are delta-encoded at all (`full_every` 1 publishes only full snapshots)."""
+        return self.settings.full_every > 1
+
+    async def _receive(self, ready: VersionReady) -> tuple[bytes, StateIndex, dict[str, Tensor] | None] | None:
+        """The version's CKPT blob, its index and (when deltas are written) its tensors; None when unusable."""
         blob = await self._download(ready.object, ready.digest)
         if blob is None:
             return None
-        t1 = time.perf_counter()
         try:
-            state, index = await anyio.to_thread.run_sync(partial(decode_full, blob, threads=self.settings.threads))
+            index, _ = read_index(blob)
+            if index.base_digest is not None:
+                raise DeltaCorrupt("the CKPT object is a delta, not the version's full snapshot")
+            if ready.version_digest and index.version_digest.hex() != ready.version_digest:
+                raise DeltaCorrupt(f"version digest {index.version_digest.hex()} != announced {ready.version_digest}")
+            state = None
+            if self._deltas:
+                state, index = await anyio.to_thread.run_sync(partial(
+                    decode_full, blob, verify=False, threads=self.settings.threads))
         except (DeltaCorrupt, ValueError) as err:
-            log.error("version_blob_corrupt", version=ready.version, error=repr(err))
+            log.error("version_blob_unusable", version=ready.version, error=repr(err))
             return None
-        if ready.version_digest and index.version_digest.hex() != ready.version_digest:
-            log.error("version_digest_mismatch", version=ready.version, announced=ready.version_digest,
-                      decoded=index.version_digest.hex())
-            return None
+        return blob, index, state
+
+    async def _encode(self, ready: VersionReady, blob: bytes, index: StateIndex, state: dict[str, Tensor] | None,
+                      *, timings: dict[str, float]) -> EncodedVersion:
+        """Encode the version's objects and hand them to the region writers in two stages: the delta from
+        the previous version alone as soon as it is encoded (what nearly every generator needs), then
+        everything (older bases, the delta from the snapshot, the snapshot). -> the final stage."""
         v = ready.version
-        t2 = time.perf_counter()
-        await self._reload_bases(v)
-        self._kept[v], self._digest_of[v] = state, index.version_digest
+        if state is not None:
+            await self._reload_bases(v)
+            self._kept[v], self._digest_of[v] = state, index.version_digest
         snap = self._snapshot[0] if self._snapshot is not None else None
-        if snapshot_due(v, full_every=self.settings.full_every) or snap is None or snap not in self._kept:
+        if snapshot_due(v, full_every=self.settings.full_every) or snap is None or (
+                self._deltas and snap not in self._kept):
             snap = v
             self._snapshot = (v, ready.digest, blob)
-        bases = sorted({b for b in self._kept if v - self.settings.delta_depth <= b < v} |
-                       ({snap} if snap < v else set()), reverse=True)
+        bases = [] if state is None else sorted(
+            {b for b in self._kept if v - self.settings.delta_depth <= b < v} | ({snap} if snap < v else set()),
+            reverse=True)
         blobs: dict[str, bytes] = {}
         rows: list[tuple[str, str, int, int | None, int]] = []
+        t0 = time.perf_counter()
         for base in bases:
             _, delta = await anyio.to_thread.run_sync(partial(
                 encode_state, state, self._kept[base], digests=index.digests, base_digest=self._digest_of[base],
@@ -268,20 +294,35 @@ class Publisher(Actor):
             name = object_name(v, base)
             blobs[name] = delta
             rows.append((name, digest(delta), len(delta), base, v))
-        assert self._snapshot is not None
+            if base == v - 1:
+                timings["encode_first_s"] = time.perf_counter() - t0
+                self._set_targets(self._stage(ready, index, rows, blobs, final=False, timings=timings))
+        assert self._snapshot is not None           # set above
         snap_version, snap_digest, snap_blob = self._snapshot
-        name = object_name(snap_version, None)
-        blobs[name] = snap_blob
-        rows.append((name, snap_digest, len(snap_blob), None, snap_version))
-        t3 = time.perf_counter()
+        blobs[object_name(snap_version, None)] = snap_blob
+        rows.append((object_name(snap_version, None), snap_digest, len(snap_blob), None, snap_version))
+        timings["encode_s"] = time.perf_counter() - t0
         self._evict(v)
-        names, digests, sizes, base_list, yields = (list(col) for col in zip(*rows, strict=True))
+        final = self._stage(ready, index, rows, blobs, final=True, timings=timings)
+        self._set_targets(final)
+        return final
+
+    def _stage(self, ready: VersionReady, index: StateIndex, rows: list[tuple[str, str, int, int | None, int]],
+               blobs: dict[str, bytes], *, final: bool, timings: dict[str, float]) -> EncodedVersion:
+        names, digests, sizes, bases, yields = (list(col) for col in zip(*rows, strict=True))
+        v = ready.version
         manifest = WeightManifest(
             version=v, base_version=v - 1 if v - 1 in bases else None,
             encoding="delta" if v - 1 in bases else "full", objects=names, digests=digests, sizes=sizes,
             version_digest=index.version_digest.hex(), raw_bytes=ready.raw_bytes, model_config=ready.model_config,
-            bases=base_list, yields=yields)
-        return EncodedVersion(manifest, blobs, {"download_s": t1 - t0, "decode_s": t2 - t1, "encode_s": t3 - t2})
+            bases=bases, yields=yields)
+        return EncodedVersion(manifest, dict(blobs), timings, final=final, staged_at=time.perf_counter())
+
+    def _set_targets(self, encoded: EncodedVersion) -> None:
+        self.last = encoded
+        for region in self.regions.values():
+            region.target = encoded
+            region.wake.set()
 
     async def _reload_bases(self, version: int) -> None:
         """After a restart (or a gap): bring back the last few versions and the scheduled snapshot from CKPT,
@@ -338,7 +379,8 @@ class Publisher(Actor):
         delay = self.settings.retry_initial_s
         while True:
             target = region.target
-            if target is None or (region.done is not None and region.done >= target.manifest.version):
+            if target is None or (region.written is not None
+                                  and region.written >= (target.manifest.version, target.final)):
                 await region.wake.wait()
                 region.wake = anyio.Event()
                 continue
@@ -356,9 +398,15 @@ class Publisher(Actor):
                     region.wake = anyio.Event()
                 delay = min(2 * delay, self.settings.retry_max_s)
                 continue
+            version = target.manifest.version
             if region.failing:
-                log.info("region_caught_up", region=region.name, version=target.manifest.version)
-            region.failing, region.done, region.write_s = False, target.manifest.version, time.perf_counter() - t0
+                log.info("region_caught_up", region=region.name, version=version)
+            region.failing, region.written, region.write_s = False, (version, target.final), time.perf_counter() - t0
+            region.written_at.setdefault(version, time.perf_counter())
+            if len(region.written_at) > 64:
+                del region.written_at[min(region.written_at)]
+            if target.final:
+                region.done = version
             delay = self.settings.retry_initial_s
             self._set_gauges()
             await self._notify()
@@ -381,10 +429,12 @@ class Publisher(Actor):
             region.present.pop(name, None)
             await self.bus.put_object(bucket, name, target.blobs[name], domain=region.name)
             region.present[name] = want
+            self.count("objects_written")
         await advance_latest(js, self.subjects.latest_bucket(region.name),
                              msgspec.structs.replace(m, regions_ready=[region.name]),
                              domain=None if region.name == self.bus.domain else region.name)
-        await self._prune(region, store, m)
+        if target.final:
+            await self._prune(region, store, m)
 
     async def _prune(self, region: _Region, store: ObjectStore, manifest: WeightManifest) -> None:
         """Delete objects of versions older than the last `keep_versions` (never one the manifest lists)."""
@@ -412,9 +462,10 @@ class Publisher(Actor):
 
 async def advance_latest(js: JetStreamContext, bucket: str, manifest: WeightManifest, *,
                          domain: str | None = None) -> bool:
-    """Compare-and-set a LATEST bucket's `latest` key to `manifest` unless it already holds this version or a
-    newer one; `js` reaches the bucket's domain, `domain` is given when that is not the client's own (the
-    write then goes through `$JS.<domain>.API`). -> True when written; concurrent writers (a restarted
+    """Compare-and-set a LATEST bucket's `latest` key to `manifest` unless it already holds a newer version,
+    or this version with every object `manifest` lists (a version's final stage lists more than its early
+    one). `js` reaches the bucket's domain, `domain` is given when that is not the client's own (the write
+    then goes through `$JS.<domain>.API`). -> True when written; concurrent writers (a restarted
     publisher) only ever move it forward.
     """
     data, _ = codec.encode(manifest, compress_above=_UNLIMITED)
@@ -426,12 +477,13 @@ async def advance_latest(js: JetStreamContext, bucket: str, manifest: WeightMani
             last = await js.get_last_msg(stream, key)
             revision = last.seq or 0
             try:
-                current: int | None = codec.decode_as(last.data or b"", None, WeightManifest).version
+                current: WeightManifest | None = codec.decode_as(last.data or b"", None, WeightManifest)
             except BadMessage:                    # a delete marker or garbage: overwrite it
                 current = None
         except nats.js.errors.NotFoundError:
             revision, current = 0, None
-        if current is not None and current >= manifest.version:
+        if current is not None and (current.version > manifest.version or (
+                current.version == manifest.version and set(current.objects) >= set(manifest.objects))):
             return False
         try:
             await js.publish(target, data, headers={Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(revision)})

@@ -69,8 +69,10 @@ def empty_state(index: StateIndex) -> dict[str, Tensor]:
             for name, h in zip(index.names, index.headers, strict=True)}
 
 
-def decode_full(blob: bytes | memoryview, *, threads: int = 2) -> tuple[dict[str, Tensor], StateIndex]:
-    """A full-snapshot blob as fresh tensors, every tensor re-hashed against its digest.
+def decode_full(blob: bytes | memoryview, *, verify: bool = True, threads: int = 2
+                ) -> tuple[dict[str, Tensor], StateIndex]:
+    """A full-snapshot blob as fresh tensors; payload digests always checked, with `verify` every decoded
+    tensor re-hashed against its digest too.
 
     :raises DeltaCorrupt: the blob fails a digest or is a delta (it needs a base).
     """
@@ -78,7 +80,7 @@ def decode_full(blob: bytes | memoryview, *, threads: int = 2) -> tuple[dict[str
     if index.base_digest is not None:
         raise DeltaCorrupt("expected a full snapshot, got a delta (it needs its base version)")
     state = empty_state(index)
-    apply_state_(state, blob, verify=True, threads=threads)
+    apply_state_(state, blob, verify=verify, threads=threads)
     return state, index
 
 
@@ -314,7 +316,7 @@ class WeightSync:
             outcome = await self._try(manifest, path)
             if outcome is not None:
                 return outcome
-        log.warning("weights_no_path", region=self.region, version=manifest.version, staged=self._staged_version,
+        log.info("weights_no_path", region=self.region, version=manifest.version, staged=self._staged_version,
                     avoided=sorted(self._avoid))
         return False
 

@@ -29,7 +29,7 @@ from torch import Tensor
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.publisher import Publisher, PublisherSettings
 from rlbus.actors.version_source import VersionSource
-from rlbus.actors.weights import LATEST_KEY, WeightSync, config_dict
+from rlbus.actors.weights import LATEST_KEY, Part, WeightSync, config_dict, plan_fetch
 from rlbus.kernels.delta import bits_view
 from rlbus.kernels.delta_state import state_digest, tensor_digests
 from rlbus.messages import codec
@@ -38,6 +38,9 @@ from rlbus.messages.schemas import Event, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.model.generate import generate
 from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.topology.examples import example_path
+from rlbus.topology.launch import kind_settings
+from rlbus.topology.load import load
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
 
 pytestmark = pytest.mark.anyio
@@ -145,6 +148,32 @@ async def _wait_announced(bus: Bus, version: int, timeout_s: float = 30) -> Weig
 
 
 # ---- tests ----------------------------------------------------------------------------------------------
+def test_plan_takes_the_fewest_bytes_and_avoids_rejected_objects() -> None:
+    """Hand-made manifest: from v5 the single delta; from v4 the 2-version delta; a joiner the snapshot plus
+    its delta; avoiding that delta leaves no path for the joiner but the full snapshot of v6 when listed."""
+    parts = [Part("v6.from5", "d1", 10, 5, 6), Part("v6.from4", "d2", 14, 4, 6), Part("v6.from3", "d3", 15, 3, 6),
+             Part("v4.full", "d4", 900, None, 4)]
+    assert plan_fetch(parts, 6, 6) == []
+    assert [p.name for p in plan_fetch(parts, 5, 6) or []] == ["v6.from5"]
+    assert [p.name for p in plan_fetch(parts, 4, 6) or []] == ["v6.from4"]
+    assert [p.name for p in plan_fetch(parts, None, 6) or []] == ["v4.full", "v6.from4"]
+    assert [p.name for p in plan_fetch(parts, 1, 6) or []] == ["v4.full", "v6.from4"]
+    assert [p.name for p in plan_fetch(parts, 5, 6, avoid={"v6.from5"}) or []] == ["v4.full", "v6.from4"]
+    assert plan_fetch(parts, 4, 6, avoid={"v6.from4"}) is None
+    with_full = [*parts, Part("v6.full", "d5", 950, None, 6)]
+    assert [p.name for p in plan_fetch(with_full, None, 6, avoid={"v6.from4"}) or []] == ["v6.full"]
+
+
+def test_launcher_hands_the_publisher_its_weights_section_every_region_and_the_hub() -> None:
+    """`kind_settings` for the publisher of the three-region example decodes into PublisherSettings with
+    the example's regions, its hub and the `[weights]` values."""
+    topology = load(example_path("three_regions"))
+    settings = msgspec.convert(kind_settings(topology, "publisher"), PublisherSettings)
+    assert settings.regions == [r.name for r in topology.regions] and settings.hub == topology.hub.name
+    assert (settings.keep_versions, settings.full_every, settings.delta_depth) == (
+        topology.weights.keep_versions, topology.weights.full_every, topology.weights.delta_depth)
+
+
 async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exactly(tmp_path: Path) -> None:
     """Versions 0-5 reach two syncs per region over deltas and snapshots; each holds every tensor of the
     trainer's bf16 cast bit for bit, and every announcement lists all three regions."""
@@ -169,6 +198,7 @@ async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exact
             assert sync.held_version == 5
             _assert_bit_exact(sync, source.history[5])
             assert config_dict(sync.model.config) == config_dict(CONFIG)
+        await _wait_announced(trainer, 5)      # generators may take a version before its final stage is out
         manifests = await _announcements(trainer)
         assert [m.version for m in manifests] == [0, 1, 2, 3, 4, 5]
         assert all(sorted(m.regions_ready) == ["eu", "hub", "us"] for m in manifests)
@@ -249,6 +279,61 @@ async def test_lagging_generator_catches_up_by_one_multi_version_delta_and_joine
         for sync in (lagging, joiner):
             _assert_bit_exact(sync, source.history[3])
         assert joiner.rejected == lagging.rejected == 0
+        tg.cancel_scope.cancel()
+
+
+async def test_restarted_publisher_rewrites_nothing_and_announces_the_same_manifests(tmp_path: Path) -> None:
+    """A second publisher that gets versions 0-2 again (its durable gone and WEIGHTS purged, as if it had
+    crashed before its acks) finds every object in place and LATEST ahead: it writes no object, leaves
+    LATEST at its revision, encodes the same manifests, and its announcements are deduplicated."""
+    async with _regions(tmp_path, ("hub", "eu")) as world, anyio.create_task_group() as tg:
+        trainer = await world.bus("hub", "trainer")
+        admin = await world.bus("hub", "admin")
+        async with anyio.create_task_group() as first_tg:
+            first = await _start_publisher(first_tg, world, _settings(world.rs))
+            source = _source()
+            await source.publish(trainer)
+            await source.step_and_publish(trainer)
+            await source.step_and_publish(trainer)
+            await _wait_announced(trainer, 2)
+            first_tg.cancel_scope.cancel()
+        before = await _announcements(trainer)
+        kv = await admin.jetstream("eu").key_value(admin.subjects.latest_bucket("eu"))
+        revision = (await kv.get(LATEST_KEY)).revision
+        await admin.js.delete_consumer(admin.subjects.state_stream(), admin.subjects.durable("publisher"))
+        await admin.js.purge_stream(admin.subjects.weights_stream())
+        second = await _start_publisher(tg, world, _settings(world.rs))
+        with anyio.fail_after(30):                # hang guard
+            while second.counters.get("versions", 0) < 3:
+                await anyio.sleep(0.1)
+        assert second.last is not None and first.last is not None
+        assert (second.last.manifest.objects, second.last.manifest.digests) == (before[-1].objects,
+                                                                                before[-1].digests)
+        assert first.counters["objects_written"] > 0 and "objects_written" not in second.counters
+        assert second.counters["announcements_deduplicated"] == 3 and await _announcements(trainer) == []
+        assert (await kv.get(LATEST_KEY)).revision == revision
+        tg.cancel_scope.cancel()
+
+
+async def test_full_every_one_publishes_only_full_snapshots_without_decoding(tmp_path: Path) -> None:
+    """With `full_every = 1` every manifest lists only that version's full snapshot (the trainer's blob as is)
+    and a generator holding v0 takes v1 by fetching v1.full, bit-exactly."""
+    async with _regions(tmp_path, ("hub",)) as world, anyio.create_task_group() as tg:
+        trainer = await world.bus("hub", "trainer")
+        await _start_publisher(tg, world, _settings(world.rs, full_every=1))
+        sync = WeightSync(await world.bus("hub", "generator", "hub-gen-0"), "hub")
+        await tg.start(sync.run)
+        source = _source()
+        await source.publish(trainer)
+        with anyio.fail_after(30):
+            await sync.wait_for_version(0)
+        ready = await source.step_and_publish(trainer)
+        with anyio.fail_after(30):
+            await sync.wait_for_version(1)
+        manifest = await _wait_announced(trainer, 1)
+        assert manifest.objects == ["v1.full"] and manifest.bases == [None] and manifest.encoding == "full"
+        assert manifest.digests == [ready.digest] and sync.last_path == ["v1.full"]
+        _assert_bit_exact(sync, source.history[1])
         tg.cancel_scope.cancel()
 
 
@@ -365,8 +450,11 @@ async def test_sigkilled_publisher_process_loses_no_announcement(tmp_path: Path)
             await _wait_announced(trainer, 1, timeout_s=60)
             for _ in range(3):
                 await source.step_and_publish(trainer)
+            await _wait_announced(trainer, 4, timeout_s=60)
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
+            at_kill = [m.version for m in await _announcements(trainer)]
+            assert at_kill[-1] < 6                # killed mid-stream: versions were still waiting
             for _ in range(2):
                 await source.step_and_publish(trainer)
             proc = _spawn_publisher(rs, run, settings, tmp_path / "pub-2.log")
