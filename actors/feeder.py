@@ -178,7 +178,9 @@ class TaskSequence:
             raise IndexError(f"task {index} was dropped from the cache (window starts at {self._base})")
         if self._stream is None:
             self._stream = train_tasks(self._seed)
-        self._cache.extend(itertools.islice(self._stream, index - self._base - len(self._cache) + 1))
+        missing = index - self._base - len(self._cache) + 1
+        if missing > 0:
+            self._cache.extend(itertools.islice(self._stream, missing))
         return self._cache[index - self._base]
 
     def forget_below(self, index: int) -> None:

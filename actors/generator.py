@@ -25,6 +25,7 @@ import os
 import re
 import threading
 import time
+from contextlib import aclosing
 from typing import Any, Final, Literal
 
 import anyio
@@ -148,8 +149,9 @@ class Generator(Actor):
                 tg.start_soon(self._worker)
 
     async def _worker(self) -> None:
-        async for delivery in self.bus.consume(self.stream, self.durable, TaskMessage, batch=1):
-            await self._handle(delivery)
+        async with aclosing(self.bus.consume(self.stream, self.durable, TaskMessage, batch=1)) as deliveries:
+            async for delivery in deliveries:
+                await self._handle(delivery)
 
     # ---- one task -------------------------------------------------------------------------------
     async def _handle(self, delivery: Delivery[TaskMessage]) -> None:

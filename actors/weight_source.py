@@ -86,19 +86,16 @@ class LocalWeights:
 async def open_weights(spec: str, bus: Bus, region: str, *, local_version: int = 0) -> AsyncIterator[WeightSource]:
     """The weight source named by `spec` (see the module docstring), open for the block.
 
-    :raises ValueError: an unknown spec, or "sync" while actors/weights.py is not available.
+    :raises ValueError: an unknown spec.
     """
     kind, _, rest = spec.partition(":")
     if kind == "local" and rest:
         yield await anyio.to_thread.run_sync(lambda: LocalWeights.from_checkpoint(Path(rest), version=local_version))
         return
     if kind == "sync":
-        try:
-            from rlbus.actors.weights import WeightSync  # type: ignore[import-not-found,unused-ignore]
-        except ImportError as err:
-            raise ValueError("generator.weights = 'sync' needs actors/weights.py (WeightSync); use "
-                             "'local:<checkpoint>' meanwhile") from err
-        async with WeightSync.open(bus, region) as sync:  # type: ignore[attr-defined,unused-ignore]
+        from rlbus.actors.weights import WeightSync
+
+        async with WeightSync.open(bus, region) as sync:
             yield sync
         return
     raise ValueError(f"weights spec {spec!r}: expected 'sync' or 'local:<path to pretrain.pt>'")

@@ -1,8 +1,9 @@
 """The generator against a real nats-server and the real sandbox supervisor, with a tiny random policy:
 a task becomes G multi-turn Rollouts whose arrays are what the policy saw (teacher-forced logprobs equal
 the behaviour logprobs), the task is acked only once the group is stored, a saved partial is resumed
-instead of regenerated, an over-budget history is summarised, and a generator process SIGKILLed
-mid-rollout hands its task to a new one that resumes it and publishes the group exactly once."""
+instead of regenerated, an over-budget history is summarised, a generator process SIGKILLed
+mid-rollout hands its task to a new one that resumes it and publishes the group exactly once, and
+versions the publisher announces are swapped in mid-group (WeightSync)."""
 
 from __future__ import annotations
 
@@ -35,17 +36,20 @@ from rlbus.actors.episode_group import (
 )
 from rlbus.actors.feeder import verifier_for
 from rlbus.actors.generator import Generator, GeneratorConfig, partial_key
+from rlbus.actors.publisher import Publisher, PublisherSettings
 from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
+from rlbus.actors.version_source import published_state, upload_version
 from rlbus.actors.weight_source import LocalWeights
 from rlbus.messages import codec
-from rlbus.messages.bus import Bus, ConnectOptions
+from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import Heartbeat, Rollout, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
+from rlbus.messages.streams import StreamSettings, provision_hub, provision_region, provision_run
 from rlbus.messages.subjects import BucketScope
 from rlbus.model.tasks import Task, eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.topology.regions import RegionSet
 from rlbus.topology.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
@@ -259,7 +263,7 @@ async def test_task_is_acked_only_after_its_group_is_stored(env: Env) -> None:
         await wait_until(failing)
         assert await stored(env, s.tasks_stream("hub")) == 1
         consumer = await env.admin.js.consumer_info(s.tasks_stream("hub"), s.durable("generator", "hub"))
-        assert consumer.num_ack_pending == 1 and consumer.num_redelivered == 0      # held, never let go
+        assert consumer.num_ack_pending == 1                      # delivered, held, not acked
         partial = decode_partial((await kv.get(partial_key(task.task_id))).value or b"")
         assert partial.finished(CONFIG.max_attempts)
         await provision_region(env.admin.nc, s, "hub", domain=None, settings=StreamSettings.tiny())
@@ -443,3 +447,79 @@ async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once
         assert sampled[:len(old)] == old and {versions[i] for i in sampled[len(old):]} <= {2}
     with pytest.raises(nats.js.errors.KeyNotFoundError):
         await kv.get(key)
+
+
+# ---- published weights: WeightSync swaps in flight --------------------------------------------------------
+async def test_published_versions_reach_the_generator_mid_group(tmp_path: Path) -> None:
+    """With weights = "sync" the generator samples the publisher's versions: a version published while a
+    group is being sampled is swapped in between decoding steps, so the group's sampled tokens carry
+    version 0 and then version 1 (never back), and the rollouts are published once."""
+    run = f"t{uuid.uuid4().hex[:8]}"
+    rs = await anyio.to_thread.run_sync(lambda: RegionSet.start(tmp_path / "regions", ["hub"], "hub", run=run))
+    buses: list[Bus] = []
+
+    async def connect(role: str) -> Bus:
+        cred = rs.credentials(role)
+        bus = await Bus.connect(rs.url("hub"), run=run, domain="hub", identity=Identity(f"hub-{role}", role, "hub"),
+                                options=ConnectOptions(user=cred.user, password=cred.password))
+        buses.append(bus)
+        return bus
+
+    try:
+        admin = await connect("admin")
+        s = admin.subjects
+        await provision_run(admin.nc, s, hub="hub", domains=rs.domains, settings=StreamSettings.tiny())
+        config = GeneratorConfig(weights="sync", group_size=2, max_tokens=200, partial_every_tokens=8,
+                                 sandbox_timeout_s=10.0)
+        publisher_settings = PublisherSettings(regions=["hub"], hub="hub", keep_versions=4, full_every=4,
+                                               region_wait_s=2.0, retry_initial_s=0.2, retry_max_s=1.0,
+                                               ack_wait_s=5.0, threads=1)
+        model = tiny_model()
+        trainer = await connect("trainer")
+        task = coding_task(1)
+        async with anyio.create_task_group() as tg:
+            publisher = Publisher(ActorId(run, "hub", "publisher", "p"), await connect("publisher"),
+                                  publisher_settings, FAST)
+            await tg.start(publisher.serve)
+            sandbox_actor = SandboxSupervisor(ActorId(run, "hub", "sandbox", "sb"), await connect("sandbox"),
+                                              SANDBOX, FAST)
+            await tg.start(sandbox_actor.serve)
+            actor = Generator(ActorId(run, "hub", "generator", "g"), await connect("generator"), config, FAST)
+            await tg.start(actor.serve)
+            await upload_version(trainer, version=0, step=0, state=published_state(model), model_config=model.config)
+            await admin.publish(s.tasks("hub"), task_message(task), msg_id=task.task_id)
+            kv = await admin.js.key_value(s.partials_bucket("hub"))
+
+            async def sampling() -> bool:
+                try:
+                    return decode_partial((await kv.get(partial_key(task.task_id))).value or b"").sampled_tokens > 0
+                except nats.js.errors.KeyNotFoundError:
+                    return False
+            await wait_until(sampling)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01)
+            await upload_version(trainer, version=1, step=1, state=published_state(model), model_config=model.config)
+
+            async def published() -> bool:
+                return await stored_in(admin, s.rollouts_stream("hub")) >= 2
+            await wait_until(published, timeout_s=90)
+            tg.cancel_scope.cancel()
+        stream = s.rollouts_stream("hub")
+        group = [codec.decode_as((m := await admin.js.get_msg(stream, seq)).data, m.headers, Rollout)
+                 for seq in (1, 2)]
+        assert await stored_in(admin, stream) == 2
+        sampled = [v for r in group for v, m in zip(r.policy_versions.tolist(), r.loss_mask.tolist()) if m]
+        assert set(sampled) == {0, 1}
+        for r in group:
+            versions = [v for v, m in zip(r.policy_versions.tolist(), r.loss_mask.tolist()) if m]
+            assert versions == sorted(versions)       # an in-flight swap only moves forward
+        assert actor.gauges["held_version"] == 1.0
+    finally:
+        for bus in buses:
+            await bus.close()
+        await anyio.to_thread.run_sync(rs.stop)
+
+
+async def stored_in(bus: Bus, stream: str) -> int:
+    return int((await bus.js.stream_info(stream)).state.messages)

@@ -1,0 +1,304 @@
+"""The feeder on real regions (a hub and a leaf, each its own nats-server and JetStream domain): every
+region's TASKS is filled to the bound and no further and topped up as generators take tasks, each task
+goes to its deterministic region only, a restarted feeder neither repeats nor skips a task, a cut-off
+region's tasks wait for it, and a JSONL task file is fed to its end."""
+
+from __future__ import annotations
+
+import functools
+import json
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import msgspec
+import nats
+import pytest
+
+from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.feeder import (
+    POSITION_KEY,
+    VERIFIER_KIND,
+    Feeder,
+    FeederConfig,
+    Position,
+    TaskSequence,
+    assign_region,
+    read_tasks_file,
+    task_from_verifier,
+    verifier_for,
+)
+from rlbus.messages import codec
+from rlbus.messages.bus import Bus, ConnectOptions
+from rlbus.messages.schemas import Task as TaskMessage
+from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
+from rlbus.messages.subjects import Subjects
+from rlbus.model.tasks import eval_tasks
+from rlbus.topology.regions import RegionSet
+
+pytestmark = pytest.mark.anyio
+FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=2.0)
+
+
+# ---- pure parts ---------------------------------------------------------------------------------------
+def test_region_assignment_is_deterministic_and_follows_the_weights() -> None:
+    """The same (seed, index) always gets the same region; shares follow the weights; weight 0 gets none."""
+    weights = [("eu", 2.0), ("hub", 1.0)]
+    first = [assign_region(7, i, weights) for i in range(3000)]
+    assert first == [assign_region(7, i, weights) for i in range(3000)]
+    assert abs(first.count("eu") / 3000 - 2 / 3) < 0.03
+    assert first != [assign_region(8, i, weights) for i in range(3000)]
+    assert {assign_region(7, i, [("eu", 1.0)]) for i in range(50)} == {"eu"}
+    with pytest.raises(ValueError, match="positive share"):
+        assign_region(7, 0, [("eu", 0.0)])
+    config = FeederConfig(regions=["hub", "eu", "us"], region_weights={"hub": 1.0, "eu": 0.0})
+    assert config.weights("hub") == [("hub", 1.0)]
+    assert FeederConfig(regions=["hub", "eu"]).weights("hub") == [("eu", 1.0), ("hub", 1.0)]
+
+
+def test_verifier_and_task_file_rebuild_the_same_task(tmp_path: Path) -> None:
+    """A task travels in `Task.verifier` and in a JSONL file as its fields; a bad line names file and line."""
+    task = eval_tasks(3, n=1)[0]
+    message = TaskMessage(task_id=task.task_id, prompt=task.prompt, verifier=verifier_for(task))
+    assert message.verifier["kind"] == VERIFIER_KIND
+    assert task_from_verifier(message) == task
+    path = tmp_path / "tasks.jsonl"
+    line = json.loads(verifier_for(task)["task"])
+    path.write_text(json.dumps(line) + "\n\n" + json.dumps({"task_id": "x", "prompt": "def f(x):\n"}) + "\n")
+    with pytest.raises(ValueError, match=r"tasks.jsonl:3: task object needs"):
+        read_tasks_file(path)
+    path.write_text(json.dumps(line) + "\n")
+    assert read_tasks_file(path) == [task]
+    with pytest.raises(ValueError, match="verifier kind"):
+        task_from_verifier(TaskMessage(task_id="t", prompt="p", verifier={"kind": "python_tests"}))
+
+
+# ---- on real regions ----------------------------------------------------------------------------------
+@dataclass
+class Env:
+    rs: RegionSet
+    run: str
+
+    async def bus(self, region: str, role: str) -> Bus:
+        cred = self.rs.credentials(role)
+        return await Bus.connect(self.rs.url(region), run=self.run, domain=region,
+                                 options=ConnectOptions(user=cred.user, password=cred.password))
+
+
+def _start(tmp_path: Path, regions: list[str], relay: bool = False) -> tuple[RegionSet, str]:
+    run = f"t{uuid.uuid4().hex[:8]}"
+    return RegionSet.start(tmp_path / "regions", regions, "hub", relay=relay, run=run), run
+
+
+async def _provision(rs: RegionSet, run: str) -> Env:
+    admin = await nats.connect(**rs.connect_options("hub", "admin"))
+    env = Env(rs, run)
+    try:
+        subjects = Subjects(run)
+        await provision_run(admin, subjects, hub="hub", domains=rs.domains, settings=StreamSettings.tiny())
+        for region in rs.regions:
+            await wait_routable(admin, subjects.tasks(region))
+    finally:
+        await admin.close()
+    return env
+
+
+@pytest.fixture
+def two_regions(tmp_path: Path) -> Iterator[tuple[RegionSet, str]]:
+    rs, run = _start(tmp_path, ["hub", "eu"])
+    try:
+        yield rs, run
+    finally:
+        rs.stop()
+
+
+@asynccontextmanager
+async def feeding(env: Env, config: FeederConfig) -> AsyncIterator[Feeder]:
+    """A feeder (feeder role, at the hub) served in this process until the block ends."""
+    bus = await env.bus("hub", "feeder")
+    feeder = Feeder(ActorId(env.run, "hub", "feeder", "f1"), bus, config, FAST)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(feeder.serve)
+            try:
+                yield feeder
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        await bus.close()
+
+
+async def stream_tasks(env: Env, region: str) -> list[TaskMessage]:
+    """The tasks now queued in a region's TASKS, in stream order (read without consuming)."""
+    bus = await env.bus(region, "admin")
+    try:
+        stream = bus.subjects.tasks_stream(region)
+        info = await bus.js.stream_info(stream)
+        out = []
+        for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1 if info.state.messages else 1):
+            try:
+                msg = await bus.js.get_msg(stream, seq)
+            except nats.js.errors.NotFoundError:
+                continue                          # acked (work queue) in between
+            out.append(codec.decode_as(msg.data, msg.headers, TaskMessage))
+        return out
+    finally:
+        await bus.close()
+
+
+async def wait_until(predicate: object, timeout_s: float = 60.0) -> None:
+    with anyio.fail_after(timeout_s):  # hang guard only
+        while not await predicate():  # type: ignore[operator]
+            await anyio.sleep(0.05)
+
+
+@functools.cache
+def sequence_ids(seed: int, n: int = 40) -> list[str]:
+    """Ids of the first `n` tasks of the built-in sequence of `seed`."""
+    sequence = TaskSequence(seed)
+    return [sequence.get(i).task_id for i in range(n)]
+
+
+def expected_ids(seed: int, weights: list[tuple[str, float]], region: str, n: int, end: int | None = None) -> list[str]:
+    """The first `n` task ids of the built-in sequence that `assign_region` gives to `region`."""
+    indices = [i for i in range(end or 40) if assign_region(seed, i, weights) == region][:n]
+    assert len(indices) == n or end is not None
+    return [sequence_ids(seed)[i] for i in indices]
+
+
+def _cursor_after(seed: int, weights: list[tuple[str, float]], region: str, n: int) -> int:
+    """The sequence index just past the n-th task of `region`."""
+    i = seen = 0
+    while seen < n:
+        seen += assign_region(seed, i, weights) == region
+        i += 1
+    return i
+
+
+async def take(env: Env, region: str, n: int, into: list[tuple[str, str]]) -> None:
+    """Consume and ack `n` tasks as that region's generators do."""
+    bus = await env.bus(region, "generator")
+    try:
+        s = bus.subjects
+        async with aclosing(bus.consume(s.tasks_stream(region), s.durable("generator", region), TaskMessage,
+                                        batch=1)) as deliveries:
+            async for delivery in deliveries:
+                await delivery.ack_sync()
+                into.append((region, delivery.message.task_id))
+                if len([r for r, _ in into if r == region]) >= n:
+                    return
+    finally:
+        await bus.close()
+
+
+async def test_every_backlog_is_filled_to_the_bound_and_topped_up(two_regions: tuple[RegionSet, str]) -> None:
+    """Each region gets its own tasks, in sequence order, up to 4 queued and no more; when a generator
+    takes 3 from eu, eu is topped up with its next 3 and the hub is left as it was."""
+    env = await _provision(*two_regions)
+    config = FeederConfig(seed=5, backlog_per_region=4, regions=["hub", "eu"], group_size=3, poll_interval_s=0.1)
+    weights = config.weights("hub")
+    async with feeding(env, config) as feeder:
+        async def full() -> bool:
+            return [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [4, 4]
+        await wait_until(full)
+        await anyio.sleep(0.6)                             # several more polls: still at the bound
+        for region in ("hub", "eu"):
+            queued = await stream_tasks(env, region)
+            assert [t.task_id for t in queued] == expected_ids(5, weights, region, 4)
+            assert all(t.region == region and t.group_size == 3 and t.verifier["kind"] == VERIFIER_KIND
+                       for t in queued)
+        taken: list[tuple[str, str]] = []
+        await take(env, "eu", 3, taken)
+
+        async def topped_up() -> bool:
+            return len(await stream_tasks(env, "eu")) == 4
+        await wait_until(topped_up)
+        await anyio.sleep(0.3)
+        assert [t.task_id for t in await stream_tasks(env, "eu")] == expected_ids(5, weights, "eu", 7)[3:]
+        assert [t.task_id for t in await stream_tasks(env, "hub")] == expected_ids(5, weights, "hub", 4)
+        assert feeder.counters["tasks"] == 11 and feeder.counters.get("duplicates", 0) == 0
+
+
+async def test_restarted_feeder_neither_repeats_nor_skips(two_regions: tuple[RegionSet, str]) -> None:
+    """A feeder stopped after filling the backlogs, whose last saved position is even older than what it
+    published (a crash between publish and save), is restarted: generators get each of the first 10 tasks
+    exactly once, in its region; the republished ones are dropped by the streams' msg-id dedupe."""
+    env = await _provision(*two_regions)
+    config = FeederConfig(seed=9, backlog_per_region=3, regions=["hub", "eu"], max_tasks=10, poll_interval_s=0.1)
+    async with feeding(env, config):
+        async def full() -> bool:
+            return [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [3, 3]
+        await wait_until(full)
+    admin = await env.bus("hub", "admin")
+    try:
+        kv = await admin.js.key_value(admin.subjects.partials_bucket("hub"))
+        saved = msgspec.json.decode((await kv.get(POSITION_KEY)).value or b"", type=Position)
+        assert saved.cursors == {r: _cursor_after(9, config.weights("hub"), r, 3) for r in ("hub", "eu")}
+        await kv.put(POSITION_KEY, msgspec.json.encode(msgspec.structs.replace(saved, cursors={"hub": 0, "eu": 0})))
+    finally:
+        await admin.close()
+    weights = config.weights("hub")
+    wanted = {r: expected_ids(9, weights, r, 10, end=10) for r in ("hub", "eu")}
+    taken: list[tuple[str, str]] = []
+    async with feeding(env, config) as feeder, anyio.create_task_group() as tg:
+        for region in ("hub", "eu"):
+            tg.start_soon(take, env, region, len(wanted[region]), taken)
+
+        async def all_taken() -> bool:
+            return len(taken) == 10
+        await wait_until(all_taken)
+        await anyio.sleep(0.5)                         # nothing more arrives
+        assert [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [0, 0]
+        assert feeder.counters["duplicates"] == 6 and feeder.counters["tasks"] == 4
+    assert Counter(taken) == Counter((r, t) for r, ids in wanted.items() for t in ids)
+    assert sorted(t for _, t in taken) == sorted(sequence_ids(9)[:10])
+
+
+async def test_cut_off_region_waits_for_its_tasks(tmp_path: Path) -> None:
+    """While eu is cut off the hub is fed as usual and eu's tasks wait (never rerouted); healed, eu gets
+    exactly its own first tasks."""
+    rs, run = _start(tmp_path, ["hub", "eu"], relay=True)
+    try:
+        env = await _provision(rs, run)
+        config = FeederConfig(seed=2, backlog_per_region=3, regions=["hub", "eu"], poll_interval_s=0.2)
+        weights = config.weights("hub")
+        rs.cut("eu")
+        async with feeding(env, config) as feeder:
+            async def hub_full() -> bool:
+                return len(await stream_tasks(env, "hub")) == 3 and feeder.counters.get("region_unreachable", 0) > 0
+            await wait_until(hub_full)
+            await anyio.to_thread.run_sync(rs.heal, "eu")
+
+            async def eu_full() -> bool:
+                return len(await stream_tasks(env, "eu")) == 3
+            await wait_until(eu_full)
+            await anyio.sleep(0.5)
+            assert [t.task_id for t in await stream_tasks(env, "eu")] == expected_ids(2, weights, "eu", 3)
+            assert [t.task_id for t in await stream_tasks(env, "hub")] == expected_ids(2, weights, "hub", 3)
+    finally:
+        rs.stop()
+
+
+async def test_task_file_is_fed_to_its_end(tmp_path: Path) -> None:
+    """A JSONL file of 3 tasks: all 3 reach the only region, in file order, then the feeder is done."""
+    tasks = eval_tasks(4, n=3)
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(verifier_for(t)["task"] + "\n" for t in tasks))
+    rs, run = _start(tmp_path, ["hub"])
+    try:
+        env = await _provision(rs, run)
+        config = FeederConfig(backlog_per_region=10, tasks_file=str(path), poll_interval_s=0.1)
+        async with feeding(env, config) as feeder:
+            async def fed() -> bool:
+                return feeder.counters.get("tasks", 0) == 3
+            await wait_until(fed)
+            await anyio.sleep(0.3)
+            queued = await stream_tasks(env, "hub")
+            assert [task_from_verifier(t) for t in queued] == tasks
+            assert feeder.counters["tasks"] == 3
+    finally:
+        rs.stop()
