@@ -44,7 +44,7 @@ class Plan:
 
 
 def versions_behind(rollout: Rollout, version: int) -> int:
-    """version − min(per-token policy versions), at least 0; a rollout without tokens is 0 behind."""
+    """version - min(per-token policy versions), at least 0; a rollout without tokens is 0 behind."""
     versions = rollout.policy_versions.numpy()
     return max(0, version - int(versions.min())) if versions.size else 0
 
@@ -212,9 +212,9 @@ class TrainerCore:
         ids = np.concatenate([rollout.prompt_tokens.numpy(), rollout.completion_tokens.numpy()])
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             return f"invalid: token id outside the vocabulary of {self.config.vocab_size}"
-        if rollout.routing is not None and self.moe is not None:
-            if tuple(rollout.routing.shape) != (P + T, *self.moe):
-                return f"invalid: routing shape {tuple(rollout.routing.shape)} != {(P + T, *self.moe)}"
+        shape = (P + T, *self.moe) if self.moe is not None else None
+        if rollout.routing is not None and shape is not None and tuple(rollout.routing.shape) != shape:
+            return f"invalid: routing shape {tuple(rollout.routing.shape)} != {shape}"
         return None
 
     def logprobs(self, net: Transformer, batch: RolloutBatch) -> Tensor:
@@ -226,7 +226,7 @@ class TrainerCore:
     def train_step(self, rollouts: Sequence[Rollout], objective: Objective) -> StepStats:
         """One AdamW step on the RL loss of `rollouts` (whole groups).
 
-        rewards r → r − length_penalty(T) → group-relative advantages → `model.loss.rl_loss` with
+        rewards r → r - length_penalty(T) → group-relative advantages → `model.loss.rl_loss` with
         truncated IS weights vs the behaviour logprobs and the k1 KL vs the reference. A non-finite loss
         or gradient leaves the weights as they were (`applied=False`).
         """

@@ -30,7 +30,8 @@ import tenacity
 import torch
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from rlbus.actors._trainer_core import Objective, Plan, StepStats, TrainerCore, build_core, plan_step, versions_behind
+from rlbus.actors._trainer_core import (
+    Objective, Plan, StepStats, TrainerCore, build_core, plan_step, versions_behind)
 from rlbus.actors._trainer_resume import Resume, last_message, resume_point
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.ledger import reason_category
@@ -38,7 +39,8 @@ from rlbus.kernels.delta_state import encode_state
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import BadMessage, RlbusError
-from rlbus.messages.schemas import CheckpointMark, DroppedRollout, Message, Rollout, StateUploaded, TrainStep, VersionReady
+from rlbus.messages.schemas import (
+    CheckpointMark, DroppedRollout, Message, Rollout, StateUploaded, TrainStep, VersionReady)
 from rlbus.messages.subjects import Subjects
 
 log = structlog.get_logger()
@@ -350,7 +352,8 @@ class Trainer(Actor):
         self.uploads[step] = name
         await self._publish(self.subjects.state_uploads(), StateUploaded(
             step=step, policy_version=self.version, objects=[name], digests=[digest],
-            consumed_rollout_ids=consumed, parent_step=self.parent_checkpoint), msg_id=f"upload-{step}-{self.incarnation}")
+            consumed_rollout_ids=consumed, parent_step=self.parent_checkpoint),
+            msg_id=f"upload-{step}-{self.incarnation}")
         self.last_upload_step = step
         self.count("state_uploads")
         log.info("trainer_state_uploaded", step=step, version=self.version, bytes=len(blob), object=name)
@@ -360,8 +363,8 @@ class Trainer(Actor):
         """Follow CHECKPOINTS from `start_seq` (an ephemeral consumer) and act on this trainer's marks."""
         config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                 opt_start_seq=start_seq, inactive_threshold=30.0, mem_storage=True, num_replicas=1)
-        psub = await self.bus.js.pull_subscribe(self.subjects.checkpoints(), stream=self.subjects.checkpoints_stream(),
-                                                config=config)
+        s = self.subjects
+        psub = await self.bus.js.pull_subscribe(s.checkpoints(), stream=s.checkpoints_stream(), config=config)
         try:
             while True:
                 try:

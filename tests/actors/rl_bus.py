@@ -67,6 +67,15 @@ async def wait_for(bus: Bus, kind: type[M], until: Callable[[list[M]], bool], ti
             await anyio.sleep(0.3)
 
 
+async def until_acked(bus: Bus, pending: int, timeout_s: float = 30) -> None:
+    """Wait until the trainer's consumer has exactly `pending` unacked rollouts (acks are asynchronous)."""
+    with anyio.fail_after(timeout_s):
+        while True:
+            if await ack_pending(bus) == pending:
+                return
+            await anyio.sleep(0.1)
+
+
 async def ack_pending(bus: Bus) -> int:
     """Rollouts delivered to the trainer's durable consumer and not yet acked."""
     s = bus.subjects

@@ -26,7 +26,7 @@ from rlbus.messages.schemas import CheckpointMark, Event, StateUploaded, TensorB
 from rlbus.topology.regions import RegionSet
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rl_bus import HUB, ack_pending, connect, provision, publish_rollouts, wait_for  # noqa: E402
+from rl_bus import HUB, ack_pending, connect, provision, publish_rollouts, until_acked, wait_for  # noqa: E402
 from rl_rollouts import sample_rollouts  # noqa: E402
 
 pytestmark = pytest.mark.anyio
@@ -82,13 +82,6 @@ async def running(actor: Actor) -> AsyncIterator[Actor]:
             yield actor
         finally:
             await hosted.stop()
-
-
-async def until_acked(bus: Bus, pending: int) -> None:
-    """Wait until the trainer's consumer has exactly `pending` unacked rollouts (acks are asynchronous)."""
-    with anyio.fail_after(20):
-        while await ack_pending(bus) != pending:
-            await anyio.sleep(0.1)
 
 
 async def trainer_on(rs: RegionSet, run: str, config: TrainerConfig) -> tuple[Trainer, Bus]:
@@ -267,13 +260,10 @@ async def test_a_new_trainer_resumes_from_the_durable_copy_when_ckpt_lost_the_st
             await store.delete(marks[0].objects[0])
             second, bus2 = await trainer_on(hub, run, config)
             resumed = await Hosted(tg, second).start()
-            with anyio.fail_after(30):
-                while not second.resumed:
-                    await anyio.sleep(0.1)
+            versions = await wait_for(gen, VersionReady, lambda found: len(found) >= 4)   # announced once resumed
             assert second.resume_source == "disk" and second.step == 2 and second.version == 3
             assert second.core is not None
             assert all(torch.equal(weights[k], v) for k, v in second.core.model.state_dict().items())
-            versions = await wait_for(gen, VersionReady, lambda found: len(found) >= 4)
             assert [v.version for v in versions] == [0, 1, 2, 3] and versions[-1].step == 2
             await resumed.stop()
             await checkpointer.stop()

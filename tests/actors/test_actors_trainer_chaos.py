@@ -25,7 +25,8 @@ from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
 from rlbus.topology.regions import RegionSet
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rl_bus import HUB, ack_pending, connect, credentials_file, provision, publish_rollouts, read_kind, wait_for  # noqa: E402
+from rl_bus import (  # noqa: E402
+    HUB, connect, credentials_file, provision, publish_rollouts, read_kind, until_acked, wait_for)
 from rl_rollouts import sample_rollouts  # noqa: E402
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
@@ -78,7 +79,8 @@ def _check_marks(marks: list[CheckpointMark], steps: list[TrainStep]) -> None:
     """Each mark covers exactly the rollouts of the final lineage's steps up to its step."""
     lineage = final_lineage(steps)
     for mark in marks:
-        covered = {r for s in lineage if s.step <= mark.step for r in [*s.rollout_ids, *(d.rollout_id for d in s.dropped)]}
+        covered = {r for s in lineage if s.step <= mark.step
+                   for r in [*s.rollout_ids, *(d.rollout_id for d in s.dropped)]}
         assert set(mark.consumed_rollout_ids) == covered, mark.step
 
 
@@ -137,10 +139,9 @@ async def test_checkpointer_sigkill_is_restarted_and_marks_resume(hub: RegionSet
             os.kill(victim, signal.SIGKILL)
             await publish_rollouts(gen, second)
             result = await _until_all_consumed(gen, produced=24)
-            marks = await wait_for(gen, CheckpointMark, lambda found: bool(found) and found[-1].step == 6, timeout_s=60)
-            with anyio.fail_after(30):
-                while await ack_pending(gen):        # mark 6 covers all 24: every rollout acked
-                    await anyio.sleep(0.2)
+            marks = await wait_for(gen, CheckpointMark, lambda found: bool(found) and found[-1].step == 6,
+                                   timeout_s=60)
+            await until_acked(gen, 0)                # mark 6 covers all 24: every rollout acked
             steps = await read_kind(gen, TrainStep)
             assert sup.actors[CHECKPOINTER].restarts == 1 and sup.actors[TRAINER].restarts == 0
             tg.cancel_scope.cancel()

@@ -50,7 +50,8 @@ def test_plan_drops_stale_groups_waits_for_incomplete_ones_and_fills_the_batch()
 def test_plan_waits_below_the_batch_and_packs_whole_groups() -> None:
     """3 ready rollouts < batch 4 → no step (drops still reported); groups of 3 with batch 4 → one group."""
     small = plan_step({"a": [_r("a", 0, [0]), _r("a", 1, [0])], "b": [_r("b", 0, [0])]}, version=0,
-                      staleness_versions=0, batch_rollouts=4, check=lambda r: "invalid: x" if r.task_id == "b" else None)
+                      staleness_versions=0, batch_rollouts=4,
+                      check=lambda r: "invalid: x" if r.task_id == "b" else None)
     assert small.train == () and small.drop == (("b", "invalid: x"),)
     threes = {t: [_r(t, g, [0], size=3) for g in range(3)] for t in ("a", "b")}
     assert plan_step(threes, version=0, staleness_versions=0, batch_rollouts=4).train == ("a",)
@@ -177,7 +178,8 @@ def test_build_core_starts_from_a_pretrained_checkpoint_folder_and_freezes_it_as
     core = build_core(str(tmp_path / "pretrained"), lr=1e-3, seed=0)
     assert core.config == model.config and core.moe == (1, 2)
     for name, value in model.state_dict().items():
-        assert torch.equal(core.model.state_dict()[name], value) and torch.equal(core.reference.state_dict()[name], value)
+        assert torch.equal(core.model.state_dict()[name], value)
+        assert torch.equal(core.reference.state_dict()[name], value)
     assert not any(p.requires_grad for p in core.reference.parameters())
     with pytest.raises(FileNotFoundError, match="rlbus pretrain"):
         build_core(str(tmp_path / "nowhere"), lr=1e-3, seed=0)
