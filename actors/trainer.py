@@ -76,7 +76,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """Upload the full state every this many steps (topology `[checkpoint] interval_steps`)."""
     grad_clip: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     keep_version_objects: Annotated[int, msgspec.Meta(ge=1)] = 16
-    """bf16 version objects kept in CKPT for the publisher; older ones are deleted."""
+    """bf16 version objects kept in CKPT for the publisher (it re-reads delta bases from them after a restart);
+    older ones are deleted. The launcher passes max(16, 2 * weights.keep_versions)."""
     resume_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
     """On start, wait this long for the checkpointer to handle every uploaded state before picking a mark."""
     mark_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0

@@ -70,7 +70,8 @@ def kind_settings(topology: Topology, kind: str, state_dir: Path | None = None) 
             section = topology.generator
         case "trainer":
             return {**msgspec.to_builtins(topology.trainer), "pretrained": str(state / PRETRAINED_DIR),
-                    "state_dir": str(state), "checkpoint_interval": topology.checkpoint.interval_steps}
+                    "state_dir": str(state), "checkpoint_interval": topology.checkpoint.interval_steps,
+                    "keep_version_objects": max(16, 2 * topology.weights.keep_versions)}
         case "checkpointer":
             return {**msgspec.to_builtins(topology.checkpoint), "state_dir": str(state)}
         case "sandbox":

@@ -156,7 +156,7 @@ def test_launcher_settings_decode_into_the_trainer_and_checkpointer_configs(tmp_
 
     topology = load(example_path("tiny"))
     trainer = msgspec.convert(kind_settings(topology, "trainer", tmp_path), TrainerConfig)
-    assert trainer.batch_rollouts == 4 and trainer.checkpoint_interval == 2
+    assert trainer.batch_rollouts == 4 and trainer.checkpoint_interval == 2 and trainer.keep_version_objects == 16
     assert trainer.pretrained == str(tmp_path.resolve() / "pretrained") and trainer.state_dir == str(tmp_path.resolve())
     checkpointer = msgspec.convert(kind_settings(topology, "checkpointer", tmp_path), CheckpointerConfig)
     assert checkpointer.keep == 2 and checkpointer.state_dir == str(tmp_path.resolve())
