@@ -63,7 +63,7 @@ class StreamSettings:
     """Generators' task consumer: deliveries of one task before JetStream gives up on it (advisory)."""
     max_ack_pending: int = 1000
     """Generators' task consumer: tasks handed out and not yet acked, over all generators of a region."""
-    trainer_ack_wait_s: float = 600.0
+    trainer_ack_wait_s: float = 60.0
     """Trainer's rollout consumer: the trainer acks only once a CheckpointMark covers a rollout."""
     trainer_max_ack_pending: int = 50_000
     """Trainer's rollout consumer: rollouts consumed but not yet covered by a checkpoint."""
