@@ -52,6 +52,8 @@ class Ledger:
     """TrainSteps truncated away by restarts from older checkpoints."""
     unknown: list[str] = field(default_factory=list)
     """Ids a lineage step used or dropped that ROLLOUTS does not hold (e.g. aged out)."""
+    pending: list[str] = field(default_factory=list)
+    """Ids in no step that the trainer has not acknowledged yet: still on their way (not lost)."""
 
     @property
     def clean(self) -> bool:
@@ -87,18 +89,24 @@ def reason_category(reason: str) -> str:
     return reason.split(":", 1)[0].strip() or "unknown"
 
 
-def ledger(steps: Sequence[TrainStep], produced: Iterable[str]) -> Ledger:
-    """Apply the rules to TRAINLOG's records (stream order) and the ids stored in ROLLOUTS."""
+def ledger(steps: Sequence[TrainStep], produced: Iterable[str], pending: Iterable[str] = ()) -> Ledger:
+    """Apply the rules to TRAINLOG's records (stream order) and the ids stored in ROLLOUTS.
+
+    `pending`: ids whose ROLLOUTS message the trainer has not acknowledged yet (a run stopped, or still
+    running, before they were trained); in no step, they are pending, not lost."""
     produced_ids = set(produced)
+    waiting = set(pending)
     lineage = final_lineage(steps)
     used = {rid for record in lineage for rid in record.rollout_ids}
     drops = {d.rollout_id: d.reason for record in lineage for d in record.dropped}
     return Ledger(
         produced=len(produced_ids), trained=len(used),
         dropped=dict(Counter(reason_category(r) for r in drops.values())),
-        lost=lost(produced_ids, lineage), trained_twice=trained_twice(lineage),
+        lost=[rid for rid in lost(produced_ids, lineage) if rid not in waiting],
+        trained_twice=trained_twice(lineage),
         lineage=[record.step for record in lineage], abandoned_steps=len(steps) - len(lineage),
-        unknown=sorted((used | set(drops)) - produced_ids))
+        unknown=sorted((used | set(drops)) - produced_ids),
+        pending=sorted(waiting - used - set(drops)))
 
 
 async def read_ledger(bus: Bus, *, domain: str | None = None) -> Ledger:
@@ -108,9 +116,12 @@ async def read_ledger(bus: Bus, *, domain: str | None = None) -> Ledger:
     """
     s = bus.subjects
     js = bus.jetstream(domain) if domain is not None else bus.js
+    floor = (await js.consumer_info(s.hub_rollouts_stream(), s.durable("trainer"))).ack_floor
+    acked_through = int(floor.stream_seq) if floor is not None and floor.stream_seq is not None else 0
     steps = await read_all(js, s.trainlog_stream(), s.trainlog(), TrainStep)
-    rollouts = await read_all(js, s.hub_rollouts_stream(), s.all_rollouts(), Rollout)
-    return ledger(steps, [r.rollout_id for r in rollouts])
+    rollouts = await _read(js, s.hub_rollouts_stream(), s.all_rollouts(), Rollout)
+    return ledger(steps, [r.rollout_id for _, r in rollouts],
+                  pending=[r.rollout_id for seq, r in rollouts if seq > acked_through])
 
 
 async def read_all(js: JetStreamContext, stream: str, subject: str, kind: type[M], *,
@@ -119,6 +130,12 @@ async def read_all(js: JetStreamContext, stream: str, subject: str, kind: type[M
 
     Messages that do not decode as `kind` are skipped (logged). Uses an ephemeral, unacknowledged consumer.
     """
+    return [message for _, message in await _read(js, stream, subject, kind, timeout_s=timeout_s)]
+
+
+async def _read(js: JetStreamContext, stream: str, subject: str, kind: type[M], *,
+                timeout_s: float = 60.0) -> list[tuple[int, M]]:
+    """`read_all` with each message's stream sequence."""
     info = await js.stream_info(stream)
     if not info.state.messages:
         return []
@@ -127,7 +144,7 @@ async def read_all(js: JetStreamContext, stream: str, subject: str, kind: type[M
         name=name, filter_subject=subject, ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
         inactive_threshold=30.0, mem_storage=True, num_replicas=1))
     psub = await js.pull_subscribe_bind(consumer=name, stream=stream)
-    out: list[M] = []
+    out: list[tuple[int, M]] = []
     last = int(info.state.last_seq)
     try:
         with anyio.fail_after(timeout_s):
@@ -140,7 +157,7 @@ async def read_all(js: JetStreamContext, stream: str, subject: str, kind: type[M
                     continue
                 for msg in msgs:
                     try:
-                        out.append(codec.decode_as(msg.data, msg.headers, kind))
+                        out.append((int(msg.metadata.sequence.stream), codec.decode_as(msg.data, msg.headers, kind)))
                     except BadMessage as err:
                         log.warning("ledger_message_skipped", stream=stream, error=str(err))
                     meta = msg.metadata

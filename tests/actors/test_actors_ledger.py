@@ -50,3 +50,11 @@ def test_a_clean_run_and_ids_the_stream_does_not_hold() -> None:
     assert ledger(log, "abc").unknown == ["d"]
     assert lost("abcz", log) == ["z"] and trained_twice(log) == []
     assert reason_category("invalid: empty prompt") == "invalid" and reason_category("") == "unknown"
+
+
+def test_unacknowledged_ids_are_pending_not_lost() -> None:
+    """An id in no step whose message the trainer has not acked yet is pending; acked and unused is lost."""
+    steps = [TrainStep(step=1, policy_version=1, rollout_ids=["a"])]
+    book = ledger(steps, ["a", "b", "c"], pending=["c"])
+    assert book.lost == ["b"] and book.pending == ["c"] and not book.clean
+    assert ledger(steps, ["a", "c"], pending=["c"]).clean
