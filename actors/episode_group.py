@@ -1,7 +1,7 @@
 """The state of one task's group of G multi-turn episodes: what a partial checkpoint holds, and the Rollouts.
 
-Owns: `PartialGroup` (the value saved under the task id in a region's PARTIALS KV, msgpack map via
-msgspec, `format` = PARTIAL_FORMAT), its pure transitions (start, add a sampled chunk, record a graded
+Owns: `PartialGroup` (the value saved under the task id in a region's PARTIALS KV: a msgpack map via
+msgspec, zstd-compressed past 64 KiB; `format` = PARTIAL_FORMAT), its pure transitions (start, add a sampled chunk, record a graded
 attempt, replace the history by a summary) and `build_rollout`, which flattens an episode into a
 `Rollout`. Pure: no bus, no model, no clock (callers pass `now`).
 Does not: sample, grade or talk to NATS (actors/generator.py drives all three).
@@ -27,6 +27,7 @@ from typing import Final, Literal
 
 import msgspec
 import numpy as np
+import zstandard
 
 from rlbus.messages.schemas import Rollout, SandboxVerdict, TensorBlob
 from rlbus.model.episodes import Episode, Turn, add_attempt, completion_text, context_ids
@@ -36,6 +37,9 @@ from rlbus.model.tokenizer import ByteTokenizer
 
 PARTIAL_FORMAT: Final = 1
 """Version of the PartialGroup layout; a partial of another format is ignored (the group starts over)."""
+COMPRESS_ABOVE: Final = 64 * 1024
+ZSTD_MAGIC: Final = b"RLZ1"
+"""Prefix of a zstd-compressed partial (a msgpack map never starts with it)."""
 
 
 class Attempt(msgspec.Struct, kw_only=True):
@@ -108,14 +112,21 @@ class PartialGroup(msgspec.Struct, kw_only=True):
 
 
 def encode_partial(state: PartialGroup) -> bytes:
-    return msgspec.msgpack.encode(state)
+    """msgpack map; past COMPRESS_ABOVE bytes zstd-compressed behind ZSTD_MAGIC (KV values must stay
+    under the server's max payload, 1 MiB by default)."""
+    data = msgspec.msgpack.encode(state)
+    if len(data) <= COMPRESS_ABOVE:
+        return data
+    return ZSTD_MAGIC + zstandard.ZstdCompressor(level=3).compress(data)
 
 
 def decode_partial(data: bytes) -> PartialGroup:
     """:raises ValueError: the bytes are not a PartialGroup."""
     try:
+        if data.startswith(ZSTD_MAGIC):
+            data = zstandard.ZstdDecompressor().decompress(data[len(ZSTD_MAGIC):])
         return msgspec.msgpack.decode(data, type=PartialGroup)
-    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+    except (msgspec.DecodeError, msgspec.ValidationError, zstandard.ZstdError) as err:
         raise ValueError(f"not a partial group: {err}") from None
 
 

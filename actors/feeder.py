@@ -38,9 +38,8 @@ import structlog
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.model.tasks import HiddenTest
+from rlbus.model.tasks import HiddenTest, train_tasks
 from rlbus.model.tasks import Task as CodingTask
-from rlbus.model.tasks import train_tasks
 
 log = structlog.get_logger()
 
@@ -212,6 +211,7 @@ class Feeder(Actor):
         self.cursors: dict[str, int] = {r: 0 for r, _ in self.weights}
         self._revision: int | None = None
         self.tasks: TaskSequence
+        self.counters.update(dict.fromkeys(("tasks", "duplicates", "publish_failures"), 0))
 
     async def setup(self) -> None:
         if not self.weights:

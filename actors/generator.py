@@ -121,6 +121,7 @@ class Generator(Actor):
         self._model_lock = threading.Lock()
         self._sampling_s = 0.0
         self._stops = (self.tokenizer.end_turn_id, self.tokenizer.eos_id)
+        self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "sandbox_errors", "tokens"), 0))
 
     async def setup(self) -> None:
         if self.config.torch_threads:
@@ -149,7 +150,8 @@ class Generator(Actor):
                 tg.start_soon(self._worker)
 
     async def _worker(self) -> None:
-        async with aclosing(self.bus.consume(self.stream, self.durable, TaskMessage, batch=1)) as deliveries:
+        consume = self.bus.consume(self.stream, self.durable, TaskMessage, batch=1)
+        async with aclosing(consume) as deliveries:  # type: ignore[type-var]  # an async generator at runtime
             async for delivery in deliveries:
                 await self._handle(delivery)
 

@@ -152,7 +152,7 @@ async def stream_tasks(env: Env, region: str) -> list[TaskMessage]:
 
 async def wait_until(predicate: object, timeout_s: float = 60.0) -> None:
     with anyio.fail_after(timeout_s):  # hang guard only
-        while not await predicate():  # type: ignore[operator]
+        while not await predicate():  # type: ignore[operator]  # noqa: ASYNC110 - polls server state
             await anyio.sleep(0.05)
 
 

@@ -8,6 +8,7 @@ versions the publisher announces are swapped in mid-group (WeightSync)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -154,7 +155,7 @@ async def stored(env: Env, stream: str) -> int:
 
 async def wait_until(predicate: object, timeout_s: float = 60.0) -> None:
     with anyio.fail_after(timeout_s):  # hang guard only
-        while not await predicate():  # type: ignore[operator]
+        while not await predicate():  # type: ignore[operator]  # noqa: ASYNC110 - polls server state
             await anyio.sleep(0.05)
 
 
@@ -200,14 +201,14 @@ def check_layout(rollout: Rollout, task: Task, attempts: int) -> None:
     assert len(spans) == attempts and rollout.timings["attempts"] == attempts
     assert all(0 < e - s <= CONFIG.max_tokens for s, e in spans)
     assert spans[0][0] == 0 and spans[-1][1] == T           # starts and ends with sampled tokens
-    for (_, end), (start, _) in zip(spans, spans[1:]):       # between attempts: feedback, then a new turn
+    for (_, end), (start, _) in itertools.pairwise(spans):   # between attempts: feedback, then a new turn
         between = completion[end:start]
         if completion[end - 1] != TOK.end_turn_id:
             assert between[0] == TOK.end_turn_id             # a truncated attempt is closed (masked)
             between = between[1:]
         assert between[0] == TOK.observation_id and between[-2:] == [TOK.end_turn_id, TOK.assistant_id]
         assert TOK.decode(between[1:-2]).split(" tests passed.")[0] in {f"{k}/6" for k in range(7)}
-    assert all(lp == 0.0 for lp, m in zip(rollout.behaviour_logprobs.tolist(), mask) if not m)
+    assert all(lp == 0.0 for lp, m in zip(rollout.behaviour_logprobs.tolist(), mask, strict=True) if not m)
 
 
 # ---- a task in, a group out ------------------------------------------------------------------------
@@ -509,10 +510,10 @@ async def test_published_versions_reach_the_generator_mid_group(tmp_path: Path) 
         group = [codec.decode_as((m := await admin.js.get_msg(stream, seq)).data, m.headers, Rollout)
                  for seq in (1, 2)]
         assert await stored_in(admin, stream) == 2
-        sampled = [v for r in group for v, m in zip(r.policy_versions.tolist(), r.loss_mask.tolist()) if m]
+        sampled = [v for r in group for v, m in zip(r.policy_versions.tolist(), r.loss_mask.tolist(), strict=True) if m]
         assert set(sampled) == {0, 1}
         for r in group:
-            versions = [v for v, m in zip(r.policy_versions.tolist(), r.loss_mask.tolist()) if m]
+            versions = [v for v, m in zip(r.policy_versions.tolist(), r.loss_mask.tolist(), strict=True) if m]
             assert versions == sorted(versions)       # an in-flight swap only moves forward
         assert actor.gauges["held_version"] == 1.0
     finally:

@@ -1,0 +1,142 @@
+"""The group state of a task in progress, as pure functions: chunks cut at stop tokens with routing kept
+aligned, attempts and feedback in model/episodes.py's layout, summaries, version filling, the Rollout a
+finished episode becomes, and the partial's encoding (compressed when large)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rlbus.actors.episode_group import (
+    ZSTD_MAGIC,
+    Attempt,
+    add_chunk,
+    base_context,
+    build_rollout,
+    decode_partial,
+    encode_partial,
+    episode_of,
+    fill_versions,
+    flatten,
+    new_group,
+    policy_text,
+    record_attempt,
+    record_summary,
+)
+from rlbus.messages.schemas import SandboxVerdict
+from rlbus.model.episodes import episode_tokens
+from rlbus.model.tasks import eval_tasks
+from rlbus.model.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+TASK = eval_tasks(5, n=1)[0]
+END = TOK.end_turn_id
+STOPS = (TOK.end_turn_id, TOK.eos_id)
+
+
+def _failed(passed: int = 2) -> Attempt:
+    return Attempt(status="failed", n_passed=passed, n_tests=6, feedback="f(1) returned 0, expected 1",
+                   verdict=SandboxVerdict(passed=passed, total=6, status="failed"))
+
+
+def test_fill_versions_takes_the_nearest_policy_version() -> None:
+    """-1 (no policy token) becomes the version before it, or after it for a leading run."""
+    assert fill_versions([-1, -1, 3, -1, 4, -1]) == [3, 3, 3, 3, 4, 4]
+    assert fill_versions([-1, -1]) == [-1, -1]
+    assert fill_versions([]) == []
+
+
+def test_chunks_are_cut_after_the_first_stop_and_routing_stays_aligned() -> None:
+    """A chunk keeps ids up to and including the first stop; routing rows cover context + kept ids."""
+    ep = new_group(TASK, "t", 1, TOK, now=0.0).episodes[0]
+    context = base_context(ep, TASK, TOK, 3)
+    L = len(context)
+    route = np.arange((L + 3) * 2).reshape(L + 3, 1, 2)
+    kept = add_chunk(ep, [65, 66, 67], [-1.0, -2.0, -3.0], [4, 4, 4], route, L, stop_ids=STOPS, limit=10)
+    assert kept == 3 and ep.draft_ids == [65, 66, 67] and not ep.draft_done
+    assert ep.routing is not None and ep.routing.shape == (L + 3, 1, 2)
+    route2 = np.arange((L + 7) * 2).reshape(L + 7, 1, 2) + 1000          # context now includes the draft
+    kept = add_chunk(ep, [68, END, 70, 71], [-4.0, -5.0, -6.0, -7.0], [5, 5, 5, 5], route2, L + 3,
+                     stop_ids=STOPS, limit=10)
+    assert kept == 2 and ep.draft_ids == [65, 66, 67, 68, END] and ep.draft_done
+    assert ep.draft_logprobs == [-1.0, -2.0, -3.0, -4.0, -5.0] and ep.draft_versions == [4, 4, 4, 5, 5]
+    rows = ep.routing.numpy()
+    assert rows.shape == (L + 5, 1, 2)
+    np.testing.assert_array_equal(rows[:L + 3], route)                  # first fed: the earlier call's
+    np.testing.assert_array_equal(rows[L + 3:], route2[L + 3:L + 5])
+    other = new_group(TASK, "t", 1, TOK, now=0.0).episodes[0]
+    add_chunk(other, [65, 66], [-1.0, -1.0], [0, 0], None, L, stop_ids=STOPS, limit=2)
+    assert other.draft_done and other.routing is None                    # length limit
+
+
+def test_attempts_follow_the_episode_layout_and_become_a_rollout() -> None:
+    """Two graded attempts: the flattened ids are episode_tokens' ids, the next context is the episode's,
+    the Rollout splits prompt/completion at the first <|assistant|> and masks exactly the sampled ids."""
+    ep = new_group(TASK, "t", 1, TOK, now=0.0).episodes[0]
+    first, second = [*TOK.encode("return 0"), END], TOK.encode("return x + 1")      # second: truncated
+    ep.draft_ids, ep.draft_logprobs, ep.draft_versions = first, [-0.5] * len(first), [2] * len(first)
+    record_attempt(ep, TASK, _failed(), TOK, 3)
+    assert [t.role for t in ep.turns] == ["user", "assistant", "observation"] and not ep.draft_ids
+    assert TOK.decode(ep.turns[2].ids) == "2/6 tests passed. f(1) returned 0, expected 1"
+    assert flatten(ep, TOK).ids == episode_tokens(episode_of(ep, TASK, 3), TOK).ids
+    assert base_context(ep, TASK, TOK, 3) == [*flatten(ep, TOK).ids, TOK.assistant_id]
+    ep.draft_ids, ep.draft_logprobs, ep.draft_versions = second, [-0.25] * len(second), [3] * len(second)
+    ep.draft_done = True
+    record_attempt(ep, TASK, Attempt(status="passed", n_passed=6, n_tests=6, feedback="",
+                                     verdict=SandboxVerdict(passed=6, total=6, status="ok")), TOK, 3)
+    assert ep.done(3) and len(ep.turns) == 4                           # passed: no observation after it
+    r = build_rollout(ep, task=TASK, task_id="t", group_index=1, group_size=4, tokenizer=TOK, region="eu",
+                      generator_id="g", timings={"wall_s": 1.0})
+    observation = [TOK.observation_id, *ep.turns[2].ids, END, TOK.assistant_id]
+    assert r.prompt_tokens.tolist() == TOK.prompt_ids(TASK.prompt)
+    assert r.completion_tokens.tolist() == [*first, *observation, *second]            # no closing end_turn
+    assert r.loss_mask.tolist() == [1] * len(first) + [0] * len(observation) + [1] * len(second)
+    assert r.behaviour_logprobs.tolist() == [-0.5] * len(first) + [0.0] * len(observation) + [-0.25] * len(second)
+    assert r.policy_versions.tolist() == [2] * (len(first) + len(observation)) + [3] * len(second)
+    assert (r.rollout_id, r.group_index, r.group_size, r.region, r.reward) == ("t-1", 1, 4, "eu", 1.0)
+    assert r.verdict.status == "ok" and r.routing is None
+
+
+def test_summary_replaces_the_history_and_is_masked() -> None:
+    """After a summary the episode reads prompt, <|summary|> and the summary; the Rollout starts there and
+    trains only on the attempts after it."""
+    ep = new_group(TASK, "t", 1, TOK, now=0.0).episodes[0]
+    ep.draft_ids, ep.draft_logprobs, ep.draft_versions = [*TOK.encode("x"), END], [-1.0, -1.0], [0, 0]
+    record_attempt(ep, TASK, _failed(0), TOK, 3)
+    summary = [*TOK.encode("tried x"), END]
+    record_summary(ep, summary)
+    assert ep.summaries == 1 and len(ep.attempts) == 1 and [t.role for t in ep.turns] == ["user", "summary"]
+    prefix = TOK.prompt_ids(TASK.prompt)[:-1]
+    assert base_context(ep, TASK, TOK, 3) == [*prefix, TOK.summary_id, *summary, TOK.assistant_id]
+    ep.draft_ids, ep.draft_logprobs, ep.draft_versions = [*TOK.encode("y"), END], [-2.0, -2.0], [1, 1]
+    record_attempt(ep, TASK, _failed(1), TOK, 3)
+    ep.draft_ids, ep.draft_logprobs, ep.draft_versions = [*TOK.encode("z"), END], [-3.0, -3.0], [1, 1]
+    record_attempt(ep, TASK, _failed(1), TOK, 3)
+    r = build_rollout(ep, task=TASK, task_id="t", group_index=0, group_size=1, tokenizer=TOK, region="hub",
+                      generator_id="g", timings={})
+    assert r.prompt_tokens.tolist() == [*prefix, TOK.summary_id]
+    mask = r.loss_mask.tolist()
+    assert mask[:len(summary) + 1] == [0] * (len(summary) + 1)           # summary and <|assistant|>
+    assert sum(mask) == 4 and r.reward == 0.0
+
+
+def test_partial_round_trips_and_large_ones_are_compressed() -> None:
+    """encode/decode is lossless; past 64 KiB the value is zstd behind a magic prefix; junk is a ValueError."""
+    state = new_group(TASK, "t", 2, TOK, now=5.0)
+    state.episodes[0].draft_ids, state.episodes[0].draft_logprobs = [1, 2, 3], [-0.125, -1.5, -3.0]
+    state.episodes[0].draft_versions = [7, 7, 8]
+    assert decode_partial(encode_partial(state)) == state
+    big = new_group(TASK, "t", 2, TOK, now=5.0)
+    big.episodes[1].draft_ids = list(range(256)) * 100
+    big.episodes[1].draft_logprobs = [-1.0] * 25600
+    big.episodes[1].draft_versions = [3] * 25600
+    data = encode_partial(big)
+    assert data.startswith(ZSTD_MAGIC) and len(data) < 64 * 1024
+    assert decode_partial(data) == big
+    with pytest.raises(ValueError, match="not a partial group"):
+        decode_partial(b"\x01\x02")
+
+
+def test_policy_text_skips_ids_the_tokenizer_does_not_know() -> None:
+    """Sampled ids past the tokenizer (a model's unused vocabulary) are dropped; the text stops at a stop."""
+    assert policy_text([*TOK.encode("ab"), 400, *TOK.encode("c"), END, *TOK.encode("d")], TOK) == "abc"
