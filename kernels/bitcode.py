@@ -16,7 +16,6 @@ import numpy as np
 RICE: Final = 0
 EXP_GOLOMB: Final = 1
 _MAX_K: Final = 62
-_U64: Final = np.uint64
 
 
 def put_varint(out: bytearray, value: int) -> None:
@@ -55,52 +54,82 @@ def unpack_flags(buf: bytes | memoryview, offset: int, count: int) -> tuple[np.n
     return np.unpackbits(raw, count=count, bitorder="little").view(np.bool_), offset + nbytes
 
 
+def _fixed_size(count: int, w: int) -> int:
+    return count * (w // 8) + (count * (w % 8) + 7) // 8
+
+
+def _pack_fixed(values: np.ndarray, w: int) -> bytes:
+    """(n,) int64 -> the low w bits as w // 8 byte planes then w % 8 bit planes (all vectorised)."""
+    parts = [(values >> (8 * i)).astype(np.uint8).tobytes() for i in range(w // 8)]
+    if w % 8:
+        low = (values >> (8 * (w // 8))).astype(np.uint8)
+        planes = (low[None, :] >> np.arange(w % 8, dtype=np.uint8)[:, None]) & np.uint8(1)  # (b, n)
+        parts.append(np.packbits(planes.reshape(-1), bitorder="little").tobytes())
+    return b"".join(parts)
+
+
+def _unpack_fixed(raw: np.ndarray, count: int, w: int) -> np.ndarray:
+    """Inverse of `_pack_fixed` on exactly `_fixed_size(count, w)` bytes."""
+    nbytes = w // 8
+    values = np.zeros(count, dtype=np.int64)
+    for i in range(nbytes):
+        values |= raw[i * count:(i + 1) * count].astype(np.int64) << (8 * i)
+    if w % 8:
+        planes = np.unpackbits(raw[nbytes * count:], count=(w % 8) * count, bitorder="little").reshape(-1, count)
+        low = planes[0].copy()
+        for j in range(1, w % 8):
+            low |= planes[j] << np.uint8(j)
+        values |= low.astype(np.int64) << (8 * nbytes)
+    return values
+
+
+def _width_groups(widths: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """Stable order grouping equal widths (ascending) and its (width, start, end) runs."""
+    order = np.argsort(widths.astype(np.uint8), kind="stable")  # radix sort for a uint8 key
+    counts = np.bincount(widths, minlength=1)
+    ends = np.cumsum(counts)
+    return order, [(w, int(ends[w] - c), int(ends[w])) for w, c in enumerate(counts.tolist()) if c and w]
+
+
 def pack_fields(values: np.ndarray, widths: np.ndarray | int) -> bytes:
-    """Concatenate the low `widths[i]` bits of each `values[i]` (K,) uint64 into a byte string."""
+    """The low `widths[i]` bits of each `values[i]` (K,) int64 >= 0.
+
+    A scalar width w stores w // 8 byte planes then w % 8 bit planes. Per-value widths store the
+    values grouped by width (ascending, stable within a width), each group as a scalar-width block;
+    a reader knowing the widths undoes the grouping without side information.
+    """
     if values.size == 0:
         return b""
-    maxw = int(widths) if np.isscalar(widths) else int(np.max(widths))
-    if maxw == 0:
-        return b""
-    if maxw <= 8 and np.isscalar(widths):  # fast path: one byte per value, then drop the unused bits
-        bits = np.unpackbits(values.astype(np.uint8)[:, None], axis=1, count=maxw, bitorder="little")
-        return np.packbits(bits, bitorder="little").tobytes()
-    bits = ((values[:, None] >> np.arange(maxw, dtype=_U64)) & _U64(1)).astype(np.uint8)
-    if not np.isscalar(widths):
-        bits = bits[np.arange(maxw) < np.asarray(widths)[:, None]]
-    return np.packbits(bits, bitorder="little").tobytes()
+    if np.isscalar(widths):
+        return _pack_fixed(values, int(widths))
+    if int(np.max(widths)) > 63:
+        raise ValueError(f"bit field of width {int(np.max(widths))} > 63")
+    order, groups = _width_groups(np.asarray(widths))
+    ordered = values[order]
+    return b"".join(_pack_fixed(ordered[s:e], w) for w, s, e in groups)
 
 
 def unpack_fields(buf: bytes | memoryview, offset: int, widths: np.ndarray | int, count: int
                   ) -> tuple[np.ndarray, int]:
     """Inverse of `pack_fields`: -> ((count,) int64, offset just past the fields)."""
-    fixed = np.isscalar(widths)
-    w_arr = None if fixed else np.asarray(widths, dtype=np.int64)
-    w = int(widths) if fixed else (int(w_arr.max()) if count else 0)  # type: ignore[union-attr]
-    total = w * count if fixed else int(w_arr.sum())  # type: ignore[union-attr]
-    nbytes = (total + 7) // 8
-    if w == 0 or count == 0:
-        return np.zeros(count, dtype=np.int64), offset + nbytes
-    if w > 63:
-        raise ValueError(f"bit field of width {w} > 63")
-    raw = _take(buf, offset, nbytes)
-    if fixed and w == 8:
-        return raw.astype(np.int64), offset + nbytes
-    bits = np.unpackbits(raw, count=total, bitorder="little")
-    if fixed:
-        mat = bits.reshape(count, w)
-    else:
-        starts = np.cumsum(w_arr) - w_arr
-        cols = np.arange(w)
-        mat = bits[np.minimum(starts[:, None] + cols, total - 1)]
-        mat[cols >= w_arr[:, None]] = 0  # type: ignore[index]
-    packed = np.packbits(mat, axis=1, bitorder="little")  # (count, ceil(w/8)) little-endian bytes
-    if packed.shape[1] == 1:
-        return packed[:, 0].astype(np.int64), offset + nbytes
-    width = 2 if packed.shape[1] == 2 else 4 if packed.shape[1] <= 4 else 8
-    wide = np.zeros((count, width), dtype=np.uint8)
-    wide[:, : packed.shape[1]] = packed
-    return wide.view(f"<u{width}").reshape(count).astype(np.int64), offset + nbytes
+    if np.isscalar(widths):
+        w = int(widths)
+        if not 0 <= w <= 63:
+            raise ValueError(f"bit field width {w} outside 0..63")
+        size = _fixed_size(count, w)
+        return _unpack_fixed(_take(buf, offset, size), count, w), offset + size
+    w_arr = np.asarray(widths, dtype=np.int64)
+    if count and (int(w_arr.max()) > 63 or int(w_arr.min()) < 0):
+        raise ValueError(f"bit field widths outside 0..63 (max {int(w_arr.max())})")
+    order, groups = _width_groups(w_arr)
+    ordered = np.zeros(count, dtype=np.int64)
+    for w, s, e in groups:
+        size = _fixed_size(e - s, w)
+        ordered[s:e] = _unpack_fixed(_take(buf, offset, size), e - s, w)
+        offset += size
+    values = np.empty(count, dtype=np.int64)
+    values[order] = ordered
+    return values, offset
 
 
 def _unary_encode(q: np.ndarray) -> bytes:
@@ -118,12 +147,9 @@ def _unary_decode(raw: np.ndarray, count: int) -> np.ndarray:
     return gaps(ends[:count])
 
 
-_POW2: Final = np.int64(1) << np.arange(63, dtype=np.int64)
-
-
 def _bit_length(v: np.ndarray) -> np.ndarray:
-    """floor(log2 v) + 1 for 1 <= v < 2**62 (0 for v = 0)."""
-    return np.searchsorted(_POW2, v, side="right")
+    """floor(log2 v) + 1 for 1 <= v < 2**53, from the float64 exponent field."""
+    return (v.astype(np.float64).view(np.int64) >> 52) - 1022
 
 
 def code_cost(x: np.ndarray, mode: int, k: int) -> int:
@@ -179,7 +205,7 @@ def encode_ints(x: np.ndarray, out: bytearray) -> None:
     out.append(mode << 6 | k)
     put_varint(out, len(unary))
     out += unary
-    out += pack_fields(fields.astype(_U64), widths)
+    out += pack_fields(fields, widths)
 
 
 def decode_ints(buf: bytes | memoryview, offset: int, count: int) -> tuple[np.ndarray, int]:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Collection
-from typing import Final
+from collections.abc import Callable, Collection
+from typing import Final, NamedTuple, TypeAlias
 
 import msgspec
 import numpy as np
@@ -36,8 +36,11 @@ BITS: Final[dict[torch.dtype, torch.dtype]] = {torch.bfloat16: torch.int16, torc
 DTYPES: Final[dict[str, torch.dtype]] = {"bfloat16": torch.bfloat16, "float16": torch.float16,
                                          "float32": torch.float32}
 _BITMASK_FROM: Final = 1 / 64
-_DENSE_FROM: Final = 1 / 8
+_DENSE_FROM: Final = 1 / 2
 """Fractions of changed elements from which the bitmask, dense and full candidates are tried too."""
+
+
+Finder: TypeAlias = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 
 
 class DeltaCorrupt(ValueError):
@@ -144,7 +147,7 @@ def _wrap(d: np.ndarray, w: int) -> np.ndarray:
 
 
 def key_diffs(new_vals: np.ndarray, old_vals: np.ndarray) -> np.ndarray:
-    """(K,) int16/int32 bits -> (K,) int64 d = key(new) - key(old) modulo 2**w, signed; d != 0 iff bits differ."""
+    """(K,) int16/int32 bits -> (K,) int64 d = key(new) - key(old) mod 2**w, signed; 0 iff bits equal."""
     w = new_vals.dtype.itemsize * 8
     return _wrap(ordered_key(new_vals).astype(np.int64) - ordered_key(old_vals).astype(np.int64), w)
 
@@ -202,24 +205,60 @@ def _unzstd(data: memoryview, size: int) -> bytes:
     return zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
 
 
-def _payload(enc: Encoding, new: np.ndarray, old: np.ndarray | None, pos: np.ndarray | None,
-             mask: np.ndarray | None, level: int) -> bytes:
+class Changes(NamedTuple):
+    """What the delta encodings need: changed positions and bits (host arrays), full bits (any device)."""
+
+    n: int
+    pos: np.ndarray  # (K,) int64 ascending
+    new_vals: np.ndarray  # (K,) int16/int32
+    old_vals: np.ndarray
+    new_bits: Tensor  # (N,) any device
+    old_bits: Tensor
+
+
+def host_changes(new_bits: Tensor, old_bits: Tensor) -> Changes:
+    """CPU path: numpy word-wise comparison (`changed_positions`)."""
+    a, b = new_bits.numpy(), old_bits.numpy()
+    pos = changed_positions(a, b)
+    return Changes(a.size, pos, a[pos], b[pos], new_bits, old_bits)
+
+
+def device_changes(new_bits: Tensor, old_bits: Tensor, finder: Finder = find_changes) -> Changes:
+    """Device path: `finder` (the Triton kernel on CUDA) on the device; only K-sized arrays are copied out."""
+    pos, _, xor = finder(new_bits, old_bits)
+    old_vals = old_bits[pos]
+    return Changes(new_bits.numel(), pos.cpu().numpy(), (old_vals ^ xor).cpu().numpy(),
+                   old_vals.cpu().numpy(), new_bits, old_bits)
+
+
+def _find(new_bits: Tensor, old_bits: Tensor) -> Changes:
+    if new_bits.device.type == "cpu":
+        return host_changes(new_bits, old_bits)
+    if new_bits.is_cuda:
+        from rlbus.kernels.delta_triton import find_changes as find_on_device
+        return device_changes(new_bits, old_bits, find_on_device)
+    return device_changes(new_bits, old_bits)
+
+
+def _payload(enc: Encoding, new_bits: Tensor, ch: Changes | None, level: int) -> bytes:
     if enc is Encoding.FULL:
-        return _zstd(_shuffle(new), level)
-    assert old is not None and pos is not None
+        return _zstd(_shuffle(new_bits.cpu().numpy()), level)
+    assert ch is not None
     if enc is Encoding.DENSE_XOR:
-        return _zstd(_shuffle(np.bitwise_xor(new, old)), level)
+        return _zstd(_shuffle(np.bitwise_xor(ch.new_bits.cpu().numpy(), ch.old_bits.cpu().numpy())), level)
     out = bytearray()
-    put_varint(out, pos.size)
+    put_varint(out, ch.pos.size)
     if enc is Encoding.SPARSE:
-        if pos.size:
-            bitcode.encode_ints(bitcode.gaps(pos), out)
+        if ch.pos.size:
+            bitcode.encode_ints(bitcode.gaps(ch.pos), out)
     else:
-        zmask = _zstd(bitcode.pack_flags(mask if mask is not None else old != new), level)
+        mask = np.zeros(ch.n, dtype=np.bool_)
+        mask[ch.pos] = True
+        zmask = _zstd(bitcode.pack_flags(mask), level)
         put_varint(out, len(zmask))
         out += zmask
-    if pos.size:
-        _encode_diffs(key_diffs(new[pos], old[pos]), out)
+    if ch.pos.size:
+        _encode_diffs(key_diffs(ch.new_vals, ch.old_vals), out)
     return bytes(out)
 
 
@@ -228,46 +267,33 @@ def encode_tensor(new: Tensor, old: Tensor | None = None, *, digest: bytes | Non
     """Encode `new` against the base `old` (None: a full snapshot), choosing the smallest payload.
 
     encodings: the candidates to try (default: by the fraction p of changed elements, SPARSE always,
-    BITMASK from p > 1/64, DENSE_XOR and FULL from p > 1/8). digest: `tensor_digest(new)` if known.
-    level: zstd level of the zstd-coded parts.
+    BITMASK from p > 1/64, DENSE_XOR and FULL from p > 1/2). digest: `tensor_digest(new)` if known.
+    level: zstd level of the zstd-coded parts. CUDA tensors: changes are found by the Triton kernel
+    and only K-sized arrays leave the device, unless a dense candidate is tried.
     """
     nb = bits_view(new)
-    if old is not None and (old.shape != new.shape or old.dtype != new.dtype):
-        raise ValueError(f"base {tuple(old.shape)}/{old.dtype} does not match {tuple(new.shape)}/{new.dtype}")
-    a = nb.cpu().numpy() if old is None or not new.is_cuda else None
-    pos = mask = b = None
-    if old is not None:
-        ob = bits_view(old)
-        if new.is_cuda:  # find changes on the device, move only K-sized results and the full arrays if needed
-            from rlbus.kernels.delta_triton import find_changes as find_changes_dev
-            pos_t, _, _ = find_changes_dev(nb, ob)
-            pos = pos_t.cpu().numpy()
-            a, b = nb.cpu().numpy(), ob.cpu().numpy()
-        else:
-            b = ob.numpy()
-            assert a is not None
-            pos = changed_positions(a, b)
-    assert a is not None
-    n = a.size
+    if old is not None and (old.shape != new.shape or old.dtype != new.dtype or old.device != new.device):
+        raise ValueError(f"base {tuple(old.shape)}/{old.dtype}/{old.device} does not match "
+                         f"{tuple(new.shape)}/{new.dtype}/{new.device}")
+    ch = None if old is None else _find(nb, bits_view(old))
     if encodings is None:
-        p = pos.size / n if pos is not None and n else 1.0
-        encodings = (Encoding.FULL,) if old is None else (Encoding.SPARSE,) + \
+        p = ch.pos.size / max(ch.n, 1) if ch is not None else 1.0
+        encodings = (Encoding.FULL,) if ch is None else (Encoding.SPARSE,) + \
             ((Encoding.BITMASK,) if p > _BITMASK_FROM else ()) + \
             ((Encoding.DENSE_XOR, Encoding.FULL) if p > _DENSE_FROM else ())
-    if old is None and set(encodings) != {Encoding.FULL}:
+    if ch is None and set(encodings) != {Encoding.FULL}:
         raise ValueError(f"without a base only a full snapshot is possible, not {sorted(encodings)}")
-    if Encoding.BITMASK in encodings and b is not None:
-        mask = a != b
     best: tuple[int, Encoding, bytes] | None = None
     for enc in sorted(Encoding(e) for e in encodings):
-        payload = _payload(enc, a, b, pos, mask, level)
+        payload = _payload(enc, nb, ch, level)
         if best is None or len(payload) < best[0]:
             best = (len(payload), enc, payload)
     assert best is not None
     _, enc, payload = best
     header = TensorHeader(
         encoding=int(enc), dtype=str(new.dtype).removeprefix("torch."), shape=tuple(new.shape),
-        changed=n if enc is Encoding.FULL else int(pos.size) if pos is not None else n, size=len(payload),
+        changed=ch.pos.size if ch is not None and enc is not Encoding.FULL else new.numel(),
+        size=len(payload),
         digest=digest if digest is not None else tensor_digest(new),
         payload_digest=hashlib.blake2b(payload, digest_size=PAYLOAD_DIGEST_SIZE).digest())
     return EncodedTensor(header, payload)
@@ -293,7 +319,7 @@ def apply_(target: Tensor, encoded: EncodedTensor, *, verify: bool = False) -> T
 
 def apply_payload_(target: Tensor, header: TensorHeader, payload: memoryview, *, verify: bool = False,
                    check: bool = True) -> Tensor:
-    """`apply_` with header and payload apart (sliced from a version blob); check=False: digest already checked."""
+    """`apply_` with header and payload apart (sliced from a version blob); check=False: digest checked."""
     if DTYPES.get(header.dtype) != target.dtype or tuple(header.shape) != tuple(target.shape):
         raise ValueError(f"encoded tensor {header.shape}/{header.dtype} does not fit target "
                          f"{tuple(target.shape)}/{target.dtype}")
@@ -347,7 +373,8 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Non
         host = flat.numpy()
         host[pos] = apply_key_diffs(host[pos], d)
     else:
-        apply_key_diffs_torch_(flat, torch.from_numpy(pos).to(flat.device), torch.from_numpy(d).to(flat.device))
+        dev = flat.device
+        apply_key_diffs_torch_(flat, torch.from_numpy(pos).to(dev), torch.from_numpy(d).to(dev))
 
 
 def apply_key_diffs_torch_(flat: Tensor, pos: Tensor, d: Tensor) -> None:

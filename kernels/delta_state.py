@@ -94,8 +94,8 @@ def encode_state(new: Mapping[str, Tensor], old: Mapping[str, Tensor] | None = N
     -> (index, blob); the index is also inside the blob.
     """
     if old is not None and set(old) != set(new):
-        raise ValueError(f"base and new version differ in tensors: only in new {sorted(set(new) - set(old))}, "
-                         f"only in base {sorted(set(old) - set(new))}")
+        raise ValueError(f"base and new version differ in tensors: only in new {sorted(set(new) - set(old))}"
+                         f", only in base {sorted(set(old) - set(new))}")
     names = sorted(new)
     order = sorted(names, key=lambda n: -new[n].numel())  # big tensors first balance the pool
     encoded = dict(zip(order, _pool_map(
@@ -107,7 +107,8 @@ def encode_state(new: Mapping[str, Tensor], old: Mapping[str, Tensor] | None = N
         base_digest = state_digest(tensor_digests(old, threads=threads))
     headers = tuple(encoded[n].header for n in names)
     index = StateIndex(version_digest=state_digest({n: encoded[n].header.digest for n in names}),
-                       base_digest=base_digest if old is not None else None, names=tuple(names), headers=headers)
+                       base_digest=base_digest if old is not None else None, names=tuple(names),
+                       headers=headers)
     raw_index = zstandard.ZstdCompressor(level=_INDEX_LEVEL).compress(msgspec.msgpack.encode(index))
     parts = [_PREFIX.pack(MAGIC, FORMAT, len(raw_index), hashlib.blake2b(raw_index, digest_size=16).digest()),
              raw_index, *(encoded[n].payload for n in names)]
@@ -151,11 +152,11 @@ def apply_state_(target: MutableMapping[str, Tensor], blob: bytes | memoryview, 
     """
     index, off = read_index(blob)
     if expect_base is not None and index.base_digest is not None and index.base_digest != expect_base:
-        raise BaseMismatch(f"delta is against base {index.base_digest.hex()}, target holds {expect_base.hex()}; "
-                           "fetch the delta from the held version or a full snapshot")
+        raise BaseMismatch(f"delta is against base {index.base_digest.hex()}, target holds "
+                           f"{expect_base.hex()}; fetch the delta from the held version or a full snapshot")
     if set(target) != set(index.names):
-        raise ValueError(f"target and blob differ in tensors: missing {sorted(set(index.names) - set(target))}, "
-                         f"extra {sorted(set(target) - set(index.names))}")
+        missing, extra = sorted(set(index.names) - set(target)), sorted(set(target) - set(index.names))
+        raise ValueError(f"target and blob differ in tensors: missing {missing}, extra {extra}")
     view = memoryview(blob)
     jobs = []
     for name, header in zip(index.names, index.headers, strict=True):

@@ -21,8 +21,10 @@ from rlbus.kernels.delta import (
     bits_view,
     changed_positions,
     delta_base,
+    device_changes,
     encode_tensor,
     find_changes,
+    host_changes,
     key_diffs,
     ordered_key,
     snapshot_due,
@@ -73,7 +75,7 @@ def versions(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
 @given(versions(), st.sampled_from([Encoding.SPARSE, Encoding.BITMASK, Encoding.DENSE_XOR, Encoding.FULL]))
 def test_every_delta_encoding_round_trips_bit_exactly(pair: tuple[torch.Tensor, torch.Tensor],
                                                       encoding: Encoding) -> None:
-    """Applying encode(new, old) to a copy of old gives new bit for bit, NaN payloads and specials included."""
+    """Applying encode(new, old) to a copy of old gives new bit for bit, NaN payloads and specials too."""
     old, new = pair
     enc = encode_tensor(new, old, encodings=(encoding,))
     assert enc.header.encoding == encoding
@@ -167,6 +169,18 @@ def test_word_wise_cpu_path_equals_the_reference() -> None:
         assert np.array_equal(changed_positions(new.numpy(), old.numpy()), find_changes(new, old)[0].numpy())
 
 
+def test_device_path_finds_the_same_changes_as_the_host_path() -> None:
+    """The device change path (run here with the torch reference on CPU) matches the numpy path exactly."""
+    gen = torch.Generator().manual_seed(9)
+    old = (torch.randn(5001, generator=gen) * 0.02).to(torch.bfloat16)
+    new = old.clone()
+    bits_view(new)[torch.randint(0, 5001, (70,), generator=gen)] -= 2
+    host, dev = host_changes(bits_view(new), bits_view(old)), device_changes(bits_view(new), bits_view(old))
+    assert host.n == dev.n == 5001
+    for field in ("pos", "new_vals", "old_vals"):
+        assert np.array_equal(getattr(host, field), getattr(dev, field)), field
+
+
 def _sizes(new: torch.Tensor, old: torch.Tensor) -> dict[Encoding, int]:
     return {e: encode_tensor(new, old, encodings=(e,)).header.size for e in Encoding}
 
@@ -224,7 +238,7 @@ def test_unchanged_tensor_costs_one_byte() -> None:
 
 
 def test_corrupted_payload_is_rejected_before_touching_the_target() -> None:
-    """A flipped payload bit fails the digest with DeltaCorrupt (a ValueError) and leaves the target as it was."""
+    """A flipped payload bit fails the digest with DeltaCorrupt (a ValueError); the target is untouched."""
     old = torch.randn(10_000).to(torch.bfloat16)
     new = old.clone()
     bits_view(new)[::97] += 1

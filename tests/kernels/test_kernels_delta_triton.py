@@ -29,7 +29,8 @@ def _cases() -> list[tuple[torch.Tensor, torch.Tensor]]:
             old = torch.randint(-(2**15), 2**15, (n,), generator=gen, dtype=torch.int32).to(dtype)
             new = old.clone()
             changed = torch.rand(n, generator=gen) < frac
-            new[changed] ^= torch.randint(1, 2**15, (int(changed.sum()),), generator=gen, dtype=torch.int32).to(dtype)
+            noise = torch.randint(1, 2**15, (int(changed.sum()),), generator=gen, dtype=torch.int32)
+            new[changed] ^= noise.to(dtype)
             cases.append((new, old))
     return cases
 
