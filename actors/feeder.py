@@ -210,6 +210,7 @@ class Feeder(Actor):
         self.source = config.tasks_file or f"builtin:{config.seed}"
         self.cursors: dict[str, int] = {r: 0 for r, _ in self.weights}
         self._revision: int | None = None
+        self._troubled: set[str] = set()
         self.tasks: TaskSequence
         self.counters.update(dict.fromkeys(("tasks", "duplicates", "publish_failures"), 0))
 
@@ -259,15 +260,28 @@ class Feeder(Actor):
                 info = await js.stream_info(self.bus.subjects.tasks_stream(region))
         except (nats.errors.Error, TimeoutError) as err:
             self.count("region_unreachable")
-            log.warning("feeder_region_unreachable", region=region, error=repr(err))
+            self._trouble(region, "feeder_region_unreachable", error=repr(err))
             return None
         return int(info.state.messages)
+
+    def _trouble(self, region: str, event: str, **fields: str) -> None:
+        """Log a region's trouble once per outage (polls repeat it every `poll_interval_s`)."""
+        if region not in self._troubled:
+            self._troubled.add(region)
+            log.warning(event, region=region, **fields)
+
+    def _fine(self, region: str) -> None:
+        if region in self._troubled:
+            self._troubled.discard(region)
+            log.info("feeder_region_back", region=region)
 
     async def _top_up(self, region: str) -> int:
         """Publish the region's next tasks until its backlog is at the bound; returns how many."""
         backlog = await self._backlog(region)
         if backlog is None:
             return 0
+        if backlog >= self.config.backlog_per_region:
+            self._fine(region)
         self.gauges[f"backlog_{region}"] = float(backlog)
         fed = 0
         with self.busy():
@@ -280,8 +294,9 @@ class Feeder(Actor):
                     ack = await self.bus.publish(self.bus.subjects.tasks(region), message, msg_id=message.task_id)
                 except (nats.errors.Error, TimeoutError) as err:
                     self.count("publish_failures")
-                    log.warning("feeder_publish_failed", region=region, task_id=message.task_id, error=repr(err))
+                    self._trouble(region, "feeder_publish_failed", task_id=message.task_id, error=repr(err))
                     break        # retried on the next poll, to the same region with the same msg id
+                self._fine(region)
                 self.cursors[region] = index + 1
                 fed += 1
                 self.count("duplicates" if ack.duplicate else "tasks")
