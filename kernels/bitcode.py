@@ -166,12 +166,13 @@ def code_cost(x: np.ndarray, mode: int, k: int) -> int:
 
 def choose_code(x: np.ndarray) -> tuple[int, int]:
     """(mode, k) minimising `code_cost` over Rice k around log2(0.69 * mean) (optimal for geometric
-    data) and, when some value would take over 64 unary bits, Exp-Golomb k just below."""
+    data) and, when the largest value would take over 64 unary bits at the median's scale (heavy
+    tails), Exp-Golomb k around log2(median)."""
     k0 = int(np.log2(float(x.sum()) / x.size * 0.69 + 1.0))
     best = min((code_cost(x, RICE, k), RICE, k) for k in range(max(0, k0 - 1), min(_MAX_K, k0 + 2)))
-    if int(x.max()) >> k0 > 64:
-        best = min(best, *((code_cost(x, EXP_GOLOMB, k), EXP_GOLOMB, k) for k in range(max(0, k0 - 2), k0)),
-                   (code_cost(x, EXP_GOLOMB, 0), EXP_GOLOMB, 0))
+    ke = int(np.log2(float(np.partition(x, x.size // 2)[x.size // 2]) + 1.0))
+    if int(x.max()) >> ke > 64:
+        best = min(best, *((code_cost(x, EXP_GOLOMB, k), EXP_GOLOMB, k) for k in range(max(0, ke - 1), ke + 1)))
     return best[1], best[2]
 
 

@@ -117,6 +117,17 @@ def test_rice_cost_matches_hand_count() -> None:
     assert bitcode.code_cost(x, bitcode.EXP_GOLOMB, 0) == 1 + 5 + 7  # 1 -> 1 bit, 6 -> 5, 10 -> 7
 
 
+def test_heavy_tails_choose_exp_golomb() -> None:
+    """Small values with rare huge outliers: Exp-Golomb beats every Rice parameter and is chosen."""
+    x = np.array([0, 1, 2, 3, 1, 5, 2, 2**33, 0, 1, 3, 2**20], dtype=np.int64)
+    mode, k = bitcode.choose_code(x)
+    assert mode == bitcode.EXP_GOLOMB
+    assert bitcode.code_cost(x, mode, k) < min(bitcode.code_cost(x, bitcode.RICE, r) for r in range(40))
+    out = bytearray()
+    bitcode.encode_ints(x, out)
+    assert np.array_equal(bitcode.decode_ints(bytes(out), 0, x.size)[0], x)
+
+
 def test_varints_round_trip() -> None:
     """LEB128: 300 is b'\\xac\\x02' and every value reads back."""
     out = bytearray()
