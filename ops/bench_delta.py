@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 LRS = (1e-6, 1e-5, 1e-4)
@@ -90,12 +91,13 @@ def _xor_zstd_bytes(old: dict[str, Any], new: dict[str, Any]) -> int:
     return total
 
 
-def _median_time(fn: Any, repeats: int, reset: Any = None) -> float:
+def _median_time(fn: Any, repeats: int, reset: Any = None, budget_s: float = 4.0) -> float:
+    """Median wall time of up to `repeats` runs, stopping early once `budget_s` is spent (slow cases)."""
     import statistics
     import time
 
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats and sum(times) < budget_s:
         if reset is not None:
             reset()
         t0 = time.perf_counter()
@@ -186,6 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def published(m: Transformer) -> dict[str, torch.Tensor]:
         return {n: p.detach().to(torch.bfloat16).contiguous() for n, p in m.named_parameters()}
 
+    print(f"bench delta: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+          f"{warmup} warm-up steps", file=sys.stderr)
     losses = [step(model, opt, i) for i in range(warmup)]
     t_warm = time.perf_counter() - t_start
     v0 = published(model)
@@ -200,6 +204,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cur = published(m)
             if s in steps:
                 results.append({"lr": lr, "step": s, **_measure(prev, cur, v0, repeats, threads)})
+                print(f"bench delta: lr {lr:g} step {s}: x{results[-1]['ratio_vs_bf16']:.1f} vs bf16 "
+                      f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
             prev = cur
     _, full = encode_state(v0, threads=threads)
     n_params = sum(t.numel() for t in v0.values())
