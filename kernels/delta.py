@@ -124,8 +124,8 @@ def changed_positions(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     body = new.size - new.size % lanes
     a64, b64 = new[:body].view(np.int64), old[:body].view(np.int64)
     words = np.flatnonzero(a64 != b64)
-    rows, cols = np.nonzero(np.bitwise_xor(a64[words], b64[words]).view(new.dtype).reshape(-1, lanes))
-    pos = words[rows] * lanes + cols
+    lane = np.flatnonzero(np.bitwise_xor(a64[words], b64[words]).view(new.dtype) != 0)
+    pos = words[lane // lanes] * lanes + lane % lanes
     if body < new.size:
         pos = np.concatenate([pos, np.flatnonzero(new[body:] != old[body:]) + body])
     return pos
@@ -341,13 +341,14 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Non
     n, itemsize = flat.numel(), flat.element_size()
     if enc in (Encoding.FULL, Encoding.DENSE_XOR):
         planes = _planes(_unzstd(payload, n * itemsize), np.empty(n, dtype=np.dtype(f"<i{itemsize}")))
-        host = flat.cpu().numpy() if flat.is_cuda else flat.numpy()
+        on_host = flat.device.type == "cpu"
+        host = flat.numpy() if on_host else flat.cpu().numpy()
         u8 = host.view(np.uint8).reshape(n, itemsize)
         if enc is Encoding.FULL:
             u8[...] = planes
         else:
             np.bitwise_xor(u8, planes, out=u8)
-        if flat.is_cuda:
+        if not on_host:
             flat.copy_(torch.from_numpy(host))
         return
     count, off = get_varint(payload, 0)
