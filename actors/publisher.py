@@ -15,7 +15,6 @@ Does not: encode tensors (kernels/), apply weights (actors/weights.py) or train 
 
 from __future__ import annotations
 
-import base64
 import re
 import time
 from functools import partial
@@ -34,7 +33,7 @@ from nats.js.object_store import ObjectStore
 from torch import Tensor
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.actors.weights import LATEST_KEY, decode_full
+from rlbus.actors.weights import LATEST_KEY, decode_full, fetch_object, store_digest
 from rlbus.kernels.delta import DeltaCorrupt, snapshot_due
 from rlbus.kernels.delta_state import StateIndex, encode_state, read_index
 from rlbus.messages import codec
@@ -141,6 +140,9 @@ class Publisher(Actor):
         self._announced: int | None = None
         self._progress = anyio.Condition()
         self.last: EncodedVersion | None = None
+        self.trace: dict[int, dict[str, float]] = {}
+        """Per recent version, `time.perf_counter()` marks: received, downloaded, decoded, staged (first stage
+        handed to the writers), final, announced. For logs and `rlbus bench sync`."""
         """The newest stage handed to the region writers."""
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -194,6 +196,7 @@ class Publisher(Actor):
             await delivery.ack()
             return
         t0 = time.perf_counter()
+        self._mark(ready.version, "received")
         received = await self._receive(ready)
         if received is None:
             self.count("versions_refused")
@@ -205,10 +208,12 @@ class Publisher(Actor):
         ready_regions = await self._await_regions(ready.version)
         manifest = msgspec.structs.replace(encoded.manifest, regions_ready=ready_regions)
         await self._announce(manifest)
+        self._mark(ready.version, "announced")
         await delivery.ack()
         self._announced = self.policy_version = ready.version
         self.count("versions")
         self._set_gauges()
+        await self._notify()
         log.info("weights_published", version=ready.version, regions=ready_regions, objects=manifest.objects,
                  bytes=sum(manifest.sizes), seconds=round(time.perf_counter() - t0, 3),
                  **{k: round(v, 3) for k, v in encoded.timings.items()})
@@ -242,6 +247,12 @@ class Publisher(Actor):
                 async with self._progress:
                     await self._progress.wait()
 
+    async def wait_announced(self, version: int) -> None:
+        """Return once `version` (or a newer one) is announced on WEIGHTS."""
+        while self._announced is None or self._announced < version:
+            async with self._progress:
+                await self._progress.wait()
+
     @property
     def _deltas(self) -> bool:
         """Whether versions are delta-encoded at all (`full_every` 1 publishes only full snapshots)."""
@@ -252,6 +263,7 @@ class Publisher(Actor):
         blob = await self._download(ready.object, ready.digest)
         if blob is None:
             return None
+        self._mark(ready.version, "downloaded")
         try:
             index, _ = read_index(blob)
             if index.base_digest is not None:
@@ -265,6 +277,7 @@ class Publisher(Actor):
         except (DeltaCorrupt, ValueError) as err:
             log.error("version_blob_unusable", version=ready.version, error=repr(err))
             return None
+        self._mark(ready.version, "decoded")
         return blob, index, state
 
     async def _encode(self, ready: VersionReady, blob: bytes, index: StateIndex, state: dict[str, Tensor] | None,
@@ -318,7 +331,15 @@ class Publisher(Actor):
             bases=bases, yields=yields)
         return EncodedVersion(manifest, dict(blobs), timings, final=final, staged_at=time.perf_counter())
 
+    def _mark(self, version: int, what: str) -> None:
+        self.trace.setdefault(version, {})[what] = time.perf_counter()
+        while len(self.trace) > 64:
+            del self.trace[min(self.trace)]
+
     def _set_targets(self, encoded: EncodedVersion) -> None:
+        self._mark(encoded.manifest.version, "final" if encoded.final else "staged")
+        if encoded.final:
+            self.trace[encoded.manifest.version].setdefault("staged", encoded.staged_at)
         self.last = encoded
         for region in self.regions.values():
             region.target = encoded
@@ -361,8 +382,8 @@ class Publisher(Actor):
         bad = 0
         while True:
             try:
-                return await self.bus.get_object(self.subjects.checkpoint_bucket(), name, expected_digest=expected,
-                                                 domain=self.settings.hub)
+                return await fetch_object(self._js(self.settings.hub), self.subjects.checkpoint_bucket(), name,
+                                          expected_digest=expected)
             except (DigestMismatch, nats.js.errors.NotFoundError) as err:
                 bad += 1
                 log.warning("version_object_unusable", object=name, attempt=bad, error=repr(err))
@@ -500,12 +521,7 @@ async def _list_digests(store: ObjectStore) -> dict[str, str]:
         infos = await store.list(ignore_deletes=True)
     except nats.js.errors.NotFoundError:
         return {}
-    out = {}
-    for info in infos:
-        if info.name and info.digest and not info.deleted:
-            raw = base64.urlsafe_b64decode(info.digest.removeprefix("SHA-256="))
-            out[info.name] = "sha256:" + raw.hex()
-    return out
+    return {info.name: store_digest(info.digest) for info in infos if info.name and info.digest and not info.deleted}
 
 
 def build_publisher(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Publisher:
