@@ -115,6 +115,9 @@ async def serve_until_cancelled(args: argparse.Namespace, scope: anyio.CancelSco
         except ActorFailed as err:       # the actor already reported it (failed heartbeat, crashed event)
             log.error("actor_crashed", error=repr(err))
             return State.FAILED
+        except Exception as err:         # connecting or building it failed (bad settings): report as failed
+            log.error("actor_not_started", error=repr(err))
+            return State.FAILED
     return State.STOPPED
 
 

@@ -272,7 +272,7 @@ async def test_ray_gives_up_and_the_actor_is_failed(
         await outer.start(watch.heartbeats, admin_bus)
         async with anyio.create_task_group() as tg:
             await tg.start(backend.run)
-            await _until(lambda: len(backend.placements()) == 2, "both placed")
+            await _until(lambda: {"hub-q-0", "eu-q-0"} <= set(backend.placements()), "both placed")
             victim = backend.placements()["eu-q-0"]
             os.kill(victim.pid, signal.SIGKILL)
             await _until(lambda: sum(k == "failed" for k, _, _ in watch.events) == 2, "both failed")
