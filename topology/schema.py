@@ -230,6 +230,21 @@ class EvaluatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     """Seed of the held-out task set; keep it fixed to compare versions."""
 
 
+class PretrainSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[pretrain]`: the first phase, run by `rlbus up` when the state directory has no pretrained policy."""
+
+    preset: Literal["small", "tiny"] = "small"
+    """Model size and schedule (model/pretrain.py): 'small' is the real run (minutes), 'tiny' is for tests."""
+    steps: PositiveInt | None = None
+    """Optimizer steps; default: the preset's."""
+    seed: int = 0
+    """Seed of initialisation and training data."""
+    threads: PositiveInt = 2
+    """Torch threads while pretraining (nothing else runs yet)."""
+    eval_n: PositiveInt | None = None
+    """Held-out tasks evaluated at the end of pretraining; default: the preset's."""
+
+
 class WeightsSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`[weights]`: how policy versions are published to the generators."""
 
@@ -323,6 +338,8 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     """Settings of the evaluator."""
     weights: WeightsSettings = WeightsSettings()
     """Settings of the weight publisher."""
+    pretrain: PretrainSettings = PretrainSettings()
+    """Pretraining before the RL run (when no pretrained policy exists yet)."""
     durability: DurabilitySettings = DurabilitySettings()
     """JetStream durability."""
     retention: RetentionSettings = RetentionSettings()
