@@ -1,36 +1,44 @@
 """`rlbus up [FILE]`: launch a topology on this machine and show its progress until Ctrl-C.
 
-Owns: the command line of `up` (topology file, state dir, --fresh, backend, --for), the live progress
-view (from the actors' heartbeats on the hub's health subject) and the closing summary. The work of
-starting servers, streams and actors is topology/launch.py's.
+Owns: the command line of `up` (topology file, state dir, --fresh, backend, --for, --steps), the first
+phase (pretraining when the run has a trainer and no pretrained policy yet), the live view (RL progress
+lines from ops/runview.py, or a heartbeat table for the bus demo), and the closing summary and PNG.
+The work of starting servers, streams and actors is topology/launch.py's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TOPOLOGY = "demo"
-"""The embedded default of `rlbus up`: the 3-region bus demo until the RL actors land."""
+DEFAULT_TOPOLOGY = "single"
+"""The embedded default of `rlbus up`: one region running the whole RL run."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
-        "up", help="launch a topology (default: the embedded 3-region demo) and show progress",
-        description="Start the embedded NATS servers (one per region, unless the topology names nats_urls), "
-                    "provision the streams, launch every actor through the local or Ray backend, and show a live "
-                    "table of their heartbeats. Ctrl-C drains the actors, stops the servers and leaves no process "
-                    "behind. A second `rlbus up` on the same state directory resumes the run.")
+        "up", help="run the async RL job (default: the embedded single-region topology) and show progress",
+        description="Pretrain the policy if the state directory has none, start the embedded NATS servers (one per "
+                    "region, unless the topology names nats_urls), provision the streams, launch every actor through "
+                    "the local or Ray backend, and show progress (version, reward, pass rate, staleness, throughput). "
+                    "Ctrl-C drains the actors, stops the servers and leaves no process behind; the run ends with a "
+                    "summary, the ledger and a PNG of reward and pass rate per version. A second `rlbus up` on the "
+                    "same state directory resumes the run. `rlbus up demo` runs the 3-region bus demo.")
     p.add_argument("topology", nargs="?", default=DEFAULT_TOPOLOGY,
-                   help=f"topology file, or the name of a shipped example (default: {DEFAULT_TOPOLOGY})")
+                   help=f"topology file, or the name of a shipped example (default: {DEFAULT_TOPOLOGY}; also: "
+                        "three_regions, ray, tiny, demo)")
     p.add_argument("--state-dir", type=Path, default=None, help="run state directory (default ./.rlbus/<run>)")
     p.add_argument("--fresh", action="store_true", help="delete the run's state directory first and start over")
     p.add_argument("--backend", choices=["local", "ray"], default=None, help="override the topology's launch backend")
     p.add_argument("--for", dest="duration", type=float, default=None, metavar="SECONDS",
                    help="stop by itself after this many seconds (default: run until Ctrl-C)")
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="stop by itself once the trainer has taken optimizer step N")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="actor heartbeat interval (default 1 s)")
     p.set_defaults(handler=_handler)
 
@@ -45,40 +53,115 @@ def _handler(args: argparse.Namespace) -> int:
     if not path.exists() and "/" not in args.topology:
         path = example_path(args.topology)
     topology = load(path)
-    return int(anyio.run(_up, topology, args, backend="asyncio"))
+    state = (args.state_dir or topology.state_path).resolve()
+    if args.fresh and state.exists():
+        shutil.rmtree(state)
+    rl = any(i.kind == "trainer" for i in topology.instances())
+    base = _ensure_pretrained(topology, state) if rl else None
+    return int(anyio.run(_up, topology, state, args, rl, base, backend="asyncio"))
 
 
-async def _up(topology: Any, args: argparse.Namespace) -> int:
-    import anyio
+def _ensure_pretrained(topology: Any, state: Path) -> dict[str, Any] | None:
+    """Pretrain into `<state>/pretrained/` unless a policy is there; returns its summary (pass@1)."""
+    from rlbus.model.pretrain import PretrainConfig, PretrainProgress, pretrain
+    from rlbus.topology.launch import PRETRAINED_DIR
 
+    out = state / PRETRAINED_DIR
+    summary_path = out / "pretrain.json"
+    if (out / "pretrain.pt").exists():
+        print(f"rlbus up: pretrained policy found in {out}", flush=True)
+        return _pass_summary(summary_path)
+    settings = topology.pretrain
+    overrides = {"eval_n": settings.eval_n} if settings.eval_n is not None else {}
+    config = PretrainConfig.preset(settings.preset, **overrides)
+    steps = settings.steps or config.steps
+    print(f"rlbus up: no pretrained policy yet: pretraining ({settings.preset}, {steps} steps, "
+          f"{settings.threads} threads) into {out}", flush=True)
+    every = max(1, steps // 10)
+
+    def progress(p: PretrainProgress) -> None:
+        if p.phase == "train" and (p.step % every == 0 or p.step == p.steps):
+            print(f"  pretrain step {p.step}/{p.steps}  loss {p.loss:.3f}  {p.elapsed_s:.0f}s", flush=True)
+        elif p.phase != "train":
+            print(f"  pretrain {p.phase}: {p.note}", flush=True)
+
+    result = pretrain(config, steps, settings.seed, out, settings.threads, progress=progress)
+    ev = result.eval
+    print(f"rlbus up: pretrained in {result.wall_s:.0f}s: held-out pass@1 {ev.pass_at_1:.3f} "
+          f"[{ev.ci_low:.3f}, {ev.ci_high:.3f}] on {ev.n} tasks", flush=True)
+    return _pass_summary(summary_path)
+
+
+def _pass_summary(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ev = data.get("eval") or {}
+    try:
+        return {"pass_at_1": float(ev["pass_at_1"]), "ci_low": float(ev["ci95"][0]),
+                "ci_high": float(ev["ci95"][1]), "n": int(ev["n"])}
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+async def _up(topology: Any, state: Path, args: argparse.Namespace, rl: bool, base: dict[str, Any] | None) -> int:
     import functools
 
+    import anyio
+
     from rlbus.ops.logging import configure_logging
+    from rlbus.ops.runview import RunView, summary, write_png
     from rlbus.topology.launch import Launch
 
-    view = _ProgressView(sys.stdout.isatty())
     started = time.monotonic()
     print(f"rlbus up: run {topology.run!r}, {len(topology.regions)} region(s), "
           f"{len(topology.instances())} actor(s), backend {args.backend or topology.launch.backend}", flush=True)
-    async with Launch.open(topology, state_dir=args.state_dir, fresh=args.fresh) as launch:
+    view: Any = RunView(base_pass=base, target_steps=args.steps) if rl else _HeartbeatTable(sys.stdout.isatty())
+    async with Launch.open(topology, state_dir=state) as launch:
         where = ", ".join(f"{r}={u[0]}" for r, u in launch.endpoints.urls.items())
         print(f"rlbus up: bus ready ({where}); state in {launch.state_dir}", flush=True)
-        try:
-            async with anyio.create_task_group() as tg:
-                await tg.start(lambda task_status: launch.run_actors(
-                    backend=args.backend, heartbeat_s=args.heartbeat_s, task_status=task_status,
-                    worker_setup=functools.partial(configure_logging, json=True)))
-                tg.start_soon(view.watch, launch.admin)
-                tg.start_soon(_cancel_on_signal, tg.cancel_scope)
-                if args.duration is not None:
-                    await anyio.sleep(args.duration)
-                    tg.cancel_scope.cancel()
-        except KeyboardInterrupt:
-            pass
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(view.watch, launch.admin)
+            await tg.start(lambda task_status: launch.run_actors(
+                backend=args.backend, heartbeat_s=args.heartbeat_s, task_status=task_status,
+                worker_setup=functools.partial(configure_logging, json=True)))
+            tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+            if rl and args.steps is not None:
+                tg.start_soon(_cancel_when, view.step_reached, tg.cancel_scope)
+            if args.duration is not None:
+                await anyio.sleep(args.duration)
+                tg.cancel_scope.cancel()
         print(f"rlbus up: stopping: actors drained, servers stopping ({time.monotonic() - started:.0f}s)", flush=True)
-        summary = view.summary(launch)
-    print(summary, flush=True)
+        if rl:
+            text = await _rl_summary(view, launch, summary, write_png)
+        else:
+            text = view.summary(launch)
+    print(text, flush=True)
     return 0
+
+
+async def _rl_summary(view: Any, launch: Any, summary: Any, write_png: Any) -> str:
+    import anyio
+
+    from rlbus.actors.ledger import read_all, read_ledger
+    from rlbus.messages.schemas import EvalReport, TrainStep
+
+    bus = launch.admin
+    s = bus.subjects
+    book = None
+    with anyio.move_on_after(60):      # the streams hold the truth, also for steps taken before this `up`
+        view.steps = await read_all(bus.js, s.trainlog_stream(), s.trainlog(), TrainStep)
+        view.evals = {r.policy_version: r for r in await read_all(bus.js, s.evals_stream(), s.evals(), EvalReport)}
+        book = await read_ledger(bus)
+    png = write_png(view, launch.state_dir / "plots" / "progress.png")
+    return summary(view, book) + f"\n  progress plot: {png}"
+
+
+async def _cancel_when(event: Any, scope: Any) -> None:
+    await event.wait()
+    print("rlbus up: reached the requested number of steps: draining", flush=True)
+    scope.cancel()
 
 
 async def _cancel_on_signal(scope: Any) -> None:
@@ -94,8 +177,8 @@ async def _cancel_on_signal(scope: Any) -> None:
             return
 
 
-class _ProgressView:
-    """Latest heartbeat per actor, printed as a table every few seconds (live-updating on a terminal)."""
+class _HeartbeatTable:
+    """The bus demo's view: the latest heartbeat per actor, printed as a table every few seconds."""
 
     def __init__(self, tty: bool) -> None:
         self.tty = tty

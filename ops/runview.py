@@ -1,0 +1,153 @@
+"""What `rlbus up` shows of an RL run: live progress lines, the closing summary, and the progress PNG.
+
+Owns: following TRAINLOG steps, evaluation reports and heartbeats on the hub while the run goes on
+(`RunView.watch`), one progress line per optimizer step (version, reward, KL, staleness, throughput,
+the latest pass rate), and at the end the summary (with the ledger) and `progress.png` (reward and
+pass rate per version). Does not: launch anything (topology/launch.py) or keep state of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from rlbus.messages import codec
+from rlbus.messages.bus import Bus
+from rlbus.messages.errors import BadMessage
+from rlbus.messages.schemas import EvalReport, Heartbeat, TrainStep
+
+log = structlog.get_logger()
+
+
+@dataclass
+class RunView:
+    """Live state of an RL run as seen from the hub."""
+
+    base_pass: dict[str, Any] | None = None
+    """The pretraining summary (pass@1 of the base on its held-out set), when known."""
+    steps: list[TrainStep] = field(default_factory=list)
+    evals: dict[int, EvalReport] = field(default_factory=dict)
+    beats: dict[str, Heartbeat] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    step_reached: anyio.Event = field(default_factory=anyio.Event)
+    target_steps: int | None = None
+
+    async def watch(self, bus: Bus) -> None:
+        """Follow TRAINLOG, EVALS and HEALTH on the hub's core subjects until cancelled."""
+        s = bus.subjects
+        subs = [await bus.nc.subscribe(s.trainlog()), await bus.nc.subscribe(s.evals()),
+                await bus.nc.subscribe(s.all_health())]
+        try:
+            async with anyio.create_task_group() as tg:
+                for sub in subs:
+                    tg.start_soon(self._follow, sub)
+        finally:
+            with anyio.move_on_after(1, shield=True):
+                for sub in subs:
+                    await sub.unsubscribe()
+
+    async def _follow(self, sub: Any) -> None:
+        async for msg in sub.messages:
+            try:
+                message = codec.decode(msg.data, msg.headers)
+            except BadMessage:
+                continue
+            match message:
+                case TrainStep() as step:
+                    self.steps.append(step)
+                    print(self.line(step), flush=True)
+                    if self.target_steps is not None and step.step >= self.target_steps:
+                        self.step_reached.set()
+                case EvalReport() as report:
+                    self.evals[report.policy_version] = report
+                    print(f"  eval v{report.policy_version}: pass@1 {report.pass_at_1:.3f} "
+                          f"[{report.ci_low:.3f}, {report.ci_high:.3f}] on {report.n} held-out tasks", flush=True)
+                case Heartbeat() as beat:
+                    self.beats[beat.actor_id] = beat
+                case _:
+                    pass
+
+    def line(self, step: TrainStep) -> str:
+        elapsed = time.monotonic() - self.started
+        trained = sum(len(s.rollout_ids) for s in self.steps)
+        stale = _mean_staleness(step.staleness)
+        latest = self.evals[max(self.evals)] if self.evals else None
+        pass_text = f"pass@1 {latest.pass_at_1:.3f}@v{latest.policy_version}" if latest else "pass@1 -"
+        return (f"v{step.policy_version:<4} step {step.step:<4} reward {step.reward_mean:5.3f} "
+                f"kl {step.kl:7.4f} loss {step.loss:7.4f} staleness {stale:4.2f} "
+                f"dropped {len(step.dropped):<3} {trained / max(elapsed, 1e-9):5.2f} rollouts/s  {pass_text}")
+
+
+def _mean_staleness(histogram: dict[str, int]) -> float:
+    total = sum(histogram.values())
+    return sum(int(k) * v for k, v in histogram.items()) / total if total else 0.0
+
+
+def summary(view: RunView, book: Any | None) -> str:
+    """The closing summary: steps, rollouts, reward, pass rate first → last, and the ledger."""
+    lines = ["rlbus up: summary"]
+    if view.base_pass is not None:
+        lines.append(f"  pretrained base: held-out pass@1 {view.base_pass['pass_at_1']:.3f} "
+                     f"[{view.base_pass['ci_low']:.3f}, {view.base_pass['ci_high']:.3f}] "
+                     f"(n={view.base_pass['n']}, at the end of pretraining)")
+    if view.steps:
+        last = view.steps[-1]
+        lines.append(f"  optimizer steps {len(view.steps)}, final version {last.policy_version}, rollouts trained "
+                     f"{sum(len(s.rollout_ids) for s in view.steps)}, dropped {sum(len(s.dropped) for s in view.steps)}")
+        first_r = sum(s.reward_mean for s in view.steps[:5]) / min(5, len(view.steps))
+        last_r = sum(s.reward_mean for s in view.steps[-5:]) / min(5, len(view.steps))
+        lines.append(f"  reward (mean of 5 steps): first {first_r:.3f} → last {last_r:.3f}")
+    else:
+        lines.append("  no optimizer step was taken")
+    if view.evals:
+        first, last_e = view.evals[min(view.evals)], view.evals[max(view.evals)]
+        lines.append(f"  evaluator pass@1: v{first.policy_version} {first.pass_at_1:.3f} "
+                     f"[{first.ci_low:.3f}, {first.ci_high:.3f}] → v{last_e.policy_version} {last_e.pass_at_1:.3f} "
+                     f"[{last_e.ci_low:.3f}, {last_e.ci_high:.3f}] (n={last_e.n})")
+        if last_e.ci_low > first.ci_high:
+            lines.append("  the held-out pass rate rose clearly: the 95% intervals do not overlap")
+    if book is not None:
+        verdict = "clean" if book.clean else "NOT CLEAN"
+        lines.append(f"  ledger ({verdict}): produced {book.produced}, trained {book.trained}, "
+                     f"dropped {dict(book.dropped)}, pending {len(book.pending)}, lost {len(book.lost)}, "
+                     f"trained twice {len(book.trained_twice)}, abandoned steps {book.abandoned_steps}")
+    return "\n".join(lines)
+
+
+def write_png(view: RunView, path: Path) -> Path:
+    """Reward (per step, by version) and held-out pass@1 with 95% intervals (by version), one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    if view.steps:
+        top.plot([s.policy_version for s in view.steps], [s.reward_mean for s in view.steps], marker=".",
+                 label="mean reward of the step's rollouts")
+        top.legend(loc="lower right")
+    else:
+        top.text(0.5, 0.5, "no optimizer step yet", ha="center", va="center", transform=top.transAxes)
+    top.set_ylabel("reward")
+    top.set_title("rlbus: reward and held-out pass@1 per policy version")
+    if view.evals:
+        versions = sorted(view.evals)
+        rates = [view.evals[v].pass_at_1 for v in versions]
+        errors = [[view.evals[v].pass_at_1 - view.evals[v].ci_low for v in versions],
+                  [view.evals[v].ci_high - view.evals[v].pass_at_1 for v in versions]]
+        bottom.errorbar(versions, rates, yerr=errors, marker="o", capsize=3, label="greedy pass@1 (95% Wilson)")
+        bottom.legend(loc="lower right")
+    else:
+        bottom.text(0.5, 0.5, "no evaluation report yet", ha="center", va="center", transform=bottom.transAxes)
+    bottom.set_xlabel("policy version")
+    bottom.set_ylabel("pass@1")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
