@@ -48,6 +48,8 @@ log = structlog.get_logger()
 _BUS_ERRORS: Final = (nats.errors.Error, TimeoutError, OSError)
 _OBJECT_NAME: Final = re.compile(r"v(\d+)\.(full|from\d+)")
 _UNLIMITED: Final = 1 << 40
+_Row = tuple[str, str, int, int | None, int]
+"""One object of a manifest: name, digest, size, base version, version it yields."""
 _WRONG_LAST_SEQUENCE: Final = (10071, 10164)
 """JetStream err_codes of a compare-and-set whose expected last subject sequence is stale."""
 
@@ -150,8 +152,8 @@ class Publisher(Actor):
         hub = self._js(self.settings.hub)
         await ensure_consumer(hub, self.subjects.state_stream(), ConsumerConfig(
             durable_name=self.subjects.durable("publisher"), filter_subject=self.subjects.version_ready(),
-            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=self.settings.ack_wait_s,
-            max_deliver=-1, max_ack_pending=1))
+            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+            ack_wait=self.settings.ack_wait_s, max_deliver=-1, max_ack_pending=1))
         self._announced = await self._last_announced()
         self.policy_version = self._announced
         log.info("publisher_ready", announced=self._announced, regions=self.settings.regions)
@@ -160,8 +162,9 @@ class Publisher(Actor):
         async with anyio.create_task_group() as tg:
             for region in self.regions.values():
                 tg.start_soon(self._region_writer, region)
-            async for delivery in self.bus.consume(self.subjects.state_stream(), self.subjects.durable("publisher"),
-                                                   VersionReady, batch=1, domain=self.settings.hub):
+            deliveries = self.bus.consume(self.subjects.state_stream(), self.subjects.durable("publisher"),
+                                          VersionReady, batch=1, domain=self.settings.hub)
+            async for delivery in deliveries:
                 with self.busy():
                     async with anyio.create_task_group() as hold:
                         hold.start_soon(self._keep_in_progress, delivery)
@@ -200,8 +203,8 @@ class Publisher(Actor):
         received = await self._receive(ready)
         if received is None:
             self.count("versions_refused")
-            await self.emit("weights_rejected", detail=f"version {ready.version}: CKPT object {ready.object} is "
-                            f"missing or corrupt; not announced", version=str(ready.version))
+            await self.emit("weights_rejected", detail=f"version {ready.version}: CKPT object {ready.object} "
+                            f"is missing or corrupt; not announced", version=str(ready.version))
             await delivery.term()
             return
         encoded = await self._encode(ready, *received, timings={"receive_s": time.perf_counter() - t0})
@@ -224,7 +227,8 @@ class Publisher(Actor):
         delay = self.settings.retry_initial_s
         while True:
             try:
-                ack = await self.bus.publish(self.subjects.weights(), manifest, msg_id=f"weights-{manifest.version}")
+                ack = await self.bus.publish(self.subjects.weights(), manifest,
+                                             msg_id=f"weights-{manifest.version}")
                 if ack.duplicate:             # announced before (a restart inside the duplicate window)
                     self.count("announcements_deduplicated")
                 return
@@ -258,8 +262,9 @@ class Publisher(Actor):
         """Whether versions are delta-encoded at all (`full_every` 1 publishes only full snapshots)."""
         return self.settings.full_every > 1
 
-    async def _receive(self, ready: VersionReady) -> tuple[bytes, StateIndex, dict[str, Tensor] | None] | None:
-        """The version's CKPT blob, its index and (when deltas are written) its tensors; None when unusable."""
+    async def _receive(self, ready: VersionReady
+                       ) -> tuple[bytes, StateIndex, dict[str, Tensor] | None] | None:
+        """The version's CKPT blob, its index and (when deltas are written) its tensors; None if unusable."""
         blob = await self._download(ready.object, ready.digest)
         if blob is None:
             return None
@@ -269,7 +274,8 @@ class Publisher(Actor):
             if index.base_digest is not None:
                 raise DeltaCorrupt("the CKPT object is a delta, not the version's full snapshot")
             if ready.version_digest and index.version_digest.hex() != ready.version_digest:
-                raise DeltaCorrupt(f"version digest {index.version_digest.hex()} != announced {ready.version_digest}")
+                raise DeltaCorrupt(f"version digest {index.version_digest.hex()} != announced "
+                                   f"{ready.version_digest}")
             state = None
             if self._deltas:
                 state, index = await anyio.to_thread.run_sync(partial(
@@ -280,8 +286,8 @@ class Publisher(Actor):
         self._mark(ready.version, "decoded")
         return blob, index, state
 
-    async def _encode(self, ready: VersionReady, blob: bytes, index: StateIndex, state: dict[str, Tensor] | None,
-                      *, timings: dict[str, float]) -> EncodedVersion:
+    async def _encode(self, ready: VersionReady, blob: bytes, index: StateIndex,
+                      state: dict[str, Tensor] | None, *, timings: dict[str, float]) -> EncodedVersion:
         """Encode the version's objects and hand them to the region writers in two stages: the delta from
         the previous version alone as soon as it is encoded (what nearly every generator needs), then
         everything (older bases, the delta from the snapshot, the snapshot). -> the final stage."""
@@ -294,16 +300,15 @@ class Publisher(Actor):
                 self._deltas and snap not in self._kept):
             snap = v
             self._snapshot = (v, ready.digest, blob)
-        bases = [] if state is None else sorted(
-            {b for b in self._kept if v - self.settings.delta_depth <= b < v} | ({snap} if snap < v else set()),
-            reverse=True)
+        recent = {b for b in self._kept if v - self.settings.delta_depth <= b < v}
+        bases = [] if state is None else sorted(recent | ({snap} if snap < v else set()), reverse=True)
         blobs: dict[str, bytes] = {}
-        rows: list[tuple[str, str, int, int | None, int]] = []
+        rows: list[_Row] = []
         t0 = time.perf_counter()
         for base in bases:
             _, delta = await anyio.to_thread.run_sync(partial(
-                encode_state, state, self._kept[base], digests=index.digests, base_digest=self._digest_of[base],
-                threads=self.settings.threads))
+                encode_state, state, self._kept[base], digests=index.digests,
+                base_digest=self._digest_of[base], threads=self.settings.threads))
             name = object_name(v, base)
             blobs[name] = delta
             rows.append((name, digest(delta), len(delta), base, v))
@@ -320,15 +325,15 @@ class Publisher(Actor):
         self._set_targets(final)
         return final
 
-    def _stage(self, ready: VersionReady, index: StateIndex, rows: list[tuple[str, str, int, int | None, int]],
-               blobs: dict[str, bytes], *, final: bool, timings: dict[str, float]) -> EncodedVersion:
+    def _stage(self, ready: VersionReady, index: StateIndex, rows: list[_Row], blobs: dict[str, bytes], *,
+               final: bool, timings: dict[str, float]) -> EncodedVersion:
         names, digests, sizes, bases, yields = (list(col) for col in zip(*rows, strict=True))
         v = ready.version
         manifest = WeightManifest(
             version=v, base_version=v - 1 if v - 1 in bases else None,
             encoding="delta" if v - 1 in bases else "full", objects=names, digests=digests, sizes=sizes,
-            version_digest=index.version_digest.hex(), raw_bytes=ready.raw_bytes, model_config=ready.model_config,
-            bases=bases, yields=yields)
+            version_digest=index.version_digest.hex(), raw_bytes=ready.raw_bytes,
+            model_config=ready.model_config, bases=bases, yields=yields)
         return EncodedVersion(manifest, dict(blobs), timings, final=final, staged_at=time.perf_counter())
 
     def _mark(self, version: int, what: str) -> None:
@@ -346,8 +351,8 @@ class Publisher(Actor):
             region.wake.set()
 
     async def _reload_bases(self, version: int) -> None:
-        """After a restart (or a gap): bring back the last few versions and the scheduled snapshot from CKPT,
-        so a restarted publisher writes the same objects as before. Missing ones are remembered and skipped."""
+        """After a restart (or a gap): bring back the last few versions and the scheduled snapshot from
+        CKPT, so a restarted publisher writes the same objects as before. Missing ones are remembered."""
         scheduled = version - version % self.settings.full_every
         wanted = set(range(max(0, version - self.settings.delta_depth), version))
         if self._snapshot is None and scheduled < version:
@@ -357,7 +362,8 @@ class Publisher(Actor):
             try:
                 if blob is None:
                     raise DeltaCorrupt("missing from CKPT")
-                state, index = await anyio.to_thread.run_sync(partial(decode_full, blob, threads=self.settings.threads))
+                state, index = await anyio.to_thread.run_sync(
+                    partial(decode_full, blob, threads=self.settings.threads))
             except (DeltaCorrupt, ValueError) as err:
                 log.info("base_unavailable", version=base, error=repr(err))
                 self._unavailable.add(base)
@@ -374,7 +380,8 @@ class Publisher(Actor):
             del self._kept[old]
             del self._digest_of[old]
 
-    async def _download(self, name: str, expected: str | None, *, attempts: int | None = None) -> bytes | None:
+    async def _download(self, name: str, expected: str | None, *,
+                        attempts: int | None = None) -> bytes | None:
         """A CKPT object, retried with backoff: transient bus errors forever, a missing or corrupt object
         `attempts` times (default `download_attempts`) before None."""
         tries = attempts or self.settings.download_attempts
@@ -382,8 +389,8 @@ class Publisher(Actor):
         bad = 0
         while True:
             try:
-                return await fetch_object(self._js(self.settings.hub), self.subjects.checkpoint_bucket(), name,
-                                          expected_digest=expected)
+                return await fetch_object(self._js(self.settings.hub), self.subjects.checkpoint_bucket(),
+                                          name, expected_digest=expected)
             except (DigestMismatch, nats.js.errors.NotFoundError) as err:
                 bad += 1
                 log.warning("version_object_unusable", object=name, attempt=bad, error=repr(err))
@@ -422,7 +429,8 @@ class Publisher(Actor):
             version = target.manifest.version
             if region.failing:
                 log.info("region_caught_up", region=region.name, version=version)
-            region.failing, region.written, region.write_s = False, (version, target.final), time.perf_counter() - t0
+            region.failing, region.written = False, (version, target.final)
+            region.write_s = time.perf_counter() - t0
             region.written_at.setdefault(version, time.perf_counter())
             if len(region.written_at) > 64:
                 del region.written_at[min(region.written_at)]
@@ -474,7 +482,8 @@ class Publisher(Actor):
             self.count("objects_deleted")
 
     def _set_gauges(self) -> None:
-        newest = max((r.target.manifest.version for r in self.regions.values() if r.target is not None), default=-1)
+        newest = max((r.target.manifest.version for r in self.regions.values() if r.target is not None),
+                     default=-1)
         for r in self.regions.values():
             self.gauges[f"region_version_{r.name}"] = float(r.done if r.done is not None else -1)
             self.gauges[f"region_ready_{r.name}"] = float(r.done is not None and r.done >= newest)
@@ -521,7 +530,8 @@ async def _list_digests(store: ObjectStore) -> dict[str, str]:
         infos = await store.list(ignore_deletes=True)
     except nats.js.errors.NotFoundError:
         return {}
-    return {info.name: store_digest(info.digest) for info in infos if info.name and info.digest and not info.deleted}
+    return {info.name: store_digest(info.digest) for info in infos
+            if info.name and info.digest and not info.deleted}
 
 
 def build_publisher(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Publisher:

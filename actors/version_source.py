@@ -34,7 +34,8 @@ def published_state(model: Transformer) -> dict[str, Tensor]:
 
 
 async def upload_version(bus: Bus, *, version: int, step: int, state: Mapping[str, Tensor],
-                         model_config: ModelConfig, domain: str | None = None, threads: int = 2) -> VersionReady:
+                         model_config: ModelConfig, domain: str | None = None,
+                         threads: int = 2) -> VersionReady:
     """Upload `encode_state(state, None)` to CKPT as `Subjects.version_object(version)`, then publish its
     VersionReady (msg_id `version-<N>`, so a repeat is stored once). `domain`: the hub's, from a leaf."""
     index, blob = await anyio.to_thread.run_sync(lambda: encode_state(state, None, threads=threads))

@@ -104,7 +104,8 @@ async def fetch_object(js: JetStreamContext, bucket: str, name: str, *, expected
     got = 0
     if info.size:
         psub = await js.pull_subscribe(
-            OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid), stream=OBJ_STREAM_TEMPLATE.format(bucket=bucket),
+            OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid),
+            stream=OBJ_STREAM_TEMPLATE.format(bucket=bucket),
             config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
                                   inactive_threshold=10.0))
         try:
@@ -119,8 +120,8 @@ async def fetch_object(js: JetStreamContext, bucket: str, name: str, *, expected
     data = b"".join(parts)
     actual = digest(data)
     if got != (info.size or 0) or actual != store_digest(info.digest or ""):
-        raise DigestMismatch(f"object {bucket}/{name}: {got} bytes with digest {actual}, the store's meta says "
-                             f"{info.size} bytes, {info.digest}")
+        raise DigestMismatch(f"object {bucket}/{name}: {got} bytes with digest {actual}, the store's meta "
+                             f"says {info.size} bytes, {info.digest}")
     if expected_digest is not None and actual != expected_digest:
         raise DigestMismatch(f"object {bucket}/{name}: digest {actual} != announced {expected_digest}")
     return data
@@ -351,7 +352,8 @@ class WeightSync:
     async def _stage_loop(self) -> None:
         while True:
             manifest = self._latest
-            if manifest is None or (self._staged_version is not None and self._staged_version >= manifest.version):
+            staged = self._staged_version
+            if manifest is None or (staged is not None and staged >= manifest.version):
                 await self._wake.wait()
                 self._wake = anyio.Event()
                 continue
@@ -370,7 +372,8 @@ class WeightSync:
             await self._reject(manifest, "", str(err))
             return False
         self._avoid &= {p.name for p in parts}      # names are per version: forget those no longer listed
-        while (path := plan_fetch(parts, self._staged_version, manifest.version, avoid=self._avoid)) is not None:
+        while (path := plan_fetch(parts, self._staged_version, manifest.version,
+                                  avoid=self._avoid)) is not None:
             outcome = await self._try(manifest, path)
             if outcome is not None:
                 return outcome
@@ -392,8 +395,8 @@ class WeightSync:
                 await self._reject(manifest, part.name, f"{type(err).__name__}: {err}")
                 return None
             except _FETCH_ERRORS as err:
-                log.warning("weights_fetch_failed", region=self.region, version=manifest.version, object=part.name,
-                            error=repr(err))
+                log.warning("weights_fetch_failed", region=self.region, version=manifest.version,
+                            object=part.name, error=repr(err))
                 return False
         t1 = time.perf_counter()
         try:
@@ -405,7 +408,8 @@ class WeightSync:
         self.timings.update(fetch=t1 - t0, apply=time.perf_counter() - t1)
         self.last_path = [p.name for p in path]
         log.info("weights_staged", region=self.region, version=manifest.version, objects=self.last_path,
-                 bytes=sum(p.size for p in path), fetch_s=round(t1 - t0, 3), apply_s=round(self.timings["apply"], 3))
+                 bytes=sum(p.size for p in path), fetch_s=round(t1 - t0, 3),
+                 apply_s=round(self.timings["apply"], 3))
         self._staged_event.set()
         self._staged_event = anyio.Event()
         return True
@@ -422,8 +426,9 @@ class WeightSync:
                 try:
                     self._apply_part(part, blob)
                     if part is path[-1] and want is not None and self._staged_digest != want:
-                        raise DeltaCorrupt(f"version {manifest.version} decodes to digest "
-                                           f"{(self._staged_digest or b'').hex()}, the manifest says {want.hex()}")
+                        got = (self._staged_digest or b"").hex()
+                        raise DeltaCorrupt(f"version {manifest.version} decodes to digest {got}, the "
+                                           f"manifest says {want.hex()}")
                 except (DeltaCorrupt, ValueError) as err:     # BaseMismatch is a ValueError
                     self._staged_version = self._staged_digest = None
                     raise _PartFailed(part, err) from err
@@ -432,8 +437,10 @@ class WeightSync:
         expect = None
         if part.base is None:
             index, _ = read_index(blob)
-            if self._staging is None or {n: (tuple(t.shape), t.dtype) for n, t in self._staging.items()} != {
-                    n: (tuple(h.shape), DTYPES[h.dtype]) for n, h in zip(index.names, index.headers, strict=True)}:
+            want = {n: (tuple(h.shape), DTYPES[h.dtype])
+                    for n, h in zip(index.names, index.headers, strict=True)}
+            have = {n: (tuple(t.shape), t.dtype) for n, t in (self._staging or {}).items()}
+            if self._staging is None or have != want:
                 self._staging = empty_state(index)
         elif part.base != self._staged_version or self._staging is None:
             raise ValueError(f"object {part.name} applies to version {part.base}, staging holds "
@@ -476,7 +483,8 @@ class WeightSync:
 
     async def _reject(self, manifest: WeightManifest, name: str, reason: str) -> None:
         self.rejected += 1
-        log.warning("weights_rejected", region=self.region, version=manifest.version, object=name, reason=reason)
+        log.warning("weights_rejected", region=self.region, version=manifest.version, object=name,
+                    reason=reason)
         ident = self.bus.identity
         await self.bus.event(Event(event="weights_rejected", actor_id=ident.actor_id, actor_kind=ident.kind,
                                    region=self.region, detail=reason[:500],

@@ -23,7 +23,8 @@ REGIONS = ("hub", "eu", "us")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-versions", type=int, default=4, help="sync: versions timed per mode (default 4)")
-    p.add_argument("--sync-lr", type=float, default=1e-6, help="sync: lr of the timed AdamW steps (default 1e-6)")
+    p.add_argument("--sync-lr", type=float, default=1e-6,
+                   help="sync: lr of the timed AdamW steps (default 1e-6)")
     p.add_argument("--sync-warmup", type=int, default=10,
                    help="sync: AdamW warm-up steps before the timed ones (default 10)")
     p.add_argument("--sync-warmup-lr", type=float, default=3e-4, help="sync: warm-up lr (default 3e-4)")
@@ -80,7 +81,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 return bus
 
             admin = await connect("hub", "admin", "bench")
-            await provision_run(admin.nc, admin.subjects, hub="hub", domains=rs.domains, settings=StreamSettings())
+            await provision_run(admin.nc, admin.subjects, hub="hub", domains=rs.domains,
+                                settings=StreamSettings())
             for region in REGIONS:
                 await wait_routable(admin.nc, admin.subjects.tasks(region))
             trainer = await connect("hub", "trainer", "hub-trainer-0")
@@ -98,7 +100,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 settings = PublisherSettings(regions=list(REGIONS), hub="hub", full_every=full_every,
                                              delta_depth=depth, threads=threads)
                 bus = await connect("hub", "publisher", f"hub-publisher-{full_every}")
-                publisher = Publisher(ActorId(run_id, "hub", "publisher", "hub-publisher-0"), bus, settings, limits)
+                ident = ActorId(run_id, "hub", "publisher", "hub-publisher-0")
+                publisher = Publisher(ident, bus, settings, limits)
                 await tg.start(publisher.serve)
                 return publisher
 
@@ -147,6 +150,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "speedup_vs_full": median["full"] / median["delta"],
         "speedup_after_download": after["full"] / after["delta"],
         "delta_s": median["delta"], "full_s": median["full"],
+        "bytes_ratio": statistics.median(r["bytes_fetched"] for r in results["full"])
+        / max(1.0, statistics.median(r["bytes_fetched"] for r in results["delta"])),
+        "verify_every": syncs[0].verify_every,
         "breakdown": {mode: {k: statistics.median(r[k] for r in rows) for k in _PHASES}
                       for mode, rows in results.items()},
         "versions": results, "seed_s": seed["total_s"],
@@ -156,7 +162,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "warmup_loss_first_last": [round(losses[0], 3), round(losses[-1], 3)] if losses else [],
         "delta_mode": {"full_every": args.sync_full_every, "delta_depth": args.sync_delta_depth,
                        "last_objects": delta_manifest.objects if delta_manifest else []},
-        "threads": threads, "load_avg_1m": os.getloadavg()[0], "total_s": round(time.perf_counter() - t_start, 1),
+        "threads": threads, "load_avg_1m": os.getloadavg()[0],
+        "total_s": round(time.perf_counter() - t_start, 1),
     }
 
 
@@ -171,7 +178,7 @@ def _breakdown(version: int, t_pub: float, applied: dict[str, float], publisher:
     queue: VersionReady to the publisher; download: its CKPT blob; decode: to tensors (delta mode);
     encode: the delta from v-1 (delta mode; full mode writes the trainer's blob as is); upload: objects
     and LATEST in every region (first stage); watch: LATEST to the generators starting to fetch (the
-    rest of the slowest generator's time); fetch / apply (decode + verify every tensor) / swap (copy into
+    rest of the slowest generator's time); fetch / apply (decode into the staging buffers) / swap (copy into
     the live model): medians over the generators.
     """
     trace = publisher.trace[version]
@@ -188,7 +195,8 @@ def _breakdown(version: int, t_pub: float, applied: dict[str, float], publisher:
     slow_t = slowest.timings
     return {
         "version": version, "total_s": last - t_pub, "queue_s": trace["received"] - t_pub,
-        "download_s": trace["downloaded"] - trace["received"], "decode_s": trace["decoded"] - trace["downloaded"],
+        "download_s": trace["downloaded"] - trace["received"],
+        "decode_s": trace["decoded"] - trace["downloaded"],
         "encode_s": trace["staged"] - trace["decoded"], "upload_s": landed - trace["staged"],
         "watch_s": max(0.0, last - landed - slow_t.get("fetch", 0.0) - slow_t.get("apply", 0.0)
                        - slow_t.get("swap", 0.0)),
@@ -198,8 +206,8 @@ def _breakdown(version: int, t_pub: float, applied: dict[str, float], publisher:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = ("mode", "total", "queue", "download", "decode", "encode", "upload", "watch", "fetch", "apply", "swap",
-            "MB fetched")
+    head = ("mode", "total", "queue", "download", "decode", "encode", "upload", "watch", "fetch", "apply",
+            "swap", "MB fetched")
     rows = [head]
     for mode in ("delta", "full"):
         b = result["breakdown"][mode]
@@ -208,14 +216,23 @@ def table(result: dict[str, Any]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     dm = result["delta_mode"]
-    lines.append(
-        f"\nspeedup_vs_full = {result['speedup_vs_full']:.1f}x (target >= 20): median seconds from VersionReady "
-        f"published to all {result['generators']} generators holding the version, over {len(result['versions']['delta'])} "
-        f"versions per mode; {result['speedup_after_download']:.1f}x without the common queue + CKPT download.\n"
-        f"{result['model']}: {result['parameters'] / 1e6:.1f}M parameters ({result['raw_bf16_bytes'] / 1e6:.0f} MB "
-        f"bf16), AdamW at lr {result['lr']:g} after {result['warmup_steps']} warm-up steps at {result['warmup_lr']:g}; "
-        f"regions {', '.join(result['regions'])}; delta mode full_every {dm['full_every']}, delta_depth "
-        f"{dm['delta_depth']}; full mode full_every 1. Phases are medians; fetch/apply/swap are per generator "
-        f"(apply = decode + re-hash of every tensor). {result['threads']} threads, load avg "
-        f"{result['load_avg_1m']:.1f} when done, {result['total_s']:.0f} s in all.")
+    n = len(result["versions"]["delta"])
+    lines += [
+        "",
+        (f"speedup_vs_full = {result['speedup_vs_full']:.1f}x (target >= 20): median seconds from "
+         f"VersionReady published to all {result['generators']} generators holding the version, "
+         f"{n} versions per mode;"),
+        (f"{result['speedup_after_download']:.1f}x without the common queue + CKPT download; "
+         f"{result['bytes_ratio']:.0f}x fewer bytes fetched per generator."),
+        (f"{result['model']}: {result['parameters'] / 1e6:.1f}M parameters "
+         f"({result['raw_bf16_bytes'] / 1e6:.0f} MB bf16), AdamW at lr {result['lr']:g} after "
+         f"{result['warmup_steps']} warm-up steps at {result['warmup_lr']:g}; "
+         f"regions {', '.join(result['regions'])}."),
+        (f"delta mode: full_every {dm['full_every']}, delta_depth {dm['delta_depth']}; "
+         f"full mode: full_every 1. Phases are medians; fetch/apply/swap per generator."),
+        (f"apply = decode into the staging buffers; every tensor is re-hashed on full snapshots and every "
+         f"{result['verify_every']}th delta."),
+        (f"{result['threads']} threads, load avg {result['load_avg_1m']:.1f} when done, "
+         f"{result['total_s']:.0f} s."),
+    ]
     return "\n".join(lines)
