@@ -1,0 +1,64 @@
+"""`rlbus up` runs the RL job itself on a tiny topology for a few optimizer steps, with the local and the
+Ray backend: exit 0, a summary, a PNG, a clean ledger, and no process left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlbus.topology.examples import example_path
+
+pytestmark = pytest.mark.slow
+
+EVALUATOR = '''
+[[regions.actors]]
+kind = "evaluator"
+'''
+
+
+def _topology(tmp_path: Path) -> Path:
+    """tiny.toml with a shorter pretraining and an evaluator in the hub."""
+    text = example_path("tiny").read_text()
+    text = text.replace('kind = "checkpointer"\n', 'kind = "checkpointer"\n' + EVALUATOR, 1)
+    text = text.replace("steps = 30", "steps = 6").replace("eval_n = 8", "eval_n = 4")
+    path = tmp_path / "tiny_rl.toml"
+    path.write_text(text)
+    return path
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, backend: str) -> None:
+    """`rlbus up --steps 3` pretrains, trains 3+ steps, ends with a summary, a clean ledger and a PNG."""
+    state = tmp_path / "state"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlbus.ops.cli", "up", str(_topology(tmp_path)), "--state-dir", str(state),
+         "--steps", "3", "--backend", backend],
+        capture_output=True, text=True, timeout=600, env=env)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "rlbus up: pretrained in" in out
+    assert "rlbus up: summary" in out and "optimizer steps" in out
+    assert "ledger (clean)" in out and "lost 0, trained twice 0" in out
+    assert (state / "plots" / "progress.png").stat().st_size > 10_000
+    assert (state / "pretrained" / "pretrain.pt").exists()
+    assert _processes_mentioning(str(state)) == []
