@@ -232,6 +232,7 @@ class WeightSync:
         self._held_version: int | None = None
         self._held_digest: bytes | None = None
         self._lock = threading.Lock()
+        self._build_lock = anyio.Lock()
         self._latest: WeightManifest | None = None
         self._wake = anyio.Event()
         self._staged_event = anyio.Event()
@@ -314,8 +315,7 @@ class WeightSync:
         """
         while self._held_version is None or self._held_version < version:
             await self.wait_for_staged(version)
-            if self._model is None:
-                self._model = await anyio.to_thread.run_sync(self.build_model)
+            await self._ensure_model()
             await anyio.to_thread.run_sync(self._swap_blocking)
 
     async def wait_for_staged(self, version: int) -> int:
@@ -364,8 +364,8 @@ class WeightSync:
 
     async def _stage(self, manifest: WeightManifest) -> bool:
         """Fetch, apply and verify one manifest into the staging buffers; False to retry later."""
-        if self._model is None and manifest.model_config:
-            self._model = await anyio.to_thread.run_sync(self.build_model)
+        if manifest.model_config:
+            await self._ensure_model()
         try:
             parts = manifest_parts(manifest)
         except BadMessage as err:
@@ -455,6 +455,12 @@ class WeightSync:
         self._staged_version, self._staged_digest = part.version, index.version_digest
         self._since_verified = 0 if verify else self._since_verified + 1
         self.verified += verify
+
+    async def _ensure_model(self) -> None:
+        """Build the live model from the latest manifest once (both the stager and a waiter may ask)."""
+        async with self._build_lock:
+            if self._model is None:
+                self._model = await anyio.to_thread.run_sync(self.build_model)
 
     def _swap_blocking(self) -> None:
         with self._lock:
