@@ -152,13 +152,7 @@ class LocalSupervisor:
             await self._emit("restarted", entry, f"{how}; restart {entry.restarts}, pid {entry.pid}")
 
     async def _emit(self, kind: str, entry: Supervised, detail: str) -> None:
-        if self.on_event is None:
-            return
-        try:
-            with anyio.fail_after(5):
-                await self.on_event(kind, entry.spec, detail)
-        except Exception as err:   # an unreachable bus must not stop supervision
-            log.warning("supervisor_event_not_sent", event_kind=kind, error=repr(err))
+        await send_event(self.on_event, kind, entry.spec, detail)
 
     async def stop(self) -> None:
         """SIGTERM every live actor process, wait up to the drain timeout, then SIGKILL survivors."""
@@ -184,6 +178,17 @@ class LocalSupervisor:
         """PIDs of the live actor processes, by actor id."""
         return {a: e.pid for a, e in self.actors.items()
                 if e.process is not None and e.process.poll() is None and e.pid is not None}
+
+
+async def send_event(sink: EventSink | None, kind: str, spec: ProcessSpec, detail: str) -> None:
+    """Tell the sink (bounded); an unreachable bus must not stop supervision, so failures are logged."""
+    if sink is None:
+        return
+    try:
+        with anyio.fail_after(5):
+            await sink(kind, spec, detail)
+    except Exception as err:
+        log.warning("supervisor_event_not_sent", event_kind=kind, error=repr(err))
 
 
 def _signal(entry: Supervised, signum: signal.Signals) -> None:

@@ -27,7 +27,7 @@ import structlog
 from rlbus.actors.base import State
 from rlbus.actors.process import build_parser, serve_actor
 from rlbus.messages.errors import ActorFailed, TopologyError
-from rlbus.topology.local import EventSink, ProcessSpec, RestartPolicy
+from rlbus.topology.local import EventSink, ProcessSpec, RestartPolicy, send_event
 
 log = structlog.get_logger()
 
@@ -292,13 +292,7 @@ class RayBackend:
         await self._emit("failed", entry, detail)
 
     async def _emit(self, kind: str, entry: RayEntry, detail: str) -> None:
-        if self.on_event is None:
-            return
-        try:
-            with anyio.fail_after(5):
-                await self.on_event(kind, entry.spec, detail)
-        except Exception as err:   # an unreachable bus must not stop supervision
-            log.warning("supervisor_event_not_sent", event_kind=kind, error=repr(err))
+        await send_event(self.on_event, kind, entry.spec, detail)
 
     async def stop(self) -> None:
         """Ask every Ray actor to stop (drain, final heartbeat) within the drain timeout, kill them all,
