@@ -70,7 +70,7 @@ async def _until_all_consumed(bus: Bus, produced: int, timeout_s: float = 120) -
     with anyio.fail_after(timeout_s):
         while True:
             result = await read_ledger(bus)
-            if result.produced == produced and not result.lost:
+            if result.produced == produced and not result.lost and not result.pending:
                 return result
             await anyio.sleep(0.5)
 
