@@ -147,8 +147,12 @@ class Launch:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, topology: Topology, *, state_dir: Path | None = None, fresh: bool = False) -> AsyncIterator[Launch]:
-        """Start (or resume, or join) the run's servers and streams; stop the embedded servers on exit."""
+    async def open(cls, topology: Topology, *, state_dir: Path | None = None, fresh: bool = False,
+                   relay: bool = False) -> AsyncIterator[Launch]:
+        """Start (or resume, or join) the run's servers and streams; stop the embedded servers on exit.
+
+        `relay`: join each embedded leaf to the hub through a cuttable relay, so `launch.regions.cut(leaf)`
+        partitions it (`rlbus chaos`); ignored when the servers are not embedded."""
         state = (state_dir or topology.state_path).resolve()
         if fresh and state.exists():
             shutil.rmtree(state)
@@ -159,7 +163,7 @@ class Launch:
             sync = None if topology.durability.sync_interval == "default" else topology.durability.sync_interval
             regions = await anyio.to_thread.run_sync(
                 lambda: RegionSet.start(state / "nats", names, topology.hub.name, sync_interval=sync,
-                                        run=topology.run))
+                                        run=topology.run, relay=relay))
             creds_file: Path | None = state / "nats" / CREDENTIALS_NAME
             endpoints = Endpoints(urls={n: (regions.url(n),) for n in names}, domains={n: n for n in names},
                                   hub=topology.hub.name, credentials={n: creds_file for n in names})
