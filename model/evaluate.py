@@ -1,7 +1,7 @@
 """Held-out evaluation: greedy completions for many tasks at once, graded, as pass@1 with a Wilson interval.
 
-Owns: batched greedy decoding over left-padded prompts with the KV cache (small on purpose; sampling with
-logprobs and versions lives in `generate.py`), `wilson_interval`, and `evaluate_pass_at_1`.
+Owns: `wilson_interval`, `greedy_complete` (length-sorted batches through `generate.generate`) and
+`evaluate_pass_at_1`.
 Does not own: the task set (`tasks.py`) or the isolation of graded code (the runner's job).
 """
 
@@ -11,9 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from rlbus.model.episodes import completion_text
+from rlbus.model.generate import generate
 from rlbus.model.grading import GradeResult, Runner, grade_many, subprocess_runner
 from rlbus.model.tasks import Task
 from rlbus.model.tokenizer import ByteTokenizer
@@ -37,41 +36,23 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-@torch.no_grad()
 def greedy_complete(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                    stop_ids: Sequence[int], pad_id: int, batch_size: int = 64) -> list[list[int]]:
-    """Greedy continuation of each prompt (ids) until a stop id (kept) or max_new_tokens; input order.
+                    stop_id: int, pad_id: int, batch_size: int = 64) -> list[list[int]]:
+    """Greedy continuation of each prompt until `stop_id` (kept) or max_new_tokens; results in input order.
 
-    Prompts are sorted by length and left-padded per batch; the cache holds prompt + new tokens.
+    Prompts are sorted by length before batching, so left padding stays small; each batch is one
+    `generate(temperature=0)` call with the KV cache.
     """
     was_training = model.training
     model.eval()
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
-    stops = torch.tensor(list(stop_ids))
     for first in range(0, len(order), batch_size):
         rows = order[first:first + batch_size]
-        width = max(len(prompts[i]) for i in rows)
-        tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        real = torch.zeros((len(rows), width), dtype=torch.bool)
-        for r, i in enumerate(rows):
-            tokens[r, width - len(prompts[i]):] = torch.tensor(list(prompts[i]))
-            real[r, width - len(prompts[i]):] = True
-        cache = model.new_cache(len(rows), min(width + max_new_tokens, model.config.max_seq_len))
-        logits = model(tokens, cache=cache, attention_mask=real).logits[:, -1]
-        done = torch.zeros(len(rows), dtype=torch.bool)
-        generated: list[torch.Tensor] = []
-        for _ in range(min(max_new_tokens, cache.max_len - width)):
-            next_ids = logits.argmax(-1)
-            generated.append(torch.where(done, pad_id, next_ids))
-            done |= torch.isin(next_ids, stops)
-            if bool(done.all()) or cache.length >= cache.max_len:
-                break
-            logits = model(next_ids[:, None], cache=cache).logits[:, -1]
-        if generated:
-            block = torch.stack(generated, dim=1).tolist()
-            for r, i in enumerate(rows):
-                out[i] = [t for t in block[r] if t != pad_id]
+        samples = generate(model, [prompts[i] for i in rows], max_new_tokens=max_new_tokens, temperature=0.0,
+                           eos_id=stop_id, pad_id=pad_id)
+        for i, sample in zip(rows, samples, strict=True):
+            out[i] = sample.tokens.tolist()
     model.train(was_training)
     return out
 
@@ -97,7 +78,7 @@ def evaluate_pass_at_1(model: Transformer, tokenizer: ByteTokenizer, tasks: Sequ
     """Greedy single-attempt pass@1 of `model` on `tasks`, graded in one runner call."""
     prompts = [tokenizer.prompt_ids(t.prompt) for t in tasks]
     ids = greedy_complete(model, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                          stop_ids=(tokenizer.end_turn_id, tokenizer.eos_id), pad_id=tokenizer.pad_id)
+                          stop_id=tokenizer.stop_id, pad_id=tokenizer.pad_id)
     texts = [completion_text(c, tokenizer) for c in ids]
     results = grade_many(list(zip(tasks, texts, strict=True)), runner=runner)
     passed = sum(r.passed for r in results)

@@ -60,7 +60,8 @@ class PretrainConfig:
     task_seed: int = 0
     """Seed of the held-out set (`eval_tasks(task_seed)`); training tasks never share its prompts."""
     eval_n: int = 200
-    max_new_tokens: int = 160
+    max_new_tokens: int = 128
+    """Greedy decoding budget per held-out task (the longest canonical body is ~120 tokens)."""
     checkpoint_every: int = 100
 
     @classmethod
@@ -115,7 +116,7 @@ def corrupt(solution: str, rng: random.Random) -> str:
     """A plausible wrong attempt: change one integer literal, flip one operator, or drop one step line."""
     lines = solution.split("\n")
     steps = [i for i, line in enumerate(lines) if line.startswith("    ") and "return" not in line]
-    literals = [m for m in re.finditer(r"(?<![\w'])\d+", solution)]
+    literals = list(re.finditer(r"(?<![\w'])\d+", solution))
     kind = rng.choice(["literal", "operator", "drop"])
     if kind == "literal" and literals:
         m = rng.choice(literals)

@@ -79,6 +79,11 @@ class ByteTokenizer:
     def end_turn_id(self) -> int:
         return self.special_id("<|end_turn|>")
 
+    @property
+    def stop_id(self) -> int:
+        """The id that ends a policy turn (<|end_turn|>): pass it as `eos_id` to `generate`."""
+        return self.end_turn_id
+
     def is_special(self, token_id: int) -> bool:
         """True for ids of special tokens (>= 256)."""
         return token_id >= N_BYTES

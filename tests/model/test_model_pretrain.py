@@ -32,15 +32,15 @@ def test_wilson_interval_hand_values() -> None:
 
 
 def test_greedy_with_cache_matches_full_recompute() -> None:
-    """Left-padded cached greedy decoding equals argmax of a fresh full forward pass at every step."""
+    """Length-sorted, left-padded cached greedy decoding equals argmax of a full forward pass at every step."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny(vocab_size=TOK.vocab_size))
     prompts = [[256, 5, 9, 13], [256, 7], [256, 1, 2, 3, 4, 5, 6]]
-    out = greedy_complete(model, prompts, max_new_tokens=6, stop_ids=(), pad_id=TOK.pad_id, batch_size=2)
+    out = greedy_complete(model, prompts, max_new_tokens=6, stop_id=TOK.stop_id, pad_id=TOK.pad_id, batch_size=2)
     for prompt, completion in zip(prompts, out, strict=True):
         seq = list(prompt)
         with torch.no_grad():
-            for _ in range(6):
+            while len(seq) < len(prompt) + 6 and seq[-1] != TOK.stop_id:
                 seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
         assert completion == seq[len(prompt):]
 

@@ -35,6 +35,7 @@ def test_special_table() -> None:
     assert (TOK.bos_id, TOK.eos_id, TOK.pad_id, TOK.user_id) == (256, 257, 258, 259)
     assert (TOK.assistant_id, TOK.observation_id, TOK.summary_id, TOK.end_turn_id) == (260, 261, 262, 263)
     assert TOK.vocab_size == 256 + len(SPECIAL_TOKENS) == 264
+    assert TOK.stop_id == TOK.end_turn_id
     with pytest.raises(ValueError, match="unknown special token"):
         TOK.special_id("<|system|>")
 
