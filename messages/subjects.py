@@ -228,25 +228,72 @@ class BucketScope:
         return out
 
 
-def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list[str], list[str]]:
-    """(publish allow, subscribe allow) patterns for a role, across every run.
+_API_PREFIXES: Final = ("$JS.API", "$JS.*.API")
+"""The JetStream API of the client's own server, and of any domain (region) across the leaf links."""
+_DURABLE_OWNERS: Final[tuple[Role, ...]] = ("trainer", "publisher", "checkpointer")
+"""Roles whose durable consumer is named after the role (`Subjects.durable(role)`); generators' are per region."""
 
-    Every role may use JetStream's API and acks, reply inboxes, service discovery, and publish its own
-    heartbeats and events. Data subjects are granted by role: only the trainer side (trainer, publisher,
+
+def _durable(role: str, region: str | None = None) -> str:
+    return "_".join([role] + ([region] if region else []))
+
+
+def role_durables(scope: BucketScope | None = None) -> dict[Role, list[str]]:
+    """The durable consumers of the run's actors by owning role (generators' per region of `scope`)."""
+    scope = scope or BucketScope()
+    out: dict[Role, list[str]] = {role: [_durable(role)] for role in _DURABLE_OWNERS}
+    out["generator"] = [_durable("generator", r) for r in scope.regions]
+    return out
+
+
+def _api(*suffixes: str) -> list[str]:
+    return [f"{prefix}.{suffix}" for suffix in suffixes for prefix in _API_PREFIXES]
+
+
+def _jetstream_reads() -> list[str]:
+    """JetStream API every role may use: read stream/consumer info and messages, create ephemeral
+    consumers and pull from them, delete them afterwards. Durables of other roles are carved out by
+    `role_denials`; nothing here creates, changes, purges or deletes a stream."""
+    return _api("INFO", "STREAM.INFO.*", "STREAM.NAMES", "STREAM.LIST", "STREAM.MSG.GET.*", "DIRECT.GET.>",
+                "CONSUMER.INFO.*.*", "CONSUMER.NAMES.*", "CONSUMER.LIST.*", "CONSUMER.CREATE.*",
+                "CONSUMER.CREATE.*.*", "CONSUMER.CREATE.*.*.>", "CONSUMER.MSG.NEXT.*.*", "CONSUMER.DELETE.*.*")
+
+
+def _bucket_writes(patterns: list[str]) -> list[str]:
+    """Write rights for buckets: the plain `$KV.<b>.>`/`$O.<b>.>` subjects, the same through another
+    domain's API (`$JS.<domain>.API.$KV.<b>.>`, how a KV key is written across a leaf link), and purging
+    the bucket's own stream (an object store purges old chunks on overwrite and delete)."""
+    out: list[str] = []
+    for pattern in patterns:
+        bucket_stream = ("KV_" if pattern.startswith("$KV.") else "OBJ_") + pattern.split(".")[1]
+        out += [pattern, f"$JS.*.API.{pattern}", *_api(f"STREAM.PURGE.{bucket_stream}")]
+    return out
+
+
+def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list[str], list[str]]:
+    """(publish allow, subscribe allow) patterns for a role, across every run; `role_denials` carves out
+    what these wildcards would over-grant.
+
+    Every role may read through the JetStream API (stream and consumer info, messages, ephemeral
+    consumers), ack, use reply inboxes and service discovery, and publish its own heartbeats, events and
+    dead letters. No role but admin may create, update, purge or delete a stream, or publish raw to
+    another domain's API. Data subjects are granted by role: only the trainer side (trainer, publisher,
     checkpointer) writes weights, checkpoints and TRAINLOG; only the feeder writes tasks; only generators
-    write rollouts. Bucket writes are granted per bucket for the runs and regions of `scope`.
+    write rollouts. Bucket writes (plain and through `$JS.<domain>.API`, plus purging the bucket's stream)
+    are granted per bucket for the runs and regions of `scope`.
     """
     scope = scope or BucketScope()
     run = f"{_ROOT}.*"
-    common_pub = ["$JS.API.>", "$JS.*.API.>", "$JS.ACK.>", "$JS.FC.>", "_INBOX.>", "$SRV.>",
+    common_pub = [*_jetstream_reads(), "$JS.ACK.>", "$JS.FC.>", "_INBOX.>", "$SRV.>",
                   f"{run}.health.>", f"{run}.events.>", f"{run}.dlq.>"]
     common_sub = ["_INBOX.>", "$SRV.>", f"{run}.>", "$JS.EVENT.>", "$KV.>", "$O.>"]
     data: dict[str, list[str]] = {
-        "feeder": [f"{run}.tasks.*", *scope.buckets("partials")],
-        "generator": [f"{run}.rollouts.*", f"{run}.sandbox.*", *scope.buckets("partials")],
-        "trainer": [f"{run}.trainlog", f"{run}.state.*", *scope.buckets("checkpoint")],
-        "publisher": [f"{run}.weights", *scope.buckets("weights"), *scope.buckets("latest")],
-        "checkpointer": [f"{run}.checkpoints", *scope.buckets("checkpoint")],
+        "feeder": [f"{run}.tasks.*", *_bucket_writes(scope.buckets("partials"))],
+        "generator": [f"{run}.rollouts.*", f"{run}.sandbox.*", *_bucket_writes(scope.buckets("partials"))],
+        "trainer": [f"{run}.trainlog", f"{run}.state.*", *_bucket_writes(scope.buckets("checkpoint"))],
+        "publisher": [f"{run}.weights", *_bucket_writes(scope.buckets("weights")),
+                      *_bucket_writes(scope.buckets("latest"))],
+        "checkpointer": [f"{run}.checkpoints", *_bucket_writes(scope.buckets("checkpoint"))],
         "sandbox": [],
         "evaluator": [f"{run}.evals", f"{run}.sandbox.*"],
         "observer": [],
@@ -255,4 +302,31 @@ def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list
         return [">"], [">"]
     if role not in data:
         raise SubjectError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
-    return common_pub + data[role], common_sub
+    own_durables = [api for name in role_durables(scope).get(role, [])    # (re)created by the actor itself
+                    for api in _api(f"CONSUMER.DURABLE.CREATE.*.{name}")]
+    return common_pub + own_durables + data[role], common_sub
+
+
+def role_denials(role: Role, scope: BucketScope | None = None) -> tuple[list[str], list[str]]:
+    """(publish deny, subscribe deny) patterns for a role: they win over `role_permissions`' allows.
+
+    Publish: no role pulls from, acks for, or creates/updates another role's durable consumer (stealing
+    or stalling its work), and nobody but admin deletes a durable. Subscribe: only sandbox supervisors
+    listen on sandbox request subjects (a listener there could answer with forged verdicts).
+    Generators' durables are named per region, so they are protected for the regions of `scope` only.
+    """
+    if role in ("admin", "leaf"):
+        return [], []
+    if role not in ROLES:
+        raise SubjectError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    durables = role_durables(scope)
+    deny: list[str] = []
+    for owner, names in durables.items():
+        for name in names:
+            deny += _api(f"CONSUMER.DELETE.*.{name}")
+            if owner != role:
+                deny += [*_api(f"CONSUMER.MSG.NEXT.*.{name}", f"CONSUMER.CREATE.*.{name}",
+                               f"CONSUMER.CREATE.*.{name}.>"),
+                         f"$JS.ACK.*.{name}.>", f"$JS.ACK.*.*.*.{name}.>"]
+    sub_deny = [] if role == "sandbox" else [f"{_ROOT}.*.sandbox.*"]
+    return deny, sub_deny

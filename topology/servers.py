@@ -32,7 +32,7 @@ from typing import Any, Final, NamedTuple
 import structlog
 
 from rlbus.messages.errors import ServerError
-from rlbus.messages.subjects import ROLES, BucketScope, role_permissions, token
+from rlbus.messages.subjects import ROLES, BucketScope, role_denials, role_permissions, token
 
 log = structlog.get_logger()
 
@@ -106,8 +106,9 @@ def _q(value: str) -> str:
 
 def _user_block(cred: Credential, role: str, scope: BucketScope | None) -> str:
     pub, sub = role_permissions(role, scope)  # type: ignore[arg-type]  # role comes from ROLES
-    perms = (f"permissions: {{publish: {{allow: {json.dumps(pub)}}}, "
-             f"subscribe: {{allow: {json.dumps(sub)}}}}}")
+    pub_deny, sub_deny = role_denials(role, scope)  # type: ignore[arg-type]
+    perms = (f"permissions: {{publish: {{allow: {json.dumps(pub)}, deny: {json.dumps(pub_deny)}}}, "
+             f"subscribe: {{allow: {json.dumps(sub)}, deny: {json.dumps(sub_deny)}}}}}")
     return f"    {{user: {_q(cred.user)}, password: {_q(cred.password)}, {perms}}}"
 
 
