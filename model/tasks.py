@@ -12,6 +12,7 @@ steps in an if/else. Difficulty grows with the number of steps and with branchin
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,6 +59,19 @@ class Task:
         if completion.lstrip().startswith(("def ", "import ", "from ")):
             return completion
         return self.prompt + completion
+
+    def verifier_spec(self) -> dict[str, str]:
+        """The tests as a flat str -> str map (the `Task` message's `verifier` field); no solution inside."""
+        return {"kind": "python_tests", "entry": self.entry_point, "family": self.family, "level": str(self.level),
+                "tests": json.dumps([[t.args, t.expected] for t in self.tests])}
+
+    @classmethod
+    def from_spec(cls, task_id: str, prompt: str, spec: dict[str, str]) -> Task:
+        """Rebuild a gradable task from a prompt and `verifier_spec()`; the solution is left empty."""
+        if spec.get("kind") != "python_tests":
+            raise ValueError(f"task {task_id}: verifier kind {spec.get('kind')!r} is not 'python_tests'")
+        tests = tuple(HiddenTest(str(a), str(e)) for a, e in json.loads(spec["tests"]))
+        return cls(task_id, spec.get("family", ""), int(spec.get("level", "0")), prompt, spec["entry"], "", tests)
 
     @property
     def prompt_hash(self) -> str:

@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="pretrain the policy on synthetic coding-task solutions and report held-out pass@1",
         description="Train a fresh policy on prompts + canonical solutions of the built-in coding-task "
                     "family (some documents retry after test feedback), checkpoint it, then greedy-decode the "
-                    "held-out tasks and print pass@1 with its 95%% Wilson interval. The small preset takes "
+                    "held-out tasks and print pass@1 with its 95% Wilson interval. The small preset takes "
                     "a few minutes on 2 CPU cores.",
     )
     p.add_argument("--out", type=Path, default=Path(".rlbus/pretrain"), metavar="DIR",

@@ -84,3 +84,13 @@ def test_task_program_joins_prompt_and_body() -> None:
                 (HiddenTest("(1,)", "3"),))
     assert task.program("    return x\n") == 'def f(x):\n    """Add 2."""\n    return x\n'
     assert task.program("def f(x):\n    return 3\n") == "def f(x):\n    return 3\n"
+
+
+def test_verifier_spec_round_trip() -> None:
+    """A task shipped as prompt + verifier spec (str -> str) grades the same, without its solution."""
+    task = eval_tasks(0, 1)[0]
+    spec = task.verifier_spec()
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in spec.items())
+    rebuilt = Task.from_spec(task.task_id, task.prompt, spec)
+    assert rebuilt.tests == task.tests and rebuilt.entry_point == "f" and rebuilt.solution == ""
+    assert [r.passed for r in grade_many([(rebuilt, task.solution), (rebuilt, "    return 0\n")])] == [True, False]
