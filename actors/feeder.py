@@ -3,7 +3,8 @@
 Owns: `Feeder` (kind "feeder"), `FeederConfig`, the task sources (the built-in family
 `model.tasks.train_tasks(seed)`, or a JSONL file of tasks), the deterministic weighted region of each
 task, the verifier spec a generator rebuilds a task from (`verifier_for` / `task_from_verifier`), and
-the feeder's position, kept in the hub's PARTIALS KV under `POSITION_KEY`.
+the feeder's position, kept in the hub's PARTIALS KV under `POSITION_KEY`, and the lockstep schedule
+(`lockstep`: one batch of tasks per new policy version, for the synchronous arm of `rlbus bench async`).
 Does not: generate or grade (actors/generator.py), provision streams (messages/streams.py).
 
 Task `i` of the sequence goes to region `assign_region(seed, i, weights)`, a pure function, and only
@@ -36,8 +37,12 @@ import nats.js.errors
 import structlog
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.weights import LATEST_KEY
+from rlbus.messages import codec
 from rlbus.messages.bus import Bus
+from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import Task as TaskMessage
+from rlbus.messages.schemas import WeightManifest
 from rlbus.model.tasks import HiddenTest, train_tasks
 from rlbus.model.tasks import Task as CodingTask
 
@@ -64,6 +69,9 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """A JSONL file of tasks (see the module docstring) instead of the built-in family."""
     poll_interval_s: float = 1.0
     """How often each region's backlog is checked and topped up."""
+    lockstep: bool = False
+    """Publish `backlog_per_region` tasks to a region per new version in its LATEST key, stamped with it as
+    `Task.min_version`, instead of keeping the backlog full (topology/schema.py FeederSettings.lockstep)."""
     regions: list[str] = []
     """Regions to feed (the launcher passes every region of the topology); empty: the feeder's own."""
     domains: dict[str, str] = {}
@@ -196,6 +204,8 @@ class Position(msgspec.Struct, kw_only=True):
     source: str
     weights: dict[str, float]
     cursors: dict[str, int]
+    versions: dict[str, int] = {}
+    """Lockstep: per region, the last policy version it was given its batch for."""
 
 
 class Feeder(Actor):
@@ -209,7 +219,10 @@ class Feeder(Actor):
         self.weights = config.weights(ident.region)
         self.source = config.tasks_file or f"builtin:{config.seed}"
         self.cursors: dict[str, int] = {r: 0 for r, _ in self.weights}
+        self.fed_versions: dict[str, int] = {}
+        """Lockstep: per region, the last policy version whose batch it was given."""
         self._revision: int | None = None
+        self._save_lock = anyio.Lock()
         self._troubled: set[str] = set()
         self.tasks: TaskSequence
         self.counters.update(dict.fromkeys(("tasks", "duplicates", "publish_failures"), 0))
@@ -226,6 +239,11 @@ class Feeder(Actor):
         await self._load_position()
 
     async def run(self) -> None:
+        if self.config.lockstep:
+            async with anyio.create_task_group() as tg:
+                for region, _ in self.weights:
+                    tg.start_soon(self._lockstep, region)
+            return
         while True:
             fed = 0
             for region, _ in self.weights:
@@ -286,30 +304,76 @@ class Feeder(Actor):
         fed = 0
         with self.busy():
             while backlog + fed < self.config.backlog_per_region:
-                index = self._next_index(region)
-                if index is None:
-                    break
-                message = self._message(index, region)
-                try:
-                    ack = await self.bus.publish(self.bus.subjects.tasks(region), message, msg_id=message.task_id)
-                except (nats.errors.Error, TimeoutError) as err:
-                    self.count("publish_failures")
-                    self._trouble(region, "feeder_publish_failed", task_id=message.task_id, error=repr(err))
-                    break        # retried on the next poll, to the same region with the same msg id
-                self._fine(region)
-                self.cursors[region] = index + 1
+                if not await self._publish_next(region):
+                    break        # the end, or retried on the next poll to the same region with the same msg id
                 fed += 1
-                self.count("duplicates" if ack.duplicate else "tasks")
         if fed:
             log.info("feeder_topped_up", region=region, tasks=fed, backlog=backlog + fed,
                      cursor=self.cursors[region])
         return fed
 
-    def _message(self, index: int, region: str) -> TaskMessage:
+    async def _publish_next(self, region: str, min_version: int = 0) -> bool | None:
+        """Publish the region's next task and advance its cursor: True; False: the publish failed (try
+        again later, same msg id); None: the sequence has no task left for the region."""
+        index = self._next_index(region)
+        if index is None:
+            return None
+        message = self._message(index, region, min_version)
+        try:
+            ack = await self.bus.publish(self.bus.subjects.tasks(region), message, msg_id=message.task_id)
+        except (nats.errors.Error, TimeoutError) as err:
+            self.count("publish_failures")
+            self._trouble(region, "feeder_publish_failed", task_id=message.task_id, error=repr(err))
+            return False
+        self._fine(region)
+        self.cursors[region] = index + 1
+        self.count("duplicates" if ack.duplicate else "tasks")
+        return True
+
+    def _message(self, index: int, region: str, min_version: int = 0) -> TaskMessage:
         task = self.tasks.get(index)
         return TaskMessage(task_id=task.task_id, prompt=task.prompt, verifier=verifier_for(task),
                            group_size=self.config.group_size, region=region,
-                           seed=task_seed(self.config.seed, index))
+                           seed=task_seed(self.config.seed, index), min_version=min_version)
+
+    # ---- lockstep -------------------------------------------------------------------------------
+    async def _lockstep(self, region: str) -> None:
+        """Follow the region's LATEST weights key; for each version newer than the last one fed, publish
+        `backlog_per_region` tasks with `min_version` = that version (a failed publish is retried after
+        `poll_interval_s`), then save the position. No timer: the next batch waits for the next version."""
+        js = self.bus.jetstream(self.config.domains.get(region, region))
+        kv = await js.key_value(self.bus.subjects.latest_bucket(region))
+        watcher = await kv.watch(LATEST_KEY)
+        try:
+            async for entry in watcher:
+                if entry is None or not entry.value:     # end-of-history marker, delete or purge
+                    continue
+                try:
+                    version = codec.decode_as(entry.value, None, WeightManifest).version
+                except BadMessage as err:
+                    log.warning("feeder_manifest_unreadable", region=region, error=str(err))
+                    continue
+                if version <= self.fed_versions.get(region, -1):
+                    continue
+                fed = 0
+                with self.busy():
+                    while fed < self.config.backlog_per_region:
+                        published = await self._publish_next(region, min_version=version)
+                        if published is None:
+                            break
+                        if published:
+                            fed += 1
+                        else:
+                            await anyio.sleep(self.config.poll_interval_s)
+                self.fed_versions[region] = version
+                self.tasks.forget_below(min(self.cursors.values()))
+                self.gauges["position"] = float(min(self.cursors.values()))
+                log.info("feeder_lockstep_batch", region=region, version=version, tasks=fed,
+                         cursor=self.cursors[region])
+                await self._save_position()
+        finally:
+            with anyio.move_on_after(2.0, shield=True):
+                await watcher.stop()
 
     # ---- position -------------------------------------------------------------------------------
     async def _load_position(self) -> None:
@@ -331,12 +395,17 @@ class Feeder(Actor):
             self.cursors = {r: start for r in self.cursors}
         else:
             self.cursors = {r: saved.cursors.get(r, 0) for r in self.cursors}
+            self.fed_versions = {r: v for r, v in saved.versions.items() if r in self.cursors}
         log.info("feeder_position_loaded", cursors=self.cursors)
 
     async def _save_position(self) -> None:
         """Compare-and-set the cursors; a lost race (two feeders) reloads the winner's position."""
-        value = msgspec.json.encode(Position(seed=self.config.seed, source=self.source,
-                                             weights=dict(self.weights), cursors=dict(self.cursors)))
+        async with self._save_lock:      # lockstep saves from one task per region
+            await self._save_position_locked()
+
+    async def _save_position_locked(self) -> None:
+        value = msgspec.json.encode(Position(seed=self.config.seed, source=self.source, weights=dict(self.weights),
+                                             cursors=dict(self.cursors), versions=dict(self.fed_versions)))
         try:
             if self._revision is None:
                 self._revision = await self.kv.create(POSITION_KEY, value)

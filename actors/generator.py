@@ -1,7 +1,8 @@
 """The rollout generator: tasks in, groups of G graded multi-turn rollouts out, resumable at every chunk.
 
 Owns: `Generator` (kind "generator") and `GeneratorConfig`. Per task delivery (durable
-`generator_<region>` on the region's TASKS): rebuild the coding task from `Task.verifier`; load its
+`generator_<region>` on the region's TASKS): rebuild the coding task from `Task.verifier`; wait until the
+live weights are at `Task.min_version` (the lockstep feeder's; 0 for every other task); load its
 partial from the region's PARTIALS KV (key = task id) and resume it, or start G episodes; then step
 the group until every episode is done — self-summarise an episode whose context is over budget, sample
 the open drafts together `partial_every_tokens` at a time (`model.generate` in a worker thread, weights
@@ -172,6 +173,7 @@ class Generator(Actor):
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._hold, delivery)
+                    await self._await_version(message.min_version)
                     outcome = await self._run_group(message, task)
                     tg.cancel_scope.cancel()
             except anyio.get_cancelled_exc_class():
@@ -196,6 +198,15 @@ class Generator(Actor):
                 await delivery.in_progress()
             except nats.errors.Error as err:
                 log.warning("in_progress_failed", error=repr(err))
+
+    async def _await_version(self, version: int) -> None:
+        """Hold the task until the live model is at `version` or newer (`Task.min_version`, set only by the
+        lockstep feeder, which hands out a version's tasks once no task of an older version is left, so the
+        swap here cannot overlap a decode of another task)."""
+        weights = self._weights()
+        if weights.held_version is None or weights.held_version < version:
+            await weights.wait_for_version(version)
+            self._note_version()
 
     async def _run_group(self, message: TaskMessage, task: Task) -> Literal["published", "taken_over"]:
         """Finish the group (resuming its partial), publish it and delete the partial; "taken_over": see

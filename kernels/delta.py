@@ -35,7 +35,7 @@ BITS: Final[dict[torch.dtype, torch.dtype]] = {torch.bfloat16: torch.int16, torc
                                                torch.float32: torch.int32}
 DTYPES: Final[dict[str, torch.dtype]] = {"bfloat16": torch.bfloat16, "float16": torch.float16,
                                          "float32": torch.float32}
-_BITMASK_FROM: Final = 1 / 64
+_BITMASK_FROM: Final = 1 / 16
 _DENSE_FROM: Final = 1 / 2
 """Fractions of changed elements from which the bitmask, dense and full candidates are tried too."""
 
@@ -140,39 +140,40 @@ def ordered_key(bits: np.ndarray) -> np.ndarray:
     return bits ^ ((bits >> (w - 1)) & bits.dtype.type((1 << (w - 1)) - 1))
 
 
-def _wrap(d: np.ndarray, w: int) -> np.ndarray:
-    """Reduce int64 values into the signed w-bit range (arithmetic modulo 2**w)."""
-    half = 1 << (w - 1)
-    return ((d + half) & ((1 << w) - 1)) - half
+def _unsigned(dtype: np.dtype) -> np.dtype:
+    return np.dtype(f"<u{dtype.itemsize}")
 
 
 def key_diffs(new_vals: np.ndarray, old_vals: np.ndarray) -> np.ndarray:
-    """(K,) int16/int32 bits -> (K,) int64 d = key(new) - key(old) mod 2**w, signed; 0 iff bits equal."""
-    w = new_vals.dtype.itemsize * 8
-    return _wrap(ordered_key(new_vals).astype(np.int64) - ordered_key(old_vals).astype(np.int64), w)
+    """(K,) int16/int32 bits -> (K,) same dtype d = key(new) - key(old) modulo 2**w as a signed value.
+
+    d == 0 iff the bits are equal; one ulp up or down is +1 / -1 for every sign and exponent.
+    """
+    u = _unsigned(new_vals.dtype)
+    return (ordered_key(new_vals).view(u) - ordered_key(old_vals).view(u)).view(new_vals.dtype)
 
 
 def apply_key_diffs(old_vals: np.ndarray, d: np.ndarray) -> np.ndarray:
     """Inverse of `key_diffs`: bits whose key is key(old) + d modulo 2**w, same dtype as `old_vals`."""
-    w = old_vals.dtype.itemsize * 8
-    return ordered_key(_wrap(ordered_key(old_vals).astype(np.int64) + d, w).astype(old_vals.dtype))
+    u = _unsigned(old_vals.dtype)
+    return ordered_key((ordered_key(old_vals).view(u) + d.astype(u)).view(old_vals.dtype))
 
 
 def _encode_diffs(d: np.ndarray, out: bytearray) -> None:
     """Sign bits; escapes (|d| > 1) as gaps over the K values; escape magnitudes - 2."""
     out += bitcode.pack_flags(d < 0)
-    m = np.abs(d)
-    esc = np.flatnonzero(m > 1)
+    esc = np.flatnonzero((d + d.dtype.type(1)).view(_unsigned(d.dtype)) > 2)  # d+1 in {0, 2} iff |d| == 1
     put_varint(out, esc.size)
     if esc.size:
         bitcode.encode_ints(bitcode.gaps(esc), out)
-        bitcode.encode_ints(m[esc] - 2, out)
+        bitcode.encode_ints(np.abs(d[esc].astype(np.int64)) - 2, out)
 
 
-def _decode_diffs(buf: memoryview, off: int, count: int) -> tuple[np.ndarray, int]:
+def _decode_diffs(buf: memoryview, off: int, count: int, dtype: np.dtype) -> tuple[np.ndarray, int]:
+    """Inverse of `_encode_diffs`: -> ((count,) d of `dtype`, offset past the code)."""
     neg, off = bitcode.unpack_flags(buf, off, count)
+    d = (neg.view(np.uint8).astype(dtype) * dtype.type(-2)) + dtype.type(1)  # -1 where negative, else +1
     n_esc, off = get_varint(buf, off)
-    m = np.ones(count, dtype=np.int64)
     if n_esc:
         if n_esc > count:
             raise ValueError(f"{n_esc} escapes among {count} values")
@@ -181,8 +182,9 @@ def _decode_diffs(buf: memoryview, off: int, count: int) -> tuple[np.ndarray, in
         if esc[-1] >= count:
             raise ValueError("escape position past the last value")
         mags, off = bitcode.decode_ints(buf, off, n_esc)
-        m[esc] = mags + 2
-    return np.where(neg, -m, m), off
+        m = mags + 2
+        d[esc] = np.where(neg[esc], -m, m).astype(dtype)
+    return d, off
 
 
 def _shuffle(bits: np.ndarray) -> bytes:
@@ -267,7 +269,7 @@ def encode_tensor(new: Tensor, old: Tensor | None = None, *, digest: bytes | Non
     """Encode `new` against the base `old` (None: a full snapshot), choosing the smallest payload.
 
     encodings: the candidates to try (default: by the fraction p of changed elements, SPARSE always,
-    BITMASK from p > 1/64, DENSE_XOR and FULL from p > 1/2). digest: `tensor_digest(new)` if known.
+    BITMASK from p > 1/16, DENSE_XOR and FULL from p > 1/2). digest: `tensor_digest(new)` if known.
     level: zstd level of the zstd-coded parts. CUDA tensors: changes are found by the Triton kernel
     and only K-sized arrays leave the device, unless a dense candidate is tried.
     """
@@ -367,7 +369,8 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Non
             raise ValueError(f"bitmask marks {pos.size} elements, count says {count}")
     if count and (pos[-1] >= n or pos[0] < 0):
         raise ValueError(f"position {int(pos[-1])} outside a tensor of {n} elements")
-    d, off = _decode_diffs(payload, off, count) if count else (np.zeros(0, np.int64), off)
+    itype = np.dtype(f"<i{itemsize}")
+    d, off = _decode_diffs(payload, off, count, itype) if count else (np.zeros(0, itype), off)
     if off != len(payload):
         raise ValueError(f"payload has {len(payload) - off} trailing bytes")
     if flat.device.type == "cpu":
@@ -375,7 +378,7 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Non
         host[pos] = apply_key_diffs(host[pos], d)
     else:
         dev = flat.device
-        apply_key_diffs_torch_(flat, torch.from_numpy(pos).to(dev), torch.from_numpy(d).to(dev))
+        apply_key_diffs_torch_(flat, torch.from_numpy(pos).to(dev), torch.from_numpy(d.astype(np.int64)).to(dev))
 
 
 def apply_key_diffs_torch_(flat: Tensor, pos: Tensor, d: Tensor) -> None:

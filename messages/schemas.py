@@ -69,6 +69,9 @@ class Task(Message, tag="task"):
     region: str = ""
     seed: int = 0
     created_at: float = msgspec.field(default_factory=time.time)
+    min_version: int = 0
+    """Generators start the task only once they hold this policy version or newer (0: any). Set by the
+    feeder's lockstep schedule (`feeder.lockstep`, the synchronous arm of `rlbus bench async`)."""
 
 
 class SandboxVerdict(msgspec.Struct, frozen=True, kw_only=True):

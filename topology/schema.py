@@ -130,6 +130,12 @@ class FeederSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     """A JSONL file of tasks (one object per line: task_id, prompt, entry_point, tests [{args, expected}]) instead of the built-in family."""
     poll_interval_s: PositiveFloat = 1.0
     """How often each region's backlog is checked and topped up, seconds."""
+    lockstep: bool = False
+    """Benchmark schedule (the synchronous arm of `rlbus bench async`): instead of keeping backlogs full, publish
+    exactly `backlog_per_region` tasks to a region each time its LATEST weights key announces a new policy
+    version, stamped so that generators start them only with that version. With `trainer.staleness_versions = 0`
+    and `backlog_per_region * generator.group_size = trainer.batch_rollouts` this is generate-then-train in
+    lockstep. Off (the default): the async pipeline."""
 
 
 class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -1,0 +1,56 @@
+"""`rlbus bench async --quick` runs both arms for the same number of optimizer steps with clean ledgers:
+the sync arm trains only on rollouts of the version it holds (lockstep), and nothing is left running.
+No speed is asserted (benchmarks report numbers; the suite checks outcomes)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from rlbus.ops.bench_async import add_arguments, run, table
+
+pytestmark = pytest.mark.slow
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """PIDs (not this one, not zombies) whose command line contains `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_quick_bench_runs_both_arms_to_the_same_step_with_clean_ledgers(tmp_path: Path) -> None:
+    """Both arms take N=2 steps of 4 rollouts; the sync arm's are all 0 versions behind; ledgers are clean."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    add_arguments(parser)
+    state = tmp_path / "bench"
+    result = run(parser.parse_args(["--quick", "--async-state-dir", str(state)]))
+    assert {"speedup", "staleness", "steps", "arms"} <= set(result)
+    assert result["speedup"] > 0 and result["steps"] == 2 and result["batch_rollouts"] == 4
+    for arm in ("async", "sync"):
+        numbers = result["arms"][arm]
+        assert numbers["steps_taken"] >= 2
+        assert numbers["rollouts_trained"] == 8               # 2 steps x 4 rollouts
+        assert numbers["ledger"]["clean"], numbers["ledger"]
+        assert numbers["ledger"]["lost"] == 0 and numbers["ledger"]["trained_twice"] == 0
+        assert sum(numbers["staleness"].values()) == 8
+        assert {"wall_s", "steps_per_s", "rollouts_per_s", "dropped"} <= set(numbers)
+    assert result["arms"]["sync"]["staleness"] == {"0": 8}
+    assert result["arms"]["sync"]["dropped_total"] == 0
+    assert result["staleness"] == result["arms"]["async"]["staleness"]
+    assert "speedup (sync / async wall-clock)" in table(result)
+    assert (state / "sync" / "pretrained" / "pretrain.pt").exists()
+    assert _processes_mentioning(str(state)) == []
