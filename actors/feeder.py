@@ -305,7 +305,7 @@ class Feeder(Actor):
         with self.busy():
             while backlog + fed < self.config.backlog_per_region:
                 if not await self._publish_next(region):
-                    break        # the end, or retried on the next poll to the same region with the same msg id
+                    break        # the end, or retried next poll (same region, same msg id)
                 fed += 1
         if fed:
             log.info("feeder_topped_up", region=region, tasks=fed, backlog=backlog + fed,
@@ -404,8 +404,9 @@ class Feeder(Actor):
             await self._save_position_locked()
 
     async def _save_position_locked(self) -> None:
-        value = msgspec.json.encode(Position(seed=self.config.seed, source=self.source, weights=dict(self.weights),
-                                             cursors=dict(self.cursors), versions=dict(self.fed_versions)))
+        value = msgspec.json.encode(Position(seed=self.config.seed, source=self.source,
+                                             weights=dict(self.weights), cursors=dict(self.cursors),
+                                             versions=dict(self.fed_versions)))
         try:
             if self._revision is None:
                 self._revision = await self.kv.create(POSITION_KEY, value)

@@ -19,6 +19,7 @@ Wall-clock per arm runs from t0 = the later of the first Task published and vers
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import time
 from collections import Counter
@@ -38,12 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-preset", choices=["tiny", "small"], default="small",
                    help="async: pretrain preset (model size) of the shared starting policy (default small)")
     p.add_argument("--async-pretrain-steps", type=int, default=10,
-                   help="async: pretraining steps (batch 8) of the shared starting policy (default 10; --quick: 5)")
+                   help="async: pretraining steps (batch 8) of the starting policy (default 10; --quick: 5)")
     p.add_argument("--async-timeout", type=float, default=240.0,
                    help="async: hang guard per arm, seconds (default 240)")
     p.add_argument("--async-state-dir", type=Path, default=None,
-                   help="async: keep the arms' state (logs, streams) in this new directory (default: a temp dir, "
-                        "deleted)")
+                   help="async: keep the arms' state (logs, streams) in this directory (default: a temp "
+                        "dir, deleted)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -115,7 +116,7 @@ def _topology(arm: str, run: str, state: Path, args: argparse.Namespace) -> Any:
     from rlbus.topology.examples import example_path
     from rlbus.topology.schema import ActorSpec, Region, Topology
 
-    base = msgspec.toml.decode(example_path("tiny").read_bytes(), type=Topology)   # its settings; actors are ours
+    base = msgspec.toml.decode(example_path("tiny").read_bytes(), type=Topology)   # settings; actors: ours
     actors = [ActorSpec(kind="feeder"), ActorSpec(kind="generator", count=args.async_generators),
               ActorSpec(kind="sandbox"), ActorSpec(kind="trainer"), ActorSpec(kind="publisher"),
               ActorSpec(kind="checkpointer")]
@@ -161,7 +162,7 @@ async def _run_arm(topology: Any, state: Path, steps: int, timeout_s: float) -> 
             async for msg in step_sub.messages:
                 try:
                     record = codec.decode_as(msg.data, msg.headers, TrainStep)
-                    if record.rollout_ids and record.policy_version >= steps:    # a fresh run: version = steps
+                    if record.rollout_ids and record.policy_version >= steps:    # fresh run: version = steps
                         return
                 except BadMessage:
                     continue
@@ -169,13 +170,15 @@ async def _run_arm(topology: Any, state: Path, steps: int, timeout_s: float) -> 
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(first_task_time)
-                await tg.start(lambda task_status: launch.run_actors(heartbeat_s=1.0, task_status=task_status))
+                await tg.start(lambda task_status: launch.run_actors(heartbeat_s=1.0,
+                                                                     task_status=task_status))
                 with anyio.fail_after(timeout_s):
                     await reached()
                 tg.cancel_scope.cancel()
         except TimeoutError:
-            raise TimeoutError(f"bench async: the {_arm_name(topology)} arm did not reach step {steps} within "
-                               f"{timeout_s:.0f}s (logs in {state / 'logs'}; raise --async-timeout)") from None
+            raise TimeoutError(f"bench async: the {_arm_name(topology)} arm did not reach step {steps} "
+                               f"within {timeout_s:.0f}s (logs in {state / 'logs'}; raise --async-timeout)"
+                               ) from None
         finally:
             with anyio.move_on_after(2, shield=True):
                 await task_sub.unsubscribe()
@@ -218,7 +221,7 @@ def _summary(topology: Any, steps: int, records: list[Any], manifests: list[Any]
         dropped.update(reason_category(d.reason) for d in record.dropped)
     made = [r for r in rollouts if t0 <= r.created_at <= t_end]
     done = optimizer[:steps]
-    gaps = [b.created_at - a.created_at for a, b in zip(done, done[1:], strict=False)]
+    gaps = [b.created_at - a.created_at for a, b in itertools.pairwise(done)]
     return {
         "wall_s": wall,
         "wall_from_first_task_s": t_end - task0,
@@ -244,17 +247,22 @@ def table(result: dict[str, Any]) -> str:
     """The human table: one column per arm, then the speedup and the async staleness histogram."""
     arms = result["arms"]
     rows = [
-        ("wall-clock to step N (s)", "wall_s", "{:.1f}"), ("  from the first task (s)", "wall_from_first_task_s", "{:.1f}"),
-        ("optimizer steps/s", "steps_per_s", "{:.3f}"), ("rollouts generated/s", "rollouts_per_s", "{:.2f}"),
-        ("rollouts generated", "rollouts_generated", "{}"), ("rollouts trained", "rollouts_trained", "{}"),
-        ("rollouts dropped", "dropped_total", "{}"), ("median step interval (s)", "step_interval_s", "{:.2f}"),
-        ("staleness bound", "staleness_bound", "{}"), ("startup before t0 (s)", "startup_s", "{:.1f}"),
+        ("wall-clock to step N (s)", "wall_s", "{:.1f}"),
+        ("  from the first task (s)", "wall_from_first_task_s", "{:.1f}"),
+        ("optimizer steps/s", "steps_per_s", "{:.3f}"),
+        ("rollouts generated/s", "rollouts_per_s", "{:.2f}"),
+        ("rollouts generated", "rollouts_generated", "{}"),
+        ("rollouts trained", "rollouts_trained", "{}"),
+        ("rollouts dropped", "dropped_total", "{}"),
+        ("median step interval (s)", "step_interval_s", "{:.2f}"),
+        ("staleness bound", "staleness_bound", "{}"),
+        ("startup before t0 (s)", "startup_s", "{:.1f}"),
     ]
     width = max(len(label) for label, _, _ in rows)
-    lines = [f"rlbus bench async: {result['steps']} optimizer steps per arm, {result['generators']} generators, "
-             f"batch {result['batch_rollouts']} rollouts, {result['preset']} model (load {result['load_avg_1m']:.1f}, "
-             f"{result['total_s']:.0f}s in all)",
-             f"{'':{width}}  {'async':>10}  {'sync':>10}"]
+    head = (f"rlbus bench async: {result['steps']} optimizer steps per arm, {result['generators']} generators, "
+            f"batch {result['batch_rollouts']} rollouts, {result['preset']} model "
+            f"(load {result['load_avg_1m']:.1f}, {result['total_s']:.0f}s in all)")
+    lines = [head, f"{'':{width}}  {'async':>10}  {'sync':>10}"]
     for label, key, fmt in rows:
         cells = [fmt.format(arms[a][key]) if arms[a][key] is not None else "-" for a in ARMS]
         lines.append(f"{label:{width}}  {cells[0]:>10}  {cells[1]:>10}")

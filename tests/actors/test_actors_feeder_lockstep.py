@@ -56,7 +56,7 @@ async def _wait_until(predicate: Callable[[], Awaitable[bool]]) -> None:
 
 
 async def test_lockstep_feeds_one_batch_per_new_version(tmp_path: Path) -> None:
-    """LATEST v0 → 3 tasks with min_version 0; v0 again → none; v1 → 3 more with min_version 1; position saved."""
+    """LATEST v0 → 3 tasks with min_version 0; v0 again → none; v1 → 3 more with min_version 1; saved."""
     run = f"t{uuid.uuid4().hex[:8]}"
     rs = RegionSet.start(tmp_path / "regions", [HUB], HUB, run=run)
     try:
