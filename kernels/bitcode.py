@@ -75,7 +75,8 @@ def _unpack_fixed(raw: np.ndarray, count: int, w: int) -> np.ndarray:
     for i in range(nbytes):
         values |= raw[i * count:(i + 1) * count].astype(np.int64) << (8 * i)
     if w % 8:
-        planes = np.unpackbits(raw[nbytes * count:], count=(w % 8) * count, bitorder="little").reshape(-1, count)
+        planes = np.unpackbits(raw[nbytes * count:], count=(w % 8) * count, bitorder="little")
+        planes = planes.reshape(-1, count)
         low = planes[0].copy()
         for j in range(1, w % 8):
             low |= planes[j] << np.uint8(j)
@@ -173,7 +174,8 @@ def choose_code(x: np.ndarray) -> tuple[int, int]:
     sample = x[:: max(1, x.size // 1024)]  # the median of <= ~1k evenly spaced values is enough here
     ke = int(np.log2(float(np.partition(sample, sample.size // 2)[sample.size // 2]) + 1.0))
     if int(x.max()) >> ke > 64:
-        best = min(best, *((code_cost(x, EXP_GOLOMB, k), EXP_GOLOMB, k) for k in range(max(0, ke - 1), ke + 1)))
+        best = min(best, *((code_cost(x, EXP_GOLOMB, k), EXP_GOLOMB, k)
+                           for k in range(max(0, ke - 1), ke + 1)))
     return best[1], best[2]
 
 

@@ -378,7 +378,8 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Non
         host[pos] = apply_key_diffs(host[pos], d)
     else:
         dev = flat.device
-        apply_key_diffs_torch_(flat, torch.from_numpy(pos).to(dev), torch.from_numpy(d.astype(np.int64)).to(dev))
+        d64 = torch.from_numpy(d.astype(np.int64))
+        apply_key_diffs_torch_(flat, torch.from_numpy(pos).to(dev), d64.to(dev))
 
 
 def apply_key_diffs_torch_(flat: Tensor, pos: Tensor, d: Tensor) -> None:
