@@ -255,7 +255,7 @@ def table(result: dict[str, Any]) -> str:
         "xor+zstd eff: bound efficiency of the literal gaps+XOR byte-plane zstd-1 format; v0->v: the "
         "multi-version delta from the end of the warm-up.",
         "Targets: bound eff >= 0.9 and x idx+val >= 4 at every lr; at 1e-6 x bf16 >= 25, enc >= 1000 and "
-        f"dec >= 2000 MB/s on {r['threads']} threads (1-min load average at the end: {r['load_avg_1m']:.1f}; the "
-        "cores are shared).",
+        f"dec >= 2000 MB/s on {r['threads']} threads (1-min load average at the end: "
+        f"{r['load_avg_1m']:.1f}; the cores are shared).",
     ]
     return "\n".join(lines)
