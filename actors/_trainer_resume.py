@@ -18,9 +18,10 @@ import nats.js.errors
 import structlog
 
 from rlbus.actors.checkpointer import checkpoint_dir
-from rlbus.messages import codec
+from rlbus.actors.ledger import read_all
+from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, digest
-from rlbus.messages.errors import DigestMismatch, RlbusError
+from rlbus.messages.errors import BadMessage, DigestMismatch, RlbusError
 from rlbus.messages.schemas import CheckpointMark, VersionReady
 
 log = structlog.get_logger()
@@ -63,12 +64,27 @@ async def resume_point(bus: Bus, *, state_dir: str = "", wait_s: float = 300.0,
 
 
 async def last_message(bus: Bus, stream: str, subject: str, kind: type[M]) -> M | None:
-    """The last message on `subject` in `stream`, decoded; None when there is none."""
+    """The last valid message on `subject` in `stream`, decoded; None when there is none. A bad last
+    message (undecodable, or breaking messages/checks.py) is passed over: the stream is read back for the
+    last good one, so one bad message cannot stop every trainer start."""
     try:
         raw = await bus.js.get_last_msg(stream, subject)
     except nats.js.errors.NotFoundError:
         return None
-    return codec.decode_as(raw.data or b"", raw.headers, kind)
+    try:
+        message = codec.decode_as(raw.data or b"", raw.headers, kind)
+        checks.check(message)
+        return message
+    except BadMessage as err:
+        log.warning("trainer_last_message_bad", stream=stream, seq=raw.seq, error=str(err))
+    good = []
+    for candidate in await read_all(bus.js, stream, subject, kind):
+        try:
+            checks.check(candidate)
+        except BadMessage:
+            continue
+        good.append(candidate)
+    return good[-1] if good else None
 
 
 async def wait_for_checkpointer(bus: Bus, *, wait_s: float, gauges: dict[str, float]) -> None:

@@ -1,8 +1,8 @@
 """The checkpointer actor: turns the trainer's uploaded state into durable checkpoints and announces them.
 
 Owns: its durable consumer on STATE filtered to `state.upload` (created in setup); per `StateUploaded`:
-download every object and check its digest (a mismatch or a missing object is an `Event(incident)` and no
-mark — the trainer's next upload is checked afresh), copy the objects atomically to
+download every object and check its digest (a mismatch or a missing object is an `Event(incident)`, a dead
+letter with the reason and no mark — the trainer's next upload is checked afresh), copy the objects atomically to
 `<state_dir>/checkpoints/step-<N>/` (temporary directory, fsync, rename), publish
 `CheckpointMark` (msg_id `ckpt-<N>`) and `Event(checkpoint)`, then keep only the newest `keep`
 checkpoints (directories and CKPT objects).
@@ -27,7 +27,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.messages.bus import Bus, Delivery
-from rlbus.messages import codec
+from rlbus.messages import checks, codec
 from rlbus.messages.errors import BadMessage, DigestMismatch
 from rlbus.messages.schemas import CheckpointMark, StateUploaded
 from rlbus.messages.streams import ensure_consumer
@@ -174,6 +174,7 @@ class Checkpointer(Actor):
                 for msg in msgs:
                     try:
                         upload = codec.decode_as(msg.data, msg.headers, StateUploaded)
+                        checks.check(upload)
                     except BadMessage as err:
                         await self.bus.dead_letter(msg, reason=str(err), source=s.state_stream())
                         continue
@@ -198,7 +199,8 @@ class Checkpointer(Actor):
                             step=str(upload.step), reason="digest" if isinstance(err, DigestMismatch) else "missing")
             for name in upload.objects:
                 await _delete(self.bus, bucket, name)
-            await delivery.ack_sync()
+            await self.bus.dead_letter(delivery.raw, reason=f"state upload of step {upload.step} rejected: {err}",
+                                       source=self.subjects.state_stream())
             return
         mark = CheckpointMark(step=upload.step, policy_version=upload.policy_version, objects=list(upload.objects),
                               digests=list(upload.digests), consumed_rollout_ids=list(upload.consumed_rollout_ids),

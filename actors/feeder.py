@@ -144,8 +144,10 @@ def task_from_verifier(message: TaskMessage) -> CodingTask:
                          f"{VERIFIER_KIND!r}")
     try:
         doc = json.loads(message.verifier["task"])
-    except ValueError as err:
-        raise ValueError(f"task {message.task_id}: verifier task is not JSON: {err}") from None
+    except (ValueError, RecursionError) as err:    # RecursionError: nested past the parser's depth
+        raise ValueError(f"task {message.task_id}: verifier task is not usable JSON: {err!r}"[:500]) from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"task {message.task_id}: verifier task is a JSON {type(doc).__name__}, not an object")
     return task_from_json(doc)
 
 

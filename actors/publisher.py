@@ -9,7 +9,8 @@ versions. One writer task per region copies the objects into that region's WEIGH
 CAS-advances its LATEST `latest` to the manifest and prunes versions older than `keep_versions`; a
 region that fails is retried with backoff and catches up to the newest version. The manifest is
 announced on WEIGHTS (msg_id `weights-<N>`) once every reachable region is ready, with `regions_ready`,
-and only then is VersionReady acked. A version no region took is never announced.
+and only then is VersionReady acked. A version no region took is never announced; one whose CKPT object
+is missing or corrupt is dead-lettered with the reason.
 Does not: encode tensors (kernels/), apply weights (actors/weights.py) or train (actors/trainer.py).
 """
 
@@ -33,6 +34,7 @@ from nats.js.object_store import ObjectStore
 from torch import Tensor
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.ledger import read_all
 from rlbus.actors.weights import LATEST_KEY, decode_full, fetch_object, store_digest
 from rlbus.kernels.delta import DeltaCorrupt, snapshot_due
 from rlbus.kernels.delta_state import StateIndex, encode_state, read_index
@@ -180,7 +182,13 @@ class Publisher(Actor):
                                                                  self.subjects.weights())
         except nats.js.errors.NotFoundError:
             return None
-        return codec.decode_as(raw.data or b"", raw.headers, WeightManifest).version
+        try:
+            return codec.decode_as(raw.data or b"", raw.headers, WeightManifest).version
+        except BadMessage as err:                 # not ours: the newest announcement we can read
+            log.warning("publisher_last_announcement_bad", seq=raw.seq, error=str(err))
+            found = await read_all(self._js(self.settings.hub), self.subjects.weights_stream(),
+                                   self.subjects.weights(), WeightManifest)
+            return max((m.version for m in found), default=None)
 
     async def _keep_in_progress(self, delivery: Delivery[VersionReady]) -> None:
         while True:
@@ -203,9 +211,9 @@ class Publisher(Actor):
         received = await self._receive(ready)
         if received is None:
             self.count("versions_refused")
-            await self.emit("weights_rejected", detail=f"version {ready.version}: CKPT object {ready.object} "
-                            f"is missing or corrupt; not announced", version=str(ready.version))
-            await delivery.term()
+            reason = f"version {ready.version}: CKPT object {ready.object} is missing or corrupt; not announced"
+            await self.emit("weights_rejected", detail=reason, version=str(ready.version))
+            await self.bus.dead_letter(delivery.raw, reason=reason, source=self.subjects.state_stream())
             return
         encoded = await self._encode(ready, *received, timings={"receive_s": time.perf_counter() - t0})
         ready_regions = await self._await_regions(ready.version)

@@ -2,7 +2,8 @@
 
 Owns: `SandboxSupervisor` (kind "sandbox"). It answers `SandboxRequest`s on `subjects.sandbox(region)`
 in the region's queue group with exactly one `SandboxResult` each: limits clamped to the topology's
-`[sandbox]` ceiling, at most `concurrency` executions at once (the rest queue), a circuit breaker that
+`[sandbox]` ceiling, at most `concurrency` executions at once (up to `max_queued` more wait; past that
+the supervisor stops reading and its bounded subscription buffer takes the rest), a circuit breaker that
 answers "error" at once while executions keep failing for infrastructure reasons, bad requests
 answered with an "error" verdict and dead-lettered. The isolation level in use is in every result,
 the logs, the `started` event and the heartbeat (`isolation_level` gauge, `isolation_<level>` counter).
@@ -40,8 +41,8 @@ from rlbus.actors._sandbox_pool import (
     first_working_jail,
 )
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.messages import codec
-from rlbus.messages.bus import REASON_HEADER, SOURCE_HEADER, Bus
+from rlbus.messages import checks, codec
+from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import Heartbeat, SandboxLimits, SandboxRequest, SandboxResult, SandboxVerdict
 
@@ -73,6 +74,11 @@ class SandboxConfig:
     breaker_failures: int = 3
     """Consecutive infrastructure failures (executor crashes, failed starts) that open the breaker."""
     breaker_cooldown_s: float = 10.0
+    max_queued: int = 64
+    """Requests accepted beyond `concurrency`, waiting for an executor. Past that the supervisor stops reading:
+    at most `pending_limit` more wait in the client's buffer, then NATS drops them (requesters time out
+    and retry, or another supervisor of the queue group answers)."""
+    pending_limit: int = 256
 
     @classmethod
     def of(cls, settings: dict[str, Any]) -> SandboxConfig:
@@ -159,7 +165,9 @@ class SandboxSupervisor(Actor):
         # subscribed before `ready`, so a requester that saw the actor ready is answered
         subject = self.bus.subjects.sandbox(self.ident.region)
         try:
-            self._sub = await self.bus.nc.subscribe(subject, queue=self.bus.subjects.durable("sandbox", self.ident.region))
+            self._sub = await self.bus.nc.subscribe(subject, queue=self.bus.subjects.durable("sandbox", self.ident.region),
+                                                    pending_msgs_limit=self.config.pending_limit,
+                                                    pending_bytes_limit=self.config.pending_limit * 1024 * 1024)
             await self.bus.nc.flush()
         except BaseException:
             await self.pool.aclose()
@@ -174,8 +182,10 @@ class SandboxSupervisor(Actor):
                 tg.start_soon(self.pool.maintain)
                 await self.emit("started", detail=f"sandbox isolation {self.isolation}", isolation=self.isolation,
                                 pool_size=str(self.config.pool_size), concurrency=str(self.config.concurrency))
+                slots = anyio.Semaphore(self.config.concurrency + self.config.max_queued)
                 async for msg in self._sub.messages:
-                    tg.start_soon(self._handle, msg)
+                    await slots.acquire()            # bounded: a flood waits in the (bounded) subscription
+                    tg.start_soon(self._handle_in_slot, msg, slots)
         finally:
             with anyio.move_on_after(1.0, shield=True):
                 await self._sub.unsubscribe()
@@ -193,10 +203,17 @@ class SandboxSupervisor(Actor):
         return super().heartbeat()
 
     # ---- one request ----------------------------------------------------------------------------
+    async def _handle_in_slot(self, msg: Msg, slots: anyio.Semaphore) -> None:
+        try:
+            await self._handle(msg)
+        finally:
+            slots.release()
+
     async def _handle(self, msg: Msg) -> None:
         self.count("requests")
         try:
             request = codec.decode_as(msg.data, msg.headers, SandboxRequest)
+            checks.check(request)
         except BadMessage as err:
             await self._bad_request(msg, str(err))
             return
@@ -311,14 +328,8 @@ class SandboxSupervisor(Actor):
         self.count("bad_requests")
         if msg.reply:
             await self._reply(msg, self._error("", f"bad sandbox request: {reason}"))
-        headers = {REASON_HEADER: reason[:1000], SOURCE_HEADER: msg.subject}
-        try:
-            await self.bus.js.publish(self.bus.subjects.dead_letter(self.kind), msg.data, headers=headers,
-                                      timeout=2.0)
-        except (nats.errors.Error, TimeoutError) as err:
-            log.error("dead_letter_failed", source=self.kind, reason=reason, error=repr(err))
-        log.warning("message_dead_lettered", source=self.kind, subject=msg.subject, reason=reason)
-        await self.emit("dead_letter", detail=reason[:500], source=self.kind, subject=msg.subject)
+        await self.bus.store_dead_letter(msg.data, reason=reason, source=self.kind, subject=msg.subject,
+                                         headers=msg.headers)
 
 
 def build_sandbox(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> SandboxSupervisor:

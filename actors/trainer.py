@@ -8,6 +8,10 @@ and on drain); resuming from the newest mark after the checkpointer has caught u
 Does not: do the math (actors/_trainer_core.py), make checkpoints durable (actors/checkpointer.py) or
 encode versions for generators (actors/publisher.py).
 
+Bounded: at most the consumer's `max_ack_pending` rollouts are in memory (held + pending + to drop); near
+that bound it checkpoints early, trains what is ready, or drops the oldest incomplete groups and records
+the drops in a TrainStep of its own (no optimizer step, same policy version), so it cannot wedge.
+
 Order per step: TrainStep on TRAINLOG → bf16 version to CKPT + VersionReady → (every N steps) full state
 to CKPT + StateUploaded. A TrainStep is always stored before any mark can cover its rollouts.
 """
@@ -36,7 +40,7 @@ from rlbus.actors._trainer_resume import Resume, last_message, resume_point
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.ledger import reason_category
 from rlbus.kernels.delta_state import encode_state
-from rlbus.messages import codec
+from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import BadMessage, RlbusError
 from rlbus.messages.schemas import (
@@ -128,6 +132,9 @@ class Trainer(Actor):
         self.last_upload_step = 0
         self.unlogged: list[TrainStep] = []
         self.keepalive_s = 1.0
+        self.max_buffered = 50_000
+        """Rollouts the trainer may hold unacked (its consumer's `max_ack_pending`): JetStream delivers no
+        more past it, so held + pending + to_drop never exceed it; `_relieve` keeps it from deadlocking."""
         self._checked: dict[str, str | None] = {}
         """Rollout id → why the model cannot train on it (None: it can), computed once per pending rollout."""
 
@@ -136,6 +143,9 @@ class Trainer(Actor):
         info = await self.bus.js.consumer_info(self.subjects.hub_rollouts_stream(), self.subjects.durable("trainer"))
         ack_wait = float(info.config.ack_wait or 30.0)
         self.keepalive_s = min(30.0, max(0.2, ack_wait / 4))
+        if info.config.max_ack_pending and info.config.max_ack_pending > 0:
+            self.max_buffered = int(info.config.max_ack_pending)
+        self.gauges["buffer_bound"] = float(self.max_buffered)
         cfg = self.config
         torch.set_num_threads(max(1, int(os.environ.get("RLBUS_TORCH_THREADS", "1") or 1)))
         self.core = await anyio.to_thread.run_sync(lambda: build_core(cfg.pretrained, lr=cfg.lr, seed=cfg.seed))
@@ -208,7 +218,41 @@ class Trainer(Actor):
             if plan.train:
                 with self.busy():
                     await self._step(plan)
-            self.gauges.update(pending=float(sum(map(len, self.pending.values()))), held=float(len(self.held)))
+            elif self._buffered() >= max(1, int(self.max_buffered * 0.9)):
+                with self.busy():
+                    await self._relieve()
+            self.gauges.update(pending=float(sum(map(len, self.pending.values()))), held=float(len(self.held)),
+                               buffered=float(self._buffered()))
+
+    def _buffered(self) -> int:
+        """Deliveries held in memory, not yet acked: held for a mark, pending in groups, waiting to be dropped."""
+        return len(self.held) + sum(map(len, self.pending.values())) + len(self.to_drop)
+
+    async def _relieve(self) -> None:
+        """The buffer is nearly at `max_buffered` (JetStream will deliver nothing more) and no batch is ready:
+        train the ready groups there are, else drop the oldest incomplete groups, and record the drops —
+        so rollouts that can never train (incomplete, stale) cannot wedge the trainer."""
+        plan = plan_step({t: [d.message for d in m.values()] for t, m in self.pending.items()},
+                         version=self.version, staleness_versions=self.config.staleness_versions,
+                         batch_rollouts=1, check=self._check)
+        if plan.train:
+            await self._step(plan)
+            return
+        target = max(1, self.max_buffered // 8)
+        evicted = 0
+        for task_id in list(self.pending):
+            if evicted >= target:
+                break
+            members = self.pending.pop(task_id)
+            size = next(iter(members.values())).message.group_size if members else 0
+            for d in members.values():
+                self._checked.pop(d.message.rollout_id, None)
+                self.to_drop[d.message.rollout_id] = (d, f"incomplete: {len(members)} of a group of {size} "
+                                                         f"with the trainer's buffer full ({self.max_buffered})")
+                self.count("dropped")
+            evicted += len(members)
+        if self.to_drop:
+            await self._record_drops()
 
     async def _accept(self, delivery: Delivery[Rollout]) -> None:
         rollout = delivery.message
@@ -280,7 +324,33 @@ class Trainer(Actor):
                             detail=f"step {self.step} dropped {len(dropped)} rollouts",
                             step=str(self.step), **{f"dropped_{k}": str(n) for k, n in reasons.items()})
         await self._announce()
-        if self.step % self.config.checkpoint_interval == 0:
+        await self._maybe_checkpoint()
+
+    async def _record_drops(self) -> None:
+        """A TRAINLOG record of dropped rollouts alone (no optimizer step: the policy version stays), so that
+        they can be acked once a mark covers it; for when rollouts pile up that nothing will train."""
+        dropped, self.to_drop = list(self.to_drop.values()), {}
+        with anyio.CancelScope(shield=True):
+            self.step += 1
+            for d, _ in dropped:
+                self.consumed[d.message.rollout_id] = self.step
+                self.held[d.message.rollout_id] = d
+            self.unlogged.append(TrainStep(
+                step=self.step, policy_version=self.version, parent_checkpoint=self.parent_checkpoint,
+                dropped=[DroppedRollout(rollout_id=d.message.rollout_id, reason=why) for d, why in dropped]))
+        self.count("drop_records")
+        reasons = Counter(reason_category(why) for _, why in dropped)
+        log.warning("trainer_drops_recorded", step=self.step, dropped=len(dropped), reasons=dict(reasons))
+        await self._flush()
+        await self.emit("incident", detail=f"step {self.step} records {len(dropped)} dropped rollouts without "
+                        f"training", step=str(self.step), **{f"dropped_{k}": str(n) for k, n in reasons.items()})
+        await self._maybe_checkpoint()
+
+    async def _maybe_checkpoint(self) -> None:
+        """Every `checkpoint_interval` steps, and early when the rollouts held for a mark reach half the buffer
+        bound (otherwise the unacked ones could fill `max_ack_pending` before the next checkpoint is due)."""
+        if self.step % self.config.checkpoint_interval == 0 or (
+                len(self.held) >= self.max_buffered // 2 and not self.uploads):
             await self._checkpoint()
 
     # ---- publishing -----------------------------------------------------------------------------
@@ -375,8 +445,9 @@ class Trainer(Actor):
                 for msg in msgs:
                     try:
                         mark = codec.decode_as(msg.data, msg.headers, CheckpointMark)
-                    except BadMessage as err:
-                        log.warning("trainer_bad_mark", error=str(err))
+                        checks.check(mark)
+                    except BadMessage as err:      # a copy to the DLQ (once, however many trainers read it)
+                        await self.bus.dead_letter(msg, reason=str(err), source=s.checkpoints_stream(), settle=False)
                         continue
                     await self._on_mark(mark)
         finally:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from rlbus.kernels.delta import DTYPES, DeltaCorrupt
 from rlbus.kernels.delta_state import StateIndex, apply_state_, read_index
-from rlbus.messages import codec
+from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, digest
 from rlbus.messages.errors import BadMessage, DigestMismatch
 from rlbus.messages.schemas import Event, WeightManifest
@@ -68,6 +68,28 @@ def config_from_dict(fields: Mapping[str, Any]) -> ModelConfig:
         return ModelConfig(**values)
     except TypeError as err:
         raise ValueError(f"manifest model_config {sorted(values)} is not a ModelConfig: {err}") from None
+
+
+MAX_MODEL_PARAMS: Final = 1 << 31
+"""Largest architecture a manifest may ask a generator to build (a bigger one is refused, not allocated)."""
+
+
+def estimated_params(config: ModelConfig) -> int:
+    """Roughly how many parameters a `Transformer(config)` has (embeddings, attention, feed-forwards and
+    experts, untied head, MTP heads), after checking every size is positive.
+
+    :raises ValueError: a size is not a positive integer.
+    """
+    sizes = {name: getattr(config, name) for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
+                                                       "max_seq_len", "n_experts", "top_k")}
+    bad = {name: v for name, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
+    if bad or not isinstance(config.mtp_heads, int) or config.mtp_heads < 0:
+        raise ValueError(f"sizes must be positive integers: {bad or {'mtp_heads': config.mtp_heads}}")
+    d, ff = config.d_model, config.d_ff
+    n_moe = len(config.moe_layers)
+    layers = config.n_layers * 4 * d * d + 3 * d * ff * (config.n_layers - n_moe + n_moe * config.n_experts)
+    heads = (0 if config.tie_embeddings else 1) + config.mtp_heads
+    return config.vocab_size * d * (1 + heads) + layers
 
 
 def empty_state(index: StateIndex) -> dict[str, Tensor]:
@@ -334,12 +356,21 @@ class WeightSync:
                 tg.start_soon(self._stage_loop)
                 task_status.started()
                 async for entry in watcher:
-                    if entry is None or not entry.value:     # end-of-history marker, delete or purge
+                    if entry is None or entry.operation in ("DEL", "PURGE"):   # end of history, delete, purge
                         continue
                     try:
+                        if not entry.value:
+                            raise BadMessage("an empty value where a WeightManifest belongs")
                         manifest = codec.decode_as(entry.value, None, WeightManifest)
-                    except BadMessage as err:
+                        checks.check(manifest)
+                        self._check_architecture(manifest)
+                    except BadMessage as err:              # a copy to the DLQ, once per KV revision
+                        self.rejected += 1
                         log.warning("weights_manifest_unreadable", region=self.region, error=str(err))
+                        bucket = self.bus.subjects.latest_bucket(self.region)
+                        await self.bus.store_dead_letter(entry.value or b"", reason=str(err), source=bucket,
+                                                         subject=f"$KV.{bucket}.{entry.key}",
+                                                         key=str(entry.revision))
                         continue
                     if self._latest is None or manifest.version > self._latest.version or (
                             manifest.version == self._latest.version and manifest != self._latest):
@@ -348,6 +379,26 @@ class WeightSync:
         finally:
             with anyio.move_on_after(2.0, shield=True):
                 await watcher.stop()
+
+    def _check_architecture(self, manifest: WeightManifest) -> None:
+        """A manifest's `model_config` must make a ModelConfig of at most `MAX_MODEL_PARAMS` parameters,
+        and the one of the model already built, if any (the architecture never changes within a run).
+
+        :raises BadMessage: naming what is wrong.
+        """
+        if not manifest.model_config:
+            return
+        try:
+            config = config_from_dict(manifest.model_config)
+            params = estimated_params(config)
+        except (ValueError, TypeError, OverflowError) as err:
+            raise BadMessage(f"manifest v{manifest.version}: unusable model_config: {err}"[:500]) from None
+        if params > MAX_MODEL_PARAMS:
+            raise BadMessage(f"manifest v{manifest.version}: model_config of ~{params:.3g} parameters "
+                             f"(at most {MAX_MODEL_PARAMS:.3g})")
+        if self._model is not None and self._model.config != config:
+            raise BadMessage(f"manifest v{manifest.version}: model_config {manifest.model_config} differs from "
+                             f"the running model's architecture")
 
     async def _stage_loop(self) -> None:
         while True:
@@ -364,8 +415,12 @@ class WeightSync:
 
     async def _stage(self, manifest: WeightManifest) -> bool:
         """Fetch, apply and verify one manifest into the staging buffers; False to retry later."""
-        if manifest.model_config:
-            await self._ensure_model()
+        try:
+            if manifest.model_config:
+                await self._ensure_model()
+        except (RuntimeError, ValueError) as err:        # e.g. out of memory for the architecture
+            await self._reject(manifest, "", f"cannot build the model: {err!r}")
+            return False
         try:
             parts = manifest_parts(manifest)
         except BadMessage as err:

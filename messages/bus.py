@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions, PubAck
 
-from rlbus.messages import codec
+from rlbus.messages import checks, codec
 from rlbus.messages.errors import BadMessage, BusUnavailable, DigestMismatch, PermissionDenied
 from rlbus.messages.schemas import Event, Message
 from rlbus.messages.subjects import Subjects
@@ -249,8 +249,8 @@ class Bus:
                       fetch_timeout_s: float = 1.0, domain: str | None = None) -> AsyncIterator[Delivery[M]]:
         """Pull from an existing durable consumer forever, yielding decoded messages of `kind`.
 
-        Anything that does not decode as `kind` is dead-lettered with its reason and terminated;
-        the iteration goes on. The caller acks each delivery.
+        Anything that does not decode as `kind`, or breaks its invariants (messages/checks.py), is
+        dead-lettered with its reason and terminated; the iteration goes on. The caller acks each delivery.
         """
         js = self.jetstream(domain) if domain is not None else self.js
         psub = await js.pull_subscribe_bind(durable=durable, stream=stream)
@@ -263,6 +263,7 @@ class Bus:
                 for msg in msgs:
                     try:
                         message = codec.decode_as(msg.data, msg.headers, kind)
+                        checks.check(message)
                     except BadMessage as err:
                         await self.dead_letter(msg, reason=str(err), source=stream)
                         continue
@@ -271,30 +272,51 @@ class Bus:
             with anyio.move_on_after(1.0, shield=True):
                 await psub.unsubscribe()
 
-    async def dead_letter(self, msg: Msg, *, reason: str, source: str) -> bool:
+    async def dead_letter(self, msg: Msg, *, reason: str, source: str, settle: bool = True,
+                          key: str | None = None) -> bool:
         """Store the raw bytes with the reason on the dead-letter stream, then `term` the original.
 
         If the dead-letter stream cannot take it, the original is nak'ed (kept) instead: nothing is lost.
+        `settle=False`: leave the original alone (a copy read by a non-acking reader).
+        The dead letter's message id is `dlq-<source>-<key>`, `key` defaulting to the original's stream
+        sequence: a message dead-lettered again (a lost term, several readers) is stored once.
         """
-        headers = {REASON_HEADER: reason[:1000], SOURCE_HEADER: msg.subject}
-        for key, value in (msg.headers or {}).items():
-            headers.setdefault(key, value)
-        headers.pop(MSG_ID_HEADER, None)
+        if key is None and msg.reply and msg.reply.startswith("$JS.ACK."):
+            key = str(msg.metadata.sequence.stream)
+        stored = await self.store_dead_letter(msg.data, reason=reason, source=source, subject=msg.subject,
+                                              headers=msg.headers, key=key)
+        if settle and msg.reply:
+            if stored:
+                await msg.term()
+            else:
+                await msg.nak(delay=5.0)
+        return stored
+
+    async def store_dead_letter(self, data: bytes, *, reason: str, source: str, subject: str,
+                                headers: Mapping[str, str] | None = None, key: str | None = None) -> bool:
+        """Publish `data` to `dlq.<source>` with the reason and original subject in headers, log it and
+        emit `Event(dead_letter)`; with `key`, deduplicated as `dlq-<source>-<key>`. -> False when the
+        dead-letter stream did not take it."""
+        out = {REASON_HEADER: reason[:1000], SOURCE_HEADER: subject}
+        for name, value in (headers or {}).items():
+            if name.lower().startswith("nats-"):   # JetStream's own (Nats-Stream-Source of a sourced stream is
+                name = "Rlbus-Original-" + name   # refused on publish): kept under another name
+            out.setdefault(name, value)
+        if key is not None:
+            out[MSG_ID_HEADER] = f"dlq-{source}-{key}"
         try:
-            await self.js.publish(self.subjects.dead_letter(source), msg.data, headers=headers,
-                                  timeout=self.options.publish_timeout_s)
+            ack = await self.js.publish(self.subjects.dead_letter(source), data, headers=out,
+                                        timeout=self.options.publish_timeout_s)
         except (nats.errors.Error, TimeoutError) as err:
             log.error("dead_letter_failed", source=source, reason=reason, error=repr(err))
-            if msg.reply:
-                await msg.nak(delay=5.0)
             return False
-        if msg.reply:
-            await msg.term()
+        if ack.duplicate:                         # dead-lettered before (by us or another reader)
+            return True
         self.dead_lettered += 1
-        log.warning("message_dead_lettered", source=source, subject=msg.subject, reason=reason)
+        log.warning("message_dead_lettered", source=source, subject=subject, reason=reason)
         await self.event(Event(event="dead_letter", actor_id=self.identity.actor_id,
                                actor_kind=self.identity.kind, region=self.identity.region,
-                               detail=reason[:500], data={"source": source, "subject": msg.subject}))
+                               detail=reason[:500], data={"source": source, "subject": subject}))
         return True
 
     # ---- object store ---------------------------------------------------------------------------

@@ -263,7 +263,10 @@ class DroppedRollout(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TrainStep(Message, tag="train_step"):
-    """One optimizer step. Produced by actors/trainer.py on TRAINLOG; consumed by ledgers, recorders, replay."""
+    """One optimizer step. Produced by actors/trainer.py on TRAINLOG; consumed by ledgers, recorders, replay.
+
+    A record with no `rollout_ids` and only `dropped` entries (same `policy_version` as the step before) is
+    the trainer recording drops it could not fold into an optimizer step (its buffer was full)."""
 
     step: int
     policy_version: int
