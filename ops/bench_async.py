@@ -31,8 +31,8 @@ ARMS: Final = ("async", "sync")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--async-steps", type=int, default=12,
-                   help="async: optimizer steps N per arm (default 12; --quick: 2)")
+    p.add_argument("--async-steps", type=int, default=16,
+                   help="async: optimizer steps N per arm (default 16; --quick: 2)")
     p.add_argument("--async-generators", type=int, default=2, help="async: generator processes (default 2)")
     p.add_argument("--async-tasks-per-step", type=int, default=2,
                    help="async: tasks per optimizer step; batch = this x group size 2 (default 2)")
