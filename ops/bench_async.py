@@ -38,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="async: tasks per optimizer step; batch = this x group size 2 (default 2)")
     p.add_argument("--async-preset", choices=["tiny", "small"], default="small",
                    help="async: pretrain preset (model size) of the shared starting policy (default small)")
-    p.add_argument("--async-pretrain-steps", type=int, default=10,
-                   help="async: pretraining steps (batch 8) of the starting policy (default 10; --quick: 5)")
+    p.add_argument("--async-pretrain-steps", type=int, default=5,
+                   help="async: pretraining steps (batch 8) of the starting policy (default 5, as --quick)")
     p.add_argument("--async-timeout", type=float, default=240.0,
                    help="async: hang guard per arm, seconds (default 240)")
     p.add_argument("--async-state-dir", type=Path, default=None,
@@ -74,7 +74,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         preset = "tiny" if quick else args.async_preset
         config = PretrainConfig.preset(preset, eval_n=2, batch_size=8)   # a starting point, not a good policy
         pretrained = await anyio.to_thread.run_sync(
-            lambda: pretrain(config, 5 if quick else args.async_pretrain_steps, 0, base, 2))
+            lambda: pretrain(config, args.async_pretrain_steps, 0, base, 2))
         arms: dict[str, dict[str, Any]] = {}
         for arm in ARMS:
             state = root / arm
