@@ -157,11 +157,21 @@ class FaultRecord:
     """The victim's process id (actor faults)."""
     note: str = ""
 
+    @property
+    def after_restore_s(self) -> float | None:
+        """Recovery counted from the moment the fault was undone (server restarted, link healed, SIGCONT)."""
+        if self.recovery_s is None or self.restored_s is None:
+            return None
+        return self.recovery_s - (self.restored_s - self.at_s)
+
     def as_dict(self) -> dict[str, object]:
         return {"kind": self.kind, "target": self.target, "at_s": round(self.at_s, 2),
-                "restored_s": None if self.restored_s is None else round(self.restored_s, 2),
-                "recovery_s": None if self.recovery_s is None else round(self.recovery_s, 2),
-                "pid": self.pid, "note": self.note}
+                "restored_s": _round(self.restored_s), "recovery_s": _round(self.recovery_s),
+                "after_restore_s": _round(self.after_restore_s), "pid": self.pid, "note": self.note}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
 
 
 def recovery_after(series: Sequence[tuple[float, int]], since: float, ok: Callable[[int], bool]) -> float | None:
@@ -181,11 +191,12 @@ class RecoveryStats:
     median_s: float | None
     max_s: float | None
     times_s: list[float] = field(default_factory=list)
+    median_after_restore_s: float | None = None
+    """Median counted from when the fault was undone (region faults and pauses; None for kills)."""
 
     def as_dict(self) -> dict[str, object]:
-        return {"faults": self.faults, "recovered": self.recovered,
-                "median_s": None if self.median_s is None else round(self.median_s, 2),
-                "max_s": None if self.max_s is None else round(self.max_s, 2)}
+        return {"faults": self.faults, "recovered": self.recovered, "median_s": _round(self.median_s),
+                "max_s": _round(self.max_s), "median_after_restore_s": _round(self.median_after_restore_s)}
 
 
 def summarize(records: Sequence[FaultRecord]) -> dict[str, RecoveryStats]:
@@ -196,7 +207,9 @@ def summarize(records: Sequence[FaultRecord]) -> dict[str, RecoveryStats]:
         if not mine:
             continue
         times = sorted(r.recovery_s for r in mine if r.recovery_s is not None)
+        after = [r.after_restore_s for r in mine if r.after_restore_s is not None]
         out[kind] = RecoveryStats(faults=len(mine), recovered=len(times),
                                   median_s=statistics.median(times) if times else None,
-                                  max_s=times[-1] if times else None, times_s=times)
+                                  max_s=times[-1] if times else None, times_s=times,
+                                  median_after_restore_s=statistics.median(after) if after else None)
     return out

@@ -51,8 +51,10 @@ def table(result: dict[str, Any]) -> str:
     lines.append("  recovery    time from the fault until the victim heartbeats again / its region's rollouts reach "
                  "the hub again")
     for kind, stats in r["recovery"].items():
+        after = stats.get("median_after_restore_s")
         lines.append(f"    {_KIND_WORDS.get(kind, kind):22s} {stats['recovered']}/{stats['faults']} recovered, "
-                     f"median {_seconds(stats['median_s'])}, max {_seconds(stats['max_s'])}")
+                     f"median {_seconds(stats['median_s'])}, max {_seconds(stats['max_s'])}"
+                     + ("" if after is None else f" (median {_seconds(after)} after it was undone)"))
     if not r["caught_up"]:
         lines.append("  note        the trainer had not caught up when the quiet period ended: pending counts what "
                      "was still on its way")

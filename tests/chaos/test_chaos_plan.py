@@ -3,12 +3,19 @@ that never overlap, victims outside faulted regions, recovery read off a time se
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
-
 from rlbus.ops.chaosplan import (
-    ChaosSettings, Fault, FaultRecord, pick_victim, plan_faults, recovery_after, summarize)
+    ChaosSettings,
+    Fault,
+    FaultRecord,
+    pick_victim,
+    plan_faults,
+    recovery_after,
+    summarize,
+)
 from rlbus.ops.chaosreport import exit_code
 
 KINDS = ["checkpointer", "evaluator", "feeder", "generator", "publisher", "sandbox", "trainer"]
@@ -36,7 +43,7 @@ def test_region_faults_alternate_take_turns_over_leaves_and_never_overlap() -> N
     assert [f.kind for f in region] == ["server_kill", "partition"] * 4
     assert Counter((f.kind, f.target) for f in region) == {(k, leaf): 2 for k in ("server_kill", "partition")
                                                            for leaf in ("eu", "us")}
-    assert all(a.at_s + a.length_s < b.at_s for a, b in zip(region, region[1:], strict=False))
+    assert all(a.at_s + a.length_s < b.at_s for a, b in itertools.pairwise(region))
 
 
 @pytest.mark.parametrize(("settings", "words"), [
@@ -63,16 +70,20 @@ def test_victims_skip_faulted_regions_and_paused_actors_and_fall_back_to_any_kin
 
 def test_recovery_is_the_first_matching_sign_after_the_fault_and_stats_are_per_kind() -> None:
     """Heartbeats (t, pid): killed pid 7 at t=10, the old pid's late beat at 10.5 does not count, pid 9 at 14 does;
-    stats: median of 4 and 8 is 6, max 8, one unrecovered partition."""
+    stats: median of 4 and 8 is 6, max 8, one unrecovered partition, a server back 3.5 s after its restart."""
     beats = [(9.0, 7), (10.5, 7), (14.0, 9), (15.0, 9)]
     assert recovery_after(beats, 10.0, lambda pid: pid != 7) == 14.0
     assert recovery_after(beats, 15.0, lambda pid: True) is None
     records = [FaultRecord("actor_kill", "a", 0.0, recovery_s=4.0), FaultRecord("actor_kill", "b", 1.0, recovery_s=8.0),
-               FaultRecord("partition", "eu", 2.0, restored_s=32.0)]
+               FaultRecord("partition", "eu", 2.0, restored_s=32.0),
+               FaultRecord("server_kill", "us", 40.0, restored_s=70.0, recovery_s=33.5)]
     stats = summarize(records)
-    assert stats["actor_kill"].as_dict() == {"faults": 2, "recovered": 2, "median_s": 6.0, "max_s": 8.0}
-    assert stats["partition"].as_dict() == {"faults": 1, "recovered": 0, "median_s": None, "max_s": None}
-    assert set(stats) == {"actor_kill", "partition"}
+    assert stats["actor_kill"].as_dict() == {"faults": 2, "recovered": 2, "median_s": 6.0, "max_s": 8.0,
+                                             "median_after_restore_s": None}
+    assert stats["partition"].as_dict() == {"faults": 1, "recovered": 0, "median_s": None, "max_s": None,
+                                            "median_after_restore_s": None}
+    assert stats["server_kill"].median_after_restore_s == 3.5     # down 30 s, rollouts back 3.5 s after the restart
+    assert set(stats) == {"actor_kill", "partition", "server_kill"}
 
 
 def test_exit_code_is_one_only_for_a_lost_or_twice_trained_rollout() -> None:
