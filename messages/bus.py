@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -72,6 +73,8 @@ class ConnectOptions:
     max_outstanding_pings: int = 3
     reconnect_wait_s: float = 0.5
     publish_timeout_s: float = 5.0
+    tls_ca_file: str | None = None
+    """PEM file of the CA to trust for `tls://` servers (a region set started with TLS: `<base>/tls/ca.pem`)."""
 
 
 @dataclass(slots=True)
@@ -162,6 +165,7 @@ class Bus:
                         max_outstanding_pings=opts.max_outstanding_pings, allow_reconnect=True,
                         max_reconnect_attempts=-1, reconnect_time_wait=opts.reconnect_wait_s,
                         error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+                        tls=_tls_context(opts.tls_ca_file),
                     )
         except nats.errors.Error as err:
             if "authorization" in str(err).lower():
@@ -361,6 +365,13 @@ async def _probe(urls: Sequence[str], timeout_s: float) -> None:
         except (OSError, TimeoutError) as err:
             errors.append(f"{url}: {err!r}")
     raise OSError("no server accepted a connection: " + "; ".join(errors))
+
+
+def _tls_context(ca_file: str | None) -> ssl.SSLContext | None:
+    """A client context trusting only `ca_file` (None: no TLS unless the URL asks for the system's CAs)."""
+    if ca_file is None:
+        return None
+    return ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
 
 
 def digest(data: bytes | memoryview) -> str:

@@ -22,10 +22,13 @@ from rlbus.messages.errors import ServerError, TopologyError
 from rlbus.messages.subjects import ROLES, BucketScope, token
 from rlbus.topology.relay import Relay
 from rlbus.topology.servers import LEAF_ROLE, Credential, EmbeddedServer, generate_users
+from rlbus.topology.tls import generate_tls
 
 log = structlog.get_logger()
 
 CREDENTIALS_NAME: Final = "credentials.json"
+TLS_DIR: Final = "tls"
+"""Under a region set's base directory: its CA and server certificate (topology/tls.py)."""
 
 
 def load_or_create_credentials(base_dir: Path, roles: Iterable[str] = ROLES) -> dict[str, Credential]:
@@ -74,11 +77,14 @@ class RegionSet:
     def start(cls, base_dir: str | os.PathLike[str], regions: Iterable[str], hub: str, *,
               sync_interval: str | None = None, relay: bool = False, ready_timeout_s: float = 15.0,
               link_timeout_s: float = 15.0, binary: str | os.PathLike[str] | None = None,
-              run: str | None = None) -> RegionSet:
+              run: str | None = None, tls: bool = False) -> RegionSet:
         """Start the hub, then every leaf (in parallel), and wait until every leaf is linked to the hub.
 
         `run`: the run whose KV/object-store buckets the role users may write (NATS cannot wildcard part
         of a bucket name); None grants no bucket writes except to admin.
+        `tls`: generate a CA and a server certificate into `base_dir/tls` (once; reused on restart) and make
+        every client connection and leaf link use TLS (plaintext clients are refused); `connect_options`
+        carries the client context.
 
         :raises TopologyError: `hub` is not one of `regions`, or a region name is repeated or invalid.
         :raises ServerError: a server did not start or a leaf did not link in time (nothing is left running).
@@ -89,8 +95,9 @@ class RegionSet:
         base = Path(base_dir).resolve()
         rs = cls(base, names, hub, load_or_create_credentials(base))
         scope = BucketScope(runs=(run,), regions=names) if run is not None else None
+        files = generate_tls(base / TLS_DIR) if tls else None
         common: dict[str, Any] = {"users": rs.users, "sync_interval": sync_interval, "scope": scope,
-                                  "ready_timeout_s": ready_timeout_s, "binary": binary}
+                                  "ready_timeout_s": ready_timeout_s, "binary": binary, "tls": files}
         leaf = rs.users[LEAF_ROLE]
         try:
             rs.servers[hub] = EmbeddedServer.start(base / hub, name=hub, domain=hub, leaf_listen=True,

@@ -33,6 +33,7 @@ import structlog
 
 from rlbus.messages.errors import ServerError
 from rlbus.messages.subjects import ROLES, BucketScope, role_denials, role_permissions, token
+from rlbus.topology.tls import TlsFiles, client_context
 
 log = structlog.get_logger()
 
@@ -115,9 +116,11 @@ def _user_block(cred: Credential, role: str, scope: BucketScope | None) -> str:
 def render_config(*, name: str, store_dir: Path, port: int, http_port: int, users: Mapping[str, Credential],
                   domain: str | None = None, leaf_port: int | None = None,
                   leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
-                  host: str = "127.0.0.1", leaf_reconnect: str = "1s", scope: BucketScope | None = None) -> str:
+                  host: str = "127.0.0.1", leaf_reconnect: str = "1s", scope: BucketScope | None = None,
+                  tls: TlsFiles | None = None) -> str:
     """The text of a nats-server config (pure). Port -1 means "pick a free one"; `leaf_port` None: no
-    leafnode listener; `leaf_remote` = (url, user, password) of the hub's leafnode port to join."""
+    leafnode listener; `leaf_remote` = (url, user, password) of the hub's leafnode port to join. With `tls`,
+    clients and leaf links must speak TLS (the server's certificate; a leaf checks the hub's against the CA)."""
     js = [f"  store_dir: {_q(str(store_dir))}"]
     if domain is not None:
         js.append(f"  domain: {_q(token(domain, 'JetStream domain'))}")
@@ -134,6 +137,10 @@ def render_config(*, name: str, store_dir: Path, port: int, http_port: int, user
         "jetstream {", *js, "}",
         "authorization {", "  users = [", *clients, "  ]", "}",
     ]
+    tls_block = (f"tls {{ cert_file: {_q(str(tls.cert))}, key_file: {_q(str(tls.key))}, "
+                 f"ca_file: {_q(str(tls.ca))}, timeout: 5 }}") if tls is not None else ""
+    if tls is not None:
+        lines.append(tls_block)
     leaf: list[str] = []
     if leaf_port is not None:
         if LEAF_ROLE not in users:
@@ -145,12 +152,15 @@ def render_config(*, name: str, store_dir: Path, port: int, http_port: int, user
         leaf += [f"  host: {_q(host)}", f"  port: {leaf_port}", "  no_advertise: true",
                  f"  authorization {{ users = [ {{user: {_q(cred.user)}, "
                  f"password: {_q(cred.password)}}} ] }}"]
+        if tls is not None:
+            leaf.append(f"  {tls_block}")
     if leaf_remote is not None:
         url, user, password = leaf_remote
         scheme, _, rest = url.partition("://")
         quote = urllib.parse.quote
         authed = f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{rest}"
-        leaf += [f"  reconnect: {_q(leaf_reconnect)}", f"  remotes = [ {{url: {_q(authed)}}} ]"]
+        remote_tls = f", tls: {{ ca_file: {_q(str(tls.ca))}, timeout: 5 }}" if tls is not None else ""
+        leaf += [f"  reconnect: {_q(leaf_reconnect)}", f"  remotes = [ {{url: {_q(authed)}{remote_tls}}} ]"]
     if leaf:
         lines += ["leafnodes {", *leaf, "}"]
     return "\n".join(lines) + "\n"
@@ -168,7 +178,7 @@ class EmbeddedServer:
     def __init__(self, store_dir: Path, *, name: str, users: Mapping[str, Credential], domain: str | None,
                  leaf_listen: bool, leaf_remote: tuple[str, str, str] | None, sync_interval: str | None,
                  port: int, leaf_port: int, http_port: int, binary: Path, ready_timeout_s: float,
-                 scope: BucketScope | None = None) -> None:
+                 scope: BucketScope | None = None, tls: TlsFiles | None = None) -> None:
         if sync_interval is not None and not _SYNC_INTERVAL.fullmatch(sync_interval):
             raise ServerError(f"server {name}: sync_interval {sync_interval!r} is not 'always' or a duration "
                               f"like '100ms', '1s', '2m'")
@@ -182,6 +192,7 @@ class EmbeddedServer:
         self.binary: Final = binary
         self.ready_timeout_s = ready_timeout_s
         self.scope: Final = scope
+        self.tls: Final = tls
         self._port, self._leaf_port, self._http_port = port, leaf_port, http_port
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
@@ -193,18 +204,19 @@ class EmbeddedServer:
               leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
               port: int = -1, leaf_port: int = -1, http_port: int = -1,
               binary: str | os.PathLike[str] | None = None, ready_timeout_s: float = 15.0,
-              scope: BucketScope | None = None) -> EmbeddedServer:
+              scope: BucketScope | None = None, tls: TlsFiles | None = None) -> EmbeddedServer:
         """Launch without waiting for readiness (call `wait_ready()`); lets a caller start several at once.
 
         `users`: role → credential; None generates a random password for every role of `subjects.ROLES`.
         `port`/`leaf_port`/`http_port`: -1 picks a free port. `sync_interval`: JetStream fsync interval
         ("always", "1s", ...); None keeps the server default (2 min: throughput over power-loss safety).
+        `tls`: clients and leaf links must use TLS with these files (topology/tls.py `generate_tls`).
         """
         server = cls(Path(store_dir), name=token(name, "server name"),
                      users=generate_users() if users is None else users, domain=domain,
                      leaf_listen=leaf_listen, leaf_remote=leaf_remote, sync_interval=sync_interval,
                      port=port, leaf_port=leaf_port, http_port=http_port, binary=find_nats_server(binary),
-                     ready_timeout_s=ready_timeout_s, scope=scope)
+                     ready_timeout_s=ready_timeout_s, scope=scope, tls=tls)
         server._launch()
         return server
 
@@ -214,7 +226,7 @@ class EmbeddedServer:
               leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
               port: int = -1, leaf_port: int = -1, http_port: int = -1,
               binary: str | os.PathLike[str] | None = None, ready_timeout_s: float = 15.0,
-              scope: BucketScope | None = None) -> EmbeddedServer:
+              scope: BucketScope | None = None, tls: TlsFiles | None = None) -> EmbeddedServer:
         """Launch (as `spawn`, same options) and block until the server is ready.
 
         :raises ServerError: binary missing, port taken, bad config, or not ready in time (log tail included).
@@ -222,7 +234,7 @@ class EmbeddedServer:
         server = cls.spawn(store_dir, name=name, domain=domain, users=users, leaf_listen=leaf_listen,
                            leaf_remote=leaf_remote, sync_interval=sync_interval, port=port,
                            leaf_port=leaf_port, http_port=http_port, binary=binary,
-                           ready_timeout_s=ready_timeout_s, scope=scope)
+                           ready_timeout_s=ready_timeout_s, scope=scope, tls=tls)
         try:
             server.wait_ready()
         except BaseException:
@@ -246,7 +258,7 @@ class EmbeddedServer:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self._port}"
+        return f"{'tls' if self.tls is not None else 'nats'}://127.0.0.1:{self._port}"
 
     @property
     def pid(self) -> int | None:
@@ -274,9 +286,13 @@ class EmbeddedServer:
                               f"{', '.join(sorted(self.users))}") from None
 
     def connect_options(self, role: str) -> dict[str, Any]:
-        """Keyword arguments for `nats.connect` as `role`: servers, user, password."""
+        """Keyword arguments for `nats.connect` as `role`: servers, user, password (and a TLS context trusting
+        the CA when the server speaks TLS)."""
         cred = self.credential(role)
-        return {"servers": [self.url], "user": cred.user, "password": cred.password}
+        options: dict[str, Any] = {"servers": [self.url], "user": cred.user, "password": cred.password}
+        if self.tls is not None:
+            options["tls"] = client_context(self.tls.ca)
+        return options
 
     # ---- process --------------------------------------------------------------------------------
     def _launch(self) -> None:
@@ -284,7 +300,7 @@ class EmbeddedServer:
             raise ServerError(f"server {self.name} is already running (pid {self.pid})")
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._refuse_stale_process()
-        text = render_config(scope=self.scope, name=self.name, store_dir=self.store_dir, port=self._port,
+        text = render_config(scope=self.scope, tls=self.tls, name=self.name, store_dir=self.store_dir, port=self._port,
                              http_port=self._http_port, users=self.users, domain=self.domain,
                              leaf_port=self._leaf_port if self.leaf_listen else None,
                              leaf_remote=self.leaf_remote, sync_interval=self.sync_interval)
