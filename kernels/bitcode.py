@@ -16,6 +16,8 @@ import numpy as np
 RICE: Final = 0
 EXP_GOLOMB: Final = 1
 _MAX_K: Final = 62
+_MAX_FIELD: Final = 57
+"""Widest per-value field: a 64-bit window read at any bit offset holds it."""
 
 
 def put_varint(out: bytearray, value: int) -> None:
@@ -95,19 +97,24 @@ def _width_groups(widths: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, 
 def pack_fields(values: np.ndarray, widths: np.ndarray | int) -> bytes:
     """The low `widths[i]` bits of each `values[i]` (K,) int64 >= 0.
 
-    A scalar width w stores w // 8 byte planes then w % 8 bit planes. Per-value widths store the
-    values grouped by width (ascending, stable within a width), each group as a scalar-width block;
-    a reader knowing the widths undoes the grouping without side information.
+    A scalar width w stores w // 8 byte planes then w % 8 bit planes. Per-value widths (at most 57)
+    store the fields back to back in order, least significant bit first.
     """
     if values.size == 0:
         return b""
     if np.isscalar(widths):
         return _pack_fixed(values, int(widths))
-    if int(np.max(widths)) > 63:
-        raise ValueError(f"bit field of width {int(np.max(widths))} > 63")
-    order, groups = _width_groups(np.asarray(widths))
-    ordered = values[order]
-    return b"".join(_pack_fixed(ordered[s:e], w) for w, s, e in groups)
+    w_arr = np.asarray(widths, dtype=np.int64)
+    if int(w_arr.max()) > _MAX_FIELD:
+        raise ValueError(f"bit field of width {int(w_arr.max())} > {_MAX_FIELD}")
+    starts = np.cumsum(w_arr) - w_arr
+    bits = np.zeros(int(w_arr.sum()), dtype=np.uint8)
+    order, groups = _width_groups(w_arr)
+    for w, s, e in groups:  # one vectorised scatter per distinct width
+        idx = order[s:e]
+        field = (values[idx, None] >> np.arange(w)) & 1
+        bits[(starts[idx, None] + np.arange(w)).reshape(-1)] = field.reshape(-1)
+    return np.packbits(bits, bitorder="little").tobytes()
 
 
 def unpack_fields(buf: bytes | memoryview, offset: int, widths: np.ndarray | int, count: int
@@ -120,17 +127,17 @@ def unpack_fields(buf: bytes | memoryview, offset: int, widths: np.ndarray | int
         size = _fixed_size(count, w)
         return _unpack_fixed(_take(buf, offset, size), count, w), offset + size
     w_arr = np.asarray(widths, dtype=np.int64)
-    if count and (int(w_arr.max()) > 63 or int(w_arr.min()) < 0):
-        raise ValueError(f"bit field widths outside 0..63 (max {int(w_arr.max())})")
-    order, groups = _width_groups(w_arr)
-    ordered = np.zeros(count, dtype=np.int64)
-    for w, s, e in groups:
-        size = _fixed_size(e - s, w)
-        ordered[s:e] = _unpack_fixed(_take(buf, offset, size), e - s, w)
-        offset += size
-    values = np.empty(count, dtype=np.int64)
-    values[order] = ordered
-    return values, offset
+    if count and (int(w_arr.max()) > _MAX_FIELD or int(w_arr.min()) < 0):
+        raise ValueError(f"bit field widths outside 0..{_MAX_FIELD} (max {int(w_arr.max())})")
+    total = int(w_arr.sum())
+    size = (total + 7) // 8
+    padded = np.zeros(size + 8, dtype=np.uint8)
+    padded[:size] = _take(buf, offset, size)
+    window = np.ndarray((size + 1,), dtype="<u8", buffer=padded, strides=(1,))  # 8 bytes from every byte
+    starts = (np.cumsum(w_arr) - w_arr).astype(np.uint64)
+    masks = (np.uint64(1) << w_arr.astype(np.uint64)) - np.uint64(1)
+    values = (window[starts >> np.uint64(3)] >> (starts & np.uint64(7))) & masks
+    return values.astype(np.int64), offset + size
 
 
 def _unary_encode(q: np.ndarray) -> bytes:
@@ -142,7 +149,7 @@ def _unary_encode(q: np.ndarray) -> bytes:
 
 
 def _unary_decode(raw: np.ndarray, count: int) -> np.ndarray:
-    ends = np.flatnonzero(np.unpackbits(raw, bitorder="little"))
+    ends = np.flatnonzero(np.unpackbits(raw, bitorder="little").view(np.bool_))  # bool: numpy's fast nonzero
     if ends.size < count:
         raise ValueError(f"unary stream holds {ends.size} codes, {count} expected")
     return gaps(ends[:count])

@@ -364,7 +364,7 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Non
         mask = np.unpackbits(np.frombuffer(_unzstd(payload[off:off + zlen], (n + 7) // 8), dtype=np.uint8),
                              count=n, bitorder="little")
         off += zlen
-        pos = np.flatnonzero(mask)
+        pos = np.flatnonzero(mask.view(np.bool_))
         if pos.size != count:
             raise ValueError(f"bitmask marks {pos.size} elements, count says {count}")
     if count and (pos[-1] >= n or pos[0] < 0):
