@@ -87,7 +87,7 @@ class Evaluator(Actor):
         prompts = [self.tokenizer.prompt_ids(t.prompt) for t in self.tasks]
         ids = await anyio.to_thread.run_sync(lambda: greedy_complete(
             model, prompts, max_new_tokens=self.settings.max_tokens, batch_size=self.settings.batch_size,
-            stop_ids=(self.tokenizer.end_turn_id, self.tokenizer.eos_id), pad_id=self.tokenizer.pad_id))
+            stop_id=self.tokenizer.stop_id, pad_id=self.tokenizer.pad_id))
         cases = [case_for(task, extract_code(completion_text(c, self.tokenizer)))
                  for task, c in zip(self.tasks, ids, strict=True)]
         try:

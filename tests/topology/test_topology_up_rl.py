@@ -59,6 +59,7 @@ def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, backend: st
     assert "rlbus up: pretrained in" in out
     assert "rlbus up: summary" in out and "optimizer steps" in out
     assert "ledger (clean)" in out and "lost 0, trained twice 0" in out
+    assert "evaluator pass@1: v0" in out          # the evaluator graded the base version in the sandbox
     assert (state / "plots" / "progress.png").stat().st_size > 10_000
     assert (state / "pretrained" / "pretrain.pt").exists()
     assert _processes_mentioning(str(state)) == []
