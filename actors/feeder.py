@@ -146,8 +146,9 @@ def task_from_verifier(message: TaskMessage) -> CodingTask:
         doc = json.loads(message.verifier["task"])
     except (ValueError, RecursionError) as err:    # RecursionError: nested past the parser's depth
         raise ValueError(f"task {message.task_id}: verifier task is not usable JSON: {err!r}"[:500]) from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"task {message.task_id}: verifier task is a JSON {type(doc).__name__}, not an object")
+    if not isinstance(doc, dict):   # ValueError, as for every unusable verifier: the generator dead-letters those
+        raise ValueError(f"task {message.task_id}: verifier task is a JSON {type(doc).__name__}, "  # noqa: TRY004
+                         f"not an object")
     return task_from_json(doc)
 
 

@@ -247,8 +247,8 @@ class Trainer(Actor):
             size = next(iter(members.values())).message.group_size if members else 0
             for d in members.values():
                 self._checked.pop(d.message.rollout_id, None)
-                self.to_drop[d.message.rollout_id] = (d, f"incomplete: {len(members)} of a group of {size} "
-                                                         f"with the trainer's buffer full ({self.max_buffered})")
+                why = f"incomplete: {len(members)} of a group of {size} with the trainer's buffer full"
+                self.to_drop[d.message.rollout_id] = (d, f"{why} ({self.max_buffered})")
                 self.count("dropped")
             evicted += len(members)
         if self.to_drop:
@@ -330,14 +330,13 @@ class Trainer(Actor):
         """A TRAINLOG record of dropped rollouts alone (no optimizer step: the policy version stays), so that
         they can be acked once a mark covers it; for when rollouts pile up that nothing will train."""
         dropped, self.to_drop = list(self.to_drop.values()), {}
-        with anyio.CancelScope(shield=True):
-            self.step += 1
-            for d, _ in dropped:
-                self.consumed[d.message.rollout_id] = self.step
-                self.held[d.message.rollout_id] = d
-            self.unlogged.append(TrainStep(
-                step=self.step, policy_version=self.version, parent_checkpoint=self.parent_checkpoint,
-                dropped=[DroppedRollout(rollout_id=d.message.rollout_id, reason=why) for d, why in dropped]))
+        self.step += 1                    # no await until the record is queued: applied together or not at all
+        for d, _ in dropped:
+            self.consumed[d.message.rollout_id] = self.step
+            self.held[d.message.rollout_id] = d
+        self.unlogged.append(TrainStep(
+            step=self.step, policy_version=self.version, parent_checkpoint=self.parent_checkpoint,
+            dropped=[DroppedRollout(rollout_id=d.message.rollout_id, reason=why) for d, why in dropped]))
         self.count("drop_records")
         reasons = Counter(reason_category(why) for _, why in dropped)
         log.warning("trainer_drops_recorded", step=self.step, dropped=len(dropped), reasons=dict(reasons))

@@ -42,6 +42,7 @@ from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, digest
 from rlbus.messages.errors import BadMessage, DigestMismatch
 from rlbus.messages.schemas import Event, WeightManifest
+from rlbus.messages.subjects import Subjects
 from rlbus.model.transformer import ModelConfig, Transformer
 
 log = structlog.get_logger()
@@ -369,7 +370,7 @@ class WeightSync:
                         log.warning("weights_manifest_unreadable", region=self.region, error=str(err))
                         bucket = self.bus.subjects.latest_bucket(self.region)
                         await self.bus.store_dead_letter(entry.value or b"", reason=str(err), source=bucket,
-                                                         subject=f"$KV.{bucket}.{entry.key}",
+                                                         subject=Subjects.kv_key(bucket, LATEST_KEY),
                                                          key=str(entry.revision))
                         continue
                     if self._latest is None or manifest.version > self._latest.version or (

@@ -285,8 +285,11 @@ class Bus:
         The dead letter's message id is `dlq-<source>-<key>`, `key` defaulting to the original's stream
         sequence: a message dead-lettered again (a lost term, several readers) is stored once.
         """
-        if key is None and msg.reply and msg.reply.startswith("$JS.ACK."):
-            key = str(msg.metadata.sequence.stream)
+        if key is None and msg.reply:
+            try:
+                key = str(msg.metadata.sequence.stream)
+            except nats.errors.NotJSMessageError:    # a core message: no stream sequence to dedupe by
+                pass
         stored = await self.store_dead_letter(msg.data, reason=reason, source=source, subject=msg.subject,
                                               headers=msg.headers, key=key)
         if settle and msg.reply:

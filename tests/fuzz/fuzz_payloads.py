@@ -30,8 +30,17 @@ from rlbus.actors.feeder import verifier_for
 from rlbus.messages import checks, codec
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import (
-    CheckpointMark, Message, Rollout, SandboxLimits, SandboxRequest, StateUploaded, Task, TensorBlob,
-    VersionReady, WeightManifest)
+    CheckpointMark,
+    Message,
+    Rollout,
+    SandboxLimits,
+    SandboxRequest,
+    StateUploaded,
+    Task,
+    TensorBlob,
+    VersionReady,
+    WeightManifest,
+)
 from rlbus.model.tasks import make_task
 
 Target = Literal["tasks", "rollouts", "version_ready", "state_upload", "checkpoints", "latest", "sandbox"]
@@ -202,25 +211,25 @@ def _absurd_other(rng: random.Random, variant: int, target: Target, tag: str) ->
     options: list[dict[str, Any]]
     match target:
         case "version_ready":      # {}: well-formed, but its object is missing
-            options = [dict(version=negative), dict(step=negative), dict(digest=bad_digest), dict(object=bad_name),
-                       dict(version_digest="zz"), {}]
+            options = [{"version": negative}, {"step": negative}, {"digest": bad_digest}, {"object": bad_name},
+                       {"version_digest": "zz"}, {}]
         case "state_upload" | "checkpoints":
-            options = [dict(step=negative), dict(policy_version=negative), dict(objects=[bad_name]),
-                       dict(digests=[bad_digest]), dict(objects=[]), dict(digests=[D, D]), dict(parent_step=negative)]
+            options = [{"step": negative}, {"policy_version": negative}, {"objects": [bad_name]},
+                       {"digests": [bad_digest]}, {"objects": []}, {"digests": [D, D]}, {"parent_step": negative}]
             if target == "state_upload":
                 options.append({})
         case "latest":
-            options = [dict(version=negative), dict(digests=[bad_digest]), dict(objects=[bad_name]), dict(sizes=[]),
-                       dict(sizes=[negative]), dict(objects=[]), dict(bases=[5]), dict(yields=[1, 1]),
-                       dict(base_version=1), dict(version_digest="xyz"),
-                       dict(model_config=rng.choice([
+            options = [{"version": negative}, {"digests": [bad_digest]}, {"objects": [bad_name]}, {"sizes": []},
+                       {"sizes": [negative]}, {"objects": []}, {"bases": [5]}, {"yields": [1, 1]},
+                       {"base_version": 1}, {"version_digest": "xyz"},
+                       {"model_config": rng.choice([
                            {"d_model": -64, "n_heads": 2}, {"vocab_size": 10 ** 12}, {"no_such_field": 1},
-                           {"n_layers": 10 ** 9}, {"d_model": "wide"}, {"vocab_size": 1}]))]
+                           {"n_layers": 10 ** 9}, {"d_model": "wide"}, {"vocab_size": 1}])}]
         case "sandbox":
             limit = rng.choice([0.0, -1.0, math.nan, math.inf])
-            options = [dict(limits=SandboxLimits(cpu_seconds=limit)), dict(limits=SandboxLimits(wall_seconds=limit)),
-                       dict(limits=SandboxLimits(memory_mb=rng.randint(-10, 0))),
-                       dict(limits=SandboxLimits(max_processes=0)), dict(request_id="q" * 300)]
+            options = [{"limits": SandboxLimits(cpu_seconds=limit)}, {"limits": SandboxLimits(wall_seconds=limit)},
+                       {"limits": SandboxLimits(memory_mb=rng.randint(-10, 0))},
+                       {"limits": SandboxLimits(max_processes=0)}, {"request_id": "q" * 300}]
         case _:
             raise ValueError(target)
     fields = options[variant % len(options)]

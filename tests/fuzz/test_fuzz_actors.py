@@ -43,7 +43,7 @@ from rlbus.model.transformer import Transformer
 from rlbus.topology.regions import RegionSet
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fuzz_payloads import Payload, Target, build, recipes, valid  # noqa: E402
+from fuzz_payloads import Payload, Target, build, recipes, valid
 
 pytestmark = pytest.mark.anyio
 HUB = "hub"
@@ -187,14 +187,14 @@ async def test_ten_thousand_hostile_messages_are_dead_lettered_and_every_actor_l
                     for p in items:
                         seen = sync.rejected
                         await admin.jetstream().publish(subject, p.data, headers=p.headers)
-                        await _until("the weight sync refused a manifest", lambda: _gt(sync.rejected, seen), 20,
+                        await _until("the weight sync refused a manifest", lambda seen=seen: _gt(sync.rejected, seen), 20,
                                      poll_s=0.002)
 
                 async def send_sandbox(items: list[Payload]) -> None:
                     """Core request/reply: at most 64 unanswered (a supervisor reads a bounded queue; past it
                     NATS drops requests, as it should, and requesters retry)."""
                     for i, p in enumerate(items):
-                        await _until("sandbox replies keep up", lambda: _true(i - len(replies) < 64), 30,
+                        await _until("sandbox replies keep up", lambda i=i: _true(i - len(replies) < 64), 30,
                                      poll_s=0.01)
                         await admin.publish(s.sandbox(HUB), p.data, reply=f"_INBOX.fuzz-{run}.{i}", headers=p.headers)
                     await admin.flush()

@@ -142,7 +142,7 @@ async def test_role_is_refused_everything_outside_its_rights(regions: RegionSet,
         targets = attacks(s)
         forbidden = {name for name in targets if name not in RIGHTS[role] | EVERYONE}
         try:
-            for name, subject in targets.items():
+            for subject in targets.values():
                 await conn.publish(subject, b"{}")
             await conn.flush()
             with anyio.fail_after(20):
@@ -194,8 +194,8 @@ async def test_only_sandboxes_may_listen_for_sandbox_requests(regions: RegionSet
         with anyio.fail_after(10):
             while not errors:
                 await anyio.sleep(0.02)
-        assert errors == [f'nats: permissions violation for subscription to "{s.sandbox(HUB).lower()}" '
-                          f'using queue "{s.durable("sandbox", HUB)}"']
+        assert errors == [(f'nats: permissions violation for subscription to "{s.sandbox(HUB).lower()}" '
+                           f'using queue "{s.durable("sandbox", HUB)}"')]
     finally:
         await conn.close()
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import anyio
 import msgspec
@@ -61,6 +62,10 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "rlbus.ops.cli", *args]
 
 
+def _start(cmd: list[str], out: IO[str], err: IO[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, "RLBUS_TORCH_THREADS": "1"})
+
+
 def _leaks(data: bytes, secrets: dict[str, str]) -> list[str]:
     return [role for role, secret in secrets.items() if secret.encode() in data]
 
@@ -98,8 +103,7 @@ async def test_no_password_in_logs_events_health_or_state(tmp_path: Path) -> Non
     `rlbus health --once --json`; the files that must hold them are 0600."""
     state = tmp_path / "state"
     out, err = (tmp_path / "up.out").open("w"), (tmp_path / "up.err").open("w")
-    proc = subprocess.Popen(_cli("up", str(_topology(tmp_path)), "--state-dir", str(state), "--steps", "2"),
-                            stdout=out, stderr=err, env={**os.environ, "RLBUS_TORCH_THREADS": "1"})
+    proc = _start(_cli("up", str(_topology(tmp_path)), "--state-dir", str(state), "--steps", "2"), out, err)
     try:
         deadline = time.monotonic() + 300
         while not (state / "run.json").exists():
@@ -109,7 +113,7 @@ async def test_no_password_in_logs_events_health_or_state(tmp_path: Path) -> Non
                    json.loads((state / "nats" / CREDENTIALS_NAME).read_text()).items()}
         n_events, n_beats, in_streams = await _streams_during_run(state, secrets)
         health = await anyio.to_thread.run_sync(lambda: subprocess.run(
-            _cli("health", "--state-dir", str(state), "--once", "--json"), capture_output=True, timeout=120))
+            _cli("health", "--state-dir", str(state), "--once", "--json"), capture_output=True, timeout=120, check=False))
         code = await anyio.to_thread.run_sync(lambda: proc.wait(timeout=600))
     finally:
         if proc.poll() is None:
@@ -147,7 +151,7 @@ def test_validate_refuses_an_inline_password_without_echoing_it(tmp_path: Path, 
     errors = [p for p in problems if p.severity == "error"]
     assert [p.key for p in errors] == ["regions[0].nats_urls[1]"]
     assert "credentials inline" in errors[0].message and "s3cr3t" not in str(errors[0])
-    shown = subprocess.run(_cli("validate", str(path)), capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(_cli("validate", str(path)), capture_output=True, text=True, timeout=60, check=False)
     assert shown.returncode != 0 and "s3cr3t" not in shown.stdout + shown.stderr
     (tmp_path / "creds.json").write_text("{}")
     by_reference = text.replace(', "URL"', "").replace('role = "hub"\n', 'role = "hub"\ncredentials_file = "creds.json"\n')

@@ -10,7 +10,6 @@ import shutil
 import ssl
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import anyio
 import nats
