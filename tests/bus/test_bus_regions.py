@@ -246,7 +246,7 @@ async def test_reopened_regions_keep_credentials_and_stores(tmp_path: Path) -> N
         assert {role: again.credentials(role) for role in again.users} == creds
         admin = await _connect(again, "hub", "admin")
         try:
-            await _wait_messages(admin.jetstream(), s.hub_rollouts_stream(), 2, timeout_s=20)
+            await _wait_messages(admin.jetstream(), s.hub_rollouts_stream(), 2, timeout_s=90)   # sourcing resumes on the server's own retry backoff
             in_leaf = await _msg_ids(admin.jetstream(domain="eu"), s.rollouts_stream("eu"))
             assert in_leaf == Counter(["r1", "r2"])
         finally:
