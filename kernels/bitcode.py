@@ -17,6 +17,7 @@ RICE: Final = 0
 EXP_GOLOMB: Final = 1
 _MAX_K: Final = 62
 _MAX_FIELD: Final = 57
+_FIELD_CHUNK: Final = 1 << 16
 """Widest per-value field: a 64-bit window read at any bit offset holds it."""
 
 
@@ -86,14 +87,6 @@ def _unpack_fixed(raw: np.ndarray, count: int, w: int) -> np.ndarray:
     return values
 
 
-def _width_groups(widths: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
-    """Stable order grouping equal widths (ascending) and its (width, start, end) runs."""
-    order = np.argsort(widths.astype(np.uint8), kind="stable")  # radix sort for a uint8 key
-    counts = np.bincount(widths, minlength=1)
-    ends = np.cumsum(counts)
-    return order, [(w, int(ends[w] - c), int(ends[w])) for w, c in enumerate(counts.tolist()) if c and w]
-
-
 def pack_fields(values: np.ndarray, widths: np.ndarray | int) -> bytes:
     """The low `widths[i]` bits of each `values[i]` (K,) int64 >= 0.
 
@@ -107,14 +100,14 @@ def pack_fields(values: np.ndarray, widths: np.ndarray | int) -> bytes:
     w_arr = np.asarray(widths, dtype=np.int64)
     if int(w_arr.max()) > _MAX_FIELD:
         raise ValueError(f"bit field of width {int(w_arr.max())} > {_MAX_FIELD}")
-    starts = np.cumsum(w_arr) - w_arr
-    bits = np.zeros(int(w_arr.sum()), dtype=np.uint8)
-    order, groups = _width_groups(w_arr)
-    for w, s, e in groups:  # one vectorised scatter per distinct width
-        idx = order[s:e]
-        field = (values[idx, None] >> np.arange(w)) & 1
-        bits[(starts[idx, None] + np.arange(w)).reshape(-1)] = field.reshape(-1)
-    return np.packbits(bits, bitorder="little").tobytes()
+    maxw = int(w_arr.max())
+    cols = np.arange(maxw)
+    bits = []
+    for s in range(0, values.size, _FIELD_CHUNK):  # (chunk, maxw) bit matrix, keep each row's first w bits
+        v = np.ascontiguousarray(values[s:s + _FIELD_CHUNK], dtype="<i8")
+        mat = np.unpackbits(v.view(np.uint8), bitorder="little").reshape(-1, 64)[:, :maxw]
+        bits.append(mat[cols < w_arr[s:s + _FIELD_CHUNK, None]])
+    return np.packbits(np.concatenate(bits), bitorder="little").tobytes()
 
 
 def unpack_fields(buf: bytes | memoryview, offset: int, widths: np.ndarray | int, count: int
