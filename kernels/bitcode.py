@@ -74,8 +74,8 @@ def _pack_fixed(values: np.ndarray, w: int) -> bytes:
 def _unpack_fixed(raw: np.ndarray, count: int, w: int) -> np.ndarray:
     """Inverse of `_pack_fixed` on exactly `_fixed_size(count, w)` bytes."""
     nbytes = w // 8
-    values = np.zeros(count, dtype=np.int64)
-    for i in range(nbytes):
+    values = raw[:count].astype(np.int64) if nbytes else np.zeros(count, dtype=np.int64)
+    for i in range(1, nbytes):
         values |= raw[i * count:(i + 1) * count].astype(np.int64) << (8 * i)
     if w % 8:
         planes = np.unpackbits(raw[nbytes * count:], count=(w % 8) * count, bitorder="little")
@@ -83,7 +83,10 @@ def _unpack_fixed(raw: np.ndarray, count: int, w: int) -> np.ndarray:
         low = planes[0].copy()
         for j in range(1, w % 8):
             low |= planes[j] << np.uint8(j)
-        values |= low.astype(np.int64) << (8 * nbytes)
+        if nbytes:
+            values |= low.astype(np.int64) << (8 * nbytes)
+        else:
+            values = low.astype(np.int64)
     return values
 
 
@@ -227,7 +230,9 @@ def decode_ints(buf: bytes | memoryview, offset: int, count: int) -> tuple[np.nd
     offset += ulen
     if mode == RICE:
         fields, offset = unpack_fields(buf, offset, k, count)
-        return (q << k) | fields, offset
+        q <<= k
+        q |= fields
+        return q, offset
     n = q + k
     if n.size and int(n.max()) > 62:
         raise ValueError(f"Exp-Golomb field of {int(n.max())} bits")

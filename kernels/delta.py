@@ -357,8 +357,10 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Non
     if count > n or count != header.changed:
         raise ValueError(f"{count} changed elements in a payload for {n} (header: {header.changed})")
     if enc is Encoding.SPARSE:
-        gaps, off = bitcode.decode_ints(payload, off, count)
-        pos = np.cumsum(gaps + 1) - 1
+        pos, off = bitcode.decode_ints(payload, off, count)  # gaps, turned into positions in place
+        pos += 1
+        np.cumsum(pos, out=pos)
+        pos -= 1
     else:
         zlen, off = get_varint(payload, off)
         mask = np.unpackbits(np.frombuffer(_unzstd(payload[off:off + zlen], (n + 7) // 8), dtype=np.uint8),
