@@ -26,6 +26,7 @@ from typing import Any, Final, Literal
 
 import anyio
 import structlog
+import tenacity
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -41,7 +42,8 @@ from nats.js.api import (
     StreamSource,
 )
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError
+from nats.errors import NoRespondersError
+from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from rlbus.messages.errors import BusUnavailable, TopologyError
 from rlbus.messages.subjects import Subjects
@@ -296,7 +298,16 @@ async def provision_run(nc: NATS, subjects: Subjects, *, hub: str, domains: Mapp
     if hub not in domains:
         raise TopologyError(f"hub {hub!r} is not one of the regions {sorted(domains)}")
     for region in [*sorted(r for r in domains if r != hub), hub]:
-        await provision_region(nc, subjects, region, domain=domains[region], settings=settings)
+        # A leaf's `$JS.<domain>.API` interest reaches the hub a moment after the link is up: retry the
+        # (idempotent) provisioning on "no responders" for a bounded time.
+        retry = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type((ServiceUnavailableError, NoRespondersError)),
+            wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=1.0), stop=tenacity.stop_after_delay(20),
+            reraise=True, before_sleep=lambda rs: log.warning("provision_retry", region=rs.args[0] if rs.args else "",
+                                                              attempt=rs.attempt_number))
+        async for attempt in retry:
+            with attempt:
+                await provision_region(nc, subjects, region, domain=domains[region], settings=settings)
     await provision_hub(nc, subjects, hub, domains, settings)
 
 
