@@ -18,7 +18,7 @@ import pytest
 
 from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.messages.schemas import Event
-from rlbus.messages.streams import StreamSettings, provision_run
+from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.regions import TLS_DIR, RegionSet
 from rlbus.topology.tls import TlsFiles
@@ -99,6 +99,7 @@ async def test_bus_connects_with_the_ca(tls_regions: RegionSet) -> None:
     ca = TlsFiles.under(rs.base_dir / TLS_DIR).ca
     async with await Bus.connect(rs.url(LEAF), run=run, domain=LEAF, options=ConnectOptions(
             user=cred.user, password=cred.password, tls_ca_file=str(ca), retry_for_s=5)) as bus:
+        await wait_routable(bus.nc, bus.subjects.events(LEAF, "probe"))   # the hub stream's interest crosses the link
         ack = await bus.publish(bus.subjects.events(LEAF, "probe"), Event(event="incident", detail="tls"))
     assert ack.stream == Subjects(run).events_stream()
 
