@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rlbus.kernels.delta_state import encode_state
 from rlbus.kernels.logprob import token_logprob_entropy
 from rlbus.messages.schemas import Rollout
 from rlbus.model.loss import group_relative_advantages, rl_loss, shape_rewards
@@ -263,6 +264,13 @@ class TrainerCore:
     def bf16_state(self) -> dict[str, Tensor]:
         """The published version: every tensor of the fp32 master's state dict cast to bfloat16."""
         return {name: t.detach().to(torch.bfloat16).contiguous() for name, t in self.model.state_dict().items()}
+
+    def published_version(self) -> tuple[bytes, str, int]:
+        """What a version is published as: (the full-snapshot `encode_state` blob of `bf16_state`, its
+        version digest as hex, raw tensor bytes). The trainer announces it; `rlbus replay train` compares it."""
+        state = self.bf16_state()
+        index, blob = encode_state(state, None)
+        return blob, index.version_digest.hex(), sum(t.numel() * t.element_size() for t in state.values())
 
     def model_config_dict(self) -> dict[str, Any]:
         """The architecture as plain values (ModelConfig fields; tuples as lists)."""

@@ -99,6 +99,10 @@ class Actor(abc.ABC):
     async def drain(self) -> None:  # noqa: B027 - optional hook
         """Finish or hand back in-flight work (nak, flush). Runs shielded, bounded by `drain_timeout_s`."""
 
+    def started_data(self) -> dict[str, str]:
+        """Extra `data` of this actor's `started` event (the trainer records its settings there for replay)."""
+        return {}
+
     # ---- helpers for subclasses -----------------------------------------------------------------
     def count(self, name: str, by: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + by
@@ -144,7 +148,7 @@ class Actor(abc.ABC):
                 self.state = State.READY
                 log.info("actor_ready")
                 task_status.started()
-                await self.emit("started", pid=str(os.getpid()))
+                await self.emit("started", **{**self.started_data(), "pid": str(os.getpid())})
                 try:
                     await self.run()
                 except anyio.get_cancelled_exc_class():

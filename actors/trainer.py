@@ -39,7 +39,6 @@ from rlbus.actors._trainer_core import (
 from rlbus.actors._trainer_resume import Resume, last_message, resume_point
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.ledger import reason_category
-from rlbus.kernels.delta_state import encode_state
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import BadMessage, RlbusError
@@ -50,6 +49,9 @@ from rlbus.messages.subjects import Subjects
 log = structlog.get_logger()
 
 T = TypeVar("T")
+SETTINGS_KEY = "trainer_settings"
+"""Key of the trainer's `started` event data holding its `TrainerConfig` as JSON (read by ops/retrain.py)."""
+THREADS_KEY = "torch_threads"
 _PUBLISH_ERRORS = (nats.errors.Error, TimeoutError)
 
 
@@ -99,6 +101,18 @@ def build_trainer(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: Ac
     return Trainer(ident, bus, msgspec.convert(settings, TrainerConfig), limits)
 
 
+def trainer_threads() -> int:
+    """Torch threads of a trainer: `RLBUS_TORCH_THREADS` (the launcher sets the instance's `torch_threads`), else 1."""
+    return max(1, int(os.environ.get("RLBUS_TORCH_THREADS", "1") or 1))
+
+
+def build_trainer_core(config: TrainerConfig, *, threads: int) -> TrainerCore:
+    """Set torch's thread count and build the core of `config`: the trainer's setup and `rlbus replay FILE
+    train` (ops/retrain.py) both start here, so a replay cannot drift from the live trainer."""
+    torch.set_num_threads(threads)
+    return build_core(config.pretrained, lr=config.lr, seed=config.seed)
+
+
 class Trainer(Actor):
     """Trains on the hub's ROLLOUTS (durable `trainer`); see the module docstring for the guarantees."""
 
@@ -146,9 +160,8 @@ class Trainer(Actor):
         if info.config.max_ack_pending and info.config.max_ack_pending > 0:
             self.max_buffered = int(info.config.max_ack_pending)
         self.gauges["buffer_bound"] = float(self.max_buffered)
-        cfg = self.config
-        torch.set_num_threads(max(1, int(os.environ.get("RLBUS_TORCH_THREADS", "1") or 1)))
-        self.core = await anyio.to_thread.run_sync(lambda: build_core(cfg.pretrained, lr=cfg.lr, seed=cfg.seed))
+        cfg, threads = self.config, trainer_threads()
+        self.core = await anyio.to_thread.run_sync(lambda: build_trainer_core(cfg, threads=threads))
         log.info("trainer_model_ready", pretrained=cfg.pretrained or None, incarnation=self.incarnation,
                  params=sum(p.numel() for p in self.core.model.parameters()))
 
@@ -183,6 +196,11 @@ class Trainer(Actor):
         await self.bus.nc.flush(timeout=2)
         log.info("trainer_drained", step=self.step, version=self.version, held=len(self.held),
                  pending=sum(map(len, self.pending.values())))
+
+    def started_data(self) -> dict[str, str]:
+        """The settings and thread count in the `started` event, so a recording can be replayed
+        (`rlbus replay FILE train`) without the topology file."""
+        return {SETTINGS_KEY: msgspec.json.encode(self.config).decode(), THREADS_KEY: str(trainer_threads())}
 
     # ---- resume ---------------------------------------------------------------------------------
     def _core(self) -> TrainerCore:
@@ -388,12 +406,7 @@ class Trainer(Actor):
         core = self._core()
         version, step = self.version, self.step
 
-        def encode() -> tuple[bytes, str, int]:
-            state = core.bf16_state()
-            index, blob = encode_state(state, None)
-            return blob, index.version_digest.hex(), sum(t.numel() * t.element_size() for t in state.values())
-
-        blob, version_digest, raw = await anyio.to_thread.run_sync(encode)
+        blob, version_digest, raw = await anyio.to_thread.run_sync(core.published_version)
         name = Subjects.version_object(version)
         bucket = self.subjects.checkpoint_bucket()
         digest = await self._put(name, blob)

@@ -1,10 +1,11 @@
-"""`rlbus replay FILE inspect|export|publish [filters]`, and the Python API `rlbus.ops.replay.open(path)`.
+"""`rlbus replay FILE inspect|export|publish [filters]` and `rlbus replay FILE train`, and the Python API
+`rlbus.ops.replay.open(path)`.
 
 Owns: the command line (filters shared by the three actions, their parsing), the inspect table, and
 `open()`: `for rollout in open("run.rlrec", versions=(3, 5)).rollouts(): ...` iterates typed Rollouts.
 The typed reading and filter semantics are ops/playback.py, the file format ops/recording.py, the
-publishing ops/republish.py. `publish` is also how a fresh trainer will be fed a recording: publish to
-a new run, then start that run's trainer.
+publishing ops/republish.py, `train` (a fresh trainer reproducing every recorded version digest)
+ops/retrain.py. `publish` also feeds a recording to a new run's live trainer.
 """
 
 from __future__ import annotations
@@ -75,6 +76,35 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     b.add_argument("--provision", action="store_true",
                    help="create the target run's streams first (needs the admin role)")
     b.set_defaults(handler=_publish)
+    t = actions.add_parser("train", help="feed the whole recording to a fresh trainer and check that it reproduces "
+                                         "every recorded WeightManifest digest (exit 1 names the first that differs)",
+                           description="Replay the TrainSteps of the final checkpoint lineage (and any abandoned "
+                                       "branch) on a fresh trainer built like the live one, with each step's "
+                                       "rollouts in the order the trainer used them, and compare the digest of "
+                                       "every version with the recorded manifest. Exit 0: all reproduced; 1: a "
+                                       "mismatch; 2: the recording lacks what is needed.")
+    _add_train_arguments(t)
+    t.set_defaults(handler=_train)
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pretrained", type=Path, default=None,
+                   help="the run's pretrained checkpoint (<state-dir>/pretrained/pretrain.pt); default: the path "
+                        "the trainer recorded in its started event")
+    p.add_argument("--topology", type=Path, default=None,
+                   help="topology file whose [trainer] settings to use; default: the settings the trainer recorded")
+    p.add_argument("--seed", type=int, default=None, help="trainer seed (default: the run's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the trainer's; another count may change floating-point sums)")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first mismatching version")
+    p.add_argument("--json", action="store_true",
+                   help="print {versions, matched, mismatched, first_mismatch, ...} as JSON instead of lines")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rlbus.ops.retrain import handle
+
+    return handle(args)
 
 
 # ---- filters ----------------------------------------------------------------------------------------
