@@ -3,7 +3,8 @@
 Owns: `Generator` (kind "generator") and `GeneratorConfig`. Per task delivery (durable
 `generator_<region>` on the region's TASKS): rebuild the coding task from `Task.verifier`; wait until the
 live weights are at `Task.min_version` (the lockstep feeder's; 0 for every other task); load its
-partial from the region's PARTIALS KV (key = task id) and resume it, or start G episodes; then step
+partial from the region's PARTIALS KV (key = task id) and resume it — unless it is garbage or hostile
+(`check_partial`): then it is discarded with an Event(incident) — or start G episodes; then step
 the group until every episode is done — self-summarise an episode whose context is over budget, sample
 the open drafts together `partial_every_tokens` at a time (`model.generate` in a worker thread, weights
 swapped in flight through `WeightSource.maybe_swap`), and once every draft is complete grade them in
@@ -38,13 +39,14 @@ import torch
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.episode_group import (
-    PARTIAL_FORMAT,
     Attempt,
     EpisodeState,
     PartialGroup,
+    PartialLimits,
     add_chunk,
     base_context,
     build_rollout,
+    check_partial,
     decode_partial,
     encode_partial,
     new_group,
@@ -54,11 +56,12 @@ from rlbus.actors.episode_group import (
     record_summary,
 )
 from rlbus.actors.feeder import task_from_verifier
+from rlbus.actors.sample_batcher import SampleBatcher
 from rlbus.actors.sandbox_client import grade_result, request_for, run_in_sandbox
 from rlbus.actors.weight_source import WeightSource, open_weights
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import RlbusError
-from rlbus.messages.schemas import SandboxLimits, SandboxVerdict
+from rlbus.messages.schemas import Event, SandboxLimits, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model.generate import SampledSequence, generate
 from rlbus.model.summarize import summarize_if_over_budget
@@ -81,7 +84,7 @@ class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     partial_every_tokens: int = 64
     """Sample this many tokens per call, then save the partial."""
     concurrent_tasks: int = 1
-    """Tasks worked on at once (sampling is serialised; grading and I/O overlap)."""
+    """Tasks worked on at once; their open drafts are sampled together in one batch (actors/sample_batcher.py)."""
     weights: str = "sync"
     """"sync" (WeightSync on the region's published versions) or "local:<pretrain.pt>"."""
     local_version: int = 0
@@ -122,7 +125,8 @@ class Generator(Actor):
         self._model_lock = threading.Lock()
         self._sampling_s = 0.0
         self._stops = (self.tokenizer.end_turn_id, self.tokenizer.eos_id)
-        self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "sandbox_errors", "tokens"), 0))
+        self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "partials_discarded", "sandbox_errors",
+                                            "tokens"), 0))
 
     async def setup(self) -> None:
         if self.config.torch_threads:
@@ -145,6 +149,7 @@ class Generator(Actor):
         self.weights = weights
         await weights.wait_for_version(0)
         self._note_version()
+        self._batcher = SampleBatcher(self._sample_rows, max_len=weights.model.config.max_seq_len)
         log.info("generator_weights_ready", version=weights.held_version)
         async with anyio.create_task_group() as tg:
             for _ in range(self.config.concurrent_tasks):
@@ -213,7 +218,7 @@ class Generator(Actor):
         _TakenOver."""
         key = partial_key(message.task_id)
         group_size = message.group_size if message.group_size >= 1 else self.config.group_size
-        state, revision = await self._load(key, message.task_id, group_size)
+        state, revision = await self._load(key, message.task_id, group_size, task)
         if state is None:
             state = new_group(task, message.task_id, group_size, self.tokenizer, now=time.time())
         else:
@@ -303,18 +308,8 @@ class Generator(Actor):
         contexts = [b + ep.draft_ids for b, ep in zip(bases, rows, strict=True)]
         n = min(self.config.partial_every_tokens,
                 *(lim - len(ep.draft_ids) for lim, ep in zip(limits, rows, strict=True)))
-        weights = self._weights()
-        seed = _seed(state)
-
-        def sample() -> list[SampledSequence]:
-            with self._model_lock:
-                return generate(weights.model, contexts, max_new_tokens=n, temperature=self.config.temperature,
-                                eos_id=self.tokenizer.end_turn_id, pad_id=self.tokenizer.pad_id,
-                                version=weights.held_version or 0, on_step=weights.maybe_swap,
-                                generator=torch.Generator().manual_seed(seed))
-
         started = time.monotonic()
-        samples = await anyio.to_thread.run_sync(sample)
+        samples = await self._batcher.sample(contexts, n, _seed(state))
         elapsed = time.monotonic() - started
         kept = 0
         for ep, out, context, limit in zip(rows, samples, contexts, limits, strict=True):
@@ -328,6 +323,16 @@ class Generator(Actor):
         self.count("tokens", kept)
         self.gauges["tokens_per_s"] = self.counters["tokens"] / max(self._sampling_s, 1e-9)
         self._note_version()
+
+    def _sample_rows(self, contexts: list[list[int]], n: int, seed: int) -> list[SampledSequence]:
+        """One `generate` call over the open drafts of every task in the batch (SampleBatcher's worker
+        thread); weights are swapped in flight between decoding steps."""
+        weights = self._weights()
+        with self._model_lock:
+            return generate(weights.model, contexts, max_new_tokens=n, temperature=self.config.temperature,
+                            eos_id=self.tokenizer.end_turn_id, pad_id=self.tokenizer.pad_id,
+                            version=weights.held_version or 0, on_step=weights.maybe_swap,
+                            generator=torch.Generator().manual_seed(seed))
 
     async def _grade(self, task: Task, task_id: str, g: int, ep: EpisodeState) -> Attempt:
         """Grade the done draft in the region's sandbox; no verdict is a failed attempt, counted."""
@@ -383,21 +388,35 @@ class Generator(Actor):
                  resumes=state.resumes)
 
     # ---- partials -------------------------------------------------------------------------------
-    async def _load(self, key: str, task_id: str, group_size: int) -> tuple[PartialGroup | None, int | None]:
-        """The saved partial of the task and its revision; (None, revision) when absent or unusable."""
+    async def _load(self, key: str, task_id: str, group_size: int,
+                    task: Task) -> tuple[PartialGroup | None, int | None]:
+        """The saved partial of the task and its revision; (None, revision) when absent or unusable. An
+        unusable one (undecodable, another task's, or failing `check_partial`) is discarded with a warning and
+        an `Event(incident)`: the group starts over and overwrites it (compare-and-set on its revision)."""
         try:
             entry = await self.kv.get(key)
         except nats.js.errors.KeyNotFoundError:
             return None, None
         try:
             state = decode_partial(entry.value or b"")
+            check_partial(state, task, task_id, self.tokenizer, self._partial_limits(group_size))
         except ValueError as err:
-            log.warning("partial_unreadable", task_id=task_id, error=str(err))
-            return None, entry.revision
-        if (state.format, state.task_id, state.group_size) != (PARTIAL_FORMAT, task_id, group_size):
-            log.warning("partial_mismatch", task_id=task_id, saved_task=state.task_id, saved_group=state.group_size)
+            self.count("partials_discarded")
+            log.warning("partial_discarded", task_id=task_id, revision=entry.revision, error=str(err)[:300])
+            await self.bus.event(Event(event="incident", actor_id=self.ident.actor_id, actor_kind=self.kind,
+                                       region=self.ident.region, detail=f"partial discarded: {str(err)[:300]}",
+                                       data={"what": "partial_discarded", "task_id": task_id[:200]}))
             return None, entry.revision
         return state, entry.revision
+
+    def _partial_limits(self, group_size: int) -> PartialLimits:
+        config = self.model.config
+        held = self._weights().held_version
+        routing = (len(config.moe_layers), config.top_k, config.n_experts) if config.moe_layers else None
+        return PartialLimits(group_size=group_size, max_attempts=self.config.max_attempts,
+                             max_tokens=self.config.max_tokens, max_seq_len=config.max_seq_len,
+                             vocab_size=config.vocab_size,
+                             held_version=held if held is not None else 0, routing=routing)
 
     async def _save(self, key: str, state: PartialGroup, revision: int | None) -> int:
         """Compare-and-set the partial; raises _TakenOver when another generator wrote it meanwhile."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import msgspec
 import nats.js.errors
 import pytest
 import torch
@@ -247,6 +248,32 @@ async def test_task_becomes_a_group_of_consistent_multi_turn_rollouts(env: Env, 
     kv = await env.admin.js.key_value(env.admin.subjects.partials_bucket("hub"))
     with pytest.raises(nats.js.errors.KeyNotFoundError):
         await kv.get(partial_key(task.task_id))
+
+
+async def test_concurrent_tasks_are_sampled_in_merged_batches_with_exact_logprobs(env: Env) -> None:
+    """concurrent_tasks = 3: the three tasks' drafts share generate calls (left-padded together), yet every
+    rollout's behaviour logprobs equal a plain forward pass over its own tokens, and every group is whole."""
+    model = tiny_model()
+    tasks = [coding_task(i) for i in range(3)]
+    for task in tasks:
+        await env.admin.publish(env.admin.subjects.tasks("hub"), task_message(task), msg_id=task.task_id)
+    config = msgspec.structs.replace(CONFIG, concurrent_tasks=3, max_attempts=1)
+    async with sandbox(env), generator(env, model, version=1, config=config) as actor:
+        stream = env.admin.subjects.tasks_stream("hub")
+
+        async def done() -> bool:
+            return await stored(env, stream) == 0 and actor.counters.get("tasks", 0) == 3  # type: ignore[attr-defined]
+        await wait_until(done)
+        batcher = actor._batcher  # type: ignore[attr-defined]
+        assert batcher.rows > batcher.calls       # some call carried more than one task's rows
+        assert batcher.rows / batcher.calls > config.group_size
+    group = await rollouts(env)
+    assert sorted(r.rollout_id for r in group) == sorted(f"{t.task_id}-{g}" for t in tasks for g in range(2))
+    for r in group:
+        check_layout(r, next(t for t in tasks if t.task_id == r.task_id), attempts=1)
+        mask = torch.tensor(r.loss_mask.tolist(), dtype=torch.bool)
+        torch.testing.assert_close(teacher_forced(model, r)[mask], torch.tensor(r.behaviour_logprobs.tolist())[mask],
+                                   atol=2e-4, rtol=0)
 
 
 async def test_task_is_acked_only_after_its_group_is_stored(env: Env) -> None:
