@@ -31,6 +31,10 @@ class Endpoint:
     domain: str | None = None
     user: str | None = None
     password: str | None = None
+    role: str | None = None
+    """The role connected as (names the connection's private reply inbox, `_INBOX.<role>.<random>`)."""
+    tls_ca: Path | None = None
+    """CA to trust for TLS (topology `[tls]`); None: plaintext unless a URL is `tls://`."""
 
 
 def credentials_from_file(path: Path, role: str) -> tuple[str, str]:
@@ -46,7 +50,8 @@ def credentials_from_file(path: Path, role: str) -> tuple[str, str]:
 
 async def open_bus(endpoint: Endpoint, *, run: str, identity: Identity) -> Bus:
     """Connect an actor to its region's server as its role."""
-    options = ConnectOptions(user=endpoint.user, password=endpoint.password)
+    options = ConnectOptions(user=endpoint.user, password=endpoint.password, role=endpoint.role,
+                             tls_ca_file=None if endpoint.tls_ca is None else str(endpoint.tls_ca))
     return await Bus.connect(list(endpoint.urls), run=run, identity=identity, domain=endpoint.domain,
                              options=options)
 

@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", default=None, help="role whose credentials to use (default: the kind)")
     p.add_argument("--credentials", type=Path, default=None,
                    help="credentials.json of the embedded servers (else RLBUS_NATS_USER/RLBUS_NATS_PASSWORD)")
+    p.add_argument("--tls-ca", type=Path, default=None,
+                   help="PEM file of the CA to trust: connect over TLS (topology [tls])")
     p.add_argument("--settings", default="{}", help="JSON object of kind settings")
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat interval")
     p.add_argument("--drain-s", type=float, default=10.0, help="drain time limit after SIGTERM")
@@ -64,7 +66,8 @@ async def serve_actor(args: argparse.Namespace, *, signals: bool = True) -> Stat
         user, password = os.environ["RLBUS_NATS_USER"], os.environ.get("RLBUS_NATS_PASSWORD", "")
     ident = ActorId(run=args.run, region=args.region, kind=args.kind, actor_id=args.actor_id)
     limits = ActorLimits(heartbeat_interval_s=args.heartbeat_s, drain_timeout_s=args.drain_s)
-    endpoint = Endpoint(urls=tuple(args.url), domain=args.domain, user=user, password=password)
+    endpoint = Endpoint(urls=tuple(args.url), domain=args.domain, user=user, password=password,
+                        role=args.role or args.kind, tls_ca=args.tls_ca)
     bus = await open_bus(endpoint, run=args.run,
                          identity=Identity(actor_id=args.actor_id, kind=args.kind, region=args.region))
     try:

@@ -29,9 +29,9 @@ from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions, PubAck
 
 from rlbus.messages import checks, codec
-from rlbus.messages.errors import BadMessage, BusUnavailable, DigestMismatch, PermissionDenied
+from rlbus.messages.errors import BadMessage, BusUnavailable, DigestMismatch, PermissionDenied, SubjectError
 from rlbus.messages.schemas import Event, Message
-from rlbus.messages.subjects import Subjects
+from rlbus.messages.subjects import Subjects, connection_inbox
 
 log = structlog.get_logger()
 
@@ -75,6 +75,20 @@ class ConnectOptions:
     publish_timeout_s: float = 5.0
     tls_ca_file: str | None = None
     """PEM file of the CA to trust for `tls://` servers (a region set started with TLS: `<base>/tls/ca.pem`)."""
+    role: str | None = None
+    """The role connected as; names the connection's private inbox prefix `_INBOX.<role>.<random>`
+    (servers let a role subscribe only under `_INBOX.<role>.>`). None: `user`, which is the role's name on
+    the embedded servers."""
+
+    def inbox_prefix(self) -> str:
+        """A fresh private inbox prefix for one connection (`subjects.connection_inbox`)."""
+        role = self.role or self.user or "client"
+        try:
+            return connection_inbox(role)
+        except SubjectError:
+            if self.role is not None:
+                raise
+            return connection_inbox("client")   # a user name that is no subject token: not a role of ours
 
 
 @dataclass(slots=True)
@@ -165,7 +179,7 @@ class Bus:
                         max_outstanding_pings=opts.max_outstanding_pings, allow_reconnect=True,
                         max_reconnect_attempts=-1, reconnect_time_wait=opts.reconnect_wait_s,
                         error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-                        tls=_tls_context(opts.tls_ca_file),
+                        tls=_tls_context(opts.tls_ca_file), inbox_prefix=opts.inbox_prefix(),
                     )
         except nats.errors.Error as err:
             if "authorization" in str(err).lower():

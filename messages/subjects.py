@@ -9,6 +9,7 @@ No other module writes a subject literal; tests/test_subjects.py checks that.
 from __future__ import annotations
 
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -16,6 +17,7 @@ from rlbus.messages.errors import SubjectError
 
 _TOKEN: Final = re.compile(r"[A-Za-z0-9_-]+")
 _ROOT: Final = "rlbus"
+_INBOX_ROOT: Final = "_INBOX"
 
 Role = Literal["feeder", "generator", "trainer", "publisher", "checkpointer", "sandbox", "evaluator",
                "observer", "admin", "leaf"]
@@ -28,6 +30,19 @@ def token(value: str, what: str) -> str:
     if not isinstance(value, str) or not _TOKEN.fullmatch(value):
         raise SubjectError(f"{what} {value!r} cannot be a subject token (use letters, digits, '_' or '-')")
     return value
+
+
+def inbox_prefix(role: str) -> str:
+    """`_INBOX.<role>`: the reply inboxes of every connection of `role` live under it, and that role may
+    subscribe to inboxes only there (`role_permissions`)."""
+    return f"{_INBOX_ROOT}.{token(role, 'role')}"
+
+
+def connection_inbox(role: str) -> str:
+    """A fresh private inbox prefix for one connection of `role`, `_INBOX.<role>.<32 hex>` (nats-py
+    `connect(inbox_prefix=...)`): request replies, pull-consumer deliveries and KV/object-store reads of that
+    connection arrive under it, out of other roles' reach and unguessable within its own."""
+    return f"{inbox_prefix(role)}.{secrets.token_hex(16)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +243,10 @@ class BucketScope:
         return out
 
 
+RESPONSE_PERMISSION: Final = {"max": 1, "expires": "10m"}
+"""`allow_responses` of every role but admin: it may publish one reply to the reply subject of each request it
+received, for 10 minutes (a sandbox verdict, a `$SRV` discovery answer); other inboxes stay closed to it."""
+
 _API_PREFIXES: Final = ("$JS.API", "$JS.*.API")
 """The JetStream API of the client's own server, and of any domain (region) across the leaf links."""
 _DURABLE_OWNERS: Final[tuple[Role, ...]] = ("trainer", "publisher", "checkpointer")
@@ -275,18 +294,22 @@ def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list
     what these wildcards would over-grant.
 
     Every role may read through the JetStream API (stream and consumer info, messages, ephemeral
-    consumers), ack, use reply inboxes and service discovery, and publish its own heartbeats, events and
-    dead letters. No role but admin may create, update, purge or delete a stream, or publish raw to
-    another domain's API. Data subjects are granted by role: only the trainer side (trainer, publisher,
+    consumers), ack, use service discovery, and publish its own heartbeats, events and dead letters. Reply
+    inboxes are private: a role subscribes only under its own `_INBOX.<role>.>` (each connection under its
+    own random prefix in there, `connection_inbox`), and publishes to no inbox at all except as a response
+    to a request it received (the servers set `allow_responses`, see `RESPONSE_PERMISSION`). No role but
+    admin may create, update, purge or delete a stream, or publish raw to another domain's API. Data subjects are granted by role: only the trainer side (trainer, publisher,
     checkpointer) writes weights, checkpoints and TRAINLOG; only the feeder writes tasks; only generators
     write rollouts. Bucket writes (plain and through `$JS.<domain>.API`, plus purging the bucket's stream)
     are granted per bucket for the runs and regions of `scope`.
     """
     scope = scope or BucketScope()
     run = f"{_ROOT}.*"
-    common_pub = [*_jetstream_reads(), "$JS.ACK.>", "$JS.FC.>", "_INBOX.>", "$SRV.>",
+    common_pub = [*_jetstream_reads(), "$JS.ACK.>", "$JS.FC.>", "$SRV.>",
                   f"{run}.health.>", f"{run}.events.>", f"{run}.dlq.>"]
-    common_sub = ["_INBOX.>", "$SRV.>", f"{run}.>", "$JS.EVENT.>", "$KV.>", "$O.>"]
+    if role in ("admin", "leaf"):
+        return [">"], [">"]
+    common_sub = [f"{inbox_prefix(role)}.>", "$SRV.>", f"{run}.>", "$JS.EVENT.>", "$KV.>", "$O.>"]
     data: dict[str, list[str]] = {
         "feeder": [f"{run}.tasks.*", *_bucket_writes(scope.buckets("partials"))],
         "generator": [f"{run}.rollouts.*", f"{run}.sandbox.*", *_bucket_writes(scope.buckets("partials"))],
@@ -298,8 +321,6 @@ def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list
         "evaluator": [f"{run}.evals", f"{run}.sandbox.*"],
         "observer": [],
     }
-    if role in ("admin", "leaf"):
-        return [">"], [">"]
     if role not in data:
         raise SubjectError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
     own_durables = [api for name in role_durables(scope).get(role, [])    # (re)created by the actor itself

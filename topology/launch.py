@@ -31,6 +31,7 @@ from rlbus.messages.streams import StreamSettings, provision_all, wait_routable
 from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
 from rlbus.topology.schema import Topology, parse_duration
+from rlbus.topology.tls import TlsFiles, client_context
 
 log = structlog.get_logger()
 
@@ -55,6 +56,8 @@ class Endpoints:
     hub: str
     credentials: dict[str, Path | None]
     """Region → credentials JSON file ({role: {user, password}}), None: no auth."""
+    tls_ca: Path | None = None
+    """PEM file of the CA every connection trusts (`[tls]`), None: plaintext or the system's trust store."""
 
 
 def kind_settings(topology: Topology, kind: str, state_dir: Path | None = None) -> dict[str, Any]:
@@ -116,6 +119,8 @@ def actor_specs(topology: Topology, endpoints: Endpoints, *, heartbeat_s: float 
         creds = endpoints.credentials[inst.region]
         if creds is not None:
             args += ["--credentials", str(creds)]
+        if endpoints.tls_ca is not None:
+            args += ["--tls-ca", str(endpoints.tls_ca)]
         env = {"OMP_NUM_THREADS": str(inst.torch_threads), "RLBUS_TORCH_THREADS": str(inst.torch_threads)}
         specs.append(ProcessSpec(actor_id=inst.actor_id, kind=inst.kind, region=inst.region, args=tuple(args),
                                  env=env, resource=region.resource))
@@ -161,18 +166,22 @@ class Launch:
         regions: RegionSet | None = None
         if all(r.embedded for r in topology.regions):
             sync = None if topology.durability.sync_interval == "default" else topology.durability.sync_interval
+            tls = embedded_tls(topology)
             regions = await anyio.to_thread.run_sync(
                 lambda: RegionSet.start(state / "nats", names, topology.hub.name, sync_interval=sync,
-                                        run=topology.run, relay=relay))
+                                        run=topology.run, relay=relay, tls=tls))
             creds_file: Path | None = state / "nats" / CREDENTIALS_NAME
             endpoints = Endpoints(urls={n: (regions.url(n),) for n in names}, domains={n: n for n in names},
-                                  hub=topology.hub.name, credentials={n: creds_file for n in names})
+                                  hub=topology.hub.name, credentials={n: creds_file for n in names},
+                                  tls_ca=regions.tls.ca if regions.tls is not None else None)
         else:
+            ca = topology.tls.ca_file if topology.tls.enabled else None
             endpoints = Endpoints(
                 urls={r.name: tuple(r.nats_urls) for r in topology.regions}, domains={n: n for n in names},
                 hub=topology.hub.name, credentials={r.name: _external_credentials(r.credentials_file,
                                                                                   r.credentials_env)
-                                                    for r in topology.regions})
+                                                    for r in topology.regions},
+                tls_ca=Path(ca).resolve() if ca is not None else None)
         write_run_file(state / RUN_FILE, topology.run, endpoints)
         try:
             admin = await _admin_bus(topology, endpoints)
@@ -215,11 +224,25 @@ class Launch:
                                      region=spec.region, detail=detail))
 
 
+def embedded_tls(topology: Topology) -> bool | TlsFiles:
+    """What `RegionSet.start(tls=...)` gets from `[tls]`: False (off), True (generate a CA and certificate under
+    the state directory), or the operator's own files (resolved from the working directory)."""
+    tls = topology.tls
+    if not tls.enabled:
+        return False
+    if tls.ca_file is None or tls.cert_file is None or tls.key_file is None:
+        return True      # a checked topology has all three files or none
+    return TlsFiles(ca=Path(tls.ca_file).resolve(), cert=Path(tls.cert_file).resolve(),
+                    key=Path(tls.key_file).resolve())
+
+
 def write_run_file(path: Path, run: str, endpoints: Endpoints) -> None:
-    """`{run, hub, urls: {region: [url]}, domains, credentials: {region: path|null}}`, replaced atomically."""
+    """`{run, hub, urls: {region: [url]}, domains, credentials: {region: path|null}, tls_ca: path|null}`,
+    replaced atomically."""
     doc = {"run": run, "hub": endpoints.hub, "urls": {r: list(u) for r, u in endpoints.urls.items()},
            "domains": dict(endpoints.domains),
-           "credentials": {r: None if c is None else str(c.resolve()) for r, c in endpoints.credentials.items()}}
+           "credentials": {r: None if c is None else str(c.resolve()) for r, c in endpoints.credentials.items()},
+           "tls_ca": None if endpoints.tls_ca is None else str(endpoints.tls_ca)}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     os.replace(tmp, path)
@@ -238,8 +261,9 @@ def _admin_credentials(endpoints: Endpoints, region: str) -> tuple[str | None, s
 
 async def _admin_connect(endpoints: Endpoints, region: str) -> nats.aio.client.Client:
     user, password = _admin_credentials(endpoints, region)
+    tls = client_context(endpoints.tls_ca) if endpoints.tls_ca is not None else None
     return await nats.connect(list(endpoints.urls[region]), user=user, password=password, connect_timeout=5,
-                              max_reconnect_attempts=3)
+                              max_reconnect_attempts=3, tls=tls)
 
 
 async def _admin_bus(topology: Topology, endpoints: Endpoints) -> Bus:
@@ -247,7 +271,10 @@ async def _admin_bus(topology: Topology, endpoints: Endpoints) -> Bus:
     user, password = _admin_credentials(endpoints, hub)
     return await Bus.connect(list(endpoints.urls[hub]), run=topology.run,
                              identity=Identity(actor_id="launcher", kind="launcher", region=hub),
-                             domain=endpoints.domains[hub], options=ConnectOptions(user=user, password=password))
+                             domain=endpoints.domains[hub],
+                             options=ConnectOptions(user=user, password=password, role="admin",
+                                                    tls_ca_file=None if endpoints.tls_ca is None
+                                                    else str(endpoints.tls_ca)))
 
 
 def _external_credentials(path: str | None, env: str | None) -> Path | None:

@@ -34,8 +34,8 @@ _TOPOLOGY_TYPE: Final = mi.type_info(Topology)
 def validate(path: str | os.PathLike[str], *, local_cores: int | None = None) -> tuple[Topology | None, list[Problem]]:
     """(topology, problems) for the file at `path`; the topology is None when any problem is an error.
 
-    Every problem carries `file=str(path)`. Also warns when a region's credentials file is missing or
-    its credentials environment variable is unset (they may exist where the actors run).
+    Every problem carries `file=str(path)`. Also warns when a region's credentials file is missing, its
+    credentials environment variable is unset, or a TLS file is missing (they may exist where the actors run).
     """
     file = str(path)
     try:
@@ -112,6 +112,13 @@ def _environment(topology: Topology) -> list[Problem]:
         if region.credentials_env is not None and region.credentials_env not in os.environ:
             out.append(Problem(key=f"regions[{i}].credentials_env", severity="warning",
                                message=f"environment variable {region.credentials_env} is not set here"))
+    if topology.tls.enabled:
+        for name in ("ca_file", "cert_file", "key_file"):
+            value = getattr(topology.tls, name)
+            if value is not None and not Path(value).is_file():
+                out.append(Problem(key=f"tls.{name}", severity="warning",
+                                   message=f"no file {value!r} here (relative paths are from the working "
+                                           "directory); servers and actors need it where they run"))
     return out
 
 

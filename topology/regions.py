@@ -22,7 +22,7 @@ from rlbus.messages.errors import ServerError, TopologyError
 from rlbus.messages.subjects import ROLES, BucketScope, token
 from rlbus.topology.relay import Relay
 from rlbus.topology.servers import LEAF_ROLE, Credential, EmbeddedServer, generate_users
-from rlbus.topology.tls import generate_tls
+from rlbus.topology.tls import TlsFiles, generate_tls
 
 log = structlog.get_logger()
 
@@ -77,14 +77,14 @@ class RegionSet:
     def start(cls, base_dir: str | os.PathLike[str], regions: Iterable[str], hub: str, *,
               sync_interval: str | None = None, relay: bool = False, ready_timeout_s: float = 15.0,
               link_timeout_s: float = 15.0, binary: str | os.PathLike[str] | None = None,
-              run: str | None = None, tls: bool = False) -> RegionSet:
+              run: str | None = None, tls: bool | TlsFiles = False) -> RegionSet:
         """Start the hub, then every leaf (in parallel), and wait until every leaf is linked to the hub.
 
         `run`: the run whose KV/object-store buckets the role users may write (NATS cannot wildcard part
         of a bucket name); None grants no bucket writes except to admin.
-        `tls`: generate a CA and a server certificate into `base_dir/tls` (once; reused on restart) and make
-        every client connection and leaf link use TLS (plaintext clients are refused); `connect_options`
-        carries the client context.
+        `tls`: True generates a CA and a server certificate into `base_dir/tls` (once; reused on restart);
+        `TlsFiles` uses the operator's own CA, certificate and key. Either way every client connection and
+        leaf link uses TLS (plaintext clients are refused); `connect_options` carries the client context.
 
         :raises TopologyError: `hub` is not one of `regions`, or a region name is repeated or invalid.
         :raises ServerError: a server did not start or a leaf did not link in time (nothing is left running).
@@ -95,7 +95,7 @@ class RegionSet:
         base = Path(base_dir).resolve()
         rs = cls(base, names, hub, load_or_create_credentials(base))
         scope = BucketScope(runs=(run,), regions=names) if run is not None else None
-        files = generate_tls(base / TLS_DIR) if tls else None
+        files = tls if isinstance(tls, TlsFiles) else generate_tls(base / TLS_DIR) if tls else None
         common: dict[str, Any] = {"users": rs.users, "sync_interval": sync_interval, "scope": scope,
                                   "ready_timeout_s": ready_timeout_s, "binary": binary, "tls": files}
         leaf = rs.users[LEAF_ROLE]
@@ -141,6 +141,11 @@ class RegionSet:
         except KeyError:
             raise ServerError(f"no credential for role {role!r}; roles: "
                               f"{', '.join(sorted(self.users))}") from None
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """The TLS files the servers use (None: plaintext)."""
+        return self.servers[self.hub].tls if self.hub in self.servers else None
 
     def connect_options(self, region: str, role: str) -> dict[str, Any]:
         """Keyword arguments for `nats.connect` to `region`'s server as `role`."""

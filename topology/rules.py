@@ -2,8 +2,8 @@
 
 Owns: `check(topology) -> list[Problem]`, pure (the only input besides the topology is the local
 core count, passed in), collecting every problem: hub count, unique names, the trainer side in the
-hub, counts that must fit together, references to regions, credentials by reference only, and the
-torch-threads-per-host warning. Does not: read files or check key types (topology/_walk.py).
+hub, counts that must fit together, references to regions, credentials by reference only, TLS files that
+belong together, and the torch-threads-per-host warning. Does not: read files or check key types (topology/_walk.py).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def check_sections(topology: Topology, *, local_cores: int | None = None) -> lis
     out += _region_weights(topology)
     out += _settings(topology)
     out += _servers(topology)
+    out += _tls(topology)
     out += _threads(topology, cores)
     return out
 
@@ -261,6 +262,35 @@ def _servers(topology: Topology) -> Iterator[Found]:
             if other != region.name:
                 yield _p(f"regions[{i}].ray_resource", f"Ray resource {region.resource!r} is also region {other!r}'s: "
                          "their actors cannot be told apart in placement", "warning", also=("launch",))
+
+
+def _tls(topology: Topology) -> Iterator[Found]:
+    tls = topology.tls
+    if not tls.enabled:
+        for name in ("ca_file", "cert_file", "key_file"):
+            if getattr(tls, name) is not None:
+                yield _p(f"tls.{name}", "ignored: tls.enabled is false (set enabled = true to use TLS)",
+                         "warning")
+        return
+    if (tls.cert_file is None) != (tls.key_file is None):
+        have, lack = ("cert_file", "key_file") if tls.key_file is None else ("key_file", "cert_file")
+        yield _p(f"tls.{lack}", f"tls.{have} is set but tls.{lack} is not: a server certificate goes with its private "
+                 "key; set both, or neither to have certificates generated")
+        return
+    embedded = all(r.embedded for r in topology.regions)
+    if embedded and tls.cert_file is not None and tls.ca_file is None:
+        yield _p("tls.ca_file", "tls.cert_file is set but tls.ca_file is not: leaf links and actors verify the "
+                 "servers' certificate against the CA that signed it; set ca_file to that CA's PEM file",
+                 also=("regions",))
+    if embedded and tls.ca_file is not None and tls.cert_file is None:
+        yield _p("tls.ca_file", "tls.ca_file is set without cert_file and key_file: the embedded servers need a "
+                 "certificate signed by that CA; set cert_file and key_file too, or drop ca_file to have a CA and "
+                 "certificate generated under the state directory", also=("regions",))
+    if not embedded:
+        for name in ("cert_file", "key_file"):
+            if getattr(tls, name) is not None:
+                yield _p(f"tls.{name}", "ignored: the regions join existing servers (nats_urls), which present "
+                         "their own certificates; only ca_file is used", "warning", also=("regions",))
 
 
 def _threads(topology: Topology, local_cores: int) -> Iterator[Found]:

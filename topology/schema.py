@@ -305,6 +305,21 @@ class RestartSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Longest delay between restarts, seconds."""
 
 
+class TlsSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[tls]`: TLS on every client connection and leaf link; off by default (loopback-only embedded servers)."""
+
+    enabled: bool = False
+    """Speak TLS: embedded servers require it on client ports and leaf links, and every actor connects trusting `ca_file`."""
+    ca_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """PEM file of the CA that clients and leaf links trust; default with embedded servers: one generated under
+    `<state_dir>/nats/tls`; default with `nats_urls`: the system's trust store (use `tls://` URLs)."""
+    cert_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """PEM certificate the embedded servers present (with `key_file` and `ca_file`); default: one generated for
+    127.0.0.1 and localhost. Ignored with `nats_urls` (those servers have their own)."""
+    key_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """PEM private key of `cert_file`; keep it readable by its owner only."""
+
+
 @dataclass(frozen=True, slots=True)
 class ActorInstance:
     """One actor instance to start, expanded from a region's `[[regions.actors]]` entry."""
@@ -354,6 +369,8 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     """Launch backend."""
     restart: RestartSettings = RestartSettings()
     """Restart policy of crashed actors."""
+    tls: TlsSettings = TlsSettings()
+    """TLS between regions and for every client connection."""
 
     @property
     def state_path(self) -> Path:

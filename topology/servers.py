@@ -32,7 +32,15 @@ from typing import Any, Final, NamedTuple
 import structlog
 
 from rlbus.messages.errors import ServerError
-from rlbus.messages.subjects import ROLES, BucketScope, role_denials, role_permissions, token
+from rlbus.messages.subjects import (
+    RESPONSE_PERMISSION,
+    ROLES,
+    BucketScope,
+    connection_inbox,
+    role_denials,
+    role_permissions,
+    token,
+)
 from rlbus.topology.tls import TlsFiles, client_context
 
 log = structlog.get_logger()
@@ -108,8 +116,9 @@ def _q(value: str) -> str:
 def _user_block(cred: Credential, role: str, scope: BucketScope | None) -> str:
     pub, sub = role_permissions(role, scope)  # type: ignore[arg-type]  # role comes from ROLES
     pub_deny, sub_deny = role_denials(role, scope)  # type: ignore[arg-type]
+    responses = "" if role == "admin" else f", allow_responses: {json.dumps(RESPONSE_PERMISSION)}"
     perms = (f"permissions: {{publish: {{allow: {json.dumps(pub)}, deny: {json.dumps(pub_deny)}}}, "
-             f"subscribe: {{allow: {json.dumps(sub)}, deny: {json.dumps(sub_deny)}}}}}")
+             f"subscribe: {{allow: {json.dumps(sub)}, deny: {json.dumps(sub_deny)}}}{responses}}}")
     return f"    {{user: {_q(cred.user)}, password: {_q(cred.password)}, {perms}}}"
 
 
@@ -286,10 +295,12 @@ class EmbeddedServer:
                               f"{', '.join(sorted(self.users))}") from None
 
     def connect_options(self, role: str) -> dict[str, Any]:
-        """Keyword arguments for `nats.connect` as `role`: servers, user, password (and a TLS context trusting
-        the CA when the server speaks TLS)."""
+        """Keyword arguments for `nats.connect` as `role`: servers, user, password, the connection's private
+        inbox prefix (`_INBOX.<role>.<random>`; a role may not subscribe to other inboxes), and a TLS context
+        trusting the CA when the server speaks TLS."""
         cred = self.credential(role)
-        options: dict[str, Any] = {"servers": [self.url], "user": cred.user, "password": cred.password}
+        options: dict[str, Any] = {"servers": [self.url], "user": cred.user, "password": cred.password,
+                                   "inbox_prefix": connection_inbox(role)}
         if self.tls is not None:
             options["tls"] = client_context(self.tls.ca)
         return options

@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 
 from rlbus.actors.ledger import read_all
 from rlbus.messages.schemas import Event, Heartbeat, TrainStep
-from rlbus.messages.subjects import Subjects
+from rlbus.messages.subjects import Subjects, connection_inbox
 from rlbus.topology.examples import example_path
 from rlbus.topology.load import validate
 from rlbus.topology.regions import CREDENTIALS_NAME
@@ -75,7 +75,8 @@ async def _streams_during_run(state: Path, secrets: dict[str, str]) -> tuple[int
     -> (events, heartbeats, {stream: roles whose password appears})."""
     doc = json.loads((state / "run.json").read_text())
     cred = json.loads((state / "nats" / CREDENTIALS_NAME).read_text())["observer"]
-    nc = await nats.connect(doc["urls"][doc["hub"]], user=cred["user"], password=cred["password"])
+    nc = await nats.connect(doc["urls"][doc["hub"]], user=cred["user"], password=cred["password"],
+                            inbox_prefix=connection_inbox("observer"))
     try:
         js = nc.jetstream(domain=doc["domains"][doc["hub"]])
         s = Subjects(doc["run"])
