@@ -164,6 +164,9 @@ class Objective:
     length_power: float = 2.0
     grad_clip: float = 1.0
     """Clip the gradient's global norm to this; 0 turns clipping off."""
+    temperature: float = 1.0
+    """Logits are divided by this before the policy and reference logprobs (the generators' sampling
+    temperature, whose distribution the behaviour logprobs are of)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,9 +221,12 @@ class TrainerCore:
             return f"invalid: routing shape {tuple(rollout.routing.shape)} != {shape}"
         return None
 
-    def logprobs(self, net: Transformer, batch: RolloutBatch) -> Tensor:
-        """(B, L-1) log-probability under `net` of each next token, with the batch's routing replayed."""
+    def logprobs(self, net: Transformer, batch: RolloutBatch, temperature: float = 1.0) -> Tensor:
+        """(B, L-1) log-probability under `net` of each next token, with the batch's routing replayed:
+        log softmax(logits / temperature)[next token]."""
         logits = net(batch.tokens, routing=batch.routing, with_mtp=False).logits
+        if temperature != 1.0:
+            logits = logits / temperature
         logp, _ = token_logprob_entropy(logits[:, :-1], batch.tokens[:, 1:])
         return logp
 
@@ -233,9 +239,9 @@ class TrainerCore:
         """
         batch = rollout_batch(rollouts, moe=self.moe)
         self.model.train()
-        logp = self.logprobs(self.model, batch)
+        logp = self.logprobs(self.model, batch, objective.temperature)
         with torch.no_grad():
-            ref = self.logprobs(self.reference, batch)
+            ref = self.logprobs(self.reference, batch, objective.temperature)
         rewards = batch.rewards
         if objective.length_coef > 0:
             rewards = shape_rewards(rewards, batch.lengths, objective.length_budget,

@@ -72,6 +72,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     staleness_versions: Annotated[int, msgspec.Meta(ge=0)] = 4
     kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.001
     is_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    sampling_temperature: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """The generators' sampling temperature (topology `[generator] temperature`, passed by the launcher):
+    the policy and reference logprobs are taken at it, so pi/mu compares like with like; greedy (0) → 1."""
     length_penalty: LengthPenaltyConfig = LengthPenaltyConfig()
     seed: int = 0
     pretrained: str = ""
@@ -93,7 +96,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     def objective(self) -> Objective:
         lp = self.length_penalty
         return Objective(kl_coef=self.kl_coef, is_cap=self.is_cap, length_budget=lp.budget, length_coef=lp.coef,
-                         length_power=lp.power, grad_clip=self.grad_clip)
+                         length_power=lp.power, grad_clip=self.grad_clip, temperature=self.sampling_temperature)
 
 
 def build_trainer(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Trainer:

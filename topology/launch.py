@@ -74,7 +74,8 @@ def kind_settings(topology: Topology, kind: str, state_dir: Path | None = None) 
         case "trainer":
             return {**msgspec.to_builtins(topology.trainer), "pretrained": str(state / PRETRAINED_DIR),
                     "state_dir": str(state), "checkpoint_interval": topology.checkpoint.interval_steps,
-                    "keep_version_objects": max(16, 2 * topology.weights.keep_versions)}
+                    "keep_version_objects": max(16, 2 * topology.weights.keep_versions),
+                    "sampling_temperature": topology.generator.temperature or 1.0}
         case "checkpointer":
             return {**msgspec.to_builtins(topology.checkpoint), "state_dir": str(state)}
         case "sandbox":

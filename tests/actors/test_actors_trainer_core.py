@@ -89,6 +89,21 @@ def test_on_policy_step_matches_the_hand_computed_loss_and_moves_the_weights() -
     assert any(not torch.equal(a, b) for a, b in zip(before, core.model.parameters(), strict=True))
 
 
+def test_logprobs_are_taken_at_the_sampling_temperature() -> None:
+    """Rollouts sampled at temperature 0.7: at Objective(temperature=0.7) the step is on-policy (every IS
+    weight 1, none truncated); read at temperature 1 the same tokens look off-policy."""
+    core = _core(ModelConfig.tiny(vocab_size=264), seed=2)
+    rollouts = sample_rollouts(core.model, tasks=2, group_size=2, max_new_tokens=6, seed=4, temperature=0.7)
+    batch = rollout_batch(rollouts)
+    with torch.no_grad():
+        scaled = core.logprobs(core.model, batch, 0.7)
+        plain = core.logprobs(core.model, batch)
+    torch.testing.assert_close(scaled[batch.mask], batch.behaviour[batch.mask], atol=1e-4, rtol=0)
+    assert (plain[batch.mask] - batch.behaviour[batch.mask]).abs().max() > 1e-2
+    stats = core.train_step(rollouts, Objective(temperature=0.7, kl_coef=0.0))
+    assert stats.mean_weight == pytest.approx(1.0, abs=1e-4) and stats.truncated_fraction == 0.0
+
+
 def test_router_replay_reproduces_the_behaviour_logprobs_of_an_moe_policy() -> None:
     """With the recorded experts replayed the trainer's logprobs equal the sampler's; other experts differ."""
     core = _core(ModelConfig.tiny(vocab_size=264, moe_layers=(0, 1), n_experts=4, top_k=2), seed=3)
