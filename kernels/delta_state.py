@@ -4,18 +4,18 @@ Owns: the blob layout (magic, index digest, zstd-compressed index, payloads conc
 order), the per-version digest, and the thread pool over tensors. Does not own the per-tensor
 encodings (`kernels/delta.py`), object names or chunking (the publisher chunks the blob as bytes).
 
-Blob: b"RLWD" | u8 format 1 | u32 LE index length | blake2b-16 of the index | index | payloads.
-The index is `StateIndex` as a zstd-compressed MessagePack array.
+Blob: b"RLWD" | u8 format 2 | u32 LE index length | BLAKE3-16 of the index | index | payloads.
+The index is `StateIndex` as a zstd-compressed MessagePack array. Format 1 (blake2b digests) is refused.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final, TypeVar
 
+import blake3
 import msgspec
 import zstandard
 from torch import Tensor
@@ -28,12 +28,13 @@ from rlbus.kernels.delta import (
     TensorHeader,
     apply_payload_,
     check_payload,
+    digest_bytes,
     encode_tensor,
     tensor_digest,
 )
 
 MAGIC: Final = b"RLWD"
-FORMAT: Final = 1
+FORMAT: Final = 2
 _PREFIX: Final = struct.Struct("<4sBI16s")
 _INDEX_LEVEL: Final = 9
 _T = TypeVar("_T")
@@ -61,12 +62,12 @@ class StateIndex(msgspec.Struct, frozen=True, array_like=True):
 
 
 def state_digest(digests: Mapping[str, bytes]) -> bytes:
-    """blake2b-16 over the (name, tensor digest) pairs sorted by name, each name length-prefixed."""
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    """BLAKE3-16 over the (name, tensor digest) pairs sorted by name, each name length-prefixed."""
+    h = blake3.blake3()
     for name in sorted(digests):
         raw = name.encode()
         h.update(struct.pack("<I", len(raw)) + raw + digests[name])
-    return h.digest()
+    return h.digest(DIGEST_SIZE)
 
 
 def _pool_map(fn: Callable[[_T], _R], items: Sequence[_T], threads: int) -> list[_R]:
@@ -77,7 +78,7 @@ def _pool_map(fn: Callable[[_T], _R], items: Sequence[_T], threads: int) -> list
 
 
 def tensor_digests(tensors: Mapping[str, Tensor], *, threads: int = 2) -> dict[str, bytes]:
-    """`tensor_digest` of every tensor, hashed on `threads` threads (hashlib releases the GIL)."""
+    """`tensor_digest` of every tensor, hashed on `threads` threads (BLAKE3 releases the GIL)."""
     names = sorted(tensors, key=lambda n: -tensors[n].numel())
     return dict(zip(names, _pool_map(lambda n: tensor_digest(tensors[n]), names, threads), strict=True))
 
@@ -110,7 +111,7 @@ def encode_state(new: Mapping[str, Tensor], old: Mapping[str, Tensor] | None = N
                        base_digest=base_digest if old is not None else None, names=tuple(names),
                        headers=headers)
     raw_index = zstandard.ZstdCompressor(level=_INDEX_LEVEL).compress(msgspec.msgpack.encode(index))
-    parts = [_PREFIX.pack(MAGIC, FORMAT, len(raw_index), hashlib.blake2b(raw_index, digest_size=16).digest()),
+    parts = [_PREFIX.pack(MAGIC, FORMAT, len(raw_index), digest_bytes(raw_index)),
              raw_index, *(encoded[n].payload for n in names)]
     return index, b"".join(parts)
 
@@ -127,7 +128,7 @@ def read_index(blob: bytes | memoryview) -> tuple[StateIndex, int]:
     if magic != MAGIC or fmt != FORMAT:
         raise DeltaCorrupt(f"not a weight blob of format {FORMAT} (magic {bytes(magic)!r}, format {fmt})")
     raw_index = view[_PREFIX.size:_PREFIX.size + ilen]
-    if hashlib.blake2b(raw_index, digest_size=16).digest() != idigest:
+    if digest_bytes(raw_index) != idigest:
         raise DeltaCorrupt("blob index fails its digest; fetch the blob again or a full snapshot")
     try:
         index = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(raw_index), type=StateIndex)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-
+import blake3
 import numpy as np
 import pytest
 import torch
@@ -274,10 +273,11 @@ def test_verify_catches_a_wrong_base() -> None:
         apply_(wrong, encode_tensor(new, old), verify=True)
 
 
-def test_tensor_digest_is_blake2b_of_little_endian_bytes() -> None:
-    """The digest is blake2b-16 of the raw bytes: bf16 1.0 is 0x3F80, stored as b'\\x80\\x3f'."""
+def test_tensor_digest_is_blake3_of_little_endian_bytes() -> None:
+    """The digest is BLAKE3-16 of the raw bytes: bf16 1.0 is 0x3F80, stored as b'\\x80\\x3f'."""
+    assert blake3.blake3(b"").hexdigest() == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
     t = torch.ones(2, dtype=torch.bfloat16)
-    assert tensor_digest(t) == hashlib.blake2b(b"\x80\x3f\x80\x3f", digest_size=16).digest()
+    assert tensor_digest(t) == blake3.blake3(b"\x80\x3f\x80\x3f").digest(16)
 
 
 def test_mismatched_shapes_and_dtypes_are_refused() -> None:

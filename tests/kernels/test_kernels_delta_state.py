@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import struct
 
+import blake3
 import pytest
 import torch
 
@@ -69,11 +69,10 @@ def test_multi_version_delta_catches_up_a_lagging_generator() -> None:
     assert _equal(target, versions[0])
 
 
-def test_version_digest_is_blake2b_over_sorted_name_digest_pairs() -> None:
-    """state_digest hashes (len, name, tensor digest) in name order, by hand."""
+def test_version_digest_is_blake3_over_sorted_name_digest_pairs() -> None:
+    """state_digest hashes (len, name, tensor digest) in name order with BLAKE3-16, by hand."""
     d = {"b": b"\x02" * 16, "a": b"\x01" * 16}
-    want = hashlib.blake2b(struct.pack("<I", 1) + b"a" + d["a"] + struct.pack("<I", 1) + b"b" + d["b"],
-                           digest_size=16).digest()
+    want = blake3.blake3(struct.pack("<I", 1) + b"a" + d["a"] + struct.pack("<I", 1) + b"b" + d["b"]).digest(16)
     assert state_digest(d) == want
     v = _model(3)
     index, _ = encode_state(v)
