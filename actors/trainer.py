@@ -19,6 +19,7 @@ to CKPT + StateUploaded. A TrainStep is always stored before any mark can cover 
 from __future__ import annotations
 
 import os
+import random
 import time
 import uuid
 from collections import Counter
@@ -53,6 +54,10 @@ SETTINGS_KEY = "trainer_settings"
 """Key of the trainer's `started` event data holding its `TrainerConfig` as JSON (read by ops/retrain.py)."""
 THREADS_KEY = "torch_threads"
 _PUBLISH_ERRORS = (nats.errors.Error, TimeoutError)
+MARK_WATCH_BACKOFF_S = (0.2, 5.0)
+"""The mark watcher's retry delay after losing CHECKPOINTS: from the first to the cap, doubling, jittered."""
+MARK_WATCH_GIVE_UP_S = 300.0
+"""The mark watcher fails the trainer (its supervisor restarts it) after this long without reaching the hub."""
 
 
 class LengthPenaltyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -446,28 +451,64 @@ class Trainer(Actor):
 
     # ---- marks and acks -------------------------------------------------------------------------
     async def _watch_marks(self, start_seq: int) -> None:
-        """Follow CHECKPOINTS from `start_seq` (an ephemeral consumer) and act on this trainer's marks."""
+        """Follow CHECKPOINTS from `start_seq` and act on this trainer's marks, through hub restarts: when the
+        ephemeral consumer or the server goes away (no responders, consumer gone, timeouts), follow again from
+        the first mark not yet seen, after a doubling, jittered backoff capped at MARK_WATCH_BACKOFF_S[1] and a
+        `trainer_mark_watch_retry` warning; only after MARK_WATCH_GIVE_UP_S without reaching the hub does the
+        error fail the trainer. Marks seen twice are harmless (`_on_mark` ignores old steps)."""
+        self._mark_seq, self._mark_ok_at = start_seq, time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                await self._follow_marks()
+            except (nats.errors.Error, TimeoutError, OSError) as err:
+                attempt = 1 if time.monotonic() - self._mark_ok_at < 1.0 else attempt + 1
+                if time.monotonic() - self._mark_ok_at > MARK_WATCH_GIVE_UP_S:
+                    log.error("trainer_mark_watch_gave_up", error=repr(err), next_seq=self._mark_seq)
+                    raise
+                first, cap = MARK_WATCH_BACKOFF_S
+                delay = min(cap, first * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+                self.count("mark_watch_retries")
+                log.warning("trainer_mark_watch_retry", error=repr(err), next_seq=self._mark_seq, attempt=attempt,
+                            delay_s=round(delay, 2))
+                await anyio.sleep(delay)
+
+    async def _follow_marks(self) -> None:
+        """One ephemeral consumer from `self._mark_seq` on; returns only by raising. `self._mark_ok_at` notes
+        the last time the hub answered (consumer created, a fetch delivered, or an idle check found it)."""
         config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                opt_start_seq=start_seq, inactive_threshold=30.0, mem_storage=True, num_replicas=1)
+                                opt_start_seq=self._mark_seq, inactive_threshold=30.0, mem_storage=True,
+                                num_replicas=1)
         s = self.subjects
         psub = await self.bus.js.pull_subscribe(s.checkpoints(), stream=s.checkpoints_stream(), config=config)
+        self._mark_ok_at = time.monotonic()
+        idle = 0
         try:
             while True:
                 try:
                     msgs = await psub.fetch(16, timeout=1.0)
                 except (nats.errors.TimeoutError, TimeoutError):
+                    idle += 1
+                    if idle % 5 == 0:               # a consumer lost with its server answers nothing: ask
+                        await psub.consumer_info()
+                        self._mark_ok_at = time.monotonic()
                     continue
+                idle, self._mark_ok_at = 0, time.monotonic()
                 for msg in msgs:
                     try:
                         mark = codec.decode_as(msg.data, msg.headers, CheckpointMark)
                         checks.check(mark)
                     except BadMessage as err:      # a copy to the DLQ (once, however many trainers read it)
                         await self.bus.dead_letter(msg, reason=str(err), source=s.checkpoints_stream(), settle=False)
-                        continue
-                    await self._on_mark(mark)
+                    else:
+                        await self._on_mark(mark)
+                    self._mark_seq = int(msg.metadata.sequence.stream) + 1
         finally:
             with anyio.move_on_after(1.0, shield=True):
-                await psub.unsubscribe()
+                try:
+                    await psub.unsubscribe()
+                except (nats.errors.Error, TimeoutError) as err:
+                    log.debug("trainer_mark_unsubscribe_failed", error=repr(err))
 
     async def _on_mark(self, mark: CheckpointMark) -> None:
         """A mark of one of this incarnation's uploads: ack every held rollout its step covers."""

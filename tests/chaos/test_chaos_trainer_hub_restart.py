@@ -1,0 +1,108 @@
+"""A trainer process lives through a SIGKILL and restart of the hub's nats-server: its mark watcher follows
+CHECKPOINTS again after a logged, bounded backoff (`trainer_mark_watch_retry`), so rollouts published after
+the restart are trained, marked and acked — by the same trainer process (same PID, no restart)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import uuid
+from pathlib import Path
+
+import anyio
+import msgspec
+import nats.errors
+import pytest
+import torch
+
+from rlbus.actors._trainer_core import build_core
+from rlbus.messages.bus import Bus
+from rlbus.model.pretrain import CHECKPOINT_NAME
+from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.topology.launch import PRETRAINED_DIR, Launch
+from rlbus.topology.schema import Topology
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "actors"))
+from rl_bus import HUB, connect
+from rl_rollouts import sample_rollouts
+
+pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
+TRAINER = "hub-trainer-0"
+
+
+def _topology(state: Path) -> Topology:
+    """Only the trainer side in one hub region (the test plays the generator): 4 rollouts a step, a checkpoint
+    every step, restarts allowed (so a crash would show as a new PID, not a hung test)."""
+    return msgspec.convert({
+        "run": f"t{uuid.uuid4().hex[:8]}", "state_dir": str(state),
+        "regions": [{"name": HUB, "role": "hub", "actors": [{"kind": "trainer"}, {"kind": "checkpointer"}]}],
+        "trainer": {"lr": 1e-3, "batch_rollouts": 4, "staleness_versions": 8},
+        "checkpoint": {"interval_steps": 1, "keep": 2},
+        "restart": {"max_restarts": 3, "backoff_initial_s": 0.2, "backoff_max_s": 1.0},
+    }, type=Topology)
+
+
+def _pretrained(state: Path) -> torch.nn.Module:
+    """The fresh tiny model saved where `rlbus up` would pretrain it, so the trainer process loads it."""
+    model = build_core("", lr=1e-3, seed=0).model
+    folder = state / PRETRAINED_DIR
+    folder.mkdir(parents=True)
+    torch.save({"state_dict": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "tokenizer": ByteTokenizer().info(), "meta": {}}, folder / CHECKPOINT_NAME)
+    return model
+
+
+async def _acked_through(admin: Bus, seq: int, timeout_s: float = 90) -> None:
+    """Wait until the trainer's durable has acked every rollout up to stream sequence `seq` (hang guard)."""
+    s = admin.subjects
+    with anyio.fail_after(timeout_s):
+        while True:
+            try:
+                info = await admin.js.consumer_info(s.hub_rollouts_stream(), s.durable("trainer"))
+                if info.ack_floor.stream_seq >= seq and not info.num_ack_pending:
+                    return
+            except (nats.errors.Error, TimeoutError):
+                pass                                   # the hub is coming back
+            await anyio.sleep(0.3)
+
+
+async def _publish(gen: Bus, rollouts: list, timeout_s: float = 30) -> None:  # type: ignore[type-arg]
+    """As a generator: publish the batch, again until the (restarted) hub stores it (deduped by id)."""
+    with anyio.fail_after(timeout_s):
+        while True:
+            try:
+                await gen.publish_batch([(gen.subjects.rollouts(HUB), r, r.rollout_id) for r in rollouts])
+                return
+            except (nats.errors.Error, TimeoutError):
+                await anyio.sleep(0.3)
+
+
+async def test_trainer_keeps_its_pid_through_a_hub_restart(tmp_path: Path) -> None:
+    """Hub SIGKILLed under a running trainer, down ~2 s, restarted on its store: the trainer process keeps its
+    PID, logs a mark-watch retry, and the rollouts published afterwards are trained, marked and acked."""
+    state = tmp_path / "state"
+    topology = _topology(state)
+    model = _pretrained(state)
+    first = sample_rollouts(model, tasks=2, group_size=2, seed=1, tag="before")
+    second = sample_rollouts(model, tasks=2, group_size=2, seed=2, tag="after")
+    async with Launch.open(topology, state_dir=state) as launch, anyio.create_task_group() as tg:
+        regions = launch.regions
+        assert regions is not None
+        await tg.start(lambda task_status: launch.run_actors(heartbeat_s=0.5, task_status=task_status))
+        gen = await connect(regions, topology.run, "generator")
+        try:
+            await _publish(gen, first)
+            await _acked_through(launch.admin, len(first))      # step 1 trained, marked, acked
+            before = launch.supervisor.pids()
+            await anyio.to_thread.run_sync(regions.kill, HUB)
+            await anyio.sleep(2.0)
+            await anyio.to_thread.run_sync(regions.restart, HUB)
+            await _publish(gen, second)
+            await _acked_through(launch.admin, len(first) + len(second))
+            assert launch.supervisor.pids()[TRAINER] == before[TRAINER]
+            assert launch.supervisor.actors[TRAINER].restarts == 0
+        finally:
+            await gen.close()
+        tg.cancel_scope.cancel()
+    log = (state / "logs" / f"{TRAINER}.log").read_text()
+    assert "trainer_mark_watch_retry" in log
