@@ -38,8 +38,9 @@ CONFIG = TrainerConfig(lr=1e-3, batch_rollouts=4, seed=3)
 """A fresh seeded tiny model (no pretrained file) with a learning rate that moves bf16 weights every step."""
 
 
-def group(task: str, rewards: list[float], seed: int) -> list[Rollout]:
-    """One task's group: prompt of 6 and completion of 8 byte tokens drawn from `seed`, behaviour logprob -2."""
+def group(task: str, rewards: list[float], seed: int, behaviour: float = -2.0) -> list[Rollout]:
+    """One task's group: prompt of 6 and completion of 8 byte tokens drawn from `seed`, behaviour logprob
+    `behaviour` on every token (NaN makes the loss non-finite: the step is not applied)."""
     rng = np.random.default_rng(seed)
     out = []
     for g, reward in enumerate(rewards):
@@ -47,7 +48,7 @@ def group(task: str, rewards: list[float], seed: int) -> list[Rollout]:
         out.append(Rollout(rollout_id=f"{task}-{g}", task_id=task, group_index=g, group_size=len(rewards),
                            prompt_tokens=TensorBlob.of(prompt.tolist(), "int32"),
                            completion_tokens=TensorBlob.of(completion.tolist(), "int32"),
-                           behaviour_logprobs=TensorBlob.of([-2.0] * 8, "float32"),
+                           behaviour_logprobs=TensorBlob.of([behaviour] * 8, "float32"),
                            policy_versions=TensorBlob.of([0] * 8, "int32"), reward=reward))
     return out
 
@@ -83,7 +84,8 @@ class Live:
         self.digests[self.version] = digest
         self.add("WEIGHTS", WeightManifest(version=self.version, version_digest=digest))
 
-    def train(self, rollouts: list[Rollout], dropped: tuple[str, ...] = ()) -> None:
+    def train(self, rollouts: list[Rollout], dropped: tuple[str, ...] = ()) -> bool:
+        """One step as the trainer takes it (records, then announces); returns whether it was applied."""
         for r in rollouts:
             flipped = msgspec.structs.replace(r, reward=1.0 - r.reward) if r.rollout_id == self.tamper else r
             self.add("ROLLOUTS", flipped)
@@ -95,6 +97,7 @@ class Live:
                                        dropped=[DroppedRollout(rollout_id=d, reason="stale: 3") for d in dropped],
                                        loss=stats.loss))
         self.announce()
+        return stats.applied
 
     def drops_only(self, ids: tuple[str, ...]) -> None:
         self.step += 1
@@ -112,7 +115,8 @@ class Live:
 
 def record_run(path: Path, tamper: str | None = None) -> dict[int, str]:
     """v0; step 1 → v1; step 2 drops only; step 3 → v2 (checkpoint); step 4 → v3 (abandoned); restart from
-    step 3 announcing v4; step 4 again (other groups) → v5; step 5 → v6. Returns the live digests by version."""
+    step 3 announcing v4; step 4 again (other groups) → v5; step 5 → v6; step 6 with a non-finite loss → v7
+    (v6's weights). Returns the live digests by version."""
     live = Live(path, tamper)
     live.train(group("a", [1.0, 0.0], 1) + group("b", [0.0, 0.0], 2))
     live.drops_only(("x-0",))
@@ -122,6 +126,7 @@ def record_run(path: Path, tamper: str | None = None) -> dict[int, str]:
     live.restart(checkpoint, 3)
     live.train(group("g", [0.0, 1.0], 7) + group("e", [1.0, 0.0], 5))
     live.train(group("f", [0.0, 1.0], 6) + group("h", [1.0, 0.0], 8))
+    assert not live.train(group("i", [1.0, 0.0], 9, behaviour=float("nan")))
     live.writer.close()
     return live.digests
 
@@ -138,17 +143,17 @@ def test_walk_restores_where_a_step_repeats_and_drop_records_hold_their_version(
 
 def test_replay_reproduces_every_version_across_drops_and_a_restart(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """All 7 versions (v0 … v6, the abandoned v3 and the resumed v4 too) match; exit 0 with --json."""
+    """All 8 versions (v0 … v7, the abandoned v3, the resumed v4 and the unapplied v7 too) match; exit 0."""
     live = record_run(tmp_path / "run.rlrec")
-    assert len(set(live.values())) == 6              # v4 is v2's weights announced again; the others all differ
+    assert live[4] == live[2] and live[7] == live[6] and len(set(live.values())) == 6   # the others all differ
     result = retrain(tmp_path / "run.rlrec")
     assert [(c.version, c.replayed) for c in sorted(result.checks, key=lambda c: c.version)] == sorted(live.items())
-    assert (result.matched, result.mismatched, result.unverified) == (7, 0, [])
-    assert (result.steps, result.drop_records, result.restores, result.loss_mismatches) == (5, 1, 1, [])
+    assert (result.matched, result.mismatched, result.unverified) == (8, 0, [])
+    assert (result.steps, result.drop_records, result.restores, result.loss_mismatches) == (6, 1, 1, [])
     assert run_cli(["replay", str(tmp_path / "run.rlrec"), "train", "--json"]) == 0
     out = json_in(capsys.readouterr().out)
     assert {k: out[k] for k in ("versions", "matched", "mismatched", "first_mismatch")} == {
-        "versions": 7, "matched": 7, "mismatched": 0, "first_mismatch": None}
+        "versions": 8, "matched": 8, "mismatched": 0, "first_mismatch": None}
 
 
 def test_a_flipped_reward_is_a_mismatch_at_the_version_of_its_step(tmp_path: Path,
