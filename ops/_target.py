@@ -41,6 +41,8 @@ def add_target_options(p: argparse.ArgumentParser, *, run_positional: bool = Tru
     g.add_argument("--credentials", type=Path, default=None,
                    help="credentials.json ({role: {user, password}}; default: the one run.json names)")
     g.add_argument("--role", default=role, help=f"role to connect as (default {role})")
+    g.add_argument("--tls-ca", type=Path, default=None,
+                   help="PEM file of the CA to trust for TLS servers (default: the one run.json names)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,8 @@ class Target:
     password: str | None = None
     region_auth: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
     """Per-region (user, password) where regions have their own credentials files."""
+    tls_ca: str | None = None
+    """CA to trust for TLS (topology `[tls]`: run.json's `tls_ca`, or --tls-ca); None: plaintext."""
 
     @property
     def hub_urls(self) -> tuple[str, ...]:
@@ -89,7 +93,8 @@ class Target:
                                      identity=Identity(actor_id=name, kind="ops", region=where),
                                      domain=self.domains.get(where),
                                      options=ConnectOptions(user=user, password=password, retry_for_s=retry_for_s,
-                                                            connect_timeout_s=2.0))
+                                                            connect_timeout_s=2.0, role=self.role,
+                                                            tls_ca_file=self.tls_ca))
         assert scope.cancelled_caught
         raise BusUnavailable(f"no NATS server answered at {list(self.urls[where])} within {retry_for_s:.0f}s; is the "
                              f"run {self.run!r} up (`rlbus up`)? Its run.json may be stale")
@@ -125,7 +130,8 @@ def resolve(args: argparse.Namespace) -> Target:
         if not run:
             raise RlbusError("--url needs the run id too: pass RUN or --run")
         hub = args.hub or "hub"
-        target = Target(run=run, hub=hub, urls={hub: tuple(args.url)}, domains={hub: None}, role=role)
+        target = Target(run=run, hub=hub, urls={hub: tuple(args.url)}, domains={hub: None}, role=role,
+                        tls_ca=_tls_ca(args, None))
         creds_file = args.credentials
         region_files: dict[str, Any] = {}
     else:
@@ -137,7 +143,8 @@ def resolve(args: argparse.Namespace) -> Target:
             raise RlbusError(f"{state}/run.json is run {doc['run']!r}, not {run!r}; pass the right --state-dir")
         urls = {r: tuple(u) for r, u in doc["urls"].items()}
         hub = args.hub or doc["hub"]
-        target = Target(run=doc["run"], hub=hub, urls=urls, domains=dict(doc.get("domains") or {}), role=role)
+        target = Target(run=doc["run"], hub=hub, urls=urls, domains=dict(doc.get("domains") or {}), role=role,
+                        tls_ca=_tls_ca(args, doc.get("tls_ca")))
         creds = doc.get("credentials") or {}
         region_files = creds if isinstance(creds, dict) else {r: creds for r in urls}
         creds_file = args.credentials or (Path(region_files[hub]) if region_files.get(hub) else None)
@@ -181,7 +188,14 @@ def _credential(path: Path, role: str) -> tuple[str, str]:
 
 def _with(target: Target, user: str, password: str, per_region: dict[str, tuple[str, str]]) -> Target:
     return Target(run=target.run, hub=target.hub, urls=target.urls, domains=target.domains, role=target.role,
-                  user=user, password=password, region_auth=dict(per_region))
+                  user=user, password=password, region_auth=dict(per_region), tls_ca=target.tls_ca)
+
+
+def _tls_ca(args: argparse.Namespace, from_run_file: object) -> str | None:
+    given = getattr(args, "tls_ca", None)
+    if given is not None:
+        return str(given)
+    return str(from_run_file) if from_run_file else None
 
 
 def parse_duration(text: str) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Final
 
 import anyio
@@ -29,6 +30,7 @@ from rlbus.messages.schemas import Event, Heartbeat, WeightManifest
 from rlbus.ops._target import Target
 from rlbus.ops.healthmodel import BusHealth, HealthModel, HealthRules, RegionHealth, Snapshot
 from rlbus.ops.streamread import Start, read_stream, stored_at, stream_count
+from rlbus.topology.tls import client_context
 
 log = structlog.get_logger()
 
@@ -122,7 +124,8 @@ class HealthWatch:
                     log.debug("region_ping_error", region=region, error=repr(err))
 
                 with anyio.fail_after(3.0):   # max_reconnect_attempts=-1 would retry a first connect forever
-                    nc = await nats.connect(list(urls), user=user, password=password, connect_timeout=1.5,
+                    tls = client_context(Path(self.target.tls_ca)) if self.target.tls_ca else None
+                    nc = await nats.connect(list(urls), user=user, password=password, connect_timeout=1.5, tls=tls,
                                             allow_reconnect=True, max_reconnect_attempts=2, reconnect_time_wait=0.5,
                                             ping_interval=5, max_outstanding_pings=2, name="rlbus-health",
                                             error_cb=quiet)

@@ -1,10 +1,12 @@
 """`[tls] enabled = true` end to end: a real two-region launch (local backend) whose embedded servers require
 TLS on client ports and the leaf link, whose actor processes all connect over TLS trusting the generated CA,
-whose rollouts cross the leaf link into the hub's stream and are consumed there; a plaintext client is refused.
+whose rollouts cross the leaf link into the hub's stream and are consumed there; ops commands find the CA in
+run.json; a plaintext client is refused.
 Also the `[tls]` validation rules."""
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import uuid
 from pathlib import Path
@@ -13,6 +15,7 @@ import anyio
 import msgspec
 import pytest
 
+from rlbus.ops._target import add_target_options, resolve
 from rlbus.topology.examples import example_path
 from rlbus.topology.launch import Launch, actor_specs
 from rlbus.topology.load import load, validate_text
@@ -77,6 +80,12 @@ async def test_tls_launch_two_regions(tmp_path: Path) -> None:
             actors = [c for c in clients if str(c.get("name", "")).startswith(f"{kind}:")]
             assert actors, f"no {kind} connection at {region}: {clients}"
             assert all(c.get("tls_version") for c in clients), clients     # launcher and actors alike
+        parser = argparse.ArgumentParser()
+        add_target_options(parser)
+        target = resolve(parser.parse_args(["--state-dir", str(launch.state_dir)]))   # as `rlbus health` does
+        assert target.tls_ca == str(regions.tls.ca)
+        async with await target.connect() as observer:
+            assert (await observer.js.stream_info(s.events_stream())).state.messages > 0
         for region in (HUB, LEAF):
             cred = regions.credentials("observer")
             assert await _plaintext_refused(regions.servers[region].port, cred.user, cred.password)
