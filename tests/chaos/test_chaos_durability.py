@@ -3,9 +3,8 @@ on its store keeps every acknowledged rollout and TrainStep; rollouts that come 
 lost publish ack, redelivered after lost consumer acks, or stored twice) are skipped by the trainer, never
 trained again.
 
-The trainer and checkpointer (real actors, in process) are stopped before the hub is killed: a trainer that
-lives through a hub restart currently dies when its in-memory mark watcher is gone (the supervisor would
-restart it); what is tested here is the data, not that crash."""
+The trainer and checkpointer (real actors, in process) are stopped before the hub is killed: what is tested
+here is the data; a trainer living through a hub restart is tests/chaos/test_chaos_trainer_hub_restart.py."""
 
 from __future__ import annotations
 
