@@ -5,9 +5,9 @@ chain of objects from the version it has staged to the newest manifest (`plan_fe
 staged version, a multi-version delta, or a full snapshot [+ the delta from it]), fetches them from its
 own region's WEIGHTS object store with their digests checked, applies them into reused staging buffers
 in a worker thread (every tensor re-hashed against the version's digests for full snapshots and every
-`verify_every`-th delta), and copies the staged
-tensors into the live model in place from `maybe_swap(step)`, which `model.generate` calls between
-decoding steps. A corrupt or missing object raises `Event(weights_rejected)` and the next plan avoids it
+`verify_every`-th delta), and brings the live model to the staged version in place from
+`maybe_swap(step)`, which `model.generate` calls between decoding steps: sparse deltas by writing the
+changed elements the staging recorded (no second decode), anything else by copying the staged tensors. A corrupt or missing object raises `Event(weights_rejected)` and the next plan avoids it
 (a full snapshot); nothing unverified ever reaches the live model. Also the small helpers the publisher
 shares: architecture dicts and decoding a full blob into fresh tensors.
 Does not: encode or publish versions (actors/publisher.py), sample (model/generate.py).
@@ -36,7 +36,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 from torch import Tensor
 
-from rlbus.kernels.delta import DTYPES, DeltaCorrupt
+from rlbus.kernels.delta import DTYPES, DeltaCorrupt, Patch, bits_view
 from rlbus.kernels.delta_state import StateIndex, apply_state_, read_index
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, digest
@@ -52,6 +52,8 @@ _FETCH_BATCH: Final = 64
 LATEST_KEY: Final = "latest"
 """The key of each region's LATEST KV bucket that points at the newest WeightManifest."""
 _FETCH_ERRORS: Final = (nats.errors.Error, TimeoutError, OSError)
+_PATCH_LIMIT: Final = 1 / 8
+"""Pending patches past this fraction of the model's elements are dropped for one full copy at the swap."""
 
 
 # ---- architecture and blobs (shared with the publisher) ---------------------------------------------
@@ -250,6 +252,10 @@ class WeightSync:
         self._model = model
         self._live: dict[str, Tensor] | None = None
         self._staging: dict[str, Tensor] | None = None
+        self._pending: list[dict[str, Patch | None]] | None = None
+        """What turns the live model (held version) into the staging (staged version): the patches of every
+        delta staged since the last swap, in order; None when the next swap copies every tensor."""
+        self._pending_elements = 0
         self._staged_version: int | None = None
         self._staged_digest: bytes | None = None
         self._held_version: int | None = None
@@ -268,6 +274,8 @@ class WeightSync:
         """Versions whose every tensor was re-hashed before it could be swapped in."""
         self.timings: dict[str, float] = {}
         """Seconds of the last staged version: fetch, apply; and of the last swap: swap."""
+        self.last_swap_patched = 0
+        """Tensors the last swap patched in place (the rest were copied whole)."""
 
     @classmethod
     @asynccontextmanager
@@ -487,6 +495,7 @@ class WeightSync:
                                            f"manifest says {want.hex()}")
                 except (DeltaCorrupt, ValueError) as err:     # BaseMismatch is a ValueError
                     self._staged_version = self._staged_digest = None
+                    self._pending = None
                     raise _PartFailed(part, err) from err
 
     def _apply_part(self, part: Part, blob: bytes) -> None:
@@ -504,10 +513,19 @@ class WeightSync:
         else:
             expect = self._staged_digest
         verify = part.base is None or self._since_verified + 1 >= self.verify_every
-        index = apply_state_(self._staging, blob, expect_base=expect, verify=verify, threads=self.threads)
+        patches: dict[str, Patch | None] = {}
+        index = apply_state_(self._staging, blob, expect_base=expect, verify=verify, threads=self.threads,
+                             patches=patches)
         if (part.base is None) != (index.base_digest is None):
             raise DeltaCorrupt(f"object {part.name} is listed with base {part.base} but holds "
                                f"{'a full snapshot' if index.base_digest is None else 'a delta'}")
+        self._pending_elements += sum(h.changed for h in index.headers)
+        total = sum(t.numel() for t in self._staging.values())
+        if (part.base is None or verify or self._pending is None
+                or self._pending_elements > _PATCH_LIMIT * total):
+            self._pending = None     # the next swap copies every tensor (re-hashed staging: a fresh live copy)
+        else:
+            self._pending.append(patches)
         self._staged_version, self._staged_digest = part.version, index.version_digest
         self._since_verified = 0 if verify else self._since_verified + 1
         self.verified += verify
@@ -533,15 +551,34 @@ class WeightSync:
                 raise ValueError(f"the model's tensors differ from the published version's: missing "
                                  f"{sorted(set(self._staging) - set(self._live))}, extra "
                                  f"{sorted(set(self._live) - set(self._staging))}")
-        with torch.no_grad():
-            for name, tensor in self._staging.items():
-                self._live[name].data.copy_(tensor)
+        patched = self._bring_live(self._live, self._staging)
+        self._pending, self._pending_elements = [], 0         # live == staging from here
+        self.last_swap_patched = patched
         self._held_version, self._held_digest = staged, self._staged_digest
         self.swaps += 1
         self.timings["swap"] = time.perf_counter() - t0
-        log.info("weights_applied", region=self.region, version=staged, step=step,
+        log.info("weights_applied", region=self.region, version=staged, step=step, patched=patched,
                  seconds=round(self.timings["swap"], 3))
         return staged
+
+    def _bring_live(self, live: dict[str, Tensor], staging: dict[str, Tensor]) -> int:
+        """Make every live tensor equal its staged one: replay the pending patches in order where every one
+        is sparse and the live tensor is a contiguous CPU tensor of the staged dtype, else copy it whole.
+        -> how many tensors were patched rather than copied."""
+        patched = 0
+        with torch.no_grad():
+            for name, tensor in staging.items():
+                target = live[name].data
+                steps = None if self._pending is None else [p.get(name) for p in self._pending]
+                if (steps is None or any(s is None for s in steps) or target.dtype != tensor.dtype
+                        or target.device.type != "cpu" or not target.is_contiguous()):
+                    target.copy_(tensor)
+                    continue
+                flat = bits_view(target).numpy()
+                for pos, vals in steps:                 # type: ignore[misc]  # None excluded above
+                    flat[pos] = vals
+                patched += 1
+        return patched
 
     async def _reject(self, manifest: WeightManifest, name: str, reason: str) -> None:
         self.rejected += 1

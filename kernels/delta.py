@@ -43,6 +43,8 @@ _SCAN_WORDS: Final = 1 << 16
 
 
 Finder: TypeAlias = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+Patch: TypeAlias = tuple[np.ndarray, np.ndarray]
+"""What a sparse or bitmask payload changed: (K,) int64 ascending positions, (K,) int16/int32 new bits."""
 
 
 class DeltaCorrupt(ValueError):
@@ -354,6 +356,15 @@ def apply_(target: Tensor, encoded: EncodedTensor, *, verify: bool = False) -> T
 def apply_payload_(target: Tensor, header: TensorHeader, payload: memoryview, *, verify: bool = False,
                    check: bool = True) -> Tensor:
     """`apply_` with header and payload apart (sliced from a version blob); check=False: digest checked."""
+    decode_payload_(target, header, payload, verify=verify, check=check)
+    return target
+
+
+def decode_payload_(target: Tensor, header: TensorHeader, payload: memoryview, *, verify: bool = False,
+                    check: bool = True) -> Patch | None:
+    """`apply_payload_` that also says what changed: the `Patch` of a sparse or bitmask payload applied on
+    the CPU (writing `patch[1]` at `patch[0]` into another copy of the base gives the same result), None
+    where the whole tensor was rewritten (full, dense XOR, or on a device)."""
     if DTYPES.get(header.dtype) != target.dtype or tuple(header.shape) != tuple(target.shape):
         raise ValueError(f"encoded tensor {header.shape}/{header.dtype} does not fit target "
                          f"{tuple(target.shape)}/{target.dtype}")
@@ -361,16 +372,16 @@ def apply_payload_(target: Tensor, header: TensorHeader, payload: memoryview, *,
         check_payload(header, payload)
     flat = bits_view(target)
     try:
-        _decode_into(flat, header, payload)
+        patch = _decode_into(flat, header, payload)
     except (ValueError, IndexError, zstandard.ZstdError) as err:
         raise DeltaCorrupt(f"payload passes its digest but does not decode ({err}); encoder bug?") from err
     if verify and tensor_digest(target) != header.digest:
         raise DeltaCorrupt(f"applied tensor's digest differs from {header.digest.hex()}: the target did not "
                            "hold the base version; reload a full snapshot")
-    return target
+    return patch
 
 
-def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> None:
+def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Patch | None:
     enc = Encoding(header.encoding)
     n, itemsize = flat.numel(), flat.element_size()
     if enc in (Encoding.FULL, Encoding.DENSE_XOR):
@@ -385,7 +396,7 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Non
                 np.bitwise_xor(u8[:, i], planes[i], out=u8[:, i])
         if not on_host:
             flat.copy_(torch.from_numpy(host))
-        return
+        return None
     count, off = get_varint(payload, 0)
     if count > n or count != header.changed:
         raise ValueError(f"{count} changed elements in a payload for {n} (header: {header.changed})")
@@ -410,11 +421,13 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Non
         raise ValueError(f"payload has {len(payload) - off} trailing bytes")
     if flat.device.type == "cpu":
         host = flat.numpy()
-        host[pos] = apply_key_diffs(host[pos], d)
-    else:
-        dev = flat.device
-        d64 = torch.from_numpy(d.astype(np.int64))
-        apply_key_diffs_torch_(flat, torch.from_numpy(pos).to(dev), d64.to(dev))
+        vals = apply_key_diffs(host[pos], d)
+        host[pos] = vals       # positions are unique: a gather, then one scatter
+        return pos, vals
+    dev = flat.device
+    d64 = torch.from_numpy(d.astype(np.int64))
+    apply_key_diffs_torch_(flat, torch.from_numpy(pos).to(dev), d64.to(dev))
+    return None
 
 
 def apply_key_diffs_torch_(flat: Tensor, pos: Tensor, d: Tensor) -> None:

@@ -25,9 +25,10 @@ from rlbus.kernels.delta import (
     BaseMismatch,
     DeltaCorrupt,
     Encoding,
+    Patch,
     TensorHeader,
-    apply_payload_,
     check_payload,
+    decode_payload_,
     digest_bytes,
     encode_tensor,
     tensor_digest,
@@ -142,9 +143,13 @@ def read_index(blob: bytes | memoryview) -> tuple[StateIndex, int]:
 
 
 def apply_state_(target: MutableMapping[str, Tensor], blob: bytes | memoryview, *,
-                 expect_base: bytes | None = None, verify: bool = False, threads: int = 2) -> StateIndex:
+                 expect_base: bytes | None = None, verify: bool = False, threads: int = 2,
+                 patches: MutableMapping[str, Patch | None] | None = None) -> StateIndex:
     """Apply a version blob in place: `target` holds the base version and ends holding the new one.
 
+    patches: filled per tensor with what changed (`decode_payload_`): a `Patch` for sparse and bitmask
+    payloads, None where the tensor was rewritten whole; replaying them brings another copy of the base
+    to the new version without decoding again (a live model next to its staging buffers).
     Every payload digest is checked before any tensor is touched. expect_base: the `state_digest`
     of the version `target` holds; a delta against another base raises BaseMismatch. verify=True
     also hashes every applied tensor against its digest (a full pass over the model).
@@ -166,6 +171,8 @@ def apply_state_(target: MutableMapping[str, Tensor], blob: bytes | memoryview, 
         jobs.append((name, header, payload))
         off += header.size
     jobs.sort(key=lambda j: -j[1].size)
-    _pool_map(lambda j: apply_payload_(target[j[0]], j[1], j[2], verify=verify, check=False), jobs,
-              threads if sum(h.size for h in index.headers) > (1 << 20) or verify else 1)
+    done = _pool_map(lambda j: decode_payload_(target[j[0]], j[1], j[2], verify=verify, check=False), jobs,
+                     threads if sum(h.size for h in index.headers) > (1 << 20) or verify else 1)
+    if patches is not None:
+        patches.update((j[0], patch) for j, patch in zip(jobs, done, strict=True))
     return index

@@ -213,6 +213,40 @@ async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exact
         tg.cancel_scope.cancel()
 
 
+async def test_sparse_deltas_are_patched_into_the_live_model_equal_to_a_whole_copy(tmp_path: Path) -> None:
+    """After a snapshot swap, two deltas staged before the next swap are replayed into the live tensors in
+    order (no whole copy); the live model then equals the trainer's version and the staging bit for bit, and
+    a re-hashed (verify_every) delta is copied whole."""
+    async with _regions(tmp_path, ("hub",)) as world, anyio.create_task_group() as tg:
+        trainer = await world.bus("hub", "trainer")
+        await _start_publisher(tg, world, _settings(world.rs, full_every=8, delta_depth=1))
+        sync = WeightSync(await world.bus("hub", "generator", "hub-gen-0"), "hub", verify_every=3)
+        await tg.start(sync.run)
+        source = _source(lr=1e-6)                                # ~1% of elements change per step
+        await source.publish(trainer)
+        with anyio.fail_after(30):
+            await sync.wait_for_version(0)
+        assert sync.last_swap_patched == 0                       # the snapshot: every tensor copied
+        for _ in range(2):
+            await source.step_and_publish(trainer)
+        with anyio.fail_after(30):
+            await sync.wait_for_staged(2)
+            await sync.wait_for_version(2)
+        assert sync.last_path == ["v2.from1"] and sync.verified == 1
+        assert sync.last_swap_patched == len(source.history[2])  # every tensor patched, two steps each
+        v0, v2 = source.history[0], source.history[2]
+        assert sum(not torch.equal(bits_view(v0[k]), bits_view(v2[k])) for k in v2) > len(v2) // 2
+        _assert_bit_exact(sync, source.history[2])
+        assert sync._staging is not None
+        assert all(torch.equal(bits_view(sync._staging[k]), bits_view(t)) for k, t in source.history[2].items())
+        await source.step_and_publish(trainer)                   # the 3rd delta is re-hashed: copied whole
+        with anyio.fail_after(30):
+            await sync.wait_for_version(3)
+        assert sync.verified == 2 and sync.last_swap_patched == 0
+        _assert_bit_exact(sync, source.history[3])
+        tg.cancel_scope.cancel()
+
+
 async def test_corrupted_object_is_rejected_with_an_event_and_a_full_snapshot_is_used(tmp_path: Path) -> None:
     """Garbage written over the delta a generator would fetch fails its digest: an Event(weights_rejected)
     names it, and the generator rebuilds the version from the full snapshot plus the delta from it."""

@@ -128,3 +128,28 @@ def test_parallel_and_serial_encodings_are_identical() -> None:
     v0 = _model(7)
     v1 = _step(v0, 8, 1e-3)
     assert encode_state(v1, v0, threads=1)[1] == encode_state(v1, v0, threads=2)[1]
+
+
+def test_replayed_patches_equal_the_staged_apply_bit_for_bit() -> None:
+    """Patches recorded while applying a delta, written into another copy of the base, give the new version;
+    tensors rewritten whole (dense XOR, full) report None."""
+    v0 = _model(4)
+    v1 = _step(v0, 5, 1e-3)
+    v1["head.bias"] = torch.randn(5).to(torch.float16)           # every element changes: not sparse
+    v1["head.scale"][2] = float("nan")
+    _, blob = encode_state(v1, v0)
+    staged, live = _clone(v0), _clone(v0)
+    patches: dict[str, tuple | None] = {}
+    index = apply_state_(staged, blob, patches=patches)
+    assert set(patches) == set(v0) and _equal(staged, v1)
+    encodings = dict(zip(index.names, (Encoding(h.encoding) for h in index.headers), strict=True))
+    for name, patch in patches.items():
+        assert (patch is None) == (encodings[name] in (Encoding.FULL, Encoding.DENSE_XOR)), name
+        if patch is None:
+            live[name].copy_(staged[name])
+        else:
+            pos, vals = patch
+            assert pos.size == index.headers[index.names.index(name)].changed
+            bits_view(live[name]).numpy()[pos] = vals
+    assert _equal(live, v1)
+    assert patches["head.bias"] is None
