@@ -25,6 +25,7 @@ from typing import Annotated, Any, Final
 import anyio
 import msgspec
 import nats.errors
+import numpy as np
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
@@ -36,7 +37,7 @@ from torch import Tensor
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.ledger import read_all
 from rlbus.actors.weights import LATEST_KEY, decode_full, fetch_object, store_digest
-from rlbus.kernels.delta import DeltaCorrupt, snapshot_due
+from rlbus.kernels.delta import DeltaCorrupt, merge_positions, snapshot_due
 from rlbus.kernels.delta_state import StateIndex, encode_state, read_index
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, Delivery, digest
@@ -136,6 +137,9 @@ class Publisher(Actor):
         self.subjects: Subjects = bus.subjects
         self.regions = {name: _Region(name) for name in settings.regions}
         self._kept: dict[int, dict[str, Tensor]] = {}
+        self._changed: dict[int, dict[str, np.ndarray]] = {}
+        """Per kept version v, the positions of each tensor that differ from v-1 (from the v-1 delta's full
+        comparison): deltas from older bases compare only the union along the chain."""
         self._digest_of: dict[int, bytes] = {}
         self._snapshot: tuple[int, str, bytes] | None = None
         """(version, sha256 digest, blob) of the latest full snapshot."""
@@ -314,9 +318,13 @@ class Publisher(Actor):
         rows: list[_Row] = []
         t0 = time.perf_counter()
         for base in bases:
+            changed: dict[str, np.ndarray] = {}
             _, delta = await anyio.to_thread.run_sync(partial(
                 encode_state, state, self._kept[base], digests=index.digests,
-                base_digest=self._digest_of[base], threads=self.settings.threads))
+                base_digest=self._digest_of[base], threads=self.settings.threads,
+                candidates=self._chain_candidates(base, v), changed=changed if base == v - 1 else None))
+            if base == v - 1:
+                self._changed[v] = changed
             name = object_name(v, base)
             blobs[name] = delta
             rows.append((name, digest(delta), len(delta), base, v))
@@ -332,6 +340,14 @@ class Publisher(Actor):
         final = self._stage(ready, index, rows, blobs, final=True, timings=timings)
         self._set_targets(final)
         return final
+
+    def _chain_candidates(self, base: int, version: int) -> dict[str, np.ndarray] | None:
+        """Positions outside which `version` equals `base`, per tensor: the union of what every step between
+        them changed; None (compare everything) when a step is not known or for the delta from v-1."""
+        chain = range(base + 1, version + 1)
+        if version - base < 2 or any(v not in self._changed for v in chain):
+            return None
+        return {name: merge_positions([self._changed[v][name] for v in chain]) for name in self._changed[version]}
 
     def _stage(self, ready: VersionReady, index: StateIndex, rows: list[_Row], blobs: dict[str, bytes], *,
                final: bool, timings: dict[str, float]) -> EncodedVersion:
@@ -387,6 +403,8 @@ class Publisher(Actor):
         for old in [b for b in self._kept if b < floor and b != snap]:
             del self._kept[old]
             del self._digest_of[old]
+        for old in [b for b in self._changed if b <= min(self._kept, default=version)]:
+            del self._changed[old]          # no chain from a kept base passes through it any more
 
     async def _download(self, name: str, expected: str | None, *,
                         attempts: int | None = None) -> bytes | None:

@@ -14,7 +14,7 @@ arithmetic is modulo 2**bits. Positions are gaps coded with Rice / Exp-Golomb (`
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Final, NamedTuple, TypeAlias
 
 import blake3
@@ -296,22 +296,56 @@ def _payload(enc: Encoding, new_bits: Tensor, ch: Changes | None, level: int) ->
     return bytes(out)
 
 
+def merge_positions(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Sorted union of ascending (K_i,) int64 position arrays -> (K,) ascending, no duplicates.
+
+    A stable sort of the concatenation merges the sorted runs (timsort: linear in K for a few runs).
+    """
+    if len(parts) == 1:
+        return parts[0]
+    s = np.sort(np.concatenate(parts), kind="stable")
+    keep = np.empty(s.size, dtype=np.bool_)
+    keep[:1] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
+
+
+def candidate_changes(new_bits: Tensor, old_bits: Tensor, candidates: np.ndarray) -> Changes:
+    """`host_changes` when `new` is known to equal `old` outside `candidates` (ascending int64 positions,
+    e.g. `merge_positions` of the changes along a chain of versions): only those K' elements are compared."""
+    a, b = new_bits.numpy(), old_bits.numpy()
+    if candidates.size and (int(candidates[0]) < 0 or int(candidates[-1]) >= a.size):
+        raise ValueError(f"candidate positions outside a tensor of {a.size} elements")
+    av, bv = a[candidates], b[candidates]
+    differ = av != bv
+    return Changes(a.size, candidates[differ], av[differ], bv[differ], new_bits, old_bits)
+
+
 def encode_tensor(new: Tensor, old: Tensor | None = None, *, digest: bytes | None = None,
-                  encodings: Collection[Encoding] | None = None, level: int = 1) -> EncodedTensor:
+                  encodings: Collection[Encoding] | None = None, level: int = 1,
+                  candidates: np.ndarray | None = None, changed: list[np.ndarray] | None = None
+                  ) -> EncodedTensor:
     """Encode `new` against the base `old` (None: a full snapshot), choosing the smallest payload.
 
     encodings: the candidates to try (default: by the fraction p of changed elements, SPARSE always,
     BITMASK from p > 1/16, DENSE_XOR and FULL from p > 1/2). digest: `tensor_digest(new)` if known.
     level: zstd level of the zstd-coded parts. CUDA tensors: changes are found by the Triton kernel
     and only K-sized arrays leave the device, unless a dense candidate is tried.
+    candidates (CPU): ascending positions outside which `new` is known to equal `old`; only they are
+    compared (`candidate_changes`). changed: a list that gets the (K,) positions that differ appended.
     """
     nb = bits_view(new)
     if old is not None and (old.shape != new.shape or old.dtype != new.dtype or old.device != new.device):
         raise ValueError(f"base {tuple(old.shape)}/{old.dtype}/{old.device} does not match "
                          f"{tuple(new.shape)}/{new.dtype}/{new.device}")
-    fused = digest is None and old is not None and new.device.type == "cpu"
+    if candidates is not None and (old is None or new.device.type != "cpu"):
+        raise ValueError("candidate positions need a base on the CPU")
+    fused = digest is None and old is not None and new.device.type == "cpu" and candidates is None
     hasher = blake3.blake3() if fused else None
-    ch = None if old is None else _find(nb, bits_view(old), hasher)
+    ch = None if old is None else _find(nb, bits_view(old), hasher) if candidates is None else \
+        candidate_changes(nb, bits_view(old), candidates)
+    if changed is not None and ch is not None:
+        changed.append(ch.pos)
     if encodings is None:
         p = ch.pos.size / max(ch.n, 1) if ch is not None else 1.0
         encodings = (Encoding.FULL,) if ch is None else (Encoding.SPARSE,) + \

@@ -17,6 +17,7 @@ from typing import Final, TypeVar
 
 import blake3
 import msgspec
+import numpy as np
 import zstandard
 from torch import Tensor
 
@@ -86,25 +87,32 @@ def tensor_digests(tensors: Mapping[str, Tensor], *, threads: int = 2) -> dict[s
 
 def encode_state(new: Mapping[str, Tensor], old: Mapping[str, Tensor] | None = None, *,
                  digests: Mapping[str, bytes] | None = None, base_digest: bytes | None = None,
-                 encodings: Collection[Encoding] | None = None, level: int = 1, threads: int = 2
-                 ) -> tuple[StateIndex, bytes]:
+                 encodings: Collection[Encoding] | None = None, level: int = 1, threads: int = 2,
+                 candidates: Mapping[str, np.ndarray] | None = None,
+                 changed: MutableMapping[str, np.ndarray] | None = None) -> tuple[StateIndex, bytes]:
     """Encode the version `new` against the base version `old` (None: a full snapshot) as one blob.
 
     Any base works (v-k -> v is `encode_state(v, v_minus_k)`). digests: the new version's tensor
     digests if already known (a version is hashed once, whatever it is encoded against);
     base_digest: the base's `state_digest` if known (else it is computed from `old`).
-    -> (index, blob); the index is also inside the blob.
+    candidates: per tensor, positions outside which new equals old (the union of the `changed` of every
+    step between them: `merge_positions`); only those are compared. changed: filled per tensor with
+    the positions that differ. -> (index, blob); the index is also inside the blob.
     """
     if old is not None and set(old) != set(new):
         raise ValueError(f"base and new version differ in tensors: only in new {sorted(set(new) - set(old))}"
                          f", only in base {sorted(set(old) - set(new))}")
     names = sorted(new)
     order = sorted(names, key=lambda n: -new[n].numel())  # big tensors first balance the pool
+    found: dict[str, list[np.ndarray]] = {n: [] for n in names}
     encoded = dict(zip(order, _pool_map(
         lambda n: encode_tensor(new[n], None if old is None else old[n],
                                 digest=None if digests is None else digests[n],
-                                encodings=encodings if old is not None else None, level=level),
+                                encodings=encodings if old is not None else None, level=level,
+                                candidates=None if candidates is None else candidates[n], changed=found[n]),
         order, threads), strict=True))
+    if changed is not None:
+        changed.update((n, pos[0]) for n, pos in found.items() if pos)
     if old is not None and base_digest is None:
         base_digest = state_digest(tensor_digests(old, threads=threads))
     headers = tuple(encoded[n].header for n in names)
