@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import heapq
 import threading
 import time
@@ -39,7 +40,7 @@ from torch import Tensor
 from rlbus.kernels.delta import DTYPES, DeltaCorrupt, Patch, bits_view
 from rlbus.kernels.delta_state import StateIndex, apply_state_, read_index
 from rlbus.messages import checks, codec
-from rlbus.messages.bus import Bus, digest
+from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage, DigestMismatch
 from rlbus.messages.schemas import Event, WeightManifest
 from rlbus.messages.subjects import Subjects
@@ -127,6 +128,7 @@ async def fetch_object(js: JetStreamContext, bucket: str, name: str, *, expected
     info = await store.get_info(name)
     parts: list[bytes] = []
     got = 0
+    sha = hashlib.sha256()          # hashed chunk by chunk while the next ones are on their way
     if info.size:
         psub = await js.pull_subscribe(
             OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid),
@@ -138,12 +140,13 @@ async def fetch_object(js: JetStreamContext, bucket: str, name: str, *, expected
                 while got < (info.size or 0):
                     for msg in await psub.fetch(_FETCH_BATCH, timeout=timeout_s):
                         parts.append(msg.data)
+                        sha.update(msg.data)
                         got += len(msg.data)
         finally:
             with anyio.move_on_after(2.0, shield=True):
                 await psub.unsubscribe()
     data = b"".join(parts)
-    actual = digest(data)
+    actual = "sha256:" + sha.hexdigest()           # as messages.bus.digest(data)
     if got != (info.size or 0) or actual != store_digest(info.digest or ""):
         raise DigestMismatch(f"object {bucket}/{name}: {got} bytes with digest {actual}, the store's meta "
                              f"says {info.size} bytes, {info.digest}")

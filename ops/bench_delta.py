@@ -249,7 +249,7 @@ def table(result: dict[str, Any]) -> str:
         f"{r['warmup_steps']} AdamW warm-up steps at lr {r['warmup_lr']:g} (batch {r['batch']} x "
         f"{r['seq_len']} tokens of the task corpus); full snapshot x{r['full_snapshot_ratio_vs_bf16']:.2f}.",
         "MB/s: median/best of the timed repeats, in MB of raw bf16 model bytes. enc: encode including the "
-        "blake2b digests of the new version;",
+        "BLAKE3 digests of the new version;",
         "codec: encode given those digests (a version is hashed once); dec: decode+apply checking payload "
         "digests; dec+verify: also re-hashes every tensor.",
         "xor+zstd eff: bound efficiency of the literal gaps+XOR byte-plane zstd-1 format; v0->v: the "

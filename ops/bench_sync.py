@@ -4,7 +4,8 @@ Owns: the sync benchmark. On the embedded 3-region bus (hub, eu, us; `RegionSet`
 a trainer stand-in (`ModelConfig.m30()` fp32 master weights, AdamW on the task corpus; `--quick`: `tiny()`)
 uploads each version to CKPT and publishes VersionReady; the publisher actor writes it into every
 region's WEIGHTS store and LATEST key; two `WeightSync` generators per region (each its own bus
-connection to its region) fetch, verify, stage and swap it into a bf16 model. The same run first times
+connection to its region) fetch, verify, stage it and bring their bf16 model to it in place (sparse deltas
+patched, anything else copied). The same run first times
 `--sync-versions` versions with deltas (the topology defaults `full_every` 4, `delta_depth` 3), then as
 many with only full snapshots (a publisher with `full_every` 1), each from VersionReady published to
 every generator holding it. `speedup_vs_full` = median full / median delta of that end-to-end time.
@@ -178,8 +179,8 @@ def _breakdown(version: int, t_pub: float, applied: dict[str, float], publisher:
     queue: VersionReady to the publisher; download: its CKPT blob; decode: to tensors (delta mode);
     encode: the delta from v-1 (delta mode; full mode writes the trainer's blob as is); upload: objects
     and LATEST in every region (first stage); watch: LATEST to the generators starting to fetch (the
-    rest of the slowest generator's time); fetch / apply (decode into the staging buffers) / swap (copy into
-    the live model): medians over the generators.
+    rest of the slowest generator's time); fetch / apply (decode into the staging buffers) / swap (patch or
+    copy into the live model): medians over the generators.
     """
     trace = publisher.trace[version]
     landed = max(region.written_at[version] for region in publisher.regions.values())
