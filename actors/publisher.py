@@ -347,7 +347,8 @@ class Publisher(Actor):
         chain = range(base + 1, version + 1)
         if version - base < 2 or any(v not in self._changed for v in chain):
             return None
-        return {name: merge_positions([self._changed[v][name] for v in chain]) for name in self._changed[version]}
+        return {name: merge_positions([self._changed[v][name] for v in chain])
+                for name in self._changed[version]}
 
     def _stage(self, ready: VersionReady, index: StateIndex, rows: list[_Row], blobs: dict[str, bytes], *,
                final: bool, timings: dict[str, float]) -> EncodedVersion:

@@ -7,7 +7,8 @@ own region's WEIGHTS object store with their digests checked, applies them into 
 in a worker thread (every tensor re-hashed against the version's digests for full snapshots and every
 `verify_every`-th delta), and brings the live model to the staged version in place from
 `maybe_swap(step)`, which `model.generate` calls between decoding steps: sparse deltas by writing the
-changed elements the staging recorded (no second decode), anything else by copying the staged tensors. A corrupt or missing object raises `Event(weights_rejected)` and the next plan avoids it
+changed elements the staging recorded (no second decode), anything else by copying the staged tensors.
+A corrupt or missing object raises `Event(weights_rejected)` and the next plan avoids it
 (a full snapshot); nothing unverified ever reaches the live model. Also the small helpers the publisher
 shares: architecture dicts and decoding a full blob into fresh tensors.
 Does not: encode or publish versions (actors/publisher.py), sample (model/generate.py).
@@ -526,7 +527,7 @@ class WeightSync:
         total = sum(t.numel() for t in self._staging.values())
         if (part.base is None or verify or self._pending is None
                 or self._pending_elements > _PATCH_LIMIT * total):
-            self._pending = None     # the next swap copies every tensor (re-hashed staging: a fresh live copy)
+            self._pending = None     # the next swap copies every tensor (after a re-hash: a fresh live copy)
         else:
             self._pending.append(patches)
         self._staged_version, self._staged_digest = part.version, index.version_digest

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from rlbus.kernels.delta import BaseMismatch, DeltaCorrupt, Encoding, bits_view, merge_positions, tensor_digest
+from rlbus.kernels.delta import (
+    BaseMismatch,
+    DeltaCorrupt,
+    Encoding,
+    bits_view,
+    merge_positions,
+    tensor_digest,
+)
 from rlbus.kernels.delta_state import apply_state_, encode_state, read_index, state_digest, tensor_digests
 
 
@@ -73,7 +80,8 @@ def test_multi_version_delta_catches_up_a_lagging_generator() -> None:
 def test_version_digest_is_blake3_over_sorted_name_digest_pairs() -> None:
     """state_digest hashes (len, name, tensor digest) in name order with BLAKE3-16, by hand."""
     d = {"b": b"\x02" * 16, "a": b"\x01" * 16}
-    want = blake3.blake3(struct.pack("<I", 1) + b"a" + d["a"] + struct.pack("<I", 1) + b"b" + d["b"]).digest(16)
+    pairs = struct.pack("<I", 1) + b"a" + d["a"] + struct.pack("<I", 1) + b"b" + d["b"]
+    want = blake3.blake3(pairs).digest(16)
     assert state_digest(d) == want
     v = _model(3)
     index, _ = encode_state(v)
@@ -159,7 +167,8 @@ def test_replayed_patches_equal_the_staged_apply_bit_for_bit() -> None:
 def test_multi_version_delta_from_chained_changes_is_the_same_blob() -> None:
     """v0 -> v3 encoded comparing only the union of the positions each step changed equals, byte for byte,
     the blob of a full comparison (and the recorded positions are exactly where the bits differ)."""
-    assert merge_positions([np.array([1, 5, 9]), np.array([2, 5, 10]), np.array([0])]).tolist() == [0, 1, 2, 5, 9, 10]
+    merged = merge_positions([np.array([1, 5, 9]), np.array([2, 5, 10]), np.array([0])])
+    assert merged.tolist() == [0, 1, 2, 5, 9, 10]
     versions = [_model(7)]
     steps: list[dict[str, np.ndarray]] = []
     for i in range(1, 4):
@@ -167,7 +176,8 @@ def test_multi_version_delta_from_chained_changes_is_the_same_blob() -> None:
         changed: dict[str, np.ndarray] = {}
         encode_state(versions[i], versions[i - 1], changed=changed)
         for name, pos in changed.items():
-            want = np.flatnonzero(bits_view(versions[i][name]).numpy() != bits_view(versions[i - 1][name]).numpy())
+            new, old = bits_view(versions[i][name]).numpy(), bits_view(versions[i - 1][name]).numpy()
+            want = np.flatnonzero(new != old)
             assert np.array_equal(pos, want), name
         steps.append(changed)
     candidates = {n: merge_positions([s[n] for s in steps]) for n in versions[0]}
