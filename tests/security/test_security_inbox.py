@@ -27,7 +27,7 @@ async def _connect(server: EmbeddedServer, role: str, errors: list[Exception]) -
 
 
 async def _wait_errors(errors: list[Exception], n: int) -> list[str]:
-    with anyio.fail_after(5):
+    with anyio.fail_after(20):                     # hang guard only
         while len(errors) < n:
             await anyio.sleep(0.02)
     return sorted(str(e) for e in errors)
@@ -77,10 +77,16 @@ async def test_no_role_publishes_into_an_inbox_unasked(nats_server: EmbeddedServ
         await sandbox.flush()
         async with anyio.create_task_group() as tg:
             async def answer() -> None:
-                request = await listener.next_msg(timeout=5)
+                request = await listener.next_msg(timeout=20)
                 await sandbox.publish(request.reply, b"verdict")
             tg.start_soon(answer)
-            reply = await generator.request(s.sandbox("hub"), b"code", timeout=5)
+            with anyio.fail_after(20):                 # under load the new interest can lag the flush
+                while True:
+                    try:
+                        reply = await generator.request(s.sandbox("hub"), b"code", timeout=20)
+                        break
+                    except nats.errors.NoRespondersError:
+                        await anyio.sleep(0.1)
         assert reply.data == b"verdict"
         victims = [f"{bytes(nc._inbox_prefix).decode()}.forged" for nc in (generator, trainer)]
         watchers = [await nc.subscribe(victim) for nc, victim in zip((generator, trainer), victims, strict=True)]
