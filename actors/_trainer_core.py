@@ -26,7 +26,7 @@ from torch import Tensor
 from rlbus.kernels.delta_state import encode_state
 from rlbus.kernels.logprob import token_logprob_entropy
 from rlbus.messages.schemas import Rollout
-from rlbus.model.loss import group_relative_advantages, rl_loss, shape_rewards
+from rlbus.model.loss import Aggregation, group_relative_advantages, rl_loss, shape_rewards
 from rlbus.model.pretrain import load_checkpoint
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig, Transformer
@@ -51,12 +51,15 @@ def versions_behind(rollout: Rollout, version: int) -> int:
 
 
 def plan_step(groups: Mapping[str, Sequence[Rollout]], *, version: int, staleness_versions: int,
-              batch_rollouts: int, check: Callable[[Rollout], str | None] = lambda _: None) -> Plan:
+              batch_rollouts: int, check: Callable[[Rollout], str | None] = lambda _: None,
+              drop_flat: bool = False) -> Plan:
     """Decide the next step from buffered groups (task id → members so far, in arrival order).
 
     A group is dropped whole when a member is unusable (`check` returns a reason) or when its oldest
     token is more than `staleness_versions` behind `version` (reason "stale: ..."). A group is ready
-    when it holds `group_size` members. Once the ready groups hold at least `batch_rollouts` rollouts,
+    when it holds `group_size` members; with `drop_flat`, a complete group whose rewards are all equal
+    is dropped instead (reason "flat: ...": its group-relative advantages are all 0, so it carries no
+    policy-gradient signal — DAPO's dynamic sampling, Yu et al. 2025). Once the ready groups hold at least `batch_rollouts` rollouts,
     `train` takes ready groups in order while they fit in `batch_rollouts` (at least one group);
     otherwise `train` is empty (wait for more).
     """
@@ -72,9 +75,12 @@ def plan_step(groups: Mapping[str, Sequence[Rollout]], *, version: int, stalenes
             behind = max(versions_behind(m, version) for m in members)
             if behind > staleness_versions:
                 reason = f"stale: {behind} versions behind (bound {staleness_versions})"
+        complete = len(members) >= members[0].group_size
+        if reason is None and drop_flat and complete and len({m.reward for m in members}) == 1:
+            reason = f"flat: all {len(members)} rewards {members[0].reward:g} (no learning signal)"
         if reason is not None:
             drop.append((task_id, reason))
-        elif len(members) >= members[0].group_size:
+        elif complete:
             ready.append((task_id, len(members)))
     train: list[str] = []
     if sum(n for _, n in ready) >= batch_rollouts:
@@ -167,6 +173,9 @@ class Objective:
     temperature: float = 1.0
     """Logits are divided by this before the policy and reference logprobs (the generators' sampling
     temperature, whose distribution the behaviour logprobs are of)."""
+    aggregation: Aggregation = "token_mean"
+    """How per-token losses become the step's loss (`model.loss.aggregate`): "token_mean" weights each
+    token alike (long completions dominate), "sequence_mean" each completion alike."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +257,7 @@ class TrainerCore:
                                     coef=objective.length_coef, power=objective.length_power)
         advantages = group_relative_advantages(rewards, batch.group_ids)
         terms = rl_loss(logp, batch.behaviour, ref, advantages, batch.mask, is_cap=objective.is_cap,
-                        kl_coef=objective.kl_coef)
+                        kl_coef=objective.kl_coef, mode=objective.aggregation)
         self.optimizer.zero_grad(set_to_none=True)
         terms.loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -24,7 +24,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
 import msgspec
@@ -81,6 +81,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """The generators' sampling temperature (topology `[generator] temperature`, passed by the launcher):
     the policy and reference logprobs are taken at it, so pi/mu compares like with like; greedy (0) → 1."""
     length_penalty: LengthPenaltyConfig = LengthPenaltyConfig()
+    aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] = "token_mean"
+    drop_flat_groups: bool = False
     seed: int = 0
     pretrained: str = ""
     """`pretrain.pt` (or its folder) to start from and to use as the KL reference; empty: a fresh tiny model."""
@@ -101,7 +103,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     def objective(self) -> Objective:
         lp = self.length_penalty
         return Objective(kl_coef=self.kl_coef, is_cap=self.is_cap, length_budget=lp.budget, length_coef=lp.coef,
-                         length_power=lp.power, grad_clip=self.grad_clip, temperature=self.sampling_temperature)
+                         length_power=lp.power, grad_clip=self.grad_clip, temperature=self.sampling_temperature, aggregation=self.aggregation)
 
 
 def build_trainer(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Trainer:
@@ -260,7 +262,7 @@ class Trainer(Actor):
         so rollouts that can never train (incomplete, stale) cannot wedge the trainer."""
         plan = plan_step({t: [d.message for d in m.values()] for t, m in self.pending.items()},
                          version=self.version, staleness_versions=self.config.staleness_versions,
-                         batch_rollouts=1, check=self._check)
+                         batch_rollouts=1, check=self._check, drop_flat=self.config.drop_flat_groups)
         if plan.train:
             await self._step(plan)
             return
@@ -303,7 +305,8 @@ class Trainer(Actor):
     def _plan(self) -> Plan:
         groups = {task: [d.message for d in members.values()] for task, members in self.pending.items()}
         return plan_step(groups, version=self.version, staleness_versions=self.config.staleness_versions,
-                         batch_rollouts=self.config.batch_rollouts, check=self._check)
+                         batch_rollouts=self.config.batch_rollouts, check=self._check,
+                         drop_flat=self.config.drop_flat_groups)
 
     def _check(self, rollout: Rollout) -> str | None:
         rid = rollout.rollout_id

@@ -189,6 +189,12 @@ class TrainerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Cap of the truncated importance weight pi/mu for off-policy tokens."""
     length_penalty: LengthPenalty = LengthPenalty()
     """Nonlinear length penalty applied to rewards."""
+    aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] = "token_mean"
+    """How per-token losses are averaged: 'token_mean' (every token alike; long completions weigh
+    more), 'sequence_mean' (every completion alike), 'token_sum_norm' (sum / fixed B*T, Dr. GRPO)."""
+    drop_flat_groups: bool = False
+    """Drop complete groups whose rewards are all equal (no learning signal; recorded as dropped
+    with reason 'flat') instead of training on them (DAPO dynamic sampling)."""
     seed: int = 0
     """Seed of the trainer's RNG (initialisation, shuffling)."""
 

@@ -7,6 +7,7 @@ import copy
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -56,6 +57,35 @@ def test_plan_waits_below_the_batch_and_packs_whole_groups() -> None:
     threes = {t: [_r(t, g, [0], size=3) for g in range(3)] for t in ("a", "b")}
     assert plan_step(threes, version=0, staleness_versions=0, batch_rollouts=4).train == ("a",)
     assert plan_step(threes, version=0, staleness_versions=0, batch_rollouts=6).train == ("a", "b")
+
+
+def test_plan_drops_complete_flat_groups_only_when_asked() -> None:
+    """drop_flat: a complete group of equal rewards is dropped ("flat"), an incomplete one waits, a mixed one
+    trains; without drop_flat the flat group trains like any other."""
+    groups = {"flat": [_r("flat", g, [0], reward=0.0) for g in range(2)],
+              "half": [_r("half", 0, [0], reward=1.0)],
+              "mixed": [_r("mixed", 0, [0], reward=1.0), _r("mixed", 1, [0], reward=0.0)]}
+    plan = plan_step(groups, version=0, staleness_versions=0, batch_rollouts=2, drop_flat=True)
+    assert plan.train == ("mixed",)
+    assert plan.drop == (("flat", "flat: all 2 rewards 0 (no learning signal)"),)
+    assert plan_step(groups, version=0, staleness_versions=0, batch_rollouts=2).train == ("flat",)
+
+
+def test_sequence_mean_weighs_each_completion_alike() -> None:
+    """sequence_mean: the loss is the mean over completions of each one's token mean (2 and 7 trained
+    tokens here), unlike token_mean, which pools the 9 tokens."""
+    core = _core(ModelConfig.tiny(vocab_size=264))
+    first, second = sample_rollouts(core.model, tasks=1, group_size=2, max_new_tokens=7, seed=5)
+    first = msgspec.structs.replace(first, loss_mask=TensorBlob.of([1, 1, 0, 0, 0, 0, 0], "uint8"), reward=1.0)
+    second = msgspec.structs.replace(second, reward=0.0)
+    rollouts = [first, second]
+    lp = [torch.from_numpy(r.behaviour_logprobs.numpy().copy()) for r in rollouts]
+    adv = [0.5, -0.5]
+    per_sequence = -(adv[0] * float(lp[0][:2].mean()) + adv[1] * float(lp[1].mean())) / 2
+    pooled = -(adv[0] * float(lp[0][:2].sum()) + adv[1] * float(lp[1].sum())) / 9
+    assert abs(per_sequence - pooled) > 1e-3
+    stats = core.train_step(rollouts, Objective(kl_coef=0.0, grad_clip=0.0, aggregation="sequence_mean"))
+    assert stats.loss == pytest.approx(per_sequence, abs=1e-4)
 
 
 def test_batch_aligns_completion_tokens_with_next_token_positions() -> None:
