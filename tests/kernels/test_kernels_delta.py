@@ -299,3 +299,15 @@ def test_snapshot_and_base_planning() -> None:
     assert delta_base(10, 7, kept=kept) == 7
     assert delta_base(10, 3, kept=kept) is None
     assert delta_base(10, 10, kept=kept) is None
+
+
+@pytest.mark.parametrize(("dtype", "n"), [(torch.bfloat16, 1), (torch.bfloat16, 3), (torch.float16, 300_001),
+                                          (torch.float32, 5), (torch.float32, 140_003)])
+def test_digest_fused_into_the_change_scan_equals_the_plain_digest(dtype: torch.dtype, n: int) -> None:
+    """The tensor digest hashed step by step during the comparison (tails and all) is BLAKE3 of the bytes."""
+    gen = torch.Generator().manual_seed(n)
+    old = torch.randn(n, generator=gen).to(dtype)
+    new = old.clone()
+    bits_view(new)[::5] += 1
+    enc = encode_tensor(new, old)
+    assert enc.header.digest == blake3.blake3(bits_view(new).numpy().tobytes()).digest(16) == tensor_digest(new)
