@@ -352,11 +352,20 @@ def fill_versions(versions: Sequence[int]) -> list[int]:
     return [first if v == -1 else v for v in out]
 
 
+def attempt_reward(attempt: Attempt, partial_credit: float = 0.0) -> float:
+    """1.0 for an attempt that passed every test, else partial_credit * n_passed / n_tests (0 < credit < 1
+    rewards a failed attempt for the tests it did pass, a denser signal for a weak policy)."""
+    if attempt.status == "passed":
+        return 1.0
+    return partial_credit * attempt.n_passed / attempt.n_tests if attempt.n_tests > 0 else 0.0
+
+
 def build_rollout(ep: EpisodeState, *, task: Task, task_id: str, group_index: int, group_size: int,
                   tokenizer: ByteTokenizer, region: str, generator_id: str,
-                  timings: dict[str, float]) -> Rollout:
+                  timings: dict[str, float], partial_credit: float = 0.0) -> Rollout:
     """The finished episode as a Rollout (layout in the module docstring); reward 1.0 when the last
-    attempt passed every hidden test, else 0.0 (no partial credit)."""
+    attempt passed every hidden test, else partial_credit * (tests passed / tests) of that attempt
+    (0.0 with the default: no partial credit)."""
     flat = flatten(ep, tokenizer)
     policy_positions = [i for i, m in enumerate(flat.loss_mask) if m]
     end = policy_positions[-1] + 1 if policy_positions else len(flat.ids)
@@ -379,6 +388,6 @@ def build_rollout(ep: EpisodeState, *, task: Task, task_id: str, group_index: in
         behaviour_logprobs=TensorBlob.of(flat.logprobs[n_prompt:end], "float32"),
         policy_versions=TensorBlob.of(versions[n_prompt:end], "int32"),
         loss_mask=TensorBlob.of(flat.loss_mask[n_prompt:end], "uint8"),
-        routing=routing, reward=1.0 if last.status == "passed" else 0.0, verdict=last.verdict,
+        routing=routing, reward=attempt_reward(last, partial_credit), verdict=last.verdict,
         timings=dict(timings), region=region, generator_id=generator_id,
     )

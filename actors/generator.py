@@ -95,6 +95,8 @@ class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Summarise an episode whose next context is longer; 0: max_seq_len - max_tokens."""
     sandbox_timeout_s: float = 15.0
     """Reply wait per sandbox request (two tries)."""
+    partial_credit: float = 0.0
+    """Reward of a failed final attempt = partial_credit * tests passed / tests (a pass is always 1)."""
     torch_threads: int = 0
     """torch.set_num_threads for sampling; 0 leaves torch's default."""
 
@@ -366,7 +368,8 @@ class Generator(Actor):
                                   tokenizer=self.tokenizer, region=self.ident.region,
                                   generator_id=self.ident.actor_id,
                                   timings={**timings, "attempts": float(len(ep.attempts)),
-                                           "resumes": float(state.resumes)})
+                                           "resumes": float(state.resumes)},
+                                  partial_credit=self.config.partial_credit)
                     for g, ep in enumerate(state.episodes)]
         delay = 0.5
         while True:             # the group is in hand and the task held: retry rather than give it back

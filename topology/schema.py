@@ -161,6 +161,9 @@ class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     """Summarise an episode whose next context is longer than this many tokens; 0: max_seq_len - max_tokens."""
     sandbox_timeout_s: PositiveFloat = 15.0
     """Seconds a generator waits for a sandbox verdict (two tries); no verdict grades the attempt as failed."""
+    partial_credit: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
+    """Reward of a failed final attempt: this times the fraction of hidden tests it passed (a full pass
+    is always 1.0); 0 gives plain pass/fail rewards."""
 
 
 class LengthPenalty(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

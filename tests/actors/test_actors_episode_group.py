@@ -140,3 +140,15 @@ def test_partial_round_trips_and_large_ones_are_compressed() -> None:
 def test_policy_text_skips_ids_the_tokenizer_does_not_know() -> None:
     """Sampled ids past the tokenizer (a model's unused vocabulary) are dropped; the text stops at a stop."""
     assert policy_text([*TOK.encode("ab"), 400, *TOK.encode("c"), END, *TOK.encode("d")], TOK) == "abc"
+
+
+def test_attempt_reward_gives_partial_credit_only_when_asked() -> None:
+    """A pass is 1.0; a failed attempt with 3 of 6 tests passed earns 0.5 * 3/6 with credit 0.5, else 0."""
+    from rlbus.actors.episode_group import Attempt, attempt_reward
+
+    passed = Attempt(status="passed", n_passed=6, n_tests=6, feedback="")
+    half = Attempt(status="failed", n_passed=3, n_tests=6, feedback="f(1) == 2 failed")
+    broken = Attempt(status="error", n_passed=0, n_tests=0, feedback="no verdict")
+    assert attempt_reward(passed) == 1.0 and attempt_reward(passed, 0.5) == 1.0
+    assert attempt_reward(half) == 0.0 and attempt_reward(half, 0.5) == 0.25
+    assert attempt_reward(broken, 0.5) == 0.0
