@@ -67,7 +67,7 @@ async def serve_actor(args: argparse.Namespace, *, signals: bool = True) -> Stat
     ident = ActorId(run=args.run, region=args.region, kind=args.kind, actor_id=args.actor_id)
     limits = ActorLimits(heartbeat_interval_s=args.heartbeat_s, drain_timeout_s=args.drain_s)
     endpoint = Endpoint(urls=tuple(args.url), domain=args.domain, user=user, password=password,
-                        role=args.role or args.kind, tls_ca=args.tls_ca)
+                        role=args.role, tls_ca=args.tls_ca)     # no --role: the inbox is named after the user
     bus = await open_bus(endpoint, run=args.run,
                          identity=Identity(actor_id=args.actor_id, kind=args.kind, region=args.region))
     try:

@@ -93,8 +93,7 @@ class Target:
                                      identity=Identity(actor_id=name, kind="ops", region=where),
                                      domain=self.domains.get(where),
                                      options=ConnectOptions(user=user, password=password, retry_for_s=retry_for_s,
-                                                            connect_timeout_s=2.0, role=self.role,
-                                                            tls_ca_file=self.tls_ca))
+                                                            connect_timeout_s=2.0, tls_ca_file=self.tls_ca))
         assert scope.cancelled_caught
         raise BusUnavailable(f"no NATS server answered at {list(self.urls[where])} within {retry_for_s:.0f}s; is the "
                              f"run {self.run!r} up (`rlbus up`)? Its run.json may be stale")
