@@ -53,8 +53,8 @@ async def test_role_is_refused_other_roles_subjects(nats_server: EmbeddedServer,
         for subject in [*forbidden(s), allowed(s)]:
             await conn.publish(subject, subject.encode())
         await conn.flush()
-        with anyio.fail_after(5):
-            got = await sub.next_msg(timeout=5)
+        with anyio.fail_after(20):                      # hang guard only (a loaded CI machine is slow)
+            got = await sub.next_msg(timeout=20)
             while len(errors) < len(forbidden(s)):
                 await anyio.sleep(0.02)
         assert got.subject == allowed(s)
