@@ -78,6 +78,9 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Region → JetStream domain (default: the region name)."""
     group_size: int = 8
     """`Task.group_size`: completions a generator samples per task (the topology's generator.group_size)."""
+    eval_seed: int | None = None
+    """Seed of the evaluator's held-out set, whose prompts the built-in sequence skips (the launcher passes
+    the topology's evaluator.seed); None: the held-out set of `seed`."""
 
     def weights(self, own_region: str) -> list[tuple[str, float]]:
         """(region, weight) pairs, sorted by region, of the regions that get tasks."""
@@ -171,10 +174,12 @@ def read_tasks_file(path: Path) -> list[CodingTask]:
 class TaskSequence:
     """Random access to the task sequence (built-in or file), caching the window still needed."""
 
-    def __init__(self, seed: int, tasks: list[CodingTask] | None = None, max_tasks: int | None = None) -> None:
+    def __init__(self, seed: int, tasks: list[CodingTask] | None = None, max_tasks: int | None = None,
+                 *, eval_seed: int | None = None) -> None:
         self._listed = tasks
         self._stream: Iterator[CodingTask] | None = None
         self._seed = seed
+        self._eval_seed = eval_seed
         self._cache: list[CodingTask] = []
         self._base = 0
         ends = [n for n in (max_tasks, None if tasks is None else len(tasks)) if n is not None]
@@ -187,7 +192,7 @@ class TaskSequence:
         if index < self._base:
             raise IndexError(f"task {index} was dropped from the cache (window starts at {self._base})")
         if self._stream is None:
-            self._stream = train_tasks(self._seed)
+            self._stream = train_tasks(self._seed, eval_seed=self._eval_seed)
         missing = index - self._base - len(self._cache) + 1
         if missing > 0:
             self._cache.extend(itertools.islice(self._stream, missing))
@@ -237,7 +242,7 @@ class Feeder(Actor):
         listed = None
         if self.config.tasks_file is not None:
             listed = await anyio.to_thread.run_sync(read_tasks_file, Path(self.config.tasks_file))
-        self.tasks = TaskSequence(self.config.seed, listed, self.config.max_tasks)
+        self.tasks = TaskSequence(self.config.seed, listed, self.config.max_tasks, eval_seed=self.config.eval_seed)
         self.kv = await self.bus.js.key_value(self.bus.subjects.partials_bucket(self.ident.region))
         await self._load_position()
 

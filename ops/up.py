@@ -72,7 +72,10 @@ def _ensure_pretrained(topology: Any, state: Path) -> dict[str, Any] | None:
         print(f"rlbus up: pretrained policy found in {out}", flush=True)
         return _pass_summary(summary_path)
     settings = topology.pretrain
-    overrides = {"eval_n": settings.eval_n} if settings.eval_n is not None else {}
+    # pretraining skips, and reports its base on, the evaluator's held-out set
+    overrides: dict[str, Any] = {"task_seed": topology.evaluator.seed}
+    if settings.eval_n is not None:
+        overrides["eval_n"] = settings.eval_n
     config = PretrainConfig.preset(settings.preset, **overrides)
     steps = settings.steps or config.steps
     print(f"rlbus up: no pretrained policy yet: pretraining ({settings.preset}, {steps} steps, "

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,25 @@ def _structlog_defaults() -> Iterator[None]:
     import structlog
 
     structlog.reset_defaults()
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """PIDs of this machine's processes (other than this one) whose command line contains `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def processes_mentioning() -> Callable[[str], list[int]]:
+    """The leftover-process probe of the launch tests: `processes_mentioning(str(state_dir)) == []`
+    proves a run left nothing behind."""
+    return _processes_mentioning

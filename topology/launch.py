@@ -91,11 +91,13 @@ def kind_settings(topology: Topology, kind: str, state_dir: Path | None = None) 
 
 
 def feeder_settings(topology: Topology) -> dict[str, Any]:
-    """`[feeder]` plus what the feeder cannot see itself: every region, the generator group size, and
-    (when `region_weights` is empty) shares proportional to each region's generator instances."""
+    """`[feeder]` plus what the feeder cannot see itself: every region, the generator group size, the
+    evaluator's held-out seed (skipped by the task sequence), and (when `region_weights` is empty) shares
+    proportional to each region's generator instances."""
     settings = dict(msgspec.to_builtins(topology.feeder))
     settings["regions"] = [r.name for r in topology.regions]
     settings["group_size"] = topology.generator.group_size
+    settings["eval_seed"] = topology.evaluator.seed       # training never draws the evaluator's held-out prompts
     if not topology.feeder.region_weights:
         counts = {r.name: float(sum(1 for i in topology.instances(r.name) if i.kind == "generator"))
                   for r in topology.regions}

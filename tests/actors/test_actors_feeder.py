@@ -302,3 +302,22 @@ async def test_task_file_is_fed_to_its_end(tmp_path: Path) -> None:
             assert feeder.counters["tasks"] == 3
     finally:
         rs.stop()
+
+
+def test_sequence_skips_the_evaluators_held_out_prompts_and_the_launcher_names_them(tmp_path: Path) -> None:
+    """With eval_seed the built-in sequence never yields a prompt of eval_tasks(eval_seed) (the plain sequence
+    of the same seed does, for some seeds); the launcher passes the topology's evaluator seed."""
+    from rlbus.model.tasks import EVAL_POOL, eval_tasks
+    from rlbus.topology.examples import example_path
+    from rlbus.topology.launch import feeder_settings
+    from rlbus.topology.load import load
+
+    held_out = {t.prompt_hash for t in eval_tasks(1, EVAL_POOL)}
+    plain = TaskSequence(0)
+    skipping = TaskSequence(0, eval_seed=1)
+    plain_hits = sum(plain.get(i).prompt_hash in held_out for i in range(4000))
+    assert plain_hits > 0                      # seed 0's stream does draw seed 1's held-out prompts
+    assert not any(skipping.get(i).prompt_hash in held_out for i in range(4000))
+    topology = tmp_path / "t.toml"
+    topology.write_text(example_path("single").read_text().replace("[evaluator]", "[evaluator]\nseed = 7"))
+    assert feeder_settings(load(topology))["eval_seed"] == 7

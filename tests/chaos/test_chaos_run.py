@@ -3,8 +3,9 @@ a partition and pauses; nothing lost, nothing trained twice, every kill done, an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,23 +33,9 @@ def _seed() -> int:
     raise AssertionError("no seed kills the trainer and a generator early")
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if text in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.timeout(600)
-def test_short_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_path: Path) -> None:
+def test_short_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_path: Path,
+                                                                processes_mentioning: Callable[[str], list[int]]) -> None:
     """`rlbus chaos --json` for 75 s of faults (5 actor kills, a leaf server down 8 s, a partition of 8 s, two
     pauses): exit 0, lost 0, trained twice 0, every kill done, training happened, no process left."""
     state = tmp_path / "state"
@@ -65,4 +52,4 @@ def test_short_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_path: Path) 
     assert result["trained"] > 0 and result["steps"] > 0
     assert result["recovery"]["actor_kill"]["recovered"] == result["actor_kills"], result["faults"]
     assert json.loads((state / "chaos.json").read_text())["kills"] == result["kills"]
-    assert _processes_mentioning(str(state)) == []
+    assert processes_mentioning(str(state)) == []

@@ -4,8 +4,9 @@ No speed is asserted (benchmarks report numbers; the suite checks outcomes)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import argparse
-import os
 from pathlib import Path
 
 import pytest
@@ -15,23 +16,8 @@ from rlbus.ops.bench_async import add_arguments, run, table
 pytestmark = pytest.mark.slow
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    """PIDs (not this one, not zombies) whose command line contains `text`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if text in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-def test_quick_bench_runs_both_arms_to_the_same_step_with_clean_ledgers(tmp_path: Path) -> None:
+def test_quick_bench_runs_both_arms_to_the_same_step_with_clean_ledgers(
+        tmp_path: Path, processes_mentioning: Callable[[str], list[int]]) -> None:
     """Both arms take N=2 steps of 4 rollouts; the sync arm's are all 0 versions behind; ledgers are clean."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -53,4 +39,4 @@ def test_quick_bench_runs_both_arms_to_the_same_step_with_clean_ledgers(tmp_path
     assert result["staleness"] == result["arms"]["async"]["staleness"]
     assert "speedup (sync / async wall-clock)" in table(result)
     assert (state / "sync" / "pretrained" / "pretrain.pt").exists()
-    assert _processes_mentioning(str(state)) == []
+    assert processes_mentioning(str(state)) == []

@@ -4,6 +4,8 @@ the others are undisturbed; past the restart policy it is failed and the run kee
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import os
 import signal
 import subprocess
@@ -82,22 +84,9 @@ async def test_sigkilled_actor_restarts_then_fails_past_policy(tmp_path: Path) -
     assert not any(_alive(pid) for pid in before.values())
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline and int(entry.name) != os.getpid():
-            found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.parametrize("stop", ["for", "sigint"])
-def test_rlbus_up_three_regions_stops_clean(tmp_path: Path, stop: str) -> None:
+def test_rlbus_up_three_regions_stops_clean(tmp_path: Path, stop: str,
+                                            processes_mentioning: Callable[[str], list[int]]) -> None:
     """`rlbus up` on the 3-region demo runs, stops (by --for or Ctrl-C) with exit 0, and no process survives."""
     state = tmp_path / "state"
     cmd = [sys.executable, "-m", "rlbus.ops.cli", "up", "demo", "--state-dir", str(state)]
@@ -123,4 +112,4 @@ def test_rlbus_up_three_regions_stops_clean(tmp_path: Path, stop: str) -> None:
     assert code == 0, out[-2000:]
     assert "rlbus up: summary" in out and "demo_producer.published" in out
     assert "eu-demo_producer-0: stopped" in out and "hub-demo_consumer-0: stopped" in out
-    assert _processes_mentioning(str(state)) == []
+    assert processes_mentioning(str(state)) == []

@@ -3,6 +3,8 @@ Ray backend: exit 0, a summary, a PNG, a clean ledger, and no process left behin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import os
 import subprocess
 import sys
@@ -30,23 +32,9 @@ def _topology(tmp_path: Path) -> Path:
     return path
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if text in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.parametrize("backend", ["local", "ray"])
-def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, backend: str) -> None:
+def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, backend: str,
+                                                     processes_mentioning: Callable[[str], list[int]]) -> None:
     """`rlbus up --steps 3` pretrains, trains 3+ steps, ends with a summary, a clean ledger and a PNG."""
     state = tmp_path / "state"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -62,4 +50,4 @@ def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, backend: st
     assert "evaluator pass@1: v0" in out          # the evaluator graded the base version in the sandbox
     assert (state / "plots" / "progress.png").stat().st_size > 10_000
     assert (state / "pretrained" / "pretrain.pt").exists()
-    assert _processes_mentioning(str(state)) == []
+    assert processes_mentioning(str(state)) == []
