@@ -12,9 +12,10 @@ Does not: know about tasks, partials or weights (the caller's `run` function doe
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import anyio
+import anyio.lowlevel
 
 from rlbus.model.generate import SampledSequence
 
@@ -27,9 +28,13 @@ class _Request:
     contexts: list[list[int]]
     n: int
     seed: int
-    done: anyio.Event = field(default_factory=anyio.Event)
     result: list[SampledSequence] | None = None
     error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        """Its call has run (with a result or an error)."""
+        return self.result is not None or self.error is not None
 
 
 def cut(sample: SampledSequence, n: int) -> SampledSequence:
@@ -70,11 +75,11 @@ class SampleBatcher:
                 raise ValueError(f"a context of {len(c)} tokens + {n} new ones exceeds max_seq_len {self._max_len}")
         request = _Request([list(c) for c in contexts], n, seed)
         self._waiting.append(request)
-        await anyio.sleep(0)                 # let the other tasks of this event-loop turn join in
+        await anyio.lowlevel.checkpoint()    # let the other tasks of this event-loop turn join in
         try:
-            while not request.done.is_set():
+            while not request.done:
                 async with self._lock:
-                    if not request.done.is_set():
+                    if not request.done:
                         await self._flush(request)
         finally:
             if request in self._waiting:     # cancelled before its call: nobody samples it
@@ -104,7 +109,6 @@ class SampleBatcher:
         except Exception as err:  # noqa: BLE001 - handed to every caller of this call, who raises it
             for r in batch:
                 r.error = err
-                r.done.set()
             return
         self.calls += 1
         self.rows += rows
@@ -112,4 +116,3 @@ class SampleBatcher:
         for r in batch:
             r.result = [cut(s, r.n) for s in samples[first:first + len(r.contexts)]]
             first += len(r.contexts)
-            r.done.set()

@@ -263,6 +263,20 @@ class Bus:
             log.warning("event_not_stored", event_kind=event.event, error=repr(err))
 
     # ---- consuming ------------------------------------------------------------------------------
+    async def follow(self, subject: str, kind: type[M]) -> AsyncIterator[M]:
+        """Core (non-JetStream) messages on `subject` as they arrive, decoded as `kind`; anything that does
+        not decode is skipped (a live view, not a consumer: nothing is acked or dead-lettered)."""
+        sub = await self.nc.subscribe(subject)
+        try:
+            async for msg in sub.messages:
+                try:
+                    yield codec.decode_as(msg.data, msg.headers, kind)
+                except BadMessage:
+                    continue
+        finally:
+            with anyio.move_on_after(1.0, shield=True):
+                await sub.unsubscribe()
+
     async def consume(self, stream: str, durable: str, kind: type[M], *, batch: int = 8,
                       fetch_timeout_s: float = 1.0, domain: str | None = None) -> AsyncIterator[Delivery[M]]:
         """Pull from an existing durable consumer forever, yielding decoded messages of `kind`.

@@ -18,6 +18,7 @@ import signal
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, Final
 
@@ -28,9 +29,7 @@ import nats.js.errors
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from rlbus.actors.ledger import Ledger, final_lineage, read_all, read_ledger
-from rlbus.messages import codec
 from rlbus.messages.bus import Bus
-from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import Heartbeat, Rollout, TrainStep
 from rlbus.ops.chaosplan import (
     ChaosSettings,
@@ -163,20 +162,12 @@ class ChaosRun:
     # ---- watching ---------------------------------------------------------------------------------
     async def _watch_beats(self, bus: Bus) -> None:
         """Record every heartbeat's arrival and pid; follow the trainer's step counter."""
-        sub = await bus.nc.subscribe(bus.subjects.all_health())
-        try:
-            async for msg in sub.messages:
-                try:
-                    hb = codec.decode_as(msg.data, msg.headers, Heartbeat)
-                except BadMessage:
-                    continue
+        async with aclosing(bus.follow(bus.subjects.all_health(), Heartbeat)) as beats:
+            async for hb in beats:
                 self.beats[hb.actor_id].append((time.monotonic(), hb.pid))
                 if hb.actor_kind == "trainer":
                     self.trainer_steps = max(self.trainer_steps, hb.counters.get("steps", 0))
                     self._check_warm()
-        finally:
-            with anyio.move_on_after(1, shield=True):
-                await sub.unsubscribe()
 
     async def _watch_flow(self, bus: Bus) -> None:
         """Record when each region's rollouts arrive in the hub's ROLLOUTS (headers only, no acks)."""

@@ -188,27 +188,17 @@ class _HeartbeatTable:
         self.latest: dict[str, Any] = {}
 
     async def watch(self, bus: Any) -> None:
-        import anyio
+        from contextlib import aclosing
 
-        from rlbus.messages import codec
-        from rlbus.messages.errors import BadMessage
         from rlbus.messages.schemas import Heartbeat
 
-        sub = await bus.nc.subscribe(bus.subjects.all_health())
         last = 0.0
-        try:
-            async for msg in sub.messages:
-                try:
-                    hb = codec.decode_as(msg.data, msg.headers, Heartbeat)
-                except BadMessage:
-                    continue
+        async with aclosing(bus.follow(bus.subjects.all_health(), Heartbeat)) as beats:
+            async for hb in beats:
                 self.latest[hb.actor_id] = hb
                 if time.monotonic() - last > (1.0 if self.tty else 5.0):
                     last = time.monotonic()
                     print(self.render(), flush=True)
-        finally:
-            with anyio.move_on_after(1, shield=True):
-                await sub.unsubscribe()
 
     def render(self) -> str:
         now = time.time()

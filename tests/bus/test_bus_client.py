@@ -3,6 +3,8 @@ consumer going, acknowledgement verbs, and object-store transfers checked by dig
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import anyio
 import msgpack
 import pytest
@@ -113,3 +115,27 @@ async def test_no_server_is_a_clear_bounded_error() -> None:
 
     with anyio.fail_after(30), pytest.raises(BusUnavailable, match=r"127\.0\.0\.1:1\b.*rlbus up"):
         await Bus.connect("nats://127.0.0.1:1", run="x", options=ConnectOptions(retry_for_s=1.0))
+
+
+async def test_follow_yields_live_messages_of_its_kind_and_skips_the_rest(admin_bus: Bus) -> None:
+    """follow(): a Rollout arrives decoded; raw garbage and a Task on the same subject are skipped."""
+    subject = admin_bus.subjects.health("hub", "demo", "probe")
+    got: list[Rollout] = []
+    arrived = anyio.Event()
+
+    async def take() -> None:
+        async with aclosing(admin_bus.follow(subject, Rollout)) as rollouts:
+            async for rollout in rollouts:
+                got.append(rollout)
+                arrived.set()
+                return
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(take)
+        await anyio.sleep(0.2)                  # subscribed
+        await admin_bus.nc.publish(subject, b"\xc1 not msgpack")
+        await admin_bus.nc.publish(subject, codec.encode(Task(task_id="t", prompt="p"))[0])
+        await admin_bus.nc.publish(subject, codec.encode(_rollout("live"))[0])
+        with anyio.fail_after(10):              # hang guard only
+            await arrived.wait()
+    assert [r.rollout_id for r in got] == ["live"]
