@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from rlbus.messages.bus import Bus, ConnectOptions
@@ -86,3 +87,29 @@ def processes_mentioning() -> Callable[[str], list[int]]:
     """The leftover-process probe of the launch tests: `processes_mentioning(str(state_dir)) == []`
     proves a run left nothing behind."""
     return _processes_mentioning
+
+
+async def _plaintext_refused(port: int, user: str, password: str) -> bool:
+    """True when a client that speaks plaintext gets neither +OK nor PONG and is dropped."""
+    stream = await anyio.connect_tcp("127.0.0.1", port)
+    replies = b""
+    try:
+        replies += await stream.receive()                      # INFO, sent before any handshake
+        await stream.send(b'CONNECT {"verbose":true,"user":"%s","pass":"%s"}\r\nPING\r\n'
+                          % (user.encode(), password.encode()))
+        with anyio.fail_after(10):
+            try:
+                while True:
+                    replies += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+                pass
+    finally:
+        await stream.aclose()
+    return b'"tls_required":true' in replies and b"+OK" not in replies and b"PONG" not in replies
+
+
+@pytest.fixture
+def plaintext_refused() -> Callable[[int, str, str], Awaitable[bool]]:
+    """The TLS tests' probe: `await plaintext_refused(port, user, password)` is True when a server that
+    requires TLS drops a client speaking plaintext without a reply."""
+    return _plaintext_refused

@@ -9,7 +9,7 @@ import json
 import shutil
 import ssl
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import anyio
 import nats
@@ -104,26 +104,13 @@ async def test_bus_connects_with_the_ca(tls_regions: RegionSet) -> None:
     assert ack.stream == Subjects(run).events_stream()
 
 
-async def test_plaintext_and_untrusting_clients_are_refused(tls_regions: RegionSet) -> None:
+async def test_plaintext_and_untrusting_clients_are_refused(
+        tls_regions: RegionSet, plaintext_refused: Callable[[int, str, str], Awaitable[bool]]) -> None:
     """A client that speaks plaintext is dropped without a reply; one that does not trust the run's CA fails
     the handshake; the generated keys are readable by the owner only."""
     rs = tls_regions
     cred = rs.credentials("admin")
-    stream = await anyio.connect_tcp("127.0.0.1", rs.servers[HUB].port)
-    try:
-        await stream.receive()                          # INFO
-        await stream.send(b'CONNECT {"verbose":true,"user":"%s","pass":"%s"}\r\nPING\r\n'
-                          % (cred.user.encode(), cred.password.encode()))
-        replies = b""
-        with anyio.fail_after(10):
-            try:
-                while True:
-                    replies += await stream.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
-                pass
-    finally:
-        await stream.aclose()
-    assert b"+OK" not in replies and b"PONG" not in replies
+    assert await plaintext_refused(rs.servers[HUB].port, cred.user, cred.password)
     with pytest.raises(ssl.SSLCertVerificationError):
         await nats.connect(rs.url(HUB), user=cred.user, password=cred.password, tls=ssl.create_default_context(),
                            allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5, error_cb=_ignore)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -33,28 +34,10 @@ def _two_regions(tmp_path: Path) -> Topology:
         restart=RestartSettings(max_restarts=0))
 
 
-async def _plaintext_refused(port: int, user: str, password: str) -> bool:
-    """True when a client that speaks plaintext gets neither +OK nor PONG and is dropped."""
-    stream = await anyio.connect_tcp("127.0.0.1", port)
-    replies = b""
-    try:
-        replies += await stream.receive()                      # INFO, sent before any handshake
-        await stream.send(b'CONNECT {"verbose":true,"user":"%s","pass":"%s"}\r\nPING\r\n'
-                          % (user.encode(), password.encode()))
-        with anyio.fail_after(10):
-            try:
-                while True:
-                    replies += await stream.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
-                pass
-    finally:
-        await stream.aclose()
-    return b'"tls_required":true' in replies and b"+OK" not in replies and b"PONG" not in replies
-
-
 @pytest.mark.anyio
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="TLS certificates need the openssl CLI")
-async def test_tls_launch_two_regions(tmp_path: Path) -> None:
+async def test_tls_launch_two_regions(tmp_path: Path,
+                                      plaintext_refused: Callable[[int, str, str], Awaitable[bool]]) -> None:
     """Every actor connection is TLS, eu's rollouts reach and are consumed at the hub, plaintext is refused."""
     topology = _two_regions(tmp_path)
     async with Launch.open(topology) as launch, anyio.create_task_group() as tg:
@@ -88,7 +71,7 @@ async def test_tls_launch_two_regions(tmp_path: Path) -> None:
             assert (await observer.js.stream_info(s.events_stream())).state.messages > 0
         for region in (HUB, LEAF):
             cred = regions.credentials("observer")
-            assert await _plaintext_refused(regions.servers[region].port, cred.user, cred.password)
+            assert await plaintext_refused(regions.servers[region].port, cred.user, cred.password)
         tg.cancel_scope.cancel()
 
 
