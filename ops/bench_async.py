@@ -1,9 +1,11 @@
 """`rlbus bench async`: the async RL pipeline against a synchronous generate-then-train schedule.
 
 Owns: the async benchmark. Both arms run one after the other in the same call, on the same topology
-(one region: feeder, `--async-generators` generators, sandbox, trainer, publisher, checkpointer; the tiny
-example's settings: group size 2, 32 tokens per attempt, up to 3 attempts), the same actor processes and
-torch threads, from the same starting policy (`--async-preset`, default the `small` pretrain preset's
+(one region: feeder, `--async-generators` generators (default 1), sandbox, trainer, publisher, checkpointer;
+the generator, trainer and sandbox settings of the default run `single` (`--async-settings`): 8 rollouts per
+task, 8 tasks sampled in one batch, 128 tokens, one attempt; flat groups kept so that a lockstep batch
+fills; the tiny example's checkpoint and restart settings), the same actor processes and torch threads
+(one each: on 2 cores the generator and the trainer each get one), from the same starting policy (`--async-preset`, default the `small` pretrain preset's
 model, pretrained briefly once at the start and copied into each arm's state directory), for the same
 number of optimizer steps N:
 - async: the normal pipeline: the feeder keeps a backlog, generators keep generating while the trainer
@@ -31,11 +33,17 @@ ARMS: Final = ("async", "sync")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--async-steps", type=int, default=16,
-                   help="async: optimizer steps N per arm (default 16; --quick: 2)")
-    p.add_argument("--async-generators", type=int, default=2, help="async: generator processes (default 2)")
-    p.add_argument("--async-tasks-per-step", type=int, default=2,
-                   help="async: tasks per optimizer step; batch = this x group size 2 (default 2)")
+    p.add_argument("--async-steps", type=int, default=32,
+                   help="async: optimizer steps N per arm (default 32; --quick: 2, with the tiny settings, "
+                        "preset and 2 tasks per step)")
+    p.add_argument("--async-generators", type=int, default=1, help="async: generator processes (default 1)")
+    p.add_argument("--async-settings", choices=["single", "tiny"], default="single",
+                   help="async: the example topology whose [generator], [trainer] and [sandbox] settings both "
+                        "arms use (default single, what `rlbus up` runs: 8 rollouts per task, 8 tasks sampled "
+                        "in one batch, 128 tokens, one attempt; tiny: 2 rollouts per task, one task at a time, "
+                        "32 tokens, up to 3 attempts)")
+    p.add_argument("--async-tasks-per-step", type=int, default=4,
+                   help="async: tasks per optimizer step; batch = this x the group size (default 4)")
     p.add_argument("--async-preset", choices=["tiny", "small"], default="small",
                    help="async: pretrain preset (model size) of the shared starting policy (default small)")
     p.add_argument("--async-pretrain-steps", type=int, default=5,
@@ -90,7 +98,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "arms": arms,
         "generators": args.async_generators,
-        "batch_rollouts": args.async_tasks_per_step * _GROUP_SIZE,
+        "batch_rollouts": arms["async"]["batch_rollouts"],
+        "settings": "tiny" if quick else args.async_settings,
         "staleness_bound": a["staleness_bound"],
         "preset": preset,
         "parameters": _parameters(config.model),
@@ -100,9 +109,6 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-_GROUP_SIZE: Final = 2
-
-
 def _parameters(config: Any) -> int:
     from rlbus.model.transformer import Transformer
 
@@ -110,26 +116,29 @@ def _parameters(config: Any) -> int:
 
 
 def _topology(arm: str, run: str, state: Path, args: argparse.Namespace) -> Any:
-    """The tiny example with this bench's actors and batch; the sync arm adds lockstep and staleness 0."""
+    """The tiny example's run settings (checkpoints, restarts, weights) with this bench's actors, the
+    `--async-settings` example's generator, trainer and sandbox, and this bench's batch; flat groups are
+    kept (a lockstep batch must fill). The sync arm adds lockstep and staleness 0."""
     import msgspec
 
     from rlbus.topology.examples import example_path
     from rlbus.topology.schema import ActorSpec, Region, Topology
 
     base = msgspec.toml.decode(example_path("tiny").read_bytes(), type=Topology)   # settings; actors: ours
+    quick = bool(getattr(args, "quick", False))
+    work = msgspec.toml.decode(example_path("tiny" if quick else args.async_settings).read_bytes(), type=Topology)
     actors = [ActorSpec(kind="feeder"), ActorSpec(kind="generator", count=args.async_generators),
               ActorSpec(kind="sandbox"), ActorSpec(kind="trainer"), ActorSpec(kind="publisher"),
               ActorSpec(kind="checkpointer")]
-    tasks = args.async_tasks_per_step
+    tasks = 2 if quick else args.async_tasks_per_step
     replace = msgspec.structs.replace
-    trainer = replace(base.trainer, batch_rollouts=tasks * _GROUP_SIZE)
-    generator = replace(base.generator, group_size=_GROUP_SIZE)
+    trainer = replace(work.trainer, batch_rollouts=tasks * work.generator.group_size, drop_flat_groups=False)
     feeder = base.feeder
     if arm == "sync":
         trainer = replace(trainer, staleness_versions=0)
         feeder = replace(feeder, lockstep=True, backlog_per_region=tasks)
     return replace(base, run=run, state_dir=str(state), regions=[Region(name=HUB, role="hub", actors=actors)],
-                   trainer=trainer, generator=generator, feeder=feeder)
+                   trainer=trainer, generator=work.generator, feeder=feeder, sandbox=work.sandbox)
 
 
 async def _run_arm(topology: Any, state: Path, steps: int, timeout_s: float) -> dict[str, Any]:
@@ -233,6 +242,7 @@ def _summary(topology: Any, steps: int, records: list[Any], manifests: list[Any]
         "dropped_total": sum(dropped.values()),
         "staleness": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
         "staleness_bound": topology.trainer.staleness_versions,
+        "batch_rollouts": topology.trainer.batch_rollouts,
         "step_interval_s": sorted(gaps)[len(gaps) // 2] if gaps else None,
         "startup_s": t0 - launched,
         "steps_taken": len([r for r in final_lineage(records) if r.rollout_ids]),
