@@ -124,36 +124,57 @@ def find_changes(new_bits: Tensor, old_bits: Tensor) -> tuple[Tensor, Tensor, Te
 
 
 def changed_positions(new: np.ndarray, old: np.ndarray, hasher: blake3.blake3 | None = None) -> np.ndarray:
-    """CPU fast path of `find_changes` positions: (N,) int16/int32 arrays -> (K,) ascending int64.
+    """CPU fast path of `find_changes` positions: (N,) int16/int32 arrays -> (K,) ascending int64."""
+    return changed_elements(new, old, hasher)[0]
 
-    Compares 64-bit words (4 or 2 elements at once) in L2-sized steps, then finds the changed lanes of
-    changed words. hasher: also fed `new`'s raw bytes, step by step while they are in cache (one pass
-    over memory gives the positions and the tensor digest).
+
+def changed_elements(new: np.ndarray, old: np.ndarray, hasher: blake3.blake3 | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(N,) int16/int32 arrays -> positions (K,) ascending int64 where they differ, and the new and old
+    bits there (K,).
+
+    Compares 64-bit words (4 or 2 elements at once) in L2-sized steps; the changed words of a step are
+    gathered and split into lanes while the step is in cache (no random access over the whole tensor
+    afterwards). hasher: also fed `new`'s raw bytes step by step (one pass over memory gives the changes
+    and the tensor digest).
     """
     lanes = 8 // new.itemsize
+    shift = lanes.bit_length() - 1
     body = new.size - new.size % lanes
     a64, b64 = new[:body].view(np.int64), old[:body].view(np.int64)
     raw = new.view(np.uint8)
     mask = np.empty(min(a64.size, _SCAN_WORDS), dtype=np.bool_)
-    found = []
+    pos_parts, new_parts, old_parts = [], [], []
     for s in range(0, a64.size, _SCAN_WORDS):
         e = min(s + _SCAN_WORDS, a64.size)
         if hasher is not None:
             hasher.update(raw[8 * s:8 * e])
         m = mask[:e - s]
-        np.not_equal(a64[s:e], b64[s:e], out=m)
+        a, b = a64[s:e], b64[s:e]
+        np.not_equal(a, b, out=m)
         w = np.flatnonzero(m)
         if w.size:
-            w += s
-            found.append(w)
+            na, ob = a[w].view(new.dtype), b[w].view(new.dtype)   # (W * lanes,) the changed words' lanes
+            lane = np.flatnonzero(na != ob)
+            p = w[lane >> shift]
+            p += s
+            p <<= shift
+            p += lane & (lanes - 1)
+            pos_parts.append(p)
+            new_parts.append(na[lane])
+            old_parts.append(ob[lane])
     if hasher is not None and body < new.size:
         hasher.update(raw[8 * a64.size:])
-    words = np.concatenate(found) if len(found) > 1 else found[0] if found else np.zeros(0, dtype=np.int64)
-    lane = np.flatnonzero(np.bitwise_xor(a64[words], b64[words]).view(new.dtype) != 0)
-    pos = words[lane // lanes] * lanes + lane % lanes
     if body < new.size:
-        pos = np.concatenate([pos, np.flatnonzero(new[body:] != old[body:]) + body])
-    return pos
+        tail = np.flatnonzero(new[body:] != old[body:]) + body
+        pos_parts.append(tail)
+        new_parts.append(new[tail])
+        old_parts.append(old[tail])
+    if not pos_parts:
+        return np.zeros(0, dtype=np.int64), new[:0].copy(), old[:0].copy()
+    if len(pos_parts) == 1:
+        return pos_parts[0], new_parts[0], old_parts[0]
+    return np.concatenate(pos_parts), np.concatenate(new_parts), np.concatenate(old_parts)
 
 
 def ordered_key(bits: np.ndarray) -> np.ndarray:
@@ -251,10 +272,10 @@ class Changes(NamedTuple):
 
 
 def host_changes(new_bits: Tensor, old_bits: Tensor, hasher: blake3.blake3 | None = None) -> Changes:
-    """CPU path: numpy word-wise comparison (`changed_positions`), feeding `hasher` on the way."""
+    """CPU path: numpy word-wise comparison (`changed_elements`), feeding `hasher` on the way."""
     a, b = new_bits.numpy(), old_bits.numpy()
-    pos = changed_positions(a, b, hasher)
-    return Changes(a.size, pos, a[pos], b[pos], new_bits, old_bits)
+    pos, new_vals, old_vals = changed_elements(a, b, hasher)
+    return Changes(a.size, pos, new_vals, old_vals, new_bits, old_bits)
 
 
 def device_changes(new_bits: Tensor, old_bits: Tensor, finder: Finder = find_changes) -> Changes:

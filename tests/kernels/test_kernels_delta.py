@@ -18,6 +18,7 @@ from rlbus.kernels.delta import (
     apply_key_diffs,
     apply_key_diffs_torch_,
     bits_view,
+    changed_elements,
     changed_positions,
     delta_base,
     device_changes,
@@ -168,15 +169,23 @@ def test_find_changes_reference_on_a_hand_example() -> None:
 
 
 def test_word_wise_cpu_path_equals_the_reference() -> None:
-    """The numpy change finder (64-bit words, then lanes, then the tail) gives the reference positions."""
+    """The numpy change finder (64-bit words in L2-sized steps, then lanes, then the tail) gives the
+    reference positions and the new and old bits there, within one step, across several, and unchanged."""
     gen = torch.Generator().manual_seed(0)
-    for dtype, n in ((torch.int16, 60_003), (torch.int32, 60_001), (torch.int16, 3)):
+    for dtype, n in ((torch.int16, 60_003), (torch.int32, 60_001), (torch.int16, 3), (torch.int16, 600_003),
+                     (torch.int32, 300_001)):
         old = torch.randint(-1000, 1000, (n,), dtype=dtype, generator=gen)
         new = old.clone()
-        new[torch.randint(0, n, (500,), generator=gen)] += 1
+        new[torch.randint(0, n, (n // 100,), generator=gen)] += 1
         new[[0, n // 2, n - 2, n - 1]] -= 3
         new[n // 2 + 1] = -old[n // 2 + 1] - 1  # sign flip
-        assert np.array_equal(changed_positions(new.numpy(), old.numpy()), find_changes(new, old)[0].numpy())
+        ref = find_changes(new, old)[0].numpy()
+        pos, new_vals, old_vals = changed_elements(new.numpy(), old.numpy())
+        assert np.array_equal(pos, ref) and np.array_equal(changed_positions(new.numpy(), old.numpy()), ref)
+        assert np.array_equal(new_vals, new.numpy()[ref]) and np.array_equal(old_vals, old.numpy()[ref])
+        assert new_vals.dtype == old_vals.dtype == new.numpy().dtype
+        none = changed_elements(old.numpy(), old.numpy().copy())
+        assert none[0].size == none[1].size == none[2].size == 0 and none[0].dtype == np.int64
 
 
 def test_device_path_finds_the_same_changes_as_the_host_path() -> None:
