@@ -5,9 +5,9 @@ Owns: the async benchmark. Both arms run one after the other in the same call, o
 the generator, trainer and sandbox settings of the default run `single` (`--async-settings`): 8 rollouts per
 task, 8 tasks sampled in one batch, 128 tokens, one attempt; flat groups kept so that a lockstep batch
 fills; the tiny example's checkpoint and restart settings), the same actor processes and torch threads
-(one each: on 2 cores the generator and the trainer each get one), from the same starting policy (`--async-preset`, default the `small` pretrain preset's
-model, pretrained briefly once at the start and copied into each arm's state directory), for the same
-number of optimizer steps N:
+(one each: on 2 cores the generator and the trainer each get one), from the same starting policy
+(`--async-preset`, default the `small` pretrain preset's model, pretrained briefly once at the start and
+copied into each arm's state directory), for the same number of optimizer steps N:
 - async: the normal pipeline: the feeder keeps a backlog, generators keep generating while the trainer
   trains and swap new weights in flight; stale rollouts are dropped past `trainer.staleness_versions`.
 - sync: the same actors with two knobs: `feeder.lockstep` (one batch of tasks per new policy version,
@@ -38,10 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "preset and 2 tasks per step)")
     p.add_argument("--async-generators", type=int, default=1, help="async: generator processes (default 1)")
     p.add_argument("--async-settings", choices=["single", "tiny"], default="single",
-                   help="async: the example topology whose [generator], [trainer] and [sandbox] settings both "
-                        "arms use (default single, what `rlbus up` runs: 8 rollouts per task, 8 tasks sampled "
-                        "in one batch, 128 tokens, one attempt; tiny: 2 rollouts per task, one task at a time, "
-                        "32 tokens, up to 3 attempts)")
+                   help="async: the example topology whose [generator], [trainer] and [sandbox] settings "
+                        "both arms use (default single, what `rlbus up` runs: 8 rollouts per task, 8 tasks "
+                        "sampled in one batch, 128 tokens, one attempt; tiny: 2 rollouts per task, one task "
+                        "at a time, 32 tokens, up to 3 attempts)")
     p.add_argument("--async-tasks-per-step", type=int, default=4,
                    help="async: tasks per optimizer step; batch = this x the group size (default 4)")
     p.add_argument("--async-preset", choices=["tiny", "small"], default="small",
@@ -126,7 +126,8 @@ def _topology(arm: str, run: str, state: Path, args: argparse.Namespace) -> Any:
 
     base = msgspec.toml.decode(example_path("tiny").read_bytes(), type=Topology)   # settings; actors: ours
     quick = bool(getattr(args, "quick", False))
-    work = msgspec.toml.decode(example_path("tiny" if quick else args.async_settings).read_bytes(), type=Topology)
+    settings = "tiny" if quick else args.async_settings
+    work = msgspec.toml.decode(example_path(settings).read_bytes(), type=Topology)
     actors = [ActorSpec(kind="feeder"), ActorSpec(kind="generator", count=args.async_generators),
               ActorSpec(kind="sandbox"), ActorSpec(kind="trainer"), ActorSpec(kind="publisher"),
               ActorSpec(kind="checkpointer")]
@@ -269,8 +270,9 @@ def table(result: dict[str, Any]) -> str:
         ("startup before t0 (s)", "startup_s", "{:.1f}"),
     ]
     width = max(len(label) for label, _, _ in rows)
-    head = (f"rlbus bench async: {result['steps']} optimizer steps per arm, {result['generators']} generators, "
-            f"batch {result['batch_rollouts']} rollouts, {result['preset']} model "
+    head = (f"rlbus bench async: {result['steps']} optimizer steps per arm, {result['generators']} "
+            f"generator(s), {result['settings']} settings, batch {result['batch_rollouts']} rollouts, "
+            f"{result['preset']} model "
             f"(load {result['load_avg_1m']:.1f}, {result['total_s']:.0f}s in all)")
     lines = [head, f"{'':{width}}  {'async':>10}  {'sync':>10}"]
     for label, key, fmt in rows:
