@@ -133,10 +133,41 @@ def test_blob_index_reads_back_and_sizes_add_up() -> None:
 
 
 def test_parallel_and_serial_encodings_are_identical() -> None:
-    """The thread pool changes nothing in the bytes."""
+    """The thread pool changes nothing in the bytes of deltas and snapshots, with or without the digests
+    given, with candidate positions, nor in the recorded changes."""
     v0 = _model(7)
     v1 = _step(v0, 8, 1e-3)
     assert encode_state(v1, v0, threads=1)[1] == encode_state(v1, v0, threads=2)[1]
+    assert encode_state(v1, threads=1)[1] == encode_state(v1, threads=2)[1]
+    digests = tensor_digests(v1)
+    assert encode_state(v1, v0, digests=digests, threads=2)[1] == encode_state(v1, v0, threads=1)[1]
+    serial: dict[str, np.ndarray] = {}
+    piped: dict[str, np.ndarray] = {}
+    encode_state(v1, v0, threads=1, changed=serial)
+    _, blob = encode_state(v1, v0, threads=2, changed=piped)
+    assert serial.keys() == piped.keys() and all(np.array_equal(serial[n], piped[n]) for n in serial)
+    assert encode_state(v1, v0, candidates=piped, threads=2)[1] == blob
+
+
+def test_threaded_apply_equals_the_serial_apply_and_reports_the_same_patches() -> None:
+    """Applying a delta on two threads gives the same tensors and patches as on one; verify still catches
+    a target that did not hold the base."""
+    v0 = _model(3)
+    v1 = _step(v0, 4, 1e-3)
+    _, blob = encode_state(v1, v0)
+    one, two = _clone(v0), _clone(v0)
+    p1: dict[str, tuple | None] = {}
+    p2: dict[str, tuple | None] = {}
+    apply_state_(one, blob, threads=1, patches=p1)
+    apply_state_(two, blob, threads=2, patches=p2, verify=True)
+    assert _equal(one, v1) and _equal(two, v1) and p1.keys() == p2.keys()
+    for name in p1:
+        assert (p1[name] is None) == (p2[name] is None), name
+        if p1[name] is not None:
+            assert all(np.array_equal(a, b) for a, b in zip(p1[name], p2[name], strict=True)), name
+    wrong = _step(v0, 99, 1e-3)                    # not the base: the sparse patch lands on other bits
+    with pytest.raises(DeltaCorrupt, match="digest differs"):
+        apply_state_(wrong, blob, threads=2, verify=True)
 
 
 def test_replayed_patches_equal_the_staged_apply_bit_for_bit() -> None:
