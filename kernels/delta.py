@@ -123,15 +123,10 @@ def find_changes(new_bits: Tensor, old_bits: Tensor) -> tuple[Tensor, Tensor, Te
     return pos, gaps, x[pos]
 
 
-def changed_positions(new: np.ndarray, old: np.ndarray, hasher: blake3.blake3 | None = None) -> np.ndarray:
-    """CPU fast path of `find_changes` positions: (N,) int16/int32 arrays -> (K,) ascending int64."""
-    return changed_elements(new, old, hasher)[0]
-
-
 def changed_elements(new: np.ndarray, old: np.ndarray, hasher: blake3.blake3 | None = None
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(N,) int16/int32 arrays -> positions (K,) ascending int64 where they differ, and the new and old
-    bits there (K,).
+    """CPU fast path of `find_changes`: (N,) int16/int32 arrays -> positions (K,) ascending int64 where
+    they differ, and the new and old bits there (K,).
 
     Compares 64-bit words (4 or 2 elements at once) in L2-sized steps; the changed words of a step are
     gathered and split into lanes while the step is in cache (no random access over the whole tensor

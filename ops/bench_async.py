@@ -74,6 +74,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     quick = bool(getattr(args, "quick", False))
     steps = 2 if quick else args.async_steps
+    settings = "tiny" if quick else args.async_settings
+    tasks = 2 if quick else args.async_tasks_per_step
     keep = getattr(args, "async_state_dir", None)
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-async-") as tmp:
         root = Path(tmp) if keep is None else keep.resolve()
@@ -88,7 +90,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             state = root / arm
             state.mkdir()
             shutil.copytree(base, state / PRETRAINED_DIR)
-            topology = _topology(arm, f"b{uuid.uuid4().hex[:8]}", state, args)
+            topology = _topology(arm, f"b{uuid.uuid4().hex[:8]}", state, settings=settings, tasks=tasks,
+                                 generators=args.async_generators)
             arms[arm] = await _run_arm(topology, state, steps, args.async_timeout)
     a, s = arms["async"], arms["sync"]
     return {
@@ -99,7 +102,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "arms": arms,
         "generators": args.async_generators,
         "batch_rollouts": arms["async"]["batch_rollouts"],
-        "settings": "tiny" if quick else args.async_settings,
+        "settings": settings,
         "staleness_bound": a["staleness_bound"],
         "preset": preset,
         "parameters": _parameters(config.model),
@@ -115,9 +118,9 @@ def _parameters(config: Any) -> int:
     return sum(p.numel() for p in Transformer(config).parameters())
 
 
-def _topology(arm: str, run: str, state: Path, args: argparse.Namespace) -> Any:
+def _topology(arm: str, run: str, state: Path, *, settings: str, tasks: int, generators: int) -> Any:
     """The tiny example's run settings (checkpoints, restarts, weights) with this bench's actors, the
-    `--async-settings` example's generator, trainer and sandbox, and this bench's batch; flat groups are
+    `settings` example's generator, trainer and sandbox, and batches of `tasks` tasks; flat groups are
     kept (a lockstep batch must fill). The sync arm adds lockstep and staleness 0."""
     import msgspec
 
@@ -125,13 +128,10 @@ def _topology(arm: str, run: str, state: Path, args: argparse.Namespace) -> Any:
     from rlbus.topology.schema import ActorSpec, Region, Topology
 
     base = msgspec.toml.decode(example_path("tiny").read_bytes(), type=Topology)   # settings; actors: ours
-    quick = bool(getattr(args, "quick", False))
-    settings = "tiny" if quick else args.async_settings
     work = msgspec.toml.decode(example_path(settings).read_bytes(), type=Topology)
-    actors = [ActorSpec(kind="feeder"), ActorSpec(kind="generator", count=args.async_generators),
+    actors = [ActorSpec(kind="feeder"), ActorSpec(kind="generator", count=generators),
               ActorSpec(kind="sandbox"), ActorSpec(kind="trainer"), ActorSpec(kind="publisher"),
               ActorSpec(kind="checkpointer")]
-    tasks = 2 if quick else args.async_tasks_per_step
     replace = msgspec.structs.replace
     trainer = replace(work.trainer, batch_rollouts=tasks * work.generator.group_size, drop_flat_groups=False)
     feeder = base.feeder

@@ -142,11 +142,11 @@ def test_parallel_and_serial_encodings_are_identical() -> None:
     digests = tensor_digests(v1)
     assert encode_state(v1, v0, digests=digests, threads=2)[1] == encode_state(v1, v0, threads=1)[1]
     serial: dict[str, np.ndarray] = {}
-    piped: dict[str, np.ndarray] = {}
+    pooled: dict[str, np.ndarray] = {}
     encode_state(v1, v0, threads=1, changed=serial)
-    _, blob = encode_state(v1, v0, threads=2, changed=piped)
-    assert serial.keys() == piped.keys() and all(np.array_equal(serial[n], piped[n]) for n in serial)
-    assert encode_state(v1, v0, candidates=piped, threads=2)[1] == blob
+    _, blob = encode_state(v1, v0, threads=2, changed=pooled)
+    assert serial.keys() == pooled.keys() and all(np.array_equal(serial[n], pooled[n]) for n in serial)
+    assert encode_state(v1, v0, candidates=pooled, threads=2)[1] == blob
 
 
 def test_threaded_apply_equals_the_serial_apply_and_reports_the_same_patches() -> None:
