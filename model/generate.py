@@ -170,28 +170,66 @@ def generate(
     B, P = tokens.shape
     _check_budget(model, P, max_new_tokens)
     net = quantized_copy(model, weight_quant) if weight_quant != "none" else model
-    cache = net.new_cache(B, P + max_new_tokens)
+    # A prompt given several times (a group's G samples) is prefilled once; its cache rows are copied.
+    slot: dict[tuple[int, ...], int] = {}
+    distinct: list[int] = []  # the first row of each distinct prompt
+    for b, prompt in enumerate(prompts):
+        if slot.setdefault(tuple(prompt), len(distinct)) == len(distinct):
+            distinct.append(b)
+    copy_of = torch.tensor([slot[tuple(p)] for p in prompts], dtype=torch.long, device=tokens.device)
+    shared = len(distinct) < B
+    cache = net.new_cache(len(distinct), P + max_new_tokens)
     record = _Recorder(B, eos_id)
     routing: list[Tensor] = []
-    inputs: Tensor = tokens
-    input_mask: Tensor | None = mask
+    rows = torch.tensor(distinct, dtype=torch.long, device=tokens.device)
+    inputs: Tensor = tokens.index_select(0, rows) if shared else tokens
+    input_mask: Tensor | None = mask.index_select(0, rows) if shared else mask
+    live = list(range(B))  # the original row of each row still decoded
     for step in range(max_new_tokens):
         if on_step is not None and (new_version := on_step(step)) is not None:
             version = new_version
             if net is not model:
                 refresh_quantized(net, model)
         out = net(inputs, cache=cache, attention_mask=input_mask, with_mtp=False)
+        if step == 0 and shared:
+            cache.keep_rows(copy_of, max_new_tokens)
+            out = out._replace(logits=out.logits[:, -1:].index_select(0, copy_of),
+                               routing=None if out.routing is None else out.routing.index_select(0, copy_of))
         if out.routing is not None:
-            routing.append(out.routing)
+            routing.append(_in_rows(out.routing, live, B))
+        fed_last = [record.finished[b] for b in live]  # this forward fed their eos: routing complete
         token, logprob = sample_next(out.logits[:, -1], temperature, generator)
-        for b, (t, lp) in enumerate(zip(token.tolist(), logprob.tolist(), strict=True)):
+        for b, t, lp in zip(live, token.tolist(), logprob.tolist(), strict=True):
             record.add(b, t, lp, version)
+        inputs, input_mask = token[:, None], None
         if record.done():
             break
-        inputs, input_mask = token[:, None], None
+        # Finished rows stop costing work: drop them from the batch once enough have finished.
+        gone = {i for i, b in enumerate(live) if (fed_last[i] if out.routing is not None else record.finished[b])}
+        if len(gone) >= max(1, len(live) // _COMPACT_EVERY):
+            keep = torch.tensor([i for i in range(len(live)) if i not in gone], dtype=torch.long,
+                                device=token.device)
+            cache.keep_rows(keep, max_new_tokens - step)  # the steps left + the routing-only forward
+            inputs = inputs.index_select(0, keep)
+            live = [live[i] for i in keep.tolist()]
     if routing:  # feed the last tokens once more, only to learn their routing
-        routing.append(net(token[:, None], cache=cache, with_mtp=False).routing)  # type: ignore[arg-type]
+        last = net(inputs, cache=cache, with_mtp=False).routing
+        routing.append(_in_rows(last, live, B))  # type: ignore[arg-type]
     return record.results(prompts, mask, routing)
+
+
+_COMPACT_EVERY = 8
+"""`generate` drops finished rows from its batch (and KV cache) once 1/_COMPACT_EVERY of the rows
+still decoded have finished: each drop copies the cache, so it waits until it pays."""
+
+
+def _in_rows(routing: Tensor, live: list[int], batch: int) -> Tensor:
+    """routing (len(live), T, ...) of the rows still decoded -> (batch, T, ...) in their original rows."""
+    if len(live) == batch:
+        return routing
+    full = routing.new_zeros((batch, *routing.shape[1:]))
+    full[torch.tensor(live, dtype=torch.long, device=routing.device)] = routing
+    return full
 
 
 def _drafts(model: Transformer, hidden: Tensor, k: int) -> Tensor:

@@ -105,6 +105,31 @@ class KVCache:
     def batch(self) -> int:
         return self.key_mask.shape[0]
 
+    def keep_rows(self, rows: Tensor, extra: int) -> None:
+        """Keep only batch rows `rows` (int64 indices, in that order) and drop the leading slots no kept
+        row has a real token in; room for `extra` more slots after the current length.
+
+        Positions live in `next_pos`, not in slot indices, so dropping shared left padding changes no
+        row's attention or RoPE. Used by `generate` to stop computing rows that have finished.
+        """
+        keys = self.key_mask.index_select(0, rows)[:, : self.length]
+        any_real = keys.any(0)
+        first = int(any_real.int().argmax()) if bool(any_real.any()) else self.length
+        kept = self.length - first
+        width = kept + extra
+        for store in (self.k, self.v):
+            for layer, old in enumerate(store):
+                new = old.new_zeros((len(rows), old.shape[1], width, old.shape[3]))
+                new[:, :, :kept] = old.index_select(0, rows)[:, :, first : self.length]
+                store[layer] = new
+        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=self.key_mask.device)
+        mask[:, :kept] = keys[:, first:]
+        self.key_mask = mask
+        self.next_pos = self.next_pos.index_select(0, rows)
+        self.length = kept
+        self.max_len = width
+        self.has_padding = self.has_padding and not bool(mask[:, :kept].all())
+
     def truncate(self, length: int) -> None:
         """Forget every slot at or after `length` (speculative-decoding rollback)."""
         if not 0 <= length <= self.length:

@@ -126,6 +126,53 @@ def test_routing_record_replays_to_the_behaviour_logprobs() -> None:
         )
 
 
+REPEATS = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[0]]
+
+
+def _staggered_eos(rows: list[list[int]]) -> int:
+    """A token that ends the rows at two or more different steps (so rows leave the batch one by one)."""
+    for token in sorted({t for row in rows for t in row}):
+        ends = {row.index(token) for row in rows if token in row}
+        if len(ends) >= 2:
+            return token
+    raise AssertionError("no token ends the rows at different steps")
+
+
+def test_repeated_prompts_and_finished_rows_leave_greedy_decoding_unchanged() -> None:
+    """Repeated prompts are prefilled once and finished rows leave the batch: every row still equals
+    its own full re-forward greedy decode, cut at its eos."""
+    model = _model()
+    free = [seq.tokens.tolist() for seq in generate(model, REPEATS, max_new_tokens=16, temperature=0)]
+    eos = _staggered_eos(free)
+    out = generate(model, REPEATS, max_new_tokens=16, temperature=0, eos_id=eos)
+    for prompt, seq in zip(REPEATS, out, strict=True):
+        reference = _greedy_reference(model, prompt, 16)
+        cut = reference[: reference.index(eos) + 1] if eos in reference else reference
+        assert seq.tokens.tolist() == cut
+        assert seq.finish_reason == ("eos" if eos in reference else "length")
+        torch.testing.assert_close(seq.logprobs, _full_logp(model, prompt, seq.tokens), atol=1e-5, rtol=0)
+    assert len({len(seq.tokens) for seq in out}) >= 2
+
+
+def test_routing_record_survives_shared_prefill_and_finished_rows() -> None:
+    """With repeated prompts and rows ending at different steps, each row's routing record still
+    covers its prompt and every fed token, and replays to its behaviour logprobs."""
+    model = _model(moe_layers=(0, 1), n_experts=4, top_k=2)
+    sample = {"max_new_tokens": 12, "temperature": 1.0}
+    free = generate(model, REPEATS, generator=torch.Generator().manual_seed(1), **sample)  # type: ignore[arg-type]
+    eos = _staggered_eos([seq.tokens.tolist() for seq in free])
+    out = generate(model, REPEATS, eos_id=eos, generator=torch.Generator().manual_seed(1), **sample)  # type: ignore[arg-type]
+    assert len({len(seq.tokens) for seq in out}) >= 2
+    for prompt, seq in zip(REPEATS, out, strict=True):
+        assert seq.routing is not None and seq.routing.shape == (len(prompt) + len(seq.tokens), 2, 2)
+        full = torch.tensor(prompt + seq.tokens.tolist())[None]
+        with torch.no_grad():
+            assert torch.equal(model(full).routing[0], seq.routing)  # type: ignore[index]
+        torch.testing.assert_close(
+            seq.logprobs, _full_logp(model, prompt, seq.tokens, seq.routing), atol=1e-5, rtol=0
+        )
+
+
 @pytest.fixture(scope="module")
 def counting_model() -> Transformer:
     """A tiny MoE+MTP model trained for 60 steps on strided counting: its drafts are partly right."""
