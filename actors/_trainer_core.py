@@ -113,6 +113,8 @@ class RolloutBatch:
     """(B,) float32 rewards as the generator reported them."""
     lengths: Tensor
     """(B,) int64 completion lengths T_b."""
+    prompt_lengths: Tensor
+    """(B,) int64 prompt lengths P_b."""
     group_ids: Tensor
     """(B,) int64 group index (rows of one task share it)."""
 
@@ -154,8 +156,52 @@ def rollout_batch(rollouts: Sequence[Rollout], *, moe: tuple[int, int] | None = 
         tokens=tokens, mask=mask, behaviour=behaviour, routing=routing,
         rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         lengths=torch.tensor([len(c) for c in completions], dtype=torch.long),
+        prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long),
         group_ids=torch.tensor([groups[r.task_id] for r in rollouts], dtype=torch.long),
     )
+
+
+def shared_prompt_logprobs(net: Transformer, batch: RolloutBatch, temperature: float = 1.0) -> Tensor | None:
+    """`TrainerCore.logprobs` of the completion tokens with each distinct prompt run once: its keys and
+    values are copied to the rows that share it (differentiably), then all completions run together.
+
+    A group's G rollouts share one prompt, so this skips (G-1)/G of the prompt positions (most of a
+    batch's tokens). Returns (B, L-1) with the completion positions filled and 0 elsewhere, or None
+    when no two rows share a prompt or no row has a completion (the full forward is then as cheap).
+    """
+    P = batch.prompt_lengths.tolist()
+    T = batch.lengths.tolist()
+    B, L = batch.tokens.shape
+    width = max(T, default=0)
+    slot: dict[tuple[int, ...], int] = {}
+    first: list[int] = []
+    for b in range(B):
+        if slot.setdefault(tuple(batch.tokens[b, :P[b]].tolist()), len(first)) == len(first):
+            first.append(b)
+    if len(first) == B or width == 0:
+        return None
+    copy_of = torch.tensor([slot[tuple(batch.tokens[b, :P[b]].tolist())] for b in range(B)], dtype=torch.long)
+    longest = max(P)
+    prompts = torch.zeros(len(first), longest, dtype=torch.long)
+    real = torch.zeros(len(first), longest, dtype=torch.bool)
+    for u, b in enumerate(first):  # left-padded: every row's last prompt token in the last column
+        prompts[u, longest - P[b]:] = batch.tokens[b, :P[b]]
+        real[u, longest - P[b]:] = True
+    completions = torch.zeros(B, width, dtype=torch.long)
+    for b in range(B):
+        completions[b, :T[b]] = batch.tokens[b, P[b]:P[b] + T[b]]
+    cache = net.new_cache(len(first), longest + width)
+    head = net(prompts, cache=cache, attention_mask=real, with_mtp=False).logits[:, -1:]
+    cache.keep_rows(copy_of, width)
+    rest = net(completions, cache=cache, with_mtp=False).logits[:, :-1]  # right padding: causality hides it
+    logits = torch.cat([head.index_select(0, copy_of), rest], dim=1)  # (B, width, V): predicts completion t
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp, _ = token_logprob_entropy(logits, completions)
+    logp = logp.masked_fill(torch.arange(width)[None] >= batch.lengths[:, None], 0.0)
+    # completion token t of row b is position P_b - 1 + t of the (B, L-1) layout; padded rows land past it
+    at = torch.tensor(P, dtype=torch.long)[:, None] - 1 + torch.arange(width)[None]
+    return torch.zeros(B, L - 1 + width, dtype=logp.dtype).scatter(1, at, logp)[:, :L - 1]
 
 
 # ---- one optimizer step ------------------------------------------------------------------------
@@ -232,7 +278,15 @@ class TrainerCore:
 
     def logprobs(self, net: Transformer, batch: RolloutBatch, temperature: float = 1.0) -> Tensor:
         """(B, L-1) log-probability under `net` of each next token, with the batch's routing replayed:
-        log softmax(logits / temperature)[next token]."""
+        log softmax(logits / temperature)[next token].
+
+        Rows that share a prompt (a group) run it once (`shared_prompt_logprobs`) unless routing is
+        replayed; off the completions (where `batch.mask` is False) the values are then 0.
+        """
+        if batch.routing is None:
+            shared = shared_prompt_logprobs(net, batch, temperature)
+            if shared is not None:
+                return shared
         logits = net(batch.tokens, routing=batch.routing, with_mtp=False).logits
         if temperature != 1.0:
             logits = logits / temperature

@@ -11,7 +11,15 @@ import msgspec
 import pytest
 import torch
 
-from rlbus.actors._trainer_core import Objective, TrainerCore, plan_step, rollout_batch, versions_behind
+from rlbus.actors._trainer_core import (
+    Objective,
+    TrainerCore,
+    plan_step,
+    rollout_batch,
+    shared_prompt_logprobs,
+    versions_behind,
+)
+from rlbus.kernels.logprob import token_logprob_entropy
 from rlbus.kernels.delta_state import apply_state_, encode_state
 from rlbus.messages.schemas import Rollout, TensorBlob
 from rlbus.model.transformer import ModelConfig, Transformer
@@ -132,6 +140,42 @@ def test_logprobs_are_taken_at_the_sampling_temperature() -> None:
     assert (plain[batch.mask] - batch.behaviour[batch.mask]).abs().max() > 1e-2
     stats = core.train_step(rollouts, Objective(temperature=0.7, kl_coef=0.0))
     assert stats.mean_weight == pytest.approx(1.0, abs=1e-4) and stats.truncated_fraction == 0.0
+
+
+def test_shared_prompts_run_once_and_give_the_full_forward_logprobs_and_gradients() -> None:
+    """Groups sharing prompts of unequal length (one rollout with an empty completion, one multi-turn
+    with a loss mask, one group of one): the shared-prompt logprobs equal the full forward's on every
+    completion position, are 0 elsewhere, and give the same gradients; all-distinct prompts fall back."""
+    core = _core(ModelConfig.tiny(vocab_size=264), seed=5)
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(1, 264, (n,), generator=g).tolist()
+
+    long_prompt, short_prompt, lone = ids(11), ids(4), ids(7)
+    rollouts = [_r("a", k, [0] * n, size=3, prompt=long_prompt, completion=ids(n)) for k, n in enumerate((5, 9, 0))]
+    rollouts += [_r("b", 0, [0] * 6, prompt=short_prompt, completion=ids(6), mask=[1, 1, 0, 0, 1, 1]),
+                 _r("b", 1, [0] * 12, prompt=short_prompt, completion=ids(12)),
+                 _r("c", 0, [0] * 3, size=1, prompt=lone, completion=ids(3))]
+    batch = rollout_batch(rollouts)
+    span = torch.zeros_like(batch.mask)  # every completion position, loss-masked or not
+    for b, (P, T) in enumerate(zip(batch.prompt_lengths.tolist(), batch.lengths.tolist(), strict=True)):
+        span[b, P - 1:P - 1 + T] = True
+    full, _ = token_logprob_entropy(core.model(batch.tokens, with_mtp=False).logits[:, :-1] / 0.7, batch.tokens[:, 1:])
+    shared = shared_prompt_logprobs(core.model, batch, 0.7)
+    assert shared is not None and shared.shape == full.shape
+    torch.testing.assert_close(shared[span], full[span], atol=1e-5, rtol=0)
+    assert torch.equal(shared[~span], torch.zeros_like(shared[~span]))
+    assert torch.equal(core.logprobs(core.model, batch, 0.7), shared)
+    weights = torch.randn(full.shape, generator=g) * batch.mask
+    params = list(core.model.parameters())
+    for want, got in zip(torch.autograd.grad((full * weights).sum(), params, allow_unused=True),
+                         torch.autograd.grad((shared * weights).sum(), params, allow_unused=True), strict=True):
+        assert (want is None) == (got is None)
+        if want is not None:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    distinct = rollout_batch([_r("x", 0, [0, 0], prompt=[5, 6]), _r("y", 0, [0], prompt=[7])])
+    assert shared_prompt_logprobs(core.model, distinct) is None
 
 
 def test_router_replay_reproduces_the_behaviour_logprobs_of_an_moe_policy() -> None:
