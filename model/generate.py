@@ -205,7 +205,8 @@ def generate(
         if record.done():
             break
         # Finished rows stop costing work: drop them from the batch once enough have finished.
-        gone = {i for i, b in enumerate(live) if (fed_last[i] if out.routing is not None else record.finished[b])}
+        moe = out.routing is not None
+        gone = {i for i, b in enumerate(live) if (fed_last[i] if moe else record.finished[b])}
         if len(gone) >= max(1, len(live) // _COMPACT_EVERY):
             keep = torch.tensor([i for i in range(len(live)) if i not in gone], dtype=torch.long,
                                 device=token.device)

@@ -153,7 +153,8 @@ def test_shared_prompts_run_once_and_give_the_full_forward_logprobs_and_gradient
         return torch.randint(1, 264, (n,), generator=g).tolist()
 
     long_prompt, short_prompt, lone = ids(11), ids(4), ids(7)
-    rollouts = [_r("a", k, [0] * n, size=3, prompt=long_prompt, completion=ids(n)) for k, n in enumerate((5, 9, 0))]
+    rollouts = [_r("a", k, [0] * n, size=3, prompt=long_prompt, completion=ids(n))
+                for k, n in enumerate((5, 9, 0))]
     rollouts += [_r("b", 0, [0] * 6, prompt=short_prompt, completion=ids(6), mask=[1, 1, 0, 0, 1, 1]),
                  _r("b", 1, [0] * 12, prompt=short_prompt, completion=ids(12)),
                  _r("c", 0, [0] * 3, size=1, prompt=lone, completion=ids(3))]
@@ -161,7 +162,8 @@ def test_shared_prompts_run_once_and_give_the_full_forward_logprobs_and_gradient
     span = torch.zeros_like(batch.mask)  # every completion position, loss-masked or not
     for b, (P, T) in enumerate(zip(batch.prompt_lengths.tolist(), batch.lengths.tolist(), strict=True)):
         span[b, P - 1:P - 1 + T] = True
-    full, _ = token_logprob_entropy(core.model(batch.tokens, with_mtp=False).logits[:, :-1] / 0.7, batch.tokens[:, 1:])
+    logits = core.model(batch.tokens, with_mtp=False).logits[:, :-1]
+    full, _ = token_logprob_entropy(logits / 0.7, batch.tokens[:, 1:])
     shared = shared_prompt_logprobs(core.model, batch, 0.7)
     assert shared is not None and shared.shape == full.shape
     torch.testing.assert_close(shared[span], full[span], atol=1e-5, rtol=0)
