@@ -81,6 +81,9 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     eval_seed: int | None = None
     """Seed of the evaluator's held-out set, whose prompts the built-in sequence skips (the launcher passes
     the topology's evaluator.seed); None: the held-out set of `seed`."""
+    levels: list[int] = []
+    """Built-in family only: feed just the tasks of these levels (topology/schema.py FeederSettings.levels);
+    empty: every level."""
 
     def weights(self, own_region: str) -> list[tuple[str, float]]:
         """(region, weight) pairs, sorted by region, of the regions that get tasks."""
@@ -171,12 +174,23 @@ def read_tasks_file(path: Path) -> list[CodingTask]:
     return out
 
 
+def task_source(config: FeederConfig) -> str:
+    """What the feeder's saved position is a position in: the tasks file, or the built-in sequence of a seed
+    (and levels). A restart that finds another source saved restarts every region at the furthest saved
+    index rather than at its own cursor (`feeder_assignment_changed`)."""
+    if config.tasks_file is not None:
+        return config.tasks_file
+    levels = f":levels={','.join(map(str, sorted(set(config.levels))))}" if config.levels else ""
+    return f"builtin:{config.seed}{levels}"
+
+
 class TaskSequence:
     """Random access to the task sequence (built-in or file), caching the window still needed."""
 
     def __init__(self, seed: int, tasks: list[CodingTask] | None = None, max_tasks: int | None = None,
-                 *, eval_seed: int | None = None) -> None:
+                 *, eval_seed: int | None = None, levels: Sequence[int] = ()) -> None:
         self._listed = tasks
+        self._levels = frozenset(levels)
         self._stream: Iterator[CodingTask] | None = None
         self._seed = seed
         self._eval_seed = eval_seed
@@ -192,7 +206,8 @@ class TaskSequence:
         if index < self._base:
             raise IndexError(f"task {index} was dropped from the cache (window starts at {self._base})")
         if self._stream is None:
-            self._stream = train_tasks(self._seed, eval_seed=self._eval_seed)
+            stream = train_tasks(self._seed, eval_seed=self._eval_seed)
+            self._stream = (t for t in stream if t.level in self._levels) if self._levels else stream
         missing = index - self._base - len(self._cache) + 1
         if missing > 0:
             self._cache.extend(itertools.islice(self._stream, missing))
@@ -225,7 +240,7 @@ class Feeder(Actor):
         super().__init__(ident, bus, limits)
         self.config = config
         self.weights = config.weights(ident.region)
-        self.source = config.tasks_file or f"builtin:{config.seed}"
+        self.source = task_source(config)
         self.cursors: dict[str, int] = {r: 0 for r, _ in self.weights}
         self.fed_versions: dict[str, int] = {}
         """Lockstep: per region, the last policy version whose batch it was given."""
@@ -242,7 +257,8 @@ class Feeder(Actor):
         listed = None
         if self.config.tasks_file is not None:
             listed = await anyio.to_thread.run_sync(read_tasks_file, Path(self.config.tasks_file))
-        self.tasks = TaskSequence(self.config.seed, listed, self.config.max_tasks, eval_seed=self.config.eval_seed)
+        self.tasks = TaskSequence(self.config.seed, listed, self.config.max_tasks, eval_seed=self.config.eval_seed,
+                                  levels=self.config.levels)
         self.kv = await self.bus.js.key_value(self.bus.subjects.partials_bucket(self.ident.region))
         await self._load_position()
 

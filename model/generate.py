@@ -158,13 +158,16 @@ def generate(
     on_step: SwapHook | None = None,
     generator: torch.Generator | None = None,
     weight_quant: WeightQuant = "none",
+    kv_dtype: torch.dtype | None = None,
 ) -> list[SampledSequence]:
     """Sample up to max_new_tokens per prompt; one batched KV-cached forward per step.
 
     Prompts of unequal length are left-padded (pad_id) with an attention mask, so every row's
     positions start at 0. A row stops at eos; the batch stops when every row has.
     temperature 0 is greedy. weight_quant="mxfp8" samples from a copy of the model whose Linear
-    weights are MXFP8 round-tripped (re-quantised after every swap the hook reports).
+    weights are MXFP8 round-tripped (re-quantised after every swap the hook reports). kv_dtype (default
+    the model's) is the KV cache's dtype: torch.bfloat16 runs attention in bf16, ~1.9x faster on CPU at
+    64 rows; the behaviour logprobs are then those of that computation.
     """
     tokens, mask = left_pad(prompts, pad_id, model.embed.weight.device)
     B, P = tokens.shape
@@ -178,7 +181,7 @@ def generate(
             distinct.append(b)
     copy_of = torch.tensor([slot[tuple(p)] for p in prompts], dtype=torch.long, device=tokens.device)
     shared = len(distinct) < B
-    cache = net.new_cache(len(distinct), P + max_new_tokens)
+    cache = net.new_cache(len(distinct), P + max_new_tokens, kv_dtype)
     record = _Recorder(B, eos_id)
     routing: list[Tensor] = []
     rows = torch.tensor(distinct, dtype=torch.long, device=tokens.device)

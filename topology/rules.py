@@ -222,6 +222,10 @@ def _settings(topology: Topology) -> Iterator[Found]:
     if sandbox.concurrency > sandbox.pool_size:
         yield _p("sandbox.concurrency", f"concurrency {sandbox.concurrency} > sandbox.pool_size = "
                  f"{sandbox.pool_size}: requests beyond the pool only queue", "warning")
+    feeder = topology.feeder
+    if feeder.levels and feeder.tasks_file is not None:
+        yield _p("feeder.levels", f"levels {feeder.levels} select among the built-in tasks only, but feeder.tasks_file "
+                 f"= {feeder.tasks_file!r} is set; remove one of them", also=("feeder.tasks_file",))
     launch = topology.launch
     if launch.backend == "local" and launch.ray_address is not None:
         yield _p("launch.ray_address", 'ignored: launch.backend is "local"', "warning")

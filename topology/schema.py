@@ -130,6 +130,10 @@ class FeederSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     """A JSONL file of tasks (one object per line: task_id, prompt, entry_point, tests [{args, expected}]) instead of the built-in family."""
     poll_interval_s: PositiveFloat = 1.0
     """How often each region's backlog is checked and topped up, seconds."""
+    levels: list[Annotated[int, msgspec.Meta(ge=1, le=3)]] = []
+    """Built-in tasks only: feed just the tasks of these difficulty levels (1-3 pipeline steps; if/else "branch"
+    tasks are level 1), like `[1, 2]`; empty: every level. A curriculum for a weak policy: groups of tasks it
+    never solves have equal rewards and teach nothing. The evaluator's held-out set keeps every level."""
     lockstep: bool = False
     """Benchmark schedule (the synchronous arm of `rlbus bench async`): instead of keeping backlogs full, publish
     exactly `backlog_per_region` tasks to a region each time its LATEST weights key announces a new policy

@@ -27,6 +27,7 @@ from rlbus.actors.feeder import (
     FeederConfig,
     Position,
     TaskSequence,
+    task_source,
     assign_region,
     read_tasks_file,
     task_from_verifier,
@@ -321,3 +322,15 @@ def test_sequence_skips_the_evaluators_held_out_prompts_and_the_launcher_names_t
     topology = tmp_path / "t.toml"
     topology.write_text(example_path("single").read_text().replace("[evaluator]", "[evaluator]\nseed = 7"))
     assert feeder_settings(load(topology))["eval_seed"] == 7
+
+
+def test_levels_keep_only_those_built_in_tasks_in_sequence_order() -> None:
+    """levels = [1, 2]: the sequence is the plain one with level-3 tasks left out (same order, same ids),
+    and the feeder's saved source names the levels, so a restart with other levels does not resume it."""
+    plain = [TaskSequence(0, eval_seed=1).get(i) for i in range(60)]
+    easy = TaskSequence(0, eval_seed=1, levels=[1, 2])
+    expected = [t for t in plain if t.level in (1, 2)]
+    assert len(expected) < len(plain)
+    assert [easy.get(i) for i in range(len(expected))] == expected
+    assert task_source(FeederConfig(seed=3)) == "builtin:3"
+    assert task_source(FeederConfig(seed=3, levels=[2, 1])) == "builtin:3:levels=1,2"

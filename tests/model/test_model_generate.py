@@ -173,6 +173,18 @@ def test_routing_record_survives_shared_prefill_and_finished_rows() -> None:
         )
 
 
+def test_bf16_kv_cache_samples_what_the_fp32_cache_does_within_bf16_rounding() -> None:
+    """kv_dtype=bfloat16 (the generator's cache): same seeded draws over a few tokens, behaviour logprobs
+    within bf16 rounding of the fp32 cache's, yet not identical (attention really ran in bf16)."""
+    model = _model()
+    runs = [generate(model, REPEATS, max_new_tokens=6, temperature=1.0, generator=torch.Generator().manual_seed(5),
+                     kv_dtype=dtype) for dtype in (None, torch.bfloat16)]
+    for full, half in zip(*runs, strict=True):
+        assert half.tokens.tolist() == full.tokens.tolist()
+        torch.testing.assert_close(half.logprobs, full.logprobs, atol=3e-2, rtol=0)
+    assert any(not torch.equal(f.logprobs, h.logprobs) for f, h in zip(*runs, strict=True))
+
+
 @pytest.fixture(scope="module")
 def counting_model() -> Transformer:
     """A tiny MoE+MTP model trained for 60 steps on strided counting: its drafts are partly right."""

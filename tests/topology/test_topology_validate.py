@@ -55,6 +55,8 @@ CASES: dict[str, tuple[str, str]] = {
     "inline_password.toml": ("regions[0].nats_urls[0]", "credentials inline in the URL"),
     "both_credentials.toml": ("regions[0].credentials_env", "both credentials_file and credentials_env are set"),
     "mixed_nats_urls.toml": ("regions[1].nats_urls", "region 'eu' gives nats_urls but region 'hub' does not"),
+    "levels_with_tasks_file.toml": ("feeder.levels", "select among the built-in tasks only"),
+    "level_out_of_range.toml": ("feeder.levels[1]", "expected an integer >= 1 and <= 3, found the integer 4"),
     "not_toml.toml": ("", "not valid TOML: Illegal character '\\n' (at line 4, column 12)"),
     "binary.toml": ("", "not a TOML file: not UTF-8 text (byte 0x80 at offset 128)"),
 }
@@ -169,12 +171,12 @@ def test_ray_example_places_by_region_resource() -> None:
 
 
 def test_threads_warning_when_a_host_is_oversubscribed() -> None:
-    """Four torch actors at one thread each on a 2-core host: a warning, and the topology still loads."""
+    """Five torch actors (two generators) at one thread each on a 2-core host: a warning, and the topology still loads."""
     path = example_path("single")
     topology, problems = validate(path, local_cores=2)
     assert topology is not None
     assert [(p.severity, p.key) for p in problems] == [("warning", "regions[0].actors")]
-    assert "host 'localhost' has 2 cores but its torch actors ask for 4 threads" in problems[0].message
+    assert "host 'localhost' has 2 cores but its torch actors ask for 5 threads" in problems[0].message
     assert str(problems[0]).startswith(f"{path}: regions[0].actors: warning: ")
-    _, fits = validate(path, local_cores=4)
+    _, fits = validate(path, local_cores=5)
     assert fits == []
