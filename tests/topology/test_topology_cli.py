@@ -85,7 +85,7 @@ def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_validate(["single", "--json"], capsys)
     report = json.loads(out)
     assert code == 0 and report["ok"] is True
-    assert (report["run"], report["regions"], report["actors"], report["errors"]) == ("single", 1, 7, 0)
+    assert (report["run"], report["regions"], report["actors"], report["errors"]) == ("single", 1, 8, 0)
 
 
 def test_reference_flag_prints_the_key_table(capsys: pytest.CaptureFixture[str]) -> None:
