@@ -26,6 +26,7 @@ from torch import Tensor
 from rlbus.kernels.delta_state import encode_state
 from rlbus.kernels.logprob import token_logprob_entropy
 from rlbus.messages.schemas import Rollout
+from rlbus.model.generate import distinct_prompts, left_pad
 from rlbus.model.loss import Aggregation, group_relative_advantages, rl_loss, shape_rewards
 from rlbus.model.pretrain import load_checkpoint
 from rlbus.model.tokenizer import ByteTokenizer
@@ -167,30 +168,24 @@ def shared_prompt_logprobs(net: Transformer, batch: RolloutBatch, temperature: f
 
     A group's G rollouts share one prompt, so this skips (G-1)/G of the prompt positions (most of a
     batch's tokens). Returns (B, L-1) with the completion positions filled and 0 elsewhere, or None
-    when no two rows share a prompt or no row has a completion (the full forward is then as cheap).
+    when no two rows share a prompt, no row has a completion or a row has no prompt (the full forward
+    handles those).
     """
     P = batch.prompt_lengths.tolist()
     T = batch.lengths.tolist()
     B, L = batch.tokens.shape
     width = max(T, default=0)
-    slot: dict[tuple[int, ...], int] = {}
-    first: list[int] = []
-    for b in range(B):
-        if slot.setdefault(tuple(batch.tokens[b, :P[b]].tolist()), len(first)) == len(first):
-            first.append(b)
-    if len(first) == B or width == 0:
+    prompt_ids = [batch.tokens[b, :P[b]].tolist() for b in range(B)]
+    first, copies = distinct_prompts(prompt_ids)
+    if len(first) == B or width == 0 or min(P) == 0:
         return None
-    copy_of = torch.tensor([slot[tuple(batch.tokens[b, :P[b]].tolist())] for b in range(B)], dtype=torch.long)
-    longest = max(P)
-    prompts = torch.zeros(len(first), longest, dtype=torch.long)
-    real = torch.zeros(len(first), longest, dtype=torch.bool)
-    for u, b in enumerate(first):  # left-padded: every row's last prompt token in the last column
-        prompts[u, longest - P[b]:] = batch.tokens[b, :P[b]]
-        real[u, longest - P[b]:] = True
+    copy_of = torch.tensor(copies, dtype=torch.long)
+    # left-padded: every distinct prompt's last token in the last column
+    prompts, real = left_pad([prompt_ids[b] for b in first], 0, batch.tokens.device)
     completions = torch.zeros(B, width, dtype=torch.long)
     for b in range(B):
         completions[b, :T[b]] = batch.tokens[b, P[b]:P[b] + T[b]]
-    cache = net.new_cache(len(first), longest + width)
+    cache = net.new_cache(len(first), prompts.shape[1] + width)
     head = net(prompts, cache=cache, attention_mask=real, with_mtp=False).logits[:, -1:]
     cache.keep_rows(copy_of, width)
     rest = net(completions, cache=cache, with_mtp=False).logits[:, :-1]  # right padding: causality hides it

@@ -76,6 +76,23 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     return tokens.to(device), mask.to(device)
 
 
+def distinct_prompts(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(the first row of each distinct prompt, in order; for each row the index of its prompt in that list).
+
+    Rows that share a prompt (a group's samples) need its forward pass only once: `generate` prefills
+    each distinct prompt once, the trainer's `shared_prompt_logprobs` runs it once.
+    """
+    slot: dict[tuple[int, ...], int] = {}
+    first: list[int] = []
+    copies: list[int] = []
+    for b, prompt in enumerate(prompts):
+        index = slot.setdefault(tuple(prompt), len(first))
+        if index == len(first):
+            first.append(b)
+        copies.append(index)
+    return first, copies
+
+
 def sample_next(
     logits: Tensor, temperature: float, generator: torch.Generator | None
 ) -> tuple[Tensor, Tensor]:
@@ -174,12 +191,8 @@ def generate(
     _check_budget(model, P, max_new_tokens)
     net = quantized_copy(model, weight_quant) if weight_quant != "none" else model
     # A prompt given several times (a group's G samples) is prefilled once; its cache rows are copied.
-    slot: dict[tuple[int, ...], int] = {}
-    distinct: list[int] = []  # the first row of each distinct prompt
-    for b, prompt in enumerate(prompts):
-        if slot.setdefault(tuple(prompt), len(distinct)) == len(distinct):
-            distinct.append(b)
-    copy_of = torch.tensor([slot[tuple(p)] for p in prompts], dtype=torch.long, device=tokens.device)
+    distinct, copies = distinct_prompts(prompts)
+    copy_of = torch.tensor(copies, dtype=torch.long, device=tokens.device)
     shared = len(distinct) < B
     cache = net.new_cache(len(distinct), P + max_new_tokens, kv_dtype)
     record = _Recorder(B, eos_id)
