@@ -327,7 +327,8 @@ def test_sequence_skips_the_evaluators_held_out_prompts_and_the_launcher_names_t
 def test_levels_keep_only_those_built_in_tasks_in_sequence_order() -> None:
     """levels = [1, 2]: the sequence is the plain one with level-3 tasks left out (same order, same ids),
     and the feeder's saved source names the levels, so a restart with other levels does not resume it."""
-    plain = [TaskSequence(0, eval_seed=1).get(i) for i in range(60)]
+    whole = TaskSequence(0, eval_seed=1)
+    plain = [whole.get(i) for i in range(60)]
     easy = TaskSequence(0, eval_seed=1, levels=[1, 2])
     expected = [t for t in plain if t.level in (1, 2)]
     assert len(expected) < len(plain)

@@ -50,16 +50,28 @@ async def test_role_is_refused_other_roles_subjects(nats_server: EmbeddedServer,
     try:
         sub = await watcher.subscribe(s.everything())
         await watcher.flush()
-        for subject in [*forbidden(s), allowed(s)]:
+        for subject in forbidden(s):
             await conn.publish(subject, subject.encode())
-        await conn.flush()
+        got = None
+        for _ in range(10):     # core NATS is at-most-once: a loaded machine may drop one, so send it again
+            await conn.publish(allowed(s), allowed(s).encode())
+            await conn.flush()
+            try:
+                got = await sub.next_msg(timeout=2)
+                break
+            except nats.errors.TimeoutError:
+                pass
+        assert got is not None, f"own subject never arrived (connected {conn.is_connected}, errors {errors})"
         with anyio.fail_after(20):                      # hang guard only (a loaded CI machine is slow)
-            got = await sub.next_msg(timeout=20)
             while len(errors) < len(forbidden(s)):
                 await anyio.sleep(0.02)
-        assert got.subject == allowed(s)
-        with pytest.raises(nats.errors.TimeoutError):  # nothing else was let through
-            await sub.next_msg(timeout=0.2)
+        arrived = [got.subject]
+        while True:                                     # nothing else was let through (repeats of its own only)
+            try:
+                arrived.append((await sub.next_msg(timeout=0.2)).subject)
+            except nats.errors.TimeoutError:
+                break
+        assert set(arrived) == {allowed(s)}
         assert sorted(str(e) for e in errors) == sorted(
             f'nats: permissions violation for publish to "{subject}"' for subject in forbidden(s))
         assert conn.is_connected and watcher_errors == []
