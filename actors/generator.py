@@ -16,8 +16,9 @@ meanwhile. Another generator that wins the partial's compare-and-set owns the ta
 Does not: define the partial layout or flatten rollouts (actors/episode_group.py), fetch weights
 (actors/weight_source.py), run code (actors/sandbox.py).
 
-Heartbeat counters: tasks, rollouts, resumed, sandbox_errors, tokens, summaries, publish_failures,
-taken_over, rejected; gauges: tokens_per_s, held_version.
+Heartbeat counters: tasks, rollouts, resumed, sandbox_errors, tokens, graded_repeats (drafts that
+reused the verdict of an identical draft of the same round: each distinct program runs once), summaries,
+publish_failures, taken_over, rejected; gauges: tokens_per_s, held_version.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class Generator(Actor):
         self._sampling_s = 0.0
         self._stops = (self.tokenizer.end_turn_id, self.tokenizer.eos_id)
         self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "partials_discarded", "sandbox_errors",
-                                            "tokens"), 0))
+                                            "tokens", "graded_repeats"), 0))
 
     async def setup(self) -> None:
         if self.config.torch_threads:
@@ -252,16 +253,21 @@ class Generator(Actor):
         grading = [(g, ep) for g, ep in enumerate(state.episodes)
                    if not ep.done(self.config.max_attempts) and ep.draft_done]
         started = time.monotonic()
-        attempts: dict[int, Attempt] = {}
+        texts = {g: policy_text(ep.draft_ids, self.tokenizer) for g, ep in grading}
+        first: dict[str, int] = {}
+        for g, _ in grading:
+            first.setdefault(texts[g], g)
+        verdicts: dict[str, Attempt] = {}
 
-        async def grade(g: int, ep: EpisodeState) -> None:
-            attempts[g] = await self._grade(task, state.task_id, g, ep)
+        async def grade(text: str, g: int) -> None:
+            verdicts[text] = await self._grade(task, state.task_id, g, text, attempt=len(state.episodes[g].attempts))
 
-        async with anyio.create_task_group() as tg:
-            for g, ep in grading:
-                tg.start_soon(grade, g, ep)
+        async with anyio.create_task_group() as tg:       # each distinct program of the round runs once
+            for text, g in first.items():
+                tg.start_soon(grade, text, g)
         for g, ep in grading:
-            record_attempt(ep, task, attempts[g], self.tokenizer, self.config.max_attempts)
+            record_attempt(ep, task, verdicts[texts[g]], self.tokenizer, self.config.max_attempts)
+        self.count("graded_repeats", len(grading) - len(first))
         state.grade_s += time.monotonic() - started
         state.rounds += 1
 
@@ -338,11 +344,11 @@ class Generator(Actor):
                             version=weights.held_version or 0, on_step=weights.maybe_swap,
                             generator=torch.Generator().manual_seed(seed), kv_dtype=torch.bfloat16)
 
-    async def _grade(self, task: Task, task_id: str, g: int, ep: EpisodeState) -> Attempt:
-        """Grade the done draft in the region's sandbox; no verdict is a failed attempt, counted."""
-        text = policy_text(ep.draft_ids, self.tokenizer)
+    async def _grade(self, task: Task, task_id: str, g: int, text: str, *, attempt: int) -> Attempt:
+        """Grade episode g's done draft `text` in the region's sandbox; no verdict is a failed attempt,
+        counted. Drafts of the round with the same text share this verdict (`_advance`)."""
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-        request = request_for(task, text, request_id=f"{task_id}-{g}-a{len(ep.attempts)}-{digest}",
+        request = request_for(task, text, request_id=f"{task_id}-{g}-a{attempt}-{digest}",
                               limits=SandboxLimits())
         try:
             result = await run_in_sandbox(self.bus, self.ident.region, request,

@@ -255,6 +255,23 @@ async def test_task_becomes_a_group_of_consistent_multi_turn_rollouts(env: Env, 
         await kv.get(partial_key(task.task_id))
 
 
+async def test_identical_drafts_of_a_round_run_in_the_sandbox_once(env: Env) -> None:
+    """Greedy sampling gives a group of 3 the same program: the sandbox runs it once, the other two drafts
+    reuse its verdict (counted as graded_repeats), and all three rollouts carry that verdict."""
+    task = coding_task(2)
+    greedy = msgspec.structs.replace(CONFIG, temperature=0.0, max_attempts=1)
+    await env.admin.publish(env.admin.subjects.tasks("hub"), task_message(task, group_size=3), msg_id=task.task_id)
+    async with sandbox(env) as supervisor, generator(env, tiny_model(), version=0, config=greedy) as actor:
+        async def done() -> bool:
+            return actor.counters.get("tasks", 0) == 1  # type: ignore[attr-defined]
+        await wait_until(done)
+        counters, executions = dict(actor.counters), supervisor.counters.get("executions", 0)  # type: ignore[attr-defined]
+    group = await rollouts(env)
+    assert len(group) == 3 and len({tuple(r.completion_tokens.tolist()) for r in group}) == 1
+    assert executions == 1 and counters["graded_repeats"] == 2 and counters.get("sandbox_errors", 0) == 0
+    assert len({msgspec.json.encode(r.verdict) for r in group}) == 1 and group[0].verdict.total == 6
+
+
 async def test_concurrent_tasks_are_sampled_in_merged_batches_with_exact_logprobs(env: Env) -> None:
     """concurrent_tasks = 3: the three tasks' drafts share generate calls (left-padded together), yet every
     rollout's behaviour logprobs equal a plain forward pass over its own tokens, and every group is whole."""
@@ -307,7 +324,7 @@ async def test_task_is_acked_only_after_its_group_is_stored(env: Env) -> None:
         counters = dict(actor.counters)  # type: ignore[attr-defined]
     group = await rollouts(env)
     assert Counter(r.rollout_id for r in group) == {f"{task.task_id}-0": 1, f"{task.task_id}-1": 1}
-    assert counters["sandbox_errors"] == 6 and counters["tasks"] == 1
+    assert counters["sandbox_errors"] + counters["graded_repeats"] == 6 and counters["tasks"] == 1
     assert all(r.verdict.status == "error" and r.reward == 0.0 for r in group)
     for r in group:
         check_layout(r, task, attempts=3)
