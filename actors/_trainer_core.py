@@ -217,6 +217,8 @@ class Objective:
     aggregation: Aggregation = "token_mean"
     """How per-token losses become the step's loss (`model.loss.aggregate`): "token_mean" weights each
     token alike (long completions dominate), "sequence_mean" each completion alike."""
+    scale_by_std: bool = False
+    """Group advantages divided by the group's reward std (GRPO) instead of only mean-centred."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +306,7 @@ class TrainerCore:
         if objective.length_coef > 0:
             rewards = shape_rewards(rewards, batch.lengths, objective.length_budget,
                                     coef=objective.length_coef, power=objective.length_power)
-        advantages = group_relative_advantages(rewards, batch.group_ids)
+        advantages = group_relative_advantages(rewards, batch.group_ids, scale_by_std=objective.scale_by_std)
         terms = rl_loss(logp, batch.behaviour, ref, advantages, batch.mask, is_cap=objective.is_cap,
                         kl_coef=objective.kl_coef, mode=objective.aggregation)
         self.optimizer.zero_grad(set_to_none=True)

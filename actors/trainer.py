@@ -82,6 +82,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     the policy and reference logprobs are taken at it, so pi/mu compares like with like; greedy (0) → 1."""
     length_penalty: LengthPenaltyConfig = LengthPenaltyConfig()
     aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] = "token_mean"
+    scale_by_std: bool = False
     drop_flat_groups: bool = False
     seed: int = 0
     pretrained: str = ""
@@ -103,7 +104,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     def objective(self) -> Objective:
         lp = self.length_penalty
         return Objective(kl_coef=self.kl_coef, is_cap=self.is_cap, length_budget=lp.budget, length_coef=lp.coef,
-                         length_power=lp.power, grad_clip=self.grad_clip, temperature=self.sampling_temperature, aggregation=self.aggregation)
+                         length_power=lp.power, grad_clip=self.grad_clip, temperature=self.sampling_temperature, aggregation=self.aggregation,
+                         scale_by_std=self.scale_by_std)
 
 
 def build_trainer(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Trainer:

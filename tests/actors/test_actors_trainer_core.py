@@ -127,6 +127,24 @@ def test_on_policy_step_matches_the_hand_computed_loss_and_moves_the_weights() -
     assert any(not torch.equal(a, b) for a, b in zip(before, core.model.parameters(), strict=True))
 
 
+def test_scale_by_std_divides_each_groups_advantages_by_its_reward_std() -> None:
+    """scale_by_std (GRPO): A_b = (r_b - group mean) / (group std, ddof 1); a group with one pass in four
+    then weighs 1/std = 2x what mean-centring gives it. The trainer's settings carry the switch."""
+    from rlbus.actors.trainer import TrainerConfig
+
+    core = _core(ModelConfig.tiny(vocab_size=264))
+    rollouts = [msgspec.structs.replace(r, reward=float(i == 0))
+                for i, r in enumerate(sample_rollouts(core.model, tasks=1, group_size=4, max_new_tokens=5))]
+    rewards = torch.tensor([r.reward for r in rollouts])
+    adv = (rewards - rewards.mean()) / rewards.std()
+    assert adv.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5])
+    logp = [torch.from_numpy(r.behaviour_logprobs.numpy().copy()) for r in rollouts]
+    expected = -sum(float(a * lp.sum()) for a, lp in zip(adv, logp, strict=True)) / sum(len(lp) for lp in logp)
+    stats = core.train_step(rollouts, Objective(kl_coef=0.0, grad_clip=0.0, scale_by_std=True))
+    assert stats.loss == pytest.approx(expected, abs=1e-4)
+    assert TrainerConfig(scale_by_std=True).objective.scale_by_std and not TrainerConfig().objective.scale_by_std
+
+
 def test_logprobs_are_taken_at_the_sampling_temperature() -> None:
     """Rollouts sampled at temperature 0.7: at Objective(temperature=0.7) the step is on-policy (every IS
     weight 1, none truncated); read at temperature 1 the same tokens look off-policy."""
