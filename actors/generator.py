@@ -260,7 +260,8 @@ class Generator(Actor):
         verdicts: dict[str, Attempt] = {}
 
         async def grade(text: str, g: int) -> None:
-            verdicts[text] = await self._grade(task, state.task_id, g, text, attempt=len(state.episodes[g].attempts))
+            attempt = len(state.episodes[g].attempts)
+            verdicts[text] = await self._grade(task, state.task_id, g, text, attempt=attempt)
 
         async with anyio.create_task_group() as tg:       # each distinct program of the round runs once
             for text, g in first.items():

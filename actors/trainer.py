@@ -104,8 +104,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     def objective(self) -> Objective:
         lp = self.length_penalty
         return Objective(kl_coef=self.kl_coef, is_cap=self.is_cap, length_budget=lp.budget, length_coef=lp.coef,
-                         length_power=lp.power, grad_clip=self.grad_clip, temperature=self.sampling_temperature, aggregation=self.aggregation,
-                         scale_by_std=self.scale_by_std)
+                         length_power=lp.power, grad_clip=self.grad_clip, temperature=self.sampling_temperature,
+                         aggregation=self.aggregation, scale_by_std=self.scale_by_std)
 
 
 def build_trainer(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Trainer:

@@ -201,7 +201,7 @@ class TrainerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     more), 'sequence_mean' (every completion alike), 'token_sum_norm' (sum / fixed B*T, Dr. GRPO)."""
     scale_by_std: bool = False
     """Divide each group's advantages by the std of its rewards (GRPO): a group with one pass in eight
-    weighs ~3x more than with the default mean-centred advantages (Dr. GRPO)."""
+    weighs ~2.8x more than with the default mean-centred advantages (Dr. GRPO)."""
     drop_flat_groups: bool = False
     """Drop complete groups whose rewards are all equal (no learning signal; recorded as dropped
     with reason 'flat') instead of training on them (DAPO dynamic sampling)."""
