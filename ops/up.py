@@ -9,15 +9,19 @@ The work of starting servers, streams and actors is topology/launch.py's.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 DEFAULT_TOPOLOGY = "single"
 """The embedded default of `rlbus up`: one region running the whole RL run."""
+LOCK_FILE = "up.lock"
+"""In the state directory: flock-ed by the `rlbus up` using it, holding its pid."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -54,11 +58,44 @@ def _handler(args: argparse.Namespace) -> int:
         path = example_path(args.topology)
     topology = load(path)
     state = (args.state_dir or topology.state_path).resolve()
-    if args.fresh and state.exists():
-        shutil.rmtree(state)
-    rl = any(i.kind == "trainer" for i in topology.instances())
-    base = _ensure_pretrained(topology, state) if rl else None
-    return int(anyio.run(_up, topology, state, args, rl, base, backend="asyncio"))
+    lock = hold_state_dir(state)
+    try:
+        if args.fresh:
+            for child in state.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                elif child.name != LOCK_FILE:
+                    child.unlink()
+        rl = any(i.kind == "trainer" for i in topology.instances())
+        base = _ensure_pretrained(topology, state) if rl else None
+        return int(anyio.run(_up, topology, state, args, rl, base, backend="asyncio"))
+    finally:
+        lock.close()
+
+
+def hold_state_dir(state: Path) -> IO[str]:
+    """Create `state` and take its lock for as long as the returned file stays open: two `rlbus up` on
+    one state directory would run two servers on one JetStream store and corrupt it.
+
+    :raises RlbusError: another process holds it (its pid is named).
+    """
+    from rlbus.messages.errors import RlbusError
+
+    state.mkdir(parents=True, exist_ok=True)
+    lock = open(state / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the whole run
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        owner = lock.read().strip() or "unknown"
+        lock.close()
+        raise RlbusError(f"state directory {state} is in use by another `rlbus up` (pid {owner}); stop it "
+                         f"first, or give this run another --state-dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def _ensure_pretrained(topology: Any, state: Path) -> dict[str, Any] | None:
