@@ -1,6 +1,7 @@
 """`rlbus clean RUN`: delete a run's state directory (server stores, checkpoints, logs, recordings).
 
-Owns: the `clean` subcommand. Refuses to delete anything that does not look like an rlbus state dir.
+Owns: the `clean` subcommand. Refuses to delete anything that does not look like an rlbus state dir,
+or one that a live `rlbus up` holds (ops/up.py `hold_state_dir`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def _handler(args: argparse.Namespace) -> int:
         print(f"rlbus clean: {path} does not look like an rlbus state directory (no nats/ or logs/); "
               f"not deleting it", file=sys.stderr)
         return 2
-    shutil.rmtree(path)
+    from rlbus.ops.up import hold_state_dir
+
+    lock = hold_state_dir(path)            # refuses (exit 2, naming the pid) while an `rlbus up` holds it
+    try:
+        shutil.rmtree(path)
+    finally:
+        lock.close()
     print(f"rlbus clean: deleted {path}")
     return 0

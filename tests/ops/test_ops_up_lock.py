@@ -1,4 +1,4 @@
-"""`rlbus up` holds its state directory: a second `rlbus up` on it is refused before it touches anything."""
+"""`rlbus up` holds its state directory: a second `rlbus up`, or `rlbus clean`, is refused before it touches anything."""
 
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ def test_a_second_up_on_a_state_dir_in_use_is_refused_and_deletes_nothing(
         assert f"state directory {state.resolve()} is in use by another `rlbus up` (pid {os.getpid()})" in err
         assert "--state-dir" in err
         assert sorted(p.name for p in state.iterdir()) == ["streams", "up.lock"]
+        (state / "nats").mkdir()
+        assert main(["clean", "r", "--state-dir", str(state)]) == 2       # nor may `rlbus clean` delete it
+        assert f"(pid {os.getpid()})" in capsys.readouterr().err and (state / "nats").is_dir()
     finally:
         held.close()
-    again = hold_state_dir(state)
-    again.close()
+    assert main(["clean", "r", "--state-dir", str(state)]) == 0         # released: free again
+    assert not state.exists()
