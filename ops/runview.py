@@ -36,6 +36,8 @@ class RunView:
     started: float = field(default_factory=time.monotonic)
     step_reached: anyio.Event = field(default_factory=anyio.Event)
     target_steps: int | None = None
+    final: Any = None
+    """The closing evaluation of the final checkpoint (ops/final_eval.py `FinalEval`), once made."""
 
     async def watch(self, bus: Bus) -> None:
         """Follow TRAINLOG, EVALS and HEALTH on the hub's core subjects until cancelled."""
@@ -109,14 +111,36 @@ def summary(view: RunView, book: Any | None) -> str:
         lines.append(f"  evaluator pass@1: v{first.policy_version} {first.pass_at_1:.3f} "
                      f"[{first.ci_low:.3f}, {first.ci_high:.3f}] → v{last_e.policy_version} {last_e.pass_at_1:.3f} "
                      f"[{last_e.ci_low:.3f}, {last_e.ci_high:.3f}] (n={last_e.n})")
-        if last_e.ci_low > first.ci_high:
-            lines.append("  the held-out pass rate rose clearly: the 95% intervals do not overlap")
+    end = _end_point(view)
+    if end is not None:
+        label, rate, low, high = end
+        lines.append(f"  {label}: pass@1 {rate:.3f} [{low:.3f}, {high:.3f}]")
+        v0 = view.evals.get(0)
+        if v0 is not None:
+            ratio = f"{rate / v0.pass_at_1:.2f}x" if v0.pass_at_1 > 0 else "n/a"
+            lines.append(f"  versus v0 (the pretrained base, same tasks): {ratio}; " + (
+                "the held-out pass rate rose clearly: the 95% intervals do not overlap" if low > v0.ci_high
+                else "the 95% intervals overlap"))
     if book is not None:
         verdict = "clean" if book.clean else "NOT CLEAN"
         lines.append(f"  ledger ({verdict}): produced {book.produced}, trained {book.trained}, "
                      f"dropped {dict(book.dropped)}, pending {len(book.pending)}, lost {len(book.lost)}, "
                      f"trained twice {len(book.trained_twice)}, abandoned steps {book.abandoned_steps}")
     return "\n".join(lines)
+
+
+def _end_point(view: RunView) -> tuple[str, float, float, float] | None:
+    """(label, pass@1, ci low, ci high) of where the run ended: the final checkpoint's closing evaluation,
+    else the evaluator's last report (None: neither)."""
+    final = view.final
+    if final is not None:
+        r = final.result
+        label = f"final weights v{final.policy_version} (checkpoint step {final.step}, evaluated after the run, n={r.n})"
+        return label, r.pass_at_1, r.ci_low, r.ci_high
+    if view.evals:
+        last = view.evals[max(view.evals)]
+        return f"last evaluation v{last.policy_version} (n={last.n})", last.pass_at_1, last.ci_low, last.ci_high
+    return None
 
 
 def write_png(view: RunView, path: Path) -> Path:
@@ -142,6 +166,12 @@ def write_png(view: RunView, path: Path) -> Path:
         errors = [[view.evals[v].pass_at_1 - view.evals[v].ci_low for v in versions],
                   [view.evals[v].ci_high - view.evals[v].pass_at_1 for v in versions]]
         bottom.errorbar(versions, rates, yerr=errors, marker="o", capsize=3, label="greedy pass@1 (95% Wilson)")
+    if view.final is not None:
+        r = view.final.result
+        bottom.errorbar([view.final.policy_version], [r.pass_at_1], yerr=[[r.pass_at_1 - r.ci_low], [r.ci_high - r.pass_at_1]],
+                        marker="*", markersize=12, capsize=3, color="tab:red", linestyle="none",
+                        label="final weights, after the run")
+    if view.evals or view.final is not None:
         bottom.legend(loc="lower right")
     else:
         bottom.text(0.5, 0.5, "no evaluation report yet", ha="center", va="center", transform=bottom.transAxes)

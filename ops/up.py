@@ -174,18 +174,20 @@ async def _up(topology: Any, state: Path, args: argparse.Namespace, rl: bool, ba
                 tg.cancel_scope.cancel()
         print(f"rlbus up: stopping: actors drained, servers stopping ({time.monotonic() - started:.0f}s)", flush=True)
         if rl:
-            text = await _rl_summary(view, launch, summary, write_png)
+            text = await _rl_summary(view, launch, topology, summary, write_png)
         else:
             text = view.summary(launch)
     print(text, flush=True)
     return 0
 
 
-async def _rl_summary(view: Any, launch: Any, summary: Any, write_png: Any) -> str:
+async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write_png: Any) -> str:
     import anyio
 
     from rlbus.actors.ledger import read_all, read_ledger
+    from rlbus.messages.errors import RlbusError
     from rlbus.messages.schemas import EvalReport, TrainStep
+    from rlbus.ops.final_eval import REPORT_NAME, final_evaluation, write_report
 
     bus = launch.admin
     s = bus.subjects
@@ -194,6 +196,24 @@ async def _rl_summary(view: Any, launch: Any, summary: Any, write_png: Any) -> s
         view.steps = await read_all(bus.js, s.trainlog_stream(), s.trainlog(), TrainStep)
         view.evals = {r.policy_version: r for r in await read_all(bus.js, s.evals_stream(), s.evals(), EvalReport)}
         book = await read_ledger(bus)
+    if any(i.kind == "evaluator" for i in topology.instances()) and view.steps:
+        ev = topology.evaluator
+        print(f"rlbus up: evaluating the final checkpoint on the {ev.n_tasks} held-out tasks "
+              f"(the evaluator's last report may be older)", flush=True)
+        began = time.monotonic()
+        try:
+            view.final = await final_evaluation(bus, launch.state_dir, seed=ev.seed, n_tasks=ev.n_tasks,
+                                                max_tokens=topology.generator.max_tokens,
+                                                threads=topology.pretrain.threads)
+        except RlbusError as err:
+            print(f"rlbus up: final evaluation skipped: {err}", flush=True)
+        if view.final is not None:
+            first = view.evals.get(0)
+            base = None if first is None else {"pass_at_1": first.pass_at_1, "ci95": [first.ci_low, first.ci_high],
+                                               "n": first.n, "source": "evaluator v0"}
+            report = write_report(view.final, base, launch.state_dir / REPORT_NAME)
+            print(f"rlbus up: final evaluation took {time.monotonic() - began:.0f}s; per family in {report}",
+                  flush=True)
     png = write_png(view, launch.state_dir / "plots" / "progress.png")
     return summary(view, book) + f"\n  progress plot: {png}"
 

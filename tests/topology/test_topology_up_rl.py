@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import json
 import os
 import subprocess
 import sys
@@ -48,6 +49,11 @@ def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, backend: st
     assert "rlbus up: summary" in out and "optimizer steps" in out
     assert "ledger (clean)" in out and "lost 0, trained twice 0" in out
     assert "evaluator pass@1: v0" in out          # the evaluator graded the base version in the sandbox
+    final = json.loads((state / "final_eval.json").read_text())   # the final checkpoint, scored after the run
+    newest = max(int(d.name.removeprefix("step-")) for d in (state / "checkpoints").glob("step-*"))
+    assert final["step"] == newest and final["n"] == 4 and final["base"]["source"] == "evaluator v0"
+    assert f"final weights v{final['policy_version']} (checkpoint step {final['step']}" in out
+    assert "versus v0 (the pretrained base, same tasks)" in out
     assert (state / "plots" / "progress.png").stat().st_size > 10_000
     assert (state / "pretrained" / "pretrain.pt").exists()
     assert processes_mentioning(str(state)) == []

@@ -1,0 +1,89 @@
+"""The closing evaluation of `rlbus up`: the final checkpoint's weights on the evaluator's held-out set.
+
+The evaluator scores every `every_versions`-th version while the run goes on, so its last report can be
+up to `every_versions - 1` versions older than the weights the run ends with. Once the actors have
+drained, `rlbus up` scores the newest durable checkpoint (the one the ledger walks back from) the way the
+evaluator would have: the same tasks (`eval_tasks(seed, n_tasks)`), the policy in bfloat16 as the
+generators and the evaluator hold it, greedy decoding with the evaluator's token budget (the generators'); graded in a
+`model.grading` subprocess like the pretrained base, since the sandbox actors have stopped by then.
+
+Owns: `final_evaluation` (mark → state → pass@1 per family) and `write_report`.
+Does not: publish on the bus, or evaluate while the run is going (actors/evaluator.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import torch
+from rlbus.actors._trainer_resume import last_message, load_state
+from rlbus.actors.evaluator import EvaluatorSettings
+from rlbus.actors.weights import config_from_dict
+from rlbus.messages.bus import Bus
+from rlbus.messages.schemas import CheckpointMark
+from rlbus.model.evaluate import EvalResult, evaluate_pass_at_1
+from rlbus.model.tasks import eval_tasks
+from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.transformer import Transformer
+
+REPORT_NAME: Final = "final_eval.json"
+"""In the state directory: the closing evaluation (version, step, pass@1, interval, per family)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FinalEval:
+    """The newest checkpoint's held-out pass@1."""
+
+    step: int
+    policy_version: int
+    result: EvalResult
+
+
+async def final_evaluation(bus: Bus, state_dir: Path, *, seed: int, n_tasks: int, max_tokens: int,
+                           threads: int = 1) -> FinalEval | None:
+    """Evaluate the newest CheckpointMark's weights; None when the run has no checkpoint yet.
+
+    :raises RlbusError: the mark's state is neither in CKPT nor on disk with its digest.
+    """
+    s = bus.subjects
+    mark = await last_message(bus, s.checkpoints_stream(), s.checkpoints(), CheckpointMark)
+    if mark is None:
+        return None
+    blob, _ = await load_state(bus, mark, str(state_dir))
+    result = await anyio.to_thread.run_sync(_evaluate_state, blob, seed, n_tasks, max_tokens, threads)
+    return FinalEval(mark.step, mark.policy_version, result)
+
+
+def policy_from_state(blob: bytes) -> Transformer:
+    """The policy of a trainer state blob as a version of it is published: its fp32 master weights rounded
+    to bfloat16 (actors/_trainer_core.py `bf16_state`), in a bfloat16 model in eval mode."""
+    payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    model = Transformer(config_from_dict(payload["model_config"])).to(torch.bfloat16).eval()
+    model.load_state_dict(payload["model"])
+    return model
+
+
+def _evaluate_state(blob: bytes, seed: int, n_tasks: int, max_tokens: int, threads: int) -> EvalResult:
+    model = policy_from_state(blob)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        return evaluate_pass_at_1(model, ByteTokenizer(), eval_tasks(seed, n_tasks), max_new_tokens=max_tokens,
+                                  batch_size=EvaluatorSettings().batch_size)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def write_report(final: FinalEval, base: dict[str, Any] | None, path: Path) -> Path:
+    """`final_eval.json`: the final weights' pass@1, its interval, per family, and the base it is compared to."""
+    r = final.result
+    doc = {"step": final.step, "policy_version": final.policy_version, "n": r.n, "passed": r.passed,
+           "pass_at_1": r.pass_at_1, "ci95": [r.ci_low, r.ci_high],
+           "by_family": {k: {"passed": p, "n": n} for k, (p, n) in r.by_family.items()}, "base": base}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
