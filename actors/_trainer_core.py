@@ -290,8 +290,8 @@ class TrainerCore:
         logp, _ = token_logprob_entropy(logits[:, :-1], batch.tokens[:, 1:])
         return logp
 
-    def train_step(self, rollouts: Sequence[Rollout], objective: Objective) -> StepStats:
-        """One AdamW step on the RL loss of `rollouts` (whole groups).
+    def train_step(self, rollouts: Sequence[Rollout], objective: Objective, *, lr: float | None = None) -> StepStats:
+        """One AdamW step on the RL loss of `rollouts` (whole groups), at learning rate `lr` (None: as before).
 
         rewards r → r - length_penalty(T) → group-relative advantages → `model.loss.rl_loss` with
         truncated IS weights vs the behaviour logprobs and the k1 KL vs the reference. A non-finite loss
@@ -317,6 +317,9 @@ class TrainerCore:
         loss = float(terms.loss.detach())
         applied = math.isfinite(loss) and math.isfinite(grad_norm)
         if applied:
+            if lr is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         raw = batch.rewards

@@ -18,6 +18,7 @@ to CKPT + StateUploaded. A TrainStep is always stored before any mark can cover 
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
@@ -73,6 +74,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     checkpoint_interval)."""
 
     lr: Annotated[float, msgspec.Meta(gt=0)] = 1e-5
+    lr_decay_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Linear decay of the learning rate over this many steps (topology/schema.py TrainerSettings); 0: none."""
+    lr_final_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
     batch_rollouts: Annotated[int, msgspec.Meta(ge=1)] = 64
     staleness_versions: Annotated[int, msgspec.Meta(ge=0)] = 4
     kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.001
@@ -99,6 +103,14 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """On start, wait this long for the checkpointer to handle every uploaded state before picking a mark."""
     mark_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     """On drain, wait this long for the mark of the final upload (then its rollouts are acked)."""
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (1 = the first): `lr` at step 1, falling linearly to
+        `lr * lr_final_ratio` at step `lr_decay_steps + 1` and held there; `lr` when there is no decay."""
+        if self.lr_decay_steps <= 0:
+            return self.lr
+        done = min(1.0, max(0, step - 1) / self.lr_decay_steps)
+        return self.lr * (1.0 - done * (1.0 - self.lr_final_ratio))
 
     @property
     def objective(self) -> Objective:
@@ -323,7 +335,10 @@ class Trainer(Actor):
         rollouts = [d.message for d in used]
         staleness = Counter(str(versions_behind(r, self.version)) for r in rollouts)
         with anyio.CancelScope(shield=True):         # a step is applied and recorded together, or not at all
-            stats: StepStats = await anyio.to_thread.run_sync(core.train_step, rollouts, self.config.objective)
+            lr = self.config.lr_at(self.step + 1)
+            stats: StepStats = await anyio.to_thread.run_sync(
+                functools.partial(core.train_step, rollouts, self.config.objective, lr=lr))
+            self.gauges["lr"] = lr
             self.step += 1
             self.version += 1
             self.policy_version = self.version

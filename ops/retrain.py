@@ -284,7 +284,8 @@ def replay_steps(core: TrainerCore, inputs: Inputs, config: TrainerConfig, *,
             result.restores += 1
         note(held_version(record), record.step - 1)
         if record.rollout_ids:
-            stats = core.train_step([inputs.rollouts[rid] for rid in record.rollout_ids], objective)
+            stats = core.train_step([inputs.rollouts[rid] for rid in record.rollout_ids], objective,
+                                    lr=config.lr_at(record.step))
             digest = None
             result.steps += 1
             if not (stats.loss == record.loss or (math.isnan(stats.loss) and math.isnan(record.loss))):

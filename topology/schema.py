@@ -186,6 +186,11 @@ class TrainerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
     lr: PositiveFloat = 1e-5
     """Learning rate (AdamW)."""
+    lr_decay_steps: NonNegativeInt = 0
+    """Lower the learning rate linearly from `lr` to `lr * lr_final_ratio` over this many optimizer steps,
+    then hold it there (a run of known length ends at a low-noise point); 0 keeps `lr` throughout."""
+    lr_final_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
+    """Where `lr_decay_steps` ends, as a fraction of `lr`."""
     batch_rollouts: PositiveInt = 64
     """Rollouts per optimizer step; should be a multiple of `generator.group_size`."""
     staleness_versions: NonNegativeInt = 4

@@ -145,6 +145,37 @@ def test_scale_by_std_divides_each_groups_advantages_by_its_reward_std() -> None
     assert TrainerConfig(scale_by_std=True).objective.scale_by_std and not TrainerConfig().objective.scale_by_std
 
 
+def test_lr_decays_linearly_to_its_final_ratio_then_holds() -> None:
+    """lr_decay_steps: step 1 at lr, step decay+1 at lr * lr_final_ratio, held after; 0: constant."""
+    from rlbus.actors.trainer import TrainerConfig
+
+    config = TrainerConfig(lr=1e-4, lr_decay_steps=100, lr_final_ratio=0.1)
+    assert config.lr_at(1) == pytest.approx(1e-4)
+    assert config.lr_at(51) == pytest.approx(0.55e-4)
+    assert config.lr_at(101) == pytest.approx(1e-5) and config.lr_at(500) == pytest.approx(1e-5)
+    assert [TrainerConfig(lr=1e-4).lr_at(s) for s in (1, 1000)] == [1e-4, 1e-4]
+
+
+def test_a_step_at_a_given_lr_is_the_step_of_an_optimizer_built_with_it() -> None:
+    """train_step(lr=x) on a core built with another lr gives exactly the weights of a core built with x,
+    also after a resume (the optimizer state's saved lr does not win)."""
+    config = ModelConfig.tiny(vocab_size=264)
+    ref, other = _core(config, seed=3), _core(config, seed=3)
+    other.optimizer = torch.optim.AdamW(other.model.parameters(), lr=5e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    rollouts = [msgspec.structs.replace(r, reward=float(i % 2))
+                for i, r in enumerate(sample_rollouts(ref.model, tasks=2, group_size=2, max_new_tokens=5))]
+    objective = Objective(kl_coef=0.0)
+    for _ in range(2):
+        ref.train_step(rollouts, objective)
+        other.train_step(rollouts, objective, lr=1e-3)
+    for a, b in zip(ref.model.parameters(), other.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    resumed = _core(config, seed=3)
+    resumed.load_state_blob(other.state_blob({}))
+    resumed.train_step(rollouts, objective, lr=2e-4)
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [2e-4]
+
+
 def test_logprobs_are_taken_at_the_sampling_temperature() -> None:
     """Rollouts sampled at temperature 0.7: at Objective(temperature=0.7) the step is on-policy (every IS
     weight 1, none truncated); read at temperature 1 the same tokens look off-policy."""

@@ -194,12 +194,14 @@ def test_missing_rollout_settings_or_pretrained_is_exit_2(tmp_path: Path,
 
 # ---- the live run -------------------------------------------------------------------------------------
 def _topology(tmp_path: Path) -> Path:
-    """tiny.toml with 6 pretraining steps, a learning rate that moves the bf16 weights every step, and a length
-    penalty: the barely pretrained policy never passes a test (every reward 0, so zero advantages and no
-    update), but its completions differ in length, so shaped rewards differ within a group."""
+    """tiny.toml with 6 pretraining steps, a learning rate that moves the bf16 weights every step and falls
+    every step (so replay must follow the schedule), and a length penalty: the barely pretrained policy never
+    passes a test (every reward 0, so zero advantages and no update), but its completions differ in length,
+    so shaped rewards differ within a group."""
     text = example_path("tiny").read_text()
     text = text.replace("steps = 30", "steps = 6").replace("eval_n = 8", "eval_n = 4")
-    text = text.replace("staleness_versions = 2\n", "staleness_versions = 2\nlr = 0.001\n\n[trainer.length_penalty]\n"
+    text = text.replace("staleness_versions = 2\n", "staleness_versions = 2\nlr = 0.001\nlr_decay_steps = 3\n"
+                        "lr_final_ratio = 0.5\n\n[trainer.length_penalty]\n"
                         "budget = 64\ncoef = 0.5\npower = 1.0\n", 1)
     assert "coef = 0.5" in text
     path = tmp_path / "tiny_replay.toml"
