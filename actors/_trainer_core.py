@@ -290,8 +290,10 @@ class TrainerCore:
         logp, _ = token_logprob_entropy(logits[:, :-1], batch.tokens[:, 1:])
         return logp
 
-    def train_step(self, rollouts: Sequence[Rollout], objective: Objective, *, lr: float | None = None) -> StepStats:
-        """One AdamW step on the RL loss of `rollouts` (whole groups), at learning rate `lr` (None: as before).
+    def train_step(self, rollouts: Sequence[Rollout], objective: Objective, *,
+                   lr: float | None = None) -> StepStats:
+        """One AdamW step on the RL loss of `rollouts` (whole groups), at learning rate `lr` (None: the
+        optimizer's current one).
 
         rewards r → r - length_penalty(T) → group-relative advantages → `model.loss.rl_loss` with
         truncated IS weights vs the behaviour logprobs and the k1 KL vs the reference. A non-finite loss

@@ -4,8 +4,8 @@ The evaluator scores every `every_versions`-th version while the run goes on, so
 up to `every_versions - 1` versions older than the weights the run ends with. Once the actors have
 drained, `rlbus up` scores the newest durable checkpoint (the one the ledger walks back from) the way the
 evaluator would have: the same tasks (`eval_tasks(seed, n_tasks)`), the policy in bfloat16 as the
-generators and the evaluator hold it, greedy decoding with the evaluator's token budget (the generators'); graded in a
-`model.grading` subprocess like the pretrained base, since the sandbox actors have stopped by then.
+generators and the evaluator hold it, greedy decoding with the evaluator's token budget (the generators');
+graded in a `model.grading` subprocess like the pretrained base, since the sandbox actors have stopped.
 
 Owns: `final_evaluation` (mark → state → pass@1 per family) and `write_report`.
 Does not: publish on the bus, or evaluate while the run is going (actors/evaluator.py).
@@ -21,6 +21,7 @@ from typing import Any, Final
 
 import anyio
 import torch
+
 from rlbus.actors._trainer_resume import last_message, load_state
 from rlbus.actors.evaluator import EvaluatorSettings
 from rlbus.actors.weights import config_from_dict

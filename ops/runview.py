@@ -135,7 +135,8 @@ def _end_point(view: RunView) -> tuple[str, float, float, float] | None:
     final = view.final
     if final is not None:
         r = final.result
-        label = f"final weights v{final.policy_version} (checkpoint step {final.step}, evaluated after the run, n={r.n})"
+        label = (f"final weights v{final.policy_version} (checkpoint step {final.step}, evaluated after the run, "
+                 f"n={r.n})")
         return label, r.pass_at_1, r.ci_low, r.ci_high
     if view.evals:
         last = view.evals[max(view.evals)]
@@ -168,8 +169,8 @@ def write_png(view: RunView, path: Path) -> Path:
         bottom.errorbar(versions, rates, yerr=errors, marker="o", capsize=3, label="greedy pass@1 (95% Wilson)")
     if view.final is not None:
         r = view.final.result
-        bottom.errorbar([view.final.policy_version], [r.pass_at_1], yerr=[[r.pass_at_1 - r.ci_low], [r.ci_high - r.pass_at_1]],
-                        marker="*", markersize=12, capsize=3, color="tab:red", linestyle="none",
+        bottom.errorbar([view.final.policy_version], [r.pass_at_1],
+                        yerr=[[r.pass_at_1 - r.ci_low], [r.ci_high - r.pass_at_1]], marker="*", markersize=12, capsize=3, color="tab:red", linestyle="none",
                         label="final weights, after the run")
     if view.evals or view.final is not None:
         bottom.legend(loc="lower right")
