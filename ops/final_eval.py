@@ -17,7 +17,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import anyio
 import torch
@@ -26,7 +26,7 @@ from rlbus.actors._trainer_resume import last_message, load_state
 from rlbus.actors.evaluator import EvaluatorSettings
 from rlbus.actors.weights import config_from_dict
 from rlbus.messages.bus import Bus
-from rlbus.messages.schemas import CheckpointMark
+from rlbus.messages.schemas import CheckpointMark, EvalReport
 from rlbus.model.evaluate import EvalResult, evaluate_pass_at_1
 from rlbus.model.tasks import eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
@@ -80,9 +80,12 @@ def _evaluate_state(blob: bytes, seed: int, n_tasks: int, max_tokens: int, threa
         torch.set_num_threads(previous)
 
 
-def write_report(final: FinalEval, base: dict[str, Any] | None, path: Path) -> Path:
-    """`final_eval.json`: the final weights' pass@1, its interval, per family, and the base it is compared to."""
+def write_report(final: FinalEval, v0: EvalReport | None, path: Path) -> Path:
+    """`final_eval.json`: the final weights' pass@1, its interval, per family, and the evaluator's v0 report
+    (the pretrained base on the same tasks) it is compared to."""
     r = final.result
+    base = None if v0 is None else {"pass_at_1": v0.pass_at_1, "ci95": [v0.ci_low, v0.ci_high], "n": v0.n,
+                                    "source": "evaluator v0"}
     doc = {"step": final.step, "policy_version": final.policy_version, "n": r.n, "passed": r.passed,
            "pass_at_1": r.pass_at_1, "ci95": [r.ci_low, r.ci_high],
            "by_family": {k: {"passed": p, "n": n} for k, (p, n) in r.by_family.items()}, "base": base}

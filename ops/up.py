@@ -208,10 +208,7 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
         except RlbusError as err:
             print(f"rlbus up: final evaluation skipped: {err}", flush=True)
         if view.final is not None:
-            first = view.evals.get(0)
-            base = None if first is None else {"pass_at_1": first.pass_at_1, "ci95": [first.ci_low, first.ci_high],
-                                               "n": first.n, "source": "evaluator v0"}
-            report = write_report(view.final, base, launch.state_dir / REPORT_NAME)
+            report = write_report(view.final, view.evals.get(0), launch.state_dir / REPORT_NAME)
             print(f"rlbus up: final evaluation took {time.monotonic() - began:.0f}s; per family in {report}",
                   flush=True)
     png = write_png(view, launch.state_dir / "plots" / "progress.png")
