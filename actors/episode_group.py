@@ -150,6 +150,9 @@ class PartialLimits:
     vocab_size: int
     held_version: int
     """No token may claim a policy version newer than the weights this generator holds."""
+    max_group_size: int = 0
+    """A group without a pass may have grown by `group_size` at a time up to this many episodes
+    (`grow_group`); 0 or <= group_size: it never grows."""
     routing: tuple[int, int, int] | None = None
     """(n_moe_layers, top_k, n_experts) of an MoE model; None: a dense model, partials carry no routing."""
 
@@ -157,17 +160,21 @@ class PartialLimits:
 def check_partial(state: PartialGroup, task: Task, task_id: str, tokenizer: ByteTokenizer,
                   limits: PartialLimits) -> None:
     """Raise ValueError (naming the first problem) unless `state` is a partial this task's group could have
-    saved: same format, task and group size; G episodes that start with the task's own prompt; token ids in
+    saved: same format and task; a group size of G or, grown (`grow_group`), a multiple of G up to
+    `limits.max_group_size`, with that many episodes that start with the task's own prompt; token ids in
     the vocabulary; per-token logprobs (finite, <= 0) and versions (0..held) as long as the ids; attempts
     graded against the task's tests, at most `max_attempts`, only the last one passed; drafts within
     `max_tokens`; every episode within `max_seq_len`; routing of the model's shape and expert range.
     A partial that passes is resumed; one that fails is discarded and the group starts over.
     """
-    if (state.format, state.task_id, state.group_size) != (PARTIAL_FORMAT, task_id, limits.group_size):
-        raise ValueError(f"saved for format {state.format}, task {state.task_id!r}, group size {state.group_size}"
-                         f"; expected {PARTIAL_FORMAT}, {task_id!r}, {limits.group_size}")
-    if len(state.episodes) != limits.group_size:
-        raise ValueError(f"{len(state.episodes)} episodes for a group of {limits.group_size}")
+    if (state.format, state.task_id) != (PARTIAL_FORMAT, task_id):
+        raise ValueError(f"saved for format {state.format}, task {state.task_id!r}; expected {PARTIAL_FORMAT}, "
+                         f"{task_id!r}")
+    if state.group_size not in group_sizes(limits.group_size, limits.max_group_size):
+        raise ValueError(f"group size {state.group_size}; expected one of "
+                         f"{list(group_sizes(limits.group_size, limits.max_group_size))}")
+    if len(state.episodes) != state.group_size:
+        raise ValueError(f"{len(state.episodes)} episodes for a group of {state.group_size}")
     counts = (state.rounds, state.chunks, state.sampled_tokens, state.resumes)
     if min(counts) < 0 or not all(math.isfinite(x) and x >= 0 for x in (state.generate_s, state.grade_s)):
         raise ValueError("negative or non-finite counters")
@@ -239,6 +246,25 @@ def new_group(task: Task, task_id: str, group_size: int, tokenizer: ByteTokenize
     return PartialGroup(task_id=task_id, group_size=group_size, started_at=now,
                         episodes=[EpisodeState(turns=[TurnState(role="user", ids=list(prompt))])
                                   for _ in range(group_size)])
+
+
+def group_sizes(group_size: int, max_group_size: int) -> range:
+    """The sizes a group started at `group_size` can have: G, 2G, ... up to max_group_size (at least G)."""
+    return range(group_size, max(group_size, max_group_size) + 1, group_size)
+
+
+def any_passed(state: PartialGroup) -> bool:
+    """Some episode's last attempt passed every test."""
+    return any(ep.attempts and ep.attempts[-1].status == "passed" for ep in state.episodes)
+
+
+def grow_group(state: PartialGroup, task: Task, tokenizer: ByteTokenizer, n: int) -> None:
+    """Add n fresh episodes (the prompt only) to the group; its Rollouts will all carry the new size."""
+    if n < 1:
+        raise ValueError(f"grow by {n} episodes: expected at least 1")
+    prompt = tokenizer.encode(task.prompt)
+    state.episodes.extend(EpisodeState(turns=[TurnState(role="user", ids=list(prompt))]) for _ in range(n))
+    state.group_size += n
 
 
 def episode_of(ep: EpisodeState, task: Task, max_attempts: int) -> Episode:

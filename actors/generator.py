@@ -10,14 +10,19 @@ the open drafts together `partial_every_tokens` at a time (`model.generate` in a
 swapped in flight through `WeightSource.maybe_swap`), and once every draft is complete grade them in
 the region's sandbox (request/reply; a timeout or error is a failed attempt, never a crash) and add
 the feedback as an observation. The partial is saved (compare-and-set) after every chunk and every
-graded round. Finally the group's Rollouts go out with `publish_batch` (msg id = rollout id
-f"{task_id}-{g}"), the partial is deleted, and only then is the task acked; `in_progress()` holds it
-meanwhile. Another generator that wins the partial's compare-and-set owns the task; the loser lets go.
+graded round. With `max_group_size`, a finished group in which no episode passed grows by G fresh episodes
+(saved, then stepped like the rest) until one passes or the cap is reached: a task the policy solves once
+in 30 tries has no pass in most groups of 8, so its groups are all-fail and teach nothing, while a grown
+group carries that rare pass (every Rollout of it carries the grown `group_size`). Finally the group's
+Rollouts go out with `publish_batch` (msg id = rollout id f"{task_id}-{g}"), the partial is deleted, and
+only then is the task acked; `in_progress()` holds it meanwhile. Another generator that wins the partial's
+compare-and-set owns the task; the loser lets go.
 Does not: define the partial layout or flatten rollouts (actors/episode_group.py), fetch weights
 (actors/weight_source.py), run code (actors/sandbox.py).
 
 Heartbeat counters: tasks, rollouts, resumed, sandbox_errors, tokens, graded_repeats (drafts that
-reused the verdict of an identical draft of the same round: each distinct program runs once), summaries,
+reused the verdict of an identical draft of the same round: each distinct program runs once), groups_grown
+(G episodes added to a group without a pass), summaries,
 publish_failures, taken_over, rejected; gauges: tokens_per_s, held_version.
 """
 
@@ -45,11 +50,13 @@ from rlbus.actors.episode_group import (
     PartialGroup,
     PartialLimits,
     add_chunk,
+    any_passed,
     base_context,
     build_rollout,
     check_partial,
     decode_partial,
     encode_partial,
+    grow_group,
     new_group,
     policy_text,
     prompt_length,
@@ -79,6 +86,9 @@ class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
     group_size: int = 8
     """G for tasks that do not carry their own (`Task.group_size` < 1)."""
+    max_group_size: int = 0
+    """Grow a finished group in which no episode passed by G more episodes, until one passes or another G
+    would take it past this size; 0 (or <= G): groups stay at G."""
     temperature: float = 1.0
     max_tokens: int = 256
     """Longest attempt, in tokens."""
@@ -129,7 +139,7 @@ class Generator(Actor):
         self._sampling_s = 0.0
         self._stops = (self.tokenizer.end_turn_id, self.tokenizer.eos_id)
         self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "partials_discarded", "sandbox_errors",
-                                            "tokens", "graded_repeats"), 0))
+                                            "tokens", "graded_repeats", "groups_grown"), 0))
 
     async def setup(self) -> None:
         if self.config.torch_threads:
@@ -230,9 +240,15 @@ class Generator(Actor):
             log.info("partial_resumed", task_id=message.task_id, rounds=state.rounds, chunks=state.chunks,
                      tokens=state.sampled_tokens, writer=state.writer)
         try:
-            while not state.finished(self.config.max_attempts):
-                await self._advance(state, task)
-                state.writer = self.ident.actor_id
+            while True:
+                while not state.finished(self.config.max_attempts):
+                    await self._advance(state, task)
+                    state.writer = self.ident.actor_id
+                    revision = await self._save(key, state, revision)
+                if any_passed(state) or state.group_size + group_size > self.config.max_group_size:
+                    break
+                grow_group(state, task, self.tokenizer, group_size)   # saved, so a resume samples the rest
+                self.count("groups_grown")
                 revision = await self._save(key, state, revision)
         except _TakenOver:
             return "taken_over"
@@ -425,7 +441,8 @@ class Generator(Actor):
         config = self.model.config
         held = self._weights().held_version
         routing = (len(config.moe_layers), config.top_k, config.n_experts) if config.moe_layers else None
-        return PartialLimits(group_size=group_size, max_attempts=self.config.max_attempts,
+        return PartialLimits(group_size=group_size, max_group_size=self.config.max_group_size,
+                             max_attempts=self.config.max_attempts,
                              max_tokens=self.config.max_tokens, max_seq_len=config.max_seq_len,
                              vocab_size=config.vocab_size,
                              held_version=held if held is not None else 0, routing=routing)

@@ -200,6 +200,9 @@ def _settings(topology: Topology) -> Iterator[Found]:
     elif trainer.batch_rollouts % gen.group_size:
         yield _p("trainer.batch_rollouts", f"{trainer.batch_rollouts} is not a multiple of generator.group_size = "
                  f"{gen.group_size}; batches will split groups", "warning", also=("generator",))
+    if gen.max_group_size and (gen.max_group_size <= gen.group_size or gen.max_group_size % gen.group_size):
+        yield _p("generator.max_group_size", f"{gen.max_group_size} is not a multiple of group_size = "
+                 f"{gen.group_size} above it; expected 0 (groups never grow) or 2, 3, ... times group_size")
     if trainer.staleness_versions == 0:
         yield _p("trainer.staleness_versions", "0 drops every rollout that saw a weight update while it was "
                  "generated; expect most rollouts dropped", "warning")

@@ -147,6 +147,10 @@ class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
 
     group_size: PositiveInt = 8
     """Completions sampled per task (G); advantages are relative within a group."""
+    max_group_size: NonNegativeInt = 0
+    """Grow a group in which no completion passed by G more, until one passes or another G would exceed
+    this size (a multiple of group_size, like 32): tasks the policy solves only rarely then give groups
+    with a pass instead of all-fail groups that teach nothing; 0: every group has G completions."""
     temperature: NonNegativeFloat = 1.0
     """Sampling temperature; 0 is greedy."""
     max_tokens: PositiveInt = 256

@@ -1,6 +1,6 @@
 """The group state of a task in progress, as pure functions: chunks cut at stop tokens with routing kept
 aligned, attempts and feedback in model/episodes.py's layout, summaries, version filling, the Rollout a
-finished episode becomes, and the partial's encoding (compressed when large)."""
+finished episode becomes, the partial's encoding (compressed when large), and a group grown after no pass."""
 
 from __future__ import annotations
 
@@ -10,14 +10,18 @@ import pytest
 from rlbus.actors.episode_group import (
     ZSTD_MAGIC,
     Attempt,
+    PartialLimits,
     add_chunk,
+    any_passed,
     base_context,
     build_rollout,
+    check_partial,
     decode_partial,
     encode_partial,
     episode_of,
     fill_versions,
     flatten,
+    grow_group,
     new_group,
     policy_text,
     record_attempt,
@@ -152,3 +156,39 @@ def test_attempt_reward_gives_partial_credit_only_when_asked() -> None:
     assert attempt_reward(passed) == 1.0 and attempt_reward(passed, 0.5) == 1.0
     assert attempt_reward(half) == 0.0 and attempt_reward(half, 0.5) == 0.25
     assert attempt_reward(broken, 0.5) == 0.0
+
+
+def test_a_group_without_a_pass_grows_by_g_and_only_to_sizes_the_limits_allow() -> None:
+    """grow_group adds prompt-only episodes and raises group_size; check_partial accepts a grown partial
+    only at G, 2G, ... up to max_group_size, with as many episodes as its size."""
+    state = new_group(TASK, "t", 2, TOK, now=0.0)
+    for ep in state.episodes:
+        ep.draft_ids, ep.draft_logprobs, ep.draft_versions = [*TOK.encode("return 0"), END], [-0.5] * 9, [0] * 9
+        record_attempt(ep, TASK, _failed(), TOK, 1)
+    assert state.finished(1) and not any_passed(state)
+    grow_group(state, TASK, TOK, 2)
+    assert state.group_size == 4 and len(state.episodes) == 4 and not state.finished(1)
+    assert state.episodes[2].turns[0].ids == TOK.encode(TASK.prompt) and len(state.episodes[2].turns) == 1
+    assert state.episodes[0].attempts and not state.episodes[3].attempts       # the first ones keep their attempts
+
+    def limits(max_group_size: int) -> PartialLimits:
+        return PartialLimits(group_size=2, max_group_size=max_group_size, max_attempts=1, max_tokens=16,
+                             max_seq_len=1024, vocab_size=TOK.vocab_size, held_version=0)
+    check_partial(state, TASK, "t", TOK, limits(4))
+    check_partial(state, TASK, "t", TOK, limits(6))
+    for refused in (0, 3):                        # growth off; a cap below the grown size
+        with pytest.raises(ValueError, match="group size 4"):
+            check_partial(state, TASK, "t", TOK, limits(refused))
+    state.group_size = 3                          # not a multiple of G
+    with pytest.raises(ValueError, match="group size 3"):
+        check_partial(state, TASK, "t", TOK, limits(6))
+    state.group_size = 6                          # size and episodes disagree
+    with pytest.raises(ValueError, match="4 episodes for a group of 6"):
+        check_partial(state, TASK, "t", TOK, limits(6))
+    with pytest.raises(ValueError, match="at least 1"):
+        grow_group(state, TASK, TOK, 0)
+    ep = state.episodes[3]
+    ep.draft_ids, ep.draft_logprobs, ep.draft_versions = [*TOK.encode("return 1"), END], [-0.5] * 9, [0] * 9
+    record_attempt(ep, TASK, Attempt(status="passed", n_passed=6, n_tests=6, feedback="",
+                                     verdict=SandboxVerdict(passed=6, total=6, status="ok")), TOK, 1)
+    assert any_passed(state)

@@ -1,7 +1,7 @@
 """The generator against a real nats-server and the real sandbox supervisor, with a tiny random policy:
 a task becomes G multi-turn Rollouts whose arrays are what the policy saw (teacher-forced logprobs equal
 the behaviour logprobs), the task is acked only once the group is stored, a saved partial is resumed
-instead of regenerated, an over-budget history is summarised, a generator process SIGKILLed
+instead of regenerated, a group without a pass grows up to max_group_size, an over-budget history is summarised, a generator process SIGKILLed
 mid-rollout hands its task to a new one that resumes it and publishes the group exactly once, and
 versions the publisher announces are swapped in mid-group (WeightSync)."""
 
@@ -368,6 +368,40 @@ async def test_redelivered_task_resumes_its_partial(env: Env) -> None:
                                    atol=BF16_KV_ATOL, rtol=0)
     # only the resumed attempts were sampled here
     assert counters["tokens"] == sum(int(sum(r.loss_mask.tolist())) - len(first) for r in group)
+
+
+async def test_group_without_a_pass_grows_by_g_up_to_max_group_size(env: Env) -> None:
+    """max_group_size = 6, G = 2: a redelivered task whose saved group of 2 is finished without a pass is
+    resumed and grown (its two episodes kept as saved), the random policy fails the new ones too, so it grows
+    again to 6 and stops there; all 6 Rollouts carry group_size 6, the task is acked, the partial deleted."""
+    task = coding_task(3)
+    state = new_group(task, task.task_id, 2, TOK, now=0.0)
+    first = [*TOK.encode("return x"), TOK.end_turn_id]
+    for ep in state.episodes:
+        ep.draft_ids, ep.draft_logprobs, ep.draft_versions = list(first), [-0.5] * len(first), [4] * len(first)
+        record_attempt(ep, task, Attempt(status="failed", n_passed=1, n_tests=6, feedback="no",
+                                         verdict=SandboxVerdict(passed=1, total=6, status="failed")), TOK, 1)
+    state.rounds = 1
+    kv = await env.admin.js.key_value(env.admin.subjects.partials_bucket("hub"))
+    await kv.create(partial_key(task.task_id), encode_partial(state))
+    await env.admin.publish(env.admin.subjects.tasks("hub"), task_message(task), msg_id=task.task_id)
+    config = msgspec.structs.replace(CONFIG, max_attempts=1, max_group_size=6)
+    async with sandbox(env), generator(env, tiny_model(), version=4, config=config) as actor:
+        async def done() -> bool:
+            return actor.counters.get("tasks", 0) == 1  # type: ignore[attr-defined]
+        await wait_until(done)
+        counters = dict(actor.counters)  # type: ignore[attr-defined]
+    group = await rollouts(env)
+    assert [r.rollout_id for r in group] == [f"{task.task_id}-{g}" for g in range(6)]
+    assert {r.group_size for r in group} == {6} and counters["groups_grown"] == 2 and counters["resumed"] == 1
+    assert all(r.reward == 0.0 for r in group)
+    for r in group[:2]:                           # the saved episodes, not sampled again
+        assert r.completion_tokens.tolist() == first and r.behaviour_logprobs.tolist() == [-0.5] * len(first)
+    for r in group[2:]:
+        check_layout(r, task, attempts=1)
+    assert counters["tokens"] == sum(int(sum(r.loss_mask.tolist())) for r in group[2:])
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await kv.get(partial_key(task.task_id))
 
 
 async def test_over_budget_history_is_summarised(env: Env) -> None:
