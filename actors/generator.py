@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import re
 import threading
 import time
@@ -89,6 +90,8 @@ class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     max_group_size: int = 0
     """Grow a finished group in which no episode passed by G more episodes, until one passes or another G
     would take it past this size; 0 (or <= G): groups stay at G."""
+    grown_subsample: bool = False
+    """Publish a grown group as G rollouts: its passes and failures drawn at random (`published_episodes`)."""
     temperature: float = 1.0
     max_tokens: int = 256
     """Longest attempt, in tokens."""
@@ -252,7 +255,7 @@ class Generator(Actor):
                 revision = await self._save(key, state, revision)
         except _TakenOver:
             return "taken_over"
-        await self._publish(state, task, message, key)
+        await self._publish(state, task, message, key, group_size)
         return "published"
 
     async def _advance(self, state: PartialGroup, task: Task) -> None:
@@ -383,19 +386,25 @@ class Generator(Actor):
         return Attempt(status=grade.status, n_passed=grade.n_passed, n_tests=grade.n_tests,
                        feedback=grade.feedback, verdict=result.verdict, sandbox_error=failed_infra)
 
-    async def _publish(self, state: PartialGroup, task: Task, message: TaskMessage, key: str) -> None:
-        """Publish the group (msg id = rollout id, retried until stored), then delete the partial."""
+    async def _publish(self, state: PartialGroup, task: Task, message: TaskMessage, key: str,
+                       group_size: int) -> None:
+        """Publish the group (msg id = rollout id, retried until stored), then delete the partial. A grown
+        group with `grown_subsample` goes out as `group_size` of its episodes (`published_episodes`)."""
         now = time.time()
         timings = {"generate_s": state.generate_s, "grade_s": state.grade_s, "wall_s": now - state.started_at,
                    "queue_s": max(0.0, state.started_at - message.created_at)}
         subject = self.bus.subjects.rollouts(self.ident.region)
-        rollouts = [build_rollout(ep, task=task, task_id=state.task_id, group_index=g, group_size=state.group_size,
+        episodes = state.episodes
+        if self.config.grown_subsample and state.group_size > group_size:
+            episodes = published_episodes(state, group_size)
+            self.count("grown_unpublished", state.group_size - len(episodes))
+        rollouts = [build_rollout(ep, task=task, task_id=state.task_id, group_index=g, group_size=len(episodes),
                                   tokenizer=self.tokenizer, region=self.ident.region,
                                   generator_id=self.ident.actor_id,
                                   timings={**timings, "attempts": float(len(ep.attempts)),
                                            "resumes": float(state.resumes)},
                                   partial_credit=self.config.partial_credit)
-                    for g, ep in enumerate(state.episodes)]
+                    for g, ep in enumerate(episodes)]
         delay = 0.5
         while True:             # the group is in hand and the task held: retry rather than give it back
             try:
@@ -472,6 +481,22 @@ class Generator(Actor):
         self.policy_version = version
         if version is not None:
             self.gauges["held_version"] = float(version)
+
+
+def published_episodes(state: PartialGroup, group_size: int) -> list[EpisodeState]:
+    """`group_size` episodes of a grown group, in their order: its passing ones (at most G - 1, so a
+    failure stays) and failing ones drawn at random to fill G — seeded by the task id, so a republish after
+    a crash sends the same rollouts. Without a pass: the first G (all-fail; the trainer drops it as flat).
+    The failures drawn are a uniform sample of the group's, so the mean-centred advantages keep their signs
+    and about their sizes, while the step's batch holds G of these rollouts instead of the whole group."""
+    passed = [g for g, ep in enumerate(state.episodes) if ep.attempts and ep.attempts[-1].status == "passed"]
+    if not passed:
+        return state.episodes[:group_size]
+    failed = [g for g in range(len(state.episodes)) if g not in set(passed)]
+    keep = passed[:group_size - 1]
+    rng = random.Random(hashlib.sha256(f"{state.task_id}:subsample".encode()).digest())
+    keep += rng.sample(failed, min(len(failed), group_size - len(keep)))
+    return [state.episodes[g] for g in sorted(keep)]
 
 
 def _seed(state: PartialGroup) -> int:

@@ -151,6 +151,9 @@ class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     """Grow a group in which no completion passed by G more, until one passes or another G would exceed
     this size (a multiple of group_size, like 32): tasks the policy solves only rarely then give groups
     with a pass instead of all-fail groups that teach nothing; 0: every group has G completions."""
+    grown_subsample: bool = False
+    """Publish a grown group as G completions: every pass (at most G - 1) and failures drawn at random, so a
+    batch holds as many groups as without growth; false: all of its completions."""
     temperature: NonNegativeFloat = 1.0
     """Sampling temperature; 0 is greedy."""
     max_tokens: PositiveInt = 256

@@ -10,6 +10,7 @@ import pytest
 from rlbus.actors.episode_group import (
     ZSTD_MAGIC,
     Attempt,
+    PartialGroup,
     PartialLimits,
     add_chunk,
     any_passed,
@@ -192,3 +193,34 @@ def test_a_group_without_a_pass_grows_by_g_and_only_to_sizes_the_limits_allow() 
     record_attempt(ep, TASK, Attempt(status="passed", n_passed=6, n_tests=6, feedback="",
                                      verdict=SandboxVerdict(passed=6, total=6, status="ok")), TOK, 1)
     assert any_passed(state)
+
+
+def test_a_grown_group_is_published_as_its_passes_and_failures_drawn_at_random() -> None:
+    """published_episodes: G of a grown group, in order — its pass and G - 1 of its failures, the same ones
+    every time (a republish after a crash sends the same rollouts); without a pass, the first G; with G or
+    more passes, G - 1 of them and one failure."""
+    from rlbus.actors.generator import published_episodes
+
+    def group(passing: set[int], size: int = 12, task_id: str = "t") -> PartialGroup:
+        state = new_group(TASK, task_id, size, TOK, now=0.0)
+        for g, ep in enumerate(state.episodes):
+            ep.draft_ids, ep.draft_logprobs, ep.draft_versions = [*TOK.encode(f"return {g}"), END], [-0.5] * 9, [0] * 9
+            ok = Attempt(status="passed", n_passed=6, n_tests=6, feedback="",
+                         verdict=SandboxVerdict(passed=6, total=6, status="ok"))
+            record_attempt(ep, TASK, ok if g in passing else _failed(), TOK, 1)
+        return state
+
+    def ids(state: PartialGroup, episodes: list) -> list[int]:
+        return [state.episodes.index(ep) for ep in episodes]
+
+    state = group({9})
+    chosen = ids(state, published_episodes(state, 4))
+    assert len(chosen) == 4 and 9 in chosen and chosen == sorted(chosen)
+    assert chosen == ids(state, published_episodes(group({9}), 4))               # the same draw again
+    draws = {tuple(ids(s, published_episodes(s, 4))) for s in (group({9}, task_id=f"t{k}") for k in range(12))}
+    assert len(draws) > 1                                                         # seeded per task, not fixed
+    none = group(set())
+    assert ids(none, published_episodes(none, 4)) == [0, 1, 2, 3]
+    many = group({8, 9, 10, 11})
+    chosen = ids(many, published_episodes(many, 4))
+    assert chosen[1:] == [8, 9, 10] and chosen[0] < 8                           # 3 passes and a failure

@@ -57,7 +57,7 @@ from rlbus.topology.servers import EmbeddedServer
 pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)
 
-RUNS = tuple(f"t{uuid.uuid4().hex[:8]}" for _ in range(8))
+RUNS = tuple(f"t{uuid.uuid4().hex[:8]}" for _ in range(12))
 """Run ids of this module: the server grants their PARTIALS buckets to the generator role."""
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
 TOK = ByteTokenizer()
@@ -370,10 +370,12 @@ async def test_redelivered_task_resumes_its_partial(env: Env) -> None:
     assert counters["tokens"] == sum(int(sum(r.loss_mask.tolist())) - len(first) for r in group)
 
 
-async def test_group_without_a_pass_grows_by_g_up_to_max_group_size(env: Env) -> None:
+@pytest.mark.parametrize("subsample", [False, True], ids=["all", "subsample"])
+async def test_group_without_a_pass_grows_by_g_up_to_max_group_size(env: Env, subsample: bool) -> None:
     """max_group_size = 6, G = 2: a redelivered task whose saved group of 2 is finished without a pass is
     resumed and grown (its two episodes kept as saved), the random policy fails the new ones too, so it grows
-    again to 6 and stops there; all 6 Rollouts carry group_size 6, the task is acked, the partial deleted."""
+    again to 6 and stops there; all 6 Rollouts carry group_size 6, the task is acked, the partial deleted.
+    With grown_subsample the group goes out as G = 2 rollouts of group_size 2 (no pass: its first two)."""
     task = coding_task(3)
     state = new_group(task, task.task_id, 2, TOK, now=0.0)
     first = [*TOK.encode("return x"), TOK.end_turn_id]
@@ -385,21 +387,23 @@ async def test_group_without_a_pass_grows_by_g_up_to_max_group_size(env: Env) ->
     kv = await env.admin.js.key_value(env.admin.subjects.partials_bucket("hub"))
     await kv.create(partial_key(task.task_id), encode_partial(state))
     await env.admin.publish(env.admin.subjects.tasks("hub"), task_message(task), msg_id=task.task_id)
-    config = msgspec.structs.replace(CONFIG, max_attempts=1, max_group_size=6)
+    config = msgspec.structs.replace(CONFIG, max_attempts=1, max_group_size=6, grown_subsample=subsample)
     async with sandbox(env), generator(env, tiny_model(), version=4, config=config) as actor:
         async def done() -> bool:
             return actor.counters.get("tasks", 0) == 1  # type: ignore[attr-defined]
         await wait_until(done)
         counters = dict(actor.counters)  # type: ignore[attr-defined]
     group = await rollouts(env)
-    assert [r.rollout_id for r in group] == [f"{task.task_id}-{g}" for g in range(6)]
-    assert {r.group_size for r in group} == {6} and counters["groups_grown"] == 2 and counters["resumed"] == 1
-    assert all(r.reward == 0.0 for r in group)
+    size = 2 if subsample else 6
+    assert [r.rollout_id for r in group] == [f"{task.task_id}-{g}" for g in range(size)]
+    assert {r.group_size for r in group} == {size} and counters["groups_grown"] == 2 and counters["resumed"] == 1
+    assert counters.get("grown_unpublished", 0) == 6 - size and all(r.reward == 0.0 for r in group)
     for r in group[:2]:                           # the saved episodes, not sampled again
         assert r.completion_tokens.tolist() == first and r.behaviour_logprobs.tolist() == [-0.5] * len(first)
     for r in group[2:]:
         check_layout(r, task, attempts=1)
-    assert counters["tokens"] == sum(int(sum(r.loss_mask.tolist())) for r in group[2:])
+    if not subsample:
+        assert counters["tokens"] == sum(int(sum(r.loss_mask.tolist())) for r in group[2:])
     with pytest.raises(nats.js.errors.KeyNotFoundError):
         await kv.get(partial_key(task.task_id))
 
