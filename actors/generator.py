@@ -22,8 +22,8 @@ Does not: define the partial layout or flatten rollouts (actors/episode_group.py
 
 Heartbeat counters: tasks, rollouts, resumed, sandbox_errors, tokens, graded_repeats (drafts that
 reused the verdict of an identical draft of the same round: each distinct program runs once), groups_grown
-(G episodes added to a group without a pass), summaries,
-publish_failures, taken_over, rejected; gauges: tokens_per_s, held_version.
+(G episodes added to a group without a pass), grown_unpublished (episodes of grown groups left out by
+`grown_subsample`), summaries, publish_failures, taken_over, rejected; gauges: tokens_per_s, held_version.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class Generator(Actor):
         self._sampling_s = 0.0
         self._stops = (self.tokenizer.end_turn_id, self.tokenizer.eos_id)
         self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "partials_discarded", "sandbox_errors",
-                                            "tokens", "graded_repeats", "groups_grown"), 0))
+                                            "tokens", "graded_repeats", "groups_grown", "grown_unpublished"), 0))
 
     async def setup(self) -> None:
         if self.config.torch_threads:
