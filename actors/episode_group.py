@@ -1,8 +1,9 @@
 """The state of one task's group of G multi-turn episodes: what a partial checkpoint holds, and the Rollouts.
 
 Owns: `PartialGroup` (the value saved under the task id in a region's PARTIALS KV: a msgpack map via
-msgspec, zstd-compressed past 64 KiB; `format` = PARTIAL_FORMAT), its pure transitions (start, add a sampled chunk, record a graded
-attempt, replace the history by a summary), `check_partial` (could this task's group have saved the partial
+msgspec, zstd-compressed past 64 KiB; `format` = PARTIAL_FORMAT), its pure transitions (start, add a
+sampled chunk, record a graded attempt, replace the history by a summary, grow a group without a pass,
+pick the G of a grown group to publish), `check_partial` (could this task's group have saved the partial
 read back? hostile or corrupt ones are refused) and `build_rollout`, which flattens an episode into a
 `Rollout`. Pure: no bus, no model, no clock (callers pass `now`).
 Does not: sample, grade or talk to NATS (actors/generator.py drives all three).
@@ -22,8 +23,10 @@ pass that first fed it, which is what `model.generate` reports and the trainer r
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, get_args
@@ -88,10 +91,14 @@ class EpisodeState(msgspec.Struct, kw_only=True):
     routing: TensorBlob | None = None
     """int64 (R, n_moe_layers, top_k): experts of the first R tokens of the current sequence (MoE only)."""
 
+    @property
+    def passed(self) -> bool:
+        """The last attempt passed every test."""
+        return bool(self.attempts) and self.attempts[-1].status == "passed"
+
     def done(self, max_attempts: int) -> bool:
         """Passed, out of attempts, or ended."""
-        passed = bool(self.attempts) and self.attempts[-1].status == "passed"
-        return passed or len(self.attempts) >= max_attempts or bool(self.ended)
+        return self.passed or len(self.attempts) >= max_attempts or bool(self.ended)
 
 
 class PartialGroup(msgspec.Struct, kw_only=True):
@@ -255,7 +262,7 @@ def group_sizes(group_size: int, max_group_size: int) -> range:
 
 def any_passed(state: PartialGroup) -> bool:
     """Some episode's last attempt passed every test."""
-    return any(ep.attempts and ep.attempts[-1].status == "passed" for ep in state.episodes)
+    return any(ep.passed for ep in state.episodes)
 
 
 def grow_group(state: PartialGroup, task: Task, tokenizer: ByteTokenizer, n: int) -> None:
@@ -265,6 +272,22 @@ def grow_group(state: PartialGroup, task: Task, tokenizer: ByteTokenizer, n: int
     prompt = tokenizer.encode(task.prompt)
     state.episodes.extend(EpisodeState(turns=[TurnState(role="user", ids=list(prompt))]) for _ in range(n))
     state.group_size += n
+
+
+def published_episodes(state: PartialGroup, group_size: int) -> list[EpisodeState]:
+    """`group_size` episodes of a grown group, in their order: its passing ones (at most G - 1, so a
+    failure stays) and failing ones drawn at random to fill G — seeded by the task id, so a republish after
+    a crash sends the same rollouts. Without a pass: the first G (all-fail; the trainer drops it as flat).
+    The failures drawn are a uniform sample of the group's, so the mean-centred advantages keep their signs
+    and about their sizes, while the step's batch holds G of these rollouts instead of the whole group."""
+    passed = [g for g, ep in enumerate(state.episodes) if ep.passed]
+    if not passed:
+        return state.episodes[:group_size]
+    failed = [g for g, ep in enumerate(state.episodes) if not ep.passed]
+    keep = passed[:group_size - 1]
+    rng = random.Random(hashlib.sha256(f"{state.task_id}:subsample".encode()).digest())
+    keep += rng.sample(failed, min(len(failed), group_size - len(keep)))
+    return [state.episodes[g] for g in sorted(keep)]
 
 
 def episode_of(ep: EpisodeState, task: Task, max_attempts: int) -> Episode:

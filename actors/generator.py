@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 import re
 import threading
 import time
@@ -61,6 +60,7 @@ from rlbus.actors.episode_group import (
     new_group,
     policy_text,
     prompt_length,
+    published_episodes,
     record_attempt,
     record_summary,
 )
@@ -481,22 +481,6 @@ class Generator(Actor):
         self.policy_version = version
         if version is not None:
             self.gauges["held_version"] = float(version)
-
-
-def published_episodes(state: PartialGroup, group_size: int) -> list[EpisodeState]:
-    """`group_size` episodes of a grown group, in their order: its passing ones (at most G - 1, so a
-    failure stays) and failing ones drawn at random to fill G — seeded by the task id, so a republish after
-    a crash sends the same rollouts. Without a pass: the first G (all-fail; the trainer drops it as flat).
-    The failures drawn are a uniform sample of the group's, so the mean-centred advantages keep their signs
-    and about their sizes, while the step's batch holds G of these rollouts instead of the whole group."""
-    passed = [g for g, ep in enumerate(state.episodes) if ep.attempts and ep.attempts[-1].status == "passed"]
-    if not passed:
-        return state.episodes[:group_size]
-    failed = [g for g in range(len(state.episodes)) if g not in set(passed)]
-    keep = passed[:group_size - 1]
-    rng = random.Random(hashlib.sha256(f"{state.task_id}:subsample".encode()).digest())
-    keep += rng.sample(failed, min(len(failed), group_size - len(keep)))
-    return [state.episodes[g] for g in sorted(keep)]
 
 
 def _seed(state: PartialGroup) -> int:

@@ -25,6 +25,7 @@ from rlbus.actors.episode_group import (
     grow_group,
     new_group,
     policy_text,
+    published_episodes,
     record_attempt,
     record_summary,
 )
@@ -199,8 +200,6 @@ def test_a_grown_group_is_published_as_its_passes_and_failures_drawn_at_random()
     """published_episodes: G of a grown group, in order — its pass and G - 1 of its failures, the same ones
     every time (a republish after a crash sends the same rollouts); without a pass, the first G; with G or
     more passes, G - 1 of them and one failure."""
-    from rlbus.actors.generator import published_episodes
-
     def group(passing: set[int], size: int = 12, task_id: str = "t") -> PartialGroup:
         state = new_group(TASK, task_id, size, TOK, now=0.0)
         for g, ep in enumerate(state.episodes):

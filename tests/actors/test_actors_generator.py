@@ -1,9 +1,9 @@
 """The generator against a real nats-server and the real sandbox supervisor, with a tiny random policy:
 a task becomes G multi-turn Rollouts whose arrays are what the policy saw (teacher-forced logprobs equal
 the behaviour logprobs), the task is acked only once the group is stored, a saved partial is resumed
-instead of regenerated, a group without a pass grows up to max_group_size, an over-budget history is summarised, a generator process SIGKILLed
-mid-rollout hands its task to a new one that resumes it and publishes the group exactly once, and
-versions the publisher announces are swapped in mid-group (WeightSync)."""
+instead of regenerated, a group without a pass grows up to max_group_size, an over-budget history is
+summarised, a generator process SIGKILLed mid-rollout hands its task to a new one that resumes it and
+publishes the group exactly once, and versions the publisher announces are swapped in mid-group (WeightSync)."""
 
 from __future__ import annotations
 
