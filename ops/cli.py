@@ -16,8 +16,8 @@ from typing import Final
 from rlbus.messages.errors import RlbusError
 from rlbus.ops.logging import configure_logging
 
-SUBCOMMANDS: Final = ("up", "validate", "clean", "pretrain", "bench", "health", "events", "record", "replay",
-                      "plot", "chaos")
+SUBCOMMANDS: Final = ("up", "validate", "clean", "pretrain", "eval", "bench", "health", "events", "record",
+                      "replay", "plot", "chaos")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(json=True if args.log_json else None,
                       level=logging.DEBUG if args.verbose else logging.WARNING if args.command in
-                      ("validate", "health", "events", "replay", "bench", "record", "plot") else logging.INFO)
+                      ("validate", "health", "events", "replay", "bench", "record", "plot", "eval") else logging.INFO)
     try:
         return int(args.handler(args) or 0)
     except RlbusError as err:

@@ -1,0 +1,275 @@
+"""`rlbus eval WEIGHTS`: score a checkpoint, or the pretrained base, on the evaluator's held-out tasks.
+
+Greedy pass@1 with its 95% interval, per family, exactly as the evaluator and `rlbus up`'s closing
+evaluation score a version (the policy in bfloat16 as it is published, the same tasks for the same seed).
+With `--samples K` it also samples K completions per task at `--temperature` and reports the sampled
+pass@1, pass@K and, for the tasks greedy decoding fails, how many passes the policy samples at all: the
+measure of what RL can still turn into greedy passes (README, "The learning run").
+
+Owns: the `eval` subcommand, `load_policy` (state directory, `checkpoints/step-N` directory or
+`pretrain.pt` → policy and a label; checkpoint objects digest-checked against their `mark.json`),
+`sample_passes` and `summarize`.
+Does not: run while a run goes on or publish anything (actors/evaluator.py; ops/final_eval.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+DEFAULT_TASKS: Final = 1000
+"""The default run's evaluator (`topology/examples/single.toml` [evaluator] n_tasks)."""
+DEFAULT_MAX_TOKENS: Final = 128
+"""The default run's token budget (`[generator] max_tokens`), which its evaluator uses too."""
+SAMPLE_TASKS_PER_CALL: Final = 8
+"""Tasks per batched sampling call: K rows each."""
+MAX_SAMPLES: Final = 256
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "eval", help="score a checkpoint or the pretrained base on the held-out tasks (greedy, and sampled)",
+        description="Score WEIGHTS on the evaluator's held-out tasks: greedy pass@1 with its 95% interval per "
+                    "family, the policy in bfloat16 as a published version is (what the evaluator and the "
+                    "closing evaluation of `rlbus up` report). With --samples K, also K completions per task at "
+                    "--temperature: sampled pass@1, pass@K, and how many of the tasks greedy decoding fails "
+                    "the policy solves at least once in K (what RL can still turn into greedy passes). "
+                    "WEIGHTS is a run's state directory (its newest checkpoint), one checkpoints/step-N "
+                    "directory, or a pretrain.pt (or the directory holding it).")
+    p.add_argument("weights", type=Path, help="state directory, checkpoints/step-N directory, or pretrain.pt")
+    p.add_argument("--tasks", type=int, default=DEFAULT_TASKS,
+                   help=f"held-out tasks to score (default {DEFAULT_TASKS}, the default run's evaluator)")
+    p.add_argument("--seed", type=int, default=1, help="held-out task seed (default 1, the evaluator's)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"longest completion in tokens (default {DEFAULT_MAX_TOKENS}, the default run's)")
+    p.add_argument("--samples", type=int, default=0,
+                   help="also sample this many completions per task (default 0: greedy only)")
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="sampling temperature for --samples (default 0.7, the default run's)")
+    p.add_argument("--sample-seed", type=int, default=0, help="seed of the sampler (default 0)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(handler=_handler)
+
+
+def _handler(args: argparse.Namespace) -> int:
+    from rlbus.messages.errors import RlbusError
+
+    for name, value, low, high in (("--tasks", args.tasks, 1, 100_000), ("--max-tokens", args.max_tokens, 1, 4096),
+                                   ("--samples", args.samples, 0, MAX_SAMPLES)):
+        if not low <= value <= high:
+            raise RlbusError(f"{name} {value}: expected an integer from {low} to {high}")
+    if args.samples and not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise RlbusError(f"--temperature {args.temperature}: expected a number > 0 for --samples")
+    import torch
+
+    from rlbus.model.evaluate import evaluate_pass_at_1
+    from rlbus.model.tasks import eval_tasks
+    from rlbus.model.tokenizer import ByteTokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    policy, label = load_policy(args.weights)
+    tokenizer = ByteTokenizer()
+    started = time.monotonic()
+    tasks = eval_tasks(args.seed, args.tasks)
+    _progress(f"{label}: greedy on {len(tasks)} held-out tasks (seed {args.seed})")
+    greedy = evaluate_pass_at_1(policy, tokenizer, tasks, max_new_tokens=args.max_tokens, batch_size=32)
+    passes: list[int] | None = None
+    if args.samples:
+        _progress(f"greedy done in {time.monotonic() - started:.0f}s; sampling {args.samples} per task at "
+                  f"temperature {args.temperature}")
+        passes = sample_passes(policy, tokenizer, tasks, samples=args.samples, temperature=args.temperature,
+                               max_tokens=args.max_tokens, seed=args.sample_seed,
+                               progress=lambda done: _progress(f"sampled {done}/{len(tasks)} tasks "
+                                                               f"({time.monotonic() - started:.0f}s)"))
+    families = [f"{t.family}/{t.level}" for t in tasks]
+    report = summarize(families, [r.passed for r in greedy.results], passes, samples=args.samples)
+    report.update(weights=label, seed=args.seed, max_tokens=args.max_tokens,
+                  temperature=args.temperature if args.samples else None, seconds=round(time.monotonic() - started, 1))
+    print(json.dumps(report) if args.json else table(report))
+    return 0
+
+
+def _progress(text: str) -> None:
+    """Progress goes to stderr, so stdout holds only the table (or the JSON object)."""
+    print(f"rlbus eval: {text}", file=sys.stderr, flush=True)
+
+
+# ---- the weights --------------------------------------------------------------------------------
+def load_policy(path: Path) -> tuple[Any, str]:
+    """(the policy in bfloat16, eval mode; a label) from a state directory (its newest durable checkpoint),
+    a `checkpoints/step-N` directory (its state object, digest-checked against `mark.json`) or a
+    `pretrain.pt` / a directory holding one (the pretrained base, as version 0 is published).
+
+    :raises RlbusError: nothing loadable there, or a checkpoint object that does not match its digest.
+    """
+    import torch
+
+    from rlbus.actors.checkpointer import MARK_FILE, checkpoint_dir, durable_steps
+    from rlbus.messages.errors import RlbusError
+    from rlbus.model.pretrain import CHECKPOINT_NAME, load_checkpoint
+
+    if not path.exists():
+        raise RlbusError(f"{path}: no such file or directory; expected a run's state directory, a "
+                         f"checkpoints/step-N directory or a {CHECKPOINT_NAME}")
+    if path.is_file() or (path / CHECKPOINT_NAME).is_file():
+        try:
+            model, _, meta = load_checkpoint(path)
+        except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:
+            raise RlbusError(f"{path}: not a readable {CHECKPOINT_NAME}: {err}") from None
+        steps = meta.get("steps")
+        return model.to(torch.bfloat16).eval(), f"{path} (pretrained base{f', {steps} steps' if steps else ''})"
+    if (path / "checkpoints").is_dir():
+        steps = durable_steps(path)
+        if not steps:
+            raise RlbusError(f"{path}: no durable checkpoint under {path / 'checkpoints'} yet (each needs "
+                             f"a {MARK_FILE})")
+        path = checkpoint_dir(path, max(steps))
+    if not (path / MARK_FILE).is_file():
+        raise RlbusError(f"{path}: expected a run's state directory (with checkpoints/), a checkpoints/step-N "
+                         f"directory (with {MARK_FILE}) or a {CHECKPOINT_NAME}")
+    return _checkpoint_policy(path)
+
+
+def _checkpoint_policy(path: Path) -> tuple[Any, str]:
+    import msgspec
+
+    from rlbus.actors.checkpointer import MARK_FILE
+    from rlbus.messages.bus import digest
+    from rlbus.messages.errors import RlbusError
+    from rlbus.messages.schemas import CheckpointMark
+    from rlbus.ops.final_eval import policy_from_state
+
+    try:
+        mark = msgspec.json.decode((path / MARK_FILE).read_bytes(), type=CheckpointMark)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise RlbusError(f"{path / MARK_FILE}: not a checkpoint mark: {err}") from None
+    if len(mark.objects) != 1 or len(mark.digests) != 1:
+        raise RlbusError(f"{path / MARK_FILE}: lists {len(mark.objects)} objects; the trainer writes exactly one")
+    blob_path = path / mark.objects[0]
+    blob = blob_path.read_bytes() if blob_path.is_file() else b""
+    if digest(blob) != mark.digests[0]:
+        raise RlbusError(f"{blob_path}: {'missing' if not blob else 'digest ' + digest(blob)}; the mark expects "
+                         f"{mark.digests[0]}: the checkpoint is damaged")
+    return policy_from_state(blob), f"{path} (checkpoint step {mark.step}, policy version {mark.policy_version})"
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+def sample_passes(model: Any, tokenizer: Any, tasks: Sequence[Any], *, samples: int, temperature: float,
+                  max_tokens: int, seed: int = 0, progress: Callable[[int], None] | None = None) -> list[int]:
+    """Per task, how many of `samples` completions at `temperature` pass every test (one batched
+    `generate` call per SAMPLE_TASKS_PER_CALL tasks, bfloat16 KV cache like the generators; graded in
+    a `model.grading` subprocess). Seeded: the same arguments give the same counts."""
+    import torch
+
+    from rlbus.model.episodes import completion_text
+    from rlbus.model.generate import generate
+    from rlbus.model.grading import grade_many
+
+    sampler = torch.Generator().manual_seed(seed)
+    passes: list[int] = []
+    every = max(1, len(tasks) // 10)
+    for first in range(0, len(tasks), SAMPLE_TASKS_PER_CALL):
+        chunk = tasks[first:first + SAMPLE_TASKS_PER_CALL]
+        prompts = [tokenizer.prompt_ids(t.prompt) for t in chunk for _ in range(samples)]
+        with torch.no_grad():
+            out = generate(model, prompts, max_new_tokens=max_tokens, temperature=temperature,
+                           eos_id=tokenizer.stop_id, pad_id=tokenizer.pad_id, generator=sampler,
+                           kv_dtype=torch.bfloat16)
+        graded = grade_many([(chunk[j // samples], completion_text(s.tokens.tolist(), tokenizer))
+                             for j, s in enumerate(out)])
+        passes += [sum(graded[k * samples + j].passed for j in range(samples)) for k in range(len(chunk))]
+        done = first + len(chunk)
+        if progress is not None and (done // every > first // every or done == len(tasks)):
+            progress(done)
+    return passes
+
+
+# ---- the report ---------------------------------------------------------------------------------
+@dataclass
+class _Tally:
+    n: int = 0
+    greedy: int = 0
+    sampled: int = 0
+    any_pass: int = 0
+
+
+def summarize(families: Sequence[str], greedy: Sequence[bool], passes: Sequence[int] | None, *,
+              samples: int) -> dict[str, Any]:
+    """The report: greedy pass@1 and its 95% interval overall and per family; with samples, the sampled
+    pass@1 (mean passes / K), pass@K (share of tasks with a pass) and, for the tasks greedy decoding passes
+    and fails, how many tasks had 0, 1, ..., K passing samples."""
+    from rlbus.model.evaluate import wilson_interval
+
+    if len(families) != len(greedy) or (passes is not None and len(passes) != len(greedy)):
+        raise ValueError("families, greedy and passes must cover the same tasks")
+    total, by_family = _Tally(), {}
+    for k, family in enumerate(families):
+        for tally in (total, by_family.setdefault(family, _Tally())):
+            tally.n += 1
+            tally.greedy += bool(greedy[k])
+            if passes is not None:
+                tally.sampled += passes[k]
+                tally.any_pass += passes[k] > 0
+    low, high = wilson_interval(total.greedy, total.n)
+    report: dict[str, Any] = {"n": total.n, "greedy_passed": total.greedy,
+                              "pass_at_1": total.greedy / max(1, total.n), "ci95": [low, high]}
+    if passes is not None:
+        report.update(samples=samples, sampled_pass_at_1=total.sampled / max(1, total.n * samples),
+                      pass_at_k=total.any_pass / max(1, total.n))
+        for outcome, want in (("greedy_pass", True), ("greedy_fail", False)):
+            counts = [0] * (samples + 1)
+            for g, c in zip(greedy, passes, strict=True):
+                if bool(g) is want:
+                    counts[c] += 1
+            report[f"{outcome}_tasks_by_passes"] = counts
+    report["by_family"] = {
+        family: {"n": t.n, "greedy_passed": t.greedy, "pass_at_1": t.greedy / t.n,
+                 **({"sampled_pass_at_1": t.sampled / (t.n * samples), "pass_at_k": t.any_pass / t.n}
+                    if passes is not None else {})}
+        for family, t in sorted(by_family.items())}
+    return report
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as the table `rlbus eval` prints."""
+    sampled = "samples" in report
+    k = report.get("samples", 0)
+    lines = [f"rlbus eval: {report['weights']}",
+             f"  held-out tasks: {report['n']} (seed {report['seed']}), greedy, bfloat16, "
+             f"<= {report['max_tokens']} tokens" + (f"; {k} samples per task at temperature "
+                                                     f"{report['temperature']}" if sampled else ""),
+             ""]
+    head = f"  {'family':<10} {'tasks':>6} {'greedy pass@1':>14}"
+    if sampled:
+        head += f" {'sampled pass@1':>15} {f'pass@{k}':>8}"
+    lines.append(head)
+    rows = [(family, f) for family, f in report["by_family"].items()]
+    rows.append(("all", {"n": report["n"], "pass_at_1": report["pass_at_1"],
+                         "sampled_pass_at_1": report.get("sampled_pass_at_1"), "pass_at_k": report.get("pass_at_k")}))
+    for family, f in rows:
+        line = f"  {family:<10} {f['n']:>6} {f['pass_at_1']:>14.3f}"
+        if sampled:
+            line += f" {f['sampled_pass_at_1']:>15.3f} {f['pass_at_k']:>8.3f}"
+        lines.append(line)
+    low, high = report["ci95"]
+    lines.append(f"  greedy pass@1 {report['pass_at_1']:.3f} [{low:.3f}, {high:.3f}] "
+                 f"({report['greedy_passed']}/{report['n']})")
+    if sampled:
+        fails = report["greedy_fail_tasks_by_passes"]
+        wins = report["greedy_pass_tasks_by_passes"]
+        lines.append(f"  of the {sum(fails)} tasks greedy decoding fails, {fails[0]} get no pass in {k} samples, "
+                     f"{sum(fails[1:])} at least one")
+        lines.append(f"  of the {sum(wins)} tasks it passes, {sum(wins[(k + 1) // 2:])} pass in at least half "
+                     f"of the samples")
+        lines.append(f"  tasks by passing samples (0..{k}): greedy fails {fails}, greedy passes {wins}")
+    lines.append(f"  ({report['seconds']}s)")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""`rlbus eval` (ops/eval.py): finds the weights (the newest durable checkpoint of a state directory, one
+checkpoint directory, or a pretrain.pt), refuses damaged or missing ones with exit 2 and a message that
+says what it expected, and reports greedy and sampled pass rates whose bookkeeping adds up."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rlbus.actors._trainer_core import TrainerCore
+from rlbus.actors.checkpointer import write_durable
+from rlbus.messages.bus import digest
+from rlbus.messages.schemas import CheckpointMark
+from rlbus.model.pretrain import CHECKPOINT_NAME
+from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.ops.cli import main
+from rlbus.ops.eval import summarize
+
+TOK = ByteTokenizer()
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.tiny(vocab_size=TOK.vocab_size, max_seq_len=512)).eval()
+
+
+def _pretrained(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    model = _model()
+    torch.save({"state_dict": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "tokenizer": TOK.info(), "meta": {}}, folder / CHECKPOINT_NAME)
+    return folder
+
+
+def _checkpoint(state_dir: Path, step: int) -> Path:
+    model = _model()
+    blob = TrainerCore(model, copy.deepcopy(model), lr=1e-3).state_blob({"step": step})
+    name = f"state-step-{step}-test"
+    mark = CheckpointMark(step=step, policy_version=step, objects=[name], digests=[digest(blob)])
+    return write_durable(state_dir, mark, {name: blob})
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["eval", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_summarize_counts_greedy_and_sampled_passes_per_family() -> None:
+    report = summarize(["a/1", "a/1", "b/1", "b/1"], [True, False, False, False], [3, 1, 0, 2], samples=4)
+    assert (report["n"], report["greedy_passed"], report["pass_at_1"]) == (4, 1, 0.25)
+    assert report["ci95"][0] < 0.25 < report["ci95"][1]
+    assert report["sampled_pass_at_1"] == 6 / 16 and report["pass_at_k"] == 3 / 4
+    assert report["greedy_fail_tasks_by_passes"] == [1, 1, 1, 0, 0]
+    assert report["greedy_pass_tasks_by_passes"] == [0, 0, 0, 1, 0]
+    assert report["by_family"] == {
+        "a/1": {"n": 2, "greedy_passed": 1, "pass_at_1": 0.5, "sampled_pass_at_1": 0.5, "pass_at_k": 1.0},
+        "b/1": {"n": 2, "greedy_passed": 0, "pass_at_1": 0.0, "sampled_pass_at_1": 0.25, "pass_at_k": 0.5}}
+    greedy_only = summarize(["a/1"], [False], None, samples=0)
+    assert "pass_at_k" not in greedy_only and greedy_only["by_family"]["a/1"] == {"n": 1, "greedy_passed": 0,
+                                                                                  "pass_at_1": 0.0}
+    with pytest.raises(ValueError, match="same tasks"):
+        summarize(["a/1"], [True, False], None, samples=0)
+
+
+def test_a_state_directory_is_scored_at_its_newest_checkpoint_and_a_pretrain_file_as_the_base(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _checkpoint(tmp_path / "run", 3)
+    _checkpoint(tmp_path / "run", 7)
+    code, out, err = _run(capsys, str(tmp_path / "run"), "--tasks", "6", "--samples", "2", "--max-tokens", "8",
+                          "--json")
+    report = json.loads(out)
+    assert code == 0 and "checkpoint step 7, policy version 7" in report["weights"]
+    assert report["n"] == 6 and sum(f["n"] for f in report["by_family"].values()) == 6
+    assert sum(report["greedy_fail_tasks_by_passes"]) + sum(report["greedy_pass_tasks_by_passes"]) == 6
+    assert len(report["greedy_fail_tasks_by_passes"]) == 3 and report["samples"] == 2
+    assert report["pass_at_k"] >= report["sampled_pass_at_1"] and "sampled 6/6 tasks" in err
+    again = json.loads(_run(capsys, str(tmp_path / "run"), "--tasks", "6", "--samples", "2", "--max-tokens", "8",
+                            "--json")[1])
+    assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in report.items() if k != "seconds"}
+
+    code, out, _ = _run(capsys, str(_pretrained(tmp_path / "pretrained")), "--tasks", "4", "--max-tokens", "8")
+    assert code == 0 and "(pretrained base)" in out and "greedy pass@1 0.000" in out and "all" in out
+    assert "samples" not in out
+
+
+def test_damaged_or_missing_weights_are_exit_2_saying_what_was_expected(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    step = _checkpoint(tmp_path / "run", 5)
+    obj = next(step.glob("state-*"))
+    data = bytearray(obj.read_bytes())
+    data[len(data) // 2] ^= 0xFF                   # one flipped byte in the middle of the state
+    obj.write_bytes(bytes(data))
+    code, _, err = _run(capsys, str(step), "--tasks", "2")
+    assert code == 2 and "the checkpoint is damaged" in err and str(obj) in err
+    obj.unlink()
+    assert "missing" in _run(capsys, str(step), "--tasks", "2")[2]
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
+    for path, fragment in ((tmp_path / "nowhere", "no such file or directory"),
+                           (tmp_path / "empty", "expected a run's state directory"),
+                           (tmp_path / "fresh", "no durable checkpoint")):
+        code, _, err = _run(capsys, str(path))
+        assert code == 2 and fragment in err, err
+    for flag, value in (("--tasks", "0"), ("--samples", "100000")):
+        code, _, err = _run(capsys, str(tmp_path / "run"), flag, value)
+        assert code == 2 and f"{flag} {value}: expected an integer" in err
