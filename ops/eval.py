@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -123,8 +124,9 @@ def load_policy(path: Path) -> tuple[Any, str]:
     if path.is_file() or (path / CHECKPOINT_NAME).is_file():
         try:
             model, _, meta = load_checkpoint(path)
-        except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:
-            raise RlbusError(f"{path}: not a readable {CHECKPOINT_NAME}: {err}") from None
+        except (OSError, EOFError, RuntimeError, KeyError, TypeError, ValueError, pickle.UnpicklingError) as err:
+            raise RlbusError(f"{path}: not a readable {CHECKPOINT_NAME} ({type(err).__name__}: {err}); expected "
+                             f"the file `rlbus pretrain` or `rlbus up` writes") from None
         steps = meta.get("steps")
         return model.to(torch.bfloat16).eval(), f"{path} (pretrained base{f', {steps} steps' if steps else ''})"
     if (path / "checkpoints").is_dir():

@@ -101,11 +101,13 @@ def test_damaged_or_missing_weights_are_exit_2_saying_what_was_expected(
     obj.unlink()
     assert "missing" in _run(capsys, str(step), "--tasks", "2")[2]
 
+    (tmp_path / "text.pt").write_text("not a checkpoint\n")
     (tmp_path / "empty").mkdir()
     (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
     for path, fragment in ((tmp_path / "nowhere", "no such file or directory"),
                            (tmp_path / "empty", "expected a run's state directory"),
-                           (tmp_path / "fresh", "no durable checkpoint")):
+                           (tmp_path / "fresh", "no durable checkpoint"),
+                           (tmp_path / "text.pt", "not a readable pretrain.pt (")):
         code, _, err = _run(capsys, str(path))
         assert code == 2 and fragment in err, err
     for flag, value in (("--tasks", "0"), ("--samples", "100000")):
