@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,15 +103,25 @@ def test_damaged_or_missing_weights_are_exit_2_saying_what_was_expected(
     obj.unlink()
     assert "missing" in _run(capsys, str(step), "--tasks", "2")[2]
 
-    (tmp_path / "text.pt").write_text("not a checkpoint\n")
     (tmp_path / "empty").mkdir()
     (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
     for path, fragment in ((tmp_path / "nowhere", "no such file or directory"),
                            (tmp_path / "empty", "expected a run's state directory"),
-                           (tmp_path / "fresh", "no durable checkpoint"),
-                           (tmp_path / "text.pt", "not a readable pretrain.pt (")):
+                           (tmp_path / "fresh", "no durable checkpoint")):
         code, _, err = _run(capsys, str(path))
         assert code == 2 and fragment in err, err
     for flag, value in (("--tasks", "0"), ("--samples", "100000")):
         code, _, err = _run(capsys, str(tmp_path / "run"), flag, value)
         assert code == 2 and f"{flag} {value}: expected an integer" in err
+
+
+def test_a_file_that_is_not_a_checkpoint_is_exit_2_from_the_real_command(tmp_path: Path) -> None:
+    """The `rlbus eval` process itself, on a text file: exit 2, naming the file, the error and what was expected
+    (a subprocess: torch's unpickler fails on it, and that stays out of the test process)."""
+    bad = tmp_path / "text.pt"
+    bad.write_text("not a checkpoint\n")
+    done = subprocess.run([sys.executable, "-m", "rlbus.ops.cli", "eval", str(bad), "--tasks", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"{bad}: not a readable pretrain.pt (UnpicklingError" in done.stderr
+    assert "expected the file `rlbus pretrain` or `rlbus up` writes" in done.stderr
