@@ -17,10 +17,10 @@ import anyio
 import nats.js.errors
 import structlog
 
-from rlbus.actors.checkpointer import checkpoint_dir
+from rlbus.actors.checkpointer import checkpoint_dir, read_durable_state
 from rlbus.actors.ledger import read_all
 from rlbus.messages import checks, codec
-from rlbus.messages.bus import Bus, digest
+from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage, DigestMismatch, RlbusError
 from rlbus.messages.schemas import CheckpointMark, VersionReady
 
@@ -129,10 +129,11 @@ async def load_state(bus: Bus, mark: CheckpointMark, state_dir: str) -> tuple[by
     except (nats.js.errors.NotFoundError, DigestMismatch) as err:
         log.warning("trainer_state_not_in_ckpt", step=mark.step, object=name, error=repr(err))
     if state_dir:
-        path = checkpoint_dir(Path(state_dir), mark.step) / name
-        data = await anyio.to_thread.run_sync(lambda: path.read_bytes() if path.exists() else b"")
-        if data and digest(data) == expected:
-            return data, "disk"
+        try:
+            return await anyio.to_thread.run_sync(read_durable_state, checkpoint_dir(Path(state_dir), mark.step),
+                                                  mark), "disk"
+        except ValueError as err:
+            log.warning("trainer_state_not_on_disk", step=mark.step, object=name, error=str(err))
     raise RlbusError(f"the state of checkpoint step {mark.step} ({name}) is neither in CKPT nor on disk under "
                      f"{state_dir or '(no state_dir)'} with digest {expected}; restore the checkpoint or start "
                      f"a fresh run")

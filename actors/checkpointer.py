@@ -26,7 +26,7 @@ import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.messages.bus import Bus, Delivery
+from rlbus.messages.bus import Bus, Delivery, digest
 from rlbus.messages import checks, codec
 from rlbus.messages.errors import BadMessage, DigestMismatch
 from rlbus.messages.schemas import CheckpointMark, StateUploaded
@@ -56,6 +56,23 @@ def durable_steps(state_dir: Path) -> list[int]:
         if entry.name.startswith(_STEP_PREFIX) and suffix.isdigit() and (entry / MARK_FILE).exists():
             steps.append(int(suffix))
     return sorted(steps)
+
+
+def read_durable_state(step_dir: Path, mark: CheckpointMark) -> bytes:
+    """The mark's one state object from its durable copy in `step_dir`, checked against the mark's digest.
+
+    :raises ValueError: the mark does not list exactly one object, or the file is missing or differs.
+    """
+    if len(mark.objects) != 1 or len(mark.digests) != 1:
+        raise ValueError(f"the mark of step {mark.step} lists {len(mark.objects)} objects; the trainer writes "
+                         f"exactly one")
+    path = step_dir / mark.objects[0]
+    data = path.read_bytes() if path.is_file() else b""
+    if not data:
+        raise ValueError(f"{path}: missing")
+    if digest(data) != mark.digests[0]:
+        raise ValueError(f"{path}: digest {digest(data)}; the mark expects {mark.digests[0]}")
+    return data
 
 
 def durable_marks(state_dir: Path) -> list[tuple[int, list[str]]]:

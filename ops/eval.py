@@ -144,8 +144,7 @@ def load_policy(path: Path) -> tuple[Any, str]:
 def _checkpoint_policy(path: Path) -> tuple[Any, str]:
     import msgspec
 
-    from rlbus.actors.checkpointer import MARK_FILE
-    from rlbus.messages.bus import digest
+    from rlbus.actors.checkpointer import MARK_FILE, read_durable_state
     from rlbus.messages.errors import RlbusError
     from rlbus.messages.schemas import CheckpointMark
     from rlbus.ops.final_eval import policy_from_state
@@ -154,13 +153,10 @@ def _checkpoint_policy(path: Path) -> tuple[Any, str]:
         mark = msgspec.json.decode((path / MARK_FILE).read_bytes(), type=CheckpointMark)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as err:
         raise RlbusError(f"{path / MARK_FILE}: not a checkpoint mark: {err}") from None
-    if len(mark.objects) != 1 or len(mark.digests) != 1:
-        raise RlbusError(f"{path / MARK_FILE}: lists {len(mark.objects)} objects; the trainer writes exactly one")
-    blob_path = path / mark.objects[0]
-    blob = blob_path.read_bytes() if blob_path.is_file() else b""
-    if digest(blob) != mark.digests[0]:
-        raise RlbusError(f"{blob_path}: {'missing' if not blob else 'digest ' + digest(blob)}; the mark expects "
-                         f"{mark.digests[0]}: the checkpoint is damaged")
+    try:
+        blob = read_durable_state(path, mark)
+    except ValueError as err:
+        raise RlbusError(f"{err}: the checkpoint is damaged") from None
     return policy_from_state(blob), f"{path} (checkpoint step {mark.step}, policy version {mark.policy_version})"
 
 
@@ -254,7 +250,7 @@ def table(report: dict[str, Any]) -> str:
     if sampled:
         head += f" {'sampled pass@1':>15} {f'pass@{k}':>8}"
     lines.append(head)
-    rows = [(family, f) for family, f in report["by_family"].items()]
+    rows = list(report["by_family"].items())
     rows.append(("all", {"n": report["n"], "pass_at_1": report["pass_at_1"],
                          "sampled_pass_at_1": report.get("sampled_pass_at_1"), "pass_at_k": report.get("pass_at_k")}))
     for family, f in rows:

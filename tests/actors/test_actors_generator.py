@@ -24,6 +24,7 @@ from pathlib import Path
 import anyio
 import msgspec
 import nats.js.errors
+from nats.js.kv import KeyValue
 import pytest
 import torch
 
@@ -330,20 +331,29 @@ async def test_task_is_acked_only_after_its_group_is_stored(env: Env) -> None:
         check_layout(r, task, attempts=3)
 
 
-async def test_redelivered_task_resumes_its_partial(env: Env) -> None:
-    """A partial holding one graded attempt per episode is resumed: those tokens, logprobs, versions and the
-    feedback stay as saved (not regenerated), the two remaining attempts come from the current weights."""
-    task = coding_task(2)
+async def redeliver_with_partial(env: Env, task: Task, first: list[int], *, version: int, feedback: str,
+                                 max_attempts: int) -> KeyValue:
+    """Save a partial of 2 episodes, each with one failed attempt `first` (logprobs -0.5 at `version`)
+    and its feedback, then publish the task as if redelivered; returns the PARTIALS bucket."""
     state = new_group(task, task.task_id, 2, TOK, now=0.0)
-    first = [*TOK.encode("return x"), TOK.end_turn_id]
     for ep in state.episodes:
-        ep.draft_ids, ep.draft_logprobs, ep.draft_versions = list(first), [-0.5] * len(first), [5] * len(first)
-        record_attempt(ep, task, Attempt(status="failed", n_passed=1, n_tests=6, feedback="f(1) returned 1, expected 3",
-                                         verdict=SandboxVerdict(passed=1, total=6, status="failed")), TOK, 3)
+        ep.draft_ids, ep.draft_logprobs, ep.draft_versions = list(first), [-0.5] * len(first), [version] * len(first)
+        record_attempt(ep, task, Attempt(status="failed", n_passed=1, n_tests=6, feedback=feedback,
+                                         verdict=SandboxVerdict(passed=1, total=6, status="failed")), TOK,
+                       max_attempts)
     state.rounds = 1
     kv = await env.admin.js.key_value(env.admin.subjects.partials_bucket("hub"))
     await kv.create(partial_key(task.task_id), encode_partial(state))
     await env.admin.publish(env.admin.subjects.tasks("hub"), task_message(task), msg_id=task.task_id)
+    return kv
+
+
+async def test_redelivered_task_resumes_its_partial(env: Env) -> None:
+    """A partial holding one graded attempt per episode is resumed: those tokens, logprobs, versions and the
+    feedback stay as saved (not regenerated), the two remaining attempts come from the current weights."""
+    task = coding_task(2)
+    first = [*TOK.encode("return x"), TOK.end_turn_id]
+    await redeliver_with_partial(env, task, first, version=5, feedback="f(1) returned 1, expected 3", max_attempts=3)
     model = tiny_model()
     async with sandbox(env), generator(env, model, version=9) as actor:
         async def done() -> bool:
@@ -377,16 +387,8 @@ async def test_group_without_a_pass_grows_by_g_up_to_max_group_size(env: Env, su
     again to 6 and stops there; all 6 Rollouts carry group_size 6, the task is acked, the partial deleted.
     With grown_subsample the group goes out as G = 2 rollouts of group_size 2 (no pass: its first two)."""
     task = coding_task(3)
-    state = new_group(task, task.task_id, 2, TOK, now=0.0)
     first = [*TOK.encode("return x"), TOK.end_turn_id]
-    for ep in state.episodes:
-        ep.draft_ids, ep.draft_logprobs, ep.draft_versions = list(first), [-0.5] * len(first), [4] * len(first)
-        record_attempt(ep, task, Attempt(status="failed", n_passed=1, n_tests=6, feedback="no",
-                                         verdict=SandboxVerdict(passed=1, total=6, status="failed")), TOK, 1)
-    state.rounds = 1
-    kv = await env.admin.js.key_value(env.admin.subjects.partials_bucket("hub"))
-    await kv.create(partial_key(task.task_id), encode_partial(state))
-    await env.admin.publish(env.admin.subjects.tasks("hub"), task_message(task), msg_id=task.task_id)
+    kv = await redeliver_with_partial(env, task, first, version=4, feedback="no", max_attempts=1)
     config = msgspec.structs.replace(CONFIG, max_attempts=1, max_group_size=6, grown_subsample=subsample)
     async with sandbox(env), generator(env, tiny_model(), version=4, config=config) as actor:
         async def done() -> bool:
