@@ -163,6 +163,16 @@ def test_three_regions_layout() -> None:
     assert all(r.embedded for r in topology.regions)
 
 
+def test_three_regions_runs_the_default_learning_settings() -> None:
+    """`rlbus up three_regions` is the default learning run spread over three regions: its feeder levels,
+    generator, trainer, evaluator and pretraining settings are single.toml's, value for value."""
+    three, single = load(example_path("three_regions"), local_cores=CORES), load(example_path("single"), local_cores=CORES)
+    assert three.feeder.levels == single.feeder.levels == [1, 2]
+    assert (three.generator, three.trainer, three.evaluator, three.pretrain) == (
+        single.generator, single.trainer, single.evaluator, single.pretrain)
+    assert three.trainer.lr == 1e-4 and three.pretrain.steps == 300
+
+
 def test_ray_example_places_by_region_resource() -> None:
     """The Ray example selects the ray backend and gives each region its `region:<name>` resource."""
     topology = load(example_path("ray"), local_cores=CORES)
