@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.checkpointer import Checkpointer, CheckpointerConfig
 from rlbus.actors.episode_group import (
     Attempt,
     PartialGroup,
@@ -39,8 +40,10 @@ from rlbus.actors.episode_group import (
 )
 from rlbus.actors.feeder import verifier_for
 from rlbus.actors.generator import Generator, GeneratorConfig, partial_key
+from rlbus.actors.ledger import Ledger, read_ledger
 from rlbus.actors.publisher import Publisher, PublisherSettings
 from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
+from rlbus.actors.trainer import Trainer, TrainerConfig
 from rlbus.actors.version_source import published_state, upload_version
 from rlbus.actors.weight_source import LocalWeights
 from rlbus.messages import codec
@@ -149,6 +152,24 @@ def generator(env: Env, model: Transformer, *, version: int, config: GeneratorCo
 def sandbox(env: Env) -> object:
     return serving(env, "sandbox", lambda bus: SandboxSupervisor(ActorId(env.run, "hub", "sandbox", "sb"), bus,
                                                                   SANDBOX, FAST))
+
+
+async def train_everything(env: Env, pretrained: Path, state: Path, produced: int) -> Ledger:
+    """Serve a trainer and a checkpointer in this process until every rollout in ROLLOUTS is trained or dropped
+    along the final lineage (hang guard: a lost rollout never gets there); return that ledger."""
+    trainer = TrainerConfig(pretrained=str(pretrained), lr=1e-3, batch_rollouts=2, checkpoint_interval=1,
+                            mark_wait_s=2.0, resume_wait_s=0.0, state_dir=str(state))
+    marks = CheckpointerConfig(interval_steps=1, keep=1, state_dir=str(state), drain_linger_s=0.2)
+    async with serving(env, "checkpointer", lambda bus: Checkpointer(
+            ActorId(env.run, "hub", "checkpointer", "hub-checkpointer-0"), bus, marks, FAST)), \
+            serving(env, "trainer", lambda bus: Trainer(ActorId(env.run, "hub", "trainer", "hub-trainer-0"), bus,
+                                                        trainer, FAST)):
+        with anyio.fail_after(120):
+            while True:
+                result = await read_ledger(env.admin)
+                if result.produced == produced and not result.lost and not result.pending:
+                    return result
+                await anyio.sleep(0.5)
 
 
 async def stored(env: Env, stream: str) -> int:
@@ -465,7 +486,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> int:
 async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once(env: Env, tmp_path: Path) -> None:
     """SIGKILL a generator process mid-rollout: the task comes back to a new generator process, which resumes
     the saved partial (resumed counter; every token saved before the kill is in the rollouts unchanged, with
-    the old version, and only the rest is sampled anew) and the group is in ROLLOUTS exactly once."""
+    the old version, and only the rest is sampled anew) and the group is in ROLLOUTS exactly once; a trainer
+    then trains on it: ledger 0 lost, 0 trained twice."""
     checkpoint = tmp_path / "pretrain.pt"
     model = tiny_model()
     torch.save({"state_dict": model.state_dict(), "model_config": dataclasses.asdict(model.config),
@@ -537,6 +559,8 @@ async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once
         assert sampled[:len(old)] == old and {versions[i] for i in sampled[len(old):]} <= {2}
     with pytest.raises(nats.js.errors.KeyNotFoundError):
         await kv.get(key)
+    ledger = await train_everything(env, checkpoint, tmp_path / "state", produced=2)
+    assert ledger.clean and ledger.trained == 2 and ledger.dropped == {}, (ledger.lost, ledger.trained_twice)
 
 
 # ---- published weights: WeightSync swaps in flight --------------------------------------------------------
