@@ -3,9 +3,11 @@
 Owns: `Feeder` (kind "feeder"), `FeederConfig`, the task sources (the built-in family
 `model.tasks.train_tasks(seed)`, or a JSONL file of tasks), the deterministic weighted region of each
 task, the verifier spec a generator rebuilds a task from (`verifier_for` / `task_from_verifier`), and
-the feeder's position, kept in the hub's PARTIALS KV under `POSITION_KEY`, and the lockstep schedule
-(`lockstep`: one batch of tasks per new policy version, for the synchronous arm of `rlbus bench async`).
-Does not: generate or grade (actors/generator.py), provision streams (messages/streams.py).
+the feeder's position, kept in the hub's PARTIALS KV under `POSITION_KEY` (`read_position`; which ids its
+cursors have fed: `fed_task_ids`), and the lockstep schedule (`lockstep`: one batch of tasks per new
+policy version, for the synchronous arm of `rlbus bench async`).
+Does not: generate or grade (actors/generator.py), provision streams (messages/streams.py), account for
+fed tasks (actors/ledger.py `read_task_ledger`).
 
 Task `i` of the sequence goes to region `assign_region(seed, i, weights)`, a pure function, and only
 there. Each region has its own cursor (the next sequence index it has not been given), so a cut-off
@@ -231,6 +233,62 @@ class Position(msgspec.Struct, kw_only=True):
     """Lockstep: per region, the last policy version it was given its batch for."""
 
 
+def task_sequence(config: FeederConfig, listed: list[CodingTask] | None = None) -> TaskSequence:
+    """The sequence the feeder walks: `listed` (the tasks file's tasks) or the built-in family of the config."""
+    return TaskSequence(config.seed, listed, config.max_tasks, eval_seed=config.eval_seed, levels=config.levels)
+
+
+def position_matches(saved: Position, config: FeederConfig, own_region: str) -> bool:
+    """Whether `saved` is a position in this config's sequence and assignment (seed, task source, weights);
+    a feeder that finds another one saved does not resume its cursors (`feeder_assignment_changed`)."""
+    return (saved.seed, saved.source, saved.weights) == (config.seed, task_source(config),
+                                                         dict(config.weights(own_region)))
+
+
+def fed_task_ids(config: FeederConfig, cursors: Mapping[str, int], own_region: str,
+                 listed: list[CodingTask] | None = None) -> dict[str, list[str]]:
+    """Per region of `config.weights(own_region)`, the ids of the tasks a feeder with these cursors has given
+    it, in sequence order: every index below the region's cursor that `assign_region` gives the region
+    (the feeder walks each region's indices in order and advances the cursor past each one published).
+
+    `listed`: the tasks file's tasks (None: read `config.tasks_file` when set). Cursors of a position saved
+    under another seed, source or weights (`position_matches`) do not mean this."""
+    weights = config.weights(own_region)
+    if listed is None and config.tasks_file is not None:
+        listed = read_tasks_file(Path(config.tasks_file))
+    tasks = task_sequence(config, listed)
+    out: dict[str, list[str]] = {region: [] for region, _ in weights}
+    stop = max((cursors.get(region, 0) for region in out), default=0)
+    if tasks.end is not None:
+        stop = min(stop, tasks.end)
+    for index in range(stop):
+        region = assign_region(config.seed, index, weights)
+        task = tasks.get(index)
+        tasks.forget_below(index)
+        if index < cursors.get(region, 0):
+            out[region].append(task.task_id)
+    return out
+
+
+async def read_position(bus: Bus, region: str, *, domain: str | None = None) -> Position | None:
+    """The feeder's saved position in `region`'s PARTIALS KV (the feeder's own region), or None if none is saved.
+
+    `domain`: that region's JetStream domain when `bus` is connected elsewhere.
+    :raises BadMessage: the saved value is not a `Position`.
+    """
+    js = bus.jetstream(domain) if domain is not None else bus.js
+    bucket = bus.subjects.partials_bucket(region)
+    kv = await js.key_value(bucket)
+    try:
+        entry = await kv.get(POSITION_KEY)
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    try:
+        return msgspec.json.decode(entry.value or b"", type=Position)
+    except msgspec.DecodeError as err:
+        raise BadMessage(f"feeder position {POSITION_KEY!r} in bucket {bucket}: {err}") from None
+
+
 class Feeder(Actor):
     """Keeps every region's TASKS backlog at `backlog_per_region`; see the module docstring."""
 
@@ -257,8 +315,7 @@ class Feeder(Actor):
         listed = None
         if self.config.tasks_file is not None:
             listed = await anyio.to_thread.run_sync(read_tasks_file, Path(self.config.tasks_file))
-        self.tasks = TaskSequence(self.config.seed, listed, self.config.max_tasks, eval_seed=self.config.eval_seed,
-                                  levels=self.config.levels)
+        self.tasks = task_sequence(self.config, listed)
         self.kv = await self.bus.js.key_value(self.bus.subjects.partials_bucket(self.ident.region))
         await self._load_position()
 
@@ -412,7 +469,7 @@ class Feeder(Actor):
         except msgspec.DecodeError as err:
             log.warning("feeder_position_unreadable", error=str(err))
             return
-        if (saved.seed, saved.source, saved.weights) != (self.config.seed, self.source, dict(self.weights)):
+        if not position_matches(saved, self.config, self.ident.region):
             start = max(saved.cursors.values(), default=0)
             log.warning("feeder_assignment_changed", saved_seed=saved.seed, saved_source=saved.source,
                         saved_weights=saved.weights, restart_at=start)

@@ -1,7 +1,8 @@
 """The feeder on real regions (a hub and a leaf, each its own nats-server and JetStream domain): every
 region's TASKS is filled to the bound and no further and topped up as generators take tasks, each task
 goes to its deterministic region only, a restarted feeder neither repeats nor skips a task, a cut-off
-region's tasks wait for it, and a JSONL task file is fed to its end."""
+region's tasks wait for it, and a JSONL task file is fed to its end; the ids the saved cursors cover are
+exactly the tasks fed, and the task ledger accounts for each (rolled out, pending, dead-lettered, or lost)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,16 @@ from rlbus.actors.feeder import (
     TaskSequence,
     task_source,
     assign_region,
+    fed_task_ids,
+    read_position,
     read_tasks_file,
     task_from_verifier,
     verifier_for,
 )
+from rlbus.actors.ledger import ORIGINAL_MSG_ID_HEADER, TaskLedger, read_task_ledger
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions
+from rlbus.messages.schemas import Rollout, TensorBlob
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
@@ -335,3 +340,119 @@ def test_levels_keep_only_those_built_in_tasks_in_sequence_order() -> None:
     assert [easy.get(i) for i in range(len(expected))] == expected
     assert task_source(FeederConfig(seed=3)) == "builtin:3"
     assert task_source(FeederConfig(seed=3, levels=[2, 1])) == "builtin:3:levels=1,2"
+
+
+def test_fed_task_ids_follow_each_cursor_and_the_task_file(tmp_path: Path) -> None:
+    """A region is fed exactly the indices below its own cursor that are assigned to it (another region's
+    higher cursor adds nothing); a tasks file is read from the config and cut at its end."""
+    config = FeederConfig(seed=3, regions=["hub", "eu"])
+    weights = config.weights("hub")
+    fed = fed_task_ids(config, {"hub": 4, "eu": 8}, "hub")
+    assert fed == {"hub": [sequence_ids(3)[i] for i in range(4) if assign_region(3, i, weights) == "hub"],
+                   "eu": [sequence_ids(3)[i] for i in range(8) if assign_region(3, i, weights) == "eu"]}
+    assert fed_task_ids(config, {}, "hub") == {"hub": [], "eu": []}
+    tasks = eval_tasks(4, n=3)
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(verifier_for(t)["task"] + "\n" for t in tasks))
+    from_file = FeederConfig(tasks_file=str(path))
+    assert fed_task_ids(from_file, {"hub": 2}, "hub") == {"hub": [t.task_id for t in tasks[:2]]}
+    assert fed_task_ids(from_file, {"hub": 99}, "hub") == {"hub": [t.task_id for t in tasks]}
+
+
+async def saved_fed_ids(env: Env, config: FeederConfig) -> dict[str, list[str]]:
+    """`fed_task_ids` of the position the feeder has saved at the hub now ({} when none is saved)."""
+    admin = await env.bus("hub", "admin")
+    try:
+        position = await read_position(admin, "hub")
+    finally:
+        await admin.close()
+    return {} if position is None else fed_task_ids(config, position.cursors, "hub")
+
+
+async def test_fed_task_ids_of_the_saved_cursors_are_the_tasks_published(two_regions: tuple[RegionSet, str]) -> None:
+    """With a levels filter and a held-out seed, the ids derived from the feeder's saved cursors are, per region
+    and in order, the tasks the feeder put on that region's TASKS: those a generator took, then those queued."""
+    env = await _provision(*two_regions)
+    config = FeederConfig(seed=5, backlog_per_region=3, regions=["hub", "eu"], poll_interval_s=0.1,
+                          levels=[1, 2], eval_seed=1)
+    taken: list[tuple[str, str]] = []
+    async with feeding(env, config) as feeder:
+        async def full() -> bool:
+            return [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [3, 3]
+        await wait_until(full)
+        await take(env, "eu", 2, taken)
+
+        async def saved() -> bool:
+            return {r: len(ids) for r, ids in (await saved_fed_ids(env, config)).items()} == {"hub": 3, "eu": 5}
+        await wait_until(saved)
+        published = feeder.counters["tasks"]
+    queued = {r: [t.task_id for t in await stream_tasks(env, r)] for r in ("hub", "eu")}
+    assert published == 8
+    assert await saved_fed_ids(env, config) == {"hub": queued["hub"], "eu": [t for _, t in taken] + queued["eu"]}
+    plain = TaskSequence(5, eval_seed=1)
+    assert any(plain.get(i).level == 3 for i in range(12))    # ignoring `levels` would give other ids
+
+
+def _rollout(task_id: str, region: str) -> Rollout:
+    empty = TensorBlob.of([], "int32")
+    return Rollout(rollout_id=f"{task_id}-0", task_id=task_id, group_index=0, group_size=1, prompt_tokens=empty,
+                   completion_tokens=empty, behaviour_logprobs=TensorBlob.of([], "float32"),
+                   policy_versions=empty, region=region, generator_id="test")
+
+
+async def settle_one(env: Env, region: str, how: str) -> str:
+    """As a generator of `region` does with its next task: publish a rollout then ack ("rollout"), or
+    dead-letter it ("dead_letter"). Returns the task's id."""
+    bus = await env.bus(region, "generator")
+    try:
+        s = bus.subjects
+        async with aclosing(bus.consume(s.tasks_stream(region), s.durable("generator", region), TaskMessage,
+                                        batch=1)) as deliveries:
+            async for delivery in deliveries:
+                task_id = delivery.message.task_id
+                if how == "rollout":
+                    await bus.publish(s.rollouts(region), _rollout(task_id, region), msg_id=f"{task_id}-0")
+                    await delivery.ack_sync()
+                else:
+                    assert await bus.dead_letter(delivery.raw, reason="test: unusable", source=s.tasks_stream(region))
+                return task_id
+    finally:
+        await bus.close()
+    raise AssertionError("unreachable")
+
+
+async def test_task_ledger_accounts_for_every_fed_task(two_regions: tuple[RegionSet, str]) -> None:
+    """8 tasks fed, 4 per region: one rolled out in each region, one dead-lettered in eu, one deleted from the
+    hub's TASKS by hand, the rest still queued → the deleted one alone is lost; the others are accounted."""
+    env = await _provision(*two_regions)
+    config = FeederConfig(seed=3, backlog_per_region=8, max_tasks=8, regions=["hub", "eu"], poll_interval_s=0.1)
+    assert [assign_region(3, i, config.weights("hub")) for i in range(8)].count("eu") == 4
+    async with feeding(env, config):
+        async def all_saved() -> bool:
+            return sum(map(len, (await saved_fed_ids(env, config)).values())) == 8
+        await wait_until(all_saved)
+    rolled = [await settle_one(env, "eu", "rollout"), await settle_one(env, "hub", "rollout")]
+    dead = await settle_one(env, "eu", "dead_letter")
+    admin = await env.bus("hub", "admin")
+    try:
+        stream = admin.subjects.tasks_stream("hub")
+        info = await admin.js.stream_info(stream)
+        raw = await admin.js.get_msg(stream, seq=info.state.last_seq)
+        deleted = codec.decode_as(raw.data or b"", raw.headers, TaskMessage).task_id
+        await admin.js.delete_msg(stream, info.state.last_seq)
+        book: TaskLedger | None = None
+
+        async def rollouts_at_hub() -> bool:     # eu's rollout reaches the hub's ROLLOUTS by sourcing
+            nonlocal book
+            book = await read_task_ledger(admin, config, feeder_region="hub")
+            return book.rolled_out == 2
+        await wait_until(rollouts_at_hub)
+        letter = await admin.js.get_msg(admin.subjects.dead_letter_stream(),
+                                        subject=admin.subjects.dead_letter(admin.subjects.tasks_stream("eu")))
+        assert (letter.headers or {}).get(ORIGINAL_MSG_ID_HEADER) == dead   # the id of an undecodable dead letter
+    finally:
+        await admin.close()
+    assert book is not None
+    assert book.lost == [deleted] and not book.clean
+    assert (book.fed, book.rolled_out, book.dead_lettered, book.pending) == (8, 2, 1, 4)
+    assert book.unfed == [] and deleted not in rolled + [dead]

@@ -1,9 +1,24 @@
-"""The ledger's rules on hand-built TRAINLOGs: lineage truncation by restarts, trained twice, lost, drops."""
+"""The ledger's rules on hand-built TRAINLOGs (lineage truncation by restarts, trained twice, lost, drops) and
+on hand-built task sets (every fed task rolled out, pending or dead-lettered)."""
 
 from __future__ import annotations
 
-from rlbus.actors.ledger import final_lineage, ledger, lost, reason_category, trained_twice
-from rlbus.messages.schemas import DroppedRollout, TrainStep
+import dataclasses
+
+import pytest
+
+from rlbus.actors.ledger import (
+    ORIGINAL_MSG_ID_HEADER,
+    final_lineage,
+    ledger,
+    lost,
+    reason_category,
+    stored_task_id,
+    task_ledger,
+    trained_twice,
+)
+from rlbus.messages import codec
+from rlbus.messages.schemas import DroppedRollout, Task, TrainStep
 
 
 def _s(step: int, used: str, dropped: str = "", reason: str = "stale: 3 versions behind (bound 2)") -> TrainStep:
@@ -58,3 +73,44 @@ def test_unacknowledged_ids_are_pending_not_lost() -> None:
     book = ledger(steps, ["a", "b", "c"], pending=["c"])
     assert book.lost == ["b"] and book.pending == ["c"] and not book.clean
     assert ledger(steps, ["a", "c"], pending=["c"]).clean
+
+
+def test_a_fed_task_in_none_of_the_three_is_lost() -> None:
+    """Fed a b c d: a rolled out, b pending, c dead-lettered, d nowhere → d is lost and the ledger unclean."""
+    book = task_ledger("abcd", rolled_out="a", pending="b", dead_lettered="c")
+    assert book.lost == ["d"] and not book.clean
+    assert (book.fed, book.rolled_out, book.pending, book.dead_lettered) == (4, 1, 1, 1)
+    assert book.unfed == []
+
+
+@pytest.mark.parametrize("kind", ["rolled_out", "pending", "dead_lettered"])
+def test_each_of_the_three_accounts_for_a_fed_task(kind: str) -> None:
+    """A fed task found only as a rollout, only queued, or only in the DLQ is accounted: clean, counted there."""
+    found = {"rolled_out": "", "pending": "", "dead_lettered": ""} | {kind: "xy"}
+    book = task_ledger("xy", **found)
+    assert book.clean and book.lost == []
+    counts = {k: getattr(book, k) for k in ("rolled_out", "pending", "dead_lettered")}
+    assert counts == {k: (2 if k == kind else 0) for k in counts}
+
+
+def test_counts_split_the_fed_tasks_once_each_and_unfed_ids_are_no_fault() -> None:
+    """A task both rolled out and still queued (acked after its rollouts) counts as rolled out; one both
+    dead-lettered and queued counts as dead-lettered; ids never fed (z rolled out, y queued, w dead-lettered)
+    are listed as unfed and leave the ledger clean."""
+    book = task_ledger(["a", "b", "c", "a"], rolled_out=["a", "a", "z"], pending=["a", "b", "c", "y"],
+                       dead_lettered=["b", "w"])
+    assert book.clean and book.fed == 3
+    assert (book.rolled_out, book.dead_lettered, book.pending) == (1, 1, 1)
+    assert book.fed == book.rolled_out + book.dead_lettered + book.pending + len(book.lost)
+    assert book.unfed == ["w", "y", "z"]
+    assert task_ledger([], rolled_out="z", pending="", dead_lettered="").clean
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        book.fed = 4  # type: ignore[misc]
+
+
+def test_a_stored_tasks_id_comes_from_the_task_else_from_its_msg_id_header() -> None:
+    """A dead letter whose bytes are not a Task still names its task through the original msg id header."""
+    data, headers = codec.encode(Task(task_id="t7", prompt="p"))
+    assert stored_task_id(data, headers, ORIGINAL_MSG_ID_HEADER) == "t7"
+    assert stored_task_id(b"\xc1garbage", {ORIGINAL_MSG_ID_HEADER: "t8"}, ORIGINAL_MSG_ID_HEADER) == "t8"
+    assert stored_task_id(b"\xc1garbage", None, ORIGINAL_MSG_ID_HEADER) is None
