@@ -1,7 +1,8 @@
 """The closing report of `rlbus chaos`: the ledger, faults, restarts and recovery times as a text table.
 
 Owns: `table(result)` (the human summary of the dict ops/chaosrun.py returns; `--json` prints the dict
-itself) and `exit_code(result)` (1 when a rollout was lost or trained twice). Does not: measure anything.
+itself) and `exit_code(result)` (1 when a rollout was lost or trained twice, or a fed task was lost). Does not:
+measure anything.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ _KIND_WORDS = {"actor_kill": "actor SIGKILL", "server_kill": "leaf server SIGKIL
 
 
 def exit_code(result: dict[str, Any]) -> int:
-    """0 when nothing was lost and nothing trained twice, else 1."""
-    return 1 if result["lost"] or result["duplicated"] else 0
+    """0 when nothing was lost (no rollout, no fed task) and nothing trained twice, else 1."""
+    return 1 if result["lost"] or result["duplicated"] or result.get("tasks_lost") else 0
 
 
 def _seconds(value: float | None) -> str:
@@ -38,6 +39,8 @@ def table(result: dict[str, Any]) -> str:
         (f"  ledger      lost {r['lost']}, trained twice {r['duplicated']}, pending {r['pending']}, "
          f"stranded in a leaf {r['stranded']}, abandoned steps {r['abandoned_steps']}"),
         f"  dropped     {dropped}",
+        (f"  tasks       fed {r.get('tasks_fed', 0)}: rolled out {r.get('tasks_rolled_out', 0)}, dead-lettered "
+         f"{r.get('tasks_dead_lettered', 0)}, pending {r.get('tasks_pending', 0)}, lost {r.get('tasks_lost', 0)}"),
     ]
     for reason, n in r["drop_reasons"].items():
         lines.append(f"                {n:4d} x {reason}")
@@ -62,6 +65,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"  skipped     {note}")
     if r["lost_ids"]:
         lines.append(f"  lost ids    {', '.join(r['lost_ids'][:10])}")
+    if r.get("tasks_lost_ids"):
+        lines.append(f"  lost tasks  {', '.join(r['tasks_lost_ids'][:10])}")
     if r["duplicated_ids"]:
         lines.append(f"  twice ids   {', '.join(r['duplicated_ids'][:10])}")
     return "\n".join(lines)

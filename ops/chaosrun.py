@@ -41,7 +41,7 @@ from rlbus.ops.chaosplan import (
     summarize,
 )
 from rlbus.topology.examples import example_path
-from rlbus.topology.launch import PRETRAINED_DIR, Launch
+from rlbus.topology.launch import PRETRAINED_DIR, Launch, read_fed_tasks
 from rlbus.topology.load import load
 from rlbus.topology.schema import RestartSettings, Topology
 
@@ -370,6 +370,7 @@ class ChaosRun:
         admin = launch.admin
         s = admin.subjects
         book: Ledger = await read_ledger(admin)
+        tasks = await read_fed_tasks(self.topology, admin)
         steps = await read_all(admin.js, s.trainlog_stream(), s.trainlog(), TrainStep)
         reasons = Counter(d.reason for step in final_lineage(steps) for d in step.dropped)
         hub_ids = {r.rollout_id for r in await read_all(admin.js, s.hub_rollouts_stream(), s.all_rollouts(), Rollout)}
@@ -410,7 +411,10 @@ class ChaosRun:
             "caught_up": caught_up, "timeline_s": self.timeline,
             "lost_ids": book.lost[:50], "duplicated_ids": book.trained_twice[:50], "pending_ids": book.pending[:50],
             "stranded_ids": stranded[:50],
-            "clean": book.clean,
+            "tasks_fed": tasks.fed if tasks else 0, "tasks_rolled_out": tasks.rolled_out if tasks else 0,
+            "tasks_dead_lettered": tasks.dead_lettered if tasks else 0, "tasks_pending": tasks.pending if tasks else 0,
+            "tasks_lost": len(tasks.lost) if tasks else 0, "tasks_lost_ids": tasks.lost[:50] if tasks else [],
+            "clean": book.clean and (tasks is None or tasks.clean),
         }
 
     def _recoveries(self) -> None:

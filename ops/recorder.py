@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Final
 
 import anyio
-import msgspec
 import nats.js.errors
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream

@@ -90,8 +90,9 @@ def _mean_staleness(histogram: dict[str, int]) -> float:
     return sum(int(k) * v for k, v in histogram.items()) / total if total else 0.0
 
 
-def summary(view: RunView, book: Any | None) -> str:
-    """The closing summary: steps, rollouts, reward, pass rate first → last, and the ledger."""
+def summary(view: RunView, book: Any | None, tasks: Any | None = None) -> str:
+    """The closing summary: steps, rollouts, reward, pass rate first → last, the ledger of rollouts and that of
+    the fed tasks (`tasks`, actors/ledger.py `TaskLedger`; None: not read)."""
     lines = ["rlbus up: summary"]
     if view.base_pass is not None:
         lines.append(f"  pretrained base: held-out pass@1 {view.base_pass['pass_at_1']:.3f} "
@@ -126,6 +127,12 @@ def summary(view: RunView, book: Any | None) -> str:
         lines.append(f"  ledger ({verdict}): produced {book.produced}, trained {book.trained}, "
                      f"dropped {dict(book.dropped)}, pending {len(book.pending)}, lost {len(book.lost)}, "
                      f"trained twice {len(book.trained_twice)}, abandoned steps {book.abandoned_steps}")
+    if tasks is not None:
+        verdict = "clean" if tasks.clean else "NOT CLEAN"
+        lost = f"lost {len(tasks.lost)}" + (f" ({', '.join(tasks.lost[:5])}{', ...' if len(tasks.lost) > 5 else ''})"
+                                            if tasks.lost else "")
+        lines.append(f"  tasks ({verdict}): fed {tasks.fed}, rolled out {tasks.rolled_out}, dead-lettered "
+                     f"{tasks.dead_lettered}, pending {tasks.pending}, {lost}")
     return "\n".join(lines)
 
 

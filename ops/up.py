@@ -188,6 +188,9 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
     from rlbus.messages.errors import RlbusError
     from rlbus.messages.schemas import EvalReport, TrainStep
     from rlbus.ops.final_eval import REPORT_NAME, final_evaluation, write_report
+    from rlbus.topology.launch import read_fed_tasks
+    import nats.errors
+    import nats.js.errors
 
     bus = launch.admin
     s = bus.subjects
@@ -196,6 +199,12 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
         view.steps = await read_all(bus.js, s.trainlog_stream(), s.trainlog(), TrainStep)
         view.evals = {r.policy_version: r for r in await read_all(bus.js, s.evals_stream(), s.evals(), EvalReport)}
         book = await read_ledger(bus)
+    tasks = None
+    with anyio.move_on_after(60):
+        try:
+            tasks = await read_fed_tasks(topology, bus)
+        except (RlbusError, nats.errors.Error, nats.js.errors.Error) as err:
+            print(f"rlbus up: tasks not accounted: {err!r}", flush=True)
     if any(i.kind == "evaluator" for i in topology.instances()) and view.steps:
         ev = topology.evaluator
         print(f"rlbus up: evaluating the final checkpoint on the {ev.n_tasks} held-out tasks "
@@ -212,7 +221,7 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
             print(f"rlbus up: final evaluation took {time.monotonic() - began:.0f}s; per family in {report}",
                   flush=True)
     png = write_png(view, launch.state_dir / "plots" / "progress.png")
-    return summary(view, book) + f"\n  progress plot: {png}"
+    return summary(view, book, tasks) + f"\n  progress plot: {png}"
 
 
 async def _cancel_when(event: Any, scope: Any) -> None:

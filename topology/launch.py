@@ -106,6 +106,29 @@ def feeder_settings(topology: Topology) -> dict[str, Any]:
     return settings
 
 
+async def read_fed_tasks(topology: Topology, bus: Bus, *, settle_s: float = 10.0) -> Any:
+    """The run's task ledger (actors/ledger.py `TaskLedger`: every task the feeder fed is rolled out, pending
+    or dead-lettered), read through `bus` (connected to the hub) with the feeder's settings as launched; None
+    when the topology has no feeder. A task whose rollouts are still on their way from a leaf to the hub
+    reads as lost, so while some are, it re-reads for up to `settle_s`.
+
+    :raises TopologyError: the feeder's saved position was written under other feeder settings.
+    """
+    from rlbus.actors.feeder import FeederConfig
+    from rlbus.actors.ledger import read_task_ledger
+
+    feeders = [i for i in topology.instances() if i.kind == "feeder"]
+    if not feeders:
+        return None
+    config = msgspec.convert(feeder_settings(topology), FeederConfig)
+    deadline = anyio.current_time() + settle_s
+    while True:
+        book = await read_task_ledger(bus, config, feeder_region=feeders[0].region)
+        if book.clean or anyio.current_time() >= deadline:
+            return book
+        await anyio.sleep(1.0)
+
+
 def actor_specs(topology: Topology, endpoints: Endpoints, *, heartbeat_s: float = 2.0,
                 drain_s: float = 10.0, state_dir: Path | None = None) -> list[ProcessSpec]:
     """One ProcessSpec per actor instance of the topology."""

@@ -86,8 +86,11 @@ def test_recovery_is_the_first_matching_sign_after_the_fault_and_stats_are_per_k
     assert set(stats) == {"actor_kill", "partition", "server_kill"}
 
 
-def test_exit_code_is_one_only_for_a_lost_or_twice_trained_rollout() -> None:
-    """Pending or dropped rollouts are not failures; one lost or one trained twice is."""
+def test_exit_code_is_one_only_for_a_lost_or_twice_trained_rollout_or_a_lost_task() -> None:
+    """Pending or dropped rollouts and pending tasks are not failures; one lost or one trained twice is, and so is
+    one lost fed task."""
     assert exit_code({"lost": 0, "duplicated": 0, "pending": 3}) == 0
     assert exit_code({"lost": 1, "duplicated": 0}) == 1
     assert exit_code({"lost": 0, "duplicated": 2}) == 1
+    assert exit_code({"lost": 0, "duplicated": 0, "tasks_lost": 1}) == 1
+    assert exit_code({"lost": 0, "duplicated": 0, "tasks_lost": 0, "tasks_pending": 4}) == 0

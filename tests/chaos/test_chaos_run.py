@@ -47,6 +47,9 @@ def test_short_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_path: Path,
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["lost"] == 0 and result["duplicated"] == 0, result
+    assert result["tasks_lost"] == 0 and result["tasks_fed"] > 0, result          # every fed task accounted for
+    assert result["tasks_fed"] == (result["tasks_rolled_out"] + result["tasks_dead_lettered"]
+                                   + result["tasks_pending"]), result
     assert result["kills"] >= KILLS and result["server_kills"] == 1 and result["partitions"] == 1, result["faults"]
     assert {"trainer", "generator"} <= set(result["killed_kinds"]), result["killed_kinds"]
     assert result["trained"] > 0 and result["steps"] > 0

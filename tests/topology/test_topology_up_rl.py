@@ -48,6 +48,7 @@ def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, backend: st
     assert "rlbus up: pretrained in" in out
     assert "rlbus up: summary" in out and "optimizer steps" in out
     assert "ledger (clean)" in out and "lost 0, trained twice 0" in out
+    assert "tasks (clean): fed " in out and out.split("tasks (clean): fed ", 1)[1].split(",", 1)[0] != "0"
     assert "evaluator pass@1: v0" in out          # the evaluator graded the base version in the sandbox
     final = json.loads((state / "final_eval.json").read_text())   # the final checkpoint, scored after the run
     newest = max(int(d.name.removeprefix("step-")) for d in (state / "checkpoints").glob("step-*"))

@@ -106,5 +106,6 @@ def test_rlbus_up_sigkill_mid_run_loses_nothing(tmp_path: Path, victim: str,
     assert recovered, out[-3000:]
     steps = int(out.split("optimizer steps ", 1)[1].split(",", 1)[0])
     assert steps >= STEPS
-    assert "ledger (clean)" in out and "lost 0, trained twice 0" in out, out[-3000:]
+    assert "ledger (clean)" in out and "lost 0, trained twice 0" in out
+    assert "tasks (clean): fed " in out and out.split("tasks (clean): fed ", 1)[1].split(",", 1)[0] != "0", out[-3000:]
     assert processes_mentioning(str(state)) == []
