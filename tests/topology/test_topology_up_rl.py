@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,11 +34,32 @@ def _topology(tmp_path: Path) -> Path:
     return path
 
 
+PROGRESS = re.compile(r"^v(\d+) +step (\d+) +reward [\d.]+ kl +-?[\d.]+ loss +-?[\d.]+ staleness [\d.]+ dropped \d+ +"
+                      r"[\d.]+ rollouts/s +pass@1 (-|[\d.]+@v\d+)$", re.M)
+"""One progress line per optimizer step: version, step, reward, KL, loss, staleness, drops, throughput, pass rate."""
+RAY_DAEMONS = ("raylet", "gcs_server", "ray::", "dashboard", "log_monitor", "monitor.py")
+
+
+def _ray_daemons() -> set[int]:
+    """PIDs of Ray's own processes on this machine (they do not name the state directory)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "ray" in cmdline and any(name in cmdline for name in RAY_DAEMONS):
+                found.add(int(entry.name))
+    return found
+
+
 @pytest.mark.parametrize("backend", ["local", "ray"])
 def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, backend: str,
                                                      processes_mentioning: Callable[[str], list[int]]) -> None:
     """`rlbus up --steps 3` pretrains, trains 3+ steps, ends with a summary, a clean ledger and a PNG."""
     state = tmp_path / "state"
+    ray_before = _ray_daemons()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.run(
         [sys.executable, "-m", "rlbus.ops.cli", "up", str(_topology(tmp_path)), "--state-dir", str(state),
@@ -47,6 +69,8 @@ def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, backend: st
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "rlbus up: pretrained in" in out
     assert "rlbus up: summary" in out and "optimizer steps" in out
+    progress = PROGRESS.findall(out)
+    assert [int(step) for _, step, _ in progress][:3] == [1, 2, 3], out[-3000:]
     assert "ledger (clean)" in out and "lost 0, trained twice 0" in out
     assert "tasks (clean): fed " in out and out.split("tasks (clean): fed ", 1)[1].split(",", 1)[0] != "0"
     assert "evaluator pass@1: v0" in out          # the evaluator graded the base version in the sandbox
@@ -58,3 +82,4 @@ def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, backend: st
     assert (state / "plots" / "progress.png").stat().st_size > 10_000
     assert (state / "pretrained" / "pretrain.pt").exists()
     assert processes_mentioning(str(state)) == []
+    assert _ray_daemons() - ray_before == set()           # Ray's daemons (backend ray) are gone too
