@@ -238,7 +238,8 @@ class SandboxSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     pool_size: PositiveInt = 2
     """Pre-started executors per supervisor; a crashed one is replaced."""
     concurrency: PositiveInt = 2
-    """Requests one supervisor runs at once; more than `pool_size` only queues."""
+    """Requests one supervisor runs at once (the rest wait in its queue); more than `pool_size` only queues.
+    A region's quota is the sum over its sandbox supervisors: one per region in the examples."""
     cpu_seconds: PositiveFloat = 5.0
     """CPU time limit per snippet (RLIMIT_CPU)."""
     wall_seconds: PositiveFloat = 10.0
