@@ -23,7 +23,9 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     """Wilson score interval for a binomial proportion p = k/n (Wilson 1927).
 
     centre = (p + z^2/2n) / (1 + z^2/n),  half = z / (1 + z^2/n) * sqrt(p(1-p)/n + z^2/4n^2).
-    z = 1.96 gives the 95% interval. n = 0 gives (0, 1).
+    z = 1.96 gives the 95% interval. n = 0 gives (0, 1). The bounds always hold the estimate: with no success
+    the lower bound is exactly 0, with all successes the upper bound exactly 1 (in floating point the formula
+    lands a rounding error off them, e.g. 5.6e-17 for 0 of 3).
     """
     if not 0 <= successes <= n:
         raise ValueError(f"need 0 <= successes <= n, got {successes} of {n}")
@@ -33,7 +35,9 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    low = 0.0 if successes == 0 else min(p, max(0.0, centre - half))
+    high = 1.0 if successes == n else max(p, min(1.0, centre + half))
+    return low, high
 
 
 def greedy_complete(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,

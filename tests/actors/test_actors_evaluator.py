@@ -1,0 +1,205 @@
+"""The evaluator against a real nats-server, the real publisher and the real sandbox supervisor: versions the
+trainer uploads reach it through the publisher's LATEST manifests, and it publishes one EvalReport on EVALS
+for version 0 and every `every_versions`-th version after it, graded in the region's sandboxes, with n, pass@1
+and the Wilson interval consistent with each other."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import nats.js.errors
+import pytest
+import torch
+
+from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.evaluator import Evaluator, EvaluatorSettings
+from rlbus.actors.ledger import read_all
+from rlbus.actors.publisher import Publisher, PublisherSettings
+from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
+from rlbus.actors.version_source import published_state, upload_version
+from rlbus.actors.weights import LATEST_KEY
+from rlbus.messages import codec
+from rlbus.messages.bus import Bus, ConnectOptions, Identity
+from rlbus.messages.schemas import EvalReport, WeightManifest
+from rlbus.messages.streams import StreamSettings, provision_run
+from rlbus.model.evaluate import wilson_interval
+from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.topology.regions import RegionSet
+
+pytestmark = pytest.mark.anyio
+
+FAST = ActorLimits(heartbeat_interval_s=0.3, drain_timeout_s=2.0)
+SETTINGS = EvaluatorSettings(every_versions=2, n_tasks=3, seed=1, max_tokens=16, batch_size=4)
+SANDBOX = SandboxConfig(pool_size=1, concurrency=2, cpu_seconds=2.0, wall_seconds=2.0, memory_mb=256,
+                        max_processes=8, max_file_mb=1, max_open_files=32, max_output_kb=16)
+PUBLISHER = PublisherSettings(regions=["hub"], hub="hub", keep_versions=4, full_every=4, region_wait_s=2.0,
+                              retry_initial_s=0.2, retry_max_s=1.0, ack_wait_s=5.0, threads=1)
+
+
+@dataclass
+class _Hub:
+    """A one-region run (bucket writes granted for it, every stream provisioned) and the buses opened on it."""
+
+    rs: RegionSet
+    run: str
+    buses: list[Bus] = field(default_factory=list)
+
+    async def bus(self, role: str) -> Bus:
+        cred = self.rs.credentials(role)
+        bus = await Bus.connect(self.rs.url("hub"), run=self.run, domain="hub",
+                                identity=Identity(f"hub-{role}", role, "hub"),
+                                options=ConnectOptions(user=cred.user, password=cred.password))
+        self.buses.append(bus)
+        return bus
+
+
+@asynccontextmanager
+async def _hub(tmp_path: Path) -> AsyncIterator[_Hub]:
+    run = f"t{uuid.uuid4().hex[:8]}"
+    rs = await anyio.to_thread.run_sync(lambda: RegionSet.start(tmp_path / "regions", ["hub"], "hub", run=run))
+    hub = _Hub(rs, run)
+    try:
+        admin = await hub.bus("admin")
+        await provision_run(admin.nc, admin.subjects, hub="hub", domains=rs.domains, settings=StreamSettings.tiny())
+        yield hub
+    finally:
+        for bus in hub.buses:
+            await bus.close()
+        await anyio.to_thread.run_sync(rs.stop)
+
+
+async def _reports(bus: Bus) -> list[EvalReport]:
+    """Every EvalReport stored on the run's EVALS stream, in stream order."""
+    return await read_all(bus.js, bus.subjects.evals_stream(), bus.subjects.evals(), EvalReport)
+
+
+async def _wait_reported(bus: Bus, version: int, timeout_s: float = 60) -> None:
+    with anyio.fail_after(timeout_s):          # hang guard only
+        while not any(r.policy_version == version for r in await _reports(bus)):
+            await anyio.sleep(0.1)
+
+
+async def _wait_held(evaluator: Evaluator, version: int, timeout_s: float = 60) -> None:
+    with anyio.fail_after(timeout_s):          # hang guard only
+        while True:
+            held = evaluator.sync.held_version
+            if held is not None and held >= version:
+                return
+            await anyio.sleep(0.05)
+
+
+async def _wait_latest(bus: Bus, version: int, timeout_s: float = 60) -> None:
+    """Until the publisher has pointed the hub's LATEST key at `version`."""
+    kv = await bus.js.key_value(bus.subjects.latest_bucket("hub"))
+    with anyio.fail_after(timeout_s):          # hang guard only
+        while True:
+            try:
+                entry = await kv.get(LATEST_KEY)
+            except nats.js.errors.KeyNotFoundError:
+                entry = None
+            if entry is not None and codec.decode_as(entry.value or b"", None, WeightManifest).version >= version:
+                return
+            await anyio.sleep(0.1)
+
+
+def _next_version(model: Transformer) -> dict[str, torch.Tensor]:
+    """A trainer step stand-in: every weight nudged, the bf16 cast it publishes returned."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return published_state(model)
+
+
+@asynccontextmanager
+async def _actors(hub: _Hub, *, evaluator: bool = True
+                  ) -> AsyncIterator[tuple[anyio.abc.TaskGroup, Evaluator, SandboxSupervisor]]:
+    """The publisher and a sandbox supervisor (and, unless told otherwise, the evaluator) served in this
+    process until the block ends."""
+    async with anyio.create_task_group() as tg:
+        await tg.start(Publisher(ActorId(hub.run, "hub", "publisher", "hub-publisher-0"), await hub.bus("publisher"),
+                                 PUBLISHER, FAST).serve)
+        sandbox = SandboxSupervisor(ActorId(hub.run, "hub", "sandbox", "hub-sandbox-0"), await hub.bus("sandbox"),
+                                    SANDBOX, FAST)
+        await tg.start(sandbox.serve)
+        actor = Evaluator(ActorId(hub.run, "hub", "evaluator", "hub-evaluator-0"), await hub.bus("evaluator"),
+                          SETTINGS, FAST)
+        if evaluator:
+            await tg.start(actor.serve)
+        yield tg, actor, sandbox
+        tg.cancel_scope.cancel()
+
+
+def _check_report(report: EvalReport) -> None:
+    """n is the held-out set, pass@1 a count over it, and the interval the 95% Wilson interval of that count."""
+    assert report.task_seed == SETTINGS.seed and report.n == SETTINGS.n_tasks
+    assert 0.0 <= report.pass_at_1 <= 1.0
+    passed = round(report.pass_at_1 * report.n)
+    assert report.pass_at_1 == passed / report.n
+    assert (report.ci_low, report.ci_high) == wilson_interval(passed, report.n)
+    assert report.ci_low <= report.pass_at_1 <= report.ci_high and report.ci_low < report.ci_high
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 10, 31, 64])
+def test_wilson_interval_contains_the_estimate_at_the_edges(n: int) -> None:
+    """No passes gives a lower bound of exactly 0 and all passes an upper bound of exactly 1, so every
+    EvalReport's interval contains its pass@1 (float rounding must not push an edge past the estimate)."""
+    assert wilson_interval(0, n)[0] == 0.0
+    assert wilson_interval(n, n)[1] == 1.0
+
+
+async def test_evaluates_version_zero_and_every_kth_version_once_with_consistent_reports(tmp_path: Path) -> None:
+    """Versions 0-4 uploaded one at a time (each held by the evaluator before the next is uploaded) with
+    every_versions=2 give exactly one EvalReport each for versions 0, 2 and 4 (none for 1 and 3), each over
+    the configured held-out tasks, graded by the sandbox service, with pass@1 = passed/n and the 95% Wilson
+    interval of that count around it."""
+    async with _hub(tmp_path) as hub, _actors(hub) as (_, evaluator, sandbox):
+        trainer, admin = await hub.bus("trainer"), hub.buses[0]
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig.tiny()).eval()
+        for version in range(5):
+            state = published_state(model) if version == 0 else _next_version(model)
+            await upload_version(trainer, version=version, step=version, state=state, model_config=model.config)
+            await _wait_held(evaluator, version)   # the next version only once this one is live: none skipped
+        await _wait_reported(admin, 4)             # versions are taken in order: 0-3 were decided before 4
+        reports = await _reports(admin)
+    assert [r.policy_version for r in reports] == [0, 2, 4]
+    assert evaluator.counters.get("evaluations") == 3 and "eval_errors" not in evaluator.counters
+    assert sandbox.counters.get("executions") == 3 * SETTINGS.n_tasks    # every held-out task graded there, once
+    assert evaluator.last_evaluated == 4 and evaluator.sync.held_version == 4
+    for report in reports:
+        _check_report(report)
+    assert evaluator.gauges["pass_at_1"] == reports[-1].pass_at_1
+
+
+async def test_an_evaluator_joining_late_evaluates_the_version_it_finds_then_each_new_bucket_once(
+        tmp_path: Path) -> None:
+    """Started when LATEST is already version 3, the evaluator evaluates 3 (the first version it holds,
+    whatever it is), then 4 (the first of the next bucket of every_versions=2), not 5, then 6: "every k-th"
+    means the first version held in each new bucket of k versions, not the multiples of k."""
+    async with _hub(tmp_path) as hub, _actors(hub, evaluator=False) as (tg, evaluator, sandbox):
+        trainer, admin = await hub.bus("trainer"), hub.buses[0]
+        torch.manual_seed(1)
+        model = Transformer(ModelConfig.tiny()).eval()
+        for version in range(4):
+            state = published_state(model) if version == 0 else _next_version(model)
+            await upload_version(trainer, version=version, step=version, state=state, model_config=model.config)
+        await _wait_latest(admin, 3)
+        await tg.start(evaluator.serve)
+        await _wait_reported(admin, 3)
+        for version in range(4, 7):
+            await upload_version(trainer, version=version, step=version, state=_next_version(model),
+                                 model_config=model.config)
+            await _wait_held(evaluator, version)
+        await _wait_reported(admin, 6)
+        reports = await _reports(admin)
+    assert [r.policy_version for r in reports] == [3, 4, 6]
+    assert evaluator.counters.get("evaluations") == 3 and "eval_errors" not in evaluator.counters
+    assert sandbox.counters.get("executions") == 3 * SETTINGS.n_tasks    # every held-out task graded there, once
+    for report in reports:
+        _check_report(report)
