@@ -1,7 +1,9 @@
 """Evaluator: greedy pass@1 of published policy versions on the held-out task set.
 
-Owns: following the region's published versions (actors/weights.py `WeightSync`), evaluating every
-`every_versions`-th version (version 0, the pretrained base, included) on `n_tasks` held-out tasks
+Owns: following the region's published versions (actors/weights.py `WeightSync`), evaluating one version
+per block of `every_versions` (the first it holds in each block: 0, k, 2k, ... while it keeps up; a version
+that arrives while it is busy is skipped for the newest, so after a slow evaluation it may be k+1; a
+started or restarted evaluator first evaluates the version it finds) on `n_tasks` held-out tasks
 (model/tasks.py `eval_tasks`, disjoint from training by prompt hash) with greedy decoding, grading each
 completion in the region's sandboxes (actors/sandbox_client.py), and publishing an `EvalReport` with
 the 95% Wilson interval on `evals`. Does not: train, sample for training, or publish weights.

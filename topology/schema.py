@@ -260,7 +260,8 @@ class EvaluatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     """`[evaluator]`: periodic held-out evaluation of the policy."""
 
     every_versions: PositiveInt = 10
-    """Evaluate every this many policy versions."""
+    """Evaluate one version in every block of this many (0, k, 2k, ...; a version published while an evaluation
+    runs is skipped for the newest, so a block's first evaluated version can be later than its first)."""
     n_tasks: PositiveInt = 64
     """Held-out tasks per evaluation (pass@1 and its interval are over these)."""
     seed: int = 1
