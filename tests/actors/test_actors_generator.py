@@ -563,6 +563,58 @@ async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once
     assert ledger.clean and ledger.trained == 2 and ledger.dropped == {}, (ledger.lost, ledger.trained_twice)
 
 
+# ---- a task longer than the ack wait: in-progress acks hold it ---------------------------------------------
+LONG = msgspec.structs.replace(CONFIG, max_tokens=240, partial_every_tokens=8, max_attempts=4)
+"""Four attempts of up to 240 sampled tokens per episode, saved every 8: a group that takes several tiny
+ack waits (about 6 s on the 2-core dev machine against the 2 s of `StreamSettings.tiny()`)."""
+
+
+async def test_task_longer_than_the_ack_wait_is_held_by_in_progress_and_delivered_once(env: Env) -> None:
+    """Two generators share the TASKS consumer (tiny ack wait); a task held longer than the ack wait is
+    kept by in-progress acks: JetStream delivers it once (never again to the idle generator), one generator
+    publishes the group, which is in ROLLOUTS exactly once, and nobody resumed or took it over."""
+    s = env.admin.subjects
+    stream, durable = s.tasks_stream("hub"), s.durable("generator", "hub")
+    ack_wait = float((await env.admin.js.consumer_info(stream, durable)).config.ack_wait or 0.0)
+    assert 0.0 < ack_wait <= 2.0
+    task = coding_task(0)
+    redelivered: set[int] = set()
+    async with sandbox(env), generator(env, tiny_model(), version=0, config=LONG, actor_id="g1") as g1, \
+            generator(env, tiny_model(), version=0, config=LONG, actor_id="g2") as g2:
+        actors = {"g1": g1, "g2": g2}
+
+        async def pending() -> int:
+            info = await env.admin.js.consumer_info(stream, durable)
+            redelivered.add(info.num_redelivered)     # reset by the ack: read it while the task is held
+            return info.num_ack_pending
+
+        await env.admin.publish(s.tasks("hub"), task_message(task), msg_id=task.task_id)
+
+        async def held() -> bool:
+            return await pending() == 1
+        await wait_until(held)
+        started = anyio.current_time()
+
+        async def done() -> bool:
+            return (await pending() == 0 and await stored(env, stream) == 0
+                    and sum(a.counters.get("tasks", 0) for a in actors.values()) == 1)  # type: ignore[attr-defined]
+        await wait_until(done, timeout_s=180)
+        held_s = anyio.current_time() - started
+        counters = {name: dict(a.counters) for name, a in actors.items()}  # type: ignore[attr-defined]
+    assert held_s > ack_wait, f"held {held_s:.1f}s, ack wait {ack_wait}s: the test proves nothing"
+    info = await env.admin.js.consumer_info(stream, durable)
+    # the consumer sequence counts every delivery, redeliveries included: one delivery of the one task
+    assert (info.delivered.consumer_seq, info.delivered.stream_seq) == (1, 1)
+    assert redelivered == {0}
+    group = await rollouts(env)
+    assert Counter(r.rollout_id for r in group) == {f"{task.task_id}-0": 1, f"{task.task_id}-1": 1}
+    (worker,) = {r.generator_id for r in group}
+    idle = ({"g1", "g2"} - {worker}).pop()
+    assert counters[worker]["tasks"] == 1 and counters[idle]["tasks"] == 0
+    for c in counters.values():
+        assert c["resumed"] == 0 and c.get("taken_over", 0) == 0
+
+
 # ---- published weights: WeightSync swaps in flight --------------------------------------------------------
 async def test_published_versions_reach_the_generator_mid_group(tmp_path: Path) -> None:
     """With weights = "sync" the generator samples the publisher's versions: a version published while a
