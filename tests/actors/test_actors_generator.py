@@ -3,7 +3,9 @@ a task becomes G multi-turn Rollouts whose arrays are what the policy saw (teach
 the behaviour logprobs), the task is acked only once the group is stored, a saved partial is resumed
 instead of regenerated, a group without a pass grows up to max_group_size, an over-budget history is
 summarised, a generator process SIGKILLed mid-rollout hands its task to a new one that resumes it and
-publishes the group exactly once, and versions the publisher announces are swapped in mid-group (WeightSync)."""
+publishes the group exactly once (then trained once: a clean ledger), a task held longer than the ack wait is
+kept by in-progress acks and delivered once, and versions the publisher announces are swapped in mid-group
+(WeightSync)."""
 
 from __future__ import annotations
 
