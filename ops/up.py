@@ -203,7 +203,7 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
     with anyio.move_on_after(60):
         try:
             tasks = await read_fed_tasks(topology, bus)
-        except (RlbusError, nats.errors.Error, nats.js.errors.Error) as err:
+        except (RlbusError, nats.errors.Error, nats.js.errors.Error, TimeoutError) as err:
             print(f"rlbus up: tasks not accounted: {err!r}", flush=True)
     if any(i.kind == "evaluator" for i in topology.instances()) and view.steps:
         ev = topology.evaluator
