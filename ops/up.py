@@ -9,10 +9,12 @@ The work of starting servers, streams and actors is topology/launch.py's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -95,7 +97,55 @@ def hold_state_dir(state: Path) -> IO[str]:
     lock.truncate()
     lock.write(f"{os.getpid()}\n")
     lock.flush()
+    if stopped := stop_leftovers(state):
+        print(f"rlbus: stopped {len(stopped)} process(es) that a killed `rlbus up` on {state} had left running "
+              f"(pids {', '.join(map(str, stopped))}): its nats-server(s) would have shared the JetStream store "
+              f"with this run's", file=sys.stderr, flush=True)
     return lock
+
+
+def leftover_processes(state: Path) -> list[int]:
+    """PIDs of the nats-servers and actor processes (`python -m rlbus.ops.actor`) whose command line names
+    `state`: what an `rlbus up` killed with SIGKILL leaves behind (it cannot stop them then). Nothing else
+    that names the directory (an editor, a `tail -f` of a log) counts."""
+    marker = str(state.resolve()).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not any(marker in arg for arg in argv):
+            continue
+        if os.path.basename(argv[0]) == b"nats-server" or b"rlbus.ops.actor" in argv:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def stop_leftovers(state: Path, *, grace_s: float = 10.0) -> list[int]:
+    """SIGTERM the `leftover_processes` of `state` (the holder of its lock is gone, so they belong to no
+    run), SIGKILL those still alive after `grace_s`; returns the PIDs found."""
+    pids = leftover_processes(state)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _ensure_pretrained(topology: Any, state: Path) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlbus.actors._sandbox_pool import STANDBY_NAME
+from rlbus.ops.up import stop_leftovers
 from rlbus.topology.examples import example_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
@@ -113,9 +114,14 @@ def test_rlbus_up_sigkill_mid_run_loses_nothing(tmp_path: Path, victim: str,
                     recovered = _eventually(lambda: bool(_executors(sandbox)) and target not in _executors(sandbox))
         code = proc.wait(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:                      # a failed assertion: drain it (SIGINT) before killing it
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        stop_leftovers(state)                        # what a killed `rlbus up` could not stop, by pid
     out = "".join(lines)
     assert code == 0, out[-4000:]
     assert recovered, out[-3000:]
