@@ -204,15 +204,16 @@ async def read_task_ledger(bus: Bus, config: FeederConfig, *, feeder_region: str
         js = bus.jetstream(config.domains.get(region, region))
         pending += await queued_task_ids(js, s.tasks_stream(region), s.tasks(region))
     hub = bus.jetstream(hub_domain) if hub_domain is not None else bus.js
+    task_letters = {s.dead_letter(s.tasks_stream(region)) for region in fed}
     dead: list[str] = []
-    for region in fed:
-        for msg in await _read_raw(hub, s.dead_letter_stream(), s.dead_letter(s.tasks_stream(region)),
-                                   timeout_s=timeout_s):
-            task_id = stored_task_id(msg.data, msg.headers, ORIGINAL_MSG_ID_HEADER)
-            if task_id is None:
-                log.warning("ledger_dead_letter_without_task_id", region=region, subject=msg.subject)
-            else:
-                dead.append(task_id)
+    for msg in await _read_raw(hub, s.dead_letter_stream(), s.all_dead_letters(), timeout_s=timeout_s):
+        if msg.subject not in task_letters:
+            continue                               # a dead rollout, request, ...: not a task
+        task_id = stored_task_id(msg.data, msg.headers, ORIGINAL_MSG_ID_HEADER)
+        if task_id is None:
+            log.warning("ledger_dead_letter_without_task_id", subject=msg.subject)
+        else:
+            dead.append(task_id)
     rollouts = await _read(hub, s.hub_rollouts_stream(), s.all_rollouts(), Rollout, timeout_s=timeout_s)
     book = task_ledger([i for ids in fed.values() for i in ids], [r.task_id for _, r in rollouts], pending, dead)
     log.info("task_ledger", fed=book.fed, rolled_out=book.rolled_out, dead_lettered=book.dead_lettered,

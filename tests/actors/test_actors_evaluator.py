@@ -108,12 +108,15 @@ async def _wait_latest(bus: Bus, version: int, timeout_s: float = 60) -> None:
             await anyio.sleep(0.1)
 
 
-def _next_version(model: Transformer) -> dict[str, torch.Tensor]:
-    """A trainer step stand-in: every weight nudged, the bf16 cast it publishes returned."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    return published_state(model)
+async def _upload(trainer: Bus, model: Transformer, version: int) -> None:
+    """Upload `version` as the trainer does: version 0 is `model` as it is, each later one a trainer step
+    stand-in (every weight nudged); the bf16 cast is what is published."""
+    if version:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+    await upload_version(trainer, version=version, step=version, state=published_state(model),
+                         model_config=model.config)
 
 
 @asynccontextmanager
@@ -163,8 +166,7 @@ async def test_evaluates_version_zero_and_every_kth_version_once_with_consistent
         torch.manual_seed(0)
         model = Transformer(ModelConfig.tiny()).eval()
         for version in range(5):
-            state = published_state(model) if version == 0 else _next_version(model)
-            await upload_version(trainer, version=version, step=version, state=state, model_config=model.config)
+            await _upload(trainer, model, version)
             await _wait_held(evaluator, version)   # the next version only once this one is live: none skipped
         await _wait_reported(admin, 4)             # versions are taken in order: 0-3 were decided before 4
         reports = await _reports(admin)
@@ -187,14 +189,12 @@ async def test_an_evaluator_joining_late_evaluates_the_version_it_finds_then_eac
         torch.manual_seed(1)
         model = Transformer(ModelConfig.tiny()).eval()
         for version in range(4):
-            state = published_state(model) if version == 0 else _next_version(model)
-            await upload_version(trainer, version=version, step=version, state=state, model_config=model.config)
+            await _upload(trainer, model, version)
         await _wait_latest(admin, 3)
         await tg.start(evaluator.serve)
         await _wait_reported(admin, 3)
         for version in range(4, 7):
-            await upload_version(trainer, version=version, step=version, state=_next_version(model),
-                                 model_config=model.config)
+            await _upload(trainer, model, version)
             await _wait_held(evaluator, version)
         await _wait_reported(admin, 6)
         reports = await _reports(admin)

@@ -38,7 +38,7 @@ from rlbus.actors.feeder import (
 )
 from rlbus.actors.ledger import ORIGINAL_MSG_ID_HEADER, TaskLedger, read_task_ledger
 from rlbus.messages import codec
-from rlbus.messages.bus import Bus, ConnectOptions
+from rlbus.messages.bus import Bus, ConnectOptions, Delivery
 from rlbus.messages.schemas import Rollout, TensorBlob
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
@@ -185,20 +185,27 @@ def _cursor_after(seed: int, weights: list[tuple[str, float]], region: str, n: i
     return i
 
 
-async def take(env: Env, region: str, n: int, into: list[tuple[str, str]]) -> None:
-    """Consume and ack `n` tasks as that region's generators do."""
+@asynccontextmanager
+async def generator_deliveries(env: Env, region: str) -> AsyncIterator[tuple[Bus, AsyncIterator[Delivery[TaskMessage]]]]:
+    """A generator's bus in `region` and its deliveries from the region's TASKS, one at a time; closed after."""
     bus = await env.bus(region, "generator")
     try:
         s = bus.subjects
         async with aclosing(bus.consume(s.tasks_stream(region), s.durable("generator", region), TaskMessage,
                                         batch=1)) as deliveries:
-            async for delivery in deliveries:
-                await delivery.ack_sync()
-                into.append((region, delivery.message.task_id))
-                if len([r for r, _ in into if r == region]) >= n:
-                    return
+            yield bus, deliveries
     finally:
         await bus.close()
+
+
+async def take(env: Env, region: str, n: int, into: list[tuple[str, str]]) -> None:
+    """Consume and ack `n` tasks as that region's generators do."""
+    async with generator_deliveries(env, region) as (_, deliveries):
+        async for delivery in deliveries:
+            await delivery.ack_sync()
+            into.append((region, delivery.message.task_id))
+            if len([r for r, _ in into if r == region]) >= n:
+                return
 
 
 async def test_every_backlog_is_filled_to_the_bound_and_topped_up(two_regions: tuple[RegionSet, str]) -> None:
@@ -403,21 +410,16 @@ def _rollout(task_id: str, region: str) -> Rollout:
 async def settle_one(env: Env, region: str, how: str) -> str:
     """As a generator of `region` does with its next task: publish a rollout then ack ("rollout"), or
     dead-letter it ("dead_letter"). Returns the task's id."""
-    bus = await env.bus(region, "generator")
-    try:
+    async with generator_deliveries(env, region) as (bus, deliveries):
         s = bus.subjects
-        async with aclosing(bus.consume(s.tasks_stream(region), s.durable("generator", region), TaskMessage,
-                                        batch=1)) as deliveries:
-            async for delivery in deliveries:
-                task_id = delivery.message.task_id
-                if how == "rollout":
-                    await bus.publish(s.rollouts(region), _rollout(task_id, region), msg_id=f"{task_id}-0")
-                    await delivery.ack_sync()
-                else:
-                    assert await bus.dead_letter(delivery.raw, reason="test: unusable", source=s.tasks_stream(region))
-                return task_id
-    finally:
-        await bus.close()
+        async for delivery in deliveries:
+            task_id = delivery.message.task_id
+            if how == "rollout":
+                await bus.publish(s.rollouts(region), _rollout(task_id, region), msg_id=f"{task_id}-0")
+                await delivery.ack_sync()
+            else:
+                assert await bus.dead_letter(delivery.raw, reason="test: unusable", source=s.tasks_stream(region))
+            return task_id
     raise AssertionError("unreachable")
 
 
