@@ -6,17 +6,14 @@ letter with the reason and no mark — the trainer's next upload is checked afre
 `<state_dir>/checkpoints/step-<N>/` (temporary directory, fsync, rename), publish
 `CheckpointMark` (msg_id `ckpt-<N>`) and `Event(checkpoint)`, then keep only the newest `keep`
 checkpoints (directories and CKPT objects).
-Does not: decide when to checkpoint or read the state's contents (actors/trainer.py).
+Does not: decide when to checkpoint or read the state's contents (actors/trainer/actor.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import uuid
 from pathlib import Path
-from typing import Annotated, Any, Final
+from typing import Annotated, Any
 
 import anyio
 import msgspec
@@ -24,10 +21,10 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
-
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.messages.bus import Bus, Delivery, digest
+from rlbus.actors.common.checkpoints import checkpoint_dir, durable_marks, durable_steps, write_durable
 from rlbus.messages import checks, codec
+from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import BadMessage, DigestMismatch
 from rlbus.messages.schemas import CheckpointMark, StateUploaded
 from rlbus.messages.streams import ensure_consumer
@@ -35,97 +32,6 @@ from rlbus.messages.subjects import Subjects
 
 log = structlog.get_logger()
 
-CHECKPOINTS_DIR: Final = "checkpoints"
-MARK_FILE: Final = "mark.json"
-_STEP_PREFIX: Final = "step-"
-
-
-def checkpoint_dir(state_dir: Path, step: int) -> Path:
-    """Where the durable copy of step N's checkpoint lives: `<state_dir>/checkpoints/step-<N>/`."""
-    return state_dir / CHECKPOINTS_DIR / f"{_STEP_PREFIX}{step}"
-
-
-def durable_steps(state_dir: Path) -> list[int]:
-    """Steps with a complete durable copy under `state_dir`, ascending (temporary directories excluded)."""
-    root = state_dir / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    steps = []
-    for entry in root.iterdir():
-        suffix = entry.name.removeprefix(_STEP_PREFIX)
-        if entry.name.startswith(_STEP_PREFIX) and suffix.isdigit() and (entry / MARK_FILE).exists():
-            steps.append(int(suffix))
-    return sorted(steps)
-
-
-def read_durable_state(step_dir: Path, mark: CheckpointMark) -> bytes:
-    """The mark's one state object from its durable copy in `step_dir`, checked against the mark's digest.
-
-    :raises ValueError: the mark does not list exactly one object, or the file is missing or differs.
-    """
-    if len(mark.objects) != 1 or len(mark.digests) != 1:
-        raise ValueError(f"the mark of step {mark.step} lists {len(mark.objects)} objects; the trainer writes "
-                         f"exactly one")
-    path = step_dir / mark.objects[0]
-    data = path.read_bytes() if path.is_file() else b""
-    if not data:
-        raise ValueError(f"{path}: missing")
-    if digest(data) != mark.digests[0]:
-        raise ValueError(f"{path}: digest {digest(data)}; the mark expects {mark.digests[0]}")
-    return data
-
-
-def durable_marks(state_dir: Path) -> list[tuple[int, list[str]]]:
-    """(step, object names) of every durable copy under `state_dir`, oldest step first."""
-    out = []
-    for step in durable_steps(state_dir):
-        try:
-            mark = json.loads((checkpoint_dir(state_dir, step) / MARK_FILE).read_text())
-            out.append((step, [str(name) for name in mark["objects"]]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return out
-
-
-def write_durable(state_dir: Path, mark: CheckpointMark, blobs: dict[str, bytes]) -> Path:
-    """Write the objects and `mark.json` into a temporary directory, fsync, then rename it into place.
-
-    A directory of the same step already there (a redelivered upload) is replaced only after the new one
-    is complete, so a reader sees the old or the new copy, never a partial one.
-    """
-    final = checkpoint_dir(state_dir, mark.step)
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    for name, data in blobs.items():
-        _write_synced(tmp / name, data)
-    _write_synced(tmp / MARK_FILE, json.dumps(msgspec.to_builtins(mark), indent=1).encode())
-    _fsync_dir(tmp)
-    if final.exists():
-        old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync_dir(root)
-    return final
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with path.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -1,11 +1,11 @@
 """Evaluator: greedy pass@1 of published policy versions on the held-out task set.
 
-Owns: following the region's published versions (actors/weights.py `WeightSync`), evaluating one version
+Owns: following the region's published versions (actors/common/weight_sync.py `WeightSync`), evaluating one version
 per block of `every_versions` (the first it holds in each block: 0, k, 2k, ... while it keeps up; a version
 that arrives while it is busy is skipped for the newest, so after a slow evaluation it may be k+1; a
 started or restarted evaluator first evaluates the version it finds) on `n_tasks` held-out tasks
 (model/tasks.py `eval_tasks`, disjoint from training by prompt hash) with greedy decoding, grading each
-completion in the region's sandboxes (actors/sandbox_client.py), and publishing an `EvalReport` with
+completion in the region's sandboxes (actors/common/sandbox_client.py), and publishing an `EvalReport` with
 the 95% Wilson interval on `evals`. Does not: train, sample for training, or publish weights.
 Consumes WeightManifests (LATEST KV); produces EvalReport and Event(incident) when grading fails.
 """
@@ -21,8 +21,8 @@ import structlog
 import torch
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.actors.sandbox_client import grade_cases
-from rlbus.actors.weights import WeightSync
+from rlbus.actors.common.sandbox_client import grade_cases
+from rlbus.actors.common.weight_sync import WeightSync
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import SandboxCrashed
 from rlbus.messages.schemas import EvalReport, SandboxLimits

@@ -6,8 +6,8 @@ task, the verifier spec a generator rebuilds a task from (`verifier_for` / `task
 the feeder's position, kept in the hub's PARTIALS KV under `POSITION_KEY` (`read_position`; which ids its
 cursors have fed: `fed_task_ids`), and the lockstep schedule (`lockstep`: one batch of tasks per new
 policy version, for the synchronous arm of `rlbus bench async`).
-Does not: generate or grade (actors/generator.py), provision streams (messages/streams.py), account for
-fed tasks (actors/ledger.py `read_task_ledger`).
+Does not: generate or grade (actors/generator/actor.py), provision streams (messages/streams.py), account for
+fed tasks (actors/common/ledger.py `read_task_ledger`).
 
 Task `i` of the sequence goes to region `assign_region(seed, i, weights)`, a pure function, and only
 there. Each region has its own cursor (the next sequence index it has not been given), so a cut-off
@@ -25,268 +25,25 @@ are optional).
 
 from __future__ import annotations
 
-import hashlib
-import itertools
-import json
-from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import anyio
 import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
-
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.actors.weights import LATEST_KEY
+from rlbus.actors.common.weight_sync import LATEST_KEY
+from rlbus.actors.common.feed import POSITION_KEY, FeederConfig, Position, TaskSequence, assign_region, position_matches, read_tasks_file, task_seed, task_sequence, task_source, verifier_for
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.schemas import WeightManifest
-from rlbus.model.tasks import HiddenTest, train_tasks
-from rlbus.model.tasks import Task as CodingTask
 
 log = structlog.get_logger()
 
-POSITION_KEY: Final = "feeder-position"
-"""Key of the feeder's cursors in the hub region's PARTIALS bucket (generators use task ids as keys)."""
-VERIFIER_KIND: Final = "rlbus-task-v1"
-"""`Task.verifier["kind"]` of tasks whose `Task.verifier["task"]` is a `model.tasks.Task` as JSON."""
-
-
-class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The topology's `[feeder]` section plus what the launcher adds (`regions`, `group_size`)."""
-
-    seed: int = 0
-    """Seed of the built-in task sequence and of the region assignment."""
-    backlog_per_region: int = 256
-    """Each region's TASKS stream holds at most this many tasks (queued or being worked on)."""
-    region_weights: dict[str, float] = {}
-    """Share of tasks per region; regions missing here get 0. Empty: equal shares over `regions`."""
-    max_tasks: int | None = None
-    """Feed only the first `max_tasks` tasks of the sequence (None: forever / to the end of the file)."""
-    tasks_file: str | None = None
-    """A JSONL file of tasks (see the module docstring) instead of the built-in family."""
-    poll_interval_s: float = 1.0
-    """How often each region's backlog is checked and topped up."""
-    lockstep: bool = False
-    """Publish `backlog_per_region` tasks to a region per new version in its LATEST key, stamped with it as
-    `Task.min_version`, instead of keeping the backlog full (topology/schema.py FeederSettings.lockstep)."""
-    regions: list[str] = []
-    """Regions to feed (the launcher passes every region of the topology); empty: the feeder's own."""
-    domains: dict[str, str] = {}
-    """Region → JetStream domain (default: the region name)."""
-    group_size: int = 8
-    """`Task.group_size`: completions a generator samples per task (the topology's generator.group_size)."""
-    eval_seed: int | None = None
-    """Seed of the evaluator's held-out set, whose prompts the built-in sequence skips (the launcher passes
-    the topology's evaluator.seed); None: the held-out set of `seed`."""
-    levels: list[int] = []
-    """Built-in family only: feed just the tasks of these levels (topology/schema.py FeederSettings.levels);
-    empty: every level."""
-
-    def weights(self, own_region: str) -> list[tuple[str, float]]:
-        """(region, weight) pairs, sorted by region, of the regions that get tasks."""
-        regions = self.regions or [own_region]
-        if not self.region_weights:
-            return [(r, 1.0) for r in sorted(regions)]
-        return [(r, float(self.region_weights[r])) for r in sorted(regions) if self.region_weights.get(r, 0.0) > 0]
-
-
-# ---- the task sequence --------------------------------------------------------------------------
-def assign_region(seed: int, index: int, weights: Sequence[tuple[str, float]]) -> str:
-    """The region of task `index`: u = sha256("seed:index") as a fraction in [0, 1), then the first region
-    whose cumulative share exceeds u (regions in the given order). Pure and stable across processes."""
-    total = sum(w for _, w in weights)
-    if not weights or total <= 0:
-        raise ValueError(f"region weights {list(weights)} give no region a positive share")
-    u = int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "big") / 2.0**64
-    acc = 0.0
-    for region, weight in weights:
-        acc += weight / total
-        if u < acc:
-            return region
-    return weights[-1][0]
-
-
-def task_seed(seed: int, index: int) -> int:
-    """`Task.seed` of task `index`: 31 bits of sha256("task:seed:index"); generators seed sampling with it."""
-    return int.from_bytes(hashlib.sha256(f"task:{seed}:{index}".encode()).digest()[:4], "big") >> 1
-
-
-def verifier_for(task: CodingTask) -> dict[str, str]:
-    """`Task.verifier` of a coding task: {"kind": VERIFIER_KIND, "task": <the task's fields as JSON>}."""
-    doc = {"task_id": task.task_id, "family": task.family, "level": task.level, "prompt": task.prompt,
-           "entry_point": task.entry_point, "solution": task.solution,
-           "tests": [{"args": t.args, "expected": t.expected} for t in task.tests]}
-    return {"kind": VERIFIER_KIND, "task": json.dumps(doc)}
-
-
-def task_from_json(doc: Mapping[str, Any]) -> CodingTask:
-    """A `model.tasks.Task` from its JSON object (a verifier's or a task file line's).
-
-    :raises ValueError: a required field is missing or has the wrong type.
-    """
-    try:
-        tests = tuple(HiddenTest(args=str(t["args"]), expected=str(t["expected"])) for t in doc["tests"])
-        task = CodingTask(task_id=str(doc["task_id"]), family=str(doc.get("family", "file")),
-                          level=int(doc.get("level", 0)), prompt=str(doc["prompt"]),
-                          entry_point=str(doc["entry_point"]), solution=str(doc.get("solution", "")), tests=tests)
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"task object needs task_id, prompt, entry_point and tests [{{args, expected}}]: "
-                         f"{err!r}") from None
-    if not task.tests:
-        raise ValueError(f"task {task.task_id!r} has no tests")
-    return task
-
-
-def task_from_verifier(message: TaskMessage) -> CodingTask:
-    """Rebuild the coding task a Task message carries (generator side).
-
-    :raises ValueError: the verifier is not of kind VERIFIER_KIND or its task does not parse.
-    """
-    if message.verifier.get("kind") != VERIFIER_KIND or "task" not in message.verifier:
-        raise ValueError(f"task {message.task_id}: verifier kind {message.verifier.get('kind')!r} is not "
-                         f"{VERIFIER_KIND!r}")
-    try:
-        doc = json.loads(message.verifier["task"])
-    except (ValueError, RecursionError) as err:    # RecursionError: nested past the parser's depth
-        raise ValueError(f"task {message.task_id}: verifier task is not usable JSON: {err!r}"[:500]) from None
-    if not isinstance(doc, dict):   # ValueError, as for every unusable verifier: the generator dead-letters those
-        raise ValueError(f"task {message.task_id}: verifier task is a JSON {type(doc).__name__}, "  # noqa: TRY004
-                         f"not an object")
-    return task_from_json(doc)
-
-
-def read_tasks_file(path: Path) -> list[CodingTask]:
-    """Every task of a JSONL file, in file order (blank lines skipped).
-
-    :raises ValueError: naming the file and line of the first bad line.
-    """
-    out = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            out.append(task_from_json(json.loads(line)))
-        except ValueError as err:
-            raise ValueError(f"{path}:{number}: {err}") from None
-    return out
-
-
-def task_source(config: FeederConfig) -> str:
-    """What the feeder's saved position is a position in: the tasks file, or the built-in sequence of a seed
-    (and levels). A restart that finds another source saved restarts every region at the furthest saved
-    index rather than at its own cursor (`feeder_assignment_changed`)."""
-    if config.tasks_file is not None:
-        return config.tasks_file
-    levels = f":levels={','.join(map(str, sorted(set(config.levels))))}" if config.levels else ""
-    return f"builtin:{config.seed}{levels}"
-
-
-class TaskSequence:
-    """Random access to the task sequence (built-in or file), caching the window still needed."""
-
-    def __init__(self, seed: int, tasks: list[CodingTask] | None = None, max_tasks: int | None = None,
-                 *, eval_seed: int | None = None, levels: Sequence[int] = ()) -> None:
-        self._listed = tasks
-        self._levels = frozenset(levels)
-        self._stream: Iterator[CodingTask] | None = None
-        self._seed = seed
-        self._eval_seed = eval_seed
-        self._cache: list[CodingTask] = []
-        self._base = 0
-        ends = [n for n in (max_tasks, None if tasks is None else len(tasks)) if n is not None]
-        self.end: int | None = min(ends) if ends else None
-        """First index past the sequence (None: endless)."""
-
-    def get(self, index: int) -> CodingTask:
-        if self._listed is not None:
-            return self._listed[index]
-        if index < self._base:
-            raise IndexError(f"task {index} was dropped from the cache (window starts at {self._base})")
-        if self._stream is None:
-            stream = train_tasks(self._seed, eval_seed=self._eval_seed)
-            self._stream = (t for t in stream if t.level in self._levels) if self._levels else stream
-        missing = index - self._base - len(self._cache) + 1
-        if missing > 0:
-            self._cache.extend(itertools.islice(self._stream, missing))
-        return self._cache[index - self._base]
-
-    def forget_below(self, index: int) -> None:
-        """Drop cached tasks before `index` (every region's cursor is past them)."""
-        if self._listed is None and index > self._base:
-            del self._cache[: index - self._base]
-            self._base = index
-
-
-class Position(msgspec.Struct, kw_only=True):
-    """The feeder's saved state: per region, the next sequence index it has not been given."""
-
-    seed: int
-    source: str
-    weights: dict[str, float]
-    cursors: dict[str, int]
-    versions: dict[str, int] = {}
-    """Lockstep: per region, the last policy version it was given its batch for."""
-
-
-def task_sequence(config: FeederConfig, listed: list[CodingTask] | None = None) -> TaskSequence:
-    """The sequence the feeder walks: `listed` (the tasks file's tasks) or the built-in family of the config."""
-    return TaskSequence(config.seed, listed, config.max_tasks, eval_seed=config.eval_seed, levels=config.levels)
-
-
-def position_matches(saved: Position, config: FeederConfig, own_region: str) -> bool:
-    """Whether `saved` is a position in this config's sequence and assignment (seed, task source, weights);
-    a feeder that finds another one saved does not resume its cursors (`feeder_assignment_changed`)."""
-    return (saved.seed, saved.source, saved.weights) == (config.seed, task_source(config),
-                                                         dict(config.weights(own_region)))
-
-
-def fed_task_ids(config: FeederConfig, cursors: Mapping[str, int], own_region: str,
-                 listed: list[CodingTask] | None = None) -> dict[str, list[str]]:
-    """Per region of `config.weights(own_region)`, the ids of the tasks a feeder with these cursors has given
-    it, in sequence order: every index below the region's cursor that `assign_region` gives the region
-    (the feeder walks each region's indices in order and advances the cursor past each one published).
-
-    `listed`: the tasks file's tasks (None: read `config.tasks_file` when set). Cursors of a position saved
-    under another seed, source or weights (`position_matches`) do not mean this."""
-    weights = config.weights(own_region)
-    if listed is None and config.tasks_file is not None:
-        listed = read_tasks_file(Path(config.tasks_file))
-    tasks = task_sequence(config, listed)
-    out: dict[str, list[str]] = {region: [] for region, _ in weights}
-    stop = max((cursors.get(region, 0) for region in out), default=0)
-    if tasks.end is not None:
-        stop = min(stop, tasks.end)
-    for index in range(stop):
-        region = assign_region(config.seed, index, weights)
-        task = tasks.get(index)
-        tasks.forget_below(index)
-        if index < cursors.get(region, 0):
-            out[region].append(task.task_id)
-    return out
-
-
-async def read_position(bus: Bus, region: str, *, domain: str | None = None) -> Position | None:
-    """The feeder's saved position in `region`'s PARTIALS KV (the feeder's own region), or None if none is saved.
-
-    `domain`: that region's JetStream domain when `bus` is connected elsewhere.
-    :raises BadMessage: the saved value is not a `Position`.
-    """
-    js = bus.jetstream(domain) if domain is not None else bus.js
-    bucket = bus.subjects.partials_bucket(region)
-    kv = await js.key_value(bucket)
-    try:
-        entry = await kv.get(POSITION_KEY)
-    except nats.js.errors.KeyNotFoundError:
-        return None
-    try:
-        return msgspec.json.decode(entry.value or b"", type=Position)
-    except msgspec.DecodeError as err:
-        raise BadMessage(f"feeder position {POSITION_KEY!r} in bucket {bucket}: {err}") from None
 
 
 class Feeder(Actor):

@@ -10,7 +10,7 @@ from typing import Any, Final
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.demo import DemoConsumer, DemoProducer, DemoSettings
-from rlbus.actors.sandbox import build_sandbox
+from rlbus.actors.sandbox.supervisor import build_sandbox
 from rlbus.messages.bus import Bus
 
 ACTOR_KINDS: Final = ("demo_producer", "demo_consumer", "sandbox", "feeder", "generator", "trainer", "checkpointer",
@@ -31,11 +31,11 @@ def build_actor(kind: str, ident: ActorId, bus: Bus, settings: dict[str, Any], l
 
             return build_feeder(ident, bus, settings, limits)
         case "generator":
-            from rlbus.actors.generator import build_generator
+            from rlbus.actors.generator.actor import build_generator
 
             return build_generator(ident, bus, settings, limits)
         case "trainer":
-            from rlbus.actors.trainer import build_trainer   # imports torch: only where needed
+            from rlbus.actors.trainer.actor import build_trainer   # imports torch: only where needed
 
             return build_trainer(ident, bus, settings, limits)
         case "checkpointer":

@@ -11,7 +11,7 @@ region that fails is retried with backoff and catches up to the newest version. 
 announced on WEIGHTS (msg_id `weights-<N>`) once every reachable region is ready, with `regions_ready`,
 and only then is VersionReady acked. A version no region took is never announced; one whose CKPT object
 is missing or corrupt is dead-lettered with the reason.
-Does not: encode tensors (kernels/), apply weights (actors/weights.py) or train (actors/trainer.py).
+Does not: encode tensors (kernels/), apply weights (actors/common/weight_sync.py) or train (actors/trainer/actor.py).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from nats.js.object_store import ObjectStore
 from torch import Tensor
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.actors.ledger import read_all
-from rlbus.actors.weights import LATEST_KEY, decode_full, fetch_object, store_digest
+from rlbus.actors.common.ledger import read_all
+from rlbus.actors.common.weight_sync import LATEST_KEY, decode_full, fetch_object, store_digest
 from rlbus.kernels.delta import DeltaCorrupt, merge_positions, snapshot_due
 from rlbus.kernels.delta_state import StateIndex, encode_state, read_index
 from rlbus.messages import codec

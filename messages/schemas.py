@@ -86,7 +86,7 @@ class SandboxVerdict(msgspec.Struct, frozen=True, kw_only=True):
 class Rollout(Message, tag="rollout"):
     """One sampled completion with everything the trainer needs.
 
-    Produced by actors/generator.py; consumed by actors/trainer.py (ROLLOUTS, durable) and recorders.
+    Produced by actors/generator/actor.py; consumed by actors/trainer/actor.py (ROLLOUTS, durable) and recorders.
     """
 
     rollout_id: str
@@ -141,7 +141,7 @@ class WeightManifest(Message, tag="weight_manifest"):
 class VersionReady(Message, tag="version_ready"):
     """A new policy version's bf16 weights are uploaded to the hub's CKPT object store.
 
-    Produced by actors/trainer.py on `state.version` (STATE stream); consumed by actors/publisher.py,
+    Produced by actors/trainer/actor.py on `state.version` (STATE stream); consumed by actors/publisher.py,
     which encodes it for the generators and announces it with a WeightManifest.
     """
 
@@ -160,7 +160,7 @@ class VersionReady(Message, tag="version_ready"):
 class StateUploaded(Message, tag="state_uploaded"):
     """The trainer's full state for a step (fp32 weights, optimizer, RNG, consumed ids) is in CKPT.
 
-    Produced by actors/trainer.py on `state.upload` (STATE stream); consumed by actors/checkpointer.py,
+    Produced by actors/trainer/actor.py on `state.upload` (STATE stream); consumed by actors/checkpointer.py,
     which verifies the digests, makes it durable and publishes a CheckpointMark.
     """
 
@@ -199,7 +199,7 @@ class SandboxLimits(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SandboxRequest(Message, tag="sandbox_request"):
-    """Run code against tests. Produced by generators/evaluators; consumed by actors/sandbox.py (request/reply)."""
+    """Run code against tests. Produced by generators/evaluators; consumed by actors/sandbox/supervisor.py (request/reply)."""
 
     request_id: str
     code: str
@@ -208,7 +208,7 @@ class SandboxRequest(Message, tag="sandbox_request"):
 
 
 class SandboxResult(Message, tag="sandbox_result"):
-    """The reply to a SandboxRequest. Produced by actors/sandbox.py; consumed by its requester."""
+    """The reply to a SandboxRequest. Produced by actors/sandbox/supervisor.py; consumed by its requester."""
 
     request_id: str
     verdict: SandboxVerdict
@@ -263,7 +263,7 @@ class DroppedRollout(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TrainStep(Message, tag="train_step"):
-    """One optimizer step. Produced by actors/trainer.py on TRAINLOG; consumed by ledgers, recorders, replay.
+    """One optimizer step. Produced by actors/trainer/actor.py on TRAINLOG; consumed by ledgers, recorders, replay.
 
     A record with no `rollout_ids` and only `dropped` entries (same `policy_version` as the step before) is
     the trainer recording drops it could not fold into an optimizer step (its buffer was full)."""

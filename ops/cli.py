@@ -1,7 +1,8 @@
 """The `rlbus` command: one argparse parser with a subcommand per job, heavy imports inside each.
 
 Owns: `main(argv)`: parse, configure logging, run the subcommand, map `RlbusError` to exit code 2
-with a one-line message. Each subcommand lives in its own `ops/<name>.py` exposing `register(sub)`.
+with a one-line message. Each subcommand's module (below) exposes `register(sub)`; a family of
+subcommands shares a subpackage (`ops/bench/`, `ops/health/`, `ops/chaos/`, `ops/recording/`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,21 @@ from typing import Final
 from rlbus.messages.errors import RlbusError
 from rlbus.ops.logging import configure_logging
 
-SUBCOMMANDS: Final = ("up", "validate", "clean", "pretrain", "eval", "bench", "health", "events", "record",
-                      "replay", "plot", "chaos")
+SUBCOMMANDS: Final = {
+    "up": "rlbus.ops.up",
+    "validate": "rlbus.ops.validate",
+    "clean": "rlbus.ops.clean",
+    "pretrain": "rlbus.ops.pretrain",
+    "eval": "rlbus.ops.eval",
+    "bench": "rlbus.ops.bench.cli",
+    "health": "rlbus.ops.health.cli",
+    "events": "rlbus.ops.events",
+    "record": "rlbus.ops.recording.record",
+    "replay": "rlbus.ops.recording.replay",
+    "plot": "rlbus.ops.recording.plot",
+    "chaos": "rlbus.ops.chaos.cli",
+}
+"""Subcommand → the module that registers it."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,14 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--log-json", action="store_true", help="JSON logs even on a terminal")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"rlbus.ops.{name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"rlbus.ops.{name}":
-                raise
-            continue                      # that subcommand is not built yet
-        module.register(sub)
+    for module in SUBCOMMANDS.values():
+        importlib.import_module(module).register(sub)
     return parser
 
 

@@ -114,7 +114,7 @@ def load_policy(path: Path) -> tuple[Any, str]:
     """
     import torch
 
-    from rlbus.actors.checkpointer import MARK_FILE, checkpoint_dir, durable_steps
+    from rlbus.actors.common.checkpoints import MARK_FILE, checkpoint_dir, durable_steps
     from rlbus.messages.errors import RlbusError
     from rlbus.model.pretrain import CHECKPOINT_NAME, load_checkpoint
 
@@ -144,7 +144,7 @@ def load_policy(path: Path) -> tuple[Any, str]:
 def _checkpoint_policy(path: Path) -> tuple[Any, str]:
     import msgspec
 
-    from rlbus.actors.checkpointer import MARK_FILE, read_durable_state
+    from rlbus.actors.common.checkpoints import MARK_FILE, read_durable_state
     from rlbus.messages.errors import RlbusError
     from rlbus.messages.schemas import CheckpointMark
     from rlbus.ops.final_eval import policy_from_state

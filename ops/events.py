@@ -2,7 +2,7 @@
 
 Owns: the command line and the output (one line per event, or one JSON object per line with --json).
 Events are read from the hub's EVENTS stream from a start time through an ephemeral consumer
-(ops/streamread.py), filtered by event kind, actor, region and actor kind; --follow keeps printing
+(messages/history.py), filtered by event kind, actor, region and actor kind; --follow keeps printing
 new ones until Ctrl-C.
 """
 
@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from rlbus.ops._target import add_target_options
+from rlbus.ops.target import add_target_options
 
 if TYPE_CHECKING:
     from rlbus.messages.bus import Bus
@@ -49,7 +49,7 @@ def _split(values: list[str] | None) -> set[str] | None:
 def _handler(args: argparse.Namespace) -> int:
     import anyio
 
-    from rlbus.ops._target import parse_duration, resolve
+    from rlbus.ops.target import parse_duration, resolve
 
     target = resolve(args)
     since = None if args.since == "all" else time.time() - parse_duration(args.since)
@@ -82,7 +82,7 @@ async def read_events(bus: Bus, *, since: float | None, follow: bool = False
     from rlbus.messages import codec
     from rlbus.messages.errors import BadMessage
     from rlbus.messages.schemas import Event
-    from rlbus.ops.streamread import Start, read_stream, stored_at
+    from rlbus.messages.history import Start, read_stream, stored_at
 
     start = Start() if since is None else Start.since(since)
     subjects = bus.subjects

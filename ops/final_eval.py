@@ -22,9 +22,9 @@ from typing import Final
 import anyio
 import torch
 
-from rlbus.actors._trainer_resume import last_message, load_state
+from rlbus.actors.trainer.resume import last_message, load_state
 from rlbus.actors.evaluator import EvaluatorSettings
-from rlbus.actors.weights import config_from_dict
+from rlbus.actors.common.weight_sync import config_from_dict
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import CheckpointMark, EvalReport
 from rlbus.model.evaluate import EvalResult, evaluate_pass_at_1
@@ -62,7 +62,7 @@ async def final_evaluation(bus: Bus, state_dir: Path, *, seed: int, n_tasks: int
 
 def policy_from_state(blob: bytes) -> Transformer:
     """The policy of a trainer state blob as a version of it is published: its fp32 master weights rounded
-    to bfloat16 (actors/_trainer_core.py `bf16_state`), in a bfloat16 model in eval mode."""
+    to bfloat16 (actors/trainer/core.py `bf16_state`), in a bfloat16 model in eval mode."""
     payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     model = Transformer(config_from_dict(payload["model_config"])).to(torch.bfloat16).eval()
     model.load_state_dict(payload["model"])

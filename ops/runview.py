@@ -92,7 +92,7 @@ def _mean_staleness(histogram: dict[str, int]) -> float:
 
 def summary(view: RunView, book: Any | None, tasks: Any | None = None) -> str:
     """The closing summary: steps, rollouts, reward, pass rate first → last, the ledger of rollouts and that of
-    the fed tasks (`tasks`, actors/ledger.py `TaskLedger`; None: not read)."""
+    the fed tasks (`tasks`, actors/common/ledger.py `TaskLedger`; None: not read)."""
     lines = ["rlbus up: summary"]
     if view.base_pass is not None:
         lines.append(f"  pretrained base: held-out pass@1 {view.base_pass['pass_at_1']:.3f} "

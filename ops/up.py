@@ -234,7 +234,7 @@ async def _up(topology: Any, state: Path, args: argparse.Namespace, rl: bool, ba
 async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write_png: Any) -> str:
     import anyio
 
-    from rlbus.actors.ledger import read_all, read_ledger
+    from rlbus.actors.common.ledger import read_all, read_ledger
     from rlbus.messages.errors import RlbusError
     from rlbus.messages.schemas import EvalReport, TrainStep
     from rlbus.ops.final_eval import REPORT_NAME, final_evaluation, write_report

@@ -107,15 +107,15 @@ def feeder_settings(topology: Topology) -> dict[str, Any]:
 
 
 async def read_fed_tasks(topology: Topology, bus: Bus, *, settle_s: float = 10.0) -> Any:
-    """The run's task ledger (actors/ledger.py `TaskLedger`: every task the feeder fed is rolled out, pending
+    """The run's task ledger (actors/common/ledger.py `TaskLedger`: every task the feeder fed is rolled out, pending
     or dead-lettered), read through `bus` (connected to the hub) with the feeder's settings as launched; None
     when the topology has no feeder. A task whose rollouts are still on their way from a leaf to the hub
     reads as lost, so while some are, it re-reads for up to `settle_s`.
 
     :raises TopologyError: the feeder's saved position was written under other feeder settings.
     """
-    from rlbus.actors.feeder import FeederConfig
-    from rlbus.actors.ledger import read_task_ledger
+    from rlbus.actors.common.feed import FeederConfig
+    from rlbus.actors.common.ledger import read_task_ledger
 
     feeders = [i for i in topology.instances() if i.kind == "feeder"]
     if not feeders:

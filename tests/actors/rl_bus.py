@@ -10,7 +10,7 @@ from typing import TypeVar
 import anyio
 import nats
 
-from rlbus.actors.ledger import read_all
+from rlbus.actors.common.ledger import read_all
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import CheckpointMark, Message, Rollout, TrainStep, VersionReady
 from rlbus.messages.streams import StreamSettings, provision_run

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlbus.actors.episode_group import (
+from rlbus.actors.generator.group import (
     ZSTD_MAGIC,
     Attempt,
     PartialGroup,
@@ -150,7 +150,7 @@ def test_policy_text_skips_ids_the_tokenizer_does_not_know() -> None:
 
 def test_attempt_reward_gives_partial_credit_only_when_asked() -> None:
     """A pass is 1.0; a failed attempt with 3 of 6 tests passed earns 0.5 * 3/6 with credit 0.5, else 0."""
-    from rlbus.actors.episode_group import Attempt, attempt_reward
+    from rlbus.actors.generator.group import Attempt, attempt_reward
 
     passed = Attempt(status="passed", n_passed=6, n_tests=6, feedback="")
     half = Attempt(status="failed", n_passed=3, n_tests=6, feedback="f(1) == 2 failed")

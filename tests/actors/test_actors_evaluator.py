@@ -19,11 +19,11 @@ import torch
 
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.evaluator import Evaluator, EvaluatorSettings
-from rlbus.actors.ledger import read_all
+from rlbus.actors.common.ledger import read_all
 from rlbus.actors.publisher import Publisher, PublisherSettings
-from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
-from rlbus.actors.version_source import published_state, upload_version
-from rlbus.actors.weights import LATEST_KEY
+from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
+from rlbus.ops.bench.version_source import published_state, upload_version
+from rlbus.actors.common.weight_sync import LATEST_KEY
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import EvalReport, WeightManifest

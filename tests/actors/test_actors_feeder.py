@@ -21,22 +21,22 @@ import nats
 import pytest
 
 from rlbus.actors.base import ActorId, ActorLimits
-from rlbus.actors.feeder import (
+from rlbus.actors.common.feed import (
     POSITION_KEY,
     VERIFIER_KIND,
-    Feeder,
     FeederConfig,
     Position,
     TaskSequence,
-    task_source,
     assign_region,
     fed_task_ids,
     read_position,
     read_tasks_file,
     task_from_verifier,
+    task_source,
     verifier_for,
 )
-from rlbus.actors.ledger import ORIGINAL_MSG_ID_HEADER, TaskLedger, read_task_ledger
+from rlbus.actors.feeder import Feeder
+from rlbus.actors.common.ledger import ORIGINAL_MSG_ID_HEADER, TaskLedger, read_task_ledger
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Delivery
 from rlbus.messages.schemas import Rollout, TensorBlob

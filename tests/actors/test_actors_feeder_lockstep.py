@@ -15,8 +15,9 @@ import nats.js.errors
 import pytest
 
 from rlbus.actors.base import ActorId, ActorLimits
-from rlbus.actors.feeder import POSITION_KEY, Feeder, FeederConfig, Position
-from rlbus.actors.weights import LATEST_KEY
+from rlbus.actors.common.feed import POSITION_KEY, FeederConfig, Position
+from rlbus.actors.feeder import Feeder
+from rlbus.actors.common.weight_sync import LATEST_KEY
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.messages.schemas import Task as TaskMessage

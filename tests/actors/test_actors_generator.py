@@ -32,7 +32,7 @@ import torch
 
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.checkpointer import Checkpointer, CheckpointerConfig
-from rlbus.actors.episode_group import (
+from rlbus.actors.generator.group import (
     Attempt,
     PartialGroup,
     decode_partial,
@@ -40,14 +40,14 @@ from rlbus.actors.episode_group import (
     new_group,
     record_attempt,
 )
-from rlbus.actors.feeder import verifier_for
-from rlbus.actors.generator import Generator, GeneratorConfig, partial_key
-from rlbus.actors.ledger import Ledger, read_ledger
+from rlbus.actors.common.feed import verifier_for
+from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
+from rlbus.actors.common.ledger import Ledger, read_ledger
 from rlbus.actors.publisher import Publisher, PublisherSettings
-from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
-from rlbus.actors.trainer import Trainer, TrainerConfig
-from rlbus.actors.version_source import published_state, upload_version
-from rlbus.actors.weight_source import LocalWeights
+from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
+from rlbus.actors.trainer.actor import Trainer, TrainerConfig
+from rlbus.ops.bench.version_source import published_state, upload_version
+from rlbus.actors.common.weight_source import LocalWeights
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import Heartbeat, Rollout, SandboxVerdict

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from rlbus.actors.ledger import (
+from rlbus.actors.common.ledger import (
     ORIGINAL_MSG_ID_HEADER,
     final_lineage,
     ledger,

@@ -8,7 +8,7 @@ import anyio
 import pytest
 import torch
 
-from rlbus.actors.sample_batcher import SampleBatcher, cut
+from rlbus.actors.generator.batcher import SampleBatcher, cut
 from rlbus.model.generate import SampledSequence
 
 

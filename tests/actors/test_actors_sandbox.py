@@ -22,10 +22,10 @@ import anyio
 import pytest
 from nats.js.api import StreamConfig
 
-from rlbus.actors._sandbox_pool import SANDBOX_UID, available_levels, descendants
+from rlbus.actors.sandbox.pool import SANDBOX_UID, available_levels, descendants
 from rlbus.actors.base import ActorId, ActorLimits, State
-from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
-from rlbus.actors.sandbox_client import grade_result, request_for, run_in_sandbox, asserts_for
+from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
+from rlbus.actors.common.sandbox_client import grade_result, request_for, run_in_sandbox, asserts_for
 from rlbus.messages import codec
 from rlbus.messages.bus import REASON_HEADER, Bus, ConnectOptions
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxRequest, SandboxResult

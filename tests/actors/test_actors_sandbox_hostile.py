@@ -16,10 +16,10 @@ from typing import Final
 import anyio
 import pytest
 
-from rlbus.actors._sandbox_pool import available_levels
+from rlbus.actors.sandbox.pool import available_levels
 from rlbus.actors.base import ActorId, ActorLimits, State
-from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
-from rlbus.actors.sandbox_client import run_in_sandbox
+from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
+from rlbus.actors.common.sandbox_client import run_in_sandbox
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import SandboxLimits, SandboxRequest, SandboxResult
 

@@ -15,11 +15,11 @@ import msgspec
 import pytest
 import torch
 
-from rlbus.actors._trainer_core import build_core
+from rlbus.actors.trainer.core import build_core
 from rlbus.actors.base import Actor, ActorId, ActorLimits, State
 from rlbus.actors.checkpointer import Checkpointer, CheckpointerConfig, checkpoint_dir, durable_steps
-from rlbus.actors.ledger import read_all, read_ledger
-from rlbus.actors.trainer import Trainer, TrainerConfig
+from rlbus.actors.common.ledger import read_all, read_ledger
+from rlbus.actors.trainer.actor import Trainer, TrainerConfig
 from rlbus.kernels.delta_state import apply_state_
 from rlbus.messages.bus import Bus, digest
 from rlbus.messages.schemas import CheckpointMark, Event, StateUploaded, TensorBlob, TrainStep, VersionReady

@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 import pytest
 
-from rlbus.actors._trainer_core import build_core
-from rlbus.actors.ledger import Ledger, final_lineage, read_ledger
+from rlbus.actors.trainer.core import build_core
+from rlbus.actors.common.ledger import Ledger, final_lineage, read_ledger
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import CheckpointMark, TrainStep, VersionReady
 from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy

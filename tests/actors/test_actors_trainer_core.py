@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from rlbus.actors._trainer_core import (
+from rlbus.actors.trainer.core import (
     Objective,
     TrainerCore,
     plan_step,
@@ -130,7 +130,7 @@ def test_on_policy_step_matches_the_hand_computed_loss_and_moves_the_weights() -
 def test_scale_by_std_divides_each_groups_advantages_by_its_reward_std() -> None:
     """scale_by_std (GRPO): A_b = (r_b - group mean) / (group std, ddof 1); a group with one pass in four
     then weighs 1/std = 2x what mean-centring gives it. The trainer's settings carry the switch."""
-    from rlbus.actors.trainer import TrainerConfig
+    from rlbus.actors.trainer.actor import TrainerConfig
 
     core = _core(ModelConfig.tiny(vocab_size=264))
     rollouts = [msgspec.structs.replace(r, reward=float(i == 0))
@@ -147,7 +147,7 @@ def test_scale_by_std_divides_each_groups_advantages_by_its_reward_std() -> None
 
 def test_lr_decays_linearly_to_its_final_ratio_then_holds() -> None:
     """lr_decay_steps: step 1 at lr, step decay+1 at lr * lr_final_ratio, held after; 0: constant."""
-    from rlbus.actors.trainer import TrainerConfig
+    from rlbus.actors.trainer.actor import TrainerConfig
 
     config = TrainerConfig(lr=1e-4, lr_decay_steps=100, lr_final_ratio=0.1)
     assert config.lr_at(1) == pytest.approx(1e-4)
@@ -289,7 +289,7 @@ def test_launcher_settings_decode_into_the_trainer_and_checkpointer_configs(tmp_
     import msgspec
 
     from rlbus.actors.checkpointer import CheckpointerConfig
-    from rlbus.actors.trainer import TrainerConfig
+    from rlbus.actors.trainer.actor import TrainerConfig
     from rlbus.topology.examples import example_path
     from rlbus.topology.launch import kind_settings
     from rlbus.topology.load import load
@@ -306,7 +306,7 @@ def test_build_core_starts_from_a_pretrained_checkpoint_folder_and_freezes_it_as
     """A `pretrain.pt` folder gives the starting weights and an equal, frozen reference; a missing one fails."""
     import dataclasses
 
-    from rlbus.actors._trainer_core import build_core
+    from rlbus.actors.trainer.core import build_core
     from rlbus.model.pretrain import CHECKPOINT_NAME
     from rlbus.model.tokenizer import ByteTokenizer
 

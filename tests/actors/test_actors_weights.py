@@ -28,8 +28,8 @@ from torch import Tensor
 
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.publisher import Publisher, PublisherSettings
-from rlbus.actors.version_source import VersionSource
-from rlbus.actors.weights import LATEST_KEY, Part, WeightSync, config_dict, plan_fetch
+from rlbus.ops.bench.version_source import VersionSource
+from rlbus.actors.common.weight_sync import LATEST_KEY, Part, WeightSync, config_dict, plan_fetch
 from rlbus.kernels.delta import bits_view
 from rlbus.kernels.delta_state import state_digest, tensor_digests
 from rlbus.messages import codec

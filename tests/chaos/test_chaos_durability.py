@@ -18,11 +18,11 @@ from typing import TypeVar
 import anyio
 import nats.errors
 import pytest
-from rlbus.actors._trainer_core import build_core
+from rlbus.actors.trainer.core import build_core
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.checkpointer import Checkpointer, CheckpointerConfig
-from rlbus.actors.ledger import read_all, read_ledger
-from rlbus.actors.trainer import Trainer, TrainerConfig
+from rlbus.actors.common.ledger import read_all, read_ledger
+from rlbus.actors.trainer.actor import Trainer, TrainerConfig
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import CheckpointMark, Rollout, TrainStep
 from rlbus.messages.streams import ensure_consumer, trainer_consumer

@@ -7,7 +7,7 @@ import itertools
 from collections import Counter
 
 import pytest
-from rlbus.ops.chaosplan import (
+from rlbus.ops.chaos.plan import (
     ChaosSettings,
     Fault,
     FaultRecord,
@@ -16,7 +16,7 @@ from rlbus.ops.chaosplan import (
     recovery_after,
     summarize,
 )
-from rlbus.ops.chaosreport import exit_code
+from rlbus.ops.chaos.report import exit_code
 
 KINDS = ["checkpointer", "evaluator", "feeder", "generator", "publisher", "sandbox", "trainer"]
 

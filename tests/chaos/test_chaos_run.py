@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from rlbus.ops.chaosplan import ChaosSettings, plan_faults
+from rlbus.ops.chaos.plan import ChaosSettings, plan_faults
 
 pytestmark = pytest.mark.chaos
 

@@ -15,7 +15,7 @@ import nats.errors
 import pytest
 import torch
 
-from rlbus.actors._trainer_core import build_core
+from rlbus.actors.trainer.core import build_core
 from rlbus.messages.bus import Bus
 from rlbus.model.pretrain import CHECKPOINT_NAME
 from rlbus.model.tokenizer import ByteTokenizer

@@ -26,7 +26,7 @@ import zstandard
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from rlbus.actors.feeder import verifier_for
+from rlbus.actors.common.feed import verifier_for
 from rlbus.messages import checks, codec
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import (

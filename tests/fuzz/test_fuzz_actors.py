@@ -24,16 +24,16 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from rlbus.actors._trainer_core import fresh_config
+from rlbus.actors.trainer.core import fresh_config
 from rlbus.actors.base import Actor, ActorId, ActorLimits, State
 from rlbus.actors.checkpointer import Checkpointer, CheckpointerConfig
-from rlbus.actors.generator import Generator, GeneratorConfig
-from rlbus.actors.ledger import read_all
+from rlbus.actors.generator.actor import Generator, GeneratorConfig
+from rlbus.actors.common.ledger import read_all
 from rlbus.actors.publisher import Publisher, PublisherSettings
-from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
-from rlbus.actors.trainer import Trainer, TrainerConfig
-from rlbus.actors.weight_source import LocalWeights
-from rlbus.actors.weights import WeightSync
+from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
+from rlbus.actors.trainer.actor import Trainer, TrainerConfig
+from rlbus.actors.common.weight_source import LocalWeights
+from rlbus.actors.common.weight_sync import WeightSync
 from rlbus.messages import codec
 from rlbus.messages.bus import REASON_HEADER, Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import CheckpointMark, Heartbeat, TrainStep

@@ -27,8 +27,8 @@ from nats.aio.client import Client as NATS
 
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.checkpointer import Checkpointer, CheckpointerConfig
-from rlbus.actors.feeder import verifier_for
-from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
+from rlbus.actors.common.feed import verifier_for
+from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import Heartbeat, Rollout, Task, TensorBlob

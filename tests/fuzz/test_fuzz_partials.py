@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from rlbus.actors.base import ActorId, ActorLimits
-from rlbus.actors.episode_group import (
+from rlbus.actors.generator.group import (
     ZSTD_MAGIC,
     Attempt,
     PartialGroup,
@@ -40,11 +40,11 @@ from rlbus.actors.episode_group import (
     new_group,
     record_attempt,
 )
-from rlbus.actors.feeder import verifier_for
-from rlbus.actors.generator import Generator, GeneratorConfig, partial_key
-from rlbus.actors.ledger import read_all
-from rlbus.actors.sandbox import SandboxConfig, SandboxSupervisor
-from rlbus.actors.weight_source import LocalWeights
+from rlbus.actors.common.feed import verifier_for
+from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
+from rlbus.actors.common.ledger import read_all
+from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
+from rlbus.actors.common.weight_source import LocalWeights
 from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.messages.schemas import Event, Rollout, SandboxVerdict, TensorBlob
 from rlbus.messages.schemas import Task as TaskMessage

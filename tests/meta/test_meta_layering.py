@@ -44,6 +44,70 @@ def test_imports_point_down() -> None:
     assert not bad, "\n".join(bad)
 
 
+ACTOR_INFRASTRUCTURE: frozenset[str] = frozenset({"base", "common", "host", "process", "kinds"})
+"""Modules of actors/ that are not an actor kind: the base, the shared layer and the launch plumbing."""
+LAUNCHERS: frozenset[str] = frozenset({"host", "process", "kinds"})
+"""The only modules of actors/ that may import actor kinds (`kinds.build_actor` is the one `match`)."""
+
+
+def actor_unit(path: Path, root: Path = ROOT) -> str:
+    """The unit of actors/ a file belongs to: `base`, `common`, `trainer` (actors/trainer/...), `feeder`, …"""
+    rel = path.relative_to(root / "actors")
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def actor_imports(path: Path, root: Path = ROOT) -> set[str]:
+    """The units of actors/ a module imports: absolute (`rlbus.actors.x[.y]`, `from rlbus.actors import x`)
+    and relative (`from . import x`, `from .x import y`, `from ..x import y`) forms alike."""
+    here = path.relative_to(root).with_suffix("").parts          # ("actors", "trainer", "core")
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        modules: list[tuple[str, ...]] = []
+        if isinstance(node, ast.Import):
+            modules = [tuple(a.name.split(".")) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                package = here[:-1]
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                target = ("rlbus", *base, *(node.module.split(".") if node.module else ()))
+            else:
+                target = tuple((node.module or "").split("."))
+            modules = [target]
+            if len(target) == 2 and target[:2] == ("rlbus", "actors"):   # from rlbus.actors import x
+                modules = [(*target, a.name) for a in node.names]
+        for parts in modules:
+            if parts[:2] == ("rlbus", "actors") and len(parts) > 2:
+                found.add(parts[2])
+    return found
+
+
+def test_no_actor_kind_imports_another() -> None:
+    """An actor kind imports only actors.base, the shared layer actors/common/ and its own modules; the
+    shared layer imports no actor kind; only the launch plumbing (host, process, kinds) knows every kind."""
+    bad = []
+    for path in (ROOT / "actors").rglob("*.py"):
+        unit = actor_unit(path)
+        if unit in LAUNCHERS or unit == "__init__":
+            continue
+        allowed = {"base", "common", unit}
+        for imported in actor_imports(path) - allowed:
+            bad.append(f"{path.relative_to(ROOT)} ({unit}) imports rlbus.actors.{imported}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_actor_checker_sees_every_import_form(tmp_path: Path) -> None:
+    """Absolute, `from rlbus.actors import x` and relative imports are all seen (so the rule above can fail)."""
+    (tmp_path / "actors" / "trainer").mkdir(parents=True)
+    sample = tmp_path / "actors" / "sample.py"
+    nested = tmp_path / "actors" / "trainer" / "sample.py"
+    sample.write_text("import rlbus.actors.feeder\nfrom rlbus.actors import publisher, base\n"
+                      "from .generator.actor import Generator\nfrom . import evaluator\n")
+    nested.write_text("from ..checkpointer import x\nfrom .core import y\nfrom .. import demo\n")
+    assert actor_imports(sample, tmp_path) == {"feeder", "publisher", "base", "generator", "evaluator"}
+    assert actor_imports(nested, tmp_path) == {"checkpointer", "trainer", "demo"}
+    assert actor_unit(nested, tmp_path) == "trainer"
+
+
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     """The import walker recognises both import forms (so the rule above can fail)."""
     sample = tmp_path / "x.py"

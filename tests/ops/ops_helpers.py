@@ -9,7 +9,7 @@ from typing import Any
 
 from rlbus.messages.bus import Bus
 from rlbus.messages.streams import StreamSettings, provision_run
-from rlbus.ops._target import Target
+from rlbus.ops.target import Target
 from rlbus.topology.servers import EmbeddedServer
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.ops.bench_async import add_arguments, run, table
+from rlbus.ops.bench.async_pipeline import add_arguments, run, table
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rlbus.actors._sandbox_pool import LEVELS, available_levels
-from rlbus.ops.bench_sandbox import TARGET_MS
+from rlbus.actors.sandbox.pool import LEVELS, available_levels
+from rlbus.ops.bench.sandbox import TARGET_MS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ops_helpers import json_in

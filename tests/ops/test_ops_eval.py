@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlbus.actors._trainer_core import TrainerCore
+from rlbus.actors.trainer.core import TrainerCore
 from rlbus.actors.checkpointer import write_durable
 from rlbus.messages.bus import digest
 from rlbus.messages.schemas import CheckpointMark

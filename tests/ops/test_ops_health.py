@@ -23,9 +23,9 @@ from rlbus.actors.demo import DemoProducer, DemoSettings
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Event, Heartbeat
-from rlbus.ops.healthmodel import HealthModel, HealthRules
-from rlbus.ops.healthview import registry_for, serve_metrics
-from rlbus.ops.healthwatch import HealthWatch
+from rlbus.ops.health.model import HealthModel, HealthRules
+from rlbus.ops.health.view import registry_for, serve_metrics
+from rlbus.ops.health.watch import HealthWatch
 from rlbus.topology.servers import EmbeddedServer
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -19,7 +19,7 @@ from rlbus.messages.schemas import (
     TrainStep,
     WeightManifest,
 )
-from rlbus.ops.plotting import (
+from rlbus.ops.recording.plotting import (
     PLOTS,
     PlotData,
     RolloutPoint,
@@ -28,8 +28,8 @@ from rlbus.ops.plotting import (
     mean_staleness,
     throughput_series,
 )
-from rlbus.ops.recorder import versions_of
-from rlbus.ops.recording import RecordingWriter
+from rlbus.ops.recording.recorder import versions_of
+from rlbus.ops.recording.format import RecordingWriter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ops_helpers import run_cli  # noqa: E402

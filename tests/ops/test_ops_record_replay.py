@@ -27,10 +27,10 @@ from rlbus.messages.schemas import (
     WeightManifest,
 )
 from rlbus.messages.streams import StreamSettings, provision_run
-from rlbus.ops import replay
-from rlbus.ops.playback import load_jsonl
-from rlbus.ops.recording import RecordingReader, RecordingWriter
-from rlbus.ops.streamread import read_stream, stream_count
+from rlbus.ops.recording import replay
+from rlbus.ops.recording.playback import load_jsonl
+from rlbus.ops.recording.format import RecordingReader, RecordingWriter
+from rlbus.messages.history import read_stream, stream_count
 from rlbus.topology.launch import RUN_FILE, Endpoints, write_run_file
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
 

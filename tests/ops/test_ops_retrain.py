@@ -20,15 +20,15 @@ import msgspec
 import numpy as np
 import pytest
 
-from rlbus.actors._trainer_core import TrainerCore
-from rlbus.actors.trainer import SETTINGS_KEY, THREADS_KEY, TrainerConfig, build_trainer_core
+from rlbus.actors.trainer.core import TrainerCore
+from rlbus.actors.trainer.actor import SETTINGS_KEY, THREADS_KEY, TrainerConfig, build_trainer_core
 from rlbus.messages import codec
 from rlbus.messages.schemas import DroppedRollout, Event, Message, Rollout, TensorBlob, TrainStep, WeightManifest
-from rlbus.ops._target import resolve
+from rlbus.ops.target import resolve
 from rlbus.ops.cli import main
-from rlbus.ops.recording import RecordingWriter
-from rlbus.ops.retrain import ReplayInputError, held_version, restore_points, retrain
-from rlbus.ops.streamread import stream_count
+from rlbus.ops.recording.format import RecordingWriter
+from rlbus.ops.recording.retrain import ReplayInputError, held_version, restore_points, retrain
+from rlbus.messages.history import stream_count
 from rlbus.topology.examples import example_path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -55,7 +55,7 @@ def group(task: str, rewards: list[float], seed: int, behaviour: float = -2.0) -
 
 @dataclass
 class Live:
-    """A trainer core stepped like actors/trainer.py, writing what a recording of it holds."""
+    """A trainer core stepped like actors/trainer/actor.py, writing what a recording of it holds."""
 
     path: Path
     tamper: str | None = None

@@ -20,7 +20,7 @@ import nats.js.errors
 import pytest
 from nats.js import JetStreamContext
 
-from rlbus.actors.ledger import read_all
+from rlbus.actors.common.ledger import read_all
 from rlbus.messages.schemas import Event, Heartbeat, TrainStep
 from rlbus.messages.subjects import Subjects, connection_inbox
 from rlbus.topology.examples import example_path

@@ -16,7 +16,7 @@ import anyio
 import msgspec
 import pytest
 
-from rlbus.ops._target import add_target_options, resolve
+from rlbus.ops.target import add_target_options, resolve
 from rlbus.topology.examples import example_path
 from rlbus.topology.launch import Launch, actor_specs
 from rlbus.topology.load import load, validate_text

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.actors._sandbox_pool import STANDBY_NAME
+from rlbus.actors.sandbox.pool import STANDBY_NAME
 from rlbus.ops.up import stop_leftovers
 from rlbus.topology.examples import example_path
 

@@ -1,0 +1,101 @@
+"""Where a generator's (or evaluator's) policy weights come from: the `WeightSource` interface.
+
+Owns: the `WeightSource` protocol the generator samples through (a model, the version it holds, a
+thread-safe `maybe_swap(step)` for `model.generate`'s `on_step`, `wait_for_version`), `LocalWeights` (a
+fixed model: a pretrain checkpoint, or a model handed in by a test) and `open_weights(spec, ...)`,
+which turns the `generator.weights` setting into a source.
+Does not: fetch, verify or decode published versions (actors/common/weight_sync.py, `WeightSync`, the real source).
+
+Specs: "sync" — the region's published versions through `WeightSync`; "local:<path>" — a fixed
+`pretrain.pt` checkpoint (or its folder), reported as version `local_version`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import anyio
+
+from rlbus.messages.bus import Bus
+from rlbus.model.pretrain import load_checkpoint
+from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.transformer import Transformer
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """What a generator needs from its weights. `maybe_swap` runs on the generation thread between decoding
+    steps; everything else on the event loop."""
+
+    @property
+    def model(self) -> Transformer:
+        """The model to sample from; its parameters are updated in place by `maybe_swap`."""
+        ...
+
+    @property
+    def held_version(self) -> int | None:
+        """Version the model's weights are now (None before the first version arrived)."""
+        ...
+
+    def maybe_swap(self, step: int) -> int | None:
+        """Apply a staged newer version in place and return it, else None (`model.generate` `on_step`)."""
+        ...
+
+    async def wait_for_version(self, version: int) -> None:
+        """Return once `held_version` is at least `version` (applying what is staged)."""
+        ...
+
+
+class LocalWeights:
+    """A fixed model that never changes: `held_version` is always `version`."""
+
+    def __init__(self, model: Transformer, *, version: int = 0, tokenizer: ByteTokenizer | None = None) -> None:
+        self._model = model.eval()
+        self._version = version
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.swaps = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, *, version: int = 0) -> LocalWeights:
+        """Load a `pretrain.pt` (model/pretrain.py) or the folder holding it."""
+        model, tokenizer, _ = load_checkpoint(path)
+        return cls(model, version=version, tokenizer=tokenizer)
+
+    @property
+    def model(self) -> Transformer:
+        return self._model
+
+    @property
+    def held_version(self) -> int | None:
+        return self._version
+
+    def maybe_swap(self, step: int) -> int | None:
+        return None
+
+    async def wait_for_version(self, version: int) -> None:
+        if version > self._version:
+            await anyio.sleep_forever()      # a fixed model never reaches a newer version
+
+
+@asynccontextmanager
+async def open_weights(spec: str, bus: Bus, region: str, *, local_version: int = 0) -> AsyncIterator[WeightSource]:
+    """The weight source named by `spec` (see the module docstring), open for the block.
+
+    :raises ValueError: an unknown spec.
+    """
+    kind, _, rest = spec.partition(":")
+    if kind == "local" and rest:
+        yield await anyio.to_thread.run_sync(lambda: LocalWeights.from_checkpoint(Path(rest), version=local_version))
+        return
+    if kind == "sync":
+        from rlbus.actors.common.weight_sync import WeightSync
+
+        async with WeightSync.open(bus, region) as sync:
+            yield sync
+        return
+    raise ValueError(f"weights spec {spec!r}: expected 'sync' or 'local:<path to pretrain.pt>'")

@@ -1,0 +1,1 @@
+"""rlbus.actors.generator.actor."""

@@ -1,0 +1,496 @@
+"""The rollout generator: tasks in, groups of G graded multi-turn rollouts out, resumable at every chunk.
+
+Owns: `Generator` (kind "generator") and `GeneratorConfig`. Per task delivery (durable
+`generator_<region>` on the region's TASKS): rebuild the coding task from `Task.verifier`; wait until the
+live weights are at `Task.min_version` (the lockstep feeder's; 0 for every other task); load its
+partial from the region's PARTIALS KV (key = task id) and resume it — unless it is garbage or hostile
+(`check_partial`): then it is discarded with an Event(incident) — or start G episodes; then step
+the group until every episode is done — self-summarise an episode whose context is over budget, sample
+the open drafts together `partial_every_tokens` at a time (`model.generate` in a worker thread, weights
+swapped in flight through `WeightSource.maybe_swap`), and once every draft is complete grade them in
+the region's sandbox (request/reply; a timeout or error is a failed attempt, never a crash) and add
+the feedback as an observation. The partial is saved (compare-and-set) after every chunk and every
+graded round. With `max_group_size`, a finished group in which no episode passed grows by G fresh episodes
+(saved, then stepped like the rest) until one passes or the cap is reached: a task the policy solves once
+in 30 tries has no pass in most groups of 8, so its groups are all-fail and teach nothing, while a grown
+group carries that rare pass (every Rollout of it carries the grown `group_size`). Finally the group's
+Rollouts go out with `publish_batch` (msg id = rollout id f"{task_id}-{g}"), the partial is deleted, and
+only then is the task acked; `in_progress()` holds it meanwhile. Another generator that wins the partial's
+compare-and-set owns the task; the loser lets go.
+Does not: define the partial layout or flatten rollouts (actors/generator/group.py), fetch weights
+(actors/common/weight_source.py), run code (actors/sandbox/supervisor.py).
+
+Heartbeat counters: tasks, rollouts, resumed, sandbox_errors, tokens, graded_repeats (drafts that
+reused the verdict of an identical draft of the same round: each distinct program runs once), groups_grown
+(G episodes added to a group without a pass), grown_unpublished (episodes of grown groups left out by
+`grown_subsample`), summaries, publish_failures, taken_over, rejected; gauges: tokens_per_s, held_version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+import time
+from contextlib import aclosing
+from typing import Any, Final, Literal
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+import torch
+
+from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.generator.group import (
+    Attempt,
+    EpisodeState,
+    PartialGroup,
+    PartialLimits,
+    add_chunk,
+    any_passed,
+    base_context,
+    build_rollout,
+    check_partial,
+    decode_partial,
+    encode_partial,
+    grow_group,
+    new_group,
+    policy_text,
+    prompt_length,
+    published_episodes,
+    record_attempt,
+    record_summary,
+)
+from rlbus.actors.common.feed import task_from_verifier
+from rlbus.actors.generator.batcher import SampleBatcher
+from rlbus.actors.common.sandbox_client import grade_result, request_for, run_in_sandbox
+from rlbus.actors.common.weight_source import WeightSource, open_weights
+from rlbus.messages.bus import Bus, Delivery
+from rlbus.messages.errors import RlbusError
+from rlbus.messages.schemas import Event, SandboxLimits, SandboxVerdict
+from rlbus.messages.schemas import Task as TaskMessage
+from rlbus.model.generate import SampledSequence, generate
+from rlbus.model.summarize import summarize_if_over_budget
+from rlbus.model.tasks import Task
+from rlbus.model.tokenizer import ByteTokenizer
+
+log = structlog.get_logger()
+
+_KV_KEY: Final = re.compile(r"^[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*$")
+
+
+class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The topology's `[generator]` section (topology/schema.py GeneratorSettings), as the actor reads it."""
+
+    group_size: int = 8
+    """G for tasks that do not carry their own (`Task.group_size` < 1)."""
+    max_group_size: int = 0
+    """Grow a finished group in which no episode passed by G more episodes, until one passes or another G
+    would take it past this size; 0 (or <= G): groups stay at G."""
+    grown_subsample: bool = False
+    """Publish a grown group as G rollouts: its passes and failures drawn at random (`published_episodes`)."""
+    temperature: float = 1.0
+    max_tokens: int = 256
+    """Longest attempt, in tokens."""
+    partial_every_tokens: int = 64
+    """Sample this many tokens per call, then save the partial."""
+    concurrent_tasks: int = 1
+    """Tasks worked on at once; their open drafts are sampled together in one batch (actors/generator/batcher.py)."""
+    weights: str = "sync"
+    """"sync" (WeightSync on the region's published versions) or "local:<pretrain.pt>"."""
+    local_version: int = 0
+    """Version reported by a "local:" model."""
+    max_attempts: int = 3
+    """Attempts per episode; a failed one is followed by its test feedback."""
+    context_budget: int = 0
+    """Summarise an episode whose next context is longer; 0: max_seq_len - max_tokens."""
+    sandbox_timeout_s: float = 15.0
+    """Reply wait per sandbox request (two tries)."""
+    partial_credit: float = 0.0
+    """Reward of a failed final attempt = partial_credit * tests passed / tests (a pass is always 1)."""
+    torch_threads: int = 0
+    """torch.set_num_threads for sampling; 0 leaves torch's default."""
+
+
+def partial_key(task_id: str) -> str:
+    """The PARTIALS key of a task: its id when that is a valid KV key, else "task-" + sha256 prefix."""
+    if _KV_KEY.match(task_id):
+        return task_id
+    return "task-" + hashlib.sha256(task_id.encode()).hexdigest()[:32]
+
+
+class _TakenOver(Exception):
+    """Another generator saved this task's partial since we read it: it owns the task now."""
+
+
+class Generator(Actor):
+    """Samples, grades and publishes groups of rollouts; see the module docstring."""
+
+    kind = "generator"
+
+    def __init__(self, ident: ActorId, bus: Bus, config: GeneratorConfig, limits: ActorLimits | None = None,
+                 *, weights: WeightSource | None = None, tokenizer: ByteTokenizer | None = None) -> None:
+        super().__init__(ident, bus, limits)
+        self.config = config
+        self._given_weights = weights
+        self.weights: WeightSource | None = weights
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self._model_lock = threading.Lock()
+        self._sampling_s = 0.0
+        self._stops = (self.tokenizer.end_turn_id, self.tokenizer.eos_id)
+        self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "partials_discarded", "sandbox_errors",
+                                            "tokens", "graded_repeats", "groups_grown", "grown_unpublished"), 0))
+
+    async def setup(self) -> None:
+        if self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)
+        s, region = self.bus.subjects, self.ident.region
+        self.stream, self.durable = s.tasks_stream(region), s.durable("generator", region)
+        info = await self.bus.js.consumer_info(self.stream, self.durable)
+        self.progress_every_s = max(0.2, float(info.config.ack_wait or 30.0) / 3)
+        self.kv = await self.bus.js.key_value(s.partials_bucket(region))
+
+    async def run(self) -> None:
+        if self._given_weights is not None:
+            await self._serve(self._given_weights)
+            return
+        async with open_weights(self.config.weights, self.bus, self.ident.region,
+                                local_version=self.config.local_version) as weights:
+            await self._serve(weights)
+
+    async def _serve(self, weights: WeightSource) -> None:
+        self.weights = weights
+        await weights.wait_for_version(0)
+        self._note_version()
+        self._batcher = SampleBatcher(self._sample_rows, max_len=weights.model.config.max_seq_len)
+        log.info("generator_weights_ready", version=weights.held_version)
+        async with anyio.create_task_group() as tg:
+            for _ in range(self.config.concurrent_tasks):
+                tg.start_soon(self._worker)
+
+    async def _worker(self) -> None:
+        consume = self.bus.consume(self.stream, self.durable, TaskMessage, batch=1)
+        async with aclosing(consume) as deliveries:  # type: ignore[type-var]  # an async generator at runtime
+            async for delivery in deliveries:
+                await self._handle(delivery)
+
+    # ---- one task -------------------------------------------------------------------------------
+    async def _handle(self, delivery: Delivery[TaskMessage]) -> None:
+        message = delivery.message
+        try:
+            task = task_from_verifier(message)
+            if prompt_length(task, self.tokenizer) + 2 > self.model.config.max_seq_len:
+                raise ValueError(f"prompt of task {message.task_id} does not fit max_seq_len "
+                                 f"{self.model.config.max_seq_len}")
+        except ValueError as err:
+            self.count("rejected")
+            await self.bus.dead_letter(delivery.raw, reason=str(err), source=self.stream)
+            return
+        with self.busy():
+            outcome = "cancelled"
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._hold, delivery)
+                    await self._await_version(message.min_version)
+                    outcome = await self._run_group(message, task)
+                    tg.cancel_scope.cancel()
+            except anyio.get_cancelled_exc_class():
+                with anyio.move_on_after(1.0, shield=True):
+                    await delivery.nak()          # the partial is saved: the next generator resumes it
+                raise
+            if outcome == "published":
+                try:
+                    await delivery.ack_sync()
+                except (nats.errors.Error, TimeoutError) as err:   # redelivered: republished, deduped
+                    log.warning("task_ack_failed", task_id=message.task_id, error=repr(err))
+                self.count("tasks")
+            else:
+                self.count("taken_over")
+                log.warning("task_taken_over", task_id=message.task_id)
+
+    async def _hold(self, delivery: Delivery[TaskMessage]) -> None:
+        """Keep the task from being redelivered while it is worked on."""
+        while True:
+            await anyio.sleep(self.progress_every_s)
+            try:
+                await delivery.in_progress()
+            except nats.errors.Error as err:
+                log.warning("in_progress_failed", error=repr(err))
+
+    async def _await_version(self, version: int) -> None:
+        """Hold the task until the live model is at `version` or newer (`Task.min_version`, set only by the
+        lockstep feeder, which hands out a version's tasks once no task of an older version is left, so the
+        swap here cannot overlap a decode of another task)."""
+        weights = self._weights()
+        if weights.held_version is None or weights.held_version < version:
+            await weights.wait_for_version(version)
+            self._note_version()
+
+    async def _run_group(self, message: TaskMessage, task: Task) -> Literal["published", "taken_over"]:
+        """Finish the group (resuming its partial), publish it and delete the partial; "taken_over": see
+        _TakenOver."""
+        key = partial_key(message.task_id)
+        group_size = message.group_size if message.group_size >= 1 else self.config.group_size
+        state, revision = await self._load(key, message.task_id, group_size, task)
+        if state is None:
+            state = new_group(task, message.task_id, group_size, self.tokenizer, now=time.time())
+        else:
+            state.resumes += 1
+            self.count("resumed")
+            log.info("partial_resumed", task_id=message.task_id, rounds=state.rounds, chunks=state.chunks,
+                     tokens=state.sampled_tokens, writer=state.writer)
+        try:
+            while True:
+                while not state.finished(self.config.max_attempts):
+                    await self._advance(state, task)
+                    state.writer = self.ident.actor_id
+                    revision = await self._save(key, state, revision)
+                if any_passed(state) or state.group_size + group_size > self.config.max_group_size:
+                    break
+                grow_group(state, task, self.tokenizer, group_size)   # saved, so a resume samples the rest
+                self.count("groups_grown")
+                revision = await self._save(key, state, revision)
+        except _TakenOver:
+            return "taken_over"
+        await self._publish(state, task, message, key, group_size)
+        return "published"
+
+    async def _advance(self, state: PartialGroup, task: Task) -> None:
+        """One step: summaries due, else one sampled chunk of the open drafts, else a graded round."""
+        starting = [ep for ep in state.episodes
+                    if not ep.done(self.config.max_attempts) and not ep.draft_ids and not ep.draft_done]
+        for ep in starting:
+            if not await self._prepare_attempt(state, ep, task):
+                return
+        sampling = [ep for ep in state.episodes if not ep.done(self.config.max_attempts) and not ep.draft_done]
+        if sampling:
+            await self._sample(state, sampling, task)
+            return
+        grading = [(g, ep) for g, ep in enumerate(state.episodes)
+                   if not ep.done(self.config.max_attempts) and ep.draft_done]
+        started = time.monotonic()
+        texts = {g: policy_text(ep.draft_ids, self.tokenizer) for g, ep in grading}
+        first: dict[str, int] = {}
+        for g, _ in grading:
+            first.setdefault(texts[g], g)
+        verdicts: dict[str, Attempt] = {}
+
+        async def grade(text: str, g: int) -> None:
+            attempt = len(state.episodes[g].attempts)
+            verdicts[text] = await self._grade(task, state.task_id, g, text, attempt=attempt)
+
+        async with anyio.create_task_group() as tg:       # each distinct program of the round runs once
+            for text, g in first.items():
+                tg.start_soon(grade, text, g)
+        for g, ep in grading:
+            record_attempt(ep, task, verdicts[texts[g]], self.tokenizer, self.config.max_attempts)
+        self.count("graded_repeats", len(grading) - len(first))
+        state.grade_s += time.monotonic() - started
+        state.rounds += 1
+
+    async def _prepare_attempt(self, state: PartialGroup, ep: EpisodeState, task: Task) -> bool:
+        """Before an attempt: end the episode when no context is left, summarise when over budget.
+        Returns False when it summarised (a step of its own, saved before sampling)."""
+        max_len = self.model.config.max_seq_len
+        budget = min(self.config.context_budget or max_len - self.config.max_tokens, max_len - 1)
+        context = base_context(ep, task, self.tokenizer, self.config.max_attempts)
+        if len(context) <= budget or not ep.attempts:     # the first attempt fits (checked per task)
+            return True
+        keep = prompt_length(task, self.tokenizer)
+        # the new context, prompt + <|summary|> summary <|end_turn|> <|assistant|>, must fit the budget
+        summary_tokens = min(self.config.max_tokens, budget - keep - 3)
+        if summary_tokens < 1:
+            ep.ended = "no_room"
+            return True
+        weights = self._weights()
+        version = weights.held_version or 0
+        seed = _seed(state)
+
+        def summarise() -> list[int]:
+            with self._model_lock:
+                summary = summarize_if_over_budget(
+                    weights.model, context, budget=budget, keep_prefix=keep,
+                    summary_prompt=[self.tokenizer.summary_id], max_summary_tokens=summary_tokens,
+                    eos_id=self.tokenizer.end_turn_id, temperature=self.config.temperature, version=version,
+                    on_step=weights.maybe_swap, generator=torch.Generator().manual_seed(seed))
+            assert summary is not None  # len(context) > budget
+            return list(summary.sample.tokens.tolist())
+
+        started = time.monotonic()
+        ids = await anyio.to_thread.run_sync(summarise)
+        state.generate_s += time.monotonic() - started
+        state.chunks += 1
+        record_summary(ep, ids)
+        self.count("summaries")
+        log.info("episode_summarised", task_id=state.task_id, context=len(context), summary=len(ids))
+        return False
+
+    async def _sample(self, state: PartialGroup, rows: list[EpisodeState], task: Task) -> None:
+        """Sample up to `partial_every_tokens` more ids for every open draft, in one batch."""
+        max_len = self.model.config.max_seq_len
+        bases = [base_context(ep, task, self.tokenizer, self.config.max_attempts) for ep in rows]
+        limits = [min(self.config.max_tokens, max_len - len(b)) for b in bases]
+        contexts = [b + ep.draft_ids for b, ep in zip(bases, rows, strict=True)]
+        n = min(self.config.partial_every_tokens,
+                *(lim - len(ep.draft_ids) for lim, ep in zip(limits, rows, strict=True)))
+        started = time.monotonic()
+        samples = await self._batcher.sample(contexts, n, _seed(state))
+        elapsed = time.monotonic() - started
+        kept = 0
+        for ep, out, context, limit in zip(rows, samples, contexts, limits, strict=True):
+            routing = out.routing.numpy() if out.routing is not None else None
+            kept += add_chunk(ep, out.tokens.tolist(), out.logprobs.tolist(), out.versions.tolist(), routing,
+                              len(context), stop_ids=self._stops, limit=limit)
+        state.chunks += 1
+        state.sampled_tokens += kept
+        state.generate_s += elapsed
+        self._sampling_s += elapsed
+        self.count("tokens", kept)
+        self.gauges["tokens_per_s"] = self.counters["tokens"] / max(self._sampling_s, 1e-9)
+        self._note_version()
+
+    def _sample_rows(self, contexts: list[list[int]], n: int, seed: int) -> list[SampledSequence]:
+        """One `generate` call over the open drafts of every task in the batch (SampleBatcher's worker
+        thread); weights are swapped in flight between decoding steps. The KV cache is bfloat16, like the
+        published weights: attention over it, most of a decoding step at 64 rows, runs ~1.9x faster on CPU,
+        and the rollouts' behaviour logprobs are those of that computation (the trainer's IS weights see it)."""
+        weights = self._weights()
+        with self._model_lock:
+            return generate(weights.model, contexts, max_new_tokens=n, temperature=self.config.temperature,
+                            eos_id=self.tokenizer.end_turn_id, pad_id=self.tokenizer.pad_id,
+                            version=weights.held_version or 0, on_step=weights.maybe_swap,
+                            generator=torch.Generator().manual_seed(seed), kv_dtype=torch.bfloat16)
+
+    async def _grade(self, task: Task, task_id: str, g: int, text: str, *, attempt: int) -> Attempt:
+        """Grade episode g's done draft `text` in the region's sandbox; no verdict is a failed attempt,
+        counted. Drafts of the round with the same text share this verdict (`_advance`)."""
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        request = request_for(task, text, request_id=f"{task_id}-{g}-a{attempt}-{digest}",
+                              limits=SandboxLimits())
+        try:
+            result = await run_in_sandbox(self.bus, self.ident.region, request,
+                                          timeout_s=self.config.sandbox_timeout_s)
+        except (RlbusError, nats.errors.Error, TimeoutError) as err:
+            self.count("sandbox_errors")
+            log.warning("sandbox_unavailable", task_id=task_id, group_index=g, error=repr(err))
+            return Attempt(status="error", n_passed=0, n_tests=len(task.tests),
+                           feedback=f"the sandbox gave no verdict ({type(err).__name__})",
+                           verdict=SandboxVerdict(total=len(task.tests), status="error"), sandbox_error=True)
+        grade = grade_result(result)
+        failed_infra = result.verdict.status in ("crashed", "error")
+        if failed_infra:
+            self.count("sandbox_errors")
+        return Attempt(status=grade.status, n_passed=grade.n_passed, n_tests=grade.n_tests,
+                       feedback=grade.feedback, verdict=result.verdict, sandbox_error=failed_infra)
+
+    async def _publish(self, state: PartialGroup, task: Task, message: TaskMessage, key: str,
+                       group_size: int) -> None:
+        """Publish the group (msg id = rollout id, retried until stored), then delete the partial. A grown
+        group with `grown_subsample` goes out as `group_size` of its episodes (`published_episodes`)."""
+        now = time.time()
+        timings = {"generate_s": state.generate_s, "grade_s": state.grade_s, "wall_s": now - state.started_at,
+                   "queue_s": max(0.0, state.started_at - message.created_at)}
+        subject = self.bus.subjects.rollouts(self.ident.region)
+        episodes = state.episodes
+        if self.config.grown_subsample and state.group_size > group_size:
+            episodes = published_episodes(state, group_size)
+            self.count("grown_unpublished", state.group_size - len(episodes))
+        rollouts = [build_rollout(ep, task=task, task_id=state.task_id, group_index=g, group_size=len(episodes),
+                                  tokenizer=self.tokenizer, region=self.ident.region,
+                                  generator_id=self.ident.actor_id,
+                                  timings={**timings, "attempts": float(len(ep.attempts)),
+                                           "resumes": float(state.resumes)},
+                                  partial_credit=self.config.partial_credit)
+                    for g, ep in enumerate(episodes)]
+        delay = 0.5
+        while True:             # the group is in hand and the task held: retry rather than give it back
+            try:
+                await self.bus.publish_batch([(subject, r, r.rollout_id) for r in rollouts])
+                break
+            except (nats.errors.Error, TimeoutError) as err:
+                self.count("publish_failures")
+                log.warning("rollouts_not_published", task_id=state.task_id, error=repr(err), retry_s=delay)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        self.count("rollouts", len(rollouts))
+        try:
+            await self.kv.delete(key)
+        except (nats.errors.Error, TimeoutError) as err:
+            log.warning("partial_not_deleted", task_id=state.task_id, error=repr(err))
+        log.info("group_published", task_id=state.task_id, rollouts=len(rollouts),
+                 rewards=[r.reward for r in rollouts], rounds=state.rounds, tokens=state.sampled_tokens,
+                 resumes=state.resumes)
+
+    # ---- partials -------------------------------------------------------------------------------
+    async def _load(self, key: str, task_id: str, group_size: int,
+                    task: Task) -> tuple[PartialGroup | None, int | None]:
+        """The saved partial of the task and its revision; (None, revision) when absent or unusable. An
+        unusable one (undecodable, another task's, or failing `check_partial`) is discarded with a warning and
+        an `Event(incident)`: the group starts over and overwrites it (compare-and-set on its revision)."""
+        try:
+            entry = await self.kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None, None
+        try:
+            state = decode_partial(entry.value or b"")
+            check_partial(state, task, task_id, self.tokenizer, self._partial_limits(group_size))
+        except ValueError as err:
+            self.count("partials_discarded")
+            log.warning("partial_discarded", task_id=task_id, revision=entry.revision, error=str(err)[:300])
+            await self.bus.event(Event(event="incident", actor_id=self.ident.actor_id, actor_kind=self.kind,
+                                       region=self.ident.region, detail=f"partial discarded: {str(err)[:300]}",
+                                       data={"what": "partial_discarded", "task_id": task_id[:200]}))
+            return None, entry.revision
+        return state, entry.revision
+
+    def _partial_limits(self, group_size: int) -> PartialLimits:
+        config = self.model.config
+        held = self._weights().held_version
+        routing = (len(config.moe_layers), config.top_k, config.n_experts) if config.moe_layers else None
+        return PartialLimits(group_size=group_size, max_group_size=self.config.max_group_size,
+                             max_attempts=self.config.max_attempts,
+                             max_tokens=self.config.max_tokens, max_seq_len=config.max_seq_len,
+                             vocab_size=config.vocab_size,
+                             held_version=held if held is not None else 0, routing=routing)
+
+    async def _save(self, key: str, state: PartialGroup, revision: int | None) -> int:
+        """Compare-and-set the partial; raises _TakenOver when another generator wrote it meanwhile."""
+        value = encode_partial(state)
+        try:
+            if revision is None:
+                return int(await self.kv.create(key, value))
+            return int(await self.kv.update(key, value, last=revision))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise _TakenOver(state.task_id) from None
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _weights(self) -> WeightSource:
+        if self.weights is None:
+            raise RuntimeError("generator weights are not open yet")
+        return self.weights
+
+    @property
+    def model(self) -> Any:
+        return self._weights().model
+
+    def _note_version(self) -> None:
+        version = self._weights().held_version
+        self.policy_version = version
+        if version is not None:
+            self.gauges["held_version"] = float(version)
+
+
+def _seed(state: PartialGroup) -> int:
+    """Sampler seed of the group's next call: stable across a resume (task id and calls done so far)."""
+    return int.from_bytes(hashlib.sha256(f"{state.task_id}:{state.chunks}".encode()).digest()[:7], "big")
+
+
+def build_generator(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Generator:
+    """`actors/kinds.py` entry: the topology's `[generator]` section as a plain dict."""
+    config = msgspec.convert(settings, GeneratorConfig)
+    if not config.torch_threads and os.environ.get("RLBUS_TORCH_THREADS"):
+        config = msgspec.structs.replace(config, torch_threads=int(os.environ["RLBUS_TORCH_THREADS"]))
+    return Generator(ident, bus, config, limits)

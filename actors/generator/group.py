@@ -1,0 +1,442 @@
+"""The state of one task's group of G multi-turn episodes: what a partial checkpoint holds, and the Rollouts.
+
+Owns: `PartialGroup` (the value saved under the task id in a region's PARTIALS KV: a msgpack map via
+msgspec, zstd-compressed past 64 KiB; `format` = PARTIAL_FORMAT), its pure transitions (start, add a
+sampled chunk, record a graded attempt, replace the history by a summary, grow a group without a pass,
+pick the G of a grown group to publish), `check_partial` (could this task's group have saved the partial
+read back? hostile or corrupt ones are refused) and `build_rollout`, which flattens an episode into a
+`Rollout`. Pure: no bus, no model, no clock (callers pass `now`).
+Does not: sample, grade or talk to NATS (actors/generator/actor.py drives all three).
+
+Token layout (model/episodes.py): <|bos|> then per turn <|role|> content <|end_turn|>; a policy turn's
+content is its sampled ids verbatim and gets no extra <|end_turn|> when it ends with one. A Rollout is
+that sequence up to the last sampled token: `prompt_tokens` = <|bos|><|user|>prompt<|end_turn|> and the
+next role id (<|assistant|>, the context of the first attempt); `completion_tokens` = the rest.
+loss_mask is 1 exactly on assistant tokens. Observations, framing and summaries are 0: a summary was
+sampled while reading the old history, which the Rollout no longer holds, so replaying it after the
+prompt would score it in a context it never saw. behaviour_logprobs are 0.0 where the mask is 0, and
+policy_versions there repeat the version of the nearest policy token before them (after them for the
+prompt), so min/max over a Rollout's versions are always real versions. The MoE routing record
+covers prompt + completion, (P + T, n_moe_layers, top_k) int64: each token's experts from the forward
+pass that first fed it, which is what `model.generate` reports and the trainer replays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
+
+import msgspec
+import numpy as np
+import zstandard
+
+from rlbus.messages.schemas import Rollout, SandboxVerdict, TensorBlob
+from rlbus.model.episodes import Episode, Turn, add_attempt, completion_text, context_ids
+from rlbus.model.grading import GradeResult, Status
+from rlbus.model.tasks import Task
+from rlbus.model.tokenizer import ByteTokenizer
+
+PARTIAL_FORMAT: Final = 1
+"""Version of the PartialGroup layout; a partial of another format is ignored (the group starts over)."""
+COMPRESS_ABOVE: Final = 64 * 1024
+ZSTD_MAGIC: Final = b"RLZ1"
+"""Prefix of a zstd-compressed partial (a msgpack map never starts with it)."""
+MAX_PARTIAL_BYTES: Final = 64 * 1024 * 1024
+"""Largest decompressed partial read back; a frame that inflates past it is refused, not allocated."""
+_STATUSES: Final = frozenset(get_args(Status))
+
+
+class Attempt(msgspec.Struct, kw_only=True):
+    """One graded attempt: the grade the policy saw as feedback and the sandbox's verdict."""
+
+    status: str
+    n_passed: int
+    n_tests: int
+    feedback: str
+    verdict: SandboxVerdict = SandboxVerdict()
+    sandbox_error: bool = False
+    """The sandbox gave no verdict on the code (no reply, crashed, error): graded as a failed attempt."""
+
+    def grade(self) -> GradeResult:
+        return GradeResult(self.status, self.n_passed, self.n_tests, self.feedback)  # type: ignore[arg-type]
+
+
+class TurnState(msgspec.Struct, kw_only=True):
+    """A turn of the episode; assistant turns also carry each id's behaviour logprob and version."""
+
+    role: Literal["user", "assistant", "observation", "summary"]
+    ids: list[int]
+    logprobs: list[float] = []
+    versions: list[int] = []
+
+
+class EpisodeState(msgspec.Struct, kw_only=True):
+    """One of the G episodes: finished turns, the attempt being sampled (draft), routing so far."""
+
+    turns: list[TurnState]
+    attempts: list[Attempt] = []
+    draft_ids: list[int] = []
+    draft_logprobs: list[float] = []
+    draft_versions: list[int] = []
+    draft_done: bool = False
+    """The draft is complete (stop token or length) and waits for grading."""
+    ended: str = ""
+    """Why the episode stopped before its attempts were spent ("no_room": no context left), else ""."""
+    summaries: int = 0
+    routing: TensorBlob | None = None
+    """int64 (R, n_moe_layers, top_k): experts of the first R tokens of the current sequence (MoE only)."""
+
+    @property
+    def passed(self) -> bool:
+        """The last attempt passed every test."""
+        return bool(self.attempts) and self.attempts[-1].status == "passed"
+
+    def done(self, max_attempts: int) -> bool:
+        """Passed, out of attempts, or ended."""
+        return self.passed or len(self.attempts) >= max_attempts or bool(self.ended)
+
+
+class PartialGroup(msgspec.Struct, kw_only=True):
+    """A task's group in progress, saved after every sampled chunk and every graded round."""
+
+    format: int = PARTIAL_FORMAT
+    task_id: str
+    group_size: int
+    episodes: list[EpisodeState]
+    rounds: int = 0
+    """Graded rounds (agent turns of the group) completed."""
+    chunks: int = 0
+    """Sampling calls completed; seeds the next one, so a resumed group samples what the original would."""
+    sampled_tokens: int = 0
+    generate_s: float = 0.0
+    grade_s: float = 0.0
+    started_at: float = 0.0
+    writer: str = ""
+    """Generator that saved it last."""
+    resumes: int = 0
+
+    def finished(self, max_attempts: int) -> bool:
+        return all(ep.done(max_attempts) for ep in self.episodes)
+
+
+def encode_partial(state: PartialGroup) -> bytes:
+    """msgpack map; past COMPRESS_ABOVE bytes zstd-compressed behind ZSTD_MAGIC (KV values must stay
+    under the server's max payload, 1 MiB by default)."""
+    data = msgspec.msgpack.encode(state)
+    if len(data) <= COMPRESS_ABOVE:
+        return data
+    return ZSTD_MAGIC + zstandard.ZstdCompressor(level=3).compress(data)
+
+
+def decode_partial(data: bytes) -> PartialGroup:
+    """:raises ValueError: the bytes are not a PartialGroup (or inflate past MAX_PARTIAL_BYTES)."""
+    try:
+        if data.startswith(ZSTD_MAGIC):
+            reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data[len(ZSTD_MAGIC):]))
+            data = reader.read(MAX_PARTIAL_BYTES + 1)     # streamed: a lying frame header allocates nothing
+            if len(data) > MAX_PARTIAL_BYTES:
+                raise ValueError(f"inflates past {MAX_PARTIAL_BYTES} bytes")
+        return msgspec.msgpack.decode(data, type=PartialGroup)
+    except (msgspec.DecodeError, msgspec.ValidationError, zstandard.ZstdError, ValueError) as err:
+        raise ValueError(f"not a partial group: {err}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class PartialLimits:
+    """What a partial read back must fit to be resumed by this generator (its model and settings)."""
+
+    group_size: int
+    max_attempts: int
+    max_tokens: int
+    max_seq_len: int
+    vocab_size: int
+    held_version: int
+    """No token may claim a policy version newer than the weights this generator holds."""
+    max_group_size: int = 0
+    """A group without a pass may have grown by `group_size` at a time up to this many episodes
+    (`grow_group`); 0 or <= group_size: it never grows."""
+    routing: tuple[int, int, int] | None = None
+    """(n_moe_layers, top_k, n_experts) of an MoE model; None: a dense model, partials carry no routing."""
+
+
+def check_partial(state: PartialGroup, task: Task, task_id: str, tokenizer: ByteTokenizer,
+                  limits: PartialLimits) -> None:
+    """Raise ValueError (naming the first problem) unless `state` is a partial this task's group could have
+    saved: same format and task; a group size of G or, grown (`grow_group`), a multiple of G up to
+    `limits.max_group_size`, with that many episodes that start with the task's own prompt; token ids in
+    the vocabulary; per-token logprobs (finite, <= 0) and versions (0..held) as long as the ids; attempts
+    graded against the task's tests, at most `max_attempts`, only the last one passed; drafts within
+    `max_tokens`; every episode within `max_seq_len`; routing of the model's shape and expert range.
+    A partial that passes is resumed; one that fails is discarded and the group starts over.
+    """
+    if (state.format, state.task_id) != (PARTIAL_FORMAT, task_id):
+        raise ValueError(f"saved for format {state.format}, task {state.task_id!r}; expected {PARTIAL_FORMAT}, "
+                         f"{task_id!r}")
+    if state.group_size not in group_sizes(limits.group_size, limits.max_group_size):
+        raise ValueError(f"group size {state.group_size}; expected one of "
+                         f"{list(group_sizes(limits.group_size, limits.max_group_size))}")
+    if len(state.episodes) != state.group_size:
+        raise ValueError(f"{len(state.episodes)} episodes for a group of {state.group_size}")
+    counts = (state.rounds, state.chunks, state.sampled_tokens, state.resumes)
+    if min(counts) < 0 or not all(math.isfinite(x) and x >= 0 for x in (state.generate_s, state.grade_s)):
+        raise ValueError("negative or non-finite counters")
+    prompt = tokenizer.encode(task.prompt)
+    for g, ep in enumerate(state.episodes):
+        try:
+            _check_episode(ep, task, prompt, tokenizer, limits)
+        except (ValueError, TypeError, IndexError, OverflowError) as err:
+            raise ValueError(f"episode {g}: {err}") from None
+
+
+def _check_tokens(ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], *, policy: bool,
+                  limits: PartialLimits, what: str) -> None:
+    if any(not 0 <= t < limits.vocab_size for t in ids):
+        raise ValueError(f"{what}: token id outside the vocabulary [0, {limits.vocab_size})")
+    if not policy:
+        if logprobs or versions:
+            raise ValueError(f"{what}: logprobs or versions on tokens the policy did not sample")
+        return
+    if not len(ids) == len(logprobs) == len(versions):
+        raise ValueError(f"{what}: {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
+    if any(not (math.isfinite(x) and x <= 0.0) for x in logprobs):
+        raise ValueError(f"{what}: a logprob that is not finite and <= 0")
+    if any(not 0 <= v <= limits.held_version for v in versions):
+        raise ValueError(f"{what}: a policy version outside [0, {limits.held_version}]")
+
+
+def _check_episode(ep: EpisodeState, task: Task, prompt: Sequence[int], tokenizer: ByteTokenizer,
+                   limits: PartialLimits) -> None:
+    if not ep.turns or ep.turns[0].role != "user" or ep.turns[0].ids != list(prompt):
+        raise ValueError("does not start with the task's prompt")
+    if any(turn.role == "user" for turn in ep.turns[1:]) or ep.summaries < 0 or ep.ended not in ("", "no_room"):
+        raise ValueError("turn roles, summaries or end reason out of place")
+    for k, turn in enumerate(ep.turns):
+        _check_tokens(turn.ids, turn.logprobs, turn.versions, policy=turn.role == "assistant", limits=limits,
+                      what=f"turn {k}")
+    _check_tokens(ep.draft_ids, ep.draft_logprobs, ep.draft_versions, policy=True, limits=limits, what="draft")
+    if len(ep.draft_ids) > limits.max_tokens or (ep.draft_done and not ep.draft_ids):
+        raise ValueError(f"draft of {len(ep.draft_ids)} tokens (max_tokens {limits.max_tokens})")
+    answered = sum(turn.role == "assistant" for turn in ep.turns)
+    if len(ep.attempts) > limits.max_attempts or answered > len(ep.attempts) or (
+            not ep.summaries and answered != len(ep.attempts)):
+        raise ValueError(f"{len(ep.attempts)} attempts for {answered} answers (max_attempts {limits.max_attempts})")
+    for n, attempt in enumerate(ep.attempts):
+        passed = attempt.status == "passed"
+        if (attempt.status not in _STATUSES or attempt.n_tests != len(task.tests)
+                or not 0 <= attempt.n_passed <= attempt.n_tests
+                or (passed and (attempt.n_passed != attempt.n_tests or n != len(ep.attempts) - 1))):
+            raise ValueError(f"attempt {n} ({attempt.status}, {attempt.n_passed}/{attempt.n_tests}) does not fit "
+                             f"the task's {len(task.tests)} tests")
+    length = len(flatten(ep, tokenizer).ids) + 1 + len(ep.draft_ids)       # + <|assistant|> of the draft
+    if length > limits.max_seq_len:
+        raise ValueError(f"{length} tokens, past max_seq_len {limits.max_seq_len}")
+    if ep.routing is None:
+        return
+    if limits.routing is None:
+        raise ValueError("routing saved for a dense model")
+    layers, top_k, experts = limits.routing
+    rows = ep.routing.numpy()
+    if (ep.routing.dtype != "int64" or rows.ndim != 3 or rows.shape[1:] != (layers, top_k)
+            or rows.shape[0] > length or (rows.size and not (0 <= rows.min() and rows.max() < experts))):
+        raise ValueError(f"routing {ep.routing.dtype} {rows.shape} does not fit ({length}, {layers}, {top_k}) "
+                         f"experts < {experts}")
+
+
+def new_group(task: Task, task_id: str, group_size: int, tokenizer: ByteTokenizer, *, now: float) -> PartialGroup:
+    """G fresh episodes holding only the prompt."""
+    prompt = tokenizer.encode(task.prompt)
+    return PartialGroup(task_id=task_id, group_size=group_size, started_at=now,
+                        episodes=[EpisodeState(turns=[TurnState(role="user", ids=list(prompt))])
+                                  for _ in range(group_size)])
+
+
+def group_sizes(group_size: int, max_group_size: int) -> range:
+    """The sizes a group started at `group_size` can have: G, 2G, ... up to max_group_size (at least G)."""
+    return range(group_size, max(group_size, max_group_size) + 1, group_size)
+
+
+def any_passed(state: PartialGroup) -> bool:
+    """Some episode's last attempt passed every test."""
+    return any(ep.passed for ep in state.episodes)
+
+
+def grow_group(state: PartialGroup, task: Task, tokenizer: ByteTokenizer, n: int) -> None:
+    """Add n fresh episodes (the prompt only) to the group; its Rollouts will all carry the new size."""
+    if n < 1:
+        raise ValueError(f"grow by {n} episodes: expected at least 1")
+    prompt = tokenizer.encode(task.prompt)
+    state.episodes.extend(EpisodeState(turns=[TurnState(role="user", ids=list(prompt))]) for _ in range(n))
+    state.group_size += n
+
+
+def published_episodes(state: PartialGroup, group_size: int) -> list[EpisodeState]:
+    """`group_size` episodes of a grown group, in their order: its passing ones (at most G - 1, so a
+    failure stays) and failing ones drawn at random to fill G — seeded by the task id, so a republish after
+    a crash sends the same rollouts. Without a pass: the first G (all-fail; the trainer drops it as flat).
+    The failures drawn are a uniform sample of the group's, so the mean-centred advantages keep their signs
+    and about their sizes, while the step's batch holds G of these rollouts instead of the whole group."""
+    passed = [g for g, ep in enumerate(state.episodes) if ep.passed]
+    if not passed:
+        return state.episodes[:group_size]
+    failed = [g for g, ep in enumerate(state.episodes) if not ep.passed]
+    keep = passed[:group_size - 1]
+    rng = random.Random(hashlib.sha256(f"{state.task_id}:subsample".encode()).digest())
+    keep += rng.sample(failed, min(len(failed), group_size - len(keep)))
+    return [state.episodes[g] for g in sorted(keep)]
+
+
+def episode_of(ep: EpisodeState, task: Task, max_attempts: int) -> Episode:
+    """The model/episodes.py view of the finished turns (the draft is not part of it)."""
+    return Episode(task, tuple(Turn(t.role, tuple(t.ids)) for t in ep.turns),
+                   tuple(a.grade() for a in ep.attempts), max_attempts)
+
+
+def base_context(ep: EpisodeState, task: Task, tokenizer: ByteTokenizer, max_attempts: int) -> list[int]:
+    """What the next attempt continues: the episode so far, then <|assistant|> (draft not included)."""
+    return context_ids(episode_of(ep, task, max_attempts), tokenizer)
+
+
+def prompt_length(task: Task, tokenizer: ByteTokenizer) -> int:
+    """Tokens kept ahead of a summary: <|bos|><|user|>prompt<|end_turn|>."""
+    return len(tokenizer.encode(task.prompt)) + 3
+
+
+def add_chunk(ep: EpisodeState, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+              routing: np.ndarray | None, context_len: int, *, stop_ids: Sequence[int], limit: int) -> int:
+    """Append a sampled chunk to the draft, cut after its first stop id; returns the ids kept.
+
+    `routing` (context_len + len(tokens), L, k) is the call's record over its context and tokens; the
+    rows not yet held are appended. The draft is done at a stop id or at `limit` ids.
+    """
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
+    ep.draft_ids += [int(t) for t in tokens[:cut]]
+    ep.draft_logprobs += [float(x) for x in logprobs[:cut]]
+    ep.draft_versions += [int(v) for v in versions[:cut]]
+    if routing is not None:
+        held = ep.routing.numpy() if ep.routing is not None else np.zeros((0, *routing.shape[1:]), np.int64)
+        rows = np.concatenate([held, routing[held.shape[0]: context_len + cut]])
+        ep.routing = TensorBlob.of(rows, "int64")
+    stopped = cut > 0 and tokens[cut - 1] in stop_ids
+    ep.draft_done = stopped or len(ep.draft_ids) >= limit
+    return cut
+
+
+def record_attempt(ep: EpisodeState, task: Task, attempt: Attempt, tokenizer: ByteTokenizer,
+                   max_attempts: int) -> None:
+    """Turn the done draft into an assistant turn graded by `attempt` (plus an observation when it
+    failed and attempts are left), and clear the draft."""
+    episode = add_attempt(episode_of(ep, task, max_attempts), ep.draft_ids, attempt.grade(), tokenizer)
+    ep.turns.append(TurnState(role="assistant", ids=list(ep.draft_ids), logprobs=list(ep.draft_logprobs),
+                              versions=list(ep.draft_versions)))
+    for turn in episode.turns[len(ep.turns):]:
+        ep.turns.append(TurnState(role=turn.role, ids=list(turn.ids)))
+    ep.attempts.append(attempt)
+    ep.draft_ids, ep.draft_logprobs, ep.draft_versions, ep.draft_done = [], [], [], False
+
+
+def record_summary(ep: EpisodeState, summary_ids: Sequence[int]) -> None:
+    """Replace the history after the prompt by a summary turn (model/episodes.py add_summary)."""
+    ep.turns = [ep.turns[0], TurnState(role="summary", ids=[int(t) for t in summary_ids])]
+    ep.routing = None
+    ep.summaries += 1
+
+
+def policy_text(ids: Sequence[int], tokenizer: ByteTokenizer) -> str:
+    """The text of sampled ids up to the first stop; ids the tokenizer does not know are skipped."""
+    return completion_text([t for t in ids if 0 <= t < tokenizer.vocab_size], tokenizer)
+
+
+@dataclass(frozen=True, slots=True)
+class Flat:
+    """An episode as one sequence (L,) with the per-token training arrays."""
+
+    ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    """-1 where no policy token is (filled in by `build_rollout`)."""
+
+
+def flatten(ep: EpisodeState, tokenizer: ByteTokenizer) -> Flat:
+    """The finished turns as laid out by model/episodes.py `episode_tokens`, with per-token arrays."""
+    role_id = {"user": tokenizer.user_id, "assistant": tokenizer.assistant_id,
+               "observation": tokenizer.observation_id, "summary": tokenizer.summary_id}
+    ids, mask, lps, vers = [tokenizer.bos_id], [0], [0.0], [-1]
+    for turn in ep.turns:
+        n = len(turn.ids)
+        ids += [role_id[turn.role], *turn.ids]
+        if turn.role == "assistant":
+            mask += [0] + [1] * n
+            lps += [0.0, *turn.logprobs]
+            vers += [-1, *turn.versions]
+        else:
+            mask += [0] * (n + 1)
+            lps += [0.0] * (n + 1)
+            vers += [-1] * (n + 1)
+        policy = turn.role in ("assistant", "summary")
+        if not (policy and turn.ids and turn.ids[-1] == tokenizer.end_turn_id):
+            ids.append(tokenizer.end_turn_id)
+            mask.append(0)
+            lps.append(0.0)
+            vers.append(-1)
+    return Flat(ids, mask, lps, vers)
+
+
+def fill_versions(versions: Sequence[int]) -> list[int]:
+    """Replace each -1 by the nearest real version before it, or after it for a leading run.
+
+    [-1, -1, 3, -1, 4, -1] -> [3, 3, 3, 3, 4, 4]; all -1 stays all -1.
+    """
+    out = list(versions)
+    last = -1
+    for i, v in enumerate(out):
+        last = v if v != -1 else last
+        out[i] = last
+    first = next((v for v in out if v != -1), -1)
+    return [first if v == -1 else v for v in out]
+
+
+def attempt_reward(attempt: Attempt, partial_credit: float = 0.0) -> float:
+    """1.0 for an attempt that passed every test, else partial_credit * n_passed / n_tests (0 < credit < 1
+    rewards a failed attempt for the tests it did pass, a denser signal for a weak policy)."""
+    if attempt.status == "passed":
+        return 1.0
+    return partial_credit * attempt.n_passed / attempt.n_tests if attempt.n_tests > 0 else 0.0
+
+
+def build_rollout(ep: EpisodeState, *, task: Task, task_id: str, group_index: int, group_size: int,
+                  tokenizer: ByteTokenizer, region: str, generator_id: str,
+                  timings: dict[str, float], partial_credit: float = 0.0) -> Rollout:
+    """The finished episode as a Rollout (layout in the module docstring); reward 1.0 when the last
+    attempt passed every hidden test, else partial_credit * (tests passed / tests) of that attempt
+    (0.0 with the default: no partial credit)."""
+    flat = flatten(ep, tokenizer)
+    policy_positions = [i for i, m in enumerate(flat.loss_mask) if m]
+    end = policy_positions[-1] + 1 if policy_positions else len(flat.ids)
+    n_prompt = prompt_length(task, tokenizer) + 1
+    if end < n_prompt:
+        raise ValueError(f"episode {task_id}-{group_index} has no sampled token to train on")
+    versions = fill_versions(flat.versions[:end])
+    last = ep.attempts[-1] if ep.attempts else Attempt(status="error", n_passed=0, n_tests=len(task.tests),
+                                                        feedback="never attempted")
+    routing = None
+    if ep.routing is not None and policy_positions:
+        rows = ep.routing.numpy()
+        if rows.shape[0] < end:
+            raise ValueError(f"routing of {task_id}-{group_index} covers {rows.shape[0]} of {end} tokens")
+        routing = TensorBlob.of(rows[:end], "int64")
+    return Rollout(
+        rollout_id=f"{task_id}-{group_index}", task_id=task_id, group_index=group_index, group_size=group_size,
+        prompt_tokens=TensorBlob.of(flat.ids[:n_prompt], "int32"),
+        completion_tokens=TensorBlob.of(flat.ids[n_prompt:end], "int32"),
+        behaviour_logprobs=TensorBlob.of(flat.logprobs[n_prompt:end], "float32"),
+        policy_versions=TensorBlob.of(versions[n_prompt:end], "int32"),
+        loss_mask=TensorBlob.of(flat.loss_mask[n_prompt:end], "uint8"),
+        routing=routing, reward=attempt_reward(last, partial_credit), verdict=last.verdict,
+        timings=dict(timings), region=region, generator_id=generator_id,
+    )

@@ -1,0 +1,340 @@
+"""The sandbox supervisor: a NATS service that runs (code, tests) pairs in isolated, pre-forked executors.
+
+Owns: `SandboxSupervisor` (kind "sandbox"). It answers `SandboxRequest`s on `subjects.sandbox(region)`
+in the region's queue group with exactly one `SandboxResult` each: limits clamped to the topology's
+`[sandbox]` ceiling, at most `concurrency` executions at once (up to `max_queued` more wait; past that
+the supervisor stops reading and its bounded subscription buffer takes the rest), a circuit breaker that
+answers "error" at once while executions keep failing for infrastructure reasons, bad requests
+answered with an "error" verdict and dead-lettered. The isolation level in use is in every result,
+the logs, the `started` event and the heartbeat (`isolation_level` gauge, `isolation_<level>` counter).
+Does not: build jails or run snippets (actors/sandbox/pool.py, actors/sandbox/executor.py), or grade
+tasks (actors/common/sandbox_client.py renders a task's tests as asserts).
+
+Verdicts (`SandboxVerdict.status`; passed/total count the top-level `assert` statements of `tests`):
+ok (every assert passed, clean exit), failed (an assert failed, or the code raised/exited/was killed
+by a signal), timeout (wall or CPU limit), oom (MemoryError under the memory limit), output_limit
+(stdout+stderr past the cap: killed) — these judge the code. crashed (the executor died under it;
+it was replaced) and error (bad request, tests that do not parse, breaker open, supervisor stopping)
+do not: a requester may retry them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from typing import Any, Final
+
+import anyio
+import msgspec
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from rlbus.actors.sandbox.pool import (
+    ISOLATION_RANK,
+    ExecutorCrashed,
+    ExecutorPool,
+    Isolation,
+    available_levels,
+    first_working_jail,
+)
+from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.messages import checks, codec
+from rlbus.messages.bus import Bus
+from rlbus.messages.errors import BadMessage
+from rlbus.messages.schemas import Heartbeat, SandboxLimits, SandboxRequest, SandboxResult, SandboxVerdict
+
+log = structlog.get_logger()
+
+GRACE_S: Final = 5.0
+"""An executor that has not answered `wall_seconds + GRACE_S` after a request is killed as hung."""
+DONE_CACHE: Final = 1024
+"""Recent final results kept by request id: a retried request gets the same answer without a rerun."""
+RETRYABLE: Final = frozenset({"crashed", "error"})
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxConfig:
+    """The topology's `[sandbox]` section (same keys as topology.schema.SandboxSettings) plus knobs
+    tests and benchmarks set: the isolation level to force and the circuit breaker."""
+
+    pool_size: int = 2
+    concurrency: int = 2
+    cpu_seconds: float = 5.0
+    wall_seconds: float = 10.0
+    memory_mb: int = 256
+    max_processes: int = 16
+    max_file_mb: int = 16
+    max_open_files: int = 64
+    max_output_kb: int = 64
+    isolation: str = "auto"
+    """"auto" (best available) or one of "bwrap", "unshare", "rlimits-only"."""
+    breaker_failures: int = 3
+    """Consecutive infrastructure failures (executor crashes, failed starts) that open the breaker."""
+    breaker_cooldown_s: float = 10.0
+    max_queued: int = 64
+    """Requests accepted beyond `concurrency`, waiting for an executor. Past that the supervisor stops reading:
+    at most `pending_limit` more wait in the client's buffer, then NATS drops them (requesters time out
+    and retry, or another supervisor of the queue group answers)."""
+    pending_limit: int = 256
+
+    @classmethod
+    def of(cls, settings: dict[str, Any]) -> SandboxConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(settings) - known
+        if unknown:
+            raise ValueError(f"unknown sandbox settings {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**settings)
+
+    def clamp(self, asked: SandboxLimits) -> SandboxLimits:
+        """The request's limits, each capped by this supervisor's ceiling."""
+        return SandboxLimits(
+            cpu_seconds=min(asked.cpu_seconds, self.cpu_seconds), memory_mb=min(asked.memory_mb, self.memory_mb),
+            max_processes=min(asked.max_processes, self.max_processes),
+            max_file_mb=min(asked.max_file_mb, self.max_file_mb),
+            max_open_files=max(3, min(asked.max_open_files, self.max_open_files)),
+            wall_seconds=min(asked.wall_seconds, self.wall_seconds),
+            max_output_kb=min(asked.max_output_kb, self.max_output_kb),
+        )
+
+
+class Breaker:
+    """Closed → open after `failures` consecutive infrastructure failures → half-open after the
+    cool-down (requests pass; the next failure re-opens, the next success closes)."""
+
+    def __init__(self, failures: int, cooldown_s: float) -> None:
+        self.failures = failures
+        self.cooldown_s = cooldown_s
+        self.consecutive = 0
+        self.open_until = 0.0
+        self.is_open = False
+
+    def rejects(self) -> bool:
+        return self.is_open and time.monotonic() < self.open_until
+
+    def failure(self) -> bool:
+        """Record one; True when this one opened (or re-opened) the breaker."""
+        self.consecutive += 1
+        if self.consecutive >= self.failures and not self.rejects():
+            self.is_open = True
+            self.open_until = time.monotonic() + self.cooldown_s
+            return True
+        return False
+
+    def success(self) -> bool:
+        """Record one; True when this one closed an open breaker."""
+        self.consecutive = 0
+        was_open, self.is_open = self.is_open, False
+        return was_open
+
+
+class SandboxSupervisor(Actor):
+    """Request/reply sandbox service of one region (see the module docstring for verdicts)."""
+
+    kind = "sandbox"
+
+    def __init__(self, ident: ActorId, bus: Bus, config: SandboxConfig | None = None,
+                 limits: ActorLimits | None = None) -> None:
+        super().__init__(ident, bus, limits)
+        self.config = config or SandboxConfig()
+        self.breaker = Breaker(self.config.breaker_failures, self.config.breaker_cooldown_s)
+        self.limiter = anyio.CapacityLimiter(self.config.concurrency)
+        self.isolation: Isolation | None = None
+        self.pool: ExecutorPool | None = None
+        self._sub: Subscription | None = None
+        self._done: OrderedDict[str, SandboxResult] = OrderedDict()
+        self._running: dict[str, anyio.Event] = {}
+        self._exec_ms_mean = 0.0
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        wanted = self.config.isolation
+        if wanted != "auto" and wanted not in ISOLATION_RANK:
+            raise ValueError(f"sandbox isolation {wanted!r}: expected auto, bwrap, unshare or rlimits-only")
+        levels: list[Isolation] = available_levels() if wanted == "auto" else [wanted]  # type: ignore[list-item]
+        tmpfs_mb = 4 * self.config.max_file_mb + 16
+        jail, why_not = await first_working_jail(levels, tmpfs_mb=tmpfs_mb)
+        self.isolation = jail.level
+        if why_not:
+            log.warning("sandbox_isolation_degraded", isolation=jail.level, reasons=why_not)
+        self.pool = ExecutorPool(jail, self.config.pool_size, on_failure=self._infra_failure)
+        await self.pool.start()
+        self.counters[f"isolation_{jail.level.replace('-', '_')}"] = 1
+        # subscribed before `ready`, so a requester that saw the actor ready is answered
+        subject = self.bus.subjects.sandbox(self.ident.region)
+        try:
+            self._sub = await self.bus.nc.subscribe(subject, queue=self.bus.subjects.durable("sandbox", self.ident.region),
+                                                    pending_msgs_limit=self.config.pending_limit,
+                                                    pending_bytes_limit=self.config.pending_limit * 1024 * 1024)
+            await self.bus.nc.flush()
+        except BaseException:
+            await self.pool.aclose()
+            raise
+        log.info("sandbox_ready", isolation=jail.level, pool_size=self.config.pool_size,
+                 concurrency=self.config.concurrency, snippet_uid=jail.snippet_uid)
+
+    async def run(self) -> None:
+        assert self.pool is not None and self.isolation is not None and self._sub is not None
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.pool.maintain)
+                await self.emit("started", detail=f"sandbox isolation {self.isolation}", isolation=self.isolation,
+                                pool_size=str(self.config.pool_size), concurrency=str(self.config.concurrency))
+                slots = anyio.Semaphore(self.config.concurrency + self.config.max_queued)
+                async for msg in self._sub.messages:
+                    await slots.acquire()            # bounded: a flood waits in the (bounded) subscription
+                    tg.start_soon(self._handle_in_slot, msg, slots)
+        finally:
+            with anyio.move_on_after(1.0, shield=True):
+                await self._sub.unsubscribe()
+            await self.pool.aclose()
+
+    def heartbeat(self) -> Heartbeat:
+        pool = self.pool
+        stats = self.limiter.statistics()
+        self.gauges.update({
+            "isolation_level": float(ISOLATION_RANK.get(self.isolation or "", 0)),
+            "executors_alive": float(len(pool.live)) if pool else 0.0,
+            "in_flight": float(stats.borrowed_tokens), "queued": float(stats.tasks_waiting),
+            "breaker_open": float(self.breaker.rejects()), "exec_ms_mean": self._exec_ms_mean,
+        })
+        return super().heartbeat()
+
+    # ---- one request ----------------------------------------------------------------------------
+    async def _handle_in_slot(self, msg: Msg, slots: anyio.Semaphore) -> None:
+        try:
+            await self._handle(msg)
+        finally:
+            slots.release()
+
+    async def _handle(self, msg: Msg) -> None:
+        self.count("requests")
+        try:
+            request = codec.decode_as(msg.data, msg.headers, SandboxRequest)
+            checks.check(request)
+        except BadMessage as err:
+            await self._bad_request(msg, str(err))
+            return
+        if not msg.reply:
+            await self._bad_request(msg, "a sandbox request needs a reply subject (use request/reply)")
+            return
+        try:
+            result = await self._result_for(request)
+        except anyio.get_cancelled_exc_class():
+            with anyio.move_on_after(1.0, shield=True):
+                await self._reply(msg, self._error(request.request_id, "the sandbox supervisor is stopping; retry"))
+            raise
+        except Exception as err:            # a fault of ours: answer, count it, never die of one request
+            log.exception("sandbox_request_failed", request_id=request.request_id)
+            await self._infra_failure(f"supervisor: {err!r}")
+            result = self._error(request.request_id, f"sandbox supervisor error: {err!r}")
+        await self._reply(msg, result)
+
+    async def _result_for(self, request: SandboxRequest) -> SandboxResult:
+        rid = request.request_id
+        if not rid:                                   # no id: nothing to share an answer with
+            async with self.limiter:
+                with self.busy():
+                    return await self._execute(request)
+        while rid in self._running:                   # a retry of a request still running: share its answer
+            await self._running[rid].wait()
+        if rid in self._done:
+            self.count("duplicates")
+            return self._done[rid]
+        if self.breaker.rejects():
+            self.count("breaker_rejected")
+            return self._error(rid, "sandbox circuit breaker open after repeated executor failures; retry later")
+        self._running[rid] = done = anyio.Event()
+        try:
+            async with self.limiter:
+                with self.busy():
+                    result = await self._execute(request)
+        finally:
+            del self._running[rid]
+            done.set()
+        if result.verdict.status not in RETRYABLE:
+            self._done[rid] = result
+            while len(self._done) > DONE_CACHE:
+                self._done.popitem(last=False)
+        return result
+
+    async def _execute(self, request: SandboxRequest) -> SandboxResult:
+        assert self.pool is not None and self.isolation is not None
+        limits = self.config.clamp(request.limits)
+        payload = {"id": request.request_id, "code": request.code, "tests": request.tests,
+                   "limits": msgspec.to_builtins(limits)}
+        started = time.monotonic()
+        try:
+            raw = await self.pool.execute(payload, limits.wall_seconds + GRACE_S)
+        except ExecutorCrashed as err:
+            self.count("executor_crashes")
+            log.warning("sandbox_executor_crashed", request_id=request.request_id, error=str(err))
+            await self._infra_failure(f"executor crashed: {err}")
+            return self._result(request.request_id, "crashed", stderr=f"sandbox executor crashed: {err}")
+        status = str(raw.get("status", "error"))
+        if status == "error" and str(raw.get("detail", "")).startswith("executor:"):
+            await self._infra_failure(str(raw["detail"]))
+        elif self.breaker.success():
+            self.count("breaker_closed")
+            await self.emit("incident", detail="sandbox circuit breaker closed: executions succeed again")
+        elapsed_ms = (time.monotonic() - started) * 1000
+        self._exec_ms_mean = elapsed_ms if not self._exec_ms_mean else 0.9 * self._exec_ms_mean + 0.1 * elapsed_ms
+        self.count("executions")
+        self.count(f"verdict_{status}")
+        if raw.get("cleanup_killed"):                 # processes the previous execution left behind, killed
+            self.count("leftovers_killed", int(raw["cleanup_killed"]))
+        stderr = str(raw.get("stderr", "")) or str(raw.get("detail", ""))
+        return self._result(request.request_id, status, passed=int(raw.get("passed", 0)),  # type: ignore[arg-type]
+                            total=int(raw.get("total", 0)), exit_code=raw.get("exit_code"),
+                            stdout=str(raw.get("stdout", "")), stderr=stderr,
+                            cpu_seconds=float(raw.get("cpu_seconds", 0.0)), max_rss_kb=int(raw.get("max_rss_kb", 0)),
+                            wall_seconds=float(raw.get("wall_seconds", 0.0)))
+
+    def _result(self, request_id: str, status: Any, *, passed: int = 0, total: int = 0,
+                exit_code: int | None = None, stdout: str = "", stderr: str = "", cpu_seconds: float = 0.0,
+                max_rss_kb: int = 0, wall_seconds: float = 0.0) -> SandboxResult:
+        return SandboxResult(request_id=request_id,
+                             verdict=SandboxVerdict(passed=passed, total=total, exit_code=exit_code, status=status),
+                             stdout=stdout, stderr=stderr, isolation=self.isolation or "", cpu_seconds=cpu_seconds,
+                             max_rss_kb=max_rss_kb, wall_seconds=wall_seconds)
+
+    def _error(self, request_id: str, why: str) -> SandboxResult:
+        return self._result(request_id, "error", stderr=why)
+
+    async def _infra_failure(self, what: str) -> None:
+        """An execution failed for reasons of ours (not the snippet's): feed the breaker."""
+        self.count("infra_failures")
+        self.last_error = what[:500]
+        if self.breaker.failure():
+            self.count("breaker_opened")
+            log.error("sandbox_breaker_open", cooldown_s=self.breaker.cooldown_s, last_failure=what)
+            await self.emit("incident", detail=f"sandbox circuit breaker open for {self.breaker.cooldown_s:g}s "
+                                               f"after {self.breaker.consecutive} infrastructure failures; "
+                                               f"last: {what[:300]}")
+
+    # ---- replies and bad requests ---------------------------------------------------------------
+    async def _reply(self, msg: Msg, result: SandboxResult) -> None:
+        data, headers = codec.encode(result)
+        try:
+            await self.bus.nc.publish(msg.reply, data, headers=headers or None)
+            self.count("replies")
+        except (nats.errors.Error, OSError) as err:
+            log.warning("sandbox_reply_not_sent", request_id=result.request_id, error=repr(err))
+
+    async def _bad_request(self, msg: Msg, reason: str) -> None:
+        """Answer (if it can be answered) with an error verdict, and dead-letter the raw bytes."""
+        self.count("bad_requests")
+        if msg.reply:
+            await self._reply(msg, self._error("", f"bad sandbox request: {reason}"))
+        await self.bus.store_dead_letter(msg.data, reason=reason, source=self.kind, subject=msg.subject,
+                                         headers=msg.headers)
+
+
+def build_sandbox(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> SandboxSupervisor:
+    """`actors/kinds.py` entry: the topology's `[sandbox]` section as a plain dict."""
+    return SandboxSupervisor(ident, bus, SandboxConfig.of(settings), limits)
+
+
+__all__ = ["Breaker", "SandboxConfig", "SandboxSupervisor", "build_sandbox"]

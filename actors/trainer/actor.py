@@ -1,0 +1,569 @@
+"""The trainer actor: consumes the hub's ROLLOUTS, trains the policy, publishes every version, and makes
+each rollout enter exactly one optimizer step across crashes.
+
+Owns: the consume → plan → step → log → announce loop; the exactly-once bookkeeping (consumed ids with
+the step that consumed them, held deliveries acked only once a CheckpointMark of this trainer's own
+lineage covers them, in-progress acks meanwhile); checkpoint uploads (every `checkpoint_interval` steps
+and on drain); resuming from the newest mark after the checkpointer has caught up.
+Does not: do the math (actors/trainer/core.py), make checkpoints durable (actors/checkpointer.py) or
+encode versions for generators (actors/publisher.py).
+
+Bounded: at most the consumer's `max_ack_pending` rollouts are in memory (held + pending + to drop); near
+that bound it checkpoints early, trains what is ready, or drops the oldest incomplete groups and records
+the drops in a TrainStep of its own (no optimizer step, same policy version), so it cannot wedge.
+
+Order per step: TrainStep on TRAINLOG → bf16 version to CKPT + VersionReady → (every N steps) full state
+to CKPT + StateUploaded. A TrainStep is always stored before any mark can cover its rollouts.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, Literal, TypeVar
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+import tenacity
+import torch
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from rlbus.actors.trainer.core import (
+    Objective, Plan, StepStats, TrainerCore, build_core, plan_step, versions_behind)
+from rlbus.actors.trainer.resume import Resume, last_message, resume_point
+from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.common.ledger import reason_category
+from rlbus.messages import checks, codec
+from rlbus.messages.bus import Bus, Delivery
+from rlbus.messages.errors import BadMessage, RlbusError
+from rlbus.messages.schemas import (
+    CheckpointMark, DroppedRollout, Message, Rollout, StateUploaded, TrainStep, VersionReady)
+from rlbus.messages.subjects import Subjects
+
+log = structlog.get_logger()
+
+T = TypeVar("T")
+SETTINGS_KEY = "trainer_settings"
+"""Key of the trainer's `started` event data holding its `TrainerConfig` as JSON (read by ops/recording/retrain.py)."""
+THREADS_KEY = "torch_threads"
+_PUBLISH_ERRORS = (nats.errors.Error, TimeoutError)
+MARK_WATCH_BACKOFF_S = (0.2, 5.0)
+"""The mark watcher's retry delay after losing CHECKPOINTS: from the first to the cap, doubling, jittered."""
+MARK_WATCH_GIVE_UP_S = 300.0
+"""The mark watcher fails the trainer (its supervisor restarts it) after this long without reaching the hub."""
+
+
+class LengthPenaltyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """reward -= coef * (max(0, tokens - budget) / budget) ** power (topology `[trainer.length_penalty]`)."""
+
+    budget: Annotated[int, msgspec.Meta(ge=1)] = 256
+    coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    power: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+
+
+class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The trainer's settings: topology `[trainer]` plus what the launcher adds (pretrained, state_dir,
+    checkpoint_interval)."""
+
+    lr: Annotated[float, msgspec.Meta(gt=0)] = 1e-5
+    lr_decay_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Linear decay of the learning rate over this many steps (topology/schema.py TrainerSettings); 0: none."""
+    lr_final_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
+    batch_rollouts: Annotated[int, msgspec.Meta(ge=1)] = 64
+    staleness_versions: Annotated[int, msgspec.Meta(ge=0)] = 4
+    kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.001
+    is_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    sampling_temperature: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """The generators' sampling temperature (topology `[generator] temperature`, passed by the launcher):
+    the policy and reference logprobs are taken at it, so pi/mu compares like with like; greedy (0) → 1."""
+    length_penalty: LengthPenaltyConfig = LengthPenaltyConfig()
+    aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] = "token_mean"
+    scale_by_std: bool = False
+    drop_flat_groups: bool = False
+    seed: int = 0
+    pretrained: str = ""
+    """`pretrain.pt` (or its folder) to start from and to use as the KL reference; empty: a fresh tiny model."""
+    state_dir: str = ""
+    """The run's state directory: the checkpointer's durable copies are read from here if CKPT lost one."""
+    checkpoint_interval: Annotated[int, msgspec.Meta(ge=1)] = 10
+    """Upload the full state every this many steps (topology `[checkpoint] interval_steps`)."""
+    grad_clip: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    keep_version_objects: Annotated[int, msgspec.Meta(ge=1)] = 16
+    """bf16 version objects kept in CKPT for the publisher (it re-reads delta bases from them after a restart);
+    older ones are deleted. The launcher passes max(16, 2 * weights.keep_versions)."""
+    resume_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    """On start, wait this long for the checkpointer to handle every uploaded state before picking a mark."""
+    mark_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    """On drain, wait this long for the mark of the final upload (then its rollouts are acked)."""
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (1 = the first): `lr` at step 1, falling linearly to
+        `lr * lr_final_ratio` at step `lr_decay_steps + 1` and held there; `lr` when there is no decay."""
+        if self.lr_decay_steps <= 0:
+            return self.lr
+        done = min(1.0, max(0, step - 1) / self.lr_decay_steps)
+        return self.lr * (1.0 - done * (1.0 - self.lr_final_ratio))
+
+    @property
+    def objective(self) -> Objective:
+        lp = self.length_penalty
+        return Objective(kl_coef=self.kl_coef, is_cap=self.is_cap, length_budget=lp.budget, length_coef=lp.coef,
+                         length_power=lp.power, grad_clip=self.grad_clip, temperature=self.sampling_temperature,
+                         aggregation=self.aggregation, scale_by_std=self.scale_by_std)
+
+
+def build_trainer(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Trainer:
+    """The trainer of a topology section (plain values) — called by actors/kinds.py."""
+    return Trainer(ident, bus, msgspec.convert(settings, TrainerConfig), limits)
+
+
+def trainer_threads() -> int:
+    """Torch threads of a trainer: `RLBUS_TORCH_THREADS` (the launcher sets the instance's `torch_threads`), else 1."""
+    return max(1, int(os.environ.get("RLBUS_TORCH_THREADS", "1") or 1))
+
+
+def build_trainer_core(config: TrainerConfig, *, threads: int) -> TrainerCore:
+    """Set torch's thread count and build the core of `config`: the trainer's setup and `rlbus replay FILE
+    train` (ops/recording/retrain.py) both start here, so a replay cannot drift from the live trainer."""
+    torch.set_num_threads(threads)
+    return build_core(config.pretrained, lr=config.lr, seed=config.seed)
+
+
+class Trainer(Actor):
+    """Trains on the hub's ROLLOUTS (durable `trainer`); see the module docstring for the guarantees."""
+
+    kind = "trainer"
+
+    def __init__(self, ident: ActorId, bus: Bus, config: TrainerConfig | None = None,
+                 limits: ActorLimits | None = None) -> None:
+        super().__init__(ident, bus, limits)
+        self.config = config or TrainerConfig()
+        self.subjects: Subjects = bus.subjects
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.core: TrainerCore | None = None
+        self.step = 0
+        self.version = 0
+        self.announced: int | None = None
+        self.resumed = False
+        self.resume_source = ""
+        """Where the state came from: "ckpt" (the mark's object), "disk" (the durable copy) or "fresh"."""
+        self.consumed: dict[str, int] = {}
+        """Rollout id → the step that trained on or dropped it (ids of a resumed state: the mark's step)."""
+        self.held: dict[str, Delivery[Rollout]] = {}
+        """Consumed rollouts not yet covered by a mark: acked when one is."""
+        self.pending: dict[str, dict[str, Delivery[Rollout]]] = {}
+        """Task id → rollout id → delivery, for groups not yet in a step (arrival order)."""
+        self.to_drop: dict[str, tuple[Delivery[Rollout], str]] = {}
+        """Rollout id → (delivery, reason) of dropped rollouts waiting for the next TrainStep to record them."""
+        self.marked_step = 0
+        self.parent_checkpoint: int | None = None
+        self.uploads: dict[int, str] = {}
+        """Step → object name of this incarnation's state uploads not yet covered by a mark."""
+        self.last_upload_step = 0
+        self.unlogged: list[TrainStep] = []
+        self.keepalive_s = 1.0
+        self.max_buffered = 50_000
+        """Rollouts the trainer may hold unacked (its consumer's `max_ack_pending`): JetStream delivers no
+        more past it, so held + pending + to_drop never exceed it; `_relieve` keeps it from deadlocking."""
+        self._checked: dict[str, str | None] = {}
+        """Rollout id → why the model cannot train on it (None: it can), computed once per pending rollout."""
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        info = await self.bus.js.consumer_info(self.subjects.hub_rollouts_stream(), self.subjects.durable("trainer"))
+        ack_wait = float(info.config.ack_wait or 30.0)
+        self.keepalive_s = min(30.0, max(0.2, ack_wait / 4))
+        if info.config.max_ack_pending and info.config.max_ack_pending > 0:
+            self.max_buffered = int(info.config.max_ack_pending)
+        self.gauges["buffer_bound"] = float(self.max_buffered)
+        cfg, threads = self.config, trainer_threads()
+        self.core = await anyio.to_thread.run_sync(lambda: build_trainer_core(cfg, threads=threads))
+        log.info("trainer_model_ready", pretrained=cfg.pretrained or None, incarnation=self.incarnation,
+                 params=sum(p.numel() for p in self.core.model.parameters()))
+
+    async def run(self) -> None:
+        core = self._core()
+        point = await resume_point(self.bus, state_dir=self.config.state_dir, wait_s=self.config.resume_wait_s,
+                                   gauges=self.gauges)
+        await self._resume(core, point)
+        await self._announce()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_marks, point.next_mark_seq)
+            tg.start_soon(self._keepalive)
+            await self._consume()
+
+    async def drain(self) -> None:
+        """Log what is unlogged, announce the held version, checkpoint now and wait briefly for the mark."""
+        if not self.resumed:
+            return
+        await self._flush()
+        await self._announce()
+        if self.step > self.last_upload_step:
+            await self._checkpoint()
+        if self.uploads:
+            with anyio.move_on_after(self.config.mark_wait_s):
+                while self.uploads:
+                    s = self.subjects
+                    mark = await last_message(self.bus, s.checkpoints_stream(), s.checkpoints(), CheckpointMark)
+                    if mark is not None:
+                        await self._on_mark(mark)
+                    if self.uploads:
+                        await anyio.sleep(0.1)
+        await self.bus.nc.flush(timeout=2)
+        log.info("trainer_drained", step=self.step, version=self.version, held=len(self.held),
+                 pending=sum(map(len, self.pending.values())))
+
+    def started_data(self) -> dict[str, str]:
+        """The settings and thread count in the `started` event, so a recording can be replayed
+        (`rlbus replay FILE train`) without the topology file."""
+        return {SETTINGS_KEY: msgspec.json.encode(self.config).decode(), THREADS_KEY: str(trainer_threads())}
+
+    # ---- resume ---------------------------------------------------------------------------------
+    def _core(self) -> TrainerCore:
+        if self.core is None:
+            raise RlbusError("trainer used before setup()")
+        return self.core
+
+    async def _resume(self, core: TrainerCore, point: Resume) -> None:
+        if point.blob is not None and point.mark is not None:
+            meta = await anyio.to_thread.run_sync(core.load_state_blob, point.blob)
+            self.step = self.marked_step = self.last_upload_step = int(meta["step"])
+            self.parent_checkpoint = self.step
+            self.consumed = {rid: self.step for rid in meta["consumed"]}
+            log.info("trainer_resumed", step=self.step, mark_version=point.mark.policy_version,
+                     consumed=len(self.consumed), source=point.source)
+        self.version = point.next_version
+        self.policy_version = self.version
+        self.resume_source = point.source
+        self.resumed = True
+        self.gauges.update(step=float(self.step), version=float(self.version))
+
+    # ---- consuming and stepping -----------------------------------------------------------------
+    async def _consume(self) -> None:
+        stream, durable = self.subjects.hub_rollouts_stream(), self.subjects.durable("trainer")
+        async for delivery in self.bus.consume(stream, durable, Rollout, batch=32, fetch_timeout_s=0.5):
+            await self._accept(delivery)
+            plan = self._plan()
+            for task_id, reason in plan.drop:
+                for d in self.pending.pop(task_id).values():
+                    self._checked.pop(d.message.rollout_id, None)
+                    self.to_drop[d.message.rollout_id] = (d, reason)
+                    self.count("dropped")
+            if plan.train:
+                with self.busy():
+                    await self._step(plan)
+            elif self._buffered() >= max(1, int(self.max_buffered * 0.9)):
+                with self.busy():
+                    await self._relieve()
+            self.gauges.update(pending=float(sum(map(len, self.pending.values()))), held=float(len(self.held)),
+                               buffered=float(self._buffered()))
+
+    def _buffered(self) -> int:
+        """Deliveries held in memory, not yet acked: held for a mark, pending in groups, waiting to be dropped."""
+        return len(self.held) + sum(map(len, self.pending.values())) + len(self.to_drop)
+
+    async def _relieve(self) -> None:
+        """The buffer is nearly at `max_buffered` (JetStream will deliver nothing more) and no batch is ready:
+        train the ready groups there are, else drop the oldest incomplete groups, and record the drops —
+        so rollouts that can never train (incomplete, stale) cannot wedge the trainer."""
+        plan = plan_step({t: [d.message for d in m.values()] for t, m in self.pending.items()},
+                         version=self.version, staleness_versions=self.config.staleness_versions,
+                         batch_rollouts=1, check=self._check, drop_flat=self.config.drop_flat_groups)
+        if plan.train:
+            await self._step(plan)
+            return
+        target = max(1, self.max_buffered // 8)
+        evicted = 0
+        for task_id in list(self.pending):
+            if evicted >= target:
+                break
+            members = self.pending.pop(task_id)
+            size = next(iter(members.values())).message.group_size if members else 0
+            for d in members.values():
+                self._checked.pop(d.message.rollout_id, None)
+                why = f"incomplete: {len(members)} of a group of {size} with the trainer's buffer full"
+                self.to_drop[d.message.rollout_id] = (d, f"{why} ({self.max_buffered})")
+                self.count("dropped")
+            evicted += len(members)
+        if self.to_drop:
+            await self._record_drops()
+
+    async def _accept(self, delivery: Delivery[Rollout]) -> None:
+        rollout = delivery.message
+        rid = rollout.rollout_id
+        done_at = self.consumed.get(rid)
+        if done_at is not None:                      # redelivered: trained or dropped already
+            self.count("redelivered_consumed")
+            if done_at <= self.marked_step:
+                await delivery.ack()                 # a mark covers it: the earlier ack was lost
+            else:
+                self.held[rid] = delivery            # acked once its step's mark arrives
+            return
+        if rid in self.to_drop:                      # redelivered while its drop waits for the next step
+            self.to_drop[rid] = (delivery, self.to_drop[rid][1])
+            return
+        group = self.pending.setdefault(rollout.task_id, {})
+        if rid in group:
+            self.count("redelivered_pending")
+        group[rid] = delivery
+        self.count("received")
+
+    def _plan(self) -> Plan:
+        groups = {task: [d.message for d in members.values()] for task, members in self.pending.items()}
+        return plan_step(groups, version=self.version, staleness_versions=self.config.staleness_versions,
+                         batch_rollouts=self.config.batch_rollouts, check=self._check,
+                         drop_flat=self.config.drop_flat_groups)
+
+    def _check(self, rollout: Rollout) -> str | None:
+        rid = rollout.rollout_id
+        if rid not in self._checked:
+            self._checked[rid] = self._core().check(rollout)
+        return self._checked[rid]
+
+    async def _step(self, plan: Plan) -> None:
+        core = self._core()
+        used = [d for task in plan.train for d in self.pending.pop(task).values()]
+        dropped, self.to_drop = list(self.to_drop.values()), {}
+        rollouts = [d.message for d in used]
+        staleness = Counter(str(versions_behind(r, self.version)) for r in rollouts)
+        with anyio.CancelScope(shield=True):         # a step is applied and recorded together, or not at all
+            lr = self.config.lr_at(self.step + 1)
+            stats: StepStats = await anyio.to_thread.run_sync(
+                functools.partial(core.train_step, rollouts, self.config.objective, lr=lr))
+            self.gauges["lr"] = lr
+            self.step += 1
+            self.version += 1
+            self.policy_version = self.version
+            for d in [*used, *(d for d, _ in dropped)]:
+                self.consumed[d.message.rollout_id] = self.step
+                self.held[d.message.rollout_id] = d
+                self._checked.pop(d.message.rollout_id, None)
+            self.unlogged.append(TrainStep(
+                step=self.step, policy_version=self.version, parent_checkpoint=self.parent_checkpoint,
+                rollout_ids=[r.rollout_id for r in rollouts],
+                dropped=[DroppedRollout(rollout_id=d.message.rollout_id, reason=why) for d, why in dropped],
+                loss=stats.loss, kl=stats.kl, reward_mean=stats.reward_mean, reward_std=stats.reward_std,
+                staleness=dict(staleness)))
+        self.count("steps")
+        self.count("trained", len(rollouts))
+        if not stats.applied:
+            self.count("nonfinite_steps")
+        self.gauges.update(step=float(self.step), version=float(self.version), loss=stats.loss, kl=stats.kl,
+                           reward_mean=stats.reward_mean, grad_norm=stats.grad_norm,
+                           staleness_mean=sum(int(k) * n for k, n in staleness.items()) / max(1, len(rollouts)))
+        log.info("trainer_step", step=self.step, version=self.version, rollouts=len(rollouts), dropped=len(dropped),
+                 loss=round(stats.loss, 5), kl=round(stats.kl, 5), reward_mean=round(stats.reward_mean, 4),
+                 grad_norm=round(stats.grad_norm, 4), tokens=stats.tokens, replayed=stats.replayed,
+                 applied=stats.applied)
+        await self._flush()
+        if dropped:
+            reasons = Counter(reason_category(why) for _, why in dropped)
+            await self.emit("stale_dropped" if set(reasons) == {"stale"} else "incident",
+                            detail=f"step {self.step} dropped {len(dropped)} rollouts",
+                            step=str(self.step), **{f"dropped_{k}": str(n) for k, n in reasons.items()})
+        await self._announce()
+        await self._maybe_checkpoint()
+
+    async def _record_drops(self) -> None:
+        """A TRAINLOG record of dropped rollouts alone (no optimizer step: the policy version stays), so that
+        they can be acked once a mark covers it; for when rollouts pile up that nothing will train."""
+        dropped, self.to_drop = list(self.to_drop.values()), {}
+        self.step += 1                    # no await until the record is queued: applied together or not at all
+        for d, _ in dropped:
+            self.consumed[d.message.rollout_id] = self.step
+            self.held[d.message.rollout_id] = d
+        self.unlogged.append(TrainStep(
+            step=self.step, policy_version=self.version, parent_checkpoint=self.parent_checkpoint,
+            dropped=[DroppedRollout(rollout_id=d.message.rollout_id, reason=why) for d, why in dropped]))
+        self.count("drop_records")
+        reasons = Counter(reason_category(why) for _, why in dropped)
+        log.warning("trainer_drops_recorded", step=self.step, dropped=len(dropped), reasons=dict(reasons))
+        await self._flush()
+        await self.emit("incident", detail=f"step {self.step} records {len(dropped)} dropped rollouts without "
+                        f"training", step=str(self.step), **{f"dropped_{k}": str(n) for k, n in reasons.items()})
+        await self._maybe_checkpoint()
+
+    async def _maybe_checkpoint(self) -> None:
+        """Every `checkpoint_interval` steps, and early when the rollouts held for a mark reach half the buffer
+        bound (otherwise the unacked ones could fill `max_ack_pending` before the next checkpoint is due)."""
+        if self.step % self.config.checkpoint_interval == 0 or (
+                len(self.held) >= self.max_buffered // 2 and not self.uploads):
+            await self._checkpoint()
+
+    # ---- publishing -----------------------------------------------------------------------------
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Run an idempotent bus operation, retrying transient failures for up to a minute."""
+        retry = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(_PUBLISH_ERRORS),
+            wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0), stop=tenacity.stop_after_delay(60),
+            before_sleep=lambda rs: log.warning("trainer_bus_retry", what=what, attempt=rs.attempt_number,
+                                                error=repr(rs.outcome.exception() if rs.outcome else None)),
+            reraise=True)
+        async for attempt in retry:
+            with attempt:
+                return await call()
+        raise AssertionError("unreachable")
+
+    async def _publish(self, subject: str, message: Message, msg_id: str) -> None:
+        """Publish with `msg_id` dedupe (a retried publish is stored once)."""
+        await self._retrying(msg_id, lambda: self.bus.publish(subject, message, msg_id=msg_id))
+
+    async def _put(self, name: str, blob: bytes) -> str:
+        """Upload to CKPT (a retry overwrites the same name); returns the digest."""
+        return await self._retrying(name, lambda: self.bus.put_object(self.subjects.checkpoint_bucket(), name, blob))
+
+    async def _flush(self) -> None:
+        """Store every TrainStep not yet on TRAINLOG, in order."""
+        while self.unlogged:
+            record = self.unlogged[0]
+            await self._publish(self.subjects.trainlog(), record, msg_id=f"step-{record.step}-{self.incarnation}")
+            self.unlogged.pop(0)
+
+    async def _announce(self) -> None:
+        """Upload the bf16 cast of the held version to CKPT and publish its VersionReady (once per version)."""
+        if self.announced == self.version or self.unlogged:
+            return
+        core = self._core()
+        version, step = self.version, self.step
+
+        blob, version_digest, raw = await anyio.to_thread.run_sync(core.published_version)
+        name = Subjects.version_object(version)
+        bucket = self.subjects.checkpoint_bucket()
+        digest = await self._put(name, blob)
+        await self._publish(self.subjects.version_ready(), VersionReady(
+            version=version, step=step, object=name, digest=digest, version_digest=version_digest, raw_bytes=raw,
+            model_config=core.model_config_dict()), msg_id=f"version-{version}")
+        self.announced = version
+        self.count("versions")
+        old = version - self.config.keep_version_objects
+        if old >= 0:
+            await _delete_object(self.bus, bucket, Subjects.version_object(old))
+
+    async def _checkpoint(self) -> None:
+        """Upload the full state of this step to CKPT and announce it to the checkpointer."""
+        if self.unlogged:
+            log.warning("trainer_checkpoint_skipped", reason="train steps not yet on TRAINLOG", step=self.step)
+            return
+        core = self._core()
+        step = self.step
+        consumed = sorted(rid for rid, at in self.consumed.items() if at <= step)
+        meta = {"step": step, "version": self.version, "consumed": consumed, "incarnation": self.incarnation,
+                "parent_step": self.parent_checkpoint, "saved_at": time.time()}
+        blob = await anyio.to_thread.run_sync(core.state_blob, meta)
+        name = Subjects.state_object(step, self.incarnation)
+        digest = await self._put(name, blob)
+        self.uploads[step] = name
+        await self._publish(self.subjects.state_uploads(), StateUploaded(
+            step=step, policy_version=self.version, objects=[name], digests=[digest],
+            consumed_rollout_ids=consumed, parent_step=self.parent_checkpoint),
+            msg_id=f"upload-{step}-{self.incarnation}")
+        self.last_upload_step = step
+        self.count("state_uploads")
+        log.info("trainer_state_uploaded", step=step, version=self.version, bytes=len(blob), object=name)
+
+    # ---- marks and acks -------------------------------------------------------------------------
+    async def _watch_marks(self, start_seq: int) -> None:
+        """Follow CHECKPOINTS from `start_seq` and act on this trainer's marks, through hub restarts: when the
+        ephemeral consumer or the server goes away (no responders, consumer gone, timeouts), follow again from
+        the first mark not yet seen, after a doubling, jittered backoff capped at MARK_WATCH_BACKOFF_S[1] and a
+        `trainer_mark_watch_retry` warning; only after MARK_WATCH_GIVE_UP_S without reaching the hub does the
+        error fail the trainer. Marks seen twice are harmless (`_on_mark` ignores old steps)."""
+        self._mark_seq, self._mark_ok_at = start_seq, time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                await self._follow_marks()
+            except (nats.errors.Error, TimeoutError, OSError) as err:
+                attempt = 1 if time.monotonic() - self._mark_ok_at < 1.0 else attempt + 1
+                if time.monotonic() - self._mark_ok_at > MARK_WATCH_GIVE_UP_S:
+                    log.error("trainer_mark_watch_gave_up", error=repr(err), next_seq=self._mark_seq)
+                    raise
+                first, cap = MARK_WATCH_BACKOFF_S
+                delay = min(cap, first * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+                self.count("mark_watch_retries")
+                log.warning("trainer_mark_watch_retry", error=repr(err), next_seq=self._mark_seq, attempt=attempt,
+                            delay_s=round(delay, 2))
+                await anyio.sleep(delay)
+
+    async def _follow_marks(self) -> None:
+        """One ephemeral consumer from `self._mark_seq` on; returns only by raising. `self._mark_ok_at` notes
+        the last time the hub answered (consumer created, a fetch delivered, or an idle check found it)."""
+        config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                opt_start_seq=self._mark_seq, inactive_threshold=30.0, mem_storage=True,
+                                num_replicas=1)
+        s = self.subjects
+        psub = await self.bus.js.pull_subscribe(s.checkpoints(), stream=s.checkpoints_stream(), config=config)
+        self._mark_ok_at = time.monotonic()
+        idle = 0
+        try:
+            while True:
+                try:
+                    msgs = await psub.fetch(16, timeout=1.0)
+                except (nats.errors.TimeoutError, TimeoutError):
+                    idle += 1
+                    if idle % 5 == 0:               # a consumer lost with its server answers nothing: ask
+                        await psub.consumer_info()
+                        self._mark_ok_at = time.monotonic()
+                    continue
+                idle, self._mark_ok_at = 0, time.monotonic()
+                for msg in msgs:
+                    try:
+                        mark = codec.decode_as(msg.data, msg.headers, CheckpointMark)
+                        checks.check(mark)
+                    except BadMessage as err:      # a copy to the DLQ (once, however many trainers read it)
+                        await self.bus.dead_letter(msg, reason=str(err), source=s.checkpoints_stream(), settle=False)
+                    else:
+                        await self._on_mark(mark)
+                    self._mark_seq = int(msg.metadata.sequence.stream) + 1
+        finally:
+            with anyio.move_on_after(1.0, shield=True):
+                try:
+                    await psub.unsubscribe()
+                except (nats.errors.Error, TimeoutError) as err:
+                    log.debug("trainer_mark_unsubscribe_failed", error=repr(err))
+
+    async def _on_mark(self, mark: CheckpointMark) -> None:
+        """A mark of one of this incarnation's uploads: ack every held rollout its step covers."""
+        if self.uploads.get(mark.step) not in mark.objects or mark.step <= self.marked_step:
+            return
+        self.marked_step = self.parent_checkpoint = mark.step
+        for step in [s for s in self.uploads if s <= mark.step]:
+            del self.uploads[step]
+        covered = [self.held.pop(rid) for rid in [r for r in self.held if self.consumed[r] <= mark.step]]
+        for delivery in covered:
+            await delivery.ack()
+        self.count("marks")
+        self.count("acked", len(covered))
+        self.gauges["marked_step"] = float(mark.step)
+        log.info("trainer_mark_covered", step=mark.step, acked=len(covered), held=len(self.held))
+
+    async def _keepalive(self) -> None:
+        """Reset the ack wait of every rollout held or buffered, so none is redelivered while we keep it."""
+        while True:
+            await anyio.sleep(self.keepalive_s)
+            deliveries = [*self.held.values(), *(d for g in self.pending.values() for d in g.values()),
+                          *(d for d, _ in self.to_drop.values())]
+            try:
+                for delivery in deliveries:
+                    await delivery.in_progress()
+            except _PUBLISH_ERRORS as err:
+                log.warning("trainer_keepalive_failed", error=repr(err), deliveries=len(deliveries))
+
+
+async def _delete_object(bus: Bus, bucket: str, name: str) -> None:
+    """Delete a CKPT object, ignoring one that is already gone."""
+    try:
+        store = await bus.js.object_store(bucket)
+        await store.delete(name)
+    except nats.js.errors.NotFoundError:
+        return
+    except _PUBLISH_ERRORS as err:
+        log.warning("trainer_object_delete_failed", object=name, error=repr(err))

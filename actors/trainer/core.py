@@ -1,0 +1,397 @@
+"""The trainer's math and state, apart from the bus: which rollouts go into a step, the padded batch,
+one RL optimizer step, and the bytes of a checkpoint.
+
+Owns: `plan_step` (whole groups into a batch; stale or unusable groups dropped with a reason),
+`rollout_batch` (Rollouts → right-padded tensors aligned with next-token logits), `TrainerCore` (fp32
+master policy, frozen reference, AdamW: `train_step`, `bf16_state`, `state_blob` / `load_state_blob`),
+`build_core` (from a pretrained checkpoint or a fresh seeded tiny model).
+Does not: talk to the bus, ack, publish or decide when to checkpoint (actors/trainer/actor.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rlbus.kernels.delta_state import encode_state
+from rlbus.kernels.logprob import token_logprob_entropy
+from rlbus.messages.schemas import Rollout
+from rlbus.model.generate import distinct_prompts, left_pad
+from rlbus.model.loss import Aggregation, group_relative_advantages, rl_loss, shape_rewards
+from rlbus.model.pretrain import load_checkpoint
+from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.transformer import ModelConfig, Transformer
+
+STATE_FORMAT: Final = 1
+"""Layout version of `TrainerCore.state_blob`."""
+
+
+# ---- which rollouts go into the next step ------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The next step's groups (task ids, in arrival order) and the groups to drop with their reason."""
+
+    train: tuple[str, ...] = ()
+    drop: tuple[tuple[str, str], ...] = ()
+
+
+def versions_behind(rollout: Rollout, version: int) -> int:
+    """version - min(per-token policy versions), at least 0; a rollout without tokens is 0 behind."""
+    versions = rollout.policy_versions.numpy()
+    return max(0, version - int(versions.min())) if versions.size else 0
+
+
+def plan_step(groups: Mapping[str, Sequence[Rollout]], *, version: int, staleness_versions: int,
+              batch_rollouts: int, check: Callable[[Rollout], str | None] = lambda _: None,
+              drop_flat: bool = False) -> Plan:
+    """Decide the next step from buffered groups (task id → members so far, in arrival order).
+
+    A group is dropped whole when a member is unusable (`check` returns a reason) or when its oldest
+    token is more than `staleness_versions` behind `version` (reason "stale: ..."). A group is ready
+    when it holds `group_size` members; with `drop_flat`, a complete group whose rewards are all equal
+    is dropped instead (reason "flat: ...": its group-relative advantages are all 0, so it carries no
+    policy-gradient signal — DAPO's dynamic sampling, Yu et al. 2025). Once the ready groups hold at least `batch_rollouts` rollouts,
+    `train` takes ready groups in order while they fit in `batch_rollouts` (at least one group);
+    otherwise `train` is empty (wait for more).
+    """
+    drop: list[tuple[str, str]] = []
+    ready: list[tuple[str, int]] = []
+    for task_id, members in groups.items():
+        if not members:
+            continue
+        reason = next((r for m in members if (r := check(m)) is not None), None)
+        if reason is None and len({m.group_size for m in members}) > 1:
+            reason = "invalid: members disagree on group_size"
+        if reason is None:
+            behind = max(versions_behind(m, version) for m in members)
+            if behind > staleness_versions:
+                reason = f"stale: {behind} versions behind (bound {staleness_versions})"
+        complete = len(members) >= members[0].group_size
+        if reason is None and drop_flat and complete and len({m.reward for m in members}) == 1:
+            reason = f"flat: all {len(members)} rewards {members[0].reward:g} (no learning signal)"
+        if reason is not None:
+            drop.append((task_id, reason))
+        elif complete:
+            ready.append((task_id, len(members)))
+    train: list[str] = []
+    if sum(n for _, n in ready) >= batch_rollouts:
+        taken = 0
+        for task_id, n in ready:
+            if train and taken + n > batch_rollouts:
+                break
+            train.append(task_id)
+            taken += n
+            if taken >= batch_rollouts:
+                break
+    return Plan(train=tuple(train), drop=tuple(drop))
+
+
+# ---- the padded batch --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RolloutBatch:
+    """B rollouts right-padded to L = max(P_b + T_b) tokens; position j of the (B, L-1) arrays is the
+    prediction of token j+1 from logits[:, j], so completion token t of row b sits at j = P_b - 1 + t."""
+
+    tokens: Tensor
+    """(B, L) int64 prompt + completion ids, right-padded with 0."""
+    mask: Tensor
+    """(B, L-1) bool: True where the predicted token is a completion token the policy produced."""
+    behaviour: Tensor
+    """(B, L-1) float32 behaviour logprob of the predicted token (0 off the mask)."""
+    routing: Tensor | None
+    """(B, L, n_moe_layers, top_k) int64 recorded experts to replay; None when not every row has them."""
+    rewards: Tensor
+    """(B,) float32 rewards as the generator reported them."""
+    lengths: Tensor
+    """(B,) int64 completion lengths T_b."""
+    prompt_lengths: Tensor
+    """(B,) int64 prompt lengths P_b."""
+    group_ids: Tensor
+    """(B,) int64 group index (rows of one task share it)."""
+
+
+def rollout_batch(rollouts: Sequence[Rollout], *, moe: tuple[int, int] | None = None) -> RolloutBatch:
+    """Pad `rollouts` into a `RolloutBatch`. moe = (n_moe_layers, top_k) of the model, None without MoE;
+    routing is replayed when every rollout carries a (P + T, n_moe_layers, top_k) record."""
+    if not rollouts:
+        raise ValueError("a batch needs at least one rollout")
+    prompts = [r.prompt_tokens.numpy().astype(np.int64) for r in rollouts]
+    completions = [r.completion_tokens.numpy().astype(np.int64) for r in rollouts]
+    B = len(rollouts)
+    L = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    tokens = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, max(L - 1, 0), dtype=torch.bool)
+    behaviour = torch.zeros(B, max(L - 1, 0), dtype=torch.float32)
+    groups: dict[str, int] = {}
+    for b, (r, p, c) in enumerate(zip(rollouts, prompts, completions, strict=True)):
+        P, T = len(p), len(c)
+        tokens[b, :P] = torch.from_numpy(p)
+        tokens[b, P:P + T] = torch.from_numpy(c)
+        if T:
+            if P < 1:
+                raise ValueError(f"rollout {r.rollout_id}: a completion needs at least one prompt token")
+            keep = r.loss_mask.numpy()
+            trained = torch.ones(T, dtype=torch.bool) if keep.size == 0 else torch.from_numpy(keep != 0)
+            mask[b, P - 1:P - 1 + T] = trained
+            behaviour[b, P - 1:P - 1 + T] = torch.from_numpy(r.behaviour_logprobs.numpy().astype(np.float32))
+        groups.setdefault(r.task_id, len(groups))
+    routing = None
+    if moe is not None and all(r.routing is not None for r in rollouts):
+        n_moe, top_k = moe
+        routing = torch.arange(top_k, dtype=torch.long).expand(B, L, n_moe, top_k).clone()
+        for b, r in enumerate(rollouts):
+            assert r.routing is not None
+            record = torch.from_numpy(r.routing.numpy().astype(np.int64))
+            routing[b, :record.shape[0]] = record
+    return RolloutBatch(
+        tokens=tokens, mask=mask, behaviour=behaviour, routing=routing,
+        rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
+        lengths=torch.tensor([len(c) for c in completions], dtype=torch.long),
+        prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long),
+        group_ids=torch.tensor([groups[r.task_id] for r in rollouts], dtype=torch.long),
+    )
+
+
+def shared_prompt_logprobs(net: Transformer, batch: RolloutBatch, temperature: float = 1.0) -> Tensor | None:
+    """`TrainerCore.logprobs` of the completion tokens with each distinct prompt run once: its keys and
+    values are copied to the rows that share it (differentiably), then all completions run together.
+
+    A group's G rollouts share one prompt, so this skips (G-1)/G of the prompt positions (most of a
+    batch's tokens). Returns (B, L-1) with the completion positions filled and 0 elsewhere, or None
+    when no two rows share a prompt, no row has a completion or a row has no prompt (the full forward
+    handles those).
+    """
+    P = batch.prompt_lengths.tolist()
+    T = batch.lengths.tolist()
+    B, L = batch.tokens.shape
+    width = max(T, default=0)
+    prompt_ids = [batch.tokens[b, :P[b]].tolist() for b in range(B)]
+    first, copies = distinct_prompts(prompt_ids)
+    if len(first) == B or width == 0 or min(P) == 0:
+        return None
+    copy_of = torch.tensor(copies, dtype=torch.long)
+    # left-padded: every distinct prompt's last token in the last column
+    prompts, real = left_pad([prompt_ids[b] for b in first], 0, batch.tokens.device)
+    completions = torch.zeros(B, width, dtype=torch.long)
+    for b in range(B):
+        completions[b, :T[b]] = batch.tokens[b, P[b]:P[b] + T[b]]
+    cache = net.new_cache(len(first), prompts.shape[1] + width)
+    head = net(prompts, cache=cache, attention_mask=real, with_mtp=False).logits[:, -1:]
+    cache.keep_rows(copy_of, width)
+    rest = net(completions, cache=cache, with_mtp=False).logits[:, :-1]  # right padding: causality hides it
+    logits = torch.cat([head.index_select(0, copy_of), rest], dim=1)  # (B, width, V): predicts completion t
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp, _ = token_logprob_entropy(logits, completions)
+    logp = logp.masked_fill(torch.arange(width)[None] >= batch.lengths[:, None], 0.0)
+    # completion token t of row b is position P_b - 1 + t of the (B, L-1) layout; padded rows land past it
+    at = torch.tensor(P, dtype=torch.long)[:, None] - 1 + torch.arange(width)[None]
+    return torch.zeros(B, L - 1 + width, dtype=logp.dtype).scatter(1, at, logp)[:, :L - 1]
+
+
+# ---- one optimizer step ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """The RL objective's constants (from the trainer settings)."""
+
+    kl_coef: float = 0.001
+    is_cap: float = 2.0
+    length_budget: int = 256
+    length_coef: float = 0.0
+    length_power: float = 2.0
+    grad_clip: float = 1.0
+    """Clip the gradient's global norm to this; 0 turns clipping off."""
+    temperature: float = 1.0
+    """Logits are divided by this before the policy and reference logprobs (the generators' sampling
+    temperature, whose distribution the behaviour logprobs are of)."""
+    aggregation: Aggregation = "token_mean"
+    """How per-token losses become the step's loss (`model.loss.aggregate`): "token_mean" weights each
+    token alike (long completions dominate), "sequence_mean" each completion alike."""
+    scale_by_std: bool = False
+    """Group advantages divided by the group's reward std (GRPO) instead of only mean-centred."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one step measured (all plain floats)."""
+
+    loss: float
+    kl: float
+    reward_mean: float
+    reward_std: float
+    mean_weight: float
+    truncated_fraction: float
+    grad_norm: float
+    tokens: int
+    replayed: bool
+    """True when the MoE routing record was replayed."""
+    applied: bool
+    """False when the loss or gradient was not finite and the weights were left unchanged."""
+
+
+class TrainerCore:
+    """The fp32 master policy, its frozen reference and AdamW. Not thread-safe: one caller at a time."""
+
+    def __init__(self, model: Transformer, reference: Transformer, *, lr: float, seed: int = 0) -> None:
+        self.model = model.float().train()
+        self.reference = reference.float().eval().requires_grad_(False)
+        self.config: ModelConfig = model.config
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        torch.manual_seed(seed)
+
+    @property
+    def moe(self) -> tuple[int, int] | None:
+        """(n_moe_layers, top_k), or None for a dense model."""
+        return (len(self.config.moe_layers), self.config.top_k) if self.config.moe_layers else None
+
+    def check(self, rollout: Rollout) -> str | None:
+        """Why this model cannot train on `rollout` (None: it can)."""
+        P, T = len(rollout.prompt_tokens), len(rollout.completion_tokens)
+        if P + T > self.config.max_seq_len:
+            return f"too_long: {P + T} tokens > max_seq_len {self.config.max_seq_len}"
+        if len(rollout.behaviour_logprobs) != T or len(rollout.policy_versions) != T:
+            return "invalid: per-token arrays differ in length from the completion"
+        if len(rollout.loss_mask) not in (0, T):
+            return "invalid: loss_mask length differs from the completion"
+        if T and P == 0:
+            return "invalid: empty prompt"
+        ids = np.concatenate([rollout.prompt_tokens.numpy(), rollout.completion_tokens.numpy()])
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            return f"invalid: token id outside the vocabulary of {self.config.vocab_size}"
+        shape = (P + T, *self.moe) if self.moe is not None else None
+        if rollout.routing is not None and shape is not None and tuple(rollout.routing.shape) != shape:
+            return f"invalid: routing shape {tuple(rollout.routing.shape)} != {shape}"
+        return None
+
+    def logprobs(self, net: Transformer, batch: RolloutBatch, temperature: float = 1.0) -> Tensor:
+        """(B, L-1) log-probability under `net` of each next token, with the batch's routing replayed:
+        log softmax(logits / temperature)[next token].
+
+        Rows that share a prompt (a group) run it once (`shared_prompt_logprobs`) unless routing is
+        replayed; off the completions (where `batch.mask` is False) the values are then 0.
+        """
+        if batch.routing is None:
+            shared = shared_prompt_logprobs(net, batch, temperature)
+            if shared is not None:
+                return shared
+        logits = net(batch.tokens, routing=batch.routing, with_mtp=False).logits
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp, _ = token_logprob_entropy(logits[:, :-1], batch.tokens[:, 1:])
+        return logp
+
+    def train_step(self, rollouts: Sequence[Rollout], objective: Objective, *,
+                   lr: float | None = None) -> StepStats:
+        """One AdamW step on the RL loss of `rollouts` (whole groups), at learning rate `lr` (None: the
+        optimizer's current one).
+
+        rewards r → r - length_penalty(T) → group-relative advantages → `model.loss.rl_loss` with
+        truncated IS weights vs the behaviour logprobs and the k1 KL vs the reference. A non-finite loss
+        or gradient leaves the weights as they were (`applied=False`).
+        """
+        batch = rollout_batch(rollouts, moe=self.moe)
+        self.model.train()
+        logp = self.logprobs(self.model, batch, objective.temperature)
+        with torch.no_grad():
+            ref = self.logprobs(self.reference, batch, objective.temperature)
+        rewards = batch.rewards
+        if objective.length_coef > 0:
+            rewards = shape_rewards(rewards, batch.lengths, objective.length_budget,
+                                    coef=objective.length_coef, power=objective.length_power)
+        advantages = group_relative_advantages(rewards, batch.group_ids, scale_by_std=objective.scale_by_std)
+        terms = rl_loss(logp, batch.behaviour, ref, advantages, batch.mask, is_cap=objective.is_cap,
+                        kl_coef=objective.kl_coef, mode=objective.aggregation)
+        self.optimizer.zero_grad(set_to_none=True)
+        terms.loss.backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = objective.grad_clip if objective.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
+        loss = float(terms.loss.detach())
+        applied = math.isfinite(loss) and math.isfinite(grad_norm)
+        if applied:
+            if lr is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        raw = batch.rewards
+        return StepStats(
+            loss=loss, kl=float(terms.kl), reward_mean=float(raw.mean()),
+            reward_std=float(raw.std(unbiased=False)), mean_weight=float(terms.mean_weight),
+            truncated_fraction=float(terms.truncated_fraction), grad_norm=grad_norm,
+            tokens=int(batch.mask.sum()), replayed=batch.routing is not None, applied=applied)
+
+    # ---- versions and checkpoints --------------------------------------------------------------
+    def bf16_state(self) -> dict[str, Tensor]:
+        """The published version: every tensor of the fp32 master's state dict cast to bfloat16."""
+        return {name: t.detach().to(torch.bfloat16).contiguous() for name, t in self.model.state_dict().items()}
+
+    def published_version(self) -> tuple[bytes, str, int]:
+        """What a version is published as: (the full-snapshot `encode_state` blob of `bf16_state`, its
+        version digest as hex, raw tensor bytes). The trainer announces it; `rlbus replay train` compares it."""
+        state = self.bf16_state()
+        index, blob = encode_state(state, None)
+        return blob, index.version_digest.hex(), sum(t.numel() * t.element_size() for t in state.values())
+
+    def model_config_dict(self) -> dict[str, Any]:
+        """The architecture as plain values (ModelConfig fields; tuples as lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.config).items()}
+
+    def state_blob(self, meta: Mapping[str, Any]) -> bytes:
+        """Everything to resume: fp32 weights, AdamW state, RNG state, the architecture and `meta`
+        (plain values), as `torch.save` bytes that `torch.load(weights_only=True)` reads back."""
+        payload = {"format": STATE_FORMAT, "model": self.model.state_dict(),
+                   "optimizer": self.optimizer.state_dict(), "rng": {"torch": torch.get_rng_state()},
+                   "model_config": self.model_config_dict(), "meta": dict(meta)}
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        return buffer.getvalue()
+
+    def load_state_blob(self, blob: bytes) -> dict[str, Any]:
+        """Restore weights, optimizer and RNG from `state_blob` bytes; returns its `meta`.
+
+        :raises ValueError: another layout or architecture than this core's.
+        """
+        payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        if payload.get("format") != STATE_FORMAT:
+            raise ValueError(f"trainer state of format {payload.get('format')!r}, expected {STATE_FORMAT}")
+        if payload["model_config"] != self.model_config_dict():
+            raise ValueError(f"trainer state is for architecture {payload['model_config']}, this trainer "
+                             f"runs {self.model_config_dict()}")
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        torch.set_rng_state(payload["rng"]["torch"])
+        return dict(payload["meta"])
+
+
+def fresh_config() -> ModelConfig:
+    """The architecture of a trainer started without a pretrained checkpoint (tests): tiny, byte vocab."""
+    return ModelConfig.tiny(vocab_size=ByteTokenizer().vocab_size, max_seq_len=512)
+
+
+def build_core(pretrained: str, *, lr: float, seed: int) -> TrainerCore:
+    """A core from a `pretrain.pt` (file or folder; also the frozen reference), or, with `pretrained`
+    empty, from a fresh `fresh_config()` model initialised with `seed`.
+
+    :raises FileNotFoundError: `pretrained` names nothing.
+    """
+    if pretrained:
+        path = Path(pretrained)
+        if not path.exists():
+            raise FileNotFoundError(f"pretrained checkpoint {path} does not exist; run `rlbus pretrain` or "
+                                    f"let `rlbus up` pretrain first")
+        model, _, _ = load_checkpoint(path)
+    else:
+        torch.manual_seed(seed)
+        model = Transformer(fresh_config())
+    return TrainerCore(model, copy.deepcopy(model), lr=lr, seed=seed)

@@ -1,0 +1,139 @@
+"""Where a starting trainer picks up: after the checkpointer has caught up, the newest mark's state, and
+the next version number.
+
+Owns: `resume_point(bus, ...)` → `Resume`. Waiting for the checkpointer first matters: a mark published
+late for an upload of a crashed incarnation would otherwise land after this incarnation chose an older
+mark, and the two lineages would interleave. Does not: load the state into a model (the trainer does).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import anyio
+import nats.js.errors
+import structlog
+
+from rlbus.actors.common.checkpoints import checkpoint_dir, read_durable_state
+from rlbus.actors.common.ledger import read_all
+from rlbus.messages import checks, codec
+from rlbus.messages.bus import Bus
+from rlbus.messages.errors import BadMessage, DigestMismatch, RlbusError
+from rlbus.messages.schemas import CheckpointMark, VersionReady
+
+log = structlog.get_logger()
+
+M = TypeVar("M", CheckpointMark, VersionReady)
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """What a starting trainer continues from."""
+
+    mark: CheckpointMark | None
+    """The newest mark (None: a fresh run)."""
+    blob: bytes | None
+    """The mark's state bytes (digest-checked)."""
+    source: Literal["ckpt", "disk", "fresh"]
+    next_version: int
+    """The version the held weights are published as: after every VersionReady so far, and the mark's."""
+    next_mark_seq: int
+    """CHECKPOINTS stream sequence where the trainer starts watching for its own marks."""
+
+
+async def resume_point(bus: Bus, *, state_dir: str = "", wait_s: float = 300.0,
+                       gauges: dict[str, float] | None = None) -> Resume:
+    """Wait for the checkpointer (up to `wait_s`), then read the newest mark, its state and the versions.
+
+    :raises RlbusError: the newest mark's state is neither in CKPT nor on disk with the right digest.
+    """
+    s = bus.subjects
+    await wait_for_checkpointer(bus, wait_s=wait_s, gauges=gauges if gauges is not None else {})
+    info = await bus.js.stream_info(s.checkpoints_stream())
+    next_mark_seq = int(info.state.last_seq) + 1
+    mark = await last_message(bus, s.checkpoints_stream(), s.checkpoints(), CheckpointMark)
+    last_version = await last_message(bus, s.state_stream(), s.version_ready(), VersionReady)
+    next_version = max(last_version.version + 1 if last_version else 0, mark.policy_version + 1 if mark else 0)
+    if mark is None:
+        return Resume(None, None, "fresh", next_version, next_mark_seq)
+    blob, source = await load_state(bus, mark, state_dir)
+    return Resume(mark, blob, source, next_version, next_mark_seq)
+
+
+async def last_message(bus: Bus, stream: str, subject: str, kind: type[M]) -> M | None:
+    """The last valid message on `subject` in `stream`, decoded; None when there is none. A bad last
+    message (undecodable, or breaking messages/checks.py) is passed over: the stream is read back for the
+    last good one, so one bad message cannot stop every trainer start."""
+    try:
+        raw = await bus.js.get_last_msg(stream, subject)
+    except nats.js.errors.NotFoundError:
+        return None
+    try:
+        message = codec.decode_as(raw.data or b"", raw.headers, kind)
+        checks.check(message)
+        return message
+    except BadMessage as err:
+        log.warning("trainer_last_message_bad", stream=stream, seq=raw.seq, error=str(err))
+    good = []
+    for candidate in await read_all(bus.js, stream, subject, kind):
+        try:
+            checks.check(candidate)
+        except BadMessage:
+            continue
+        good.append(candidate)
+    return good[-1] if good else None
+
+
+async def wait_for_checkpointer(bus: Bus, *, wait_s: float, gauges: dict[str, float]) -> None:
+    """Return once the checkpointer's consumer has handled (acked) the last `StateUploaded` on STATE, or
+    after `wait_s` with a warning. Nothing to wait for in a fresh run."""
+    s = bus.subjects
+    try:
+        last = await bus.js.get_last_msg(s.state_stream(), s.state_uploads())
+    except nats.js.errors.NotFoundError:
+        return
+    seq = int(last.seq or 0)
+    deadline = time.monotonic() + wait_s
+    gauges["waiting_for_checkpointer"] = 1.0
+    try:
+        while True:
+            try:
+                info = await bus.js.consumer_info(s.state_stream(), s.durable("checkpointer"))
+                delivered = int(info.delivered.stream_seq or 0) if info.delivered else 0
+                if delivered >= seq and not info.num_ack_pending:
+                    return
+            except nats.js.errors.NotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                log.warning("trainer_checkpointer_not_caught_up", upload_seq=seq, waited_s=wait_s)
+                return
+            await anyio.sleep(0.25)
+    finally:
+        gauges.pop("waiting_for_checkpointer", None)
+
+
+async def load_state(bus: Bus, mark: CheckpointMark, state_dir: str) -> tuple[bytes, Literal["ckpt", "disk"]]:
+    """The mark's state bytes from CKPT, else from the checkpointer's durable copy; digest-checked.
+
+    :raises RlbusError: neither copy is there with the mark's digest.
+    """
+    if len(mark.objects) != 1 or len(mark.digests) != 1:
+        raise RlbusError(f"checkpoint mark of step {mark.step} lists {len(mark.objects)} objects; the trainer "
+                         f"writes exactly one")
+    name, expected = mark.objects[0], mark.digests[0]
+    try:
+        return await bus.get_object(bus.subjects.checkpoint_bucket(), name, expected_digest=expected), "ckpt"
+    except (nats.js.errors.NotFoundError, DigestMismatch) as err:
+        log.warning("trainer_state_not_in_ckpt", step=mark.step, object=name, error=repr(err))
+    if state_dir:
+        try:
+            return await anyio.to_thread.run_sync(read_durable_state, checkpoint_dir(Path(state_dir), mark.step),
+                                                  mark), "disk"
+        except ValueError as err:
+            log.warning("trainer_state_not_on_disk", step=mark.step, object=name, error=str(err))
+    raise RlbusError(f"the state of checkpoint step {mark.step} ({name}) is neither in CKPT nor on disk under "
+                     f"{state_dir or '(no state_dir)'} with digest {expected}; restore the checkpoint or start "
+                     f"a fresh run")

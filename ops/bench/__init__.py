@@ -1,0 +1,1 @@
+"""rlbus.ops.bench.cli."""

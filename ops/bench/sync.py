@@ -1,0 +1,239 @@
+"""`rlbus bench sync`: delta vs full-snapshot weight sync from the trainer to generators in three regions.
+
+Owns: the sync benchmark. On the embedded 3-region bus (hub, eu, us; `RegionSet`) it runs the real path:
+a trainer stand-in (`ModelConfig.m30()` fp32 master weights, AdamW on the task corpus; `--quick`: `tiny()`)
+uploads each version to CKPT and publishes VersionReady; the publisher actor writes it into every
+region's WEIGHTS store and LATEST key; two `WeightSync` generators per region (each its own bus
+connection to its region) fetch, verify, stage it and bring their bf16 model to it in place (sparse deltas
+patched, anything else copied). The same run first times
+`--sync-versions` versions with deltas (the topology defaults `full_every` 4, `delta_depth` 3), then as
+many with only full snapshots (a publisher with `full_every` 1), each from VersionReady published to
+every generator holding it. `speedup_vs_full` = median full / median delta of that end-to-end time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from typing import Any
+
+GENERATORS_PER_REGION = 2
+REGIONS = ("hub", "eu", "us")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sync-versions", type=int, default=4, help="sync: versions timed per mode (default 4)")
+    p.add_argument("--sync-lr", type=float, default=1e-6,
+                   help="sync: lr of the timed AdamW steps (default 1e-6)")
+    p.add_argument("--sync-warmup", type=int, default=10,
+                   help="sync: AdamW warm-up steps before the timed ones (default 10)")
+    p.add_argument("--sync-warmup-lr", type=float, default=3e-4, help="sync: warm-up lr (default 3e-4)")
+    p.add_argument("--sync-full-every", type=int, default=4,
+                   help="sync: publisher full_every in the delta mode (default 4, the topology default)")
+    p.add_argument("--sync-delta-depth", type=int, default=3,
+                   help="sync: publisher delta_depth in the delta mode (default 3, the topology default)")
+    p.add_argument("--sync-threads", type=int, default=2, help="sync: torch and codec threads (default 2)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import anyio
+
+    return anyio.run(_run, args, backend="asyncio")
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+    import time
+    import uuid
+    from pathlib import Path
+
+    import anyio
+    import torch
+
+    from rlbus.actors.base import ActorId, ActorLimits
+    from rlbus.actors.publisher import Publisher, PublisherSettings
+    from rlbus.ops.bench.version_source import VersionSource
+    from rlbus.actors.common.weight_sync import WeightSync
+    from rlbus.messages.bus import Bus, ConnectOptions, Identity
+    from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
+    from rlbus.model.transformer import ModelConfig, Transformer
+    from rlbus.topology.regions import RegionSet
+
+    t_start = time.perf_counter()
+    threads = args.sync_threads
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    quick = bool(getattr(args, "quick", False))
+    config = ModelConfig.tiny() if quick else ModelConfig.m30()
+    n_versions = 2 if quick else args.sync_versions
+    warmup = 3 if quick else args.sync_warmup
+    run_id = f"b{uuid.uuid4().hex[:8]}"
+    buses: list[Bus] = []
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-sync-") as tmp:
+        rs = await anyio.to_thread.run_sync(lambda: RegionSet.start(Path(tmp), REGIONS, "hub", run=run_id))
+        try:
+            async def connect(region: str, role: str, actor: str) -> Bus:
+                cred = rs.credentials(role)
+                bus = await Bus.connect(rs.url(region), run=run_id, domain=region,
+                                        identity=Identity(actor_id=actor, kind=role, region=region),
+                                        options=ConnectOptions(user=cred.user, password=cred.password))
+                buses.append(bus)
+                return bus
+
+            admin = await connect("hub", "admin", "bench")
+            await provision_run(admin.nc, admin.subjects, hub="hub", domains=rs.domains,
+                                settings=StreamSettings())
+            for region in REGIONS:
+                await wait_routable(admin.nc, admin.subjects.tasks(region))
+            trainer = await connect("hub", "trainer", "hub-trainer-0")
+            source = VersionSource(Transformer(config), lr=args.sync_warmup_lr, batch=4, seq_len=64,
+                                   keep_history=False)
+            losses = [await anyio.to_thread.run_sync(source.step) for _ in range(warmup)]
+            source.set_lr(args.sync_lr)
+            source.version = 0                          # the warmed-up weights are the run's version 0
+            syncs = [WeightSync(await connect(region, "generator", f"{region}-generator-{i}"), region,
+                                threads=1)
+                     for region in REGIONS for i in range(GENERATORS_PER_REGION)]
+            limits = ActorLimits(heartbeat_interval_s=2.0, drain_timeout_s=5.0)
+
+            async def start_publisher(tg: Any, full_every: int, depth: int) -> Publisher:
+                settings = PublisherSettings(regions=list(REGIONS), hub="hub", full_every=full_every,
+                                             delta_depth=depth, threads=threads)
+                bus = await connect("hub", "publisher", f"hub-publisher-{full_every}")
+                ident = ActorId(run_id, "hub", "publisher", "hub-publisher-0")
+                publisher = Publisher(ident, bus, settings, limits)
+                await tg.start(publisher.serve)
+                return publisher
+
+            async def one_version(publisher: Publisher, *, step: bool) -> dict[str, Any]:
+                if step:
+                    await anyio.to_thread.run_sync(source.step)
+                ready = await source.publish(trainer, threads=threads)
+                t_pub = time.perf_counter()
+                applied: dict[str, float] = {}
+
+                async def wait(sync: WeightSync) -> None:
+                    await sync.wait_for_version(ready.version)
+                    applied[sync.bus.identity.actor_id] = time.perf_counter()
+
+                with anyio.fail_after(600):              # hang guard
+                    async with anyio.create_task_group() as waits:
+                        for sync in syncs:
+                            waits.start_soon(wait, sync)
+                    await publisher.wait_announced(ready.version)
+                return _breakdown(ready.version, t_pub, applied, publisher, syncs)
+
+            async with anyio.create_task_group() as tg:
+                for sync in syncs:
+                    await tg.start(sync.run)
+                results: dict[str, list[dict[str, Any]]] = {}
+                async with anyio.create_task_group() as phase:
+                    publisher = await start_publisher(phase, args.sync_full_every, args.sync_delta_depth)
+                    seed = await one_version(publisher, step=False)      # v0: every generator joins
+                    results["delta"] = [await one_version(publisher, step=True) for _ in range(n_versions)]
+                    delta_manifest = publisher.last.manifest if publisher.last else None
+                    phase.cancel_scope.cancel()
+                async with anyio.create_task_group() as phase:
+                    publisher = await start_publisher(phase, 1, 1)
+                    results["full"] = [await one_version(publisher, step=True) for _ in range(n_versions)]
+                    phase.cancel_scope.cancel()
+                tg.cancel_scope.cancel()
+        finally:
+            for bus in buses:
+                await bus.close()
+            await anyio.to_thread.run_sync(rs.stop)
+    n_params = sum(p.numel() for p in source.model.parameters())
+    median = {mode: statistics.median(r["total_s"] for r in rows) for mode, rows in results.items()}
+    after = {mode: statistics.median(r["total_s"] - r["queue_s"] - r["download_s"] for r in rows)
+             for mode, rows in results.items()}
+    return {
+        "speedup_vs_full": median["full"] / median["delta"],
+        "speedup_after_download": after["full"] / after["delta"],
+        "delta_s": median["delta"], "full_s": median["full"],
+        "bytes_ratio": statistics.median(r["bytes_fetched"] for r in results["full"])
+        / max(1.0, statistics.median(r["bytes_fetched"] for r in results["delta"])),
+        "verify_every": syncs[0].verify_every,
+        "breakdown": {mode: {k: statistics.median(r[k] for r in rows) for k in _PHASES}
+                      for mode, rows in results.items()},
+        "versions": results, "seed_s": seed["total_s"],
+        "model": "tiny" if quick else "m30", "parameters": n_params, "raw_bf16_bytes": 2 * n_params,
+        "regions": list(REGIONS), "generators": len(REGIONS) * GENERATORS_PER_REGION,
+        "lr": args.sync_lr, "warmup_steps": warmup, "warmup_lr": args.sync_warmup_lr,
+        "warmup_loss_first_last": [round(losses[0], 3), round(losses[-1], 3)] if losses else [],
+        "delta_mode": {"full_every": args.sync_full_every, "delta_depth": args.sync_delta_depth,
+                       "last_objects": delta_manifest.objects if delta_manifest else []},
+        "threads": threads, "load_avg_1m": os.getloadavg()[0],
+        "total_s": round(time.perf_counter() - t_start, 1),
+    }
+
+
+_PHASES = ("total_s", "queue_s", "download_s", "decode_s", "encode_s", "upload_s", "watch_s", "fetch_s",
+           "apply_s", "swap_s", "bytes_fetched")
+
+
+def _breakdown(version: int, t_pub: float, applied: dict[str, float], publisher: Any, syncs: list[Any]
+               ) -> dict[str, Any]:
+    """Seconds of one version from VersionReady published to the last generator holding it, by phase.
+
+    queue: VersionReady to the publisher; download: its CKPT blob; decode: to tensors (delta mode);
+    encode: the delta from v-1 (delta mode; full mode writes the trainer's blob as is); upload: objects
+    and LATEST in every region (first stage); watch: LATEST to the generators starting to fetch (the
+    rest of the slowest generator's time); fetch / apply (decode into the staging buffers) / swap (patch or
+    copy into the live model): medians over the generators.
+    """
+    trace = publisher.trace[version]
+    landed = max(region.written_at[version] for region in publisher.regions.values())
+    last = max(applied.values())
+    per_gen = [s.timings for s in syncs]
+    med = {k: statistics.median(t.get(k, 0.0) for t in per_gen) for k in ("fetch", "apply", "swap")}
+    slowest = max(syncs, key=lambda s: applied[s.bus.identity.actor_id])
+    path = slowest.latest
+    fetched = 0
+    if path is not None:
+        sizes = dict(zip(path.objects, path.sizes, strict=True))
+        fetched = sum(sizes.get(name, 0) for name in slowest.last_path)
+    slow_t = slowest.timings
+    return {
+        "version": version, "total_s": last - t_pub, "queue_s": trace["received"] - t_pub,
+        "download_s": trace["downloaded"] - trace["received"],
+        "decode_s": trace["decoded"] - trace["downloaded"],
+        "encode_s": trace["staged"] - trace["decoded"], "upload_s": landed - trace["staged"],
+        "watch_s": max(0.0, last - landed - slow_t.get("fetch", 0.0) - slow_t.get("apply", 0.0)
+                       - slow_t.get("swap", 0.0)),
+        "fetch_s": med["fetch"], "apply_s": med["apply"], "swap_s": med["swap"], "bytes_fetched": fetched,
+        "objects": slowest.last_path,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    head = ("mode", "total", "queue", "download", "decode", "encode", "upload", "watch", "fetch", "apply",
+            "swap", "MB fetched")
+    rows = [head]
+    for mode in ("delta", "full"):
+        b = result["breakdown"][mode]
+        rows.append((mode, *(f"{b[k]:.3f}" for k in _PHASES[:-1]), f"{b['bytes_fetched'] / 1e6:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    dm = result["delta_mode"]
+    n = len(result["versions"]["delta"])
+    lines += [
+        "",
+        (f"speedup_vs_full = {result['speedup_vs_full']:.1f}x (target >= 20): median seconds from "
+         f"VersionReady published to all {result['generators']} generators holding the version, "
+         f"{n} versions per mode;"),
+        (f"{result['speedup_after_download']:.1f}x without the common queue + CKPT download; "
+         f"{result['bytes_ratio']:.0f}x fewer bytes fetched per generator."),
+        (f"{result['model']}: {result['parameters'] / 1e6:.1f}M parameters "
+         f"({result['raw_bf16_bytes'] / 1e6:.0f} MB bf16), AdamW at lr {result['lr']:g} after "
+         f"{result['warmup_steps']} warm-up steps at {result['warmup_lr']:g}; "
+         f"regions {', '.join(result['regions'])}."),
+        (f"delta mode: full_every {dm['full_every']}, delta_depth {dm['delta_depth']}; "
+         f"full mode: full_every 1. Phases are medians; fetch/apply/swap per generator."),
+        (f"apply = decode into the staging buffers; every tensor is re-hashed on full snapshots and every "
+         f"{result['verify_every']}th delta."),
+        (f"{result['threads']} threads, load avg {result['load_avg_1m']:.1f} when done, "
+         f"{result['total_s']:.0f} s."),
+    ]
+    return "\n".join(lines)

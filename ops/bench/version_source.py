@@ -1,0 +1,121 @@
+"""A trainer stand-in for tests and benchmarks: real AdamW steps, each version uploaded per contract 2.
+
+Owns: `published_state` (the bf16 cast a version is), `upload_version` (a version's full blob to the
+hub's CKPT under `Subjects.version_object(N)`, then `VersionReady` on `state.version` with msg_id
+`version-N`, exactly as RL.md contract 2 says) and `VersionSource` (fp32 master weights trained with
+AdamW on byte tokens of the task corpus, one published version per step).
+Does not: consume rollouts, compute RL losses or checkpoint (actors/trainer/actor.py is the real trainer).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import anyio
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlbus.actors.common.weight_sync import config_dict
+from rlbus.kernels.delta_state import encode_state
+from rlbus.messages.bus import Bus
+from rlbus.messages.schemas import VersionReady
+from rlbus.messages.subjects import Subjects
+from rlbus.model.tasks import make_task
+from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.transformer import ModelConfig, Transformer
+
+
+def published_state(model: Transformer) -> dict[str, Tensor]:
+    """The version a model's fp32 master weights publish: every state-dict tensor cast to bf16, contiguous."""
+    return {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
+
+
+async def upload_version(bus: Bus, *, version: int, step: int, state: Mapping[str, Tensor],
+                         model_config: ModelConfig, domain: str | None = None,
+                         threads: int = 2) -> VersionReady:
+    """Upload `encode_state(state, None)` to CKPT as `Subjects.version_object(version)`, then publish its
+    VersionReady (msg_id `version-<N>`, so a repeat is stored once). `domain`: the hub's, from a leaf."""
+    index, blob = await anyio.to_thread.run_sync(lambda: encode_state(state, None, threads=threads))
+    name = Subjects.version_object(version)
+    digest = await bus.put_object(bus.subjects.checkpoint_bucket(), name, blob, domain=domain)
+    ready = VersionReady(version=version, step=step, object=name, digest=digest,
+                         version_digest=index.version_digest.hex(),
+                         raw_bytes=sum(t.numel() * t.element_size() for t in state.values()),
+                         model_config=config_dict(model_config))
+    await bus.publish(bus.subjects.version_ready(), ready, msg_id=f"version-{version}")
+    return ready
+
+
+def task_corpus(tokens: int, *, seed: int = 0) -> Tensor:
+    """(n >= tokens,) int64 byte tokens of task prompts and canonical solutions, each bos/eos framed."""
+    tok = ByteTokenizer()
+    ids: list[int] = []
+    i = 0
+    while len(ids) < tokens:
+        task = make_task(random.Random(f"rlbus-version-source:{seed}:{i}"), f"src-{seed}-{i}")
+        ids += [tok.bos_id, *tok.encode(task.prompt + "\n" + task.solution), tok.eos_id]
+        i += 1
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass
+class VersionSource:
+    """fp32 master weights trained by AdamW on the task corpus; `await publish(bus)` uploads the next version.
+
+    Version 0 is the starting weights; every `step()` makes the next one. `lr` is the post-warm-up rate.
+    """
+
+    model: Transformer
+    lr: float = 1e-6
+    batch: int = 4
+    seq_len: int = 64
+    seed: int = 0
+    version: int = 0
+    """The version the current weights are (0 until the first step)."""
+    history: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+    """Published bf16 versions by number (for bit-exact checks), when `keep_history`."""
+    keep_history: bool = True
+
+    def __post_init__(self) -> None:
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, betas=(0.9, 0.95),
+                                           weight_decay=0.1)
+        self._corpus = task_corpus(64 * self.batch * (self.seq_len + 1), seed=self.seed)
+        self._rng = torch.Generator().manual_seed(self.seed)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> float:
+        """One AdamW step of next-token loss on a random batch of the corpus; the weights become version+1."""
+        T = self.seq_len
+        starts = torch.randint(0, self._corpus.numel() - T - 1, (self.batch,), generator=self._rng)
+        seqs = torch.stack([self._corpus[s:s + T + 1] for s in starts.tolist()])
+        logits = self.model(seqs[:, :-1], with_mtp=False).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.version += 1
+        return float(loss.item())
+
+    def state(self) -> dict[str, Tensor]:
+        """The current version's bf16 tensors."""
+        return published_state(self.model)
+
+    async def publish(self, bus: Bus, *, domain: str | None = None, threads: int = 2) -> VersionReady:
+        """Upload the current version (see `upload_version`); remembered in `history` when `keep_history`."""
+        state = self.state()
+        if self.keep_history:
+            self.history[self.version] = state
+        return await upload_version(bus, version=self.version, step=self.version, state=state,
+                                    model_config=self.model.config, domain=domain, threads=threads)
+
+    async def step_and_publish(self, bus: Bus, *, domain: str | None = None) -> VersionReady:
+        """A real optimizer step off the event loop, then its upload."""
+        await anyio.to_thread.run_sync(self.step)
+        return await self.publish(bus, domain=domain)
