@@ -3,7 +3,8 @@
 Owns: `check(topology) -> list[Problem]`, pure (the only input besides the topology is the local
 core count, passed in), collecting every problem: hub count, unique names, the trainer side in the
 hub, counts that must fit together, references to regions, credentials by reference only, TLS files that
-belong together, and the torch-threads-per-host warning. Does not: read files or check key types (topology/_walk.py).
+belong together, and the torch-threads-per-host warning (unless `launch.oversubscribe`).
+Does not: read files or check key types (topology/_walk.py).
 """
 
 from __future__ import annotations
@@ -301,6 +302,8 @@ def _tls(topology: Topology) -> Iterator[Found]:
 
 
 def _threads(topology: Topology, local_cores: int) -> Iterator[Found]:
+    if topology.launch.oversubscribe:       # the operator said the actors are meant to share the cores
+        return
     hosts: dict[str, list[int]] = defaultdict(list)
     for i, region in enumerate(topology.regions):
         host = region.host if region.host is not None and region.host not in _LOCAL_HOSTS else "localhost"
@@ -318,4 +321,5 @@ def _threads(topology: Topology, local_cores: int) -> Iterator[Found]:
             key = f"regions[{first}].host" if topology.regions[first].host is not None else f"regions[{first}].actors"
             detail = ", ".join(f"{name}/{spec.label} {spec.count}x{spec.torch_threads}" for name, spec in asks)
             yield _p(key, f"host {host!r} has {cores} cores but its torch actors ask for {threads} threads "
-                     f"({detail}); lower torch_threads or counts, or expect them to slow each other down", "warning")
+                     f"({detail}); lower torch_threads or counts, or set launch.oversubscribe = true if they are meant to "
+                     f"share the cores (they will slow each other down)", "warning", also=("launch",))

@@ -322,6 +322,9 @@ class LaunchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     """'local': one supervised OS process per instance; 'ray': one Ray actor per instance."""
     ray_address: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     """Ray cluster to join (like 'auto' or 'ray://host:10001'); default: start a local Ray cluster."""
+    oversubscribe: bool = False
+    """True: the torch actors of a host are meant to ask for more threads than it has cores (they take
+    turns; the shipped examples run a whole RL job on 2 cores), so `validate` does not warn about it."""
 
 
 class RestartSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -181,13 +181,28 @@ def test_ray_example_places_by_region_resource() -> None:
     assert topology.restart.max_restarts == 3
 
 
-def test_threads_warning_when_a_host_is_oversubscribed() -> None:
-    """Five torch actors (two generators) at one thread each on a 2-core host: a warning, and the topology still loads."""
-    path = example_path("single")
+def test_threads_warning_when_a_host_is_oversubscribed(tmp_path: Path) -> None:
+    """Five torch actors (two generators) at one thread each on a 2-core host: a warning naming the key that
+    silences it, and the topology still loads; none with enough cores."""
+    path = tmp_path / "single.toml"
+    path.write_text(example_path("single").read_text().replace("oversubscribe = true", ""))
     topology, problems = validate(path, local_cores=2)
-    assert topology is not None
+    assert topology is not None and not topology.launch.oversubscribe
     assert [(p.severity, p.key) for p in problems] == [("warning", "regions[0].actors")]
     assert "host 'localhost' has 2 cores but its torch actors ask for 5 threads" in problems[0].message
+    assert "launch.oversubscribe = true" in problems[0].message
     assert str(problems[0]).startswith(f"{path}: regions[0].actors: warning: ")
     _, fits = validate(path, local_cores=5)
     assert fits == []
+
+
+@pytest.mark.parametrize("name", ["single", "tiny", "three_regions", "ray"])
+def test_intended_oversubscription_is_not_warned_about(name: str, tmp_path: Path) -> None:
+    """The shipped examples that run every actor on one small machine say so (`launch.oversubscribe`), so
+    their own validation on 2 cores is clean; the same file without the key warns."""
+    _, problems = validate(example_path(name), local_cores=2)
+    assert problems == []
+    copy = tmp_path / f"{name}.toml"
+    copy.write_text(example_path(name).read_text().replace("oversubscribe = true", "oversubscribe = false"))
+    _, problems = validate(copy, local_cores=2)
+    assert [p.severity for p in problems] == ["warning"] and "torch actors ask for" in problems[0].message
