@@ -36,7 +36,7 @@ SERVICE_VERSION: Final = "0.1.0"
 
 
 class State(enum.Enum):
-    """Lifecycle states of DESIGN.md."""
+    """Lifecycle states of an actor (docs/design.md, "Actors")."""
 
     STARTING = "starting"
     READY = "ready"

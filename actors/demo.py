@@ -3,7 +3,7 @@
 Owns: `DemoProducer` (publishes synthetic Rollouts of realistic size to its region's ROLLOUTS with
 rollout-id dedupe) and `DemoConsumer` (pulls the hub's ROLLOUTS, acks, counts distinct ids).
 They exercise the real path — typed publish, sourcing across regions, durable pull, dead-lettering —
-until the RL actors replace them. Does not: train or generate anything.
+without a model. Does not: train or generate anything.
 """
 
 from __future__ import annotations

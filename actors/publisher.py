@@ -1,6 +1,6 @@
 """The weight publisher: every trainer version, encoded for the generators, written into every region.
 
-Owns: `Publisher` (actor kind "publisher", contract 3 of RL.md). It consumes VersionReady from the hub's
+Owns: `Publisher` (actor kind "publisher"). It consumes VersionReady from the hub's
 STATE stream (its own durable, filter `state.version`, one message in flight), downloads the raw bf16
 version from CKPT (digest-checked, every tensor re-hashed), keeps the last `keep_versions` versions
 decoded, and writes per version the deltas from the previous `delta_depth` versions and from the latest

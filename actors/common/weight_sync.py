@@ -1,6 +1,6 @@
 """Generator-side weights: follow a region's published versions and swap them in between decoding steps.
 
-Owns: `WeightSync` (contract 4 of RL.md) — watches the region's LATEST KV key `latest`, plans the cheapest
+Owns: `WeightSync` — watches the region's LATEST KV key `latest`, plans the cheapest
 chain of objects from the version it has staged to the newest manifest (`plan_fetch`: a delta from the
 staged version, a multi-version delta, or a full snapshot [+ the delta from it]), fetches them from its
 own region's WEIGHTS object store with their digests checked, applies them into reused staging buffers

@@ -1,7 +1,7 @@
 """`rlbus bench NAME`: run one benchmark, print its table, or with `--json` one JSON object.
 
 Owns: the dispatch to the `ops/bench/` modules named in `BENCHES` (`add_arguments`, `run`, `table`). Benchmarks
-compare against their issue's baseline in the same run and report ratios; nothing here asserts speed.
+compare against their own baseline in the same run and report ratios; nothing here asserts speed.
 """
 
 from __future__ import annotations

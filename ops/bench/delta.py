@@ -74,7 +74,7 @@ def _delta_stats(old: dict[str, Any], new: dict[str, Any]) -> dict[str, float]:
 
 
 def _xor_zstd_bytes(old: dict[str, Any], new: dict[str, Any]) -> int:
-    """The issue's literal sparse format, for comparison: per tensor u32 gaps and XOR values as byte planes,
+    """A plain sparse format, for comparison: per tensor u32 gaps and XOR values as byte planes,
     zstd level 1."""
     import numpy as np
     import zstandard

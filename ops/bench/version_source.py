@@ -1,8 +1,8 @@
-"""A trainer stand-in for tests and benchmarks: real AdamW steps, each version uploaded per contract 2.
+"""A trainer stand-in for tests and benchmarks: real AdamW steps, each version uploaded as the trainer uploads it.
 
 Owns: `published_state` (the bf16 cast a version is), `upload_version` (a version's full blob to the
 hub's CKPT under `Subjects.version_object(N)`, then `VersionReady` on `state.version` with msg_id
-`version-N`, exactly as RL.md contract 2 says) and `VersionSource` (fp32 master weights trained with
+`version-N`, exactly as actors/trainer/actor.py does) and `VersionSource` (fp32 master weights trained with
 AdamW on byte tokens of the task corpus, one published version per step).
 Does not: consume rollouts, compute RL losses or checkpoint (actors/trainer/actor.py is the real trainer).
 """

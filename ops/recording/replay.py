@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 KINDS = ("rollout", "train_step", "weight_manifest", "checkpoint_mark", "eval_report", "event")
 
 
-def open(path: str | os.PathLike[str], **filters: Any) -> Playback:  # noqa: A001 - the API the issue names
+def open(path: str | os.PathLike[str], **filters: Any) -> Playback:  # noqa: A001 - the documented public name
     """Open a recording for typed reading. Filters: kinds, versions=(lo, hi), rewards=(lo, hi), regions,
     task_ids, since, until (unix s). Iterate it for messages, or call `.rollouts()` for typed Rollouts."""
     from rlbus.ops.recording.playback import open_playback

@@ -32,7 +32,7 @@ from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
 pytestmark = pytest.mark.anyio
 
 CUT_S = 30.0
-"""How long the partition test keeps a leaf cut off (the issue's 30 s)."""
+"""How long the partition test keeps a leaf cut off (the 30 s the README's guarantee names)."""
 CATCH_UP_S = 90.0
 """Hang guard for the hub to catch up after a heal: sourcing resumes at the server's next retry,
 whose backoff grows with the outage (measured 17-31 s after 3-30 s cuts)."""

@@ -113,7 +113,7 @@ async def _connect(rs: RegionSet, region: str, role: str, errors: list[str]) -> 
     return await nats.connect(**rs.connect_options(region, role), error_cb=on_error, allow_reconnect=False)
 
 
-def test_the_table_covers_the_issue_rules() -> None:
+def test_the_table_covers_the_permission_rules() -> None:
     """A generator may publish none of weights, checkpoints, tasks, TRAINLOG; weights come from the trainer
     side only; destructive stream management belongs to no role (the table under test says so)."""
     generator = RIGHTS["generator"]
