@@ -11,7 +11,9 @@ Verdicts, most severe first (an actor shows its worst; `problems` lists all that
              (deadline = max(k × interval, min_deadline_s); interval = median gap of its recent heartbeats)
   failed     last heartbeat says failed, or the launcher reported it failed after its last heartbeat
   stalled    alive but no counter changed for `stall_s` (observed for at least that long)
-  lagging    policy_version more than `lag_versions` behind the newest version seen (actors, manifests)
+  lagging    policy_version more than `lag_versions` behind the newest version seen (actors, manifests);
+             an actor on a schedule (a heartbeat gauge `every_versions` = k, the evaluator: it reports the
+             version it last scored, one per block of k) lags only more than k + `lag_versions` behind
   restarting its restart count or pid changed, or a `restarted` event came, within `restart_window_s`
   ok / stopped
 """
@@ -31,6 +33,8 @@ SEVERITY: Final[dict[str, int]] = {"dead": 0, "failed": 1, "stalled": 2, "laggin
 PROBLEMS: Final = ("dead", "failed", "stalled", "lagging", "restarting")
 _TERMINAL: Final = ("stopped", "failed")
 _GAPS_KEPT: Final = 8
+SCHEDULE_GAUGE: Final = "every_versions"
+"""Heartbeat gauge of an actor that works on one version per block of k (the evaluator): its k."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,11 @@ class HealthRules:
     """More than this many policy versions behind the newest = lagging."""
     restart_window_s: float = 300.0
     """A restart within this window = restarting."""
+
+    def lag_allowed(self, every_versions: int = 0) -> int:
+        """Versions an actor may be behind the newest and not lag: `lag_versions`, plus `every_versions` for
+        an actor that works on one version per block of that many (0: no schedule)."""
+        return self.lag_versions + max(0, every_versions)
 
     def deadline(self, interval_s: float) -> float:
         """deadline = max(k × interval, min_deadline_s)."""
@@ -84,6 +93,8 @@ class ActorHealth:
     policy_version: int | None
     lag: int | None
     """Versions behind the newest version seen; None when the actor reports no version."""
+    lag_allowed: int
+    """The most versions behind it may be and not be lagging: `lag_versions`, plus its schedule's k if it has one."""
     restarts: int
     no_progress_s: float
     """Seconds since any of its counters last changed."""
@@ -149,6 +160,7 @@ class HealthModel:
         age = max(0.0, now - track.seen_at)
         no_progress = max(0.0, now - track.progress_at)
         lag = None if hb.policy_version is None or self.newest_version is None else self.newest_version - hb.policy_version
+        allowed = rules.lag_allowed(int(hb.gauges.get(SCHEDULE_GAUGE, 0)))
         problems: list[str] = []
         failed = hb.state == "failed" or (track.failed_event_at is not None and track.failed_event_at >= track.seen_at)
         if failed:
@@ -158,7 +170,7 @@ class HealthModel:
                 problems.append("dead")
             elif rules.stall_s > 0 and no_progress >= rules.stall_s and now - track.first_seen >= rules.stall_s:
                 problems.append("stalled")
-            if lag is not None and lag > rules.lag_versions and "dead" not in problems:
+            if lag is not None and lag > allowed and "dead" not in problems:
                 problems.append("lagging")
         if track.restart_at is not None and now - track.restart_at <= rules.restart_window_s:
             problems.append("restarting")
@@ -172,6 +184,7 @@ class HealthModel:
         return ActorHealth(actor_id=hb.actor_id, kind=hb.actor_kind, region=hb.region, state=hb.state, status=status,
                            problems=problems, age_s=round(age, 3), interval_s=round(interval, 3),
                            deadline_s=round(deadline, 3), policy_version=hb.policy_version, lag=lag,
+                           lag_allowed=allowed,
                            restarts=hb.restarts, no_progress_s=round(no_progress, 3), counters=dict(hb.counters),
                            gauges=dict(hb.gauges), last_error=error, pid=hb.pid)
 

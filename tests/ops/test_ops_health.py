@@ -37,9 +37,10 @@ RULES = ["--min-deadline-s", "1", "--stall-s", "1.5", "--settle-s", "0.3"]
 
 # ---- the model, by hand --------------------------------------------------------------------------------
 def _hb(actor: str = "a", *, at: float, state: str = "ready", counters: dict[str, int] | None = None,
-        version: int | None = None, pid: int = 10, restarts: int = 0) -> Heartbeat:
-    return Heartbeat(actor_id=actor, actor_kind="k", region="hub", state=state, counters=counters or {},
-                     policy_version=version, pid=pid, restarts=restarts, sent_at=at)
+        version: int | None = None, pid: int = 10, restarts: int = 0, kind: str = "k",
+        gauges: dict[str, float] | None = None) -> Heartbeat:
+    return Heartbeat(actor_id=actor, actor_kind=kind, region="hub", state=state, counters=counters or {},
+                     policy_version=version, pid=pid, restarts=restarts, sent_at=at, gauges=gauges or {})
 
 
 def _feed(model: HealthModel, beats: list[Heartbeat]) -> None:
@@ -84,6 +85,25 @@ def test_stalled_lagging_restarting_failed_and_stopped() -> None:
     order = [h.actor_id for h in model.verdicts(11.5)]
     assert order == ["gone", "stuck", "old", "boot", "busy", "done"]
     assert model.judge("boot", 2.0 + 31).problems == ["dead"]   # restart window over; silent since 11 s
+
+
+def test_an_actor_on_a_schedule_lags_only_past_its_schedule() -> None:
+    """An evaluator scoring one version per block of 50 (it says so in its `every_versions` gauge) reports the
+    version it last scored: 20 or 52 versions behind the newest is its schedule plus the usual slack of 2, not
+    lagging; 53 is. A generator equally far behind lags as before, and a gauge of 0 means no schedule."""
+    model = HealthModel(HealthRules(stall_s=0, lag_versions=2))
+    for name, version in (("eval-20", 80), ("eval-52", 48), ("eval-53", 47)):
+        _feed(model, [_hb(name, kind="evaluator", at=t, version=version, gauges={"every_versions": 50.0})
+                      for t in (0.0, 1.0)])
+    _feed(model, [_hb("gen", kind="generator", at=t, version=80) for t in (0.0, 1.0)])
+    _feed(model, [_hb("zero", kind="evaluator", at=t, version=80, gauges={"every_versions": 0.0}) for t in (0.0, 1.0)])
+    model.observe_version(100)
+    v = {h.actor_id: h for h in model.verdicts(1.0)}
+    assert [(v[a].status, v[a].lag, v[a].lag_allowed) for a in ("eval-20", "eval-52", "eval-53")] == [
+        ("ok", 20, 52), ("ok", 52, 52), ("lagging", 53, 52)]
+    assert (v["gen"].status, v["gen"].lag, v["gen"].lag_allowed) == ("lagging", 20, 2)
+    assert (v["zero"].status, v["zero"].lag_allowed) == ("lagging", 2)
+    assert model.rules.lag_allowed() == 2 and model.rules.lag_allowed(50) == 52
 
 
 def test_repeated_and_older_heartbeats_change_nothing() -> None:
