@@ -1,8 +1,9 @@
 """The topology key reference (key, type, default, meaning), generated from topology/schema.py.
 
 Owns: `field_docs(cls)` (the string literal under each field, read from the class source with `ast`)
-and `reference_markdown()` (one Markdown table per TOML table, walked from `Topology`), so the README
-reference cannot drift from the schema. Does not: validate anything.
+and `reference_markdown()` (one Markdown table per TOML table, walked from `Topology`): the text of
+docs/topology.md (`rlbus validate --reference > docs/topology.md`; tests/meta/test_meta_readme.py keeps
+the file equal to it), so the reference cannot drift from the schema. Does not: validate anything.
 """
 
 from __future__ import annotations
@@ -92,8 +93,10 @@ def _cell(text: str) -> str:
 
 def reference_markdown() -> str:
     """The whole key reference as Markdown: per table a header line and a key | type | default | meaning table."""
-    intro = ("Generated from `topology/schema.py` (`rlbus validate --reference`); every key, its type, its "
-             "default and what it means.")
+    intro = ("Generated from the field docstrings of `topology/schema.py` by "
+             "`rlbus validate --reference > docs/topology.md` (a test keeps this file equal to it): every key, "
+             "its type, its default and what it means. Start from a shipped example "
+             "(`topology/examples/`); a key left out takes its default.")
     lines = ["# Topology file reference", "", intro, ""]
     for header, t in struct_tables():
         docs = field_docs(t.cls)
@@ -108,6 +111,8 @@ def reference_markdown() -> str:
 
 
 def _schema_structs() -> list[type[msgspec.Struct]]:
-    """Every Struct class defined in topology/schema.py (used by tests to demand a docstring per field)."""
-    return [obj for obj in vars(schema).values()
-            if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == schema.__name__]
+    """Every Struct class of the topology file: those defined in topology/schema.py and the actors' Configs it
+    composes (used by tests to demand a docstring per field)."""
+    own = [obj for obj in vars(schema).values()
+           if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == schema.__name__]
+    return list(dict.fromkeys([*own, *(t.cls for _, t in struct_tables())]))
