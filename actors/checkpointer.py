@@ -12,20 +12,22 @@ Does not: decide when to checkpoint or read the state's contents (actors/trainer
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import anyio
-import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
 from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch, decode_config
 from rlbus.actors.common.checkpoints import checkpoint_dir, durable_marks, durable_steps, write_durable
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import BadMessage, DigestMismatch
+from rlbus.messages.objects import delete_object
 from rlbus.messages.schemas import CheckpointMark, StateUploaded
 from rlbus.messages.streams import ensure_consumer
 from rlbus.messages.subjects import Subjects
@@ -34,23 +36,13 @@ log = structlog.get_logger()
 
 
 
-class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Topology `[checkpoint]` plus the launcher's `state_dir`."""
+def build_checkpointer(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limits: ActorLimits,
+                       launch: CheckpointerLaunch | None = None) -> Checkpointer:
+    """The checkpointer of a `[checkpoint]` section (plain values) — called by actors/kinds.py.
 
-    interval_steps: Annotated[int, msgspec.Meta(ge=1)] = 10
-    """Read by the trainer (it decides when to upload); listed here because the section is shared."""
-    keep: Annotated[int, msgspec.Meta(ge=1)] = 3
-    state_dir: str = ""
-    """The run's state directory; empty: no copy on disk, the CKPT objects are the durable copy."""
-    ack_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
-    drain_linger_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0
-    """On drain, keep marking uploads until none arrives for this long (the trainer checkpoints on its own
-    drain, usually at the same moment)."""
-
-
-def build_checkpointer(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Checkpointer:
-    """The checkpointer of a topology section (plain values) — called by actors/kinds.py."""
-    return Checkpointer(ident, bus, msgspec.convert(settings, CheckpointerConfig), limits)
+    :raises TopologyError: a setting is unknown or out of bounds (the text names it).
+    """
+    return Checkpointer(ident, bus, decode_config("checkpoint", settings, CheckpointerConfig), limits, launch)
 
 
 class Checkpointer(Actor):
@@ -59,11 +51,12 @@ class Checkpointer(Actor):
     kind = "checkpointer"
 
     def __init__(self, ident: ActorId, bus: Bus, config: CheckpointerConfig | None = None,
-                 limits: ActorLimits | None = None) -> None:
+                 limits: ActorLimits | None = None, launch: CheckpointerLaunch | None = None) -> None:
         super().__init__(ident, bus, limits)
         self.config = config or CheckpointerConfig()
+        self.launch = launch or CheckpointerLaunch()
         self.subjects: Subjects = bus.subjects
-        self.state_dir = Path(self.config.state_dir) if self.config.state_dir else None
+        self.state_dir = Path(self.launch.state_dir) if self.launch.state_dir else None
         self.kept: list[tuple[int, list[str]]] = []
         """(step, objects) of the marks this checkpointer published, oldest first."""
 
@@ -71,7 +64,7 @@ class Checkpointer(Actor):
         s = self.subjects
         await ensure_consumer(self.bus.js, s.state_stream(), ConsumerConfig(
             durable_name=s.durable("checkpointer"), filter_subject=s.state_uploads(), ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=self.config.ack_wait_s, max_deliver=-1, max_ack_pending=1))
+            ack_wait=self.launch.ack_wait_s, max_deliver=-1, max_ack_pending=1))
         if self.state_dir is not None:              # a restarted checkpointer still prunes what it kept before
             state_dir = self.state_dir
             self.kept = await anyio.to_thread.run_sync(lambda: durable_marks(state_dir))
@@ -84,14 +77,14 @@ class Checkpointer(Actor):
 
     async def drain(self) -> None:
         """Mark the uploads that arrive while everything shuts down (the trainer's drain checkpoint)."""
-        if self.config.drain_linger_s <= 0:
+        if self.launch.drain_linger_s <= 0:
             return
         s = self.subjects
         psub = await self.bus.js.pull_subscribe_bind(durable=s.durable("checkpointer"), stream=s.state_stream())
         try:
             while True:
                 try:
-                    msgs = await psub.fetch(1, timeout=self.config.drain_linger_s)
+                    msgs = await psub.fetch(1, timeout=self.launch.drain_linger_s)
                 except (nats.errors.TimeoutError, TimeoutError):
                     return
                 for msg in msgs:
@@ -121,7 +114,7 @@ class Checkpointer(Actor):
             await self.emit("incident", detail=f"state upload of step {upload.step} rejected: {err}",
                             step=str(upload.step), reason="digest" if isinstance(err, DigestMismatch) else "missing")
             for name in upload.objects:
-                await _delete(self.bus, bucket, name)
+                await delete_object(self.bus.js, bucket, name)
             await self.bus.dead_letter(delivery.raw, reason=f"state upload of step {upload.step} rejected: {err}",
                                        source=self.subjects.state_stream())
             return
@@ -149,7 +142,7 @@ class Checkpointer(Actor):
         while len(self.kept) > self.config.keep:
             _, objects = self.kept.pop(0)
             for name in objects:
-                await _delete(self.bus, self.subjects.checkpoint_bucket(), name)
+                await delete_object(self.bus.js, self.subjects.checkpoint_bucket(), name)
         if self.state_dir is not None:
             state_dir, keep = self.state_dir, self.config.keep
             await anyio.to_thread.run_sync(lambda: _prune_dirs(state_dir, keep))
@@ -158,13 +151,3 @@ class Checkpointer(Actor):
 def _prune_dirs(state_dir: Path, keep: int) -> None:
     for step in durable_steps(state_dir)[:-keep]:
         shutil.rmtree(checkpoint_dir(state_dir, step), ignore_errors=True)
-
-
-async def _delete(bus: Bus, bucket: str, name: str) -> None:
-    try:
-        store = await bus.js.object_store(bucket)
-        await store.delete(name)
-    except nats.js.errors.NotFoundError:
-        return
-    except (nats.errors.Error, TimeoutError) as err:
-        log.warning("checkpoint_object_delete_failed", object=name, error=repr(err))

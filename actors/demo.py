@@ -9,26 +9,54 @@ without a model. Does not: train or generate anything.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 import anyio
+import msgspec
 import structlog
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.common.config import decode_config
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Rollout, TensorBlob
 
 log = structlog.get_logger()
 
 
-@dataclass(frozen=True, slots=True)
-class DemoSettings:
-    """How fast and how big the demo's rollouts are."""
+class DemoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How fast and how big the demo producer's rollouts are (no topology section: the launcher passes none)."""
 
-    rate_per_s: float = 20.0
-    tokens: int = 2000
-    limit: int = 0
+    rate_per_s: Annotated[float, msgspec.Meta(ge=0)] = 20.0
+    """Rollouts published per second; 0: as fast as the bus takes them."""
+    tokens: Annotated[int, msgspec.Meta(ge=1)] = 2000
+    """Completion tokens per rollout."""
+    limit: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Stop after this many rollouts (0: never)."""
+
+
+class DemoConsumerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Which durable consumer the demo consumer reads the hub's ROLLOUTS through."""
+
+    durable: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """Durable consumer name; None: the trainer's (the demo consumer plays the trainer's part)."""
+
+
+def build_demo_producer(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limits: ActorLimits) -> DemoProducer:
+    """`actors/kinds.py` entry.
+
+    :raises TopologyError: a setting is unknown or out of bounds (the text names it).
+    """
+    return DemoProducer(ident, bus, decode_config("demo_producer", settings, DemoConfig), limits)
+
+
+def build_demo_consumer(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limits: ActorLimits) -> DemoConsumer:
+    """`actors/kinds.py` entry.
+
+    :raises TopologyError: a setting is unknown or out of bounds (the text names it).
+    """
+    config = decode_config("demo_consumer", settings, DemoConsumerConfig)
+    return DemoConsumer(ident, bus, durable=config.durable, limits=limits)
 
 
 def synthetic_rollout(rollout_id: str, region: str, producer: str, tokens: int, rng: random.Random) -> Rollout:
@@ -49,10 +77,10 @@ class DemoProducer(Actor):
 
     kind = "demo_producer"
 
-    def __init__(self, ident: ActorId, bus: Bus, settings: DemoSettings | None = None,
+    def __init__(self, ident: ActorId, bus: Bus, settings: DemoConfig | None = None,
                  limits: ActorLimits | None = None) -> None:
         super().__init__(ident, bus, limits)
-        self.settings = settings or DemoSettings()
+        self.settings = settings or DemoConfig()
         self._rng = random.Random(ident.actor_id)
 
     async def setup(self) -> None:

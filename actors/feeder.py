@@ -1,6 +1,6 @@
 """The task feeder: puts coding tasks on every region's TASKS work queue, each backlog bounded yet full.
 
-Owns: `Feeder` (kind "feeder"), `FeederConfig`, the task sources (the built-in family
+Owns: `Feeder` (kind "feeder"; its settings are actors/common/config.py `FeederConfig`), the task sources (the built-in family
 `model.tasks.train_tasks(seed)`, or a JSONL file of tasks), the deterministic weighted region of each
 task, the verifier spec a generator rebuilds a task from (`verifier_for` / `task_from_verifier`), and
 the feeder's position, kept in the hub's PARTIALS KV under `POSITION_KEY` (`read_position`; which ids its
@@ -25,6 +25,7 @@ are optional).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,12 @@ import nats.js.errors
 import structlog
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.weight_sync import LATEST_KEY
-from rlbus.actors.common.feed import POSITION_KEY, FeederConfig, Position, TaskSequence, assign_region, position_matches, read_tasks_file, task_seed, task_sequence, task_source, verifier_for
+from rlbus.actors.common.config import FeederConfig, FeederLaunch, decode_config, feed_weights
+from rlbus.actors.common.feed import POSITION_KEY, Position, TaskSequence, load_position, assign_region, position_matches, read_tasks_file, task_seed, task_sequence, task_source, verifier_for
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
-from rlbus.messages.errors import BadMessage
+from rlbus.messages.errors import BadMessage, TopologyError
+from rlbus.messages.kv import put_at
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.schemas import WeightManifest
 
@@ -51,10 +54,12 @@ class Feeder(Actor):
 
     kind = "feeder"
 
-    def __init__(self, ident: ActorId, bus: Bus, config: FeederConfig, limits: ActorLimits | None = None) -> None:
+    def __init__(self, ident: ActorId, bus: Bus, config: FeederConfig, limits: ActorLimits | None = None,
+                 launch: FeederLaunch | None = None) -> None:
         super().__init__(ident, bus, limits)
         self.config = config
-        self.weights = config.weights(ident.region)
+        self.launch = launch or FeederLaunch()
+        self.weights = feed_weights(config, self.launch, ident.region)
         self.source = task_source(config)
         self.cursors: dict[str, int] = {r: 0 for r, _ in self.weights}
         self.fed_versions: dict[str, int] = {}
@@ -67,12 +72,13 @@ class Feeder(Actor):
 
     async def setup(self) -> None:
         if not self.weights:
-            raise ValueError(f"feeder: region_weights {self.config.region_weights} give no region of "
-                             f"{self.config.regions} a share")
+            raise TopologyError(f"feeder: region_weights {self.config.region_weights} give no region of "
+                                f"{self.launch.regions or [self.ident.region]} a share; give at least one a "
+                                f"positive weight")
         listed = None
         if self.config.tasks_file is not None:
             listed = await anyio.to_thread.run_sync(read_tasks_file, Path(self.config.tasks_file))
-        self.tasks = task_sequence(self.config, listed)
+        self.tasks = task_sequence(self.config, self.launch, listed)
         self.kv = await self.bus.js.key_value(self.bus.subjects.partials_bucket(self.ident.region))
         await self._load_position()
 
@@ -110,7 +116,7 @@ class Feeder(Actor):
 
     async def _backlog(self, region: str) -> int | None:
         """Messages in the region's TASKS stream, or None when its server does not answer."""
-        js = self.bus.jetstream(self.config.domains.get(region, region))
+        js = self.bus.jetstream(self.launch.domains.get(region, region))
         try:
             with anyio.fail_after(max(1.0, self.config.poll_interval_s * 2)):
                 info = await js.stream_info(self.bus.subjects.tasks_stream(region))
@@ -171,7 +177,7 @@ class Feeder(Actor):
     def _message(self, index: int, region: str, min_version: int = 0) -> TaskMessage:
         task = self.tasks.get(index)
         return TaskMessage(task_id=task.task_id, prompt=task.prompt, verifier=verifier_for(task),
-                           group_size=self.config.group_size, region=region,
+                           group_size=self.launch.group_size, region=region,
                            seed=task_seed(self.config.seed, index), min_version=min_version)
 
     # ---- lockstep -------------------------------------------------------------------------------
@@ -179,7 +185,7 @@ class Feeder(Actor):
         """Follow the region's LATEST weights key; for each version newer than the last one fed, publish
         `backlog_per_region` tasks with `min_version` = that version (a failed publish is retried after
         `poll_interval_s`), then save the position. No timer: the next batch waits for the next version."""
-        js = self.bus.jetstream(self.config.domains.get(region, region))
+        js = self.bus.jetstream(self.launch.domains.get(region, region))
         kv = await js.key_value(self.bus.subjects.latest_bucket(region))
         watcher = await kv.watch(LATEST_KEY)
         try:
@@ -215,18 +221,12 @@ class Feeder(Actor):
 
     # ---- position -------------------------------------------------------------------------------
     async def _load_position(self) -> None:
-        try:
-            entry = await self.kv.get(POSITION_KEY)
-        except nats.js.errors.KeyNotFoundError:
+        """Resume the saved cursors. :raises BadMessage: the saved position is unreadable (`load_position`)."""
+        saved, self._revision = await load_position(self.kv, self.bus.subjects.partials_bucket(self.ident.region))
+        if saved is None:
             log.info("feeder_position_new", source=self.source)
             return
-        self._revision = entry.revision
-        try:
-            saved = msgspec.json.decode(entry.value or b"", type=Position)
-        except msgspec.DecodeError as err:
-            log.warning("feeder_position_unreadable", error=str(err))
-            return
-        if not position_matches(saved, self.config, self.ident.region):
+        if not position_matches(saved, self.config, self.launch, self.ident.region):
             start = max(saved.cursors.values(), default=0)
             log.warning("feeder_assignment_changed", saved_seed=saved.seed, saved_source=saved.source,
                         saved_weights=saved.weights, restart_at=start)
@@ -245,17 +245,19 @@ class Feeder(Actor):
         value = msgspec.json.encode(Position(seed=self.config.seed, source=self.source,
                                              weights=dict(self.weights), cursors=dict(self.cursors),
                                              versions=dict(self.fed_versions)))
+        bucket = self.bus.subjects.partials_bucket(self.ident.region)
         try:
-            if self._revision is None:
-                self._revision = await self.kv.create(POSITION_KEY, value)
-            else:
-                self._revision = await self.kv.update(POSITION_KEY, value, last=self._revision)
+            self._revision = await put_at(self.bus.js, bucket, POSITION_KEY, value, revision=self._revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             log.warning("feeder_position_conflict")
             self.count("position_conflicts")
             await self._load_position()
 
 
-def build_feeder(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Feeder:
-    """`actors/kinds.py` entry: the launcher's feeder settings as a plain dict."""
-    return Feeder(ident, bus, msgspec.convert(settings, FeederConfig), limits)
+def build_feeder(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limits: ActorLimits,
+                 launch: FeederLaunch | None = None) -> Feeder:
+    """`actors/kinds.py` entry: the topology's `[feeder]` section as plain values.
+
+    :raises TopologyError: a setting is unknown or out of bounds (the text names it).
+    """
+    return Feeder(ident, bus, decode_config("feeder", settings, FeederConfig), limits, launch)

@@ -20,7 +20,7 @@ from rlbus.actors.base import ActorId, ActorLimits, State
 from rlbus.actors.host import Endpoint, credentials_from_file, host, open_bus
 from rlbus.actors.kinds import build_actor
 from rlbus.messages.bus import Identity
-from rlbus.messages.errors import RlbusError
+from rlbus.messages.errors import TopologyError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,20 +36,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="credentials.json of the embedded servers (else RLBUS_NATS_USER/RLBUS_NATS_PASSWORD)")
     p.add_argument("--tls-ca", type=Path, default=None,
                    help="PEM file of the CA to trust: connect over TLS (topology [tls])")
-    p.add_argument("--settings", default="{}", help="JSON object of kind settings")
+    p.add_argument("--settings", default="{}", help="JSON object of the kind's topology section")
+    p.add_argument("--launch", default=None,
+                   help="JSON object of what the launcher passes beside the settings (the kind's *Launch)")
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat interval")
     p.add_argument("--drain-s", type=float, default=10.0, help="drain time limit after SIGTERM")
     return p
 
 
-def parse_settings(text: str) -> dict[str, Any]:
-    """The `--settings` JSON object; `RlbusError` naming the problem otherwise."""
+def parse_settings(text: str, what: str = "settings") -> dict[str, Any]:
+    """The `--settings` (or `--launch`) JSON object; `TopologyError` naming the problem otherwise."""
     try:
         value = json.loads(text)
     except ValueError as err:
-        raise RlbusError(f"actor settings are not JSON ({err}): {text[:200]!r}") from None
+        raise TopologyError(f"actor {what} are not JSON ({err}): {text[:200]!r}") from None
     if not isinstance(value, dict):
-        raise RlbusError(f"actor settings must be a JSON object, got {text[:200]!r}")
+        raise TopologyError(f"actor {what} must be a JSON object, got {text[:200]!r}")
     return value
 
 
@@ -71,7 +73,8 @@ async def serve_actor(args: argparse.Namespace, *, signals: bool = True) -> Stat
     bus = await open_bus(endpoint, run=args.run,
                          identity=Identity(actor_id=args.actor_id, kind=args.kind, region=args.region))
     try:
-        actor = build_actor(args.kind, ident, bus, parse_settings(args.settings), limits)
+        launch = None if args.launch is None else parse_settings(args.launch, "launch values")
+        actor = build_actor(args.kind, ident, bus, parse_settings(args.settings), limits, launch)
         return await host(actor, signals=signals)
     finally:
         await bus.close()

@@ -2,7 +2,7 @@
 
 Owns: `Launch`, the run's lifetime as an async context manager — start the embedded region servers
 (or join the `nats_urls` given), provision every stream, connect an admin bus at the hub for events,
-turn the topology's actor instances into `ProcessSpec`s (role, credentials, settings), and run them
+turn the topology's actor instances into `ProcessSpec`s (role, credentials, settings, launch values), and run them
 through the `local` or `ray` backend until cancelled; then stop actors, then servers, by PID.
 Does not: draw progress (ops/up.py) or implement actors (actors/).
 """
@@ -22,6 +22,10 @@ import anyio
 import msgspec
 import structlog
 
+from rlbus.actors.common.config import CheckpointerLaunch, EvaluatorLaunch, FeederLaunch, PublisherLaunch
+from rlbus.actors.generator.config import GeneratorLaunch
+from rlbus.actors.sandbox.config import SandboxLaunch
+from rlbus.actors.trainer.config import TrainerLaunch
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.errors import TopologyError
 from rlbus.messages.schemas import Event
@@ -60,50 +64,68 @@ class Endpoints:
     """PEM file of the CA every connection trusts (`[tls]`), None: plaintext or the system's trust store."""
 
 
-def kind_settings(topology: Topology, kind: str, state_dir: Path | None = None) -> dict[str, Any]:
-    """The settings section an actor kind reads, as plain JSON-able values. `state_dir`: the run's state
-    directory (default the topology's); the trainer and checkpointer get it, the trainer also the
-    pretrained checkpoint folder `<state_dir>/pretrained` and the checkpoint interval."""
-    state = (state_dir or topology.state_path).resolve()
-    section: Any
+def kind_settings(topology: Topology, kind: str) -> dict[str, Any]:
+    """The topology section an actor kind reads, as plain JSON-able values (its Config's fields, nothing
+    else; what the launcher adds travels in `kind_launch`)."""
     match kind:
         case "feeder":
-            return feeder_settings(topology)
+            section: Any = topology.feeder
         case "generator":
             section = topology.generator
         case "trainer":
-            return {**msgspec.to_builtins(topology.trainer), "pretrained": str(state / PRETRAINED_DIR),
-                    "state_dir": str(state), "checkpoint_interval": topology.checkpoint.interval_steps,
-                    "keep_version_objects": max(16, 2 * topology.weights.keep_versions),
-                    "sampling_temperature": topology.generator.temperature or 1.0}
+            section = topology.trainer
         case "checkpointer":
-            return {**msgspec.to_builtins(topology.checkpoint), "state_dir": str(state)}
+            section = topology.checkpoint
         case "sandbox":
             section = topology.sandbox
         case "evaluator":
-            return {**msgspec.to_builtins(topology.evaluator), "max_tokens": topology.generator.max_tokens}
-        case "publisher":    # it writes every region's weight bucket: it needs their names and the hub
-            return {**msgspec.to_builtins(topology.weights), "regions": [r.name for r in topology.regions],
-                    "hub": topology.hub.name}
+            section = topology.evaluator
+        case "publisher":
+            section = topology.weights
         case _:
             return {}
     return dict(msgspec.to_builtins(section))
 
 
-def feeder_settings(topology: Topology) -> dict[str, Any]:
-    """`[feeder]` plus what the feeder cannot see itself: every region, the generator group size, the
-    evaluator's held-out seed (skipped by the task sequence), and (when `region_weights` is empty) shares
-    proportional to each region's generator instances."""
-    settings = dict(msgspec.to_builtins(topology.feeder))
-    settings["regions"] = [r.name for r in topology.regions]
-    settings["group_size"] = topology.generator.group_size
-    settings["eval_seed"] = topology.evaluator.seed       # training never draws the evaluator's held-out prompts
-    if not topology.feeder.region_weights:
-        counts = {r.name: float(sum(1 for i in topology.instances(r.name) if i.kind == "generator"))
-                  for r in topology.regions}
-        if any(counts.values()):
-            settings["region_weights"] = counts
-    return settings
+def kind_launch(topology: Topology, kind: str, state_dir: Path | None = None,
+                torch_threads: int = 0) -> msgspec.Struct | None:
+    """What the launcher passes an actor kind beside its section (the kind's `*Launch`), None for a kind that
+    takes nothing. `state_dir`: the run's state directory (default the topology's); the trainer and
+    checkpointer get it, the trainer also the pretrained checkpoint folder `<state_dir>/pretrained`, the
+    checkpoint interval, the generators' temperature and how many version objects to keep. `torch_threads`:
+    the instance's (generators; 0 leaves it to `RLBUS_TORCH_THREADS`)."""
+    state = (state_dir or topology.state_path).resolve()
+    match kind:
+        case "feeder":
+            return feeder_launch(topology)
+        case "generator":
+            return GeneratorLaunch(torch_threads=torch_threads)
+        case "trainer":
+            return TrainerLaunch(pretrained=str(state / PRETRAINED_DIR), state_dir=str(state),
+                                 checkpoint_interval=topology.checkpoint.interval_steps,
+                                 keep_version_objects=max(16, 2 * topology.weights.keep_versions),
+                                 sampling_temperature=topology.generator.temperature or 1.0)
+        case "checkpointer":
+            return CheckpointerLaunch(state_dir=str(state))
+        case "sandbox":
+            return SandboxLaunch()
+        case "evaluator":
+            return EvaluatorLaunch(max_tokens=topology.generator.max_tokens)
+        case "publisher":    # it writes every region's weight bucket: it needs their names and the hub
+            return PublisherLaunch(regions=[r.name for r in topology.regions], hub=topology.hub.name)
+        case _:
+            return None
+
+
+def feeder_launch(topology: Topology) -> FeederLaunch:
+    """What the feeder cannot see itself: every region, the generator group size, the evaluator's held-out
+    seed (skipped by the task sequence), and shares proportional to each region's generator instances (used
+    while `region_weights` is empty)."""
+    counts = {r.name: float(sum(1 for i in topology.instances(r.name) if i.kind == "generator"))
+              for r in topology.regions}
+    return FeederLaunch(regions=[r.name for r in topology.regions], group_size=topology.generator.group_size,
+                        eval_seed=topology.evaluator.seed,    # training never draws the evaluator's held-out prompts
+                        default_weights=counts if any(counts.values()) else {})
 
 
 async def read_fed_tasks(topology: Topology, bus: Bus, *, settle_s: float = 10.0) -> Any:
@@ -114,16 +136,15 @@ async def read_fed_tasks(topology: Topology, bus: Bus, *, settle_s: float = 10.0
 
     :raises TopologyError: the feeder's saved position was written under other feeder settings.
     """
-    from rlbus.actors.common.feed import FeederConfig
     from rlbus.actors.common.ledger import read_task_ledger
 
     feeders = [i for i in topology.instances() if i.kind == "feeder"]
     if not feeders:
         return None
-    config = msgspec.convert(feeder_settings(topology), FeederConfig)
+    launch = feeder_launch(topology)
     deadline = anyio.current_time() + settle_s
     while True:
-        book = await read_task_ledger(bus, config, feeder_region=feeders[0].region)
+        book = await read_task_ledger(bus, topology.feeder, launch, feeder_region=feeders[0].region)
         if book.clean or anyio.current_time() >= deadline:
             return book
         await anyio.sleep(1.0)
@@ -138,8 +159,11 @@ def actor_specs(topology: Topology, endpoints: Endpoints, *, heartbeat_s: float 
         role = ROLE_OF_KIND[inst.kind]
         args = ["--kind", inst.kind, "--run", topology.run, "--region", inst.region, "--id", inst.actor_id,
                 "--domain", endpoints.domains[inst.region], "--role", role,
-                "--settings", json.dumps(kind_settings(topology, inst.kind, state_dir)),
+                "--settings", json.dumps(kind_settings(topology, inst.kind)),
                 "--heartbeat-s", str(heartbeat_s), "--drain-s", str(drain_s)]
+        launch = kind_launch(topology, inst.kind, state_dir, inst.torch_threads)
+        if launch is not None:
+            args += ["--launch", msgspec.json.encode(launch).decode()]
         for url in endpoints.urls[inst.region]:
             args += ["--url", url]
         creds = endpoints.credentials[inst.region]

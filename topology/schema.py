@@ -1,9 +1,11 @@
 """The topology file schema: frozen msgspec Structs, one per TOML table, a docstring under every field.
 
 Owns: every key a topology file may hold, its type, range, default and meaning (the README key table
-is generated from this module by topology/reference.py), and small pure helpers on the decoded tree
-(`Topology.instances()`, `parse_duration`). Does not: read files or report problems (topology/load.py),
-check rules that span several keys (`check()` in topology/load.py), or start anything.
+is generated from this tree by topology/reference.py), and small pure helpers on the decoded tree
+(`Topology.instances()`, `parse_duration`). The sections an actor kind reads are that kind's own Config,
+composed here and declared only next to the actor (actors/common/config.py, actors/<kind>/config.py).
+Does not: read files or report problems (topology/load.py), check rules that span several keys (`check()`
+in topology/load.py), or start anything.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ from pathlib import Path
 from typing import Annotated, Final, Literal
 
 import msgspec
+
+from rlbus.actors.common.config import CheckpointerConfig, EvaluatorConfig, FeederConfig, PublisherConfig
+from rlbus.actors.generator.config import GeneratorConfig
+from rlbus.actors.sandbox.config import SandboxConfig
+from rlbus.actors.trainer.config import TrainerConfig
 
 _TOKEN_PATTERN: Final = r"^[A-Za-z0-9_-]+$"
 _DURATION_PATTERN: Final = r"^[1-9][0-9]*(ms|s|m|h|d)$"
@@ -115,157 +122,11 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         return not self.nats_urls
 
 
-class FeederSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`[feeder]`: how tasks are produced and spread over the regions."""
-
-    seed: int = 0
-    """Seed of the task sampler; the same seed gives the same task sequence."""
-    backlog_per_region: PositiveInt = 256
-    """Tasks kept queued in each region's TASKS stream, enough to ride out a cut-off."""
-    region_weights: dict[str, NonNegativeFloat] = {}
-    """Share of tasks per region name, like `{hub = 1, eu = 2}`; default: proportional to generator counts."""
-    max_tasks: PositiveInt | None = None
-    """Stop after this many tasks; default: feed forever."""
-    tasks_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
-    """A JSONL file of tasks (one object per line: task_id, prompt, entry_point, tests [{args, expected}]) instead of the built-in family."""
-    poll_interval_s: PositiveFloat = 1.0
-    """How often each region's backlog is checked and topped up, seconds."""
-    levels: list[Annotated[int, msgspec.Meta(ge=1, le=3)]] = []
-    """Built-in tasks only: feed just the tasks of these difficulty levels (1-3 pipeline steps; if/else "branch"
-    tasks are level 1), like `[1, 2]`; empty: every level. A curriculum for a weak policy: groups of tasks it
-    never solves have equal rewards and teach nothing. The evaluator's held-out set keeps every level."""
-    lockstep: bool = False
-    """Benchmark schedule (the synchronous arm of `rlbus bench async`): instead of keeping backlogs full, publish
-    exactly `backlog_per_region` tasks to a region each time its LATEST weights key announces a new policy
-    version, stamped so that generators start them only with that version. With `trainer.staleness_versions = 0`
-    and `backlog_per_region * generator.group_size = trainer.batch_rollouts` this is generate-then-train in
-    lockstep. Off (the default): the async pipeline."""
 
 
-class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`[generator]`: sampling settings shared by every generator."""
-
-    group_size: PositiveInt = 8
-    """Completions sampled per task (G); advantages are relative within a group."""
-    max_group_size: NonNegativeInt = 0
-    """Grow a group in which no completion passed by G more, until one passes or another G would exceed
-    this size (a multiple of group_size, like 32): tasks the policy solves only rarely then give groups
-    with a pass instead of all-fail groups that teach nothing; 0: every group has G completions. Each growth
-    is another sampling round, so a grown group's first completions age: raise trainer.staleness_versions
-    with it. Measured on the default run it did not raise the held-out pass rate (README, "The learning run")."""
-    grown_subsample: bool = False
-    """Publish a grown group as G completions: every pass (at most G - 1) and failures drawn at random, so a
-    batch holds as many groups as without growth; false: all of its completions."""
-    temperature: NonNegativeFloat = 1.0
-    """Sampling temperature; 0 is greedy."""
-    max_tokens: PositiveInt = 256
-    """Longest completion, in tokens."""
-    partial_every_tokens: PositiveInt = 64
-    """Save an in-progress rollout to the PARTIALS bucket every this many tokens, so a replacement resumes it."""
-    concurrent_tasks: PositiveInt = 1
-    """Tasks one generator works on at once."""
-    weights: Annotated[str, msgspec.Meta(pattern=r"^(sync|local:.+)$")] = "sync"
-    """Where the policy comes from: 'sync' (the versions the publisher announces) or 'local:<path to pretrain.pt>' (fixed)."""
-    local_version: NonNegativeInt = 0
-    """Policy version a 'local:' model reports in its rollouts."""
-    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=8)] = 3
-    """Attempts per episode; a failed attempt is followed by its test feedback as an observation."""
-    context_budget: NonNegativeInt = 0
-    """Summarise an episode whose next context is longer than this many tokens; 0: max_seq_len - max_tokens."""
-    sandbox_timeout_s: PositiveFloat = 15.0
-    """Seconds a generator waits for a sandbox verdict (two tries); no verdict grades the attempt as failed."""
-    partial_credit: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
-    """Reward of a failed final attempt: this times the fraction of hidden tests it passed (a full pass
-    is always 1.0); 0 gives plain pass/fail rewards."""
 
 
-class LengthPenalty(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`[trainer.length_penalty]`: reward -= coef * (max(0, tokens - budget) / budget) ** power."""
 
-    budget: PositiveInt = 256
-    """Completion length (tokens) below which there is no penalty."""
-    coef: NonNegativeFloat = 0.0
-    """Penalty weight; 0 turns the length penalty off."""
-    power: PositiveFloat = 2.0
-    """Exponent of the overshoot; > 1 forgives small overshoots and punishes long ones."""
-
-
-class TrainerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`[trainer]`: the optimizer and the RL objective."""
-
-    lr: PositiveFloat = 1e-5
-    """Learning rate (AdamW)."""
-    lr_decay_steps: NonNegativeInt = 0
-    """Lower the learning rate linearly from `lr` to `lr * lr_final_ratio` over this many optimizer steps,
-    then hold it there (a run of known length ends at a low-noise point); 0 keeps `lr` throughout."""
-    lr_final_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
-    """Where `lr_decay_steps` ends, as a fraction of `lr`."""
-    batch_rollouts: PositiveInt = 64
-    """Rollouts per optimizer step; should be a multiple of `generator.group_size`."""
-    staleness_versions: NonNegativeInt = 4
-    """Drop rollouts whose oldest token is more than this many policy versions old."""
-    kl_coef: NonNegativeFloat = 0.001
-    """Weight of the k1 KL estimator (-log r) against the reference policy."""
-    is_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
-    """Cap of the truncated importance weight pi/mu for off-policy tokens."""
-    length_penalty: LengthPenalty = LengthPenalty()
-    """Nonlinear length penalty applied to rewards."""
-    aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] = "token_mean"
-    """How per-token losses are averaged: 'token_mean' (every token alike; long completions weigh
-    more), 'sequence_mean' (every completion alike), 'token_sum_norm' (sum / fixed B*T, Dr. GRPO)."""
-    scale_by_std: bool = False
-    """Divide each group's advantages by the std of its rewards (GRPO): a group with one pass in eight
-    weighs ~2.8x more than with the default mean-centred advantages (Dr. GRPO)."""
-    drop_flat_groups: bool = False
-    """Drop complete groups whose rewards are all equal (no learning signal; recorded as dropped
-    with reason 'flat') instead of training on them (DAPO dynamic sampling)."""
-    seed: int = 0
-    """Seed of the trainer's RNG (initialisation, shuffling)."""
-
-
-class CheckpointSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`[checkpoint]`: how often trainer state becomes a durable checkpoint."""
-
-    interval_steps: PositiveInt = 10
-    """Optimizer steps between checkpoints; rollouts are acked only once a checkpoint covers them."""
-    keep: PositiveInt = 3
-    """Checkpoints kept in the hub object store; older ones are deleted."""
-
-
-class SandboxSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`[sandbox]`: the pool of isolated executors of each sandbox supervisor, and their limits."""
-
-    pool_size: PositiveInt = 2
-    """Pre-started executors per supervisor; a crashed one is replaced."""
-    concurrency: PositiveInt = 2
-    """Requests one supervisor runs at once (the rest wait in its queue); more than `pool_size` only queues.
-    A region's quota is the sum over its sandbox supervisors: one per region in the examples."""
-    cpu_seconds: PositiveFloat = 5.0
-    """CPU time limit per snippet (RLIMIT_CPU)."""
-    wall_seconds: PositiveFloat = 10.0
-    """Wall-clock limit per snippet; the snippet is killed past it."""
-    memory_mb: Annotated[int, msgspec.Meta(ge=16)] = 256
-    """Address-space limit per snippet, MiB (RLIMIT_AS)."""
-    max_processes: PositiveInt = 16
-    """Processes a snippet may have (RLIMIT_NPROC, enforced for the non-root sandbox uid)."""
-    max_file_mb: NonNegativeInt = 16
-    """Largest file a snippet may write, MiB (RLIMIT_FSIZE); 0 forbids writing."""
-    max_open_files: Annotated[int, msgspec.Meta(ge=3)] = 64
-    """Open file descriptors per snippet (RLIMIT_NOFILE); at least 3 for stdin, stdout, stderr."""
-    max_output_kb: PositiveInt = 64
-    """Captured stdout plus stderr per snippet, KiB; the snippet is killed past it."""
-
-
-class EvaluatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`[evaluator]`: periodic held-out evaluation of the policy."""
-
-    every_versions: PositiveInt = 10
-    """Evaluate one version in every block of this many (0, k, 2k, ...; a version published while an evaluation
-    runs is skipped for the newest, so a block's first evaluated version can be later than its first)."""
-    n_tasks: PositiveInt = 64
-    """Held-out tasks per evaluation (pass@1 and its interval are over these)."""
-    seed: int = 1
-    """Seed of the held-out task set; keep it fixed to compare versions."""
 
 
 class PretrainSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -282,17 +143,6 @@ class PretrainSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     eval_n: PositiveInt | None = None
     """Held-out tasks evaluated at the end of pretraining; default: the preset's."""
 
-
-class WeightsSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`[weights]`: how policy versions are published to the generators."""
-
-    keep_versions: PositiveInt = 8
-    """Versions kept in each region's weight bucket; must reach back to the last full snapshot."""
-    full_every: PositiveInt = 4
-    """Publish a full snapshot every this many versions, XOR deltas in between; 1 publishes only full snapshots."""
-    delta_depth: PositiveInt = 3
-    """Deltas written per version: from each of the previous this-many kept versions (v-1 ... v-k -> v), so a
-    generator that fell behind catches up with one fetch; plus one from the latest full snapshot, for joiners."""
 
 
 class DurabilitySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -380,19 +230,19 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     """Directory of all run state (server stores, checkpoints, logs); default `./.rlbus/<run>`."""
     regions: Annotated[list[Region], msgspec.Meta(min_length=1)]
     """The regions, one `[[regions]]` table each; exactly one has role 'hub'."""
-    feeder: FeederSettings = FeederSettings()
+    feeder: FeederConfig = FeederConfig()
     """Settings of the task feeder."""
-    generator: GeneratorSettings = GeneratorSettings()
+    generator: GeneratorConfig = GeneratorConfig()
     """Settings of every generator."""
-    trainer: TrainerSettings = TrainerSettings()
+    trainer: TrainerConfig = TrainerConfig()
     """Settings of the trainer."""
-    checkpoint: CheckpointSettings = CheckpointSettings()
+    checkpoint: CheckpointerConfig = CheckpointerConfig()
     """Settings of the checkpointer."""
-    sandbox: SandboxSettings = SandboxSettings()
+    sandbox: SandboxConfig = SandboxConfig()
     """Settings of every sandbox supervisor."""
-    evaluator: EvaluatorSettings = EvaluatorSettings()
+    evaluator: EvaluatorConfig = EvaluatorConfig()
     """Settings of the evaluator."""
-    weights: WeightsSettings = WeightsSettings()
+    weights: PublisherConfig = PublisherConfig()
     """Settings of the weight publisher."""
     pretrain: PretrainSettings = PretrainSettings()
     """Pretraining before the RL run (when no pretrained policy exists yet)."""

@@ -1,7 +1,7 @@
 """The task feed: the sequence of tasks a feeder puts on the bus, its regions, its saved position, and the
 task codec every consumer of tasks shares.
 
-Owns: `FeederConfig` (the feed's settings), the task sources (the built-in family
+Owns: the task sources (the built-in family
 `model.tasks.train_tasks(seed)`, or a JSONL file of tasks), `assign_region` (the deterministic weighted
 region of each task), the verifier spec a generator rebuilds a task from (`verifier_for` /
 `task_from_verifier`), the feeder's saved position in the hub's PARTIALS KV under `POSITION_KEY`
@@ -28,6 +28,8 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.js.kv import KeyValue
+from rlbus.actors.common.config import FeederConfig, FeederLaunch, feed_weights
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import Task as TaskMessage
@@ -40,45 +42,6 @@ POSITION_KEY: Final = "feeder-position"
 """Key of the feeder's cursors in the hub region's PARTIALS bucket (generators use task ids as keys)."""
 VERIFIER_KIND: Final = "rlbus-task-v1"
 """`Task.verifier["kind"]` of tasks whose `Task.verifier["task"]` is a `model.tasks.Task` as JSON."""
-
-
-class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The topology's `[feeder]` section plus what the launcher adds (`regions`, `group_size`)."""
-
-    seed: int = 0
-    """Seed of the built-in task sequence and of the region assignment."""
-    backlog_per_region: int = 256
-    """Each region's TASKS stream holds at most this many tasks (queued or being worked on)."""
-    region_weights: dict[str, float] = {}
-    """Share of tasks per region; regions missing here get 0. Empty: equal shares over `regions`."""
-    max_tasks: int | None = None
-    """Feed only the first `max_tasks` tasks of the sequence (None: forever / to the end of the file)."""
-    tasks_file: str | None = None
-    """A JSONL file of tasks (see the module docstring) instead of the built-in family."""
-    poll_interval_s: float = 1.0
-    """How often each region's backlog is checked and topped up."""
-    lockstep: bool = False
-    """Publish `backlog_per_region` tasks to a region per new version in its LATEST key, stamped with it as
-    `Task.min_version`, instead of keeping the backlog full (topology/schema.py FeederSettings.lockstep)."""
-    regions: list[str] = []
-    """Regions to feed (the launcher passes every region of the topology); empty: the feeder's own."""
-    domains: dict[str, str] = {}
-    """Region → JetStream domain (default: the region name)."""
-    group_size: int = 8
-    """`Task.group_size`: completions a generator samples per task (the topology's generator.group_size)."""
-    eval_seed: int | None = None
-    """Seed of the evaluator's held-out set, whose prompts the built-in sequence skips (the launcher passes
-    the topology's evaluator.seed); None: the held-out set of `seed`."""
-    levels: list[int] = []
-    """Built-in family only: feed just the tasks of these levels (topology/schema.py FeederSettings.levels);
-    empty: every level."""
-
-    def weights(self, own_region: str) -> list[tuple[str, float]]:
-        """(region, weight) pairs, sorted by region, of the regions that get tasks."""
-        regions = self.regions or [own_region]
-        if not self.region_weights:
-            return [(r, 1.0) for r in sorted(regions)]
-        return [(r, float(self.region_weights[r])) for r in sorted(regions) if self.region_weights.get(r, 0.0) > 0]
 
 
 # ---- the task sequence --------------------------------------------------------------------------
@@ -219,30 +182,31 @@ class Position(msgspec.Struct, kw_only=True):
     """Lockstep: per region, the last policy version it was given its batch for."""
 
 
-def task_sequence(config: FeederConfig, listed: list[CodingTask] | None = None) -> TaskSequence:
+def task_sequence(config: FeederConfig, launch: FeederLaunch,
+                  listed: list[CodingTask] | None = None) -> TaskSequence:
     """The sequence the feeder walks: `listed` (the tasks file's tasks) or the built-in family of the config."""
-    return TaskSequence(config.seed, listed, config.max_tasks, eval_seed=config.eval_seed, levels=config.levels)
+    return TaskSequence(config.seed, listed, config.max_tasks, eval_seed=launch.eval_seed, levels=config.levels)
 
 
-def position_matches(saved: Position, config: FeederConfig, own_region: str) -> bool:
+def position_matches(saved: Position, config: FeederConfig, launch: FeederLaunch, own_region: str) -> bool:
     """Whether `saved` is a position in this config's sequence and assignment (seed, task source, weights);
     a feeder that finds another one saved does not resume its cursors (`feeder_assignment_changed`)."""
     return (saved.seed, saved.source, saved.weights) == (config.seed, task_source(config),
-                                                         dict(config.weights(own_region)))
+                                                         dict(feed_weights(config, launch, own_region)))
 
 
-def fed_task_ids(config: FeederConfig, cursors: Mapping[str, int], own_region: str,
+def fed_task_ids(config: FeederConfig, launch: FeederLaunch, cursors: Mapping[str, int], own_region: str,
                  listed: list[CodingTask] | None = None) -> dict[str, list[str]]:
-    """Per region of `config.weights(own_region)`, the ids of the tasks a feeder with these cursors has given
+    """Per region of `feed_weights(config, launch, own_region)`, the ids of the tasks a feeder with these cursors has given
     it, in sequence order: every index below the region's cursor that `assign_region` gives the region
     (the feeder walks each region's indices in order and advances the cursor past each one published).
 
     `listed`: the tasks file's tasks (None: read `config.tasks_file` when set). Cursors of a position saved
     under another seed, source or weights (`position_matches`) do not mean this."""
-    weights = config.weights(own_region)
+    weights = feed_weights(config, launch, own_region)
     if listed is None and config.tasks_file is not None:
         listed = read_tasks_file(Path(config.tasks_file))
-    tasks = task_sequence(config, listed)
+    tasks = task_sequence(config, launch, listed)
     out: dict[str, list[str]] = {region: [] for region, _ in weights}
     stop = max((cursors.get(region, 0) for region in out), default=0)
     if tasks.end is not None:
@@ -264,12 +228,25 @@ async def read_position(bus: Bus, region: str, *, domain: str | None = None) -> 
     """
     js = bus.jetstream(domain) if domain is not None else bus.js
     bucket = bus.subjects.partials_bucket(region)
-    kv = await js.key_value(bucket)
+    position, _ = await load_position(await js.key_value(bucket), bucket)
+    return position
+
+
+async def load_position(kv: KeyValue, bucket: str) -> tuple[Position | None, int | None]:
+    """The position saved under `POSITION_KEY` in `kv` (the PARTIALS bucket `bucket`) and its KV revision;
+    (None, None) when none is saved. The one decoding of a saved position: the feeder resuming and the
+    ledger accounting alike refuse an unreadable one rather than guess (a feeder that started over would
+    feed every task again).
+
+    :raises BadMessage: the saved value is not a `Position`; the text says how to start over.
+    """
     try:
         entry = await kv.get(POSITION_KEY)
     except nats.js.errors.KeyNotFoundError:
-        return None
+        return None, None
     try:
-        return msgspec.json.decode(entry.value or b"", type=Position)
+        return msgspec.json.decode(entry.value or b"", type=Position), entry.revision
     except msgspec.DecodeError as err:
-        raise BadMessage(f"feeder position {POSITION_KEY!r} in bucket {bucket}: {err}") from None
+        raise BadMessage(f"feeder position {POSITION_KEY!r} in bucket {bucket} (revision {entry.revision}) is "
+                         f"unreadable: {err}; restore it, or delete the key to feed from the first task "
+                         f"again") from None

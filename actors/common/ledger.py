@@ -15,29 +15,24 @@ counts as lost until they arrive), or decide which ids a cursor covers (actors/f
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import Final
 
-import anyio
-import nats.errors
 import nats.js.errors
 import structlog
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from rlbus.actors.common.feed import FeederConfig, fed_task_ids, position_matches, read_position, task_source
+from rlbus.actors.common.config import FeederConfig, FeederLaunch, feed_weights
+from rlbus.actors.common.feed import fed_task_ids, position_matches, read_position, task_source
 from rlbus.messages import codec
 from rlbus.messages.bus import MSG_ID_HEADER, Bus
 from rlbus.messages.errors import BadMessage, TopologyError
-from rlbus.messages.schemas import Message, Rollout, Task, TrainStep
+from rlbus.messages.history import read_all, read_messages, read_raw
+from rlbus.messages.schemas import Rollout, Task, TrainStep
 
 log = structlog.get_logger()
-
-M = TypeVar("M", bound=Message)
 
 ORIGINAL_MSG_ID_HEADER: Final = "Rlbus-Original-" + MSG_ID_HEADER
 """Where a dead letter keeps its original's `Nats-Msg-Id` (messages/bus.py `store_dead_letter`): a task's id."""
@@ -166,19 +161,19 @@ async def read_ledger(bus: Bus, *, domain: str | None = None) -> Ledger:
     floor = (await js.consumer_info(s.hub_rollouts_stream(), s.durable("trainer"))).ack_floor
     acked_through = int(floor.stream_seq) if floor is not None and floor.stream_seq is not None else 0
     steps = await read_all(js, s.trainlog_stream(), s.trainlog(), TrainStep)
-    rollouts = await _read(js, s.hub_rollouts_stream(), s.all_rollouts(), Rollout)
+    rollouts = await read_messages(js, s.hub_rollouts_stream(), s.all_rollouts(), Rollout)
     return ledger(steps, [r.rollout_id for _, r in rollouts],
                   pending=[r.rollout_id for seq, r in rollouts if seq > acked_through])
 
 
-async def read_task_ledger(bus: Bus, config: FeederConfig, *, feeder_region: str, hub_domain: str | None = None,
+async def read_task_ledger(bus: Bus, config: FeederConfig, launch: FeederLaunch, *, feeder_region: str, hub_domain: str | None = None,
                            timeout_s: float = 60.0) -> TaskLedger:
     """Read the feeder's saved cursors, every fed region's TASKS, the hub's DLQ and ROLLOUTS as they are now and
     return the `TaskLedger`.
 
-    `config`: the feeder's config (regions, weights, domains, task source as the launcher passed them);
+    `config`, `launch`: the feeder's settings and what the launcher passed beside them (regions, domains);
     `feeder_region`: the region the feeder runs in (its cursors are in that region's PARTIALS KV).
-    Regions are reached through `config.domains` (default: the region name), as the feeder reaches them;
+    Regions are reached through `launch.domains` (default: the region name), as the feeder reaches them;
     `hub_domain`: the hub's JetStream domain when `bus` is connected elsewhere (None: `bus`'s own server).
     Read in this order so that a task moving on meanwhile is still found: cursors, then queued tasks, then
     dead letters and rollouts (a generator publishes its rollouts or dead letter before it acks the task).
@@ -187,26 +182,26 @@ async def read_task_ledger(bus: Bus, config: FeederConfig, *, feeder_region: str
     :raises TopologyError: the saved position belongs to another seed, task source or weights.
     :raises BadMessage: the saved position is unreadable.
     """
-    position = await read_position(bus, feeder_region, domain=config.domains.get(feeder_region, feeder_region))
+    position = await read_position(bus, feeder_region, domain=launch.domains.get(feeder_region, feeder_region))
     cursors: dict[str, int] = {}
     if position is not None:
-        if not position_matches(position, config, feeder_region):
+        if not position_matches(position, config, launch, feeder_region):
             raise TopologyError(
                 f"feeder position in region {feeder_region!r} (seed {position.seed}, source {position.source!r}, "
                 f"weights {position.weights}) was not saved under this feeder config (seed {config.seed}, source "
-                f"{task_source(config)!r}, weights {dict(config.weights(feeder_region))}); pass the config the "
+                f"{task_source(config)!r}, weights {dict(feed_weights(config, launch, feeder_region))}); pass the config the "
                 f"feeder ran with")
         cursors = position.cursors
-    fed = fed_task_ids(config, cursors, feeder_region)
+    fed = fed_task_ids(config, launch, cursors, feeder_region)
     s = bus.subjects
     pending: list[str] = []
     for region in fed:
-        js = bus.jetstream(config.domains.get(region, region))
+        js = bus.jetstream(launch.domains.get(region, region))
         pending += await queued_task_ids(js, s.tasks_stream(region), s.tasks(region))
     hub = bus.jetstream(hub_domain) if hub_domain is not None else bus.js
     task_letters = {s.dead_letter(s.tasks_stream(region)) for region in fed}
     dead: list[str] = []
-    for msg in await _read_raw(hub, s.dead_letter_stream(), s.all_dead_letters(), timeout_s=timeout_s):
+    for msg in await read_raw(hub, s.dead_letter_stream(), s.all_dead_letters(), timeout_s=timeout_s):
         if msg.subject not in task_letters:
             continue                               # a dead rollout, request, ...: not a task
         task_id = stored_task_id(msg.data, msg.headers, ORIGINAL_MSG_ID_HEADER)
@@ -214,7 +209,7 @@ async def read_task_ledger(bus: Bus, config: FeederConfig, *, feeder_region: str
             log.warning("ledger_dead_letter_without_task_id", subject=msg.subject)
         else:
             dead.append(task_id)
-    rollouts = await _read(hub, s.hub_rollouts_stream(), s.all_rollouts(), Rollout, timeout_s=timeout_s)
+    rollouts = await read_messages(hub, s.hub_rollouts_stream(), s.all_rollouts(), Rollout, timeout_s=timeout_s)
     book = task_ledger([i for ids in fed.values() for i in ids], [r.task_id for _, r in rollouts], pending, dead)
     log.info("task_ledger", fed=book.fed, rolled_out=book.rolled_out, dead_lettered=book.dead_lettered,
              pending=book.pending, lost=len(book.lost), unfed=len(book.unfed))
@@ -251,59 +246,3 @@ def stored_task_id(data: bytes, headers: Mapping[str, str] | None, id_header: st
         return codec.decode_as(data, headers, Task).task_id
     except BadMessage:
         return (headers or {}).get(id_header)
-
-
-async def read_all(js: JetStreamContext, stream: str, subject: str, kind: type[M], *,
-                   timeout_s: float = 60.0) -> list[M]:
-    """Every message of `kind` on `subject` in `stream` as stored when the call began, in stream order.
-
-    Messages that do not decode as `kind` are skipped (logged). Uses an ephemeral, unacknowledged consumer.
-    """
-    return [message for _, message in await _read(js, stream, subject, kind, timeout_s=timeout_s)]
-
-
-async def _read(js: JetStreamContext, stream: str, subject: str, kind: type[M], *,
-                timeout_s: float = 60.0) -> list[tuple[int, M]]:
-    """`read_all` with each message's stream sequence."""
-    out: list[tuple[int, M]] = []
-    for msg in await _read_raw(js, stream, subject, timeout_s=timeout_s):
-        try:
-            out.append((int(msg.metadata.sequence.stream), codec.decode_as(msg.data, msg.headers, kind)))
-        except BadMessage as err:
-            log.warning("ledger_message_skipped", stream=stream, error=str(err))
-    return out
-
-
-async def _read_raw(js: JetStreamContext, stream: str, subject: str, *, timeout_s: float = 60.0) -> list[Msg]:
-    """Every message on `subject` in `stream` as stored when the call began, undecoded, in stream order."""
-    info = await js.stream_info(stream)
-    if not info.state.messages:
-        return []
-    name = f"ledger-{uuid.uuid4().hex[:12]}"
-    await js.add_consumer(stream, ConsumerConfig(
-        name=name, filter_subject=subject, ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
-        inactive_threshold=30.0, mem_storage=True, num_replicas=1))
-    psub = await js.pull_subscribe_bind(consumer=name, stream=stream)
-    out: list[Msg] = []
-    last = int(info.state.last_seq)
-    try:
-        with anyio.fail_after(timeout_s):
-            while True:
-                try:
-                    msgs = await psub.fetch(256, timeout=1.0)
-                except (nats.errors.TimeoutError, TimeoutError):
-                    if (await psub.consumer_info()).num_pending == 0:
-                        return out
-                    continue
-                for msg in msgs:
-                    out.append(msg)
-                    meta = msg.metadata
-                    if meta.sequence.stream >= last or meta.num_pending == 0:
-                        return out
-    finally:
-        with anyio.move_on_after(2.0, shield=True):
-            await psub.unsubscribe()
-            try:
-                await js.delete_consumer(stream, name)
-            except nats.js.errors.NotFoundError:
-                pass

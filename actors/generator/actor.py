@@ -1,6 +1,6 @@
 """The rollout generator: tasks in, groups of G graded multi-turn rollouts out, resumable at every chunk.
 
-Owns: `Generator` (kind "generator") and `GeneratorConfig`. Per task delivery (durable
+Owns: `Generator` (kind "generator"; its settings are actors/generator/config.py). Per task delivery (durable
 `generator_<region>` on the region's TASKS): rebuild the coding task from `Task.verifier`; wait until the
 live weights are at `Task.min_version` (the lockstep feeder's; 0 for every other task); load its
 partial from the region's PARTIALS KV (key = task id) and resume it — unless it is garbage or hostile
@@ -33,17 +33,19 @@ import os
 import re
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import aclosing
 from typing import Any, Final, Literal
 
 import anyio
-import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
 import torch
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.common.config import decode_config
+from rlbus.actors.generator.config import GeneratorConfig, GeneratorLaunch
 from rlbus.actors.generator.group import (
     Attempt,
     EpisodeState,
@@ -70,6 +72,8 @@ from rlbus.actors.common.sandbox_client import grade_result, request_for, run_in
 from rlbus.actors.common.weight_source import WeightSource, open_weights
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import RlbusError
+from rlbus.messages.kv import put_at
+from rlbus.messages.retry import retry_policy
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model.generate import SampledSequence, generate
@@ -80,39 +84,6 @@ from rlbus.model.tokenizer import ByteTokenizer
 log = structlog.get_logger()
 
 _KV_KEY: Final = re.compile(r"^[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*$")
-
-
-class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The topology's `[generator]` section (topology/schema.py GeneratorSettings), as the actor reads it."""
-
-    group_size: int = 8
-    """G for tasks that do not carry their own (`Task.group_size` < 1)."""
-    max_group_size: int = 0
-    """Grow a finished group in which no episode passed by G more episodes, until one passes or another G
-    would take it past this size; 0 (or <= G): groups stay at G."""
-    grown_subsample: bool = False
-    """Publish a grown group as G rollouts: its passes and failures drawn at random (`published_episodes`)."""
-    temperature: float = 1.0
-    max_tokens: int = 256
-    """Longest attempt, in tokens."""
-    partial_every_tokens: int = 64
-    """Sample this many tokens per call, then save the partial."""
-    concurrent_tasks: int = 1
-    """Tasks worked on at once; their open drafts are sampled together in one batch (actors/generator/batcher.py)."""
-    weights: str = "sync"
-    """"sync" (WeightSync on the region's published versions) or "local:<pretrain.pt>"."""
-    local_version: int = 0
-    """Version reported by a "local:" model."""
-    max_attempts: int = 3
-    """Attempts per episode; a failed one is followed by its test feedback."""
-    context_budget: int = 0
-    """Summarise an episode whose next context is longer; 0: max_seq_len - max_tokens."""
-    sandbox_timeout_s: float = 15.0
-    """Reply wait per sandbox request (two tries)."""
-    partial_credit: float = 0.0
-    """Reward of a failed final attempt = partial_credit * tests passed / tests (a pass is always 1)."""
-    torch_threads: int = 0
-    """torch.set_num_threads for sampling; 0 leaves torch's default."""
 
 
 def partial_key(task_id: str) -> str:
@@ -132,9 +103,11 @@ class Generator(Actor):
     kind = "generator"
 
     def __init__(self, ident: ActorId, bus: Bus, config: GeneratorConfig, limits: ActorLimits | None = None,
-                 *, weights: WeightSource | None = None, tokenizer: ByteTokenizer | None = None) -> None:
+                 *, weights: WeightSource | None = None, tokenizer: ByteTokenizer | None = None,
+                 launch: GeneratorLaunch | None = None) -> None:
         super().__init__(ident, bus, limits)
         self.config = config
+        self.launch = launch or GeneratorLaunch()
         self._given_weights = weights
         self.weights: WeightSource | None = weights
         self.tokenizer = tokenizer or ByteTokenizer()
@@ -145,8 +118,8 @@ class Generator(Actor):
                                             "tokens", "graded_repeats", "groups_grown", "grown_unpublished"), 0))
 
     async def setup(self) -> None:
-        if self.config.torch_threads:
-            torch.set_num_threads(self.config.torch_threads)
+        if self.launch.torch_threads:
+            torch.set_num_threads(self.launch.torch_threads)
         s, region = self.bus.subjects, self.ident.region
         self.stream, self.durable = s.tasks_stream(region), s.durable("generator", region)
         info = await self.bus.js.consumer_info(self.stream, self.durable)
@@ -405,16 +378,16 @@ class Generator(Actor):
                                            "resumes": float(state.resumes)},
                                   partial_credit=self.config.partial_credit)
                     for g, ep in enumerate(episodes)]
-        delay = 0.5
-        while True:             # the group is in hand and the task held: retry rather than give it back
-            try:
-                await self.bus.publish_batch([(subject, r, r.rollout_id) for r in rollouts])
-                break
-            except (nats.errors.Error, TimeoutError) as err:
-                self.count("publish_failures")
-                log.warning("rollouts_not_published", task_id=state.task_id, error=repr(err), retry_s=delay)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        retry = retry_policy("rollouts_not_published", on=(nats.errors.Error, TimeoutError), initial_s=0.5, max_s=5.0,
+                             forever="the group is in hand and its task held: ride out the region's outage rather "
+                                     "than give the work back", task_id=state.task_id)
+        async for attempt in retry:
+            with attempt:
+                try:
+                    await self.bus.publish_batch([(subject, r, r.rollout_id) for r in rollouts])
+                except (nats.errors.Error, TimeoutError):
+                    self.count("publish_failures")
+                    raise
         self.count("rollouts", len(rollouts))
         try:
             await self.kv.delete(key)
@@ -458,11 +431,9 @@ class Generator(Actor):
 
     async def _save(self, key: str, state: PartialGroup, revision: int | None) -> int:
         """Compare-and-set the partial; raises _TakenOver when another generator wrote it meanwhile."""
-        value = encode_partial(state)
+        bucket = self.bus.subjects.partials_bucket(self.ident.region)
         try:
-            if revision is None:
-                return int(await self.kv.create(key, value))
-            return int(await self.kv.update(key, value, last=revision))
+            return await put_at(self.bus.js, bucket, key, encode_partial(state), revision=revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             raise _TakenOver(state.task_id) from None
 
@@ -488,9 +459,15 @@ def _seed(state: PartialGroup) -> int:
     return int.from_bytes(hashlib.sha256(f"{state.task_id}:{state.chunks}".encode()).digest()[:7], "big")
 
 
-def build_generator(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Generator:
-    """`actors/kinds.py` entry: the topology's `[generator]` section as a plain dict."""
-    config = msgspec.convert(settings, GeneratorConfig)
-    if not config.torch_threads and os.environ.get("RLBUS_TORCH_THREADS"):
-        config = msgspec.structs.replace(config, torch_threads=int(os.environ["RLBUS_TORCH_THREADS"]))
-    return Generator(ident, bus, config, limits)
+def build_generator(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limits: ActorLimits,
+                    launch: GeneratorLaunch | None = None) -> Generator:
+    """`actors/kinds.py` entry: the topology's `[generator]` section as plain values. Without a launch thread
+    count, `RLBUS_TORCH_THREADS` (the local and Ray backends set the instance's `torch_threads`) gives it.
+
+    :raises TopologyError: a setting is unknown or out of bounds (the text names it).
+    """
+    config = decode_config("generator", settings, GeneratorConfig)
+    launch = launch or GeneratorLaunch()
+    if not launch.torch_threads and os.environ.get("RLBUS_TORCH_THREADS"):
+        launch = GeneratorLaunch(torch_threads=int(os.environ["RLBUS_TORCH_THREADS"]))
+    return Generator(ident, bus, config, limits, launch=launch)

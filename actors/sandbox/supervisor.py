@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
 from typing import Any, Final
 
 import anyio
@@ -41,10 +41,12 @@ from rlbus.actors.sandbox.pool import (
     first_working_jail,
 )
 from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.common.config import decode_config
+from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
-from rlbus.messages.schemas import Heartbeat, SandboxLimits, SandboxRequest, SandboxResult, SandboxVerdict
+from rlbus.messages.schemas import Heartbeat, SandboxRequest, SandboxResult, SandboxVerdict
 
 log = structlog.get_logger()
 
@@ -53,51 +55,6 @@ GRACE_S: Final = 5.0
 DONE_CACHE: Final = 1024
 """Recent final results kept by request id: a retried request gets the same answer without a rerun."""
 RETRYABLE: Final = frozenset({"crashed", "error"})
-
-
-@dataclass(frozen=True, slots=True)
-class SandboxConfig:
-    """The topology's `[sandbox]` section (same keys as topology.schema.SandboxSettings) plus knobs
-    tests and benchmarks set: the isolation level to force and the circuit breaker."""
-
-    pool_size: int = 2
-    concurrency: int = 2
-    cpu_seconds: float = 5.0
-    wall_seconds: float = 10.0
-    memory_mb: int = 256
-    max_processes: int = 16
-    max_file_mb: int = 16
-    max_open_files: int = 64
-    max_output_kb: int = 64
-    isolation: str = "auto"
-    """"auto" (best available) or one of "bwrap", "unshare", "rlimits-only"."""
-    breaker_failures: int = 3
-    """Consecutive infrastructure failures (executor crashes, failed starts) that open the breaker."""
-    breaker_cooldown_s: float = 10.0
-    max_queued: int = 64
-    """Requests accepted beyond `concurrency`, waiting for an executor. Past that the supervisor stops reading:
-    at most `pending_limit` more wait in the client's buffer, then NATS drops them (requesters time out
-    and retry, or another supervisor of the queue group answers)."""
-    pending_limit: int = 256
-
-    @classmethod
-    def of(cls, settings: dict[str, Any]) -> SandboxConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(settings) - known
-        if unknown:
-            raise ValueError(f"unknown sandbox settings {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**settings)
-
-    def clamp(self, asked: SandboxLimits) -> SandboxLimits:
-        """The request's limits, each capped by this supervisor's ceiling."""
-        return SandboxLimits(
-            cpu_seconds=min(asked.cpu_seconds, self.cpu_seconds), memory_mb=min(asked.memory_mb, self.memory_mb),
-            max_processes=min(asked.max_processes, self.max_processes),
-            max_file_mb=min(asked.max_file_mb, self.max_file_mb),
-            max_open_files=max(3, min(asked.max_open_files, self.max_open_files)),
-            wall_seconds=min(asked.wall_seconds, self.wall_seconds),
-            max_output_kb=min(asked.max_output_kb, self.max_output_kb),
-        )
 
 
 class Breaker:
@@ -136,10 +93,11 @@ class SandboxSupervisor(Actor):
     kind = "sandbox"
 
     def __init__(self, ident: ActorId, bus: Bus, config: SandboxConfig | None = None,
-                 limits: ActorLimits | None = None) -> None:
+                 limits: ActorLimits | None = None, launch: SandboxLaunch | None = None) -> None:
         super().__init__(ident, bus, limits)
         self.config = config or SandboxConfig()
-        self.breaker = Breaker(self.config.breaker_failures, self.config.breaker_cooldown_s)
+        self.launch = launch or SandboxLaunch()
+        self.breaker = Breaker(self.launch.breaker_failures, self.launch.breaker_cooldown_s)
         self.limiter = anyio.CapacityLimiter(self.config.concurrency)
         self.isolation: Isolation | None = None
         self.pool: ExecutorPool | None = None
@@ -150,7 +108,7 @@ class SandboxSupervisor(Actor):
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def setup(self) -> None:
-        wanted = self.config.isolation
+        wanted = self.launch.isolation
         if wanted != "auto" and wanted not in ISOLATION_RANK:
             raise ValueError(f"sandbox isolation {wanted!r}: expected auto, bwrap, unshare or rlimits-only")
         levels: list[Isolation] = available_levels() if wanted == "auto" else [wanted]  # type: ignore[list-item]
@@ -166,8 +124,8 @@ class SandboxSupervisor(Actor):
         subject = self.bus.subjects.sandbox(self.ident.region)
         try:
             self._sub = await self.bus.nc.subscribe(subject, queue=self.bus.subjects.durable("sandbox", self.ident.region),
-                                                    pending_msgs_limit=self.config.pending_limit,
-                                                    pending_bytes_limit=self.config.pending_limit * 1024 * 1024)
+                                                    pending_msgs_limit=self.launch.pending_limit,
+                                                    pending_bytes_limit=self.launch.pending_limit * 1024 * 1024)
             await self.bus.nc.flush()
         except BaseException:
             await self.pool.aclose()
@@ -182,7 +140,7 @@ class SandboxSupervisor(Actor):
                 tg.start_soon(self.pool.maintain)
                 await self.emit("started", detail=f"sandbox isolation {self.isolation}", isolation=self.isolation,
                                 pool_size=str(self.config.pool_size), concurrency=str(self.config.concurrency))
-                slots = anyio.Semaphore(self.config.concurrency + self.config.max_queued)
+                slots = anyio.Semaphore(self.config.concurrency + self.launch.max_queued)
                 async for msg in self._sub.messages:
                     await slots.acquire()            # bounded: a flood waits in the (bounded) subscription
                     tg.start_soon(self._handle_in_slot, msg, slots)
@@ -332,9 +290,13 @@ class SandboxSupervisor(Actor):
                                          headers=msg.headers)
 
 
-def build_sandbox(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> SandboxSupervisor:
-    """`actors/kinds.py` entry: the topology's `[sandbox]` section as a plain dict."""
-    return SandboxSupervisor(ident, bus, SandboxConfig.of(settings), limits)
+def build_sandbox(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limits: ActorLimits,
+                  launch: SandboxLaunch | None = None) -> SandboxSupervisor:
+    """`actors/kinds.py` entry: the topology's `[sandbox]` section as plain values.
+
+    :raises TopologyError: a setting is unknown or out of bounds (the text names it).
+    """
+    return SandboxSupervisor(ident, bus, decode_config("sandbox", settings, SandboxConfig), limits, launch)
 
 
-__all__ = ["Breaker", "SandboxConfig", "SandboxSupervisor", "build_sandbox"]
+__all__ = ["Breaker", "SandboxConfig", "SandboxLaunch", "SandboxSupervisor", "build_sandbox"]

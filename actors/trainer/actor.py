@@ -20,30 +20,33 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, Literal, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
-import tenacity
 import torch
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from rlbus.actors.trainer.core import (
     Objective, Plan, StepStats, TrainerCore, build_core, plan_step, versions_behind)
-from rlbus.actors.trainer.resume import Resume, last_message, resume_point
+from rlbus.actors.trainer.resume import Resume, resume_point
 from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.common.config import decode_config
+from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch, settings_record
 from rlbus.actors.common.ledger import reason_category
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import BadMessage, RlbusError
+from rlbus.messages.objects import delete_object
+from rlbus.messages.history import last_message
+from rlbus.messages.retry import GIVE_UP_S, retry_policy
 from rlbus.messages.schemas import (
     CheckpointMark, DroppedRollout, Message, Rollout, StateUploaded, TrainStep, VersionReady)
 from rlbus.messages.subjects import Subjects
@@ -52,77 +55,31 @@ log = structlog.get_logger()
 
 T = TypeVar("T")
 SETTINGS_KEY = "trainer_settings"
-"""Key of the trainer's `started` event data holding its `TrainerConfig` as JSON (read by ops/recording/retrain.py)."""
+"""Key of the trainer's `started` event data holding its `settings_record` as JSON (read by ops/recording/retrain.py)."""
 THREADS_KEY = "torch_threads"
 _PUBLISH_ERRORS = (nats.errors.Error, TimeoutError)
 MARK_WATCH_BACKOFF_S = (0.2, 5.0)
 """The mark watcher's retry delay after losing CHECKPOINTS: from the first to the cap, doubling, jittered."""
-MARK_WATCH_GIVE_UP_S = 300.0
+MARK_WATCH_GIVE_UP_S = GIVE_UP_S
 """The mark watcher fails the trainer (its supervisor restarts it) after this long without reaching the hub."""
 
 
-class LengthPenaltyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """reward -= coef * (max(0, tokens - budget) / budget) ** power (topology `[trainer.length_penalty]`)."""
-
-    budget: Annotated[int, msgspec.Meta(ge=1)] = 256
-    coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    power: Annotated[float, msgspec.Meta(ge=1)] = 2.0
-
-
-class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The trainer's settings: topology `[trainer]` plus what the launcher adds (pretrained, state_dir,
-    checkpoint_interval)."""
-
-    lr: Annotated[float, msgspec.Meta(gt=0)] = 1e-5
-    lr_decay_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
-    """Linear decay of the learning rate over this many steps (topology/schema.py TrainerSettings); 0: none."""
-    lr_final_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
-    batch_rollouts: Annotated[int, msgspec.Meta(ge=1)] = 64
-    staleness_versions: Annotated[int, msgspec.Meta(ge=0)] = 4
-    kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.001
-    is_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
-    sampling_temperature: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    """The generators' sampling temperature (topology `[generator] temperature`, passed by the launcher):
-    the policy and reference logprobs are taken at it, so pi/mu compares like with like; greedy (0) → 1."""
-    length_penalty: LengthPenaltyConfig = LengthPenaltyConfig()
-    aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] = "token_mean"
-    scale_by_std: bool = False
-    drop_flat_groups: bool = False
-    seed: int = 0
-    pretrained: str = ""
-    """`pretrain.pt` (or its folder) to start from and to use as the KL reference; empty: a fresh tiny model."""
-    state_dir: str = ""
-    """The run's state directory: the checkpointer's durable copies are read from here if CKPT lost one."""
-    checkpoint_interval: Annotated[int, msgspec.Meta(ge=1)] = 10
-    """Upload the full state every this many steps (topology `[checkpoint] interval_steps`)."""
-    grad_clip: Annotated[float, msgspec.Meta(ge=0)] = 1.0
-    keep_version_objects: Annotated[int, msgspec.Meta(ge=1)] = 16
-    """bf16 version objects kept in CKPT for the publisher (it re-reads delta bases from them after a restart);
-    older ones are deleted. The launcher passes max(16, 2 * weights.keep_versions)."""
-    resume_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
-    """On start, wait this long for the checkpointer to handle every uploaded state before picking a mark."""
-    mark_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
-    """On drain, wait this long for the mark of the final upload (then its rollouts are acked)."""
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step `step` (1 = the first): `lr` at step 1, falling linearly to
-        `lr * lr_final_ratio` at step `lr_decay_steps + 1` and held there; `lr` when there is no decay."""
-        if self.lr_decay_steps <= 0:
-            return self.lr
-        done = min(1.0, max(0, step - 1) / self.lr_decay_steps)
-        return self.lr * (1.0 - done * (1.0 - self.lr_final_ratio))
-
-    @property
-    def objective(self) -> Objective:
-        lp = self.length_penalty
-        return Objective(kl_coef=self.kl_coef, is_cap=self.is_cap, length_budget=lp.budget, length_coef=lp.coef,
-                         length_power=lp.power, grad_clip=self.grad_clip, temperature=self.sampling_temperature,
-                         aggregation=self.aggregation, scale_by_std=self.scale_by_std)
+def objective(config: TrainerConfig, launch: TrainerLaunch | None = None) -> Objective:
+    """The loss terms of `config` at the launch's sampling temperature and gradient clip (default launch)."""
+    launch = launch or TrainerLaunch()
+    lp = config.length_penalty
+    return Objective(kl_coef=config.kl_coef, is_cap=config.is_cap, length_budget=lp.budget, length_coef=lp.coef,
+                     length_power=lp.power, grad_clip=launch.grad_clip, temperature=launch.sampling_temperature,
+                     aggregation=config.aggregation, scale_by_std=config.scale_by_std)
 
 
-def build_trainer(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Trainer:
-    """The trainer of a topology section (plain values) — called by actors/kinds.py."""
-    return Trainer(ident, bus, msgspec.convert(settings, TrainerConfig), limits)
+def build_trainer(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limits: ActorLimits,
+                  launch: TrainerLaunch | None = None) -> Trainer:
+    """The trainer of a `[trainer]` section (plain values) — called by actors/kinds.py.
+
+    :raises TopologyError: a setting is unknown or out of bounds (the text names it).
+    """
+    return Trainer(ident, bus, decode_config("trainer", settings, TrainerConfig), limits, launch)
 
 
 def trainer_threads() -> int:
@@ -130,11 +87,12 @@ def trainer_threads() -> int:
     return max(1, int(os.environ.get("RLBUS_TORCH_THREADS", "1") or 1))
 
 
-def build_trainer_core(config: TrainerConfig, *, threads: int) -> TrainerCore:
-    """Set torch's thread count and build the core of `config`: the trainer's setup and `rlbus replay FILE
-    train` (ops/recording/retrain.py) both start here, so a replay cannot drift from the live trainer."""
+def build_trainer_core(config: TrainerConfig, *, threads: int, pretrained: str = "") -> TrainerCore:
+    """Set torch's thread count and build the core of `config` from `pretrained` (`TrainerLaunch.pretrained`;
+    empty: a fresh tiny model): the trainer's setup and `rlbus replay FILE train` (ops/recording/retrain.py)
+    both start here, so a replay cannot drift from the live trainer."""
     torch.set_num_threads(threads)
-    return build_core(config.pretrained, lr=config.lr, seed=config.seed)
+    return build_core(pretrained, lr=config.lr, seed=config.seed)
 
 
 class Trainer(Actor):
@@ -143,9 +101,10 @@ class Trainer(Actor):
     kind = "trainer"
 
     def __init__(self, ident: ActorId, bus: Bus, config: TrainerConfig | None = None,
-                 limits: ActorLimits | None = None) -> None:
+                 limits: ActorLimits | None = None, launch: TrainerLaunch | None = None) -> None:
         super().__init__(ident, bus, limits)
         self.config = config or TrainerConfig()
+        self.launch = launch or TrainerLaunch()
         self.subjects: Subjects = bus.subjects
         self.incarnation = uuid.uuid4().hex[:8]
         self.core: TrainerCore | None = None
@@ -184,14 +143,15 @@ class Trainer(Actor):
         if info.config.max_ack_pending and info.config.max_ack_pending > 0:
             self.max_buffered = int(info.config.max_ack_pending)
         self.gauges["buffer_bound"] = float(self.max_buffered)
-        cfg, threads = self.config, trainer_threads()
-        self.core = await anyio.to_thread.run_sync(lambda: build_trainer_core(cfg, threads=threads))
-        log.info("trainer_model_ready", pretrained=cfg.pretrained or None, incarnation=self.incarnation,
+        cfg, threads, pretrained = self.config, trainer_threads(), self.launch.pretrained
+        self.core = await anyio.to_thread.run_sync(
+            lambda: build_trainer_core(cfg, threads=threads, pretrained=pretrained))
+        log.info("trainer_model_ready", pretrained=pretrained or None, incarnation=self.incarnation,
                  params=sum(p.numel() for p in self.core.model.parameters()))
 
     async def run(self) -> None:
         core = self._core()
-        point = await resume_point(self.bus, state_dir=self.config.state_dir, wait_s=self.config.resume_wait_s,
+        point = await resume_point(self.bus, state_dir=self.launch.state_dir, wait_s=self.launch.resume_wait_s,
                                    gauges=self.gauges)
         await self._resume(core, point)
         await self._announce()
@@ -209,10 +169,10 @@ class Trainer(Actor):
         if self.step > self.last_upload_step:
             await self._checkpoint()
         if self.uploads:
-            with anyio.move_on_after(self.config.mark_wait_s):
+            with anyio.move_on_after(self.launch.mark_wait_s):
                 while self.uploads:
                     s = self.subjects
-                    mark = await last_message(self.bus, s.checkpoints_stream(), s.checkpoints(), CheckpointMark)
+                    mark = await last_message(self.bus.js, s.checkpoints_stream(), s.checkpoints(), CheckpointMark)
                     if mark is not None:
                         await self._on_mark(mark)
                     if self.uploads:
@@ -224,7 +184,8 @@ class Trainer(Actor):
     def started_data(self) -> dict[str, str]:
         """The settings and thread count in the `started` event, so a recording can be replayed
         (`rlbus replay FILE train`) without the topology file."""
-        return {SETTINGS_KEY: msgspec.json.encode(self.config).decode(), THREADS_KEY: str(trainer_threads())}
+        record = settings_record(self.config, self.launch)
+        return {SETTINGS_KEY: msgspec.json.encode(record).decode(), THREADS_KEY: str(trainer_threads())}
 
     # ---- resume ---------------------------------------------------------------------------------
     def _core(self) -> TrainerCore:
@@ -337,7 +298,7 @@ class Trainer(Actor):
         with anyio.CancelScope(shield=True):         # a step is applied and recorded together, or not at all
             lr = self.config.lr_at(self.step + 1)
             stats: StepStats = await anyio.to_thread.run_sync(
-                functools.partial(core.train_step, rollouts, self.config.objective, lr=lr))
+                functools.partial(core.train_step, rollouts, objective(self.config, self.launch), lr=lr))
             self.gauges["lr"] = lr
             self.step += 1
             self.version += 1
@@ -394,19 +355,15 @@ class Trainer(Actor):
     async def _maybe_checkpoint(self) -> None:
         """Every `checkpoint_interval` steps, and early when the rollouts held for a mark reach half the buffer
         bound (otherwise the unacked ones could fill `max_ack_pending` before the next checkpoint is due)."""
-        if self.step % self.config.checkpoint_interval == 0 or (
+        if self.step % self.launch.checkpoint_interval == 0 or (
                 len(self.held) >= self.max_buffered // 2 and not self.uploads):
             await self._checkpoint()
 
     # ---- publishing -----------------------------------------------------------------------------
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run an idempotent bus operation, retrying transient failures for up to a minute."""
-        retry = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception_type(_PUBLISH_ERRORS),
-            wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0), stop=tenacity.stop_after_delay(60),
-            before_sleep=lambda rs: log.warning("trainer_bus_retry", what=what, attempt=rs.attempt_number,
-                                                error=repr(rs.outcome.exception() if rs.outcome else None)),
-            reraise=True)
+        retry = retry_policy("trainer_bus_retry", on=_PUBLISH_ERRORS, initial_s=0.2, max_s=5.0, give_up_after_s=60,
+                             what=what)
         async for attempt in retry:
             with attempt:
                 return await call()
@@ -443,9 +400,9 @@ class Trainer(Actor):
             model_config=core.model_config_dict()), msg_id=f"version-{version}")
         self.announced = version
         self.count("versions")
-        old = version - self.config.keep_version_objects
+        old = version - self.launch.keep_version_objects
         if old >= 0:
-            await _delete_object(self.bus, bucket, Subjects.version_object(old))
+            await delete_object(self.bus.js, bucket, Subjects.version_object(old))
 
     async def _checkpoint(self) -> None:
         """Upload the full state of this step to CKPT and announce it to the checkpointer."""
@@ -477,21 +434,19 @@ class Trainer(Actor):
         `trainer_mark_watch_retry` warning; only after MARK_WATCH_GIVE_UP_S without reaching the hub does the
         error fail the trainer. Marks seen twice are harmless (`_on_mark` ignores old steps)."""
         self._mark_seq, self._mark_ok_at = start_seq, time.monotonic()
-        attempt = 0
-        while True:
-            try:
-                await self._follow_marks()
-            except (nats.errors.Error, TimeoutError, OSError) as err:
-                attempt = 1 if time.monotonic() - self._mark_ok_at < 1.0 else attempt + 1
-                if time.monotonic() - self._mark_ok_at > MARK_WATCH_GIVE_UP_S:
-                    log.error("trainer_mark_watch_gave_up", error=repr(err), next_seq=self._mark_seq)
-                    raise
-                first, cap = MARK_WATCH_BACKOFF_S
-                delay = min(cap, first * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
-                self.count("mark_watch_retries")
-                log.warning("trainer_mark_watch_retry", error=repr(err), next_seq=self._mark_seq, attempt=attempt,
-                            delay_s=round(delay, 2))
-                await anyio.sleep(delay)
+        first, cap = MARK_WATCH_BACKOFF_S
+        retry = retry_policy("trainer_mark_watch_retry", on=(nats.errors.Error, TimeoutError, OSError),
+                             initial_s=first, max_s=cap, give_up_after_s=MARK_WATCH_GIVE_UP_S,
+                             since=lambda: self._mark_ok_at, next_seq=lambda: self._mark_seq)
+        try:
+            async for attempt in retry:
+                with attempt:
+                    if attempt.retry_state.attempt_number > 1:
+                        self.count("mark_watch_retries")
+                    await self._follow_marks()
+        except (nats.errors.Error, TimeoutError, OSError) as err:
+            log.error("trainer_mark_watch_gave_up", error=repr(err), next_seq=self._mark_seq)
+            raise
 
     async def _follow_marks(self) -> None:
         """One ephemeral consumer from `self._mark_seq` on; returns only by raising. `self._mark_ok_at` notes
@@ -556,14 +511,3 @@ class Trainer(Actor):
                     await delivery.in_progress()
             except _PUBLISH_ERRORS as err:
                 log.warning("trainer_keepalive_failed", error=repr(err), deliveries=len(deliveries))
-
-
-async def _delete_object(bus: Bus, bucket: str, name: str) -> None:
-    """Delete a CKPT object, ignoring one that is already gone."""
-    try:
-        store = await bus.js.object_store(bucket)
-        await store.delete(name)
-    except nats.js.errors.NotFoundError:
-        return
-    except _PUBLISH_ERRORS as err:
-        log.warning("trainer_object_delete_failed", object=name, error=repr(err))

@@ -123,7 +123,8 @@ async def _service(runs: int, level: str) -> dict[str, float]:
     from nats.js.api import StreamConfig
 
     from rlbus.actors.base import ActorId
-    from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
+    from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
+    from rlbus.actors.sandbox.supervisor import SandboxSupervisor
     from rlbus.actors.common.sandbox_client import run_in_sandbox
     from rlbus.messages.bus import Bus, ConnectOptions
     from rlbus.messages.schemas import SandboxRequest
@@ -138,7 +139,7 @@ async def _service(runs: int, level: str) -> dict[str, float]:
             s = bus.subjects
             await bus.js.add_stream(StreamConfig(name=s.events_stream(), subjects=[s.all_events()]))
             actor = SandboxSupervisor(ActorId(bus.subjects.run, "hub", "sandbox", "bench"), bus,
-                                      SandboxConfig(pool_size=1, concurrency=1, isolation=level))
+                                      SandboxConfig(pool_size=1, concurrency=1), launch=SandboxLaunch(isolation=level))
             samples: list[float] = []
             async with anyio.create_task_group() as tg:
                 await tg.start(actor.serve)

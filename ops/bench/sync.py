@@ -52,7 +52,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from rlbus.actors.base import ActorId, ActorLimits
-    from rlbus.actors.publisher import Publisher, PublisherSettings
+    from rlbus.actors.common.config import PublisherConfig, PublisherLaunch
+    from rlbus.actors.publisher import Publisher
     from rlbus.ops.bench.version_source import VersionSource
     from rlbus.actors.common.weight_sync import WeightSync
     from rlbus.messages.bus import Bus, ConnectOptions, Identity
@@ -98,11 +99,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             limits = ActorLimits(heartbeat_interval_s=2.0, drain_timeout_s=5.0)
 
             async def start_publisher(tg: Any, full_every: int, depth: int) -> Publisher:
-                settings = PublisherSettings(regions=list(REGIONS), hub="hub", full_every=full_every,
-                                             delta_depth=depth, threads=threads)
+                config = PublisherConfig(full_every=full_every, delta_depth=depth)
+                launch = PublisherLaunch(regions=list(REGIONS), hub="hub", threads=threads)
                 bus = await connect("hub", "publisher", f"hub-publisher-{full_every}")
                 ident = ActorId(run_id, "hub", "publisher", "hub-publisher-0")
-                publisher = Publisher(ident, bus, settings, limits)
+                publisher = Publisher(ident, bus, config, limits, launch)
                 await tg.start(publisher.serve)
                 return publisher
 

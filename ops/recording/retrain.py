@@ -8,7 +8,7 @@ began), `held_version` (which version a trainer held before a record), where the
 (`recorded_setup`: the trainer's `started` event; `topology_setup`: a topology file), and the command's
 output (one line per version, a summary, `--json`, exit 0 / 1 mismatch / 2 recording lacks inputs).
 Does not: build or step the model differently from the trainer (actors/trainer/actor.py `build_trainer_core`,
-`TrainerConfig.objective`, `TrainerCore.train_step` and `published_version`) or read the file format.
+`objective`, `TrainerCore.train_step` and `published_version`) or read the file format.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import structlog
 import torch
 
 from rlbus.actors.trainer.core import TrainerCore
-from rlbus.actors.trainer.actor import SETTINGS_KEY, THREADS_KEY, TrainerConfig, build_trainer_core
+from rlbus.actors.trainer.actor import SETTINGS_KEY, THREADS_KEY, build_trainer_core, objective
+from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch, from_record
 from rlbus.messages.errors import RlbusError
 from rlbus.messages.schemas import Event, Rollout, TrainStep, WeightManifest
 from rlbus.ops.recording.playback import Playback, open_playback
@@ -43,11 +44,13 @@ class ReplayInputError(RlbusError):
 # ---- the trainer's settings ---------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class TrainerSetup:
-    """How the live trainer was built: its settings, torch thread count, and where they came from."""
+    """How the live trainer was built: its settings, what the launcher passed beside them, torch thread count,
+    and where they came from."""
 
     config: TrainerConfig
     threads: int = 1
     source: str = ""
+    launch: TrainerLaunch = TrainerLaunch()
 
 
 def recorded_setup(events: Iterable[Event]) -> TrainerSetup | None:
@@ -56,30 +59,32 @@ def recorded_setup(events: Iterable[Event]) -> TrainerSetup | None:
     for ev in events:
         if ev.event == "started" and ev.actor_kind == "trainer" and SETTINGS_KEY in ev.data:
             try:
-                config = msgspec.json.decode(ev.data[SETTINGS_KEY], type=TrainerConfig)
-            except msgspec.ValidationError as err:
+                config, launch = from_record(msgspec.json.decode(ev.data[SETTINGS_KEY], type=dict[str, Any]))
+            except msgspec.DecodeError as err:
                 raise ReplayInputError(f"the trainer settings in the recorded started event of {ev.actor_id} do "
                                        f"not decode ({err}); pass --topology FILE") from None
             threads = int(ev.data.get(THREADS_KEY, "1") or 1)
-            return TrainerSetup(config, threads, f"recorded started event of {ev.actor_id}")
+            return TrainerSetup(config, threads, f"recorded started event of {ev.actor_id}", launch)
     return None
 
 
 def topology_setup(path: str | Path) -> TrainerSetup:
     """The trainer settings `rlbus up` would pass for this topology file (topology/launch.py
-    `kind_settings`, pretrained checkpoint under its state directory) and the trainer's `torch_threads`.
+    `kind_settings` and `kind_launch`, pretrained checkpoint under its state directory) and the trainer's
+    `torch_threads`.
 
     :raises ReplayInputError: the topology has no trainer.
     """
-    from rlbus.topology.launch import kind_settings
+    from rlbus.topology.launch import kind_launch
     from rlbus.topology.load import load
 
     topology = load(path)
     trainers = [i for i in topology.instances() if i.kind == "trainer"]
     if not trainers:
         raise ReplayInputError(f"{path}: the topology has no trainer")
-    config = msgspec.convert(kind_settings(topology, "trainer"), TrainerConfig)
-    return TrainerSetup(config, trainers[0].torch_threads, f"topology {path}")
+    launch = kind_launch(topology, "trainer")
+    assert isinstance(launch, TrainerLaunch)
+    return TrainerSetup(topology.trainer, trainers[0].torch_threads, f"topology {path}", launch)
 
 
 def resolve_setup(recorded: TrainerSetup | None, *, topology: str | Path | None = None,
@@ -91,8 +96,8 @@ def resolve_setup(recorded: TrainerSetup | None, *, topology: str | Path | None 
     """
     if topology is not None:
         setup = topology_setup(topology)
-        if pretrained is None and recorded is not None and recorded.config.pretrained:
-            setup = _with(setup, pretrained=recorded.config.pretrained)
+        if pretrained is None and recorded is not None and recorded.launch.pretrained:
+            setup = _with_launch(setup, pretrained=recorded.launch.pretrained)
     elif recorded is not None:
         setup = recorded
     else:
@@ -100,12 +105,12 @@ def resolve_setup(recorded: TrainerSetup | None, *, topology: str | Path | None 
                                "recorded by an older rlbus, or EVENTS aged out) and no --topology was given; "
                                "pass --topology FILE (and --pretrained PATH)")
     if pretrained is not None:
-        setup = _with(setup, pretrained=str(pretrained))
+        setup = _with_launch(setup, pretrained=str(pretrained))
     if seed is not None:
         setup = _with(setup, seed=seed)
     if threads is not None:
-        setup = TrainerSetup(setup.config, threads, setup.source)
-    where = setup.config.pretrained
+        setup = TrainerSetup(setup.config, threads, setup.source, setup.launch)
+    where = setup.launch.pretrained
     if where and not Path(where).exists():
         raise ReplayInputError(f"the run's pretrained checkpoint {where} does not exist here; pass --pretrained "
                                f"PATH (the run's <state-dir>/pretrained/pretrain.pt)")
@@ -113,7 +118,11 @@ def resolve_setup(recorded: TrainerSetup | None, *, topology: str | Path | None 
 
 
 def _with(setup: TrainerSetup, **changes: Any) -> TrainerSetup:
-    return TrainerSetup(msgspec.structs.replace(setup.config, **changes), setup.threads, setup.source)
+    return TrainerSetup(msgspec.structs.replace(setup.config, **changes), setup.threads, setup.source, setup.launch)
+
+
+def _with_launch(setup: TrainerSetup, **changes: Any) -> TrainerSetup:
+    return TrainerSetup(setup.config, setup.threads, setup.source, msgspec.structs.replace(setup.launch, **changes))
 
 
 # ---- the walk (pure) ----------------------------------------------------------------------------------
@@ -249,7 +258,8 @@ def read_inputs(pb: Playback) -> Inputs:
 
 
 # ---- the replay ---------------------------------------------------------------------------------------
-def replay_steps(core: TrainerCore, inputs: Inputs, config: TrainerConfig, *,
+def replay_steps(core: TrainerCore, inputs: Inputs, config: TrainerConfig, launch: TrainerLaunch | None = None,
+                 *,
                  on_check: Callable[[VersionCheck], None] | None = None,
                  on_step: Callable[[int, int, TrainStep], None] | None = None,
                  fail_fast: bool = False) -> RetrainResult:
@@ -276,7 +286,7 @@ def replay_steps(core: TrainerCore, inputs: Inputs, config: TrainerConfig, *,
             if on_check is not None:
                 on_check(check)
 
-    objective = config.objective
+    loss = objective(config, launch)
     for i, (record, point) in enumerate(zip(inputs.steps, points, strict=True)):
         if point is not None:
             core.load_state_blob(snapshots[point])
@@ -284,7 +294,7 @@ def replay_steps(core: TrainerCore, inputs: Inputs, config: TrainerConfig, *,
             result.restores += 1
         note(held_version(record), record.step - 1)
         if record.rollout_ids:
-            stats = core.train_step([inputs.rollouts[rid] for rid in record.rollout_ids], objective,
+            stats = core.train_step([inputs.rollouts[rid] for rid in record.rollout_ids], loss,
                                     lr=config.lr_at(record.step))
             digest = None
             result.steps += 1
@@ -321,11 +331,12 @@ def retrain(path: str | Path, *, topology: str | Path | None = None, pretrained:
     if setup is None:
         setup = resolve_setup(inputs.recorded, topology=topology, pretrained=pretrained, seed=seed, threads=threads)
     log.info("retrain_start", steps=len(inputs.steps), versions=len(inputs.manifests), settings=setup.source,
-             threads=setup.threads, pretrained=setup.config.pretrained or None)
+             threads=setup.threads, pretrained=setup.launch.pretrained or None)
     before = torch.get_num_threads()
     try:
-        core = build_trainer_core(setup.config, threads=setup.threads)
-        result = replay_steps(core, inputs, setup.config, on_check=on_check, on_step=on_step, fail_fast=fail_fast)
+        core = build_trainer_core(setup.config, threads=setup.threads, pretrained=setup.launch.pretrained)
+        result = replay_steps(core, inputs, setup.config, setup.launch, on_check=on_check, on_step=on_step,
+                              fail_fast=fail_fast)
     finally:
         torch.set_num_threads(before)
     result.settings_source = setup.source

@@ -14,7 +14,7 @@ import pytest
 from nats.js.api import StreamConfig
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits, State
-from rlbus.actors.demo import DemoProducer, DemoSettings
+from rlbus.actors.demo import DemoProducer, DemoConfig
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Heartbeat
@@ -67,7 +67,7 @@ async def test_heartbeats_ready_and_graceful_stop(admin_bus: Bus) -> None:
     """A served actor heartbeats ready/busy; cancelling it drains and the last heartbeat says stopped."""
     await _streams(admin_bus)
     actor = DemoProducer(ActorId(admin_bus.subjects.run, "hub", "demo_producer", "p1"), admin_bus,
-                         DemoSettings(rate_per_s=50, tokens=10), FAST)
+                         DemoConfig(rate_per_s=50, tokens=10), FAST)
     states: list[str] = []
     async with anyio.create_task_group() as tg:
         async def watch() -> None:
@@ -118,7 +118,7 @@ async def test_actor_answers_service_discovery(admin_bus: Bus) -> None:
     """$SRV.PING/INFO find a running actor with its kind, and the status endpoint returns its heartbeat."""
     await _streams(admin_bus)
     actor = DemoProducer(ActorId(admin_bus.subjects.run, "hub", "demo_producer", "p9"), admin_bus,
-                         DemoSettings(rate_per_s=5, tokens=10), FAST)
+                         DemoConfig(rate_per_s=5, tokens=10), FAST)
     async with anyio.create_task_group() as tg:
         await tg.start(actor.serve)
         ping = json.loads((await admin_bus.nc.request("$SRV.PING.rlbus-demo_producer", b"", timeout=5)).data)

@@ -130,7 +130,7 @@ def test_on_policy_step_matches_the_hand_computed_loss_and_moves_the_weights() -
 def test_scale_by_std_divides_each_groups_advantages_by_its_reward_std() -> None:
     """scale_by_std (GRPO): A_b = (r_b - group mean) / (group std, ddof 1); a group with one pass in four
     then weighs 1/std = 2x what mean-centring gives it. The trainer's settings carry the switch."""
-    from rlbus.actors.trainer.actor import TrainerConfig
+    from rlbus.actors.trainer.actor import TrainerConfig, objective
 
     core = _core(ModelConfig.tiny(vocab_size=264))
     rollouts = [msgspec.structs.replace(r, reward=float(i == 0))
@@ -142,7 +142,7 @@ def test_scale_by_std_divides_each_groups_advantages_by_its_reward_std() -> None
     expected = -sum(float(a * lp.sum()) for a, lp in zip(adv, logp, strict=True)) / sum(len(lp) for lp in logp)
     stats = core.train_step(rollouts, Objective(kl_coef=0.0, grad_clip=0.0, scale_by_std=True))
     assert stats.loss == pytest.approx(expected, abs=1e-4)
-    assert TrainerConfig(scale_by_std=True).objective.scale_by_std and not TrainerConfig().objective.scale_by_std
+    assert objective(TrainerConfig(scale_by_std=True)).scale_by_std and not objective(TrainerConfig()).scale_by_std
 
 
 def test_lr_decays_linearly_to_its_final_ratio_then_holds() -> None:
@@ -285,21 +285,24 @@ def test_check_names_what_the_model_cannot_train_on() -> None:
 
 
 def test_launcher_settings_decode_into_the_trainer_and_checkpointer_configs(tmp_path: Path) -> None:
-    """What topology/launch.py hands the trainer and checkpointer (tiny example) is what they accept."""
+    """What topology/launch.py hands the trainer and checkpointer (tiny example: its section as settings, the
+    state directory, pretrained folder and checkpoint interval as launch values) is what they accept."""
     import msgspec
 
-    from rlbus.actors.checkpointer import CheckpointerConfig
-    from rlbus.actors.trainer.actor import TrainerConfig
+    from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch, decode_config
+    from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
     from rlbus.topology.examples import example_path
-    from rlbus.topology.launch import kind_settings
+    from rlbus.topology.launch import kind_launch, kind_settings
     from rlbus.topology.load import load
 
     topology = load(example_path("tiny"))
-    trainer = msgspec.convert(kind_settings(topology, "trainer", tmp_path), TrainerConfig)
-    assert trainer.batch_rollouts == 4 and trainer.checkpoint_interval == 2 and trainer.keep_version_objects == 16
-    assert trainer.pretrained == str(tmp_path.resolve() / "pretrained") and trainer.state_dir == str(tmp_path.resolve())
-    checkpointer = msgspec.convert(kind_settings(topology, "checkpointer", tmp_path), CheckpointerConfig)
-    assert checkpointer.keep == 2 and checkpointer.state_dir == str(tmp_path.resolve())
+    trainer = decode_config("trainer", kind_settings(topology, "trainer"), TrainerConfig)
+    launch = msgspec.convert(msgspec.to_builtins(kind_launch(topology, "trainer", tmp_path)), TrainerLaunch)
+    assert trainer.batch_rollouts == 4 and launch.checkpoint_interval == 2 and launch.keep_version_objects == 16
+    assert launch.pretrained == str(tmp_path.resolve() / "pretrained") and launch.state_dir == str(tmp_path.resolve())
+    checkpointer = decode_config("checkpoint", kind_settings(topology, "checkpointer"), CheckpointerConfig)
+    at = msgspec.convert(msgspec.to_builtins(kind_launch(topology, "checkpointer", tmp_path)), CheckpointerLaunch)
+    assert checkpointer.keep == 2 and at.state_dir == str(tmp_path.resolve())
 
 
 def test_build_core_starts_from_a_pretrained_checkpoint_folder_and_freezes_it_as_reference(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.actors.demo import DemoProducer, DemoSettings
+from rlbus.actors.demo import DemoProducer, DemoConfig
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Event, Heartbeat
@@ -155,7 +155,7 @@ async def live(admin_bus: Bus) -> AsyncIterator[Bus]:
     run = admin_bus.subjects.run
     async with anyio.create_task_group() as tg:
         tg.start_soon(DemoProducer(ActorId(run, "hub", "demo_producer", "p1"), admin_bus,
-                                   DemoSettings(rate_per_s=20, tokens=8), FAST).serve)
+                                   DemoConfig(rate_per_s=20, tokens=8), FAST).serve)
         tg.start_soon(_Idle(ActorId(run, "hub", "idle", "i1"), admin_bus, FAST).serve)
         yield admin_bus
         tg.cancel_scope.cancel()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from rlbus.actors.trainer.core import TrainerCore
-from rlbus.actors.trainer.actor import SETTINGS_KEY, THREADS_KEY, TrainerConfig, build_trainer_core
+from rlbus.actors.trainer.actor import SETTINGS_KEY, THREADS_KEY, TrainerConfig, build_trainer_core, objective
 from rlbus.messages import codec
 from rlbus.messages.schemas import DroppedRollout, Event, Message, Rollout, TensorBlob, TrainStep, WeightManifest
 from rlbus.ops.target import resolve
@@ -89,7 +89,7 @@ class Live:
         for r in rollouts:
             flipped = msgspec.structs.replace(r, reward=1.0 - r.reward) if r.rollout_id == self.tamper else r
             self.add("ROLLOUTS", flipped)
-        stats = self.core.train_step(rollouts, CONFIG.objective)
+        stats = self.core.train_step(rollouts, objective(CONFIG))
         self.step += 1
         self.version += 1
         self.add("TRAINLOG", TrainStep(step=self.step, policy_version=self.version,

@@ -9,7 +9,8 @@ import pytest
 
 from rlbus.topology.load import check, validate_text
 from rlbus.topology.reference import _schema_structs, field_docs, reference_markdown, struct_tables
-from rlbus.topology.schema import ActorSpec, FeederSettings, Region, Topology, parse_duration
+from rlbus.actors.common.config import FeederConfig
+from rlbus.topology.schema import ActorSpec, Region, Topology, parse_duration
 
 MINIMAL = """
 run = "m"
@@ -93,7 +94,7 @@ def test_region_weights_for_a_region_without_generators() -> None:
     topology = Topology(run="r", regions=[
         Region(name="hub", role="hub", actors=_hub(*FULL)),
         Region(name="eu", actors=_hub("sandbox")),
-    ], feeder=FeederSettings(region_weights={"hub": 1.0, "eu": 3.0}))
+    ], feeder=FeederConfig(region_weights={"hub": 1.0, "eu": 3.0}))
     problems = check(topology, local_cores=64)
     assert [(p.key, p.severity) for p in problems] == [
         ("regions[1].actors", "warning"),    # eu has sandboxes and nothing to use them

@@ -1,0 +1,186 @@
+"""Actor configuration: decoding a kind's settings into its Config, and the Configs of the kinds that are one
+module each (feeder, publisher, checkpointer, evaluator).
+
+Owns: `decode_config` (the one way every builder turns plain settings into a Config: an invalid value is a
+`TopologyError` naming the key and the bound), and per kind a `*Config` (its topology section, declared only
+here: topology/schema.py composes these classes) and a `*Launch` (what the launcher, a benchmark or a test
+passes beside the section: facts of the run such as regions or the state directory, settings of other
+sections the kind must agree with, and timing knobs that are no topology key).
+Lives in the shared layer, not in those kinds' modules, because the topology schema imports these classes
+and must stay free of torch and nats (`rlbus validate` imports nothing heavy); kinds with a package keep
+theirs in it (actors/trainer/config.py, actors/generator/config.py, actors/sandbox/config.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+from rlbus.messages.errors import TopologyError
+
+C = TypeVar("C", bound=msgspec.Struct)
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+Path = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+def decode_config(section: str, settings: Mapping[str, Any] | C, cls: type[C]) -> C:
+    """`settings` (plain values, like the launcher's JSON) as a `cls`; an instance of `cls` is returned as is.
+
+    :raises TopologyError: a key is unknown, or a value has the wrong type or is out of bounds; the text names
+        the key as `section.key` and what was expected, e.g. "Expected `int` >= 1, got `0` - at
+        `generator.group_size`".
+    """
+    if isinstance(settings, cls):
+        return settings
+    try:
+        return msgspec.convert(dict(settings), cls)  # type: ignore[arg-type]
+    except msgspec.ValidationError as err:
+        text = str(err).replace("`$.", f"`{section}.").replace("`$`", f"`{section}`")
+        if "`" + section not in text:
+            text += f" - in `{section}`"
+        raise TopologyError(f"invalid {section} settings: {text}") from None
+    except TypeError as err:        # not a mapping at all
+        raise TopologyError(f"invalid {section} settings {settings!r}: {err}") from None
+
+
+# ---- feeder ---------------------------------------------------------------------------------------
+class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[feeder]`: how tasks are produced and spread over the regions."""
+
+    seed: int = 0
+    """Seed of the task sampler; the same seed gives the same task sequence."""
+    backlog_per_region: PositiveInt = 256
+    """Tasks kept queued in each region's TASKS stream, enough to ride out a cut-off."""
+    region_weights: dict[str, NonNegativeFloat] = {}
+    """Share of tasks per region name, like `{hub = 1, eu = 2}`; default: proportional to generator counts."""
+    max_tasks: PositiveInt | None = None
+    """Stop after this many tasks; default: feed forever."""
+    tasks_file: Path | None = None
+    """A JSONL file of tasks (one object per line: task_id, prompt, entry_point, tests [{args, expected}]) instead of the built-in family."""
+    poll_interval_s: PositiveFloat = 1.0
+    """How often each region's backlog is checked and topped up, seconds."""
+    levels: list[Annotated[int, msgspec.Meta(ge=1, le=3)]] = []
+    """Built-in tasks only: feed just the tasks of these difficulty levels (1-3 pipeline steps; if/else "branch"
+    tasks are level 1), like `[1, 2]`; empty: every level. A curriculum for a weak policy: groups of tasks it
+    never solves have equal rewards and teach nothing. The evaluator's held-out set keeps every level."""
+    lockstep: bool = False
+    """Benchmark schedule (the synchronous arm of `rlbus bench async`): instead of keeping backlogs full, publish
+    exactly `backlog_per_region` tasks to a region each time its LATEST weights key announces a new policy
+    version, stamped so that generators start them only with that version. With `trainer.staleness_versions = 0`
+    and `backlog_per_region * generator.group_size = trainer.batch_rollouts` this is generate-then-train in
+    lockstep. Off (the default): the async pipeline."""
+
+
+class FeederLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What the feeder gets beside `[feeder]`: the run's regions and what it takes from other sections."""
+
+    regions: list[str] = []
+    """Regions to feed (the launcher passes every region of the topology); empty: the feeder's own."""
+    domains: dict[str, str] = {}
+    """Region → JetStream domain (default: the region name)."""
+    group_size: PositiveInt = 8
+    """`Task.group_size`: completions a generator samples per task (the topology's generator.group_size)."""
+    eval_seed: int | None = None
+    """Seed of the evaluator's held-out set, whose prompts the built-in sequence skips (the launcher passes
+    the topology's evaluator.seed); None: the held-out set of `seed`."""
+    default_weights: dict[str, NonNegativeFloat] = {}
+    """Shares used while `[feeder] region_weights` is empty (the launcher passes each region's generator
+    count); empty too: equal shares over `regions`."""
+
+
+def feed_weights(config: FeederConfig, launch: FeederLaunch, own_region: str) -> list[tuple[str, float]]:
+    """(region, weight) pairs, sorted by region, of the regions that get tasks: `region_weights`, else the
+    launcher's `default_weights`, else equal shares; regions missing from the weights get none."""
+    regions = launch.regions or [own_region]
+    weights = config.region_weights or launch.default_weights
+    if not weights:
+        return [(r, 1.0) for r in sorted(regions)]
+    return [(r, float(weights[r])) for r in sorted(regions) if weights.get(r, 0.0) > 0]
+
+
+# ---- publisher ------------------------------------------------------------------------------------
+class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[weights]`: how policy versions are published to the generators."""
+
+    keep_versions: PositiveInt = 8
+    """Versions kept in each region's weight bucket; must reach back to the last full snapshot."""
+    full_every: PositiveInt = 4
+    """Publish a full snapshot every this many versions, XOR deltas in between; 1 publishes only full snapshots."""
+    delta_depth: PositiveInt = 3
+    """Deltas written per version: from each of the previous this-many kept versions (v-1 ... v-k -> v), so a
+    generator that fell behind catches up with one fetch; plus one from the latest full snapshot, for joiners."""
+
+
+class PublisherLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What the publisher gets beside `[weights]`: the run's regions and hub, and timing for tests."""
+
+    regions: list[str]
+    """Every region of the run, the hub included; each one's JetStream domain is its name."""
+    hub: str
+    """The hub region (CKPT, STATE and WEIGHTS live there)."""
+    region_wait_s: NonNegativeFloat = 10.0
+    """How long an announcement waits for a slow (not failing) region before going out without it."""
+    retry_initial_s: PositiveFloat = 0.5
+    """First backoff of a failed region write or download; doubles up to `retry_max_s`."""
+    retry_max_s: PositiveFloat = 15.0
+    """Longest backoff between retries of a failing region."""
+    download_attempts: PositiveInt = 5
+    """Tries of a CKPT object that is missing or fails its digest before the version is given up."""
+    ack_wait_s: PositiveFloat = 30.0
+    """Ack wait of the VersionReady consumer (held with in-progress acks while a version is worked on)."""
+    threads: PositiveInt = 2
+    """Codec threads for decoding and encoding."""
+
+
+# ---- checkpointer ---------------------------------------------------------------------------------
+class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[checkpoint]`: how often trainer state becomes a durable checkpoint."""
+
+    interval_steps: PositiveInt = 10
+    """Optimizer steps between checkpoints; rollouts are acked only once a checkpoint covers them."""
+    keep: PositiveInt = 3
+    """Checkpoints kept in the hub object store; older ones are deleted."""
+
+
+class CheckpointerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What the checkpointer gets beside `[checkpoint]`: the state directory, and timing for tests."""
+
+    state_dir: str = ""
+    """The run's state directory; empty: no copy on disk, the CKPT objects are the durable copy."""
+    ack_wait_s: PositiveFloat = 60.0
+    """Ack wait of the StateUploaded consumer."""
+    drain_linger_s: NonNegativeFloat = 3.0
+    """On drain, keep marking uploads until none arrives for this long (the trainer checkpoints on its own
+    drain, usually at the same moment)."""
+
+
+# ---- evaluator ------------------------------------------------------------------------------------
+class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[evaluator]`: periodic held-out evaluation of the policy."""
+
+    every_versions: PositiveInt = 10
+    """Evaluate one version in every block of this many (0, k, 2k, ...; a version published while an evaluation
+    runs is skipped for the newest, so a block's first evaluated version can be later than its first)."""
+    n_tasks: PositiveInt = 64
+    """Held-out tasks per evaluation (pass@1 and its interval are over these)."""
+    seed: int = 1
+    """Seed of the held-out task set; keep it fixed to compare versions."""
+
+
+class EvaluatorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What the evaluator gets beside `[evaluator]`: the generation budget."""
+
+    max_tokens: PositiveInt = 160
+    """Longest completion, in tokens (the launcher passes the topology's generator.max_tokens)."""
+    batch_size: PositiveInt = 32
+    """Held-out prompts decoded together."""
+
+
+__all__ = ["CheckpointerConfig", "CheckpointerLaunch", "EvaluatorConfig", "EvaluatorLaunch", "FeederConfig",
+           "FeederLaunch", "PublisherConfig", "PublisherLaunch", "decode_config", "feed_weights"]

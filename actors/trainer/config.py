@@ -1,0 +1,115 @@
+"""The trainer's settings: `TrainerConfig` (the topology's `[trainer]`, composed by topology/schema.py) and
+`TrainerLaunch` (what the launcher passes beside it).
+
+Owns: those Structs, the learning-rate schedule (`TrainerConfig.lr_at`) and the flat settings record of a
+trainer's `started` event (`settings_record` / `from_record`, read back by `rlbus replay FILE train`).
+Imports only msgspec, so the topology schema can compose it without torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class LengthPenaltyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[trainer.length_penalty]`: reward -= coef * (max(0, tokens - budget) / budget) ** power."""
+
+    budget: PositiveInt = 256
+    """Completion length (tokens) below which there is no penalty."""
+    coef: NonNegativeFloat = 0.0
+    """Penalty weight; 0 turns the length penalty off."""
+    power: PositiveFloat = 2.0
+    """Exponent of the overshoot; > 1 forgives small overshoots and punishes long ones."""
+
+
+class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[trainer]`: the optimizer and the RL objective."""
+
+    lr: PositiveFloat = 1e-5
+    """Learning rate (AdamW)."""
+    lr_decay_steps: NonNegativeInt = 0
+    """Lower the learning rate linearly from `lr` to `lr * lr_final_ratio` over this many optimizer steps,
+    then hold it there (a run of known length ends at a low-noise point); 0 keeps `lr` throughout."""
+    lr_final_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
+    """Where `lr_decay_steps` ends, as a fraction of `lr`."""
+    batch_rollouts: PositiveInt = 64
+    """Rollouts per optimizer step; should be a multiple of `generator.group_size`."""
+    staleness_versions: NonNegativeInt = 4
+    """Drop rollouts whose oldest token is more than this many policy versions old."""
+    kl_coef: NonNegativeFloat = 0.001
+    """Weight of the k1 KL estimator (-log r) against the reference policy."""
+    is_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    """Cap of the truncated importance weight pi/mu for off-policy tokens."""
+    length_penalty: LengthPenaltyConfig = LengthPenaltyConfig()
+    """Nonlinear length penalty applied to rewards."""
+    aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] = "token_mean"
+    """How per-token losses are averaged: 'token_mean' (every token alike; long completions weigh
+    more), 'sequence_mean' (every completion alike), 'token_sum_norm' (sum / fixed B*T, Dr. GRPO)."""
+    scale_by_std: bool = False
+    """Divide each group's advantages by the std of its rewards (GRPO): a group with one pass in eight
+    weighs ~2.8x more than with the default mean-centred advantages (Dr. GRPO)."""
+    drop_flat_groups: bool = False
+    """Drop complete groups whose rewards are all equal (no learning signal; recorded as dropped
+    with reason 'flat') instead of training on them (DAPO dynamic sampling)."""
+    seed: int = 0
+    """Seed of the trainer's RNG (initialisation, shuffling)."""
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (1 = the first): `lr` at step 1, falling linearly to
+        `lr * lr_final_ratio` at step `lr_decay_steps + 1` and held there; `lr` when there is no decay."""
+        if self.lr_decay_steps <= 0:
+            return self.lr
+        done = min(1.0, max(0, step - 1) / self.lr_decay_steps)
+        return self.lr * (1.0 - done * (1.0 - self.lr_final_ratio))
+
+
+class TrainerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What the trainer gets beside `[trainer]`: where the run's files are, the settings of other sections it
+    must agree with (topology/launch.py derives them), and timing knobs for tests."""
+
+    pretrained: str = ""
+    """`pretrain.pt` (or its folder) to start from and to use as the KL reference; empty: a fresh tiny model."""
+    state_dir: str = ""
+    """The run's state directory: the checkpointer's durable copies are read from here if CKPT lost one."""
+    checkpoint_interval: PositiveInt = 10
+    """Upload the full state every this many steps (topology `[checkpoint] interval_steps`)."""
+    keep_version_objects: PositiveInt = 16
+    """bf16 version objects kept in CKPT for the publisher (it re-reads delta bases from them after a restart);
+    older ones are deleted. The launcher passes max(16, 2 * weights.keep_versions)."""
+    sampling_temperature: PositiveFloat = 1.0
+    """The generators' sampling temperature (topology `[generator] temperature`, passed by the launcher):
+    the policy and reference logprobs are taken at it, so pi/mu compares like with like; greedy (0) → 1."""
+    grad_clip: NonNegativeFloat = 1.0
+    """Clip the gradient norm to this; 0: no clipping."""
+    resume_wait_s: NonNegativeFloat = 300.0
+    """On start, wait this long for the checkpointer to handle every uploaded state before picking a mark."""
+    mark_wait_s: NonNegativeFloat = 5.0
+    """On drain, wait this long for the mark of the final upload (then its rollouts are acked)."""
+
+
+def settings_record(config: TrainerConfig, launch: TrainerLaunch) -> dict[str, Any]:
+    """`config` and `launch` as one flat object: the trainer's `started` event data (one key space; the two
+    Structs share no field name)."""
+    return {**msgspec.to_builtins(config), **msgspec.to_builtins(launch)}
+
+
+def from_record(record: Mapping[str, Any]) -> tuple[TrainerConfig, TrainerLaunch]:
+    """The (config, launch) of a flat `settings_record`; keys of neither are an error.
+
+    :raises msgspec.ValidationError: a key belongs to neither, or a value does not fit.
+    """
+    launch_keys = set(TrainerLaunch.__struct_fields__)
+    config = msgspec.convert({k: v for k, v in record.items() if k not in launch_keys}, TrainerConfig)
+    launch = msgspec.convert({k: v for k, v in record.items() if k in launch_keys}, TrainerLaunch)
+    return config, launch
+
+
+__all__ = ["LengthPenaltyConfig", "TrainerConfig", "TrainerLaunch", "from_record", "settings_record"]
