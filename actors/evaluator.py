@@ -13,7 +13,7 @@ Consumes WeightManifests (LATEST KV); produces EvalReport and Event(incident) wh
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -21,6 +21,7 @@ import structlog
 import torch
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.common.config import EvaluatorConfig, EvaluatorLaunch, decode_config
 from rlbus.actors.common.sandbox_client import grade_cases
 from rlbus.actors.common.weight_sync import WeightSync
 from rlbus.messages.bus import Bus
@@ -35,26 +36,16 @@ from rlbus.model.tokenizer import ByteTokenizer
 log = structlog.get_logger()
 
 
-@dataclass(frozen=True, slots=True)
-class EvaluatorSettings:
-    """`[evaluator]` of the topology, plus the generation budget."""
-
-    every_versions: int = 10
-    n_tasks: int = 64
-    seed: int = 1
-    max_tokens: int = 160
-    batch_size: int = 32
-
-
 class Evaluator(Actor):
     """Evaluates version 0 and every `every_versions`-th version after it; one EvalReport each."""
 
     kind = "evaluator"
 
-    def __init__(self, ident: ActorId, bus: Bus, settings: EvaluatorSettings,
-                 limits: ActorLimits | None = None) -> None:
+    def __init__(self, ident: ActorId, bus: Bus, settings: EvaluatorConfig,
+                 limits: ActorLimits | None = None, launch: EvaluatorLaunch | None = None) -> None:
         super().__init__(ident, bus, limits)
         self.settings = settings
+        self.launch = launch or EvaluatorLaunch()
         self.tokenizer = ByteTokenizer()
         self.tasks: list[Task] = []
         self.last_evaluated: int | None = None
@@ -88,7 +79,7 @@ class Evaluator(Actor):
         model = self.sync.model
         prompts = [self.tokenizer.prompt_ids(t.prompt) for t in self.tasks]
         ids = await anyio.to_thread.run_sync(lambda: greedy_complete(
-            model, prompts, max_new_tokens=self.settings.max_tokens, batch_size=self.settings.batch_size,
+            model, prompts, max_new_tokens=self.launch.max_tokens, batch_size=self.launch.batch_size,
             stop_id=self.tokenizer.stop_id, pad_id=self.tokenizer.pad_id))
         cases = [case_for(task, extract_code(completion_text(c, self.tokenizer)))
                  for task, c in zip(self.tasks, ids, strict=True)]
@@ -113,7 +104,10 @@ class Evaluator(Actor):
                  ci_low=round(low, 4), ci_high=round(high, 4))
 
 
-def build_evaluator(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Evaluator:
-    """The evaluator from its topology settings (unknown keys are ignored)."""
-    known = {f for f in EvaluatorSettings.__dataclass_fields__}
-    return Evaluator(ident, bus, EvaluatorSettings(**{k: v for k, v in settings.items() if k in known}), limits)
+def build_evaluator(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limits: ActorLimits,
+                    launch: EvaluatorLaunch | None = None) -> Evaluator:
+    """The evaluator of an `[evaluator]` section (plain values) — called by actors/kinds.py.
+
+    :raises TopologyError: a setting is unknown or out of bounds (the text names it).
+    """
+    return Evaluator(ident, bus, decode_config("evaluator", settings, EvaluatorConfig), limits, launch)

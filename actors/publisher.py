@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Mapping
 from functools import partial
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Final
+from typing import Any, Final
 
 import anyio
 import msgspec
@@ -35,6 +36,7 @@ from nats.js.object_store import ObjectStore
 from torch import Tensor
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.common.config import PublisherConfig, PublisherLaunch, decode_config
 from rlbus.actors.common.ledger import read_all
 from rlbus.actors.common.weight_sync import LATEST_KEY, decode_full, fetch_object, store_digest
 from rlbus.kernels.delta import DeltaCorrupt, merge_positions, snapshot_due
@@ -55,33 +57,6 @@ _Row = tuple[str, str, int, int | None, int]
 """One object of a manifest: name, digest, size, base version, version it yields."""
 _WRONG_LAST_SEQUENCE: Final = (10071, 10164)
 """JetStream err_codes of a compare-and-set whose expected last subject sequence is stale."""
-
-
-class PublisherSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The `[weights]` section plus what the launcher adds (`regions`, `hub`) and timing for tests."""
-
-    regions: list[str]
-    """Every region of the run, the hub included; each one's JetStream domain is its name."""
-    hub: str
-    """The hub region (CKPT, STATE and WEIGHTS live there)."""
-    keep_versions: Annotated[int, msgspec.Meta(ge=1)] = 8
-    """Versions kept decoded here and as objects in each region (older ones are deleted)."""
-    full_every: Annotated[int, msgspec.Meta(ge=1)] = 4
-    """A full snapshot for version 0 and every this many versions."""
-    delta_depth: Annotated[int, msgspec.Meta(ge=1)] = 3
-    """Deltas from each of the previous this-many kept versions, plus one from the latest snapshot."""
-    region_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
-    """How long an announcement waits for a slow (not failing) region before going out without it."""
-    retry_initial_s: Annotated[float, msgspec.Meta(gt=0)] = 0.5
-    """First backoff of a failed region write or download; doubles up to `retry_max_s`."""
-    retry_max_s: Annotated[float, msgspec.Meta(gt=0)] = 15.0
-    """Longest backoff between retries of a failing region."""
-    download_attempts: Annotated[int, msgspec.Meta(ge=1)] = 5
-    """Tries of a CKPT object that is missing or fails its digest before the version is given up."""
-    ack_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
-    """Ack wait of the VersionReady consumer (held with in-progress acks while a version is worked on)."""
-    threads: Annotated[int, msgspec.Meta(ge=1)] = 2
-    """Codec threads for decoding and encoding."""
 
 
 def object_name(version: int, base: int | None) -> str:
@@ -127,15 +102,16 @@ class Publisher(Actor):
 
     kind = "publisher"
 
-    def __init__(self, ident: ActorId, bus: Bus, settings: PublisherSettings,
-                 limits: ActorLimits | None = None) -> None:
+    def __init__(self, ident: ActorId, bus: Bus, config: PublisherConfig, limits: ActorLimits | None = None,
+                 launch: PublisherLaunch | None = None) -> None:
         super().__init__(ident, bus, limits)
-        if settings.hub not in settings.regions:
-            raise TopologyError(f"publisher settings: hub {settings.hub!r} is not one of the regions "
-                                f"{settings.regions}")
-        self.settings = settings
+        launch = launch or PublisherLaunch(regions=[ident.region], hub=ident.region)
+        if launch.hub not in launch.regions:
+            raise TopologyError(f"publisher: hub {launch.hub!r} is not one of the regions {launch.regions}")
+        self.config = config
+        self.launch = launch
         self.subjects: Subjects = bus.subjects
-        self.regions = {name: _Region(name) for name in settings.regions}
+        self.regions = {name: _Region(name) for name in launch.regions}
         self._kept: dict[int, dict[str, Tensor]] = {}
         self._changed: dict[int, dict[str, np.ndarray]] = {}
         """Per kept version v, the positions of each tensor that differ from v-1 (from the v-1 delta's full
@@ -155,21 +131,21 @@ class Publisher(Actor):
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def setup(self) -> None:
-        hub = self._js(self.settings.hub)
+        hub = self._js(self.launch.hub)
         await ensure_consumer(hub, self.subjects.state_stream(), ConsumerConfig(
             durable_name=self.subjects.durable("publisher"), filter_subject=self.subjects.version_ready(),
             ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
-            ack_wait=self.settings.ack_wait_s, max_deliver=-1, max_ack_pending=1))
+            ack_wait=self.launch.ack_wait_s, max_deliver=-1, max_ack_pending=1))
         self._announced = await self._last_announced()
         self.policy_version = self._announced
-        log.info("publisher_ready", announced=self._announced, regions=self.settings.regions)
+        log.info("publisher_ready", announced=self._announced, regions=self.launch.regions)
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
             for region in self.regions.values():
                 tg.start_soon(self._region_writer, region)
             deliveries = self.bus.consume(self.subjects.state_stream(), self.subjects.durable("publisher"),
-                                          VersionReady, batch=1, domain=self.settings.hub)
+                                          VersionReady, batch=1, domain=self.launch.hub)
             async for delivery in deliveries:
                 with self.busy():
                     async with anyio.create_task_group() as hold:
@@ -182,7 +158,7 @@ class Publisher(Actor):
 
     async def _last_announced(self) -> int | None:
         try:
-            raw = await self._js(self.settings.hub).get_last_msg(self.subjects.weights_stream(),
+            raw = await self._js(self.launch.hub).get_last_msg(self.subjects.weights_stream(),
                                                                  self.subjects.weights())
         except nats.js.errors.NotFoundError:
             return None
@@ -190,13 +166,13 @@ class Publisher(Actor):
             return codec.decode_as(raw.data or b"", raw.headers, WeightManifest).version
         except BadMessage as err:                 # not ours: the newest announcement we can read
             log.warning("publisher_last_announcement_bad", seq=raw.seq, error=str(err))
-            found = await read_all(self._js(self.settings.hub), self.subjects.weights_stream(),
+            found = await read_all(self._js(self.launch.hub), self.subjects.weights_stream(),
                                    self.subjects.weights(), WeightManifest)
             return max((m.version for m in found), default=None)
 
     async def _keep_in_progress(self, delivery: Delivery[VersionReady]) -> None:
         while True:
-            await anyio.sleep(self.settings.ack_wait_s / 3)
+            await anyio.sleep(self.launch.ack_wait_s / 3)
             try:
                 await delivery.in_progress()
             except _BUS_ERRORS as err:
@@ -236,7 +212,7 @@ class Publisher(Actor):
                         regions=",".join(ready_regions))
 
     async def _announce(self, manifest: WeightManifest) -> None:
-        delay = self.settings.retry_initial_s
+        delay = self.launch.retry_initial_s
         while True:
             try:
                 ack = await self.bus.publish(self.subjects.weights(), manifest,
@@ -247,12 +223,12 @@ class Publisher(Actor):
             except _BUS_ERRORS as err:
                 log.warning("weights_announce_retry", version=manifest.version, error=repr(err))
                 await anyio.sleep(delay)
-                delay = min(2 * delay, self.settings.retry_max_s)
+                delay = min(2 * delay, self.launch.retry_max_s)
 
     async def _await_regions(self, version: int) -> list[str]:
         """Regions whose LATEST holds `version`'s final manifest: all of them, or once the rest failed an
         attempt (or were slow for `region_wait_s`) those that are ready; never none."""
-        deadline = time.monotonic() + self.settings.region_wait_s
+        deadline = time.monotonic() + self.launch.region_wait_s
         while True:
             ready = [r.name for r in self.regions.values() if r.done is not None and r.done >= version]
             waiting = [r for r in self.regions.values() if r.name not in ready and not r.failing]
@@ -272,7 +248,7 @@ class Publisher(Actor):
     @property
     def _deltas(self) -> bool:
         """Whether versions are delta-encoded at all (`full_every` 1 publishes only full snapshots)."""
-        return self.settings.full_every > 1
+        return self.config.full_every > 1
 
     async def _receive(self, ready: VersionReady
                        ) -> tuple[bytes, StateIndex, dict[str, Tensor] | None] | None:
@@ -291,7 +267,7 @@ class Publisher(Actor):
             state = None
             if self._deltas:
                 state, index = await anyio.to_thread.run_sync(partial(
-                    decode_full, blob, verify=False, threads=self.settings.threads))
+                    decode_full, blob, verify=False, threads=self.launch.threads))
         except (DeltaCorrupt, ValueError) as err:
             log.error("version_blob_unusable", version=ready.version, error=repr(err))
             return None
@@ -308,11 +284,11 @@ class Publisher(Actor):
             await self._reload_bases(v)
             self._kept[v], self._digest_of[v] = state, index.version_digest
         snap = self._snapshot[0] if self._snapshot is not None else None
-        if snapshot_due(v, full_every=self.settings.full_every) or snap is None or (
+        if snapshot_due(v, full_every=self.config.full_every) or snap is None or (
                 self._deltas and snap not in self._kept):
             snap = v
             self._snapshot = (v, ready.digest, blob)
-        recent = {b for b in self._kept if v - self.settings.delta_depth <= b < v}
+        recent = {b for b in self._kept if v - self.config.delta_depth <= b < v}
         bases = [] if state is None else sorted(recent | ({snap} if snap < v else set()), reverse=True)
         blobs: dict[str, bytes] = {}
         rows: list[_Row] = []
@@ -321,7 +297,7 @@ class Publisher(Actor):
             changed: dict[str, np.ndarray] = {}
             _, delta = await anyio.to_thread.run_sync(partial(
                 encode_state, state, self._kept[base], digests=index.digests,
-                base_digest=self._digest_of[base], threads=self.settings.threads,
+                base_digest=self._digest_of[base], threads=self.launch.threads,
                 candidates=self._chain_candidates(base, v), changed=changed if base == v - 1 else None))
             if base == v - 1:
                 self._changed[v] = changed
@@ -378,8 +354,8 @@ class Publisher(Actor):
     async def _reload_bases(self, version: int) -> None:
         """After a restart (or a gap): bring back the last few versions and the scheduled snapshot from
         CKPT, so a restarted publisher writes the same objects as before. Missing ones are remembered."""
-        scheduled = version - version % self.settings.full_every
-        wanted = set(range(max(0, version - self.settings.delta_depth), version))
+        scheduled = version - version % self.config.full_every
+        wanted = set(range(max(0, version - self.config.delta_depth), version))
         if self._snapshot is None and scheduled < version:
             wanted.add(scheduled)
         for base in sorted(wanted - self._kept.keys() - self._unavailable):
@@ -388,7 +364,7 @@ class Publisher(Actor):
                 if blob is None:
                     raise DeltaCorrupt("missing from CKPT")
                 state, index = await anyio.to_thread.run_sync(
-                    partial(decode_full, blob, threads=self.settings.threads))
+                    partial(decode_full, blob, threads=self.launch.threads))
             except (DeltaCorrupt, ValueError) as err:
                 log.info("base_unavailable", version=base, error=repr(err))
                 self._unavailable.add(base)
@@ -399,7 +375,7 @@ class Publisher(Actor):
             log.info("base_reloaded", version=base)
 
     def _evict(self, version: int) -> None:
-        floor = version - max(self.settings.keep_versions, self.settings.delta_depth + 1) + 1
+        floor = version - max(self.config.keep_versions, self.config.delta_depth + 1) + 1
         snap = self._snapshot[0] if self._snapshot is not None else None
         for old in [b for b in self._kept if b < floor and b != snap]:
             del self._kept[old]
@@ -411,12 +387,12 @@ class Publisher(Actor):
                         attempts: int | None = None) -> bytes | None:
         """A CKPT object, retried with backoff: transient bus errors forever, a missing or corrupt object
         `attempts` times (default `download_attempts`) before None."""
-        tries = attempts or self.settings.download_attempts
-        delay = self.settings.retry_initial_s
+        tries = attempts or self.launch.download_attempts
+        delay = self.launch.retry_initial_s
         bad = 0
         while True:
             try:
-                return await fetch_object(self._js(self.settings.hub), self.subjects.checkpoint_bucket(),
+                return await fetch_object(self._js(self.launch.hub), self.subjects.checkpoint_bucket(),
                                           name, expected_digest=expected)
             except (DigestMismatch, nats.js.errors.NotFoundError) as err:
                 bad += 1
@@ -426,12 +402,12 @@ class Publisher(Actor):
             except _BUS_ERRORS as err:
                 log.warning("version_download_retry", object=name, error=repr(err))
             await anyio.sleep(delay)
-            delay = min(2 * delay, self.settings.retry_max_s)
+            delay = min(2 * delay, self.launch.retry_max_s)
 
     # ---- regions --------------------------------------------------------------------------------
     async def _region_writer(self, region: _Region) -> None:
         """Bring one region to its newest target; on failure retry with backoff (a newer target wakes it)."""
-        delay = self.settings.retry_initial_s
+        delay = self.launch.retry_initial_s
         while True:
             target = region.target
             if target is None or (region.written is not None
@@ -451,7 +427,7 @@ class Publisher(Actor):
                 with anyio.move_on_after(delay):
                     await region.wake.wait()
                     region.wake = anyio.Event()
-                delay = min(2 * delay, self.settings.retry_max_s)
+                delay = min(2 * delay, self.launch.retry_max_s)
                 continue
             version = target.manifest.version
             if region.failing:
@@ -463,7 +439,7 @@ class Publisher(Actor):
                 del region.written_at[min(region.written_at)]
             if target.final:
                 region.done = version
-            delay = self.settings.retry_initial_s
+            delay = self.launch.retry_initial_s
             self._set_gauges()
             await self._notify()
 
@@ -495,7 +471,7 @@ class Publisher(Actor):
     async def _prune(self, region: _Region, store: ObjectStore, manifest: WeightManifest) -> None:
         """Delete objects of versions older than the last `keep_versions` (never one the manifest lists)."""
         assert region.present is not None
-        floor = manifest.version - self.settings.keep_versions + 1
+        floor = manifest.version - self.config.keep_versions + 1
         listed = set(manifest.objects)
         for name in list(region.present):
             match = _OBJECT_NAME.fullmatch(name)
@@ -561,10 +537,10 @@ async def _list_digests(store: ObjectStore) -> dict[str, str]:
             if info.name and info.digest and not info.deleted}
 
 
-def build_publisher(ident: ActorId, bus: Bus, settings: dict[str, Any], limits: ActorLimits) -> Publisher:
-    """The publisher from its topology settings (`[weights]` plus `regions` and `hub`)."""
-    try:
-        config = msgspec.convert(settings, PublisherSettings)
-    except msgspec.ValidationError as err:
-        raise TopologyError(f"publisher settings {settings}: {err}") from None
-    return Publisher(ident, bus, config, limits)
+def build_publisher(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limits: ActorLimits,
+                    launch: PublisherLaunch | None = None) -> Publisher:
+    """The publisher of a `[weights]` section (plain values) and the run's regions and hub.
+
+    :raises TopologyError: a setting is unknown or out of bounds (the text names it).
+    """
+    return Publisher(ident, bus, decode_config("weights", settings, PublisherConfig), limits, launch)

@@ -23,7 +23,7 @@ import anyio
 import torch
 
 from rlbus.actors.trainer.resume import last_message, load_state
-from rlbus.actors.evaluator import EvaluatorSettings
+from rlbus.actors.common.config import EvaluatorLaunch
 from rlbus.actors.common.weight_sync import config_from_dict
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import CheckpointMark, EvalReport
@@ -75,7 +75,7 @@ def _evaluate_state(blob: bytes, seed: int, n_tasks: int, max_tokens: int, threa
     torch.set_num_threads(max(1, threads))
     try:
         return evaluate_pass_at_1(model, ByteTokenizer(), eval_tasks(seed, n_tasks), max_new_tokens=max_tokens,
-                                  batch_size=EvaluatorSettings().batch_size)
+                                  batch_size=EvaluatorLaunch().batch_size)
     finally:
         torch.set_num_threads(previous)
 
