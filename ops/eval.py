@@ -4,7 +4,7 @@ Greedy pass@1 with its 95% interval, per family, exactly as the evaluator and `r
 evaluation score a version (the policy in bfloat16 as it is published, the same tasks for the same seed).
 With `--samples K` it also samples K completions per task at `--temperature` and reports the sampled
 pass@1, pass@K and, for the tasks greedy decoding fails, how many passes the policy samples at all: the
-measure of what RL can still turn into greedy passes (README, "The learning run").
+measure of what RL can still turn into greedy passes (docs/experiments.md).
 
 Owns: the `eval` subcommand, `load_policy` (state directory, `checkpoints/step-N` directory or
 `pretrain.pt` → policy and a label; checkpoint objects digest-checked against their `mark.json`),

@@ -1,6 +1,6 @@
 """The recording file: one self-describing file of a run's messages, readable with msgpack + zstandard.
 
-Owns: the on-disk format (`FORMAT` below, also in the README), `RecordingWriter` (header, segments,
+Owns: the on-disk format (`FORMAT` below, also in docs/recording.md), `RecordingWriter` (header, segments,
 index, trailer) and `RecordingReader` (index-driven reads that skip segments by stream, time and policy
 version; a sequential scan when the trailer is missing, e.g. after a crash). Records are plain tuples
 `Record(stream, seq, time, subject, data)`; `data` is the message's MessagePack map with the transport
