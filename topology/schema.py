@@ -1,6 +1,6 @@
 """The topology file schema: frozen msgspec Structs, one per TOML table, a docstring under every field.
 
-Owns: every key a topology file may hold, its type, range, default and meaning (the README key table
+Owns: every key a topology file may hold, its type, range, default and meaning (docs/topology.md
 is generated from this tree by topology/reference.py), and small pure helpers on the decoded tree
 (`Topology.instances()`, `parse_duration`). The sections an actor kind reads are that kind's own Config,
 composed here and declared only next to the actor (actors/common/config.py, actors/<kind>/config.py).

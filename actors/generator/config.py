@@ -26,7 +26,7 @@ class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     this size (a multiple of group_size, like 32): tasks the policy solves only rarely then give groups
     with a pass instead of all-fail groups that teach nothing; 0: every group has G completions. Each growth
     is another sampling round, so a grown group's first completions age: raise trainer.staleness_versions
-    with it. Measured on the default run it did not raise the held-out pass rate (README, "The learning run")."""
+    with it. Measured on the default run it did not raise the held-out pass rate (docs/experiments.md)."""
     grown_subsample: bool = False
     """Publish a grown group as G completions: every pass (at most G - 1) and failures drawn at random, so a
     batch holds as many groups as without growth; false: all of its completions."""
