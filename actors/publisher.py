@@ -30,23 +30,26 @@ import numpy as np
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
-from nats.js.client import KV_STREAM_TEMPLATE
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.object_store import ObjectStore
 from torch import Tensor
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.config import PublisherConfig, PublisherLaunch, decode_config
-from rlbus.actors.common.ledger import read_all
-from rlbus.actors.common.weight_sync import LATEST_KEY, decode_full, fetch_object, store_digest
+from rlbus.actors.common.weight_sync import LATEST_KEY, decode_full
 from rlbus.kernels.delta import DeltaCorrupt, merge_positions, snapshot_due
 from rlbus.kernels.delta_state import StateIndex, encode_state, read_index
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, Delivery, digest
 from rlbus.messages.errors import BadMessage, DigestMismatch, TopologyError
+from rlbus.messages.history import last_message
+from rlbus.messages.kv import KeyEntry, advance
+from rlbus.messages.objects import fetch_object, store_digest
+from rlbus.messages.retry import GIVE_UP_S, retry_policy
 from rlbus.messages.schemas import VersionReady, WeightManifest
 from rlbus.messages.streams import ensure_consumer
 from rlbus.messages.subjects import Subjects
+from rlbus.messages.wakeup import Wakeup
 
 log = structlog.get_logger()
 
@@ -55,8 +58,6 @@ _OBJECT_NAME: Final = re.compile(r"v(\d+)\.(full|from\d+)")
 _UNLIMITED: Final = 1 << 40
 _Row = tuple[str, str, int, int | None, int]
 """One object of a manifest: name, digest, size, base version, version it yields."""
-_WRONG_LAST_SEQUENCE: Final = (10071, 10164)
-"""JetStream err_codes of a compare-and-set whose expected last subject sequence is stale."""
 
 
 def object_name(version: int, base: int | None) -> str:
@@ -93,7 +94,7 @@ class _Region:
     present: dict[str, str] | None = None
     """Object name -> sha256 digest in the region's store; None until listed once."""
     failing: bool = False
-    wake: anyio.Event = field(default_factory=anyio.Event)
+    wake: Wakeup = field(default_factory=Wakeup)
     write_s: float = 0.0
 
 
@@ -157,18 +158,10 @@ class Publisher(Actor):
         return self.bus.jetstream(region)
 
     async def _last_announced(self) -> int | None:
-        try:
-            raw = await self._js(self.launch.hub).get_last_msg(self.subjects.weights_stream(),
-                                                                 self.subjects.weights())
-        except nats.js.errors.NotFoundError:
-            return None
-        try:
-            return codec.decode_as(raw.data or b"", raw.headers, WeightManifest).version
-        except BadMessage as err:                 # not ours: the newest announcement we can read
-            log.warning("publisher_last_announcement_bad", seq=raw.seq, error=str(err))
-            found = await read_all(self._js(self.launch.hub), self.subjects.weights_stream(),
-                                   self.subjects.weights(), WeightManifest)
-            return max((m.version for m in found), default=None)
+        """The version of the last good announcement on WEIGHTS (a bad last one is read back past)."""
+        last = await last_message(self._js(self.launch.hub), self.subjects.weights_stream(), self.subjects.weights(),
+                                  WeightManifest)
+        return None if last is None else last.version
 
     async def _keep_in_progress(self, delivery: Delivery[VersionReady]) -> None:
         while True:
@@ -212,18 +205,16 @@ class Publisher(Actor):
                         regions=",".join(ready_regions))
 
     async def _announce(self, manifest: WeightManifest) -> None:
-        delay = self.launch.retry_initial_s
-        while True:
-            try:
-                ack = await self.bus.publish(self.subjects.weights(), manifest,
-                                             msg_id=f"weights-{manifest.version}")
+        """Publish the manifest on WEIGHTS (msg id `weights-<N>`), retried with backoff for up to `GIVE_UP_S`;
+        then the error fails the publisher, and its restart handles the unacked VersionReady again (objects
+        already in a region are skipped, the announcement is deduplicated by its msg id)."""
+        retry = retry_policy("weights_announce_retry", on=_BUS_ERRORS, initial_s=self.launch.retry_initial_s,
+                             max_s=self.launch.retry_max_s, give_up_after_s=GIVE_UP_S, version=manifest.version)
+        async for attempt in retry:
+            with attempt:
+                ack = await self.bus.publish(self.subjects.weights(), manifest, msg_id=f"weights-{manifest.version}")
                 if ack.duplicate:             # announced before (a restart inside the duplicate window)
                     self.count("announcements_deduplicated")
-                return
-            except _BUS_ERRORS as err:
-                log.warning("weights_announce_retry", version=manifest.version, error=repr(err))
-                await anyio.sleep(delay)
-                delay = min(2 * delay, self.launch.retry_max_s)
 
     async def _await_regions(self, version: int) -> list[str]:
         """Regions whose LATEST holds `version`'s final manifest: all of them, or once the rest failed an
@@ -385,50 +376,40 @@ class Publisher(Actor):
 
     async def _download(self, name: str, expected: str | None, *,
                         attempts: int | None = None) -> bytes | None:
-        """A CKPT object, retried with backoff: transient bus errors forever, a missing or corrupt object
-        `attempts` times (default `download_attempts`) before None."""
+        """A CKPT object, retried with backoff: a missing or corrupt object `attempts` times (default
+        `download_attempts`) before None; transient bus errors for up to `GIVE_UP_S`, then the error fails the
+        publisher (its restart handles the unacked VersionReady again)."""
         tries = attempts or self.launch.download_attempts
-        delay = self.launch.retry_initial_s
         bad = 0
-        while True:
-            try:
-                return await fetch_object(self._js(self.launch.hub), self.subjects.checkpoint_bucket(),
-                                          name, expected_digest=expected)
-            except (DigestMismatch, nats.js.errors.NotFoundError) as err:
-                bad += 1
-                log.warning("version_object_unusable", object=name, attempt=bad, error=repr(err))
-                if bad >= tries:
-                    return None
-            except _BUS_ERRORS as err:
-                log.warning("version_download_retry", object=name, error=repr(err))
-            await anyio.sleep(delay)
-            delay = min(2 * delay, self.launch.retry_max_s)
+        unusable = (DigestMismatch, nats.js.errors.NotFoundError)
+        retry = retry_policy("version_download_retry", on=(*unusable, *_BUS_ERRORS),
+                             initial_s=self.launch.retry_initial_s, max_s=self.launch.retry_max_s,
+                             give_up_after_s=GIVE_UP_S, until=lambda: bad >= tries, object=name)
+        try:
+            async for attempt in retry:
+                with attempt:
+                    try:
+                        return await fetch_object(self._js(self.launch.hub), self.subjects.checkpoint_bucket(),
+                                                  name, expected_digest=expected)
+                    except unusable as err:
+                        bad += 1
+                        log.warning("version_object_unusable", object=name, attempt=bad, error=repr(err))
+                        raise
+        except unusable:
+            return None
+        raise AssertionError("unreachable: the policy returns or raises")
 
     # ---- regions --------------------------------------------------------------------------------
     async def _region_writer(self, region: _Region) -> None:
-        """Bring one region to its newest target; on failure retry with backoff (a newer target wakes it)."""
-        delay = self.launch.retry_initial_s
+        """Bring one region to its newest target, whenever a newer one arrives (`_write_newest` retries)."""
         while True:
             target = region.target
             if target is None or (region.written is not None
                                   and region.written >= (target.manifest.version, target.final)):
                 await region.wake.wait()
-                region.wake = anyio.Event()
                 continue
             t0 = time.perf_counter()
-            try:
-                await self._write_region(region, target)
-            except (*_BUS_ERRORS, BadMessage) as err:
-                region.failing = True
-                self.count(f"region_failures_{region.name}")
-                log.warning("region_write_failed", region=region.name, version=target.manifest.version,
-                            error=repr(err), retry_s=delay)
-                await self._notify()
-                with anyio.move_on_after(delay):
-                    await region.wake.wait()
-                    region.wake = anyio.Event()
-                delay = min(2 * delay, self.launch.retry_max_s)
-                continue
+            target = await self._write_newest(region)
             version = target.manifest.version
             if region.failing:
                 log.info("region_caught_up", region=region.name, version=version)
@@ -439,9 +420,31 @@ class Publisher(Actor):
                 del region.written_at[min(region.written_at)]
             if target.final:
                 region.done = version
-            delay = self.launch.retry_initial_s
             self._set_gauges()
             await self._notify()
+
+    async def _write_newest(self, region: _Region) -> EncodedVersion:
+        """Write the region's newest target, retried with backoff (a newer target cuts a wait short and is
+        the one tried next); a failure marks the region failing, so announcements stop waiting for it.
+        -> the target written."""
+        retry = retry_policy(
+            "region_write_failed", on=(*_BUS_ERRORS, BadMessage), initial_s=self.launch.retry_initial_s,
+            max_s=self.launch.retry_max_s, sleep=region.wake.wait, region=region.name,
+            version=lambda: region.target.manifest.version if region.target is not None else None,
+            forever="a cut-off region catches up once its link heals; the other regions go on without it")
+        async for attempt in retry:
+            with attempt:
+                target = region.target
+                assert target is not None                 # set before the writer was woken
+                try:
+                    await self._write_region(region, target)
+                except (*_BUS_ERRORS, BadMessage):
+                    region.failing = True
+                    self.count(f"region_failures_{region.name}")
+                    await self._notify()
+                    raise
+                return target
+        raise AssertionError("unreachable: the policy returns or raises")
 
     async def _notify(self) -> None:
         async with self._progress:
@@ -502,29 +505,18 @@ async def advance_latest(js: JetStreamContext, bucket: str, manifest: WeightMani
     publisher) only ever move it forward.
     """
     data, _ = codec.encode(manifest, compress_above=_UNLIMITED)
-    stream = KV_STREAM_TEMPLATE.format(bucket=bucket)
-    key = Subjects.kv_key(bucket, LATEST_KEY)
-    target = Subjects.kv_key(bucket, LATEST_KEY, domain=domain)
-    while True:
+
+    def decide(entry: KeyEntry) -> bytes | None:
         try:
-            last = await js.get_last_msg(stream, key)
-            revision = last.seq or 0
-            try:
-                current: WeightManifest | None = codec.decode_as(last.data or b"", None, WeightManifest)
-            except BadMessage:                    # a delete marker or garbage: overwrite it
-                current = None
-        except nats.js.errors.NotFoundError:
-            revision, current = 0, None
+            current = codec.decode_as(entry.value, None, WeightManifest) if entry.value else None
+        except BadMessage:                        # garbage: overwrite it
+            current = None
         if current is not None and (current.version > manifest.version or (
                 current.version == manifest.version and set(current.objects) >= set(manifest.objects))):
-            return False
-        try:
-            await js.publish(target, data, headers={Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(revision)})
-            return True
-        except nats.js.errors.APIError as err:
-            if err.err_code not in _WRONG_LAST_SEQUENCE:
-                raise
-            # someone moved it meanwhile: read again
+            return None
+        return data
+
+    return await advance(js, bucket, LATEST_KEY, decide, domain=domain) is not None
 
 
 async def _list_digests(store: ObjectStore) -> dict[str, str]:

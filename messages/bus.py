@@ -3,14 +3,12 @@
 Owns: connecting (bounded, logged retry; deliberate ping settings), typed publish with `Nats-Msg-Id`
 dedupe that waits for the stream's ack, typed pull consumption as an async iterator of `Delivery`
 (ack / in-progress / nak / term), dead-lettering of anything that does not decode, and object-store
-transfers that stream into buffers and check a digest. Does not: create streams (messages/streams.py)
-or name subjects (messages/subjects.py).
+transfers in the connection's domains (through messages/objects.py, digest-checked). Does not: create
+streams (messages/streams.py) or name subjects (messages/subjects.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,10 +24,11 @@ import tenacity
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ObjectMeta, ObjectMetaOptions, PubAck
+from nats.js.api import PubAck
 
-from rlbus.messages import checks, codec
-from rlbus.messages.errors import BadMessage, BusUnavailable, DigestMismatch, PermissionDenied, SubjectError
+from rlbus.messages import checks, codec, objects
+from rlbus.messages.errors import BadMessage, BusUnavailable, PermissionDenied, SubjectError
+from rlbus.messages.objects import digest  # noqa: F401  (re-exported: the digest of manifests and marks)
 from rlbus.messages.schemas import Event, Message
 from rlbus.messages.subjects import Subjects, connection_inbox
 
@@ -40,8 +39,6 @@ M = TypeVar("M", bound=Message)
 MSG_ID_HEADER: Final = "Nats-Msg-Id"
 REASON_HEADER: Final = "Rlbus-Dead-Letter-Reason"
 SOURCE_HEADER: Final = "Rlbus-Dead-Letter-Subject"
-OBJECT_CHUNK: Final = 512 * 1024
-"""Object-store chunk size: well under nats-server's default 1 MiB max payload."""
 
 _CONNECT_RETRY: Final[dict[str, Any]] = dict(
     retry=tenacity.retry_if_exception_type(
@@ -358,27 +355,20 @@ class Bus:
     async def put_object(self, bucket: str, name: str, data: bytes | memoryview, *,
                          domain: str | None = None) -> str:
         """Upload bytes in chunks; returns their `sha256:<hex>` digest for the announcing message."""
-        store = await self.jetstream(domain).object_store(bucket)
-        meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK))
-        await store.put(name, io.BytesIO(data), meta=meta)
-        return digest(data)
+        return await objects.put_object(self.jetstream(domain), bucket, name, data)
 
     async def get_object(self, bucket: str, name: str, *, expected_digest: str | None = None,
-                         domain: str | None = None) -> bytes:
-        """Download into a buffer (never nats-py's quadratic plain `get()`), checking the digest.
+                         domain: str | None = None, timeout_s: float | None = None) -> bytes:
+        """Download an object (`objects.fetch_object`: batched, never nats-py's quadratic plain `get()`),
+        checking the store's digest and `expected_digest`. `timeout_s`: bound on the whole download (None:
+        none, but a stall of `objects.STALL_S` fails it).
 
-        :raises DigestMismatch: when the bytes differ from `expected_digest`.
+        :raises nats.js.errors.NotFoundError: no such bucket or object.
+        :raises DigestMismatch: when the bytes differ from the store's digest or `expected_digest`.
+        :raises TimeoutError: the chunks stopped arriving.
         """
-        store = await self.jetstream(domain).object_store(bucket)
-        buffer = io.BytesIO()
-        try:
-            await store.get(name, writeinto=buffer)
-        except nats.js.errors.DigestMismatchError as err:
-            raise DigestMismatch(f"object {bucket}/{name}: chunks do not match the store's digest") from err
-        data = buffer.getvalue()
-        if expected_digest is not None and (actual := digest(data)) != expected_digest:
-            raise DigestMismatch(f"object {bucket}/{name}: digest {actual} != announced {expected_digest}")
-        return data
+        return await objects.fetch_object(self.jetstream(domain), bucket, name, expected_digest=expected_digest,
+                                          timeout_s=timeout_s)
 
 
 async def _probe(urls: Sequence[str], timeout_s: float) -> None:
@@ -403,11 +393,6 @@ def _tls_context(ca_file: str | None) -> ssl.SSLContext | None:
     if ca_file is None:
         return None
     return ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
-
-
-def digest(data: bytes | memoryview) -> str:
-    """Content digest used in manifests and checkpoint marks: `sha256:<hex>`."""
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def headers_of(msg: Msg) -> Mapping[str, str]:

@@ -1,9 +1,12 @@
 """Reading a JetStream stream's history (and optionally following it) through an ephemeral consumer.
 
-Owns: `read_stream()`, an async iterator of raw stored messages from a start point (all, a start time,
-or the last message per subject) until the reader has caught up with what was stored when it started
-(or forever with `follow=True`); and `stream_counts()` for quick stream/consumer numbers.
-Does not: decode messages (callers use messages/codec.py) or decide what to read (the ops commands do).
+Owns: `read_stream()` / `read_batches()`, async iterators of raw stored messages from a start point (all, a
+start time, or the last message per subject) until the reader has read what was stored when it started
+(or forever with `follow=True`); the decoding readers built on them — `read_raw()` (a list, time-boxed),
+`read_messages()` / `read_all()` (decoded as one kind, undecodable ones skipped and logged) and
+`last_message()` (the last good message of a subject: the last one, else read back for the last that
+decodes and passes messages/checks.py) — and `stream_count()` for quick stream/consumer numbers.
+Does not: decide what to read (the ledger, the actors' resume and the ops commands do).
 
 The consumer is an ephemeral pull consumer with `AckPolicy.NONE`, in memory, deleted when the reader
 ends (and by the server after `inactive_threshold` if the reader dies): reading history never moves any
@@ -14,8 +17,9 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, TypeVar
 
 import anyio
 import nats.errors
@@ -25,7 +29,13 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from rlbus.messages import checks, codec
+from rlbus.messages.errors import BadMessage
+from rlbus.messages.schemas import Message
+
 log = structlog.get_logger()
+
+M = TypeVar("M", bound=Message)
 
 _INACTIVE_S: Final = 30.0
 
@@ -60,7 +70,16 @@ async def read_stream(js: JetStreamContext, stream: str, *, subject: str | None 
 async def read_batches(js: JetStreamContext, stream: str, *, subject: str | None = None, start: Start = Start(),
                        follow: bool = False, batch: int = 256, fetch_timeout_s: float = 1.0
                        ) -> AsyncIterator[list[Msg]]:
-    """As `read_stream`, one list per fetch (never empty), for callers that batch their work."""
+    """As `read_stream`, one list per fetch (never empty), for callers that batch their work.
+
+    Without `follow` it stops at the stream's last sequence as of the start, so writers that keep up with
+    the reader cannot keep it reading."""
+    last_seq: int | None = None
+    if not follow:
+        state = (await js.stream_info(stream)).state
+        if not state.messages:
+            return
+        last_seq = int(state.last_seq)
     config = ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=_INACTIVE_S, mem_storage=True,
                             num_replicas=1)
     if subject is not None:
@@ -76,7 +95,7 @@ async def read_batches(js: JetStreamContext, stream: str, *, subject: str | None
                 config.filter_subject = ">"
         case "time":
             config.deliver_policy = DeliverPolicy.BY_START_TIME
-            config.opt_start_time = datetime.datetime.fromtimestamp(start.at or 0.0, datetime.timezone.utc)
+            config.opt_start_time = datetime.datetime.fromtimestamp(start.at or 0.0, datetime.UTC)
     info = await js.add_consumer(stream, config)
     remaining = int(info.num_pending or 0)
     psub = await js.pull_subscribe_bind(consumer=info.name, stream=stream)
@@ -92,8 +111,13 @@ async def read_batches(js: JetStreamContext, stream: str, *, subject: str | None
             got = [m for m in msgs if m.reply]      # drop status messages (408/404) of the pull request
             if not got:
                 continue
-            remaining = int(got[-1].metadata.num_pending)
-            yield got
+            if last_seq is not None and got[-1].metadata.sequence.stream >= last_seq:
+                got = [m for m in got if m.metadata.sequence.stream <= last_seq]
+                remaining = 0                        # read what was stored at the start
+            else:
+                remaining = int(got[-1].metadata.num_pending)
+            if got:
+                yield got
     finally:
         with anyio.move_on_after(2.0, shield=True):
             try:
@@ -101,6 +125,67 @@ async def read_batches(js: JetStreamContext, stream: str, *, subject: str | None
                 await js.delete_consumer(stream, info.name)
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as err:
                 log.debug("reader_cleanup_failed", stream=stream, error=repr(err))
+
+
+async def read_raw(js: JetStreamContext, stream: str, subject: str | None = None, *,
+                   timeout_s: float = 60.0) -> list[Msg]:
+    """Every message on `subject` in `stream` as stored when the call began, undecoded, in stream order.
+
+    :raises nats.js.errors.NotFoundError: the stream does not exist.
+    :raises TimeoutError: reading took longer than `timeout_s`.
+    """
+    out: list[Msg] = []
+    with anyio.fail_after(timeout_s):
+        async with aclosing(read_batches(js, stream, subject=subject)) as batches:
+            async for msgs in batches:
+                out += msgs
+    return out
+
+
+async def read_messages(js: JetStreamContext, stream: str, subject: str | None, kind: type[M], *,
+                        timeout_s: float = 60.0) -> list[tuple[int, M]]:
+    """`read_raw` decoded as `kind`, each with its stream sequence; messages that do not decode are skipped
+    (logged)."""
+    out: list[tuple[int, M]] = []
+    for msg in await read_raw(js, stream, subject, timeout_s=timeout_s):
+        try:
+            out.append((int(msg.metadata.sequence.stream), codec.decode_as(msg.data, msg.headers, kind)))
+        except BadMessage as err:
+            log.warning("history_message_skipped", stream=stream, error=str(err))
+    return out
+
+
+async def read_all(js: JetStreamContext, stream: str, subject: str | None, kind: type[M], *,
+                   timeout_s: float = 60.0) -> list[M]:
+    """Every message of `kind` on `subject` in `stream` as stored when the call began, in stream order.
+
+    Messages that do not decode as `kind` are skipped (logged).
+    """
+    return [message for _, message in await read_messages(js, stream, subject, kind, timeout_s=timeout_s)]
+
+
+async def last_message(js: JetStreamContext, stream: str, subject: str, kind: type[M]) -> M | None:
+    """The last good message on `subject` in `stream`: decoded as `kind` and passing messages/checks.py;
+    None when there is none. A bad last message is passed over (logged) and the subject read back for the
+    last good one, so one bad message cannot stop an actor's start."""
+    try:
+        raw = await js.get_last_msg(stream, subject)
+    except nats.js.errors.NotFoundError:
+        return None
+    try:
+        message = codec.decode_as(raw.data or b"", raw.headers, kind)
+        checks.check(message)
+        return message
+    except BadMessage as err:
+        log.warning("last_message_bad", stream=stream, subject=subject, seq=raw.seq, error=str(err))
+    good = None
+    for candidate in await read_all(js, stream, subject, kind):
+        try:
+            checks.check(candidate)
+        except BadMessage:
+            continue
+        good = candidate
+    return good
 
 
 def stored_at(msg: Msg) -> float:

@@ -16,6 +16,8 @@ from typing import Final, Literal
 from rlbus.messages.errors import SubjectError
 
 _TOKEN: Final = re.compile(r"[A-Za-z0-9_-]+")
+_KV_KEY: Final = re.compile(r"[-/_=A-Za-z0-9]+(\.[-/_=A-Za-z0-9]+)*")
+"""A JetStream KV key (nats-py's rule): tokens of letters, digits, '-', '/', '_' or '=', joined by dots."""
 _ROOT: Final = "rlbus"
 _INBOX_ROOT: Final = "_INBOX"
 
@@ -135,8 +137,12 @@ class Subjects:
     @staticmethod
     def kv_key(bucket: str, key: str, *, domain: str | None = None) -> str:
         """The subject a KV bucket stores `key` under; with `domain`, the one to *write* it from another
-        domain: `$KV.>` does not cross leaf links, `$JS.<domain>.API.$KV.>` does (the Go client's way)."""
-        subject = f"$KV.{token(bucket, 'bucket')}.{token(key, 'key')}"
+        domain: `$KV.>` does not cross leaf links, `$JS.<domain>.API.$KV.>` does (the Go client's way).
+        `key` is any KV key (dots make it several tokens)."""
+        if not isinstance(key, str) or not _KV_KEY.fullmatch(key):
+            raise SubjectError(f"KV key {key!r} is not a key (tokens of letters, digits, '-', '/', '_' or '=', "
+                               f"joined by dots)")
+        subject = f"$KV.{token(bucket, 'bucket')}.{key}"
         return subject if domain is None else f"{Subjects.js_api(domain)}.{subject}"
 
     @staticmethod

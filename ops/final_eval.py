@@ -22,10 +22,11 @@ from typing import Final
 import anyio
 import torch
 
-from rlbus.actors.trainer.resume import last_message, load_state
+from rlbus.actors.trainer.resume import load_state
 from rlbus.actors.common.config import EvaluatorLaunch
 from rlbus.actors.common.weight_sync import config_from_dict
 from rlbus.messages.bus import Bus
+from rlbus.messages.history import last_message
 from rlbus.messages.schemas import CheckpointMark, EvalReport
 from rlbus.model.evaluate import EvalResult, evaluate_pass_at_1
 from rlbus.model.tasks import eval_tasks
@@ -52,7 +53,7 @@ async def final_evaluation(bus: Bus, state_dir: Path, *, seed: int, n_tasks: int
     :raises RlbusError: the mark's state is neither in CKPT nor on disk with its digest.
     """
     s = bus.subjects
-    mark = await last_message(bus, s.checkpoints_stream(), s.checkpoints(), CheckpointMark)
+    mark = await last_message(bus.js, s.checkpoints_stream(), s.checkpoints(), CheckpointMark)
     if mark is None:
         return None
     blob, _ = await load_state(bus, mark, str(state_dir))

@@ -16,9 +16,7 @@ Does not: encode or publish versions (actors/publisher.py), sample (model/genera
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import hashlib
 import heapq
 import threading
 import time
@@ -33,9 +31,6 @@ import nats.js.errors
 import structlog
 import torch
 from anyio.abc import TaskStatus
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 from torch import Tensor
 
 from rlbus.kernels.delta import DTYPES, DeltaCorrupt, Patch, bits_view
@@ -43,14 +38,14 @@ from rlbus.kernels.delta_state import StateIndex, apply_state_, read_index
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage, DigestMismatch
+from rlbus.messages.objects import fetch_object
 from rlbus.messages.schemas import Event, WeightManifest
 from rlbus.messages.subjects import Subjects
+from rlbus.messages.wakeup import Wakeup
 from rlbus.model.transformer import ModelConfig, Transformer
 
 log = structlog.get_logger()
 
-_FETCH_BATCH: Final = 64
-"""Object-store chunks per pull request (512 KiB each: up to 32 MiB in flight)."""
 LATEST_KEY: Final = "latest"
 """The key of each region's LATEST KV bucket that points at the newest WeightManifest."""
 _FETCH_ERRORS: Final = (nats.errors.Error, TimeoutError, OSError)
@@ -116,52 +111,6 @@ def decode_full(blob: bytes | memoryview, *, verify: bool = True, threads: int =
     state = empty_state(index)
     apply_state_(state, blob, verify=verify, threads=threads)
     return state, index
-
-
-async def fetch_object(js: JetStreamContext, bucket: str, name: str, *, expected_digest: str | None = None,
-                       timeout_s: float = 60.0) -> bytes:
-    """An object's bytes through an ephemeral pull consumer fetched in batches (3-4x the throughput of
-    nats-py's ordered push `get` here), checked against the store's own sha256 and `expected_digest`.
-
-    :raises nats.js.errors.NotFoundError: no such object. :raises DigestMismatch: the bytes do not match.
-    """
-    store = await js.object_store(bucket)
-    info = await store.get_info(name)
-    parts: list[bytes] = []
-    got = 0
-    sha = hashlib.sha256()          # hashed chunk by chunk while the next ones are on their way
-    if info.size:
-        psub = await js.pull_subscribe(
-            OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid),
-            stream=OBJ_STREAM_TEMPLATE.format(bucket=bucket),
-            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
-                                  inactive_threshold=10.0))
-        try:
-            with anyio.fail_after(timeout_s):
-                while got < (info.size or 0):
-                    for msg in await psub.fetch(_FETCH_BATCH, timeout=timeout_s):
-                        parts.append(msg.data)
-                        sha.update(msg.data)
-                        got += len(msg.data)
-        finally:
-            with anyio.move_on_after(2.0, shield=True):
-                await psub.unsubscribe()
-    data = b"".join(parts)
-    actual = "sha256:" + sha.hexdigest()           # as messages.bus.digest(data)
-    if got != (info.size or 0) or actual != store_digest(info.digest or ""):
-        raise DigestMismatch(f"object {bucket}/{name}: {got} bytes with digest {actual}, the store's meta "
-                             f"says {info.size} bytes, {info.digest}")
-    if expected_digest is not None and actual != expected_digest:
-        raise DigestMismatch(f"object {bucket}/{name}: digest {actual} != announced {expected_digest}")
-    return data
-
-
-def store_digest(meta_digest: str) -> str:
-    """An object store's `SHA-256=<base64url>` digest as rlbus's `sha256:<hex>` (messages.bus.digest)."""
-    try:
-        return "sha256:" + base64.urlsafe_b64decode(meta_digest.removeprefix("SHA-256=")).hex()
-    except ValueError:
-        return ""
 
 
 # ---- which objects to fetch -------------------------------------------------------------------------
@@ -267,8 +216,10 @@ class WeightSync:
         self._lock = threading.Lock()
         self._build_lock = anyio.Lock()
         self._latest: WeightManifest | None = None
-        self._wake = anyio.Event()
-        self._staged_event = anyio.Event()
+        self._wake = Wakeup()
+        """A newer manifest arrived (the watcher wakes the stager)."""
+        self._staged_event = Wakeup()
+        """A version was staged (the stager wakes `wait_for_staged`)."""
         self._avoid: set[str] = set()
         self.last_path: list[str] = []
         """Object names fetched for the last staged version (tests and logs)."""
@@ -419,12 +370,9 @@ class WeightSync:
             staged = self._staged_version
             if manifest is None or (staged is not None and staged >= manifest.version):
                 await self._wake.wait()
-                self._wake = anyio.Event()
                 continue
             if not await self._stage(manifest):
-                with anyio.move_on_after(self.retry_s):   # retry, or sooner when a newer manifest arrives
-                    await self._wake.wait()
-                    self._wake = anyio.Event()
+                await self._wake.wait(self.retry_s)       # retry, or sooner when a newer manifest arrives
 
     async def _stage(self, manifest: WeightManifest) -> bool:
         """Fetch, apply and verify one manifest into the staging buffers; False to retry later."""
@@ -479,7 +427,6 @@ class WeightSync:
                  bytes=sum(p.size for p in path), fetch_s=round(t1 - t0, 3),
                  apply_s=round(self.timings["apply"], 3))
         self._staged_event.set()
-        self._staged_event = anyio.Event()
         return True
 
     def _apply(self, path: list[Part], blobs: list[bytes], manifest: WeightManifest) -> None:

@@ -27,6 +27,8 @@ from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from rlbus.messages.errors import RlbusError, SandboxCrashed
+from rlbus.messages.retry import retry_policy
+from rlbus.messages.wakeup import Wakeup
 
 log = structlog.get_logger()
 
@@ -348,7 +350,7 @@ class ExecutorPool:
         self.started = 0
         self.crashes = 0
         self._send, self._idle = anyio.create_memory_object_stream[ExecutorProcess](size)
-        self._wanted = anyio.Event()
+        self._wanted = Wakeup()
         self._closed = False
 
     async def start(self) -> None:
@@ -379,20 +381,30 @@ class ExecutorPool:
 
     async def maintain(self) -> None:
         """Forever: when an executor is missing, start one (backoff 0.1 s → 5 s while starts fail)."""
-        delay = 0.1
         while True:
             await self._wanted.wait()
-            self._wanted = anyio.Event()
             while not self._closed and len(self.live) < self.size:
-                try:
-                    self._add(await ExecutorProcess.start(self.jail))
-                    delay = 0.1
+                ex = await self._start_one()
+                if ex is not None:
+                    self._add(ex)
                     log.info("sandbox_executor_started", isolation=self.jail.level, live=len(self.live))
+
+    async def _start_one(self) -> ExecutorProcess | None:
+        """One executor, retried with backoff while starts fail (each failure reported); None once closed."""
+        retry = retry_policy("sandbox_executor_start_failed", on=ExecutorStartFailed, initial_s=0.1, max_s=5.0,
+                             isolation=self.jail.level,
+                             forever="the pool must refill whenever executors can start again (each failure "
+                                     "is reported to the supervisor)")
+        async for attempt in retry:
+            with attempt:
+                if self._closed:
+                    return None
+                try:
+                    return await ExecutorProcess.start(self.jail)
                 except ExecutorStartFailed as err:
-                    log.warning("sandbox_executor_start_failed", error=str(err), retry_in_s=delay)
                     await self._report(f"executor start failed: {err}")
-                    await anyio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
+                    raise
+        raise AssertionError("unreachable: the policy returns or raises")
 
     async def _report(self, what: str) -> None:
         if self.on_failure is not None:

@@ -11,22 +11,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal
 
 import anyio
 import nats.js.errors
 import structlog
 
 from rlbus.actors.common.checkpoints import checkpoint_dir, read_durable_state
-from rlbus.actors.common.ledger import read_all
-from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus
-from rlbus.messages.errors import BadMessage, DigestMismatch, RlbusError
+from rlbus.messages.errors import DigestMismatch, RlbusError
+from rlbus.messages.history import last_message
 from rlbus.messages.schemas import CheckpointMark, VersionReady
 
 log = structlog.get_logger()
-
-M = TypeVar("M", CheckpointMark, VersionReady)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,37 +51,13 @@ async def resume_point(bus: Bus, *, state_dir: str = "", wait_s: float = 300.0,
     await wait_for_checkpointer(bus, wait_s=wait_s, gauges=gauges if gauges is not None else {})
     info = await bus.js.stream_info(s.checkpoints_stream())
     next_mark_seq = int(info.state.last_seq) + 1
-    mark = await last_message(bus, s.checkpoints_stream(), s.checkpoints(), CheckpointMark)
-    last_version = await last_message(bus, s.state_stream(), s.version_ready(), VersionReady)
+    mark = await last_message(bus.js, s.checkpoints_stream(), s.checkpoints(), CheckpointMark)
+    last_version = await last_message(bus.js, s.state_stream(), s.version_ready(), VersionReady)
     next_version = max(last_version.version + 1 if last_version else 0, mark.policy_version + 1 if mark else 0)
     if mark is None:
         return Resume(None, None, "fresh", next_version, next_mark_seq)
     blob, source = await load_state(bus, mark, state_dir)
     return Resume(mark, blob, source, next_version, next_mark_seq)
-
-
-async def last_message(bus: Bus, stream: str, subject: str, kind: type[M]) -> M | None:
-    """The last valid message on `subject` in `stream`, decoded; None when there is none. A bad last
-    message (undecodable, or breaking messages/checks.py) is passed over: the stream is read back for the
-    last good one, so one bad message cannot stop every trainer start."""
-    try:
-        raw = await bus.js.get_last_msg(stream, subject)
-    except nats.js.errors.NotFoundError:
-        return None
-    try:
-        message = codec.decode_as(raw.data or b"", raw.headers, kind)
-        checks.check(message)
-        return message
-    except BadMessage as err:
-        log.warning("trainer_last_message_bad", stream=stream, seq=raw.seq, error=str(err))
-    good = []
-    for candidate in await read_all(bus.js, stream, subject, kind):
-        try:
-            checks.check(candidate)
-        except BadMessage:
-            continue
-        good.append(candidate)
-    return good[-1] if good else None
 
 
 async def wait_for_checkpointer(bus: Bus, *, wait_s: float, gauges: dict[str, float]) -> None:

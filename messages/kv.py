@@ -1,0 +1,97 @@
+"""Compare-and-set on JetStream KV keys, in the connection's own domain or through another's API.
+
+Owns: `read_key` (a key's last value and revision; a delete or purge reads as no value), `put_at` (write a
+key only while its revision is still the one the writer read: the one compare-and-set of rlbus, used by
+the feeder's position, the generators' partials and the publisher's LATEST key) and `advance` (read,
+decide, compare-and-set, and read again after a lost race). nats-py's `KeyValue` writes only to `$KV.>`,
+which does not cross leaf links; with `domain` these write through `$JS.<domain>.API.$KV.>`.
+Does not: create buckets (messages/streams.py) or decode values (callers do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import Header
+from nats.js.client import KV_STREAM_TEMPLATE
+
+from rlbus.messages.subjects import Subjects
+
+WRONG_LAST_SEQUENCE: Final = (10071, 10164)
+"""JetStream err_codes of a write whose expected last subject sequence is stale."""
+_OPERATION_HEADER: Final = "KV-Operation"
+_REMOVED: Final = ("DEL", "PURGE")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    """A key's last entry as read."""
+
+    value: bytes | None
+    """None: never written, deleted or purged."""
+    revision: int
+    """Stream sequence of the key's last entry (0: never written): what `put_at` expects."""
+
+
+async def read_key(js: JetStreamContext, bucket: str, key: str) -> KeyEntry:
+    """The last entry of `key` in `bucket` (reached through `js`'s domain)."""
+    try:
+        last = await js.get_last_msg(KV_STREAM_TEMPLATE.format(bucket=bucket), Subjects.kv_key(bucket, key))
+    except nats.js.errors.NotFoundError:
+        return KeyEntry(None, 0)
+    revision = int(last.seq or 0)
+    if (last.headers or {}).get(_OPERATION_HEADER) in _REMOVED:
+        return KeyEntry(None, revision)
+    return KeyEntry(last.data or b"", revision)
+
+
+async def put_at(js: JetStreamContext, bucket: str, key: str, value: bytes, *, revision: int | None,
+                 domain: str | None = None) -> int:
+    """Write `key` = `value` only if its last entry is still `revision`; None: only if it holds no value
+    (never written, deleted or purged, as nats-py's `KeyValue.create`). -> the new revision.
+
+    `domain`: the bucket's domain when it is not `js`'s connection's own (the write then goes through
+    `$JS.<domain>.API`; `js` must reach that domain for the reads).
+
+    :raises nats.js.errors.KeyWrongLastSequenceError: another writer got there first.
+    """
+    try:
+        return await _put(js, bucket, key, value, revision or 0, domain)
+    except nats.js.errors.KeyWrongLastSequenceError:
+        if revision is not None:
+            raise
+        entry = await read_key(js, bucket, key)
+        if entry.value is not None or entry.revision == 0:
+            raise
+        return await _put(js, bucket, key, value, entry.revision, domain)   # over its delete marker
+
+
+async def advance(js: JetStreamContext, bucket: str, key: str, decide: Callable[[KeyEntry], bytes | None], *,
+                  domain: str | None = None) -> int | None:
+    """Read `key`, ask `decide` for its new value (None: leave it), compare-and-set it, and on a lost race
+    read again and ask again. -> the revision written, None when `decide` left the key."""
+    while True:
+        entry = await read_key(js, bucket, key)
+        value = decide(entry)
+        if value is None:
+            return None
+        try:
+            return await _put(js, bucket, key, value, entry.revision, domain)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            continue                                  # someone moved it meanwhile: read again
+
+
+async def _put(js: JetStreamContext, bucket: str, key: str, value: bytes, revision: int,
+               domain: str | None) -> int:
+    subject = Subjects.kv_key(bucket, key, domain=domain)
+    try:
+        ack = await js.publish(subject, value, headers={Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(revision)})
+    except nats.js.errors.APIError as err:
+        if err.err_code in WRONG_LAST_SEQUENCE:
+            raise nats.js.errors.KeyWrongLastSequenceError(description=err.description) from None
+        raise
+    return int(ack.seq)
