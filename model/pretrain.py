@@ -2,7 +2,8 @@
 
 Owns: the corpus (prompt + canonical solution, and some two-attempt documents where a corrupted first
 attempt gets test feedback and the retry is correct), the training loop, checkpoints
-(`pretrain.pt` + `pretrain.json`), `load_checkpoint`, and the final held-out greedy pass@1.
+(`pretrain.pt` + `pretrain.json`), `load_checkpoint`, the final held-out greedy pass@1, and `settings_key`
+(the digest under which `rlbus up` caches a pretrained base).
 Does not own: the network (`transformer.py`), tasks and grading, or the CLI (`ops/pretrain.py`).
 Deterministic given the seed and thread count.
 """
@@ -10,6 +11,7 @@ Deterministic given the seed and thread count.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -83,7 +85,8 @@ class PretrainConfig:
 
 @dataclass(frozen=True, slots=True)
 class PretrainProgress:
-    """One progress report: phase is "train", "eval" or "checkpoint"."""
+    """One progress report: phase is "train" (after every optimizer step; the caller picks which to show),
+    "eval", or "checkpoint" (each intermediate one at its step, the final one at `step == steps`)."""
 
     phase: str
     step: int
@@ -239,8 +242,7 @@ def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path
         losses.append(loss.item())
         tokens_seen += int((targets != tokenizer.pad_id).sum())
         elapsed = time.monotonic() - start
-        if step % 10 == 0 or step == steps - 1:
-            report(PretrainProgress("train", step + 1, steps, elapsed, losses[-1], lr, tokens_seen / elapsed))
+        report(PretrainProgress("train", step + 1, steps, elapsed, losses[-1], lr, tokens_seen / elapsed))
         if (step + 1) % config.checkpoint_every == 0 and step + 1 < steps:
             _save(checkpoint, model, tokenizer, config, {"seed": seed, "step": step + 1, "final": False})
             report(PretrainProgress("checkpoint", step + 1, steps, elapsed, note=str(checkpoint)))
@@ -265,6 +267,21 @@ def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path
              seconds=round(wall_s, 1))
     report(PretrainProgress("checkpoint", steps, steps, wall_s, note=str(checkpoint)))
     return PretrainResult(checkpoint, summary, steps, losses[0], final_loss, wall_s, train_s, result)
+
+
+KEY_FORMAT: Final = 1
+"""Part of every `settings_key`: bump it when a change to this module makes the same settings train another
+policy (corpus, loop, checkpoint layout), so bases cached under older keys are no longer reused."""
+
+
+def settings_key(config: PretrainConfig, steps: int, seed: int, threads: int) -> str:
+    """A digest (16 hex digits) of everything that decides what `pretrain(config, steps, seed, _, threads)`
+    produces: every field of `config` (model shape, schedule, corpus, held-out seed and size), the steps, the
+    seed, the thread count (the run is deterministic per thread count) and `KEY_FORMAT`. Equal settings give
+    equal keys; changing any one of them gives another key."""
+    doc = {"format": KEY_FORMAT, "config": dataclasses.asdict(config), "steps": steps, "seed": seed,
+           "threads": threads}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _save(path: Path, model: Transformer, tokenizer: ByteTokenizer, config: PretrainConfig,

@@ -1,7 +1,8 @@
 """`rlbus pretrain`: continued pretraining of the policy on solved coding tasks, then held-out pass@1.
 
-Owns: the command line and its progress lines. Does not own the training (`model/pretrain.py`).
-Writes DIR/pretrain.pt (state_dict, model config, tokenizer info, meta) and DIR/pretrain.json.
+Owns: the command line and its progress lines (`PretrainPrinter`, shared with `rlbus up`). Does not own the
+training (`model/pretrain.py`). Writes DIR/pretrain.pt (state_dict, model config, tokenizer info, meta) and
+DIR/pretrain.json.
 """
 
 from __future__ import annotations
@@ -10,6 +11,58 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from rlbus.model.pretrain import PretrainProgress
+
+PROGRESS_EVERY = 10
+"""Off a terminal, a progress line every this many optimizer steps (and at the first and the last)."""
+
+
+class PretrainPrinter:
+    """Progress lines of one pretraining run, for `pretrain(progress=...)`.
+
+    On a terminal the step line is rewritten in place after every step; elsewhere (a pipe, a log file, CI)
+    a line is printed at the first step, every `every` steps and the last, so a long run shows it is alive.
+    Checkpoints are named with their step, and no line is printed twice.
+    """
+
+    def __init__(self, out: TextIO, *, prefix: str = "", every: int = PROGRESS_EVERY, tty: bool | None = None) -> None:
+        self.out = out
+        self.prefix = prefix
+        self.every = max(1, every)
+        self.tty = out.isatty() if tty is None else tty
+        self._shown: set[str] = set()
+        self._open = False
+
+    def __call__(self, p: PretrainProgress) -> None:
+        if p.phase == "train":
+            line = (f"step {p.step:>5}/{p.steps}  loss {p.loss or 0.0:.4f}  lr {p.lr or 0.0:.2e}  "
+                    f"{p.tokens_per_s or 0.0:,.0f} tok/s  {p.elapsed_s:6.1f}s")
+            if self.tty:
+                self.out.write(f"\r{self.prefix}{line}")
+                self._open = p.step < p.steps
+                if not self._open:
+                    self.out.write("\n")
+                self.out.flush()
+            elif p.step == 1 or p.step % self.every == 0 or p.step == p.steps:
+                self._line(line)
+        elif p.phase == "checkpoint":
+            final = " (final)" if p.step == p.steps else ""
+            self._line(f"checkpoint at step {p.step}/{p.steps}{final}: {p.note}")
+        else:
+            self._line(f"{p.phase}: {p.note}  ({p.elapsed_s:.1f}s)")
+
+    def _line(self, text: str) -> None:
+        if text in self._shown:
+            return
+        self._shown.add(text)
+        if self._open:          # end the in-place step line first
+            self.out.write("\n")
+            self._open = False
+        self.out.write(f"{self.prefix}{text}\n")
+        self.out.flush()
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -37,7 +90,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from rlbus.model.pretrain import PretrainConfig, PretrainProgress, pretrain
+    from rlbus.model.pretrain import PretrainConfig, pretrain
 
     overrides: dict[str, int] = {"task_seed": args.task_seed}
     if args.eval_n is not None:
@@ -52,16 +105,10 @@ def _handler(args: argparse.Namespace) -> int:
         print("rlbus pretrain: --steps and --threads must be >= 1 and --eval-n in 1..2000", file=sys.stderr)
         return 2
 
-    def progress(p: PretrainProgress) -> None:
-        if p.phase == "train":
-            print(f"step {p.step:>5}/{p.steps}  loss {p.loss:.4f}  lr {p.lr:.2e}  "
-                  f"{p.tokens_per_s:,.0f} tok/s  {p.elapsed_s:6.1f}s", flush=True)
-        else:
-            print(f"{p.phase}: {p.note}  ({p.elapsed_s:.1f}s)", flush=True)
-
     print(f"pretrain: config {args.config}, {steps} steps, seed {args.seed}, task seed {args.task_seed}, "
           f"{args.threads} threads -> {args.out}", flush=True)
-    result = pretrain(config, steps, args.seed, args.out, args.threads, progress=None if args.json else progress)
+    result = pretrain(config, steps, args.seed, args.out, args.threads,
+                      progress=None if args.json else PretrainPrinter(sys.stdout))
     ev = result.eval
     if args.json:
         print(json.dumps(json.loads(result.summary.read_text())))

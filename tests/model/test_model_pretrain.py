@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from rlbus.model.evaluate import greedy_complete, wilson_interval
 from rlbus.model.grading import grade_many
-from rlbus.model.pretrain import PretrainConfig, PretrainProgress, _documents, corrupt, load_checkpoint, pretrain
+from rlbus.model.pretrain import (
+    PretrainConfig,
+    PretrainProgress,
+    _documents,
+    corrupt,
+    load_checkpoint,
+    pretrain,
+    settings_key,
+)
 from rlbus.model.tasks import eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig, Transformer
@@ -89,3 +99,38 @@ def test_pretrain_is_deterministic(tmp_path: Path) -> None:
     a, b = load_checkpoint(tmp_path / "a")[0], load_checkpoint(tmp_path / "b")[0]
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     assert [p.phase for p in seen][-2:] == ["eval", "checkpoint"] and seen[0].step == 1
+
+
+def _changed(value: Any) -> Any:
+    """Another value of the same type."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value * 2 + 0.5
+    if isinstance(value, tuple):
+        return (*value, 1)
+    raise TypeError(value)
+
+
+def test_settings_key_is_equal_for_equal_settings_and_differs_for_any_change() -> None:
+    """The cache key of a pretrained base: the same settings (built afresh) give the same key; changing any
+    one field of the config or of its model, the steps, the seed or the thread count gives another, each
+    different from all the others."""
+    config = PretrainConfig.preset("small", task_seed=1)
+    key = settings_key(config, 300, 0, 2)
+    assert key == settings_key(PretrainConfig.preset("small", task_seed=1), 300, 0, 2)
+    assert len(key) == 16 and int(key, 16) >= 0
+    others = [settings_key(config, 301, 0, 2), settings_key(config, 300, 1, 2), settings_key(config, 300, 0, 3)]
+    for field in dataclasses.fields(PretrainConfig):
+        if field.name != "model":
+            others.append(settings_key(dataclasses.replace(config, **{field.name: _changed(getattr(config, field.name))}),
+                                       300, 0, 2))
+    valid = {"d_model": 256, "n_heads": 8}            # a model shape must still split into heads
+    for field in dataclasses.fields(ModelConfig):
+        value = valid.get(field.name, _changed(getattr(config.model, field.name)))
+        model = dataclasses.replace(config.model, **{field.name: value})
+        others.append(settings_key(dataclasses.replace(config, model=model), 300, 0, 2))
+    assert len(others) == 3 + len(dataclasses.fields(PretrainConfig)) - 1 + len(dataclasses.fields(ModelConfig))
+    assert key not in others and len(set(others)) == len(others)
