@@ -1,5 +1,5 @@
 """The README and docs/ stay true: the topology reference is the generated one, the README shows the CI
-test command, and every repository path, test and link they cite exists."""
+test command and a valid topology, and every repository path, test and link they cite exists."""
 
 from __future__ import annotations
 
@@ -29,6 +29,18 @@ def test_readme_shows_the_ci_command() -> None:
     """.ci/run runs exactly the test command the README shows."""
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci in (ROOT / "README.md").read_text()
+
+
+def test_readme_topology_example_is_valid() -> None:
+    """The annotated TOML in the README is a topology `rlbus validate` accepts without an error or a warning."""
+    from rlbus.topology.load import validate_text
+
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```toml\n(.*?)^```$", text, re.M | re.S)
+    assert blocks, "the README shows no ```toml block"
+    for block in blocks:
+        topology, problems = validate_text(block, local_cores=2)
+        assert topology is not None and not problems, [str(p) for p in problems]
 
 
 def cited(text: str) -> list[tuple[str, str | None]]:
