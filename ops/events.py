@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "events", help="browse lifecycle events (started, stopped, crashed, restarted, dead letters, ...)",
         description="List the events of a run from the hub's EVENTS stream, oldest first, from --since ago "
                     "(e.g. 10m, 2h, 1d). Filter by event kind, actor, region or actor kind; --follow keeps "
-                    "printing new events until Ctrl-C.")
+                    "printing new events until Ctrl-C. A run that has stopped is opened read-only: its stored "
+                    "servers are started again (no actor) while the events are read, then stopped.")
     add_target_options(p)
     p.add_argument("--since", default="1h", help="how far back to start: 90s, 10m, 2h, 1d, or 'all' (default 1h)")
     p.add_argument("--kind", action="append", default=None, metavar="EVENT",
@@ -59,9 +60,14 @@ def _handler(args: argparse.Namespace) -> int:
 async def _run(target: Any, since: float | None, args: argparse.Namespace) -> int:
     import anyio
 
+    from rlbus.ops.target import opened
+
     kinds, actors, regions, akinds = _split(args.kind), _split(args.actor), _split(args.region), _split(args.actor_kind)
     shown = 0
-    async with await target.connect(name="rlbus-events") as bus, anyio.create_task_group() as tg:
+    refuse = ("--follow waits for events a stopped run never sends: drop it to list what it stored"
+              if args.follow else None)
+    async with (opened(target, args, command="rlbus events", refuse=refuse) as reached,
+                await reached.connect(name="rlbus-events") as bus, anyio.create_task_group() as tg):
         if args.follow:
             tg.start_soon(_cancel_on_signal, tg.cancel_scope)
         async for at, seq, subject, event in read_events(bus, since=since, follow=args.follow):

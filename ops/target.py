@@ -2,8 +2,11 @@
 
 Owns: `add_target_options(parser)` (RUN, --state-dir, --url, --run, --hub, --user/--password,
 --credentials/--role), `resolve(args)` → `Target` (run id, hub, region URLs and JetStream domains,
-credentials), and `Target.connect()`. A run started by `rlbus up` is found through the `run.json` that
-topology/launch.py writes into its state directory (default `./.rlbus/<run>`).
+credentials), `Target.connect()`, `for_state_dir(state)`, and `opened(...)`, which lets a command read a
+stopped run: when nothing listens at its hub and its state directory holds the embedded servers `rlbus up`
+started, it starts those servers (no actor, under the state directory's lock) for as long as the command
+reads, then stops them. A run started by `rlbus up` is found through the `run.json` that topology/launch.py
+writes into its state directory (default `./.rlbus/<run>`).
 Does not: read streams or render anything (the commands do). Imports only stdlib at module top.
 """
 
@@ -12,7 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass, field
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -157,6 +163,83 @@ def resolve(args: argparse.Namespace) -> Target:
     if os.environ.get("RLBUS_NATS_USER"):
         return _with(target, os.environ["RLBUS_NATS_USER"], os.environ.get("RLBUS_NATS_PASSWORD", ""), {})
     return target
+
+
+def for_state_dir(state: Path, *, role: str = DEFAULT_ROLE) -> Target:
+    """The target of the run whose state directory is `state` (its run.json and credentials file), as `role`.
+
+    :raises RlbusError: as `resolve`.
+    """
+    parser = argparse.ArgumentParser()
+    add_target_options(parser, role=role)
+    return resolve(parser.parse_args(["--state-dir", str(state)]))
+
+
+def state_dir_of(args: argparse.Namespace) -> Path | None:
+    """The state directory the shared options point at (None with --url)."""
+    if getattr(args, "url", None):
+        return None
+    run = getattr(args, "run_opt", None) or getattr(args, "run", None)
+    return args.state_dir or (Path(".rlbus") / run if run else None)
+
+
+@asynccontextmanager
+async def opened(target: Target, args: argparse.Namespace, *, command: str,
+                 refuse: str | None = None) -> AsyncIterator[Target]:
+    """`target` while the block runs, its run up or stopped.
+
+    When nothing listens at the hub and the state directory holds the embedded servers of `rlbus up` (a run
+    that has stopped), those servers are started again from their stores, as `rlbus up` would start them but
+    with no actor, while the state directory's lock is held (so no `rlbus up` can start on it meanwhile);
+    the target then points at them, and they are stopped when the block ends. Anything else (a live run,
+    --url, servers the run only joined) is left to `Target.connect`. `refuse`: why the command as asked
+    makes no sense on a stopped run (it would wait for new messages); given, a stopped run is refused with it.
+
+    :raises RlbusError: the run is stopped and `refuse` is set, or another command holds the state directory.
+    """
+    import anyio
+
+    from rlbus.messages.errors import RlbusError
+
+    state = state_dir_of(args)
+    stored = None if state is None or await any_listening(target.hub_urls) else _stored_servers(state, target)
+    if stored is None:
+        yield target
+        return
+    if refuse is not None:
+        raise RlbusError(f"run {target.run!r} is stopped (nothing listens at {list(target.hub_urls)}); {refuse}, "
+                         f"or start it again with `rlbus up`")
+    from rlbus.ops.up import hold_state_dir
+    from rlbus.topology.regions import RegionSet
+
+    lock = hold_state_dir(state, holder=f"{command} (read-only)")
+    try:
+        print(f"{command}: run {target.run!r} is stopped: opened read-only from {state} (its stored servers "
+              f"started again, no actor; stopped when this command ends)", file=sys.stderr, flush=True)
+        regions, hub, tls = stored
+        servers = await anyio.to_thread.run_sync(lambda: RegionSet.start(
+            state / "nats", regions, hub, run=target.run, tls=tls))
+        try:
+            yield replace(target, urls={r: (servers.url(r),) for r in regions},
+                          tls_ca=str(servers.tls.ca) if servers.tls is not None else target.tls_ca)
+        finally:
+            await anyio.to_thread.run_sync(servers.stop)
+    finally:
+        lock.close()
+
+
+def _stored_servers(state: Path, target: Target) -> tuple[list[str], str, bool] | None:
+    """(regions, hub, tls) of the embedded servers whose stores `rlbus up` left under `state/nats`, or None
+    when the run did not start its own servers (it joined `nats_urls`) or left nothing to start."""
+    from rlbus.topology.regions import CREDENTIALS_NAME, TLS_DIR
+
+    base = (state / "nats").resolve()
+    regions = list(target.urls)
+    if not (base / CREDENTIALS_NAME).is_file() or not all((base / r).is_dir() for r in regions):
+        return None
+    if target.tls_ca is not None and not Path(target.tls_ca).resolve().is_relative_to(base / TLS_DIR):
+        return None         # its servers used the operator's own certificate: only `rlbus up` knows it
+    return regions, target.hub, target.tls_ca is not None
 
 
 def read_run_file(state: Path) -> dict[str, Any]:

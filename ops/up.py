@@ -1,8 +1,10 @@
 """`rlbus up [FILE]`: launch a topology on this machine and show its progress until Ctrl-C.
 
-Owns: the command line of `up` (topology file, state dir, --fresh, backend, --for, --steps), the first
-phase (pretraining when the run has a trainer and no pretrained policy yet), the live view (RL progress
-lines from ops/runview.py, or a heartbeat table for the bus demo), and the closing summary and PNG.
+Owns: the command line of `up` (topology file, state dir, --fresh, backend, --for, --steps, --record,
+--no-pretrained-cache), the first phase (a pretrained policy for a run with a trainer: kept, reused from the
+shared cache `<parent>/pretrained/<settings digest>/` when identical settings were pretrained before, or
+pretrained), the live view (RL progress lines from ops/runview.py, or a heartbeat table for the bus demo),
+the recording of the run as it goes (--record), and the closing summary and PNG.
 The work of starting servers, streams and actors is topology/launch.py's.
 """
 
@@ -24,6 +26,11 @@ DEFAULT_TOPOLOGY = "single"
 """The embedded default of `rlbus up`: one region running the whole RL run."""
 LOCK_FILE = "up.lock"
 """In the state directory: flock-ed by the `rlbus up` using it, holding its pid."""
+PRETRAINED_CACHE = "pretrained"
+"""Beside the state directories (`<parent of the state dir>/pretrained/<settings key>/`): pretrained bases
+shared by every run whose pretraining settings are identical (model/pretrain.py `settings_key`)."""
+ORIGIN_FILE = "origin.json"
+"""In a cached base's folder: which run (and state directory) pretrained it."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -46,6 +53,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help="stop by itself once the trainer has taken optimizer step N")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="actor heartbeat interval (default 1 s)")
+    p.add_argument("--no-pretrained-cache", dest="pretrained_cache", action="store_false",
+                   help="pretrain into the state directory even when a base with the same settings is cached "
+                        f"(the cache: {PRETRAINED_CACHE}/<settings digest>/ beside the state directories)")
+    p.add_argument("--record", type=Path, default=None, metavar="FILE",
+                   help="record the run's streams into FILE as it goes (what `rlbus record` writes), complete "
+                        "once the run has stopped")
     p.set_defaults(handler=_handler)
 
 
@@ -69,17 +82,18 @@ def _handler(args: argparse.Namespace) -> int:
                 elif child.name != LOCK_FILE:
                     child.unlink()
         rl = any(i.kind == "trainer" for i in topology.instances())
-        base = _ensure_pretrained(topology, state) if rl else None
+        base = _ensure_pretrained(topology, state, cache=args.pretrained_cache) if rl else None
         return int(anyio.run(_up, topology, state, args, rl, base, backend="asyncio"))
     finally:
         lock.close()
 
 
-def hold_state_dir(state: Path) -> IO[str]:
+def hold_state_dir(state: Path, *, holder: str = "rlbus up") -> IO[str]:
     """Create `state` and take its lock for as long as the returned file stays open: two `rlbus up` on
-    one state directory would run two servers on one JetStream store and corrupt it.
+    one state directory would run two servers on one JetStream store and corrupt it. `holder` names the
+    command in the lock file (a stopped run opened read-only by `rlbus record` holds it too).
 
-    :raises RlbusError: another process holds it (its pid is named).
+    :raises RlbusError: another process holds it (its pid and command are named).
     """
     from rlbus.messages.errors import RlbusError
 
@@ -89,13 +103,13 @@ def hold_state_dir(state: Path) -> IO[str]:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
-        owner = lock.read().strip() or "unknown"
+        owner, _, command = (lock.read().strip() or "unknown").partition(" ")
         lock.close()
-        raise RlbusError(f"state directory {state} is in use by another `rlbus up` (pid {owner}); stop it "
-                         f"first, or give this run another --state-dir") from None
+        raise RlbusError(f"state directory {state} is in use by another `{command or 'rlbus up'}` (pid {owner}); "
+                         f"stop it first, or give this run another --state-dir") from None
     lock.seek(0)
     lock.truncate()
-    lock.write(f"{os.getpid()}\n")
+    lock.write(f"{os.getpid()}\n" if holder == "rlbus up" else f"{os.getpid()} {holder}\n")
     lock.flush()
     if stopped := stop_leftovers(state):
         print(f"rlbus: stopped {len(stopped)} process(es) that a killed `rlbus up` on {state} had left running "
@@ -148,16 +162,25 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _ensure_pretrained(topology: Any, state: Path) -> dict[str, Any] | None:
-    """Pretrain into `<state>/pretrained/` unless a policy is there; returns its summary (pass@1)."""
-    from rlbus.model.pretrain import PretrainConfig, PretrainProgress, pretrain
+def pretrained_cache(state: Path) -> Path:
+    """The shared cache of pretrained bases for the state directory `state`: `<state>/../pretrained`."""
+    return state.resolve().parent / PRETRAINED_CACHE
+
+
+def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dict[str, Any] | None:
+    """Make sure `<state>/pretrained/` holds a pretrained policy; returns its summary (pass@1).
+
+    Kept when there; else copied from the shared cache when a base with identical settings was pretrained
+    before (by any run), else pretrained into the cache, then copied. `cache=False` pretrains straight into
+    the state directory and neither reads nor writes the cache."""
+    from rlbus.model.pretrain import CHECKPOINT_NAME, SUMMARY_NAME, PretrainConfig, pretrain, settings_key
+    from rlbus.ops.pretrain import PretrainPrinter
     from rlbus.topology.launch import PRETRAINED_DIR
 
     out = state / PRETRAINED_DIR
-    summary_path = out / "pretrain.json"
-    if (out / "pretrain.pt").exists():
+    if (out / CHECKPOINT_NAME).exists() and (out / SUMMARY_NAME).exists():
         print(f"rlbus up: pretrained policy found in {out}", flush=True)
-        return _pass_summary(summary_path)
+        return _pass_summary(out / SUMMARY_NAME)
     settings = topology.pretrain
     # pretraining skips, and reports its base on, the evaluator's held-out set
     overrides: dict[str, Any] = {"task_seed": topology.evaluator.seed}
@@ -165,21 +188,63 @@ def _ensure_pretrained(topology: Any, state: Path) -> dict[str, Any] | None:
         overrides["eval_n"] = settings.eval_n
     config = PretrainConfig.preset(settings.preset, **overrides)
     steps = settings.steps or config.steps
-    print(f"rlbus up: no pretrained policy yet: pretraining ({settings.preset}, {steps} steps, "
-          f"{settings.threads} threads) into {out}", flush=True)
-    every = max(1, steps // 10)
-
-    def progress(p: PretrainProgress) -> None:
-        if p.phase == "train" and (p.step % every == 0 or p.step == p.steps):
-            print(f"  pretrain step {p.step}/{p.steps}  loss {p.loss:.3f}  {p.elapsed_s:.0f}s", flush=True)
-        elif p.phase != "train":
-            print(f"  pretrain {p.phase}: {p.note}", flush=True)
-
-    result = pretrain(config, steps, settings.seed, out, settings.threads, progress=progress)
+    with contextlib.ExitStack() as held:
+        target = out
+        if cache:
+            key = settings_key(config, steps, settings.seed, settings.threads)
+            target = pretrained_cache(state) / key
+            held.enter_context(_cache_lock(target))
+            if (target / CHECKPOINT_NAME).exists() and (target / SUMMARY_NAME).exists():
+                _install(target, out, (CHECKPOINT_NAME, SUMMARY_NAME))
+                print(f"rlbus up: reusing pretrained base {target} (same settings as {_origin(target)}); "
+                      f"--no-pretrained-cache pretrains afresh", flush=True)
+                return _pass_summary(out / SUMMARY_NAME)
+        print(f"rlbus up: no pretrained policy yet: pretraining ({settings.preset}, {steps} steps, "
+              f"{settings.threads} threads) into {target}", flush=True)
+        if cache:
+            target.mkdir(parents=True, exist_ok=True)
+            (target / ORIGIN_FILE).write_text(json.dumps({"run": topology.run, "state_dir": str(state.resolve()),
+                                                          "at": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+        result = pretrain(config, steps, settings.seed, target, settings.threads,
+                          progress=PretrainPrinter(sys.stdout, prefix="  pretrain "))
+        if cache:
+            _install(target, out, (CHECKPOINT_NAME, SUMMARY_NAME))
     ev = result.eval
     print(f"rlbus up: pretrained in {result.wall_s:.0f}s: held-out pass@1 {ev.pass_at_1:.3f} "
           f"[{ev.ci_low:.3f}, {ev.ci_high:.3f}] on {ev.n} tasks", flush=True)
-    return _pass_summary(summary_path)
+    return _pass_summary(out / SUMMARY_NAME)
+
+
+@contextlib.contextmanager
+def _cache_lock(folder: Path) -> Any:
+    """Hold `<folder>.lock` (flock): two `rlbus up` needing the same base pretrain it once, the second waits."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"rlbus up: waiting for another `rlbus up` that is pretraining the same base into {folder}",
+                  flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _install(source: Path, out: Path, names: tuple[str, ...]) -> None:
+    """Copy a cached base into the run's `pretrained/` (each file written under a temporary name, then renamed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        tmp = out / f".{name}.tmp"
+        shutil.copy2(source / name, tmp)
+        tmp.replace(out / name)
+
+
+def _origin(folder: Path) -> str:
+    """'run NAME in STATE_DIR' from a cached base's origin.json ('an earlier run' when unreadable)."""
+    try:
+        doc = json.loads((folder / ORIGIN_FILE).read_text())
+        return f"run {doc['run']!r} in {doc['state_dir']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "an earlier run"
 
 
 def _pass_summary(path: Path) -> dict[str, Any] | None:
@@ -211,17 +276,22 @@ async def _up(topology: Any, state: Path, args: argparse.Namespace, rl: bool, ba
     async with Launch.open(topology, state_dir=state) as launch:
         where = ", ".join(f"{r}={u[0]}" for r, u in launch.endpoints.urls.items())
         print(f"rlbus up: bus ready ({where}); state in {launch.state_dir}", flush=True)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(view.watch, launch.admin)
-            await tg.start(lambda task_status: launch.run_actors(
-                backend=args.backend, heartbeat_s=args.heartbeat_s, task_status=task_status,
-                worker_setup=functools.partial(configure_logging, json=True)))
-            tg.start_soon(_cancel_on_signal, tg.cancel_scope)
-            if rl and args.steps is not None:
-                tg.start_soon(_cancel_when, view.step_reached, tg.cancel_scope)
-            if args.duration is not None:
-                await anyio.sleep(args.duration)
-                tg.cancel_scope.cancel()
+        finish = anyio.Event()
+        async with anyio.create_task_group() as recording:
+            if args.record is not None:
+                await recording.start(_record_run, launch.state_dir, args.record, finish)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(view.watch, launch.admin)
+                await tg.start(lambda task_status: launch.run_actors(
+                    backend=args.backend, heartbeat_s=args.heartbeat_s, task_status=task_status,
+                    worker_setup=functools.partial(configure_logging, json=True)))
+                tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+                if rl and args.steps is not None:
+                    tg.start_soon(_cancel_when, view.step_reached, tg.cancel_scope)
+                if args.duration is not None:
+                    await anyio.sleep(args.duration)
+                    tg.cancel_scope.cancel()
+            finish.set()        # the actors are gone: the recording takes what the streams hold and ends
         print(f"rlbus up: stopping: actors drained, servers stopping ({time.monotonic() - started:.0f}s)", flush=True)
         if rl:
             text = await _rl_summary(view, launch, topology, summary, write_png)
@@ -233,14 +303,14 @@ async def _up(topology: Any, state: Path, args: argparse.Namespace, rl: bool, ba
 
 async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write_png: Any) -> str:
     import anyio
+    import nats.errors
+    import nats.js.errors
 
     from rlbus.actors.common.ledger import read_all, read_ledger
     from rlbus.messages.errors import RlbusError
     from rlbus.messages.schemas import EvalReport, TrainStep
     from rlbus.ops.final_eval import REPORT_NAME, final_evaluation, write_report
     from rlbus.topology.launch import read_fed_tasks
-    import nats.errors
-    import nats.js.errors
 
     bus = launch.admin
     s = bus.subjects
@@ -272,6 +342,21 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
                   flush=True)
     png = write_png(view, launch.state_dir / "plots" / "progress.png")
     return summary(view, book, tasks) + f"\n  progress plot: {png}"
+
+
+async def _record_run(state: Path, output: Path, finish: Any, *, task_status: Any) -> None:
+    """`--record FILE`: record the run's hub streams (as `rlbus record --follow` would, as the observer) from
+    the start of the actors until `finish`, then everything they hold by then; says where it went."""
+    from rlbus.ops.recording.recorder import record
+    from rlbus.ops.target import for_state_dir
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    async with await for_state_dir(state).connect(name="rlbus-up-record") as bus:
+        print(f"rlbus up: recording the run's streams into {output}", flush=True)
+        task_status.started()
+        progress = await record(bus, output, follow=True, finish=finish)
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(progress.counts.items()))
+    print(f"rlbus up: recording written to {output}: {progress.total} messages ({counts})", flush=True)
 
 
 async def _cancel_when(event: Any, scope: Any) -> None:

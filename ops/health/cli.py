@@ -23,7 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "deadline), failed, stalled (alive but no counter changed), lagging (too many policy versions "
                     "behind), restarting; then each region's bus (server ping, JetStream, TASKS backlog, own "
                     "ROLLOUTS) and the hub's trainer backlog and dead letters. Reads the HEALTH stream's history, "
-                    "so an actor that died before this command started is still seen dead.")
+                    "so an actor that died before this command started is still seen dead. With --once, a run "
+                    "that has stopped is opened read-only (its stored servers started again, no actor, then "
+                    "stopped) and shows how it ended.")
     add_target_options(p)
     p.add_argument("--once", action="store_true", help="print one snapshot and exit (1 when something is dead)")
     p.add_argument("--json", action="store_true", help="JSON: one object with --once, else one object per refresh")
@@ -65,9 +67,13 @@ async def _run(target: Any, rules: Any, args: argparse.Namespace) -> int:
 
     from rlbus.ops.health.view import registry_for, serve_metrics, to_json
     from rlbus.ops.health.watch import HealthWatch
+    from rlbus.ops.target import opened
 
-    async with await target.connect(name="rlbus-health") as bus:
-        watch = HealthWatch(target, bus, rules)
+    refuse = None if args.once else ("the live view waits for heartbeats a stopped run never sends: "
+                                     "`rlbus health --once` shows how it ended")
+    async with (opened(target, args, command="rlbus health", refuse=refuse) as reached,
+                await reached.connect(name="rlbus-health") as bus):
+        watch = HealthWatch(reached, bus, rules)
         try:
             await watch.load()
             async with anyio.create_task_group() as tg:

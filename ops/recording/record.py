@@ -2,7 +2,8 @@
 
 Owns: the command line, progress output (stderr) and the closing summary. What is recorded and how is
 ops/recording/recorder.py; the file format is ops/recording/format.py (documented in the README, readable with plain
-msgpack + zstandard). Ctrl-C during --follow stops reading and still writes a complete file.
+msgpack + zstandard). Ctrl-C during --follow stops reading and still writes a complete file. A stopped run is
+read through its stored servers, started for the command (ops/target.py `opened`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "manifests, CHECKPOINTS marks, EVALS reports, EVENTS) into one self-describing file: "
                     "zstd-compressed MessagePack segments with an index, readable with plain msgpack + zstandard. "
                     "By default everything stored so far is recorded and the command exits; --follow keeps "
-                    "recording new messages until Ctrl-C, --for SECONDS for that long.")
+                    "recording new messages until Ctrl-C, --for SECONDS for that long. A run that has stopped is opened "
+                    "read-only: its stored servers are started again (no actor) for as long as the recording "
+                    "takes, then stopped.")
     add_target_options(p)
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="recording file (default <state-dir>/recordings/<run>-<time>.rlrec)")
@@ -69,6 +72,7 @@ async def _run(target: Any, output: Path, labels: list[str] | None, args: argpar
     import anyio
 
     from rlbus.ops.recording.recorder import record
+    from rlbus.ops.target import opened
 
     tty = sys.stderr.isatty()
     started = time.monotonic()
@@ -83,7 +87,10 @@ async def _run(target: Any, output: Path, labels: list[str] | None, args: argpar
 
     stop = anyio.Event()
     follow = args.follow or args.duration is not None
-    async with await target.connect(name="rlbus-record") as bus, anyio.create_task_group() as tg:
+    refuse = ("--follow and --for wait for messages a stopped run never sends: drop them to record what it stored"
+              if follow else None)
+    async with (opened(target, args, command="rlbus record", refuse=refuse) as reached,
+                await reached.connect(name="rlbus-record") as bus, anyio.create_task_group() as tg):
         tg.start_soon(_stop_on_signal, stop)
         progress = await record(bus, output, follow=follow, duration_s=args.duration, labels=labels, stop=stop,
                                 on_progress=show)

@@ -4,7 +4,8 @@ Owns: `RECORDED` (which hub streams a recording holds, under which label), `reco
 recorded stream from its start (concurrently), unwrap transport compression, note each message's kind
 and policy versions for the index, and append it through one writer task (compression and file I/O in
 a worker thread) — and `Progress`. Without `follow` it stops once every stream is caught up with what
-was stored when it began; with `follow` it goes on until cancelled (or `duration_s`), flushing segments
+was stored when it began; with `follow` it goes on until cancelled (or `duration_s`, or `stop`; or, after
+`finish`, until it holds everything stored by then: how `rlbus up --record` ends), flushing segments
 every few seconds so an interrupted recording loses little (the reader rebuilds a missing index).
 Does not: define the file format (ops/recording/format.py) or parse arguments (ops/recording/record.py).
 """
@@ -34,6 +35,8 @@ from rlbus.messages.history import Start, read_batches, stored_at, stream_count
 log = structlog.get_logger()
 
 FLUSH_EVERY_S: Final = 5.0
+CATCH_UP_S: Final = 60.0
+"""After `finish`, the longest a recording waits to hold what the streams stored by then."""
 
 
 def recorded_streams(subjects: Subjects) -> dict[str, tuple[str, str | None]]:
@@ -101,10 +104,12 @@ def _kind_of(message: AnyMessage) -> str:
 
 async def record(bus: Bus, path: Path, *, follow: bool = False, duration_s: float | None = None,
                  labels: list[str] | None = None, stop: anyio.Event | None = None,
+                 finish: anyio.Event | None = None,
                  on_progress: Callable[[Progress], None] | None = None, progress_every_s: float = 2.0) -> Progress:
     """Record the run's hub streams into `path` (see the module docstring); returns the final counts.
 
-    `stop` ends the reading (as `duration_s` does) and lets everything read so far reach the file.
+    `stop` ends the reading (as `duration_s` does) and lets everything read so far reach the file. `finish`
+    ends it once everything the streams hold when it is set has been read (within `CATCH_UP_S`).
     """
     progress = Progress()
     streams = recorded_streams(bus.subjects)
@@ -132,12 +137,15 @@ async def record(bus: Bus, path: Path, *, follow: bool = False, duration_s: floa
                 outer.start_soon(_report, progress, on_progress, progress_every_s)
             if stop is not None:
                 outer.start_soon(_cancel_when, stop, readers)
+            seen: dict[str, int] = {}
+            if finish is not None:
+                outer.start_soon(_cancel_when_caught_up, finish, readers, bus, present, seen)
             async with anyio.create_task_group() as inner:
                 inner.start_soon(_write_all, writer, receive, progress)
                 with readers, anyio.move_on_after(float("inf") if duration_s is None else duration_s):
                     async with send, anyio.create_task_group() as rtg:
                         for label, (stream, subject) in present.items():
-                            rtg.start_soon(_read_one, bus, label, stream, subject, follow, send.clone())
+                            rtg.start_soon(_read_one, bus, label, stream, subject, follow, send.clone(), seen)
             outer.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
@@ -152,12 +160,34 @@ async def _cancel_when(stop: anyio.Event, scope: anyio.CancelScope) -> None:
     scope.cancel()
 
 
+async def _cancel_when_caught_up(finish: anyio.Event, scope: anyio.CancelScope, bus: Bus,
+                                 present: dict[str, tuple[str, str | None]], seen: dict[str, int]) -> None:
+    """Once `finish` is set: wait until every reader has passed the last sequence its stream held then, and
+    cancel the readers (after `CATCH_UP_S` at most: a filter may skip a stream's last messages)."""
+    await finish.wait()
+    last: dict[str, int] = {}
+    for label, (stream, _) in present.items():
+        try:
+            info = await bus.js.stream_info(stream)
+        except nats.js.errors.NotFoundError:
+            continue
+        if info.state.messages:
+            last[label] = int(info.state.last_seq)
+    with anyio.move_on_after(CATCH_UP_S) as bound:
+        while behind := [label for label, seq in last.items() if seen.get(label, 0) < seq]:
+            await anyio.sleep(0.1)
+    if bound.cancelled_caught:
+        log.warning("recording_catch_up_incomplete", streams=behind, seconds=CATCH_UP_S)
+    scope.cancel()
+
+
 async def _read_one(bus: Bus, label: str, stream: str, subject: str | None, follow: bool,
-                    send: MemoryObjectSendStream[list[Any]]) -> None:
+                    send: MemoryObjectSendStream[list[Any]], seen: dict[str, int]) -> None:
     async with send:
         try:
             async for msgs in read_batches(bus.js, stream, subject=subject, start=Start(), follow=follow):
                 await send.send([(label, m) for m in msgs])
+                seen[label] = int(msgs[-1].metadata.sequence.stream)
         except nats.js.errors.NotFoundError:
             log.warning("recorded_stream_gone", stream=stream)
 
