@@ -1,8 +1,18 @@
-"""Shared fixtures: one real JetStream server per session, a bus per test isolated by run id."""
+"""Shared fixtures: one real JetStream server per session, a bus per test isolated by run id.
+
+Two session-wide guards keep CI from going red for nothing: `ast_off_main_thread` fails any test during
+which Python source was parsed into an AST off the main thread, and a watchdog ends a run that hangs after
+its last test (session teardown, interpreter exit) with every thread's stack.
+"""
 
 from __future__ import annotations
 
+import ast
+import faulthandler
 import os
+import sys
+import threading
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -13,6 +23,70 @@ import pytest
 from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.topology.regions import RegionSet
 from rlbus.topology.servers import EmbeddedServer
+
+SESSION_END_TIMEOUT_S = 120.0
+"""Longest the session's teardown and the interpreter's exit may take before the watchdog dumps every thread's
+stack and exits 1 (pytest-timeout guards each test, not what follows the last one)."""
+
+
+class AstOffMainThread:
+    """An audit hook that records each AST built off the main thread: `ast.parse` (any `compile` with
+    `PyCF_ONLY_AST`) and `compile` of an AST object, with the thread's name and stack.
+
+    CPython 3.11 before gh-106905 keeps the AST builder's recursion depth in interpreter-global state, so two
+    threads building ASTs at once (say pytest's failure report or assertion rewriting on the main thread, and a
+    worker thread's `ast.parse`) fail with "SystemError: AST constructor recursion depth mismatch" -- inside
+    pytest's report that is an INTERNALERROR. `compile`/`exec` of source text builds no AST objects and is
+    not recorded."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._found: list[str] = []
+
+    def hook(self, event: str, args: tuple[object, ...]) -> None:
+        if event != "compile" or threading.current_thread() is threading.main_thread():
+            return
+        caller = sys._getframe(1)                  # the Python frame that called compile() (ast.parse, ...)
+        if isinstance(args[0], ast.AST) or "PyCF_ONLY_AST" in caller.f_code.co_names:
+            stack = "".join(traceback.format_stack(caller))
+            with self._lock:
+                self._found.append(f"thread {threading.current_thread().name!r} parsed {args[1]!r}:\n{stack}")
+
+    def take(self) -> list[str]:
+        """What was recorded since the last `take`, and forget it."""
+        with self._lock:
+            found, self._found = self._found, []
+        return found
+
+    def check(self, when: str) -> None:
+        """Fail the current test when an AST was built off the main thread since the last check."""
+        found = self.take()
+        if found:
+            pytest.fail(f"an AST was built off the main thread {when} (move the parse to the main thread or a "
+                        f"subprocess; see AstOffMainThread in tests/conftest.py):\n" + "\n".join(found),
+                        pytrace=False)
+
+
+ast_off_main_thread = AstOffMainThread()
+sys.addaudithook(ast_off_main_thread.hook)         # for the whole process: audit hooks cannot be removed
+
+
+@pytest.fixture(autouse=True)
+def ast_guard() -> Iterator[AstOffMainThread]:
+    """Fails a test during which (or since the previous test's end) an AST was built off the main thread."""
+    ast_off_main_thread.check("since the previous test ended (a thread outlived its test)")
+    yield ast_off_main_thread
+    ast_off_main_thread.check("during this test")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """After the last test: report ASTs built off the main thread since, and arm the exit watchdog (a hang in
+    session teardown or interpreter exit, say a non-daemon thread that never returns, ends with a dump)."""
+    if found := ast_off_main_thread.take():
+        sys.stderr.write("\nan AST was built off the main thread after the last test:\n" + "\n".join(found))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    faulthandler.dump_traceback_later(SESSION_END_TIMEOUT_S, exit=True, file=sys.stderr)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,13 @@ from typing import Any, Final
 
 import numpy as np
 import torch
+
+# torch imports torch._dynamo when it builds its first optimizer, and that import runs ast.parse (inspect.signature
+# of builtins). `TrainerCore` builds AdamW in a worker thread (the trainer's `anyio.to_thread.run_sync`), so the
+# import happens here instead, on the thread that imports this module: CPython 3.11 before gh-106905 keeps the AST
+# builder's recursion depth in interpreter-global state, and two threads parsing at once fail with
+# "SystemError: AST constructor recursion depth mismatch".
+import torch._dynamo
 from torch import Tensor
 
 from rlbus.kernels.delta_state import encode_state

@@ -67,6 +67,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     import uuid
 
     import anyio
+    import torch._dynamo  # noqa: F401  here, not in pretrain's worker thread (actors/trainer/core.py: why)
 
     from rlbus.model.pretrain import PretrainConfig, pretrain
     from rlbus.topology.launch import PRETRAINED_DIR
