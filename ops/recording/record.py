@@ -1,7 +1,7 @@
 """`rlbus record [RUN] -o FILE [--follow | --for SECONDS]`: write a run's streams into one recording file.
 
 Owns: the command line, progress output (stderr) and the closing summary. What is recorded and how is
-ops/recording/recorder.py; the file format is ops/recording/format.py (documented in the README, readable with plain
+ops/recording/recorder.py; the file format is ops/recording/format.py (see docs/recording.md; readable with plain
 msgpack + zstandard). Ctrl-C during --follow stops reading and still writes a complete file. A stopped run is
 read through its stored servers, started for the command (ops/target.py `opened`).
 """
