@@ -18,6 +18,7 @@ import nats.errors
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import SandboxCrashed
+from rlbus.messages.retry import retry_policy
 from rlbus.messages.schemas import SandboxLimits, SandboxRequest, SandboxResult
 from rlbus.model.grading import GradeCase, GradeResult, Status, case_for, extract_code
 from rlbus.model.tasks import Task
@@ -61,20 +62,31 @@ async def run_in_sandbox(bus: Bus, region: str, request: SandboxRequest, *, time
     """
     wait = timeout_s if timeout_s is not None else request.limits.wall_seconds + REPLY_GRACE_S
     data, headers = codec.encode(request)
-    last = "no attempt made"
-    for attempt in range(attempts):
-        try:
-            msg = await bus.nc.request(bus.subjects.sandbox(region), data, timeout=wait, headers=headers or None)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as err:
-            last = f"no reply from the {region} sandbox service: {type(err).__name__}"
-            await anyio.sleep(min(0.5 * (attempt + 1), 2.0))
-            continue
-        result = codec.decode_as(msg.data, msg.headers, SandboxResult)
-        if result.verdict.status not in ("crashed", "error") or attempt == attempts - 1:
-            return result
-        last = f"{result.verdict.status}: {result.stderr[:300]}"
-        await anyio.sleep(min(0.5 * (attempt + 1), 2.0))
-    raise SandboxCrashed(f"sandbox request {request.request_id} failed {attempts} times; last: {last}")
+    no_reply = (nats.errors.TimeoutError, nats.errors.NoRespondersError)
+    retry = retry_policy("sandbox_request_retry", on=(*no_reply, _Unsettled), initial_s=0.5, max_s=2.0,
+                         attempts=attempts, request_id=request.request_id, region=region)
+    try:
+        async for attempt in retry:
+            with attempt:
+                msg = await bus.nc.request(bus.subjects.sandbox(region), data, timeout=wait, headers=headers or None)
+                result = codec.decode_as(msg.data, msg.headers, SandboxResult)
+                if result.verdict.status in ("crashed", "error"):
+                    raise _Unsettled(result)
+                return result
+    except _Unsettled as last:
+        return last.result                         # the last attempt's verdict, as it came
+    except no_reply as err:
+        raise SandboxCrashed(f"sandbox request {request.request_id} failed {attempts} times; last: no reply "
+                             f"from the {region} sandbox service: {type(err).__name__}") from err
+    raise AssertionError("unreachable: the policy returns or raises")
+
+
+class _Unsettled(Exception):
+    """A "crashed" or "error" verdict: worth another attempt (internal: carries the result)."""
+
+    def __init__(self, result: SandboxResult) -> None:
+        super().__init__(f"{result.verdict.status}: {result.stderr[:300]}")
+        self.result = result
 
 
 def grade_result(result: SandboxResult) -> GradeResult:

@@ -1,7 +1,8 @@
 """The shared bus plumbing against a real nats-server: the one object downloader (digests of the store and
 of the announcement, empty and multi-chunk objects, missing ones, best-effort deletes), KV compare-and-set
 (create, stale revision, over a delete marker, no lost update between concurrent advances), and stream
-history (read as of the start while a writer keeps going, bad messages skipped, the last good message)."""
+history (read as of the start while a writer keeps going, bad messages skipped, the last good message), and
+the one retry policy where a call site uses it (a sandbox request nobody answers)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ import anyio
 import nats.js.errors
 import pytest
 from nats.js.api import StreamConfig
+from structlog.testing import capture_logs
 
+from rlbus.actors.common.sandbox_client import run_in_sandbox
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
-from rlbus.messages.errors import DigestMismatch
+from rlbus.messages.errors import DigestMismatch, SandboxCrashed
 from rlbus.messages.history import last_message, read_all, read_messages, read_raw
 from rlbus.messages.kv import KeyEntry, advance, put_at, read_key
 from rlbus.messages.objects import OBJECT_CHUNK, delete_object, digest, fetch_object, put_object
-from rlbus.messages.schemas import CheckpointMark, Task
+from rlbus.messages.schemas import CheckpointMark, SandboxRequest, Task
 
 pytestmark = pytest.mark.anyio
 
@@ -147,3 +150,14 @@ async def test_bad_messages_are_skipped_and_the_last_good_one_is_found(admin_bus
 async def test_history_of_a_missing_stream_is_an_error(admin_bus: Bus) -> None:
     with pytest.raises(nats.js.errors.NotFoundError):
         await read_raw(admin_bus.js, "NO_SUCH_STREAM", ">")
+
+
+# ---- the retry policy at a call site --------------------------------------------------------------
+async def test_a_sandbox_request_nobody_answers_is_retried_then_refused(admin_bus: Bus) -> None:
+    """No supervisor in the region: `attempts` tries, each wait logged, then SandboxCrashed naming it."""
+    request = SandboxRequest(request_id="r-1", code="x = 1", tests="assert x == 1")
+    with capture_logs() as logs, anyio.fail_after(30), pytest.raises(SandboxCrashed, match="r-1 failed 3 times"):
+        await run_in_sandbox(admin_bus, "hub", request, timeout_s=0.5, attempts=3)
+    retries = [e for e in logs if e["event"] == "sandbox_request_retry"]
+    assert [e["attempt"] for e in retries] == [1, 2]
+    assert all(e["request_id"] == "r-1" and e["region"] == "hub" for e in retries)
