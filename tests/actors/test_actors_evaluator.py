@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from rlbus.actors.base import ActorId, ActorLimits
-from rlbus.actors.evaluator import Evaluator, EvaluatorSettings
+from rlbus.actors.common.config import EvaluatorConfig, EvaluatorLaunch, PublisherConfig, PublisherLaunch
+from rlbus.actors.evaluator import Evaluator
 from rlbus.actors.common.ledger import read_all
-from rlbus.actors.publisher import Publisher, PublisherSettings
+from rlbus.actors.publisher import Publisher
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
 from rlbus.ops.bench.version_source import published_state, upload_version
 from rlbus.actors.common.weight_sync import LATEST_KEY
@@ -35,11 +36,13 @@ from rlbus.topology.regions import RegionSet
 pytestmark = pytest.mark.anyio
 
 FAST = ActorLimits(heartbeat_interval_s=0.3, drain_timeout_s=2.0)
-SETTINGS = EvaluatorSettings(every_versions=2, n_tasks=3, seed=1, max_tokens=16, batch_size=4)
+SETTINGS = EvaluatorConfig(every_versions=2, n_tasks=3, seed=1)
+EVAL_LAUNCH = EvaluatorLaunch(max_tokens=16, batch_size=4)
 SANDBOX = SandboxConfig(pool_size=1, concurrency=2, cpu_seconds=2.0, wall_seconds=2.0, memory_mb=256,
                         max_processes=8, max_file_mb=1, max_open_files=32, max_output_kb=16)
-PUBLISHER = PublisherSettings(regions=["hub"], hub="hub", keep_versions=4, full_every=4, region_wait_s=2.0,
-                              retry_initial_s=0.2, retry_max_s=1.0, ack_wait_s=5.0, threads=1)
+PUBLISHER = PublisherConfig(keep_versions=4, full_every=4)
+PUBLISHER_LAUNCH = PublisherLaunch(regions=["hub"], hub="hub", region_wait_s=2.0, retry_initial_s=0.2,
+                                   retry_max_s=1.0, ack_wait_s=5.0, threads=1)
 
 
 @dataclass
@@ -126,12 +129,12 @@ async def _actors(hub: _Hub, *, evaluator: bool = True
     process until the block ends."""
     async with anyio.create_task_group() as tg:
         await tg.start(Publisher(ActorId(hub.run, "hub", "publisher", "hub-publisher-0"), await hub.bus("publisher"),
-                                 PUBLISHER, FAST).serve)
+                                 PUBLISHER, FAST, PUBLISHER_LAUNCH).serve)
         sandbox = SandboxSupervisor(ActorId(hub.run, "hub", "sandbox", "hub-sandbox-0"), await hub.bus("sandbox"),
                                     SANDBOX, FAST)
         await tg.start(sandbox.serve)
         actor = Evaluator(ActorId(hub.run, "hub", "evaluator", "hub-evaluator-0"), await hub.bus("evaluator"),
-                          SETTINGS, FAST)
+                          SETTINGS, FAST, EVAL_LAUNCH)
         if evaluator:
             await tg.start(actor.serve)
         yield tg, actor, sandbox

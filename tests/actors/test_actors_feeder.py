@@ -21,6 +21,7 @@ import nats
 import pytest
 
 from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.common.config import FeederLaunch, feed_weights
 from rlbus.actors.common.feed import (
     POSITION_KEY,
     VERIFIER_KIND,
@@ -61,9 +62,13 @@ def test_region_assignment_is_deterministic_and_follows_the_weights() -> None:
     assert {assign_region(7, i, [("eu", 1.0)]) for i in range(50)} == {"eu"}
     with pytest.raises(ValueError, match="positive share"):
         assign_region(7, 0, [("eu", 0.0)])
-    config = FeederConfig(regions=["hub", "eu", "us"], region_weights={"hub": 1.0, "eu": 0.0})
-    assert config.weights("hub") == [("hub", 1.0)]
-    assert FeederConfig(regions=["hub", "eu"]).weights("hub") == [("eu", 1.0), ("hub", 1.0)]
+    config = FeederConfig(region_weights={"hub": 1.0, "eu": 0.0})
+    launch = FeederLaunch(regions=["hub", "eu", "us"])
+    assert feed_weights(config, launch, "hub") == [("hub", 1.0)]
+    assert feed_weights(FeederConfig(), FeederLaunch(regions=["hub", "eu"]), "hub") == [("eu", 1.0), ("hub", 1.0)]
+    shares = FeederLaunch(regions=["hub", "eu"], default_weights={"hub": 0.0, "eu": 2.0})
+    assert feed_weights(FeederConfig(), shares, "hub") == [("eu", 2.0)]
+    assert feed_weights(config, shares, "hub") == [("hub", 1.0)]     # region_weights, when given, win
 
 
 def test_verifier_and_task_file_rebuild_the_same_task(tmp_path: Path) -> None:
@@ -123,10 +128,10 @@ def two_regions(tmp_path: Path) -> Iterator[tuple[RegionSet, str]]:
 
 
 @asynccontextmanager
-async def feeding(env: Env, config: FeederConfig) -> AsyncIterator[Feeder]:
+async def feeding(env: Env, config: FeederConfig, launch: FeederLaunch | None = None) -> AsyncIterator[Feeder]:
     """A feeder (feeder role, at the hub) served in this process until the block ends."""
     bus = await env.bus("hub", "feeder")
-    feeder = Feeder(ActorId(env.run, "hub", "feeder", "f1"), bus, config, FAST)
+    feeder = Feeder(ActorId(env.run, "hub", "feeder", "f1"), bus, config, FAST, launch)
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.serve)
@@ -212,9 +217,10 @@ async def test_every_backlog_is_filled_to_the_bound_and_topped_up(two_regions: t
     """Each region gets its own tasks, in sequence order, up to 4 queued and no more; when a generator
     takes 3 from eu, eu is topped up with its next 3 and the hub is left as it was."""
     env = await _provision(*two_regions)
-    config = FeederConfig(seed=5, backlog_per_region=4, regions=["hub", "eu"], group_size=3, poll_interval_s=0.1)
-    weights = config.weights("hub")
-    async with feeding(env, config) as feeder:
+    config = FeederConfig(seed=5, backlog_per_region=4, poll_interval_s=0.1)
+    launch = FeederLaunch(regions=["hub", "eu"], group_size=3)
+    weights = feed_weights(config, launch, "hub")
+    async with feeding(env, config, launch) as feeder:
         async def full() -> bool:
             return [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [4, 4]
         await wait_until(full)
@@ -241,8 +247,9 @@ async def test_restarted_feeder_neither_repeats_nor_skips(two_regions: tuple[Reg
     published (a crash between publish and save), is restarted: generators get each of the first 10 tasks
     exactly once, in its region; the republished ones are dropped by the streams' msg-id dedupe."""
     env = await _provision(*two_regions)
-    config = FeederConfig(seed=9, backlog_per_region=3, regions=["hub", "eu"], max_tasks=10, poll_interval_s=0.1)
-    async with feeding(env, config):
+    config = FeederConfig(seed=9, backlog_per_region=3, max_tasks=10, poll_interval_s=0.1)
+    launch = FeederLaunch(regions=["hub", "eu"])
+    async with feeding(env, config, launch):
         async def full() -> bool:
             return [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [3, 3]
         await wait_until(full)
@@ -250,14 +257,14 @@ async def test_restarted_feeder_neither_repeats_nor_skips(two_regions: tuple[Reg
     try:
         kv = await admin.js.key_value(admin.subjects.partials_bucket("hub"))
         saved = msgspec.json.decode((await kv.get(POSITION_KEY)).value or b"", type=Position)
-        assert saved.cursors == {r: _cursor_after(9, config.weights("hub"), r, 3) for r in ("hub", "eu")}
+        assert saved.cursors == {r: _cursor_after(9, feed_weights(config, launch, "hub"), r, 3) for r in ("hub", "eu")}
         await kv.put(POSITION_KEY, msgspec.json.encode(msgspec.structs.replace(saved, cursors={"hub": 0, "eu": 0})))
     finally:
         await admin.close()
-    weights = config.weights("hub")
+    weights = feed_weights(config, launch, "hub")
     wanted = {r: expected_ids(9, weights, r, 10, end=10) for r in ("hub", "eu")}
     taken: list[tuple[str, str]] = []
-    async with feeding(env, config) as feeder, anyio.create_task_group() as tg:
+    async with feeding(env, config, launch) as feeder, anyio.create_task_group() as tg:
         for region in ("hub", "eu"):
             tg.start_soon(take, env, region, len(wanted[region]), taken)
 
@@ -277,10 +284,11 @@ async def test_cut_off_region_waits_for_its_tasks(tmp_path: Path) -> None:
     rs, run = _start(tmp_path, ["hub", "eu"], relay=True)
     try:
         env = await _provision(rs, run)
-        config = FeederConfig(seed=2, backlog_per_region=3, regions=["hub", "eu"], poll_interval_s=0.2)
-        weights = config.weights("hub")
+        config = FeederConfig(seed=2, backlog_per_region=3, poll_interval_s=0.2)
+        launch = FeederLaunch(regions=["hub", "eu"])
+        weights = feed_weights(config, launch, "hub")
         rs.cut("eu")
-        async with feeding(env, config) as feeder:
+        async with feeding(env, config, launch) as feeder:
             async def hub_full() -> bool:
                 return len(await stream_tasks(env, "hub")) == 3 and feeder.counters.get("region_unreachable", 0) > 0
             await wait_until(hub_full)
@@ -305,7 +313,8 @@ async def test_task_file_is_fed_to_its_end(tmp_path: Path) -> None:
     try:
         env = await _provision(rs, run)
         config = FeederConfig(backlog_per_region=10, tasks_file=str(path), poll_interval_s=0.1)
-        async with feeding(env, config) as feeder:
+        launch = FeederLaunch()
+        async with feeding(env, config, launch) as feeder:
             async def fed() -> bool:
                 return feeder.counters.get("tasks", 0) == 3
             await wait_until(fed)
@@ -322,7 +331,7 @@ def test_sequence_skips_the_evaluators_held_out_prompts_and_the_launcher_names_t
     of the same seed does, for some seeds); the launcher passes the topology's evaluator seed."""
     from rlbus.model.tasks import EVAL_POOL, eval_tasks
     from rlbus.topology.examples import example_path
-    from rlbus.topology.launch import feeder_settings
+    from rlbus.topology.launch import feeder_launch
     from rlbus.topology.load import load
 
     held_out = {t.prompt_hash for t in eval_tasks(1, EVAL_POOL)}
@@ -333,7 +342,7 @@ def test_sequence_skips_the_evaluators_held_out_prompts_and_the_launcher_names_t
     assert not any(skipping.get(i).prompt_hash in held_out for i in range(4000))
     topology = tmp_path / "t.toml"
     topology.write_text(example_path("single").read_text().replace("[evaluator]", "[evaluator]\nseed = 7"))
-    assert feeder_settings(load(topology))["eval_seed"] == 7
+    assert feeder_launch(load(topology)).eval_seed == 7
 
 
 def test_levels_keep_only_those_built_in_tasks_in_sequence_order() -> None:
@@ -352,50 +361,52 @@ def test_levels_keep_only_those_built_in_tasks_in_sequence_order() -> None:
 def test_fed_task_ids_follow_each_cursor_and_the_task_file(tmp_path: Path) -> None:
     """A region is fed exactly the indices below its own cursor that are assigned to it (another region's
     higher cursor adds nothing); a tasks file is read from the config and cut at its end."""
-    config = FeederConfig(seed=3, regions=["hub", "eu"])
-    weights = config.weights("hub")
-    fed = fed_task_ids(config, {"hub": 4, "eu": 8}, "hub")
+    config = FeederConfig(seed=3)
+    launch = FeederLaunch(regions=["hub", "eu"])
+    weights = feed_weights(config, launch, "hub")
+    fed = fed_task_ids(config, launch, {"hub": 4, "eu": 8}, "hub")
     assert fed == {"hub": [sequence_ids(3)[i] for i in range(4) if assign_region(3, i, weights) == "hub"],
                    "eu": [sequence_ids(3)[i] for i in range(8) if assign_region(3, i, weights) == "eu"]}
-    assert fed_task_ids(config, {}, "hub") == {"hub": [], "eu": []}
+    assert fed_task_ids(config, launch, {}, "hub") == {"hub": [], "eu": []}
     tasks = eval_tasks(4, n=3)
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(verifier_for(t)["task"] + "\n" for t in tasks))
     from_file = FeederConfig(tasks_file=str(path))
-    assert fed_task_ids(from_file, {"hub": 2}, "hub") == {"hub": [t.task_id for t in tasks[:2]]}
-    assert fed_task_ids(from_file, {"hub": 99}, "hub") == {"hub": [t.task_id for t in tasks]}
+    from_file_launch = FeederLaunch()
+    assert fed_task_ids(from_file, from_file_launch, {"hub": 2}, "hub") == {"hub": [t.task_id for t in tasks[:2]]}
+    assert fed_task_ids(from_file, from_file_launch, {"hub": 99}, "hub") == {"hub": [t.task_id for t in tasks]}
 
 
-async def saved_fed_ids(env: Env, config: FeederConfig) -> dict[str, list[str]]:
+async def saved_fed_ids(env: Env, config: FeederConfig, launch: FeederLaunch) -> dict[str, list[str]]:
     """`fed_task_ids` of the position the feeder has saved at the hub now ({} when none is saved)."""
     admin = await env.bus("hub", "admin")
     try:
         position = await read_position(admin, "hub")
     finally:
         await admin.close()
-    return {} if position is None else fed_task_ids(config, position.cursors, "hub")
+    return {} if position is None else fed_task_ids(config, launch, position.cursors, "hub")
 
 
 async def test_fed_task_ids_of_the_saved_cursors_are_the_tasks_published(two_regions: tuple[RegionSet, str]) -> None:
     """With a levels filter and a held-out seed, the ids derived from the feeder's saved cursors are, per region
     and in order, the tasks the feeder put on that region's TASKS: those a generator took, then those queued."""
     env = await _provision(*two_regions)
-    config = FeederConfig(seed=5, backlog_per_region=3, regions=["hub", "eu"], poll_interval_s=0.1,
-                          levels=[1, 2], eval_seed=1)
+    config = FeederConfig(seed=5, backlog_per_region=3, poll_interval_s=0.1, levels=[1, 2])
+    launch = FeederLaunch(regions=["hub", "eu"], eval_seed=1)
     taken: list[tuple[str, str]] = []
-    async with feeding(env, config) as feeder:
+    async with feeding(env, config, launch) as feeder:
         async def full() -> bool:
             return [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [3, 3]
         await wait_until(full)
         await take(env, "eu", 2, taken)
 
         async def saved() -> bool:
-            return {r: len(ids) for r, ids in (await saved_fed_ids(env, config)).items()} == {"hub": 3, "eu": 5}
+            return {r: len(ids) for r, ids in (await saved_fed_ids(env, config, launch)).items()} == {"hub": 3, "eu": 5}
         await wait_until(saved)
         published = feeder.counters["tasks"]
     queued = {r: [t.task_id for t in await stream_tasks(env, r)] for r in ("hub", "eu")}
     assert published == 8
-    assert await saved_fed_ids(env, config) == {"hub": queued["hub"], "eu": [t for _, t in taken] + queued["eu"]}
+    assert await saved_fed_ids(env, config, launch) == {"hub": queued["hub"], "eu": [t for _, t in taken] + queued["eu"]}
     plain = TaskSequence(5, eval_seed=1)
     assert any(plain.get(i).level == 3 for i in range(12))    # ignoring `levels` would give other ids
 
@@ -427,11 +438,12 @@ async def test_task_ledger_accounts_for_every_fed_task(two_regions: tuple[Region
     """8 tasks fed, 4 per region: one rolled out in each region, one dead-lettered in eu, one deleted from the
     hub's TASKS by hand, the rest still queued → the deleted one alone is lost; the others are accounted."""
     env = await _provision(*two_regions)
-    config = FeederConfig(seed=3, backlog_per_region=8, max_tasks=8, regions=["hub", "eu"], poll_interval_s=0.1)
-    assert [assign_region(3, i, config.weights("hub")) for i in range(8)].count("eu") == 4
-    async with feeding(env, config):
+    config = FeederConfig(seed=3, backlog_per_region=8, max_tasks=8, poll_interval_s=0.1)
+    launch = FeederLaunch(regions=["hub", "eu"])
+    assert [assign_region(3, i, feed_weights(config, launch, "hub")) for i in range(8)].count("eu") == 4
+    async with feeding(env, config, launch):
         async def all_saved() -> bool:
-            return sum(map(len, (await saved_fed_ids(env, config)).values())) == 8
+            return sum(map(len, (await saved_fed_ids(env, config, launch)).values())) == 8
         await wait_until(all_saved)
     rolled = [await settle_one(env, "eu", "rollout"), await settle_one(env, "hub", "rollout")]
     dead = await settle_one(env, "eu", "dead_letter")
@@ -446,7 +458,7 @@ async def test_task_ledger_accounts_for_every_fed_task(two_regions: tuple[Region
 
         async def rollouts_at_hub() -> bool:     # eu's rollout reaches the hub's ROLLOUTS by sourcing
             nonlocal book
-            book = await read_task_ledger(admin, config, feeder_region="hub")
+            book = await read_task_ledger(admin, config, launch, feeder_region="hub")
             return book.rolled_out == 2
         await wait_until(rollouts_at_hub)
         letter = await admin.js.get_msg(admin.subjects.dead_letter_stream(),

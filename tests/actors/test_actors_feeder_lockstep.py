@@ -15,7 +15,8 @@ import nats.js.errors
 import pytest
 
 from rlbus.actors.base import ActorId, ActorLimits
-from rlbus.actors.common.feed import POSITION_KEY, FeederConfig, Position
+from rlbus.actors.common.config import FeederConfig, FeederLaunch
+from rlbus.actors.common.feed import POSITION_KEY, Position
 from rlbus.actors.feeder import Feeder
 from rlbus.actors.common.weight_sync import LATEST_KEY
 from rlbus.messages import codec
@@ -69,10 +70,10 @@ async def test_lockstep_feeds_one_batch_per_new_version(tmp_path: Path) -> None:
             await wait_routable(admin.nc, s.tasks(HUB))
             latest = await admin.js.key_value(s.latest_bucket(HUB))
             partials = await admin.js.key_value(s.partials_bucket(HUB))
-            config = FeederConfig(lockstep=True, backlog_per_region=3, regions=[HUB], group_size=2,
-                                  poll_interval_s=0.1)
+            config = FeederConfig(lockstep=True, backlog_per_region=3, poll_interval_s=0.1)
             feeder = Feeder(ActorId(run, HUB, "feeder", "f1"), feeder_bus, config,
-                            ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=2.0))
+                            ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=2.0),
+                            FeederLaunch(regions=[HUB], group_size=2))
 
             async def announce(version: int) -> None:
                 await latest.put(LATEST_KEY, codec.encode(WeightManifest(version=version))[0])

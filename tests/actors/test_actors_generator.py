@@ -31,7 +31,8 @@ import pytest
 import torch
 
 from rlbus.actors.base import ActorId, ActorLimits
-from rlbus.actors.checkpointer import Checkpointer, CheckpointerConfig
+from rlbus.actors.checkpointer import Checkpointer
+from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch, PublisherConfig, PublisherLaunch
 from rlbus.actors.generator.group import (
     Attempt,
     PartialGroup,
@@ -43,9 +44,10 @@ from rlbus.actors.generator.group import (
 from rlbus.actors.common.feed import verifier_for
 from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
 from rlbus.actors.common.ledger import Ledger, read_ledger
-from rlbus.actors.publisher import Publisher, PublisherSettings
+from rlbus.actors.publisher import Publisher
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
-from rlbus.actors.trainer.actor import Trainer, TrainerConfig
+from rlbus.actors.trainer.actor import Trainer
+from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
 from rlbus.ops.bench.version_source import published_state, upload_version
 from rlbus.actors.common.weight_source import LocalWeights
 from rlbus.messages import codec
@@ -159,13 +161,15 @@ def sandbox(env: Env) -> object:
 async def train_everything(env: Env, pretrained: Path, state: Path, produced: int) -> Ledger:
     """Serve a trainer and a checkpointer in this process until every rollout in ROLLOUTS is trained or dropped
     along the final lineage (hang guard: a lost rollout never gets there); return that ledger."""
-    trainer = TrainerConfig(pretrained=str(pretrained), lr=1e-3, batch_rollouts=2, checkpoint_interval=1,
-                            mark_wait_s=2.0, resume_wait_s=0.0, state_dir=str(state))
-    marks = CheckpointerConfig(interval_steps=1, keep=1, state_dir=str(state), drain_linger_s=0.2)
+    trainer = TrainerConfig(lr=1e-3, batch_rollouts=2)
+    launch = TrainerLaunch(pretrained=str(pretrained), checkpoint_interval=1, mark_wait_s=2.0, resume_wait_s=0.0,
+                           state_dir=str(state))
+    marks = CheckpointerConfig(interval_steps=1, keep=1)
+    at = CheckpointerLaunch(state_dir=str(state), drain_linger_s=0.2)
     async with serving(env, "checkpointer", lambda bus: Checkpointer(
-            ActorId(env.run, "hub", "checkpointer", "hub-checkpointer-0"), bus, marks, FAST)), \
+            ActorId(env.run, "hub", "checkpointer", "hub-checkpointer-0"), bus, marks, FAST, at)), \
             serving(env, "trainer", lambda bus: Trainer(ActorId(env.run, "hub", "trainer", "hub-trainer-0"), bus,
-                                                        trainer, FAST)):
+                                                        trainer, FAST, launch)):
         with anyio.fail_after(120):
             while True:
                 result = await read_ledger(env.admin)
@@ -639,15 +643,15 @@ async def test_published_versions_reach_the_generator_mid_group(tmp_path: Path) 
         await provision_run(admin.nc, s, hub="hub", domains=rs.domains, settings=StreamSettings.tiny())
         config = GeneratorConfig(weights="sync", group_size=2, max_tokens=200, partial_every_tokens=8,
                                  sandbox_timeout_s=10.0)
-        publisher_settings = PublisherSettings(regions=["hub"], hub="hub", keep_versions=4, full_every=4,
-                                               region_wait_s=2.0, retry_initial_s=0.2, retry_max_s=1.0,
-                                               ack_wait_s=5.0, threads=1)
+        publisher_config = PublisherConfig(keep_versions=4, full_every=4)
+        publisher_launch = PublisherLaunch(regions=["hub"], hub="hub", region_wait_s=2.0, retry_initial_s=0.2,
+                                           retry_max_s=1.0, ack_wait_s=5.0, threads=1)
         model = tiny_model()
         trainer = await connect("trainer")
         task = coding_task(1)
         async with anyio.create_task_group() as tg:
             publisher = Publisher(ActorId(run, "hub", "publisher", "p"), await connect("publisher"),
-                                  publisher_settings, FAST)
+                                  publisher_config, FAST, publisher_launch)
             await tg.start(publisher.serve)
             sandbox_actor = SandboxSupervisor(ActorId(run, "hub", "sandbox", "sb"), await connect("sandbox"),
                                               SANDBOX, FAST)

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from msgspec.structs import replace
 from pathlib import Path
 from typing import IO
 
@@ -24,7 +24,8 @@ from nats.js.api import StreamConfig
 
 from rlbus.actors.sandbox.pool import SANDBOX_UID, available_levels, descendants
 from rlbus.actors.base import ActorId, ActorLimits, State
-from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
+from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
+from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.actors.common.sandbox_client import grade_result, request_for, run_in_sandbox, asserts_for
 from rlbus.messages import codec
 from rlbus.messages.bus import REASON_HEADER, Bus, ConnectOptions
@@ -49,9 +50,10 @@ async def _streams(bus: Bus) -> None:
 
 
 @asynccontextmanager
-async def serving(bus: Bus, config: SandboxConfig = SMALL, actor_id: str = "sb1") -> AsyncIterator[SandboxSupervisor]:
+async def serving(bus: Bus, config: SandboxConfig = SMALL, actor_id: str = "sb1",
+                  launch: SandboxLaunch | None = None) -> AsyncIterator[SandboxSupervisor]:
     """A supervisor served in this process until the block ends."""
-    actor = SandboxSupervisor(ActorId(bus.subjects.run, "hub", "sandbox", actor_id), bus, config, FAST)
+    actor = SandboxSupervisor(ActorId(bus.subjects.run, "hub", "sandbox", actor_id), bus, config, FAST, launch)
     async with anyio.create_task_group() as tg:
         await tg.start(actor.serve)
         try:
@@ -197,7 +199,7 @@ assert not os.path.exists("here.txt") and not os.path.exists("/tmp/mine.txt")
 assert os.listdir(".") == []
 '''
     try:
-        async with serving(admin_bus, replace(SMALL, isolation=level, pool_size=1)) as actor:
+        async with serving(admin_bus, replace(SMALL, pool_size=1), launch=SandboxLaunch(isolation=level)) as actor:
             first = await run_in_sandbox(admin_bus, "hub", _req(ISOLATION_CODE, tests, asked), attempts=1)
             again = await run_in_sandbox(admin_bus, "hub", _req(ISOLATION_CODE, second, asked), attempts=1)
             await _no_leftovers(actor)
@@ -329,8 +331,8 @@ async def test_breaker_opens_on_repeated_crashes_then_closes(admin_bus: Bus) -> 
     """Two executor crashes in a row open the breaker (an incident event; requests answered `error` at
     once); after the cool-down a request runs again and closes it."""
     await _streams(admin_bus)
-    config = replace(SMALL, breaker_failures=2, breaker_cooldown_s=1.0)
-    async with serving(admin_bus, config) as actor:
+    launch = SandboxLaunch(breaker_failures=2, breaker_cooldown_s=1.0)
+    async with serving(admin_bus, SMALL, launch=launch) as actor:
         assert actor.pool is not None
         for i in range(2):
             marker = f"rk{i}{uuid.uuid4().hex[:8]}"

@@ -9,7 +9,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -18,7 +18,8 @@ import pytest
 
 from rlbus.actors.sandbox.pool import available_levels
 from rlbus.actors.base import ActorId, ActorLimits, State
-from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
+from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
+from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.actors.common.sandbox_client import run_in_sandbox
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import SandboxLimits, SandboxRequest, SandboxResult
@@ -81,7 +82,7 @@ NEXT: Final = ("assert x + 1 == 42\n",
 @asynccontextmanager
 async def serving(bus: Bus, level: str) -> AsyncIterator[SandboxSupervisor]:
     actor = SandboxSupervisor(ActorId(bus.subjects.run, "hub", "sandbox", "hostile"), bus,
-                              replace(CONFIG, isolation=level), FAST)
+                              CONFIG, FAST, SandboxLaunch(isolation=level))  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         await tg.start(actor.serve)
         try:

@@ -17,9 +17,11 @@ import torch
 
 from rlbus.actors.trainer.core import build_core
 from rlbus.actors.base import Actor, ActorId, ActorLimits, State
-from rlbus.actors.checkpointer import Checkpointer, CheckpointerConfig, checkpoint_dir, durable_steps
+from rlbus.actors.checkpointer import Checkpointer, checkpoint_dir, durable_steps
+from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch
 from rlbus.actors.common.ledger import read_all, read_ledger
-from rlbus.actors.trainer.actor import Trainer, TrainerConfig
+from rlbus.actors.trainer.actor import Trainer
+from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
 from rlbus.kernels.delta_state import apply_state_
 from rlbus.messages.bus import Bus, digest
 from rlbus.messages.schemas import CheckpointMark, Event, StateUploaded, TensorBlob, TrainStep, VersionReady
@@ -84,14 +86,16 @@ async def running(actor: Actor) -> AsyncIterator[Actor]:
             await hosted.stop()
 
 
-async def trainer_on(rs: RegionSet, run: str, config: TrainerConfig) -> tuple[Trainer, Bus]:
+async def trainer_on(rs: RegionSet, run: str, config: TrainerConfig,
+                     launch: TrainerLaunch | None = None) -> tuple[Trainer, Bus]:
     bus = await connect(rs, run, "trainer", "hub-trainer-0")
-    return Trainer(ActorId(run, HUB, "trainer", "hub-trainer-0"), bus, config, LIMITS), bus
+    return Trainer(ActorId(run, HUB, "trainer", "hub-trainer-0"), bus, config, LIMITS, launch), bus
 
 
-async def checkpointer_on(rs: RegionSet, run: str, config: CheckpointerConfig) -> tuple[Checkpointer, Bus]:
+async def checkpointer_on(rs: RegionSet, run: str, launch: CheckpointerLaunch,
+                          config: CheckpointerConfig | None = None) -> tuple[Checkpointer, Bus]:
     bus = await connect(rs, run, "checkpointer", "hub-checkpointer-0")
-    return Checkpointer(ActorId(run, HUB, "checkpointer", "hub-checkpointer-0"), bus, config, LIMITS), bus
+    return Checkpointer(ActorId(run, HUB, "checkpointer", "hub-checkpointer-0"), bus, config, LIMITS, launch), bus
 
 
 async def test_trainer_steps_publishes_versions_and_acks_only_once_a_mark_covers(hub: RegionSet, run: str,
@@ -99,10 +103,10 @@ async def test_trainer_steps_publishes_versions_and_acks_only_once_a_mark_covers
     """3 batches → steps 1-3, versions 0-3 whose blobs are the bf16 master; nothing is acked before the
     checkpointer marks step 2 (8 acked, 4 held), and the drain's checkpoint of step 3 acks the rest."""
     await provision(hub, run)
-    config = TrainerConfig(lr=1e-3, batch_rollouts=4, staleness_versions=8, checkpoint_interval=2, mark_wait_s=10)
-    trainer, tbus = await trainer_on(hub, run, config)
-    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerConfig(keep=2, state_dir=str(tmp_path / "state"),
-                                                                    drain_linger_s=0.2))
+    config = TrainerConfig(lr=1e-3, batch_rollouts=4, staleness_versions=8)
+    trainer, tbus = await trainer_on(hub, run, config, TrainerLaunch(checkpoint_interval=2, mark_wait_s=10))
+    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerLaunch(state_dir=str(tmp_path / "state"), drain_linger_s=0.2),
+                                       CheckpointerConfig(keep=2))
     gen = await connect(hub, run, "generator")
     source = build_core("", lr=1e-3, seed=0).model
     rollouts = sample_rollouts(source, tasks=6, group_size=2, seed=1)
@@ -148,8 +152,8 @@ async def test_stale_and_unusable_groups_are_dropped_with_reasons(hub: RegionSet
     """Bound 0: a group sampled at version 0 arriving after step 1 is 1 version behind and dropped, a group with
     a token outside the vocabulary is invalid; both are recorded in step 2, which trains the fresh groups."""
     await provision(hub, run)
-    config = TrainerConfig(lr=1e-3, batch_rollouts=4, staleness_versions=0, checkpoint_interval=100, mark_wait_s=0.5)
-    trainer, tbus = await trainer_on(hub, run, config)
+    config = TrainerConfig(lr=1e-3, batch_rollouts=4, staleness_versions=0)
+    trainer, tbus = await trainer_on(hub, run, config, TrainerLaunch(checkpoint_interval=100, mark_wait_s=0.5))
     gen = await connect(hub, run, "generator")
     source = build_core("", lr=1e-3, seed=0).model
     try:
@@ -183,8 +187,8 @@ async def test_checkpointer_rejects_a_digest_mismatch_and_marks_the_next_good_up
     """A StateUploaded whose digest does not match its object → Event(incident), no mark, no directory;
     the next correct upload → CheckpointMark (msg id ckpt-<step>) and Event(checkpoint)."""
     await provision(hub, run)
-    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerConfig(keep=1, state_dir=str(tmp_path / "state"),
-                                                                        drain_linger_s=0.2))
+    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerLaunch(state_dir=str(tmp_path / "state"), drain_linger_s=0.2),
+                                       CheckpointerConfig(keep=1))
     tr = await connect(hub, run, "trainer")
     s = tr.subjects
     try:
@@ -215,8 +219,9 @@ async def test_stopping_both_together_marks_the_trainers_drain_checkpoint(hub: R
     """SIGTERM-like cancellation of trainer and checkpointer at once: the trainer's drain uploads step 1, the
     lingering checkpointer marks it, and the trainer acks its rollouts before it stops."""
     await provision(hub, run)
-    trainer, tbus = await trainer_on(hub, run, TrainerConfig(lr=1e-3, batch_rollouts=4, checkpoint_interval=10))
-    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerConfig(state_dir=str(tmp_path / "state")))
+    trainer, tbus = await trainer_on(hub, run, TrainerConfig(lr=1e-3, batch_rollouts=4),
+                                     TrainerLaunch(checkpoint_interval=10))
+    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerLaunch(state_dir=str(tmp_path / "state")))
     gen = await connect(hub, run, "generator")
     source = build_core("", lr=1e-3, seed=0).model
     try:
@@ -242,9 +247,10 @@ async def test_a_new_trainer_resumes_from_the_durable_copy_when_ckpt_lost_the_st
     checked), continues at step 2 with the same weights, and numbers its version after the last VersionReady."""
     await provision(hub, run)
     state = str(tmp_path / "state")
-    config = TrainerConfig(lr=1e-3, batch_rollouts=4, checkpoint_interval=2, state_dir=state, mark_wait_s=2)
-    first, bus1 = await trainer_on(hub, run, config)
-    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerConfig(state_dir=state, drain_linger_s=0.2))
+    config = TrainerConfig(lr=1e-3, batch_rollouts=4)
+    launch = TrainerLaunch(checkpoint_interval=2, state_dir=state, mark_wait_s=2)
+    first, bus1 = await trainer_on(hub, run, config, launch)
+    ckpt, cbus = await checkpointer_on(hub, run, CheckpointerLaunch(state_dir=state, drain_linger_s=0.2))
     gen = await connect(hub, run, "generator")
     source = build_core("", lr=1e-3, seed=0).model
     try:
@@ -258,7 +264,7 @@ async def test_a_new_trainer_resumes_from_the_durable_copy_when_ckpt_lost_the_st
             weights = {k: v.clone() for k, v in first.core.model.state_dict().items()}
             store = await bus1.js.object_store(bus1.subjects.checkpoint_bucket())   # the trainer role may
             await store.delete(marks[0].objects[0])
-            second, bus2 = await trainer_on(hub, run, config)
+            second, bus2 = await trainer_on(hub, run, config, launch)
             resumed = await Hosted(tg, second).start()
             versions = await wait_for(gen, VersionReady, lambda found: len(found) >= 4)   # announced once resumed
             assert second.resume_source == "disk" and second.step == 2 and second.version == 3

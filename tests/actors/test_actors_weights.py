@@ -5,7 +5,6 @@ middle of a generation, and a SIGKILLed publisher process."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -27,7 +26,8 @@ from anyio.abc import TaskGroup
 from torch import Tensor
 
 from rlbus.actors.base import ActorId, ActorLimits
-from rlbus.actors.publisher import Publisher, PublisherSettings
+from rlbus.actors.common.config import PublisherConfig, PublisherLaunch
+from rlbus.actors.publisher import Publisher
 from rlbus.ops.bench.version_source import VersionSource
 from rlbus.actors.common.weight_sync import LATEST_KEY, Part, WeightSync, config_dict, plan_fetch
 from rlbus.kernels.delta import bits_view
@@ -39,7 +39,7 @@ from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.model.generate import generate
 from rlbus.model.transformer import ModelConfig, Transformer
 from rlbus.topology.examples import example_path
-from rlbus.topology.launch import kind_settings
+from rlbus.topology.launch import kind_launch, kind_settings
 from rlbus.topology.load import load
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
 
@@ -86,16 +86,21 @@ async def _regions(tmp_path: Path, names: tuple[str, ...] = ("hub", "eu", "us"),
         await anyio.to_thread.run_sync(rs.stop)
 
 
-def _settings(rs: RegionSet, **overrides: Any) -> PublisherSettings:
+def _settings(rs: RegionSet, **overrides: Any) -> tuple[PublisherConfig, PublisherLaunch]:
+    """The `[weights]` section and the launch values of a test publisher, `overrides` applied to either."""
     base: dict[str, Any] = {"regions": list(rs.regions), "hub": "hub", "keep_versions": 4, "full_every": 4,
                             "delta_depth": 2, "region_wait_s": 2.0, "retry_initial_s": 0.2, "retry_max_s": 1.0,
-                            "ack_wait_s": 5.0, "threads": 1}
-    return PublisherSettings(**{**base, **overrides})
+                            "ack_wait_s": 5.0, "threads": 1, **overrides}
+    config = {k: v for k, v in base.items() if k in PublisherConfig.__struct_fields__}
+    launch = {k: v for k, v in base.items() if k not in PublisherConfig.__struct_fields__}
+    return PublisherConfig(**config), PublisherLaunch(**launch)
 
 
-async def _start_publisher(tg: TaskGroup, world: _World, settings: PublisherSettings) -> Publisher:
+async def _start_publisher(tg: TaskGroup, world: _World, settings: tuple[PublisherConfig, PublisherLaunch],
+                           ) -> Publisher:
     bus = await world.bus("hub", "publisher")
-    publisher = Publisher(ActorId(world.run, "hub", "publisher", "hub-publisher-0"), bus, settings, FAST)
+    config, launch = settings
+    publisher = Publisher(ActorId(world.run, "hub", "publisher", "hub-publisher-0"), bus, config, FAST, launch)
     await tg.start(publisher.serve)
     return publisher
 
@@ -165,11 +170,13 @@ def test_plan_takes_the_fewest_bytes_and_avoids_rejected_objects() -> None:
 
 
 def test_launcher_hands_the_publisher_its_weights_section_every_region_and_the_hub() -> None:
-    """`kind_settings` for the publisher of the three-region example decodes into PublisherSettings with
-    the example's regions, its hub and the `[weights]` values."""
+    """`kind_settings` for the publisher of the three-region example decodes into its PublisherConfig (the
+    `[weights]` values) and `kind_launch` gives the example's regions and its hub."""
     topology = load(example_path("three_regions"))
-    settings = msgspec.convert(kind_settings(topology, "publisher"), PublisherSettings)
-    assert settings.regions == [r.name for r in topology.regions] and settings.hub == topology.hub.name
+    settings = msgspec.convert(kind_settings(topology, "publisher"), PublisherConfig)
+    launch = kind_launch(topology, "publisher")
+    assert isinstance(launch, PublisherLaunch)
+    assert launch.regions == [r.name for r in topology.regions] and launch.hub == topology.hub.name
     assert (settings.keep_versions, settings.full_every, settings.delta_depth) == (
         topology.weights.keep_versions, topology.weights.full_every, topology.weights.delta_depth)
 
@@ -498,7 +505,7 @@ async def test_sigkilled_publisher_process_loses_no_announcement(tmp_path: Path)
     async with _regions(tmp_path, ("hub", "eu")) as world:
         rs, run = world.rs, world.run
         trainer = await world.bus("hub", "trainer")
-        settings = msgspec.to_builtins(_settings(rs, region_wait_s=5.0))
+        settings = _settings(rs, region_wait_s=5.0)
         source = _source()
         proc = _spawn_publisher(rs, run, settings, tmp_path / "pub-1.log")
         try:
@@ -532,10 +539,13 @@ async def test_sigkilled_publisher_process_loses_no_announcement(tmp_path: Path)
         assert latest.digests == manifests[-1].digests
 
 
-def _spawn_publisher(rs: RegionSet, run: str, settings: Any, log_path: Path) -> subprocess.Popen[bytes]:
+def _spawn_publisher(rs: RegionSet, run: str, settings: tuple[PublisherConfig, PublisherLaunch],
+                     log_path: Path) -> subprocess.Popen[bytes]:
+    config, launch = settings
     args = [sys.executable, "-m", "rlbus.ops.actor", "--kind", "publisher", "--run", run, "--region", "hub",
             "--id", "hub-publisher-0", "--url", rs.url("hub"), "--domain", "hub", "--role", "publisher",
-            "--credentials", str(rs.base_dir / CREDENTIALS_NAME), "--settings", json.dumps(settings),
+            "--credentials", str(rs.base_dir / CREDENTIALS_NAME), "--settings",
+            msgspec.json.encode(config).decode(), "--launch", msgspec.json.encode(launch).decode(),
             "--heartbeat-s", "0.5", "--drain-s", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log_path.open("wb") as out:

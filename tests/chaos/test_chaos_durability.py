@@ -20,9 +20,11 @@ import nats.errors
 import pytest
 from rlbus.actors.trainer.core import build_core
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.actors.checkpointer import Checkpointer, CheckpointerConfig
+from rlbus.actors.checkpointer import Checkpointer
+from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch
 from rlbus.actors.common.ledger import read_all, read_ledger
-from rlbus.actors.trainer.actor import Trainer, TrainerConfig
+from rlbus.actors.trainer.actor import Trainer
+from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import CheckpointMark, Rollout, TrainStep
 from rlbus.messages.streams import ensure_consumer, trainer_consumer
@@ -88,15 +90,16 @@ async def counted(actor: Actor, counter: str, at_least: int, timeout_s: float = 
 
 def checkpointer(bus: Bus, state: Path) -> Checkpointer:
     """The real checkpointer, keeping durable copies under `state`."""
-    config = CheckpointerConfig(keep=2, state_dir=str(state), drain_linger_s=0.5)
-    return Checkpointer(ActorId(bus.subjects.run, HUB, "checkpointer", "hub-checkpointer-0"), bus, config, LIMITS)
+    launch = CheckpointerLaunch(state_dir=str(state), drain_linger_s=0.5)
+    return Checkpointer(ActorId(bus.subjects.run, HUB, "checkpointer", "hub-checkpointer-0"), bus,
+                        CheckpointerConfig(keep=2), LIMITS, launch)
 
 
 def trainer(bus: Bus, state: Path) -> Trainer:
     """The real trainer on a fresh tiny model (no pretrained checkpoint), checkpointing every 2 steps."""
-    config = TrainerConfig(lr=1e-3, batch_rollouts=4, staleness_versions=8, checkpoint_interval=2,
-                           state_dir=str(state), mark_wait_s=10, pretrained="")
-    return Trainer(ActorId(bus.subjects.run, HUB, "trainer", "hub-trainer-0"), bus, config, LIMITS)
+    config = TrainerConfig(lr=1e-3, batch_rollouts=4, staleness_versions=8)
+    launch = TrainerLaunch(checkpoint_interval=2, state_dir=str(state), mark_wait_s=10, pretrained="")
+    return Trainer(ActorId(bus.subjects.run, HUB, "trainer", "hub-trainer-0"), bus, config, LIMITS, launch)
 
 
 async def test_sigkilled_hub_keeps_acked_rollouts_and_comebacks_are_not_trained_twice(tmp_path: Path) -> None:

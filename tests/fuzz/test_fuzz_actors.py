@@ -26,12 +26,14 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from rlbus.actors.trainer.core import fresh_config
 from rlbus.actors.base import Actor, ActorId, ActorLimits, State
-from rlbus.actors.checkpointer import Checkpointer, CheckpointerConfig
+from rlbus.actors.checkpointer import Checkpointer
+from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch, PublisherConfig, PublisherLaunch
 from rlbus.actors.generator.actor import Generator, GeneratorConfig
 from rlbus.actors.common.ledger import read_all
-from rlbus.actors.publisher import Publisher, PublisherSettings
+from rlbus.actors.publisher import Publisher
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
-from rlbus.actors.trainer.actor import Trainer, TrainerConfig
+from rlbus.actors.trainer.actor import Trainer
+from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
 from rlbus.actors.common.weight_source import LocalWeights
 from rlbus.actors.common.weight_sync import WeightSync
 from rlbus.messages import codec
@@ -143,14 +145,15 @@ async def test_ten_thousand_hostile_messages_are_dead_lettered_and_every_actor_l
                               GeneratorConfig(group_size=2, max_tokens=8, partial_every_tokens=8, max_attempts=1,
                                               sandbox_timeout_s=20.0), LIMITS, weights=LocalWeights(model))
         trainer = Trainer(ident("trainer"), await bus("trainer", "hub-trainer-0"),
-                          TrainerConfig(lr=1e-3, batch_rollouts=2, staleness_versions=100, checkpoint_interval=1,
-                                        resume_wait_s=5.0, mark_wait_s=2.0), LIMITS)
+                          TrainerConfig(lr=1e-3, batch_rollouts=2, staleness_versions=100), LIMITS,
+                          TrainerLaunch(checkpoint_interval=1, resume_wait_s=5.0, mark_wait_s=2.0))
         checkpointer = Checkpointer(ident("checkpointer"), await bus("checkpointer", "hub-checkpointer-0"),
-                                    CheckpointerConfig(keep=2, state_dir=str(tmp_path / "state"),
-                                                       drain_linger_s=0.0), LIMITS)
+                                    CheckpointerConfig(keep=2), LIMITS,
+                                    CheckpointerLaunch(state_dir=str(tmp_path / "state"), drain_linger_s=0.0))
         publisher = Publisher(ident("publisher"), await bus("publisher", "hub-publisher-0"),
-                              PublisherSettings(regions=[HUB], hub=HUB, download_attempts=1, retry_initial_s=0.05,
-                                                retry_max_s=0.2, region_wait_s=1.0), LIMITS)
+                              PublisherConfig(), LIMITS,
+                              PublisherLaunch(regions=[HUB], hub=HUB, download_attempts=1, retry_initial_s=0.05,
+                                              retry_max_s=0.2, region_wait_s=1.0))
         actors: list[Actor] = [sandbox, generator, trainer, checkpointer, publisher]
         for b in buses:
             stack.push_async_callback(b.close)

@@ -26,7 +26,8 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from rlbus.actors.base import ActorId, ActorLimits
-from rlbus.actors.checkpointer import Checkpointer, CheckpointerConfig
+from rlbus.actors.checkpointer import Checkpointer
+from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch
 from rlbus.actors.common.feed import verifier_for
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
 from rlbus.messages import codec
@@ -61,12 +62,13 @@ def rss_kb(pid: int) -> int:
 
 
 @contextmanager
-def actor_process(rs: RegionSet, run: str, kind: str, settings: dict[str, Any], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def actor_process(rs: RegionSet, run: str, kind: str, settings: dict[str, Any], log: Path,
+                  launch: dict[str, Any] | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """One actor as its own process (`python -m rlbus.ops.actor`), stopped by its PID afterwards."""
     cmd = [sys.executable, "-m", "rlbus.ops.actor", "--kind", kind, "--run", run, "--region", HUB,
            "--id", f"{HUB}-{kind}-0", "--url", rs.url(HUB), "--domain", HUB,
            "--credentials", str(rs.base_dir / CREDENTIALS_NAME), "--settings", json.dumps(settings),
-           "--heartbeat-s", "0.25", "--drain-s", "5"]
+           "--heartbeat-s", "0.25", "--drain-s", "5", *(["--launch", json.dumps(launch)] if launch else [])]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "RLBUS_TORCH_THREADS": "1"})
@@ -168,9 +170,9 @@ async def test_rollout_flood_keeps_the_trainer_bounded(hub: RegionSet, run: str,
     s = Subjects(run)
     admin = await _setup(hub, run)
     ckpt = Checkpointer(ActorId(run, HUB, "checkpointer", "hub-checkpointer-0"), await _role_bus(hub, run, "checkpointer"),
-                        CheckpointerConfig(keep=2, drain_linger_s=0.0), LIMITS)
-    settings = {"batch_rollouts": 32, "staleness_versions": 1000, "checkpoint_interval": 1000, "lr": 1e-4,
-                "resume_wait_s": 5.0, "mark_wait_s": 2.0}
+                        CheckpointerConfig(keep=2), LIMITS, CheckpointerLaunch(drain_linger_s=0.0))
+    settings = {"batch_rollouts": 32, "staleness_versions": 1000, "lr": 1e-4}
+    launch = {"checkpoint_interval": 1000, "resume_wait_s": 5.0, "mark_wait_s": 2.0}
     js = admin.jetstream()
 
     async def acked() -> int:
@@ -178,7 +180,7 @@ async def test_rollout_flood_keeps_the_trainer_bounded(hub: RegionSet, run: str,
         return int(info.delivered.stream_seq or 0) - int(info.num_ack_pending or 0)
 
     try:
-        with actor_process(hub, run, "trainer", settings, tmp_path / "trainer.log") as proc:
+        with actor_process(hub, run, "trainer", settings, tmp_path / "trainer.log", launch) as proc:
             probe = Probe(proc.pid)
             async with anyio.create_task_group() as tg:
                 await tg.start(ckpt.serve)
@@ -217,7 +219,7 @@ async def test_task_flood_keeps_the_generator_bounded(hub: RegionSet, run: str, 
     sandbox = SandboxSupervisor(ActorId(run, HUB, "sandbox", "hub-sandbox-0"), await _role_bus(hub, run, "sandbox"),
                                 SandboxConfig(pool_size=1, concurrency=1, wall_seconds=5.0), LIMITS)
     settings = {"weights": f"local:{out / 'pretrain.pt'}", "group_size": 2, "max_tokens": 8,
-                "partial_every_tokens": 8, "max_attempts": 1, "torch_threads": 1}
+                "partial_every_tokens": 8, "max_attempts": 1}
     js = admin.jetstream()
     rng = random.Random(0)
     tasks = []
@@ -233,7 +235,7 @@ async def test_task_flood_keeps_the_generator_bounded(hub: RegionSet, run: str, 
         return max((b.counters.get("tasks", 0) for b in probe.beats), default=0) >= n
 
     try:
-        with actor_process(hub, run, "generator", settings, tmp_path / "generator.log") as proc:
+        with actor_process(hub, run, "generator", settings, tmp_path / "generator.log", {"torch_threads": 1}) as proc:
             probe = Probe(proc.pid)
             async with anyio.create_task_group() as tg:
                 await tg.start(sandbox.serve)
