@@ -6,7 +6,9 @@ that arrives while it is busy is skipped for the newest, so after a slow evaluat
 started or restarted evaluator first evaluates the version it finds) on `n_tasks` held-out tasks
 (model/tasks.py `eval_tasks`, disjoint from training by prompt hash) with greedy decoding, grading each
 completion in the region's sandboxes (actors/common/sandbox_client.py), and publishing an `EvalReport` with
-the 95% Wilson interval on `evals`. Does not: train, sample for training, or publish weights.
+the 95% Wilson interval on `evals`. A drain cancels an evaluation in progress between two decoding steps
+(or while it is graded), so stopping never waits for the whole task set. Does not: train, sample for
+training, or publish weights.
 Consumes WeightManifests (LATEST KV); produces EvalReport and Event(incident) when grading fails.
 """
 
@@ -27,8 +29,8 @@ from rlbus.actors.common.weight_sync import WeightSync
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import SandboxCrashed
 from rlbus.messages.schemas import EvalReport, SandboxLimits
-from rlbus.model.evaluate import greedy_complete, wilson_interval
 from rlbus.model.episodes import completion_text
+from rlbus.model.evaluate import greedy_complete, wilson_interval
 from rlbus.model.grading import case_for, extract_code
 from rlbus.model.tasks import Task, eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
@@ -49,6 +51,8 @@ class Evaluator(Actor):
         self.tokenizer = ByteTokenizer()
         self.tasks: list[Task] = []
         self.last_evaluated: int | None = None
+        # its schedule, for `rlbus health`: the version it reports may be this many (plus slack) behind by design
+        self.gauges["every_versions"] = float(max(1, settings.every_versions))
 
     async def setup(self) -> None:
         torch.set_num_threads(1)
@@ -78,9 +82,15 @@ class Evaluator(Actor):
     async def _evaluate(self, version: int) -> None:
         model = self.sync.model
         prompts = [self.tokenizer.prompt_ids(t.prompt) for t in self.tasks]
-        ids = await anyio.to_thread.run_sync(lambda: greedy_complete(
-            model, prompts, max_new_tokens=self.launch.max_tokens, batch_size=self.launch.batch_size,
-            stop_id=self.tokenizer.stop_id, pad_id=self.tokenizer.pad_id))
+        try:
+            # a drain cancels this task: the worker thread sees it before its next decoding step and stops
+            ids = await anyio.to_thread.run_sync(lambda: greedy_complete(
+                model, prompts, max_new_tokens=self.launch.max_tokens, batch_size=self.launch.batch_size,
+                stop_id=self.tokenizer.stop_id, pad_id=self.tokenizer.pad_id, on_step=_stop_if_cancelled))
+        except anyio.get_cancelled_exc_class():
+            self.count("evaluations_cancelled")
+            log.info("evaluation_cancelled", version=version, n=len(prompts))
+            raise
         cases = [case_for(task, extract_code(completion_text(c, self.tokenizer)))
                  for task, c in zip(self.tasks, ids, strict=True)]
         try:
@@ -102,6 +112,11 @@ class Evaluator(Actor):
         self.gauges["pass_at_1"] = report.pass_at_1
         log.info("evaluation_published", version=version, pass_at_1=round(report.pass_at_1, 4), n=n,
                  ci_low=round(low, 4), ci_high=round(high, 4))
+
+
+def _stop_if_cancelled(step: int) -> None:
+    """`greedy_complete`'s hook in the worker thread: raise the host task's cancellation, if it came."""
+    anyio.from_thread.check_cancelled()
 
 
 def build_evaluator(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limits: ActorLimits,

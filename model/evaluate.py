@@ -8,7 +8,7 @@ Does not own: the task set (`tasks.py`) or the isolation of graded code (the run
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rlbus.model.episodes import completion_text
@@ -41,23 +41,27 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
 
 
 def greedy_complete(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                    stop_id: int, pad_id: int, batch_size: int = 64) -> list[list[int]]:
+                    stop_id: int, pad_id: int, batch_size: int = 64,
+                    on_step: Callable[[int], None] | None = None) -> list[list[int]]:
     """Greedy continuation of each prompt until `stop_id` (kept) or max_new_tokens; results in input order.
 
     Prompts are sorted by length before batching, so left padding stays small; each batch is one
-    `generate(temperature=0)` call with the KV cache.
+    `generate(temperature=0)` call with the KV cache. `on_step(step)` runs before every decoding step of
+    every batch; an exception it raises (a caller's cancellation) ends the decoding there.
     """
     was_training = model.training
     model.eval()
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
-    for first in range(0, len(order), batch_size):
-        rows = order[first:first + batch_size]
-        samples = generate(model, [prompts[i] for i in rows], max_new_tokens=max_new_tokens, temperature=0.0,
-                           eos_id=stop_id, pad_id=pad_id)
-        for i, sample in zip(rows, samples, strict=True):
-            out[i] = sample.tokens.tolist()
-    model.train(was_training)
+    try:
+        for first in range(0, len(order), batch_size):
+            rows = order[first:first + batch_size]
+            samples = generate(model, [prompts[i] for i in rows], max_new_tokens=max_new_tokens,
+                               temperature=0.0, eos_id=stop_id, pad_id=pad_id, on_step=on_step)
+            for i, sample in zip(rows, samples, strict=True):
+                out[i] = sample.tokens.tolist()
+    finally:
+        model.train(was_training)
     return out
 
 

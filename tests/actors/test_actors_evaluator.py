@@ -5,6 +5,7 @@ and the Wilson interval consistent with each other."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,11 +28,12 @@ from rlbus.ops.bench.version_source import published_state, upload_version
 from rlbus.actors.common.weight_sync import LATEST_KEY
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
-from rlbus.messages.schemas import EvalReport, WeightManifest
+from rlbus.messages.schemas import EvalReport, Heartbeat, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.model.evaluate import wilson_interval
 from rlbus.model.transformer import ModelConfig, Transformer
-from rlbus.topology.regions import RegionSet
+from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
+from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
 
 pytestmark = pytest.mark.anyio
 
@@ -206,3 +208,52 @@ async def test_an_evaluator_joining_late_evaluates_the_version_it_finds_then_eac
     assert sandbox.counters.get("executions") == 3 * SETTINGS.n_tasks    # every held-out task graded there, once
     for report in reports:
         _check_report(report)
+
+
+async def _collect(bus: Bus, subject: str, into: list[Heartbeat], busy: anyio.Event, last: anyio.Event) -> None:
+    """Append every heartbeat on `subject`; set `busy` at the first busy one, `last` at a stopped or failed one."""
+    async for hb in bus.follow(subject, Heartbeat):
+        into.append(hb)
+        if hb.state == "busy":
+            busy.set()
+        if hb.state in ("stopped", "failed"):
+            last.set()
+
+
+async def test_a_drain_cancels_an_evaluation_in_progress(tmp_path: Path) -> None:
+    """An evaluator process scoring a held-out set far too large to finish within a drain bound (2000 tasks
+    of 48 greedy tokens: about a minute of decoding on 2 cores) is stopped the way `rlbus up` stops actors
+    (SIGTERM, then SIGKILL once the launcher's drain timeout has passed) while its heartbeats say busy: it
+    exits by itself (exit code 0, not killed past the timeout), its last heartbeat says stopped with the
+    evaluation counted as cancelled, and nothing of the half-scored version was graded or reported."""
+    settings = {"every_versions": 2, "n_tasks": 2000, "seed": 1}
+    launch = {"max_tokens": 48, "batch_size": 4}
+    actor_id = "hub-evaluator-0"
+    beats: list[Heartbeat] = []
+    async with _hub(tmp_path) as hub, _actors(hub, evaluator=False) as (_, _unused, sandbox):
+        trainer, admin = await hub.bus("trainer"), hub.buses[0]
+        torch.manual_seed(2)
+        await _upload(trainer, Transformer(ModelConfig.tiny()).eval(), 0)
+        spec = ProcessSpec(actor_id=actor_id, kind="evaluator", region="hub", args=(
+            "--kind", "evaluator", "--run", hub.run, "--region", "hub", "--id", actor_id, "--domain", "hub",
+            "--role", "evaluator", "--url", hub.rs.url("hub"),
+            "--credentials", str(hub.rs.base_dir / CREDENTIALS_NAME), "--settings", json.dumps(settings),
+            "--launch", json.dumps(launch), "--heartbeat-s", "0.3", "--drain-s", "2"))
+        supervisor = LocalSupervisor([spec], policy=RestartPolicy(max_restarts=0), log_dir=tmp_path / "logs")
+        busy, last = anyio.Event(), anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_collect, admin, admin.subjects.health("hub", "evaluator", actor_id), beats, busy, last)
+            async with anyio.create_task_group() as launched:
+                await launched.start(supervisor.run)
+                with anyio.fail_after(120):          # hang guard only
+                    await busy.wait()
+                launched.cancel_scope.cancel()       # the supervisor stops it: SIGTERM, bounded drain, SIGKILL
+            with anyio.move_on_after(5):             # the last heartbeat is on its way
+                await last.wait()
+            tg.cancel_scope.cancel()
+        reports = await _reports(admin)
+    process = supervisor.actors[actor_id].process
+    assert process is not None and process.returncode == 0   # it drained; SIGKILL would read -9
+    assert beats[-1].state == "stopped"
+    assert beats[-1].counters.get("evaluations_cancelled") == 1 and "evaluations" not in beats[-1].counters
+    assert reports == [] and sandbox.counters.get("executions", 0) == 0
