@@ -20,7 +20,6 @@ import nats
 import nats.errors
 import nats.js.errors
 import structlog
-import tenacity
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -29,6 +28,7 @@ from nats.js.api import PubAck
 from rlbus.messages import checks, codec, objects
 from rlbus.messages.errors import BadMessage, BusUnavailable, PermissionDenied, SubjectError
 from rlbus.messages.objects import digest  # noqa: F401  (re-exported: the digest of manifests and marks)
+from rlbus.messages.retry import retry_policy
 from rlbus.messages.schemas import Event, Message
 from rlbus.messages.subjects import Subjects, connection_inbox
 
@@ -40,13 +40,7 @@ MSG_ID_HEADER: Final = "Nats-Msg-Id"
 REASON_HEADER: Final = "Rlbus-Dead-Letter-Reason"
 SOURCE_HEADER: Final = "Rlbus-Dead-Letter-Subject"
 
-_CONNECT_RETRY: Final[dict[str, Any]] = dict(
-    retry=tenacity.retry_if_exception_type(
-        (OSError, nats.errors.NoServersError, nats.errors.TimeoutError, TimeoutError)
-    ),
-    wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=2.0),
-    reraise=True,
-)
+_CONNECT_ERRORS: Final = (OSError, nats.errors.NoServersError, nats.errors.TimeoutError, TimeoutError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,13 +153,8 @@ class Bus:
         async def on_reconnect() -> None:
             log.info("bus_reconnected", actor=ident.actor_id)
 
-        retry = tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_delay(opts.retry_for_s),
-            before_sleep=lambda rs: log.warning(
-                "bus_connect_retry", servers=urls, attempt=rs.attempt_number,
-                error=repr(rs.outcome.exception() if rs.outcome else None)),
-            **_CONNECT_RETRY,
-        )
+        retry = retry_policy("bus_connect_retry", on=_CONNECT_ERRORS, initial_s=0.2, max_s=2.0,
+                             give_up_after_s=opts.retry_for_s, servers=urls)
         try:
             async for attempt in retry:
                 with attempt:

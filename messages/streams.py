@@ -26,7 +26,6 @@ from typing import Any, Final, Literal
 
 import anyio
 import structlog
-import tenacity
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -46,6 +45,7 @@ from nats.errors import NoRespondersError
 from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from rlbus.messages.errors import BusUnavailable, TopologyError
+from rlbus.messages.retry import retry_policy
 from rlbus.messages.subjects import Subjects
 
 log = structlog.get_logger()
@@ -300,11 +300,8 @@ async def provision_run(nc: NATS, subjects: Subjects, *, hub: str, domains: Mapp
     for region in [*sorted(r for r in domains if r != hub), hub]:
         # A leaf's `$JS.<domain>.API` interest reaches the hub a moment after the link is up: retry the
         # (idempotent) provisioning on "no responders" for a bounded time.
-        retry = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception_type((ServiceUnavailableError, NoRespondersError)),
-            wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=1.0), stop=tenacity.stop_after_delay(20),
-            reraise=True, before_sleep=lambda rs: log.warning("provision_retry", region=rs.args[0] if rs.args else "",
-                                                              attempt=rs.attempt_number))
+        retry = retry_policy("provision_retry", on=(ServiceUnavailableError, NoRespondersError), initial_s=0.1,
+                             max_s=1.0, give_up_after_s=20, region=region)
         async for attempt in retry:
             with attempt:
                 await provision_region(nc, subjects, region, domain=domains[region], settings=settings)
