@@ -34,7 +34,7 @@ async def test_fetch_object_round_trips_and_checks_both_digests(admin_bus: Bus) 
     assert await fetch_object(js, bucket, "big", expected_digest=d) == blob
     assert await admin_bus.get_object(bucket, "big", expected_digest=d) == blob
     assert await fetch_object(js, bucket, "empty", expected_digest=await put_object(js, bucket, "empty", b"")) == b""
-    with pytest.raises(DigestMismatch, match="big: digest .* != announced"):
+    with pytest.raises(DigestMismatch, match=r"big: digest .* != announced"):
         await fetch_object(js, bucket, "big", expected_digest=digest(b"other"))
     with pytest.raises(nats.js.errors.NotFoundError):
         await fetch_object(js, bucket, "never-written")

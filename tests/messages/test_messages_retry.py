@@ -5,9 +5,11 @@ fields, the backoff restarts after progress; a wakeup is seen once and wakes eve
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
+import tenacity
 from structlog.testing import capture_logs
 
 from rlbus.messages.retry import retry_policy
@@ -29,14 +31,16 @@ class Flaky:
         return self.calls
 
 
-async def _run(retry: object, call: Flaky) -> int:
-    async for attempt in retry:  # type: ignore[attr-defined]
+async def _run(retry: tenacity.AsyncRetrying, call: Flaky) -> int:
+    async for attempt in retry:
         with attempt:
             return await call()
     raise AssertionError("unreachable")
 
 
-def _no_sleep(slept: list[float]):  # type: ignore[no-untyped-def]
+def _no_sleep(slept: list[float]) -> Callable[[float], Awaitable[None]]:
+    """A sleep that only records how long it was asked to wait."""
+
     async def sleep(seconds: float) -> None:
         slept.append(seconds)
     return sleep
