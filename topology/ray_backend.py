@@ -167,6 +167,11 @@ class RayBackend:
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Start every Ray actor, follow them until cancelled, then stop all of them (shielded, bounded)."""
         try:
+            # ray's first import parses Python (ast.parse): do it on this (the event loop's) thread, not in the
+            # worker that connects (CPython 3.11 keeps the parser's recursion depth in process-global state,
+            # gh-106905; two threads parsing at once fail with "AST constructor recursion depth mismatch").
+            import ray  # noqa: F401
+
             await anyio.to_thread.run_sync(self._connect)
             actor_class = _actor_class()
             async with anyio.create_task_group() as tg:
