@@ -1,24 +1,22 @@
 """Shared fixtures: one real JetStream server per session, a bus per test isolated by run id.
 
-Two session-wide guards keep CI from going red for nothing: `ast_off_main_thread` fails any test during
-which Python source was parsed into an AST off the main thread, and a watchdog ends a run that hangs after
-its last test (session teardown, interpreter exit) with every thread's stack.
+Two session-wide guards keep CI from going red for nothing: `ast_guard` fails any test during which Python
+source was parsed into an AST off the main thread (tests/helpers/ast_guard.py), and a watchdog ends a run that
+hangs after its last test (session teardown, interpreter exit) with every thread's stack.
 """
 
 from __future__ import annotations
 
-import ast
 import faulthandler
 import os
 import sys
-import threading
-import traceback
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import anyio
 import pytest
+from helpers import new_run
+from helpers.ast_guard import AstOffMainThread, import_rewritten_plugin_modules
 
 from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.topology.regions import RegionSet
@@ -29,46 +27,9 @@ SESSION_END_TIMEOUT_S = 120.0
 stack and exits 1 (pytest-timeout guards each test, not what follows the last one)."""
 
 
-class AstOffMainThread:
-    """An audit hook that records each AST built off the main thread: `ast.parse` (any `compile` with
-    `PyCF_ONLY_AST`) and `compile` of an AST object, with the thread's name and stack.
-
-    CPython 3.11 before gh-106905 keeps the AST builder's recursion depth in interpreter-global state, so two
-    threads building ASTs at once (say pytest's failure report or assertion rewriting on the main thread, and a
-    worker thread's `ast.parse`) fail with "SystemError: AST constructor recursion depth mismatch" -- inside
-    pytest's report that is an INTERNALERROR. `compile`/`exec` of source text builds no AST objects and is
-    not recorded."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._found: list[str] = []
-
-    def hook(self, event: str, args: tuple[object, ...]) -> None:
-        if event != "compile" or threading.current_thread() is threading.main_thread():
-            return
-        caller = sys._getframe(1)                  # the Python frame that called compile() (ast.parse, ...)
-        if isinstance(args[0], ast.AST) or "PyCF_ONLY_AST" in caller.f_code.co_names:
-            stack = "".join(traceback.format_stack(caller))
-            with self._lock:
-                self._found.append(f"thread {threading.current_thread().name!r} parsed {args[1]!r}:\n{stack}")
-
-    def take(self) -> list[str]:
-        """What was recorded since the last `take`, and forget it."""
-        with self._lock:
-            found, self._found = self._found, []
-        return found
-
-    def check(self, when: str) -> None:
-        """Fail the current test when an AST was built off the main thread since the last check."""
-        found = self.take()
-        if found:
-            pytest.fail(f"an AST was built off the main thread {when} (move the parse to the main thread or a "
-                        f"subprocess; see AstOffMainThread in tests/conftest.py):\n" + "\n".join(found),
-                        pytrace=False)
-
-
 ast_off_main_thread = AstOffMainThread()
 sys.addaudithook(ast_off_main_thread.hook)         # for the whole process: audit hooks cannot be removed
+import_rewritten_plugin_modules()
 
 
 @pytest.fixture(autouse=True)
@@ -105,9 +66,10 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedSe
         server.stop()
 
 
-def new_run() -> str:
-    """A fresh run id, so subjects, streams and buckets of tests never collide."""
-    return f"t{uuid.uuid4().hex[:8]}"
+@pytest.fixture
+def run_id() -> str:
+    """A fresh run id for this test (helpers.new_run), so subjects, streams and buckets of tests never collide."""
+    return new_run()
 
 
 @pytest.fixture

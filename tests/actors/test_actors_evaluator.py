@@ -6,7 +6,6 @@ and the Wilson interval consistent with each other."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from rlbus.model.evaluate import wilson_interval
 from rlbus.model.transformer import ModelConfig, Transformer
 from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
+from helpers import eventually, new_run
 
 pytestmark = pytest.mark.anyio
 
@@ -66,7 +66,7 @@ class _Hub:
 
 @asynccontextmanager
 async def _hub(tmp_path: Path) -> AsyncIterator[_Hub]:
-    run = f"t{uuid.uuid4().hex[:8]}"
+    run = new_run()
     rs = await anyio.to_thread.run_sync(lambda: RegionSet.start(tmp_path / "regions", ["hub"], "hub", run=run))
     hub = _Hub(rs, run)
     try:
@@ -85,32 +85,25 @@ async def _reports(bus: Bus) -> list[EvalReport]:
 
 
 async def _wait_reported(bus: Bus, version: int, timeout_s: float = 60) -> None:
-    with anyio.fail_after(timeout_s):          # hang guard only
-        while not any(r.policy_version == version for r in await _reports(bus)):
-            await anyio.sleep(0.1)
+    await eventually(lambda: _reports(bus), lambda reports: any(r.policy_version == version for r in reports),
+                     what=f"a report of version {version}", timeout_s=timeout_s)
 
 
 async def _wait_held(evaluator: Evaluator, version: int, timeout_s: float = 60) -> None:
-    with anyio.fail_after(timeout_s):          # hang guard only
-        while True:
-            held = evaluator.sync.held_version
-            if held is not None and held >= version:
-                return
-            await anyio.sleep(0.05)
+    await eventually(lambda: (held := evaluator.sync.held_version) is not None and held >= version,
+                     what=f"the evaluator holding version {version}", timeout_s=timeout_s, poll_s=0.05)
 
 
 async def _wait_latest(bus: Bus, version: int, timeout_s: float = 60) -> None:
     """Until the publisher has pointed the hub's LATEST key at `version`."""
     kv = await bus.js.key_value(bus.subjects.latest_bucket("hub"))
-    with anyio.fail_after(timeout_s):          # hang guard only
-        while True:
-            try:
-                entry = await kv.get(LATEST_KEY)
-            except nats.js.errors.KeyNotFoundError:
-                entry = None
-            if entry is not None and codec.decode_as(entry.value or b"", None, WeightManifest).version >= version:
-                return
-            await anyio.sleep(0.1)
+
+    async def latest() -> int:
+        entry = await kv.get(LATEST_KEY)
+        return codec.decode_as(entry.value or b"", None, WeightManifest).version
+
+    await eventually(latest, lambda latest_version: latest_version >= version, what=f"LATEST at version {version}",
+                     timeout_s=timeout_s, ignoring=(nats.js.errors.KeyNotFoundError,))
 
 
 async def _upload(trainer: Bus, model: Transformer, version: int) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, asynccontextmanager
@@ -46,6 +45,7 @@ from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
 from rlbus.model.tasks import eval_tasks
 from rlbus.topology.regions import RegionSet
+from helpers import eventually, hosted, new_run
 
 pytestmark = pytest.mark.anyio
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=2.0)
@@ -101,7 +101,7 @@ class Env:
 
 
 def _start(tmp_path: Path, regions: list[str], relay: bool = False) -> tuple[RegionSet, str]:
-    run = f"t{uuid.uuid4().hex[:8]}"
+    run = new_run()
     return RegionSet.start(tmp_path / "regions", regions, "hub", relay=relay, run=run), run
 
 
@@ -131,16 +131,9 @@ def two_regions(tmp_path: Path) -> Iterator[tuple[RegionSet, str]]:
 async def feeding(env: Env, config: FeederConfig, launch: FeederLaunch | None = None) -> AsyncIterator[Feeder]:
     """A feeder (feeder role, at the hub) served in this process until the block ends."""
     bus = await env.bus("hub", "feeder")
-    feeder = Feeder(ActorId(env.run, "hub", "feeder", "f1"), bus, config, FAST, launch)
-    try:
-        async with anyio.create_task_group() as tg:
-            await tg.start(feeder.serve)
-            try:
-                yield feeder
-            finally:
-                tg.cancel_scope.cancel()
-    finally:
-        await bus.close()
+    async with hosted(Feeder(ActorId(env.run, "hub", "feeder", "f1"), bus, config, FAST, launch),
+                      close=[bus]) as feeder:
+        yield feeder
 
 
 async def stream_tasks(env: Env, region: str) -> list[TaskMessage]:
@@ -159,12 +152,6 @@ async def stream_tasks(env: Env, region: str) -> list[TaskMessage]:
         return out
     finally:
         await bus.close()
-
-
-async def wait_until(predicate: object, timeout_s: float = 60.0) -> None:
-    with anyio.fail_after(timeout_s):  # hang guard only
-        while not await predicate():  # type: ignore[operator]  # noqa: ASYNC110 - polls server state
-            await anyio.sleep(0.05)
 
 
 @functools.cache
@@ -223,7 +210,7 @@ async def test_every_backlog_is_filled_to_the_bound_and_topped_up(two_regions: t
     async with feeding(env, config, launch) as feeder:
         async def full() -> bool:
             return [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [4, 4]
-        await wait_until(full)
+        await eventually(full)
         await anyio.sleep(0.6)                             # several more polls: still at the bound
         for region in ("hub", "eu"):
             queued = await stream_tasks(env, region)
@@ -235,7 +222,7 @@ async def test_every_backlog_is_filled_to_the_bound_and_topped_up(two_regions: t
 
         async def topped_up() -> bool:
             return len(await stream_tasks(env, "eu")) == 4
-        await wait_until(topped_up)
+        await eventually(topped_up)
         await anyio.sleep(0.3)
         assert [t.task_id for t in await stream_tasks(env, "eu")] == expected_ids(5, weights, "eu", 7)[3:]
         assert [t.task_id for t in await stream_tasks(env, "hub")] == expected_ids(5, weights, "hub", 4)
@@ -252,7 +239,7 @@ async def test_restarted_feeder_neither_repeats_nor_skips(two_regions: tuple[Reg
     async with feeding(env, config, launch):
         async def full() -> bool:
             return [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [3, 3]
-        await wait_until(full)
+        await eventually(full)
     admin = await env.bus("hub", "admin")
     try:
         kv = await admin.js.key_value(admin.subjects.partials_bucket("hub"))
@@ -270,7 +257,7 @@ async def test_restarted_feeder_neither_repeats_nor_skips(two_regions: tuple[Reg
 
         async def all_taken() -> bool:
             return len(taken) == 10
-        await wait_until(all_taken)
+        await eventually(all_taken)
         await anyio.sleep(0.5)                         # nothing more arrives
         assert [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [0, 0]
         assert feeder.counters["duplicates"] == 6 and feeder.counters["tasks"] == 4
@@ -291,12 +278,12 @@ async def test_cut_off_region_waits_for_its_tasks(tmp_path: Path) -> None:
         async with feeding(env, config, launch) as feeder:
             async def hub_full() -> bool:
                 return len(await stream_tasks(env, "hub")) == 3 and feeder.counters.get("region_unreachable", 0) > 0
-            await wait_until(hub_full)
+            await eventually(hub_full)
             await anyio.to_thread.run_sync(rs.heal, "eu")
 
             async def eu_full() -> bool:
                 return len(await stream_tasks(env, "eu")) == 3
-            await wait_until(eu_full)
+            await eventually(eu_full)
             await anyio.sleep(0.5)
             assert [t.task_id for t in await stream_tasks(env, "eu")] == expected_ids(2, weights, "eu", 3)
             assert [t.task_id for t in await stream_tasks(env, "hub")] == expected_ids(2, weights, "hub", 3)
@@ -317,7 +304,7 @@ async def test_task_file_is_fed_to_its_end(tmp_path: Path) -> None:
         async with feeding(env, config, launch) as feeder:
             async def fed() -> bool:
                 return feeder.counters.get("tasks", 0) == 3
-            await wait_until(fed)
+            await eventually(fed)
             await anyio.sleep(0.3)
             queued = await stream_tasks(env, "hub")
             assert [task_from_verifier(t) for t in queued] == tasks
@@ -397,12 +384,12 @@ async def test_fed_task_ids_of_the_saved_cursors_are_the_tasks_published(two_reg
     async with feeding(env, config, launch) as feeder:
         async def full() -> bool:
             return [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [3, 3]
-        await wait_until(full)
+        await eventually(full)
         await take(env, "eu", 2, taken)
 
         async def saved() -> bool:
             return {r: len(ids) for r, ids in (await saved_fed_ids(env, config, launch)).items()} == {"hub": 3, "eu": 5}
-        await wait_until(saved)
+        await eventually(saved)
         published = feeder.counters["tasks"]
     queued = {r: [t.task_id for t in await stream_tasks(env, r)] for r in ("hub", "eu")}
     assert published == 8
@@ -444,7 +431,7 @@ async def test_task_ledger_accounts_for_every_fed_task(two_regions: tuple[Region
     async with feeding(env, config, launch):
         async def all_saved() -> bool:
             return sum(map(len, (await saved_fed_ids(env, config, launch)).values())) == 8
-        await wait_until(all_saved)
+        await eventually(all_saved)
     rolled = [await settle_one(env, "eu", "rollout"), await settle_one(env, "hub", "rollout")]
     dead = await settle_one(env, "eu", "dead_letter")
     admin = await env.bus("hub", "admin")
@@ -460,7 +447,7 @@ async def test_task_ledger_accounts_for_every_fed_task(two_regions: tuple[Region
             nonlocal book
             book = await read_task_ledger(admin, config, launch, feeder_region="hub")
             return book.rolled_out == 2
-        await wait_until(rollouts_at_hub)
+        await eventually(rollouts_at_hub)
         letter = await admin.js.get_msg(admin.subjects.dead_letter_stream(),
                                         subject=admin.subjects.dead_letter(admin.subjects.tasks_stream("eu")))
         assert (letter.headers or {}).get(ORIGINAL_MSG_ID_HEADER) == dead   # the id of an undecodable dead letter

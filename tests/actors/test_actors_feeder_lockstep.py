@@ -4,7 +4,6 @@ that version as `Task.min_version`; a version seen again feeds nothing; the fed 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from rlbus.messages.schemas import WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.regions import RegionSet
+from helpers import eventually, new_run
 
 pytestmark = pytest.mark.anyio
 HUB = "hub"
@@ -51,15 +51,9 @@ async def _queued(bus: Bus) -> list[TaskMessage]:
     return out
 
 
-async def _wait_until(predicate: Callable[[], Awaitable[bool]]) -> None:
-    with anyio.fail_after(60):  # hang guard only
-        while not await predicate():  # noqa: ASYNC110 - polls server state
-            await anyio.sleep(0.05)
-
-
 async def test_lockstep_feeds_one_batch_per_new_version(tmp_path: Path) -> None:
     """LATEST v0 → 3 tasks with min_version 0; v0 again → none; v1 → 3 more with min_version 1; saved."""
-    run = f"t{uuid.uuid4().hex[:8]}"
+    run = new_run()
     rs = RegionSet.start(tmp_path / "regions", [HUB], HUB, run=run)
     try:
         admin = await _bus(rs, run, "admin")
@@ -88,11 +82,11 @@ async def test_lockstep_feeds_one_batch_per_new_version(tmp_path: Path) -> None:
             async with anyio.create_task_group() as tg:
                 await tg.start(feeder.serve)
                 await announce(0)
-                await _wait_until(lambda: _count_at_least(admin, 3))
+                await eventually(lambda: _count_at_least(admin, 3))
                 await announce(0)                  # the same version again: no second batch
                 await announce(1)
-                await _wait_until(lambda: _count_at_least(admin, 6))
-                await _wait_until(lambda: _versions_are(saved_versions, {HUB: 1}))
+                await eventually(lambda: _count_at_least(admin, 6))
+                await eventually(lambda: _versions_are(saved_versions, {HUB: 1}))
                 tasks = await _queued(admin)
                 tg.cancel_scope.cancel()
             assert [t.min_version for t in tasks] == [0, 0, 0, 1, 1, 1]

@@ -16,9 +16,8 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from nats.js.kv import KeyValue
 import pytest
 import torch
 
-from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.checkpointer import Checkpointer
 from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch, PublisherConfig, PublisherLaunch
 from rlbus.actors.generator.group import (
@@ -61,11 +60,12 @@ from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig, Transformer
 from rlbus.topology.regions import RegionSet
 from rlbus.topology.servers import EmbeddedServer
+from helpers import eventually, hosted, new_run
 
 pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)
 
-RUNS = tuple(f"t{uuid.uuid4().hex[:8]}" for _ in range(12))
+RUNS = tuple(new_run() for _ in range(12))
 """Run ids of this module: the server grants their PARTIALS buckets to the generator role."""
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
 TOK = ByteTokenizer()
@@ -132,19 +132,11 @@ def task_message(task: Task, group_size: int = 2) -> TaskMessage:
 
 
 @asynccontextmanager
-async def serving(env: Env, role: str, make: object) -> AsyncIterator[object]:
-    """Serve the actor `make(bus)` builds in this process until the block ends."""
+async def serving(env: Env, role: str, make: Callable[[Bus], Actor]) -> AsyncIterator[Actor]:
+    """Serve the actor `make(bus)` builds (on a bus of `role`) in this process until the block ends."""
     bus = await env.bus(role)
-    actor = make(bus)  # type: ignore[operator]
-    try:
-        async with anyio.create_task_group() as tg:
-            await tg.start(actor.serve)
-            try:
-                yield actor
-            finally:
-                tg.cancel_scope.cancel()
-    finally:
-        await bus.close()
+    async with hosted(make(bus), close=[bus]) as actor:
+        yield actor
 
 
 def generator(env: Env, model: Transformer, *, version: int, config: GeneratorConfig = CONFIG,
@@ -170,22 +162,13 @@ async def train_everything(env: Env, pretrained: Path, state: Path, produced: in
             ActorId(env.run, "hub", "checkpointer", "hub-checkpointer-0"), bus, marks, FAST, at)), \
             serving(env, "trainer", lambda bus: Trainer(ActorId(env.run, "hub", "trainer", "hub-trainer-0"), bus,
                                                         trainer, FAST, launch)):
-        with anyio.fail_after(120):
-            while True:
-                result = await read_ledger(env.admin)
-                if result.produced == produced and not result.lost and not result.pending:
-                    return result
-                await anyio.sleep(0.5)
+        return await eventually(lambda: read_ledger(env.admin),
+                                lambda ledger: ledger.produced == produced and not ledger.lost and not ledger.pending,
+                                what="every rollout trained or dropped", timeout_s=120, poll_s=0.5)
 
 
 async def stored(env: Env, stream: str) -> int:
     return int((await env.admin.js.stream_info(stream)).state.messages)
-
-
-async def wait_until(predicate: object, timeout_s: float = 60.0) -> None:
-    with anyio.fail_after(timeout_s):  # hang guard only
-        while not await predicate():  # type: ignore[operator]  # noqa: ASYNC110 - polls server state
-            await anyio.sleep(0.05)
 
 
 async def rollouts(env: Env) -> list[Rollout]:
@@ -259,7 +242,7 @@ async def test_task_becomes_a_group_of_consistent_multi_turn_rollouts(env: Env, 
 
         async def done() -> bool:
             return await stored(env, stream) == 0 and actor.counters.get("tasks", 0) == 1  # type: ignore[attr-defined]
-        await wait_until(done)
+        await eventually(done)
         counters = dict(actor.counters)  # type: ignore[attr-defined]
     group = await rollouts(env)
     assert [r.rollout_id for r in group] == [f"{task.task_id}-0", f"{task.task_id}-1"]
@@ -292,7 +275,7 @@ async def test_identical_drafts_of_a_round_run_in_the_sandbox_once(env: Env) -> 
     async with sandbox(env) as supervisor, generator(env, tiny_model(), version=0, config=greedy) as actor:
         async def done() -> bool:
             return actor.counters.get("tasks", 0) == 1  # type: ignore[attr-defined]
-        await wait_until(done)
+        await eventually(done)
         counters, executions = dict(actor.counters), supervisor.counters.get("executions", 0)  # type: ignore[attr-defined]
     group = await rollouts(env)
     assert len(group) == 3 and len({tuple(r.completion_tokens.tolist()) for r in group}) == 1
@@ -313,7 +296,7 @@ async def test_concurrent_tasks_are_sampled_in_merged_batches_with_exact_logprob
 
         async def done() -> bool:
             return await stored(env, stream) == 0 and actor.counters.get("tasks", 0) == 3  # type: ignore[attr-defined]
-        await wait_until(done)
+        await eventually(done)
         batcher = actor._batcher  # type: ignore[attr-defined]
         assert batcher.rows > batcher.calls       # some call carried more than one task's rows
         assert batcher.rows / batcher.calls > config.group_size
@@ -338,7 +321,7 @@ async def test_task_is_acked_only_after_its_group_is_stored(env: Env) -> None:
     async with generator(env, tiny_model(), version=0) as actor:
         async def failing() -> bool:
             return actor.counters.get("publish_failures", 0) >= 2  # type: ignore[attr-defined]
-        await wait_until(failing)
+        await eventually(failing)
         assert await stored(env, s.tasks_stream("hub")) == 1
         consumer = await env.admin.js.consumer_info(s.tasks_stream("hub"), s.durable("generator", "hub"))
         assert consumer.num_ack_pending == 1                      # delivered, held, not acked
@@ -348,7 +331,7 @@ async def test_task_is_acked_only_after_its_group_is_stored(env: Env) -> None:
 
         async def acked() -> bool:
             return await stored(env, s.tasks_stream("hub")) == 0
-        await wait_until(acked)
+        await eventually(acked)
         counters = dict(actor.counters)  # type: ignore[attr-defined]
     group = await rollouts(env)
     assert Counter(r.rollout_id for r in group) == {f"{task.task_id}-0": 1, f"{task.task_id}-1": 1}
@@ -385,7 +368,7 @@ async def test_redelivered_task_resumes_its_partial(env: Env) -> None:
     async with sandbox(env), generator(env, model, version=9) as actor:
         async def done() -> bool:
             return actor.counters.get("tasks", 0) == 1  # type: ignore[attr-defined]
-        await wait_until(done)
+        await eventually(done)
         counters = dict(actor.counters)  # type: ignore[attr-defined]
     group = await rollouts(env)
     assert counters["resumed"] == 1
@@ -420,7 +403,7 @@ async def test_group_without_a_pass_grows_by_g_up_to_max_group_size(env: Env, su
     async with sandbox(env), generator(env, tiny_model(), version=4, config=config) as actor:
         async def done() -> bool:
             return actor.counters.get("tasks", 0) == 1  # type: ignore[attr-defined]
-        await wait_until(done)
+        await eventually(done)
         counters = dict(actor.counters)  # type: ignore[attr-defined]
     group = await rollouts(env)
     size = 2 if subsample else 6
@@ -450,7 +433,7 @@ async def test_over_budget_history_is_summarised(env: Env) -> None:
     async with sandbox(env), generator(env, model, version=1, config=config) as actor:
         async def done() -> bool:
             return actor.counters.get("tasks", 0) == 1  # type: ignore[attr-defined]
-        await wait_until(done)
+        await eventually(done)
         counters = dict(actor.counters)  # type: ignore[attr-defined]
     assert counters["summaries"] == 2            # one per episode, before its second attempt
     for r in await rollouts(env):
@@ -531,7 +514,7 @@ async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once
             async def sampling() -> bool:
                 state = await partial()
                 return state is not None and state.sampled_tokens > 0
-            await wait_until(sampling)
+            await eventually(sampling)
             os.kill(victim.pid, signal.SIGKILL)
             victim.wait()
             saved = await partial()
@@ -540,12 +523,12 @@ async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once
 
             async def published() -> bool:
                 return await stored(env, s.rollouts_stream("hub")) >= 2 and await stored(env, s.tasks_stream("hub")) == 0
-            await wait_until(published, timeout_s=90)
+            await eventually(published, timeout_s=90)
             assert _stop(heir) == 0, (tmp_path / "heir.log").read_text()[-3000:]
 
             async def heir_stopped() -> bool:
                 return "heir" in heartbeats and heartbeats["heir"].state == "stopped"
-            await wait_until(heir_stopped)
+            await eventually(heir_stopped)
         finally:
             for proc in (victim, heir):
                 if proc is not None and proc.poll() is None:
@@ -598,13 +581,13 @@ async def test_task_longer_than_the_ack_wait_is_held_by_in_progress_and_delivere
 
         async def held() -> bool:
             return await pending() == 1
-        await wait_until(held)
+        await eventually(held)
         started = anyio.current_time()
 
         async def done() -> bool:
             return (await pending() == 0 and await stored(env, stream) == 0
                     and sum(a.counters.get("tasks", 0) for a in actors.values()) == 1)  # type: ignore[attr-defined]
-        await wait_until(done, timeout_s=180)
+        await eventually(done, timeout_s=180)
         held_s = anyio.current_time() - started
         counters = {name: dict(a.counters) for name, a in actors.items()}  # type: ignore[attr-defined]
     assert held_s > ack_wait, f"held {held_s:.1f}s, ack wait {ack_wait}s: the test proves nothing"
@@ -626,7 +609,7 @@ async def test_published_versions_reach_the_generator_mid_group(tmp_path: Path) 
     """With weights = "sync" the generator samples the publisher's versions: a version published while a
     group is being sampled is swapped in between decoding steps, so the group's sampled tokens carry
     version 0 and then version 1 (never back), and the rollouts are published once."""
-    run = f"t{uuid.uuid4().hex[:8]}"
+    run = new_run()
     rs = await anyio.to_thread.run_sync(lambda: RegionSet.start(tmp_path / "regions", ["hub"], "hub", run=run))
     buses: list[Bus] = []
 
@@ -667,7 +650,7 @@ async def test_published_versions_reach_the_generator_mid_group(tmp_path: Path) 
                     return decode_partial((await kv.get(partial_key(task.task_id))).value or b"").sampled_tokens > 0
                 except nats.js.errors.KeyNotFoundError:
                     return False
-            await wait_until(sampling)
+            await eventually(sampling)
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(0.01)
@@ -675,7 +658,7 @@ async def test_published_versions_reach_the_generator_mid_group(tmp_path: Path) 
 
             async def published() -> bool:
                 return await stored_in(admin, s.rollouts_stream("hub")) >= 2
-            await wait_until(published, timeout_s=90)
+            await eventually(published, timeout_s=90)
             tg.cancel_scope.cancel()
         stream = s.rollouts_stream("hub")
         group = [codec.decode_as((m := await admin.js.get_msg(stream, seq)).data, m.headers, Rollout)

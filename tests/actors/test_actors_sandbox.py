@@ -32,6 +32,7 @@ from rlbus.messages.bus import REASON_HEADER, Bus, ConnectOptions
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxRequest, SandboxResult
 from rlbus.model.tasks import eval_tasks
 from rlbus.topology.servers import EmbeddedServer
+from helpers import eventually, hosted
 
 pytestmark = pytest.mark.anyio
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=2.0)
@@ -53,13 +54,9 @@ async def _streams(bus: Bus) -> None:
 async def serving(bus: Bus, config: SandboxConfig = SMALL, actor_id: str = "sb1",
                   launch: SandboxLaunch | None = None) -> AsyncIterator[SandboxSupervisor]:
     """A supervisor served in this process until the block ends."""
-    actor = SandboxSupervisor(ActorId(bus.subjects.run, "hub", "sandbox", actor_id), bus, config, FAST, launch)
-    async with anyio.create_task_group() as tg:
-        await tg.start(actor.serve)
-        try:
-            yield actor
-        finally:
-            tg.cancel_scope.cancel()
+    async with hosted(SandboxSupervisor(ActorId(bus.subjects.run, "hub", "sandbox", actor_id), bus, config, FAST,
+                                        launch)) as actor:
+        yield actor
 
 
 async def _role_bus(server: EmbeddedServer, role: str, run: str) -> Bus:
@@ -255,16 +252,18 @@ async def test_concurrency_quota_queues_the_rest(admin_bus: Bus) -> None:
 # ---- infrastructure failures ----------------------------------------------------------------------
 async def _wait_for_comm(marker: str, timeout_s: float = 5.0) -> int:
     """Host pid of the process whose name (comm) is `marker`."""
-    with anyio.fail_after(timeout_s):
-        while True:
-            for name in os.listdir("/proc"):
-                if name.isdigit():
-                    try:
-                        if Path(f"/proc/{name}/comm").read_text().strip() == marker:
-                            return int(name)
-                    except OSError:
-                        pass
-            await anyio.sleep(0.02)
+    def named() -> int | None:
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    if Path(f"/proc/{name}/comm").read_text().strip() == marker:
+                        return int(name)
+                except OSError:
+                    pass
+        return None
+
+    return await eventually(named, lambda pid: pid is not None, what=f"a process named {marker}",
+                            timeout_s=timeout_s, poll_s=0.02)
 
 
 def _named(marker: str, seconds: float) -> str:

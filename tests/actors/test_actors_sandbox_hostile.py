@@ -23,6 +23,7 @@ from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.actors.common.sandbox_client import run_in_sandbox
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import SandboxLimits, SandboxRequest, SandboxResult
+from helpers import hosted
 
 pytestmark = pytest.mark.anyio
 FAST = ActorLimits(heartbeat_interval_s=0.5, drain_timeout_s=2.0)
@@ -81,14 +82,9 @@ NEXT: Final = ("assert x + 1 == 42\n",
 
 @asynccontextmanager
 async def serving(bus: Bus, level: str) -> AsyncIterator[SandboxSupervisor]:
-    actor = SandboxSupervisor(ActorId(bus.subjects.run, "hub", "sandbox", "hostile"), bus,
-                              CONFIG, FAST, SandboxLaunch(isolation=level))  # type: ignore[arg-type]
-    async with anyio.create_task_group() as tg:
-        await tg.start(actor.serve)
-        try:
-            yield actor
-        finally:
-            tg.cancel_scope.cancel()
+    async with hosted(SandboxSupervisor(ActorId(bus.subjects.run, "hub", "sandbox", "hostile"), bus,
+                                        CONFIG, FAST, SandboxLaunch(isolation=level))) as actor:  # type: ignore[arg-type]
+        yield actor
 
 
 def _named(marker: str) -> set[int]:

@@ -4,10 +4,7 @@ versions, rollouts acked only once a mark covers them, staleness drops with reas
 from __future__ import annotations
 
 import math
-import sys
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -16,7 +13,7 @@ import pytest
 import torch
 
 from rlbus.actors.trainer.core import build_core
-from rlbus.actors.base import Actor, ActorId, ActorLimits, State
+from rlbus.actors.base import ActorId, ActorLimits, State
 from rlbus.actors.checkpointer import Checkpointer, checkpoint_dir, durable_steps
 from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch
 from rlbus.actors.common.ledger import read_all, read_ledger
@@ -27,9 +24,9 @@ from rlbus.messages.bus import Bus, digest
 from rlbus.messages.schemas import CheckpointMark, Event, StateUploaded, TensorBlob, TrainStep, VersionReady
 from rlbus.topology.regions import RegionSet
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rl_bus import HUB, ack_pending, connect, provision, publish_rollouts, until_acked, wait_for  # noqa: E402
-from rl_rollouts import sample_rollouts  # noqa: E402
+from helpers.rl_bus import HUB, ack_pending, connect, provision, publish_rollouts, until_acked, wait_for
+from helpers.rollouts import sample_rollouts
+from helpers import Hosted, hosted, new_run
 
 pytestmark = pytest.mark.anyio
 LIMITS = ActorLimits(heartbeat_interval_s=0.5, drain_timeout_s=20.0)
@@ -37,7 +34,7 @@ LIMITS = ActorLimits(heartbeat_interval_s=0.5, drain_timeout_s=20.0)
 
 @pytest.fixture
 def run() -> str:
-    return f"t{uuid.uuid4().hex[:8]}"
+    return new_run()
 
 
 @pytest.fixture
@@ -48,42 +45,6 @@ def hub(tmp_path: Path, run: str) -> Iterator[RegionSet]:
         yield rs
     finally:
         rs.stop()
-
-
-class Hosted:
-    """An actor served in the background of a task group; `stop()` cancels it and waits for its drain."""
-
-    def __init__(self, tg: anyio.abc.TaskGroup, actor: Actor) -> None:
-        self.tg, self.actor, self.scope = tg, actor, anyio.CancelScope()
-        self.done = anyio.Event()
-
-    async def start(self) -> Hosted:
-        async def body(*, task_status: anyio.abc.TaskStatus[None]) -> None:
-            try:
-                with self.scope:
-                    await self.actor.serve(task_status=task_status)
-            finally:
-                self.done.set()
-
-        await self.tg.start(body)
-        return self
-
-    async def stop(self) -> State:
-        self.scope.cancel()
-        with anyio.fail_after(30):
-            await self.done.wait()
-        return self.actor.state
-
-
-@asynccontextmanager
-async def running(actor: Actor) -> AsyncIterator[Actor]:
-    """Serve `actor` for the body of the `async with`; then stop it (drained)."""
-    async with anyio.create_task_group() as tg:
-        hosted = await Hosted(tg, actor).start()
-        try:
-            yield actor
-        finally:
-            await hosted.stop()
 
 
 async def trainer_on(rs: RegionSet, run: str, config: TrainerConfig,
@@ -157,7 +118,7 @@ async def test_stale_and_unusable_groups_are_dropped_with_reasons(hub: RegionSet
     gen = await connect(hub, run, "generator")
     source = build_core("", lr=1e-3, seed=0).model
     try:
-        async with running(trainer):
+        async with hosted(trainer):
             await publish_rollouts(gen, sample_rollouts(source, tasks=2, group_size=2, seed=1, tag="a"))
             await wait_for(gen, TrainStep, lambda found: len(found) >= 1)
             stale = sample_rollouts(source, tasks=1, group_size=2, seed=2, tag="old", versions=0)
@@ -192,7 +153,7 @@ async def test_checkpointer_rejects_a_digest_mismatch_and_marks_the_next_good_up
     tr = await connect(hub, run, "trainer")
     s = tr.subjects
     try:
-        async with running(ckpt):
+        async with hosted(ckpt):
             await tr.put_object(s.checkpoint_bucket(), "state-step-4-aaaa", b"state four")
             await tr.publish(s.state_uploads(), StateUploaded(step=4, policy_version=4, objects=["state-step-4-aaaa"],
                                                               digests=["sha256:" + "0" * 64]))

@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,10 +22,10 @@ from rlbus.messages.schemas import CheckpointMark, TrainStep, VersionReady
 from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
 from rlbus.topology.regions import RegionSet
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rl_bus import (  # noqa: E402
+from helpers.rl_bus import (
     HUB, connect, credentials_file, provision, publish_rollouts, read_kind, until_acked, wait_for)
-from rl_rollouts import sample_rollouts  # noqa: E402
+from helpers.rollouts import sample_rollouts
+from helpers import eventually, new_run
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 TRAINER, CHECKPOINTER = "hub-trainer-0", "hub-checkpointer-0"
@@ -35,7 +33,7 @@ TRAINER, CHECKPOINTER = "hub-trainer-0", "hub-checkpointer-0"
 
 @pytest.fixture
 def run() -> str:
-    return f"t{uuid.uuid4().hex[:8]}"
+    return new_run()
 
 
 @pytest.fixture
@@ -67,12 +65,9 @@ def _supervisor(rs: RegionSet, run: str, tmp_path: Path) -> LocalSupervisor:
 
 async def _until_all_consumed(bus: Bus, produced: int, timeout_s: float = 120) -> Ledger:
     """Re-read the ledger until every produced rollout is trained or dropped along the final lineage."""
-    with anyio.fail_after(timeout_s):
-        while True:
-            result = await read_ledger(bus)
-            if result.produced == produced and not result.lost and not result.pending:
-                return result
-            await anyio.sleep(0.5)
+    return await eventually(lambda: read_ledger(bus),
+                            lambda ledger: ledger.produced == produced and not ledger.lost and not ledger.pending,
+                            what="every rollout trained or dropped", timeout_s=timeout_s, poll_s=0.5)
 
 
 def _check_marks(marks: list[CheckpointMark], steps: list[TrainStep]) -> None:

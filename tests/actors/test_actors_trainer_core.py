@@ -4,7 +4,6 @@ one RL step against hand-computed values, router replay, state round trip and th
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import msgspec
@@ -24,8 +23,7 @@ from rlbus.kernels.delta_state import apply_state_, encode_state
 from rlbus.messages.schemas import Rollout, TensorBlob
 from rlbus.model.transformer import ModelConfig, Transformer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rl_rollouts import sample_rollouts  # noqa: E402
+from helpers.rollouts import sample_rollouts
 
 
 def _r(task: str, g: int, versions: list[int], *, size: int = 2, prompt: list[int] | None = None,

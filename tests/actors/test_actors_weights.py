@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -42,6 +41,7 @@ from rlbus.topology.examples import example_path
 from rlbus.topology.launch import kind_launch, kind_settings
 from rlbus.topology.load import load
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
+from helpers import eventually, new_run
 
 pytestmark = pytest.mark.anyio
 FAST = ActorLimits(heartbeat_interval_s=0.3, drain_timeout_s=2.0)
@@ -70,7 +70,7 @@ class _World:
 async def _regions(tmp_path: Path, names: tuple[str, ...] = ("hub", "eu", "us"), *,
                    relay: bool = False) -> AsyncIterator[_World]:
     """Regions started for a fresh run (so role users may write its buckets), every stream provisioned."""
-    run = f"t{uuid.uuid4().hex[:8]}"
+    run = new_run()
     rs = await anyio.to_thread.run_sync(lambda: RegionSet.start(tmp_path / "regions", names, "hub", run=run,
                                                                 relay=relay))
     world = _World(rs, run)
@@ -144,12 +144,9 @@ async def _announcements(bus: Bus) -> list[WeightManifest]:
 
 
 async def _wait_announced(bus: Bus, version: int, timeout_s: float = 30) -> WeightManifest:
-    with anyio.fail_after(timeout_s):         # hang guard
-        while True:
-            for manifest in await _announcements(bus):
-                if manifest.version == version:
-                    return manifest
-            await anyio.sleep(0.1)
+    announced = await eventually(lambda: _announcements(bus), lambda found: any(m.version == version for m in found),
+                                 what=f"the manifest of version {version}", timeout_s=timeout_s)
+    return next(m for m in announced if m.version == version)
 
 
 # ---- tests ----------------------------------------------------------------------------------------------

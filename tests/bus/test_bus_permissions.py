@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-import uuid
 from pathlib import Path
 from collections.abc import Callable
 
@@ -16,6 +15,7 @@ from nats.aio.client import Client as NATS
 from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
 from rlbus.messages.subjects import BucketScope, Subjects
 from rlbus.topology.servers import EmbeddedServer
+from helpers import new_run
 
 pytestmark = pytest.mark.anyio
 
@@ -42,7 +42,7 @@ async def test_role_is_refused_other_roles_subjects(nats_server: EmbeddedServer,
                                                     forbidden: Callable[[Subjects], list[str]],
                                                     allowed: Callable[[Subjects], str]) -> None:
     """Publishes on another role's subjects raise a permissions violation and reach nobody; its own arrive."""
-    s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    s = Subjects(new_run())
     watcher_errors: list[Exception] = []
     errors: list[Exception] = []
     watcher = await _connect(nats_server, "admin", watcher_errors)
@@ -82,7 +82,7 @@ async def test_role_is_refused_other_roles_subjects(nats_server: EmbeddedServer,
 
 async def test_jetstream_publish_on_forbidden_subject_gets_no_ack(nats_server: EmbeddedServer) -> None:
     """A generator's js.publish to TRAINLOG is never stored or acked, though the stream exists."""
-    s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    s = Subjects(new_run())
     errors: list[Exception] = []
     admin = await _connect(nats_server, "admin", [])
     generator = await _connect(nats_server, "generator", errors)
@@ -118,7 +118,7 @@ async def test_bad_credentials_are_refused(nats_server: EmbeddedServer, who: str
 async def test_roles_write_the_buckets_they_are_granted(tmp_path: Path) -> None:
     """On a server started for the run: publisher writes WEIGHTS and LATEST, generator PARTIALS,
     checkpointer CKPT — and a generator may not write WEIGHTS or LATEST (bucket rights name each bucket)."""
-    s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    s = Subjects(new_run())
     nats_server = EmbeddedServer.start(tmp_path / "js", name="scoped", scope=BucketScope(runs=(s.run,),
                                                                                           regions=("hub",)))
     admin = await _connect(nats_server, "admin", [])

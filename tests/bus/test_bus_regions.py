@@ -11,7 +11,6 @@ import contextlib
 import os
 import stat
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from structlog.testing import capture_logs
 from rlbus.messages.streams import StreamSettings, provision_all, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
+from helpers import eventually, new_run
 
 pytestmark = pytest.mark.anyio
 
@@ -49,7 +49,7 @@ async def _connect(rs: RegionSet, region: str, role: str, **options: Any) -> NAT
 async def _provisioned(rs: RegionSet) -> Subjects:
     """A fresh run with every region's and the hub's streams, provisioned through the hub, once their
     subjects route across the links (each stream's interest reaches the other side a few ms later)."""
-    s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    s = Subjects(new_run())
     admin = await _connect(rs, rs.hub, "admin")
     try:
         await provision_run(admin, s, hub=rs.hub, domains=rs.domains, settings=StreamSettings.tiny())
@@ -78,9 +78,8 @@ async def _msg_ids(js: JetStreamContext, stream: str) -> Counter[str]:
 
 
 async def _wait_messages(js: JetStreamContext, stream: str, count: int, timeout_s: float) -> None:
-    with anyio.fail_after(timeout_s):  # hang guard only
-        while (await js.stream_info(stream)).state.messages < count:
-            await anyio.sleep(0.1)
+    await eventually(lambda: js.stream_info(stream), lambda info: info.state.messages >= count,
+                     what=f"{count} messages in {stream}", timeout_s=timeout_s)
 
 
 async def _publish_rollouts(nc: NATS, s: Subjects, region: str, ids: list[str]) -> None:
@@ -92,7 +91,7 @@ async def _publish_rollouts(nc: NATS, s: Subjects, region: str, ids: list[str]) 
 
 async def test_leaf_core_message_reaches_hub_subscriber_and_back(regions: RegionSet) -> None:
     """A core publish in either leaf reaches a hub subscriber, and a hub publish reaches a leaf subscriber."""
-    s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    s = Subjects(new_run())
     observer = await _connect(regions, "hub", "observer")
     gen_eu = await _connect(regions, "eu", "generator")
     gen_us = await _connect(regions, "us", "generator")
@@ -199,7 +198,7 @@ async def test_hub_fills_a_leaf_weights_bucket_through_its_domain(regions: Regio
 
 async def test_provisioning_twice_changes_nothing_and_a_new_setting_updates(regions: RegionSet) -> None:
     """A second provisioning creates and updates nothing; a changed ack wait updates only the consumers."""
-    s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    s = Subjects(new_run())
 
     async def connect(region: str) -> NATS:
         return await _connect(regions, region, "admin")

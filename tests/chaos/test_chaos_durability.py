@@ -8,10 +8,8 @@ here is the data; a trainer living through a hub restart is tests/chaos/test_cha
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -31,9 +29,9 @@ from rlbus.messages.streams import ensure_consumer, trainer_consumer
 from rlbus.topology.launch import Launch, stream_settings
 from rlbus.topology.load import load
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "actors"))
-from rl_bus import HUB, connect, until_acked, wait_for
-from rl_rollouts import sample_rollouts
+from helpers.rl_bus import HUB, connect, until_acked, wait_for
+from helpers.rollouts import sample_rollouts
+from helpers import eventually, hosted
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 T = TypeVar("T")
@@ -54,25 +52,10 @@ sync_interval = "always"
 trainer and checkpointer in process."""
 
 
-@asynccontextmanager
-async def serving(actor: Actor) -> AsyncIterator[Actor]:
-    """Serve `actor` in the background for the body of the `async with`; then cancel it (it drains)."""
-    async with anyio.create_task_group() as tg:
-        await tg.start(lambda task_status: actor.serve(task_status=task_status))
-        try:
-            yield actor
-        finally:
-            tg.cancel_scope.cancel()
-
-
 async def retrying(call: Callable[[], Awaitable[T]], timeout_s: float = 30) -> T:
     """`call()` until the bus answers again (the client reconnects to the restarted server on its own)."""
-    with anyio.fail_after(timeout_s):
-        while True:
-            try:
-                return await call()
-            except (nats.errors.Error, TimeoutError):
-                await anyio.sleep(0.3)
+    return await eventually(call, lambda _: True, what="the bus answering again", timeout_s=timeout_s, poll_s=0.3,
+                            ignoring=(nats.errors.Error, TimeoutError))
 
 
 async def stored_ids(bus: Bus) -> Counter[str]:
@@ -124,7 +107,7 @@ async def test_sigkilled_hub_keeps_acked_rollouts_and_comebacks_are_not_trained_
         tbus = await connect(regions, run, "trainer", "hub-trainer-0")
         cbus = await connect(regions, run, "checkpointer", "hub-checkpointer-0")
         try:
-            async with serving(checkpointer(cbus, state)), serving(trainer(tbus, state)):
+            async with hosted(checkpointer(cbus, state)), hosted(trainer(tbus, state)):
                 acks = await gen.publish_batch([(s.rollouts(HUB), r, r.rollout_id) for r in first])
                 assert not any(a.duplicate for a in acks)
                 await wait_for(gen, CheckpointMark, lambda found: len(found) >= 1, timeout_s=60)
@@ -150,7 +133,7 @@ async def test_sigkilled_hub_keeps_acked_rollouts_and_comebacks_are_not_trained_
             await launch.admin.js.delete_consumer(s.hub_rollouts_stream(), s.durable("trainer"))
             await ensure_consumer(launch.admin.js, s.hub_rollouts_stream(),
                                   trainer_consumer(s, stream_settings(topology)))
-            async with serving(checkpointer(cbus, state)), serving(trainer(tbus, state)) as second:
+            async with hosted(checkpointer(cbus, state)), hosted(trainer(tbus, state)) as second:
                 assert isinstance(second, Trainer)
                 await counted(second, "redelivered_consumed", 12)       # all 12 redelivered and skipped
                 await until_acked(gen, 0)                                # ... and acked (mark 3 covers them)

@@ -5,8 +5,6 @@ the restart are trained, marked and acked — by the same trainer process (same 
 from __future__ import annotations
 
 import dataclasses
-import sys
-import uuid
 from pathlib import Path
 
 import anyio
@@ -22,9 +20,9 @@ from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.topology.launch import PRETRAINED_DIR, Launch
 from rlbus.topology.schema import Topology
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "actors"))
-from rl_bus import HUB, connect
-from rl_rollouts import sample_rollouts
+from helpers.rl_bus import HUB, connect
+from helpers.rollouts import sample_rollouts
+from helpers import new_run
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 TRAINER = "hub-trainer-0"
@@ -34,7 +32,7 @@ def _topology(state: Path) -> Topology:
     """Only the trainer side in one hub region (the test plays the generator): 4 rollouts a step, a checkpoint
     every step, restarts allowed (so a crash would show as a new PID, not a hung test)."""
     return msgspec.convert({
-        "run": f"t{uuid.uuid4().hex[:8]}", "state_dir": str(state),
+        "run": new_run(), "state_dir": str(state),
         "regions": [{"name": HUB, "role": "hub", "actors": [{"kind": "trainer"}, {"kind": "checkpointer"}]}],
         "trainer": {"lr": 1e-3, "batch_rollouts": 4, "staleness_versions": 8},
         "checkpoint": {"interval_steps": 1, "keep": 2},

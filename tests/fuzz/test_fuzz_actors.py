@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
-import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +42,8 @@ from rlbus.messages.subjects import Subjects
 from rlbus.model.transformer import Transformer
 from rlbus.topology.regions import RegionSet
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fuzz_payloads import Payload, Target, build, recipes, valid
+from helpers.fuzz_payloads import Payload, Target, build, recipes, valid
+from helpers import eventually, hosted, new_run
 
 pytestmark = pytest.mark.anyio
 HUB = "hub"
@@ -92,25 +90,9 @@ async def _dead_letters(js: Any, s: Subjects) -> dict[str, int]:
     return {subject.rsplit(".", 1)[1]: n for subject, n in (info.state.subjects or {}).items()}
 
 
-@asynccontextmanager
-async def _serving(actors: list[Actor]) -> AsyncIterator[None]:
-    async with anyio.create_task_group() as tg:
-        for actor in actors:
-            await tg.start(actor.serve)
-        try:
-            yield
-        finally:
-            tg.cancel_scope.cancel()
-
-
 async def _until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float = 120,
                  poll_s: float = 0.1) -> None:
-    try:
-        with anyio.fail_after(timeout_s):
-            while not await check():
-                await anyio.sleep(poll_s)
-    except TimeoutError:
-        raise AssertionError(f"hang guard: {what} within {timeout_s}s") from None
+    await eventually(check, what=what, timeout_s=timeout_s, poll_s=poll_s)
 
 
 async def test_ten_thousand_hostile_messages_are_dead_lettered_and_every_actor_lives(tmp_path: Path) -> None:
@@ -118,7 +100,7 @@ async def test_ten_thousand_hostile_messages_are_dead_lettered_and_every_actor_l
     requests: per stream, dead letters (each with a reason) == bad messages sent; model-judged rollouts are
     TrainStep drops with reasons; heartbeats never stop; then a valid task goes all the way through."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))  # 10k warnings
-    run = f"t{uuid.uuid4().hex[:8]}"
+    run = new_run()
     s = Subjects(run)
     payloads = _payloads()
     assert sum(map(len, payloads.values())) == 10_000
@@ -179,7 +161,7 @@ async def test_ten_thousand_hostile_messages_are_dead_lettered_and_every_actor_l
             tg.start_soon(watch_health)
             tg.start_soon(collect_replies)
             sync_bus = await bus("generator", "hub-weights-0")
-            async with WeightSync.open(sync_bus, HUB) as sync, _serving(actors):
+            async with WeightSync.open(sync_bus, HUB) as sync, hosted(*actors):
                 with anyio.fail_after(60):
                     await sync.wait_for_staged(0)            # the trainer's version 0, published and staged
                 before = Counter(beats)

@@ -14,7 +14,6 @@ import random
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +37,7 @@ from rlbus.messages.subjects import Subjects
 from rlbus.model.pretrain import PretrainConfig, pretrain
 from rlbus.model.tasks import make_task
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
+from helpers import new_run
 
 pytestmark = pytest.mark.anyio
 HUB = "hub"
@@ -119,7 +119,7 @@ class Probe:
 
 @pytest.fixture
 def run() -> str:
-    return f"t{uuid.uuid4().hex[:8]}"
+    return new_run()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import random
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import zstandard
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.generator.group import (
     ZSTD_MAGIC,
     Attempt,
@@ -54,6 +53,7 @@ from rlbus.model.tasks import Task, eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig, Transformer
 from rlbus.topology.servers import EmbeddedServer
+from helpers import hosted, new_run
 
 torch.set_num_threads(1)
 TOK = ByteTokenizer()
@@ -181,7 +181,7 @@ def test_hostile_bytes_are_refused_or_resumable(category: int, seed: int) -> Non
 
 
 # ---- live: a real generator over a real server ----------------------------------------------------------
-RUN = f"t{uuid.uuid4().hex[:8]}"
+RUN = new_run()
 CONFIG = GeneratorConfig(group_size=2, temperature=1.0, max_tokens=8, partial_every_tokens=8, max_attempts=1,
                          sandbox_timeout_s=10.0)
 SANDBOX = SandboxConfig(pool_size=1, concurrency=2, cpu_seconds=2.0, wall_seconds=2.0, memory_mb=256,
@@ -217,18 +217,10 @@ async def _env(tmp_path: Path) -> AsyncIterator[Env]:
 
 
 @asynccontextmanager
-async def _serving(env: Env, role: str, make: Callable[[Bus], object]) -> AsyncIterator[object]:
+async def _serving(env: Env, role: str, make: Callable[[Bus], Actor]) -> AsyncIterator[Actor]:
     bus = await env.bus(role)
-    actor = make(bus)
-    try:
-        async with anyio.create_task_group() as tg:
-            await tg.start(actor.serve)  # type: ignore[attr-defined]
-            try:
-                yield actor
-            finally:
-                tg.cancel_scope.cancel()
-    finally:
-        await bus.close()
+    async with hosted(make(bus), close=[bus]) as actor:
+        yield actor
 
 
 def _teacher_forced(model: Transformer, rollout: Rollout) -> torch.Tensor:

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import anyio
 import nats
 
+from helpers.waiting import eventually
 from rlbus.actors.common.ledger import read_all
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import CheckpointMark, Message, Rollout, TrainStep, VersionReady
@@ -59,21 +59,14 @@ async def read_kind(bus: Bus, kind: type[M]) -> list[M]:
 
 async def wait_for(bus: Bus, kind: type[M], until: Callable[[list[M]], bool], timeout_s: float = 60) -> list[M]:
     """Re-read the stream of `kind` until `until(messages)` holds (hang guard `timeout_s`)."""
-    with anyio.fail_after(timeout_s):
-        while True:
-            found = await read_kind(bus, kind)
-            if until(found):
-                return found
-            await anyio.sleep(0.3)
+    return await eventually(lambda: read_kind(bus, kind), until, what=f"{kind.__name__} messages",
+                            timeout_s=timeout_s, poll_s=0.3)
 
 
 async def until_acked(bus: Bus, pending: int, timeout_s: float = 30) -> None:
     """Wait until the trainer's consumer has exactly `pending` unacked rollouts (acks are asynchronous)."""
-    with anyio.fail_after(timeout_s):
-        while True:
-            if await ack_pending(bus) == pending:
-                return
-            await anyio.sleep(0.1)
+    await eventually(lambda: ack_pending(bus), lambda n: n == pending, what=f"{pending} rollouts pending",
+                     timeout_s=timeout_s)
 
 
 async def ack_pending(bus: Bus) -> int:

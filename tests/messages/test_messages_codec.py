@@ -4,7 +4,6 @@ but BadMessage."""
 from __future__ import annotations
 
 import struct
-import sys
 from pathlib import Path
 
 import msgpack
@@ -14,12 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
-from samples import samples  # noqa: E402
+from helpers.samples import samples
 
-from rlbus.messages import codec  # noqa: E402
-from rlbus.messages.errors import BadMessage, UnsupportedSchema  # noqa: E402
-from rlbus.messages.schemas import MESSAGE_TYPES, Rollout, Task, TensorBlob  # noqa: E402
+from rlbus.messages import codec
+from rlbus.messages.errors import BadMessage, UnsupportedSchema
+from rlbus.messages.schemas import MESSAGE_TYPES, Rollout, Task, TensorBlob
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -1,4 +1,4 @@
-"""The AST guard of tests/conftest.py: an AST built off the main thread (`ast.parse`, pytest's assertion rewriting
+"""The AST guard (tests/helpers/ast_guard.py, an autouse fixture of tests/conftest.py): an AST built off the main thread (`ast.parse`, pytest's assertion rewriting
 of an imported module) fails the test it happened in; source compiled or run as text, and parses on the main
 thread, do not."""
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import AstOffMainThread
+from helpers.ast_guard import AstOffMainThread
 
 
 def _on_worker(fn: Callable[[], object], name: str) -> None:

@@ -14,8 +14,7 @@ from pathlib import Path
 from rlbus.actors.sandbox.pool import LEVELS, available_levels
 from rlbus.ops.bench.sandbox import TARGET_MS
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ops_helpers import json_in
+from helpers.ops import json_in
 
 SMALLEST = ("--sandbox-runs", "1")
 """One timed execution per level (plus the bench's fixed warm-ups and ten fresh jails); `--quick` is 60."""

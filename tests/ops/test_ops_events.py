@@ -3,8 +3,6 @@ from a start time (an ephemeral consumer by start time)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import anyio
 import pytest
@@ -14,8 +12,7 @@ from rlbus.messages.schemas import Event
 from rlbus.ops.events import read_events
 from rlbus.topology.servers import EmbeddedServer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ops_helpers import json_lines, provision_single, run_cli, target_of, url_args  # noqa: E402
+from helpers.ops import json_lines, provision_single, run_cli, target_of, url_args
 
 pytestmark = pytest.mark.anyio
 

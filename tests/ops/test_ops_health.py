@@ -28,8 +28,7 @@ from rlbus.ops.health.view import registry_for, serve_metrics
 from rlbus.ops.health.watch import HealthWatch
 from rlbus.topology.servers import EmbeddedServer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ops_helpers import json_in, provision_single, run_cli, target_of, url_args, write_credentials  # noqa: E402
+from helpers.ops import json_in, provision_single, run_cli, target_of, url_args, write_credentials
 
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=1.0)
 RULES = ["--min-deadline-s", "1", "--stall-s", "1.5", "--settle-s", "0.3"]

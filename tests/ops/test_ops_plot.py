@@ -3,7 +3,6 @@ empty one (which says "no data" instead of failing)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import msgspec
@@ -31,8 +30,7 @@ from rlbus.ops.recording.plotting import (
 from rlbus.ops.recording.recorder import versions_of
 from rlbus.ops.recording.format import RecordingWriter
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ops_helpers import run_cli  # noqa: E402
+from helpers.ops import run_cli
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -5,8 +5,6 @@ publishing back onto a new run reproduces the same rollout ids in the same regio
 from __future__ import annotations
 
 import struct
-import sys
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -34,8 +32,8 @@ from rlbus.messages.history import read_stream, stream_count
 from rlbus.topology.launch import RUN_FILE, Endpoints, write_run_file
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ops_helpers import json_in, run_cli  # noqa: E402
+from helpers.ops import json_in, run_cli
+from helpers import new_run
 
 REGIONS = ("eu", "us", "hub")
 
@@ -73,7 +71,7 @@ def read_plain(path: Path) -> tuple[dict[str, Any], dict[str, Any], list[tuple[s
 @pytest.fixture
 async def recorded(regions: RegionSet, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
     """A 3-region run with 12 rollouts (4 per region), 3 TrainSteps, 3 manifests, 2 evals, 2 events, recorded."""
-    run = f"t{uuid.uuid4().hex[:8]}"
+    run = new_run()
     admin = regions.credentials("admin")
     state = tmp_path / "state"
     state.mkdir()

@@ -31,8 +31,7 @@ from rlbus.ops.recording.retrain import ReplayInputError, held_version, restore_
 from rlbus.messages.history import stream_count
 from rlbus.topology.examples import example_path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ops_helpers import json_in, run_cli  # noqa: E402
+from helpers.ops import json_in, run_cli
 
 CONFIG = TrainerConfig(lr=1e-3, batch_rollouts=4, seed=3)
 """A fresh seeded tiny model (no pretrained file) with a learning rate that moves bf16 weights every step."""

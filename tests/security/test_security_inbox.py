@@ -4,7 +4,6 @@ deliveries, KV reads) nor forge replies into them; responders still answer reque
 
 from __future__ import annotations
 
-import uuid
 
 import anyio
 import nats
@@ -15,6 +14,7 @@ from nats.aio.client import Client as NATS
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.subjects import Subjects, inbox_prefix
 from rlbus.topology.servers import EmbeddedServer
+from helpers import eventually, new_run
 
 pytestmark = pytest.mark.anyio
 
@@ -27,16 +27,14 @@ async def _connect(server: EmbeddedServer, role: str, errors: list[Exception]) -
 
 
 async def _wait_errors(errors: list[Exception], n: int) -> list[str]:
-    with anyio.fail_after(20):                     # hang guard only
-        while len(errors) < n:
-            await anyio.sleep(0.02)
+    await eventually(lambda: len(errors) >= n, what=f"{n} errors", timeout_s=20, poll_s=0.02)
     return sorted(str(e) for e in errors)
 
 
 async def test_generator_cannot_subscribe_to_other_inboxes(nats_server: EmbeddedServer) -> None:
     """`_INBOX.trainer.>`, `_INBOX.>` and a live trainer connection's own prefix are refused to a generator;
     the trainer's JetStream replies reach only the trainer."""
-    s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    s = Subjects(new_run())
     errors: list[Exception] = []
     admin = await _connect(nats_server, "admin", [])
     trainer = await _connect(nats_server, "trainer", [])
@@ -67,7 +65,7 @@ async def test_generator_cannot_subscribe_to_other_inboxes(nats_server: Embedded
 async def test_no_role_publishes_into_an_inbox_unasked(nats_server: EmbeddedServer) -> None:
     """A sandbox can answer a generator's request once (allow_responses), but cannot push a forged reply into
     a generator's or a trainer's inbox that asked it nothing."""
-    s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    s = Subjects(new_run())
     errors: list[Exception] = []
     generator = await _connect(nats_server, "generator", [])
     trainer = await _connect(nats_server, "trainer", [])
@@ -109,7 +107,7 @@ async def test_bus_connections_use_their_role_inbox(nats_server: EmbeddedServer)
     """`Bus.connect` gives each connection a fresh `_INBOX.<role>.<random>` prefix (the role, else the user),
     and JetStream and KV work through it for a non-admin role."""
     cred = nats_server.credential("observer")
-    run = f"t{uuid.uuid4().hex[:8]}"
+    run = new_run()
     admin_cred = nats_server.credential("admin")
     async with await Bus.connect(nats_server.url, run=run, options=ConnectOptions(
             user=admin_cred.user, password=admin_cred.password)) as admin:

@@ -5,7 +5,6 @@ it tried had no effect. The expected rights are this file's own table, not the c
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from nats.aio.client import Client as NATS
 from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.regions import RegionSet
+from helpers import new_run
 
 pytestmark = pytest.mark.anyio
 HUB, LEAF = "hub", "eu"
@@ -93,7 +93,7 @@ RIGHTS: dict[str, set[str]] = {
 
 @pytest.fixture(scope="module")
 def run() -> str:
-    return f"t{uuid.uuid4().hex[:8]}"
+    return new_run()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import ssl
-import uuid
 from collections.abc import Awaitable, Callable, Iterator
 
 import anyio
@@ -22,6 +21,7 @@ from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.regions import TLS_DIR, RegionSet
 from rlbus.topology.tls import TlsFiles
+from helpers import new_run
 
 pytestmark = [pytest.mark.anyio,
               pytest.mark.skipif(shutil.which("openssl") is None, reason="TLS certificates need the openssl CLI")]
@@ -58,7 +58,7 @@ async def test_leaf_to_hub_over_tls(tls_regions: RegionSet) -> None:
     assert hub_leaf_port is not None
     for port in (rs.servers[HUB].port, rs.servers[LEAF].port, hub_leaf_port):
         assert (await _info(port))["tls_required"] is True
-    s = Subjects(f"t{uuid.uuid4().hex[:8]}")
+    s = Subjects(new_run())
     admin = await nats.connect(**rs.connect_options(HUB, "admin"))
     leaf = await nats.connect(**rs.connect_options(LEAF, "admin"))
     try:
@@ -90,7 +90,7 @@ async def test_bus_connects_with_the_ca(tls_regions: RegionSet) -> None:
     """The bus client (ConnectOptions.tls_ca_file) connects to a TLS region and publishes to JetStream."""
     rs = tls_regions
     cred = rs.credentials("admin")
-    run = f"t{uuid.uuid4().hex[:8]}"
+    run = new_run()
     admin = await nats.connect(**rs.connect_options(HUB, "admin"))
     try:
         await provision_run(admin, Subjects(run), hub=HUB, domains=rs.domains, settings=StreamSettings.tiny())

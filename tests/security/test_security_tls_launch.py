@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from rlbus.topology.examples import example_path
 from rlbus.topology.launch import Launch, actor_specs
 from rlbus.topology.load import load, validate_text
 from rlbus.topology.schema import RestartSettings, TlsSettings, Topology
+from helpers import new_run
 
 HUB, LEAF = "hub", "eu"
 
@@ -29,7 +29,7 @@ def _two_regions(tmp_path: Path) -> Topology:
     """The bus demo cut to two regions: a rollout producer in `eu`, the hub's consumer, TLS on."""
     demo = load(example_path("demo"))
     return msgspec.structs.replace(
-        demo, run=f"t{uuid.uuid4().hex[:8]}", state_dir=str(tmp_path / "state"),
+        demo, run=new_run(), state_dir=str(tmp_path / "state"),
         regions=[r for r in demo.regions if r.name in (HUB, LEAF)], tls=TlsSettings(enabled=True),
         restart=RestartSettings(max_restarts=0))
 

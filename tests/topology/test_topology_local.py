@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import anyio
@@ -24,6 +23,7 @@ from rlbus.topology.examples import example_path
 from rlbus.topology.launch import Launch
 from rlbus.topology.load import load
 from rlbus.topology.schema import RestartSettings, Topology
+from helpers import new_run
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 def _demo(tmp_path: Path, max_restarts: int) -> Topology:
     topology = load(example_path("demo"))
     return msgspec.structs.replace(
-        topology, run=f"t{uuid.uuid4().hex[:8]}", state_dir=str(tmp_path / "state"),
+        topology, run=new_run(), state_dir=str(tmp_path / "state"),
         restart=RestartSettings(max_restarts=max_restarts, window_s=120, backoff_initial_s=0.2, backoff_max_s=0.5))
 
 

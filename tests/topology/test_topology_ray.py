@@ -27,6 +27,7 @@ from rlbus.messages.schemas import Heartbeat
 from rlbus.topology.local import ProcessSpec, RestartPolicy
 from rlbus.topology.ray_backend import RayBackend
 from rlbus.topology.servers import EmbeddedServer
+from helpers import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -189,11 +190,7 @@ class Watch:
 
 async def _until(what: Callable[[], bool], why: str, timeout_s: float = 90) -> None:
     """Hang guard only: poll `what` until true; a timeout names what was awaited."""
-    with anyio.move_on_after(timeout_s):
-        while not what():
-            await anyio.sleep(0.1)
-        return
-    raise TimeoutError(f"waited {timeout_s:.0f}s for: {why}")
+    await eventually(what, what=why, timeout_s=timeout_s)
 
 
 def _node_resources(node_id: str) -> dict[str, float]:

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 from rlbus.actors.sandbox.pool import STANDBY_NAME
 from rlbus.ops.up import stop_leftovers
 from rlbus.topology.examples import example_path
+from helpers import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -61,12 +61,10 @@ def _actor_pid(state: Path, kind: str, processes_mentioning: Callable[[str], lis
 
 def _eventually(predicate: Callable[[], bool], timeout_s: float = 60.0) -> bool:
     """Poll `predicate` until it holds (True) or the hang guard runs out (False)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
+    try:
+        return eventually_sync(predicate, timeout_s=timeout_s, poll_s=0.2)
+    except AssertionError:
+        return False
 
 
 def _executors(sandbox_pid: int) -> list[int]:
