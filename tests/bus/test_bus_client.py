@@ -8,6 +8,7 @@ from contextlib import aclosing
 import anyio
 import msgpack
 import pytest
+from helpers import eventually
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from rlbus.actors.demo import synthetic_rollout
@@ -127,15 +128,23 @@ async def test_follow_yields_live_messages_of_its_kind_and_skips_the_rest(admin_
         async with aclosing(admin_bus.follow(subject, Rollout)) as rollouts:
             async for rollout in rollouts:
                 got.append(rollout)
-                arrived.set()
-                return
+                if rollout.rollout_id == "live":
+                    arrived.set()
+                    return
+
+    async def subscribed() -> bool:
+        """Core NATS drops what is published before the subscription reaches the server: probe until one
+        comes back (one connection's messages arrive in order, so everything after it is seen)."""
+        await admin_bus.nc.publish(subject, codec.encode(_rollout("probe"))[0])
+        await admin_bus.nc.flush()
+        return bool(got)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(take)
-        await anyio.sleep(0.2)                  # subscribed
+        await eventually(subscribed, what="the follower's subscription", timeout_s=10, poll_s=0.05)
         await admin_bus.nc.publish(subject, b"\xc1 not msgpack")
         await admin_bus.nc.publish(subject, codec.encode(Task(task_id="t", prompt="p"))[0])
         await admin_bus.nc.publish(subject, codec.encode(_rollout("live"))[0])
         with anyio.fail_after(10):              # hang guard only
             await arrived.wait()
-    assert [r.rollout_id for r in got] == ["live"]
+    assert {r.rollout_id for r in got[:-1]} == {"probe"} and got[-1].rollout_id == "live"
