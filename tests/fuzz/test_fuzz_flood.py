@@ -208,14 +208,22 @@ async def test_rollout_flood_keeps_the_trainer_bounded(hub: RegionSet, run: str,
     probe.assert_plateau()
 
 
-async def test_task_flood_keeps_the_generator_bounded(hub: RegionSet, run: str, tmp_path: Path) -> None:
+@pytest.fixture
+def pretrained(tmp_path: Path) -> Path:
+    """A tiny policy pretrained for one step, on the main thread (outside the event loop): its first AdamW
+    imports torch._dynamo, which parses Python, and no AST may be built off the main thread (tests/conftest.py)."""
+    out = tmp_path / "pretrained"
+    pretrain(PretrainConfig.preset("tiny", eval_n=1, max_new_tokens=4), 1, 0, out, 1)
+    return out
+
+
+async def test_task_flood_keeps_the_generator_bounded(hub: RegionSet, run: str, tmp_path: Path,
+                                                      pretrained: Path) -> None:
     """5,000 tasks of ~10 kB at once (after 3 warm-up tasks): the generator holds one at a time (unacked ≤
     concurrent_tasks = 1), finishes tasks meanwhile, and its RSS plateaus while the backlog waits in TASKS."""
     s = Subjects(run)
     admin = await _setup(hub, run)
-    out = tmp_path / "pretrained"
-    await anyio.to_thread.run_sync(lambda: pretrain(PretrainConfig.preset("tiny", eval_n=1, max_new_tokens=4),
-                                                    1, 0, out, 1))
+    out = pretrained
     sandbox = SandboxSupervisor(ActorId(run, HUB, "sandbox", "hub-sandbox-0"), await _role_bus(hub, run, "sandbox"),
                                 SandboxConfig(pool_size=1, concurrency=1, wall_seconds=5.0), LIMITS)
     settings = {"weights": f"local:{out / 'pretrain.pt'}", "group_size": 2, "max_tokens": 8,
