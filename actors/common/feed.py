@@ -30,6 +30,7 @@ import nats.js.errors
 import structlog
 from nats.js.kv import KeyValue
 from rlbus.actors.common.config import FeederConfig, FeederLaunch, feed_weights
+from rlbus.actors.common.errors import TaskError
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import Task as TaskMessage
@@ -76,7 +77,7 @@ def verifier_for(task: CodingTask) -> dict[str, str]:
 def task_from_json(doc: Mapping[str, Any]) -> CodingTask:
     """A `model.tasks.Task` from its JSON object (a verifier's or a task file line's).
 
-    :raises ValueError: a required field is missing or has the wrong type.
+    :raises TaskError: a required field is missing or has the wrong type, or there are no tests.
     """
     try:
         tests = tuple(HiddenTest(args=str(t["args"]), expected=str(t["expected"])) for t in doc["tests"])
@@ -84,35 +85,35 @@ def task_from_json(doc: Mapping[str, Any]) -> CodingTask:
                           level=int(doc.get("level", 0)), prompt=str(doc["prompt"]),
                           entry_point=str(doc["entry_point"]), solution=str(doc.get("solution", "")), tests=tests)
     except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"task object needs task_id, prompt, entry_point and tests [{{args, expected}}]: "
-                         f"{err!r}") from None
+        raise TaskError(f"task object needs task_id, prompt, entry_point and tests [{{args, expected}}]: "
+                        f"{err!r}") from None
     if not task.tests:
-        raise ValueError(f"task {task.task_id!r} has no tests")
+        raise TaskError(f"task {task.task_id!r} has no tests")
     return task
 
 
 def task_from_verifier(message: TaskMessage) -> CodingTask:
     """Rebuild the coding task a Task message carries (generator side).
 
-    :raises ValueError: the verifier is not of kind VERIFIER_KIND or its task does not parse.
+    :raises TaskError: the verifier is not of kind VERIFIER_KIND or its task does not parse.
     """
     if message.verifier.get("kind") != VERIFIER_KIND or "task" not in message.verifier:
-        raise ValueError(f"task {message.task_id}: verifier kind {message.verifier.get('kind')!r} is not "
-                         f"{VERIFIER_KIND!r}")
+        raise TaskError(f"task {message.task_id}: verifier kind {message.verifier.get('kind')!r} is not "
+                        f"{VERIFIER_KIND!r}")
     try:
         doc = json.loads(message.verifier["task"])
     except (ValueError, RecursionError) as err:    # RecursionError: nested past the parser's depth
-        raise ValueError(f"task {message.task_id}: verifier task is not usable JSON: {err!r}"[:500]) from None
-    if not isinstance(doc, dict):   # ValueError, as for every unusable verifier: the generator dead-letters those
-        raise ValueError(f"task {message.task_id}: verifier task is a JSON {type(doc).__name__}, "  # noqa: TRY004
-                         f"not an object")
+        raise TaskError(f"task {message.task_id}: verifier task is not usable JSON: {err!r}"[:500]) from None
+    if not isinstance(doc, dict):   # TaskError, as for every unusable verifier: the generator dead-letters those
+        raise TaskError(f"task {message.task_id}: verifier task is a JSON {type(doc).__name__}, "
+                        f"not an object")
     return task_from_json(doc)
 
 
 def read_tasks_file(path: Path) -> list[CodingTask]:
     """Every task of a JSONL file, in file order (blank lines skipped).
 
-    :raises ValueError: naming the file and line of the first bad line.
+    :raises TaskError: naming the file and line of the first bad line.
     """
     out = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -120,8 +121,8 @@ def read_tasks_file(path: Path) -> list[CodingTask]:
             continue
         try:
             out.append(task_from_json(json.loads(line)))
-        except ValueError as err:
-            raise ValueError(f"{path}:{number}: {err}") from None
+        except (ValueError, RecursionError) as err:    # RecursionError: nested past the parser's depth
+            raise TaskError(f"{path}:{number}: {err}") from None
     return out
 
 

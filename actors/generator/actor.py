@@ -66,6 +66,7 @@ from rlbus.actors.generator.group import (
     record_attempt,
     record_summary,
 )
+from rlbus.actors.common.errors import PartialGroupError, TaskError
 from rlbus.actors.common.feed import task_from_verifier
 from rlbus.actors.generator.batcher import SampleBatcher
 from rlbus.actors.common.sandbox_client import grade_result, request_for, run_in_sandbox
@@ -156,9 +157,9 @@ class Generator(Actor):
         try:
             task = task_from_verifier(message)
             if prompt_length(task, self.tokenizer) + 2 > self.model.config.max_seq_len:
-                raise ValueError(f"prompt of task {message.task_id} does not fit max_seq_len "
-                                 f"{self.model.config.max_seq_len}")
-        except ValueError as err:
+                raise TaskError(f"prompt of task {message.task_id} does not fit max_seq_len "
+                                f"{self.model.config.max_seq_len}")
+        except ValueError as err:      # a TaskError, or a prompt the tokenizer cannot encode (UnicodeError)
             self.count("rejected")
             await self.bus.dead_letter(delivery.raw, reason=str(err), source=self.stream)
             return
@@ -410,7 +411,7 @@ class Generator(Actor):
         try:
             state = decode_partial(entry.value or b"")
             check_partial(state, task, task_id, self.tokenizer, self._partial_limits(group_size))
-        except ValueError as err:
+        except PartialGroupError as err:
             self.count("partials_discarded")
             log.warning("partial_discarded", task_id=task_id, revision=entry.revision, error=str(err)[:300])
             await self.bus.event(Event(event="incident", actor_id=self.ident.actor_id, actor_kind=self.kind,

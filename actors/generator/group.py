@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 import zstandard
 
+from rlbus.actors.common.errors import PartialGroupError
 from rlbus.messages.schemas import Rollout, SandboxVerdict, TensorBlob
 from rlbus.model.episodes import Episode, Turn, add_attempt, completion_text, context_ids
 from rlbus.model.grading import GradeResult, Status
@@ -134,16 +135,16 @@ def encode_partial(state: PartialGroup) -> bytes:
 
 
 def decode_partial(data: bytes) -> PartialGroup:
-    """:raises ValueError: the bytes are not a PartialGroup (or inflate past MAX_PARTIAL_BYTES)."""
+    """:raises PartialGroupError: the bytes are not a PartialGroup (or inflate past MAX_PARTIAL_BYTES)."""
     try:
         if data.startswith(ZSTD_MAGIC):
             reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data[len(ZSTD_MAGIC):]))
             data = reader.read(MAX_PARTIAL_BYTES + 1)     # streamed: a lying frame header allocates nothing
             if len(data) > MAX_PARTIAL_BYTES:
-                raise ValueError(f"inflates past {MAX_PARTIAL_BYTES} bytes")
+                raise PartialGroupError(f"inflates past {MAX_PARTIAL_BYTES} bytes")
         return msgspec.msgpack.decode(data, type=PartialGroup)
     except (msgspec.DecodeError, msgspec.ValidationError, zstandard.ZstdError, ValueError) as err:
-        raise ValueError(f"not a partial group: {err}") from None
+        raise PartialGroupError(f"not a partial group: {err}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +167,8 @@ class PartialLimits:
 
 def check_partial(state: PartialGroup, task: Task, task_id: str, tokenizer: ByteTokenizer,
                   limits: PartialLimits) -> None:
-    """Raise ValueError (naming the first problem) unless `state` is a partial this task's group could have
-    saved: same format and task; a group size of G or, grown (`grow_group`), a multiple of G up to
+    """Raise PartialGroupError (naming the first problem) unless `state` is a partial this task's group could
+    have saved: same format and task; a group size of G or, grown (`grow_group`), a multiple of G up to
     `limits.max_group_size`, with that many episodes that start with the task's own prompt; token ids in
     the vocabulary; per-token logprobs (finite, <= 0) and versions (0..held) as long as the ids; attempts
     graded against the task's tests, at most `max_attempts`, only the last one passed; drafts within
@@ -175,76 +176,77 @@ def check_partial(state: PartialGroup, task: Task, task_id: str, tokenizer: Byte
     A partial that passes is resumed; one that fails is discarded and the group starts over.
     """
     if (state.format, state.task_id) != (PARTIAL_FORMAT, task_id):
-        raise ValueError(f"saved for format {state.format}, task {state.task_id!r}; expected {PARTIAL_FORMAT}, "
-                         f"{task_id!r}")
+        raise PartialGroupError(f"saved for format {state.format}, task {state.task_id!r}; expected "
+                                f"{PARTIAL_FORMAT}, {task_id!r}")
     if state.group_size not in group_sizes(limits.group_size, limits.max_group_size):
-        raise ValueError(f"group size {state.group_size}; expected one of "
-                         f"{list(group_sizes(limits.group_size, limits.max_group_size))}")
+        raise PartialGroupError(f"group size {state.group_size}; expected one of "
+                                f"{list(group_sizes(limits.group_size, limits.max_group_size))}")
     if len(state.episodes) != state.group_size:
-        raise ValueError(f"{len(state.episodes)} episodes for a group of {state.group_size}")
+        raise PartialGroupError(f"{len(state.episodes)} episodes for a group of {state.group_size}")
     counts = (state.rounds, state.chunks, state.sampled_tokens, state.resumes)
     if min(counts) < 0 or not all(math.isfinite(x) and x >= 0 for x in (state.generate_s, state.grade_s)):
-        raise ValueError("negative or non-finite counters")
+        raise PartialGroupError("negative or non-finite counters")
     prompt = tokenizer.encode(task.prompt)
     for g, ep in enumerate(state.episodes):
         try:
             _check_episode(ep, task, prompt, tokenizer, limits)
         except (ValueError, TypeError, IndexError, OverflowError) as err:
-            raise ValueError(f"episode {g}: {err}") from None
+            raise PartialGroupError(f"episode {g}: {err}") from None
 
 
 def _check_tokens(ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], *, policy: bool,
                   limits: PartialLimits, what: str) -> None:
     if any(not 0 <= t < limits.vocab_size for t in ids):
-        raise ValueError(f"{what}: token id outside the vocabulary [0, {limits.vocab_size})")
+        raise PartialGroupError(f"{what}: token id outside the vocabulary [0, {limits.vocab_size})")
     if not policy:
         if logprobs or versions:
-            raise ValueError(f"{what}: logprobs or versions on tokens the policy did not sample")
+            raise PartialGroupError(f"{what}: logprobs or versions on tokens the policy did not sample")
         return
     if not len(ids) == len(logprobs) == len(versions):
-        raise ValueError(f"{what}: {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
+        raise PartialGroupError(f"{what}: {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
     if any(not (math.isfinite(x) and x <= 0.0) for x in logprobs):
-        raise ValueError(f"{what}: a logprob that is not finite and <= 0")
+        raise PartialGroupError(f"{what}: a logprob that is not finite and <= 0")
     if any(not 0 <= v <= limits.held_version for v in versions):
-        raise ValueError(f"{what}: a policy version outside [0, {limits.held_version}]")
+        raise PartialGroupError(f"{what}: a policy version outside [0, {limits.held_version}]")
 
 
 def _check_episode(ep: EpisodeState, task: Task, prompt: Sequence[int], tokenizer: ByteTokenizer,
                    limits: PartialLimits) -> None:
     if not ep.turns or ep.turns[0].role != "user" or ep.turns[0].ids != list(prompt):
-        raise ValueError("does not start with the task's prompt")
+        raise PartialGroupError("does not start with the task's prompt")
     if any(turn.role == "user" for turn in ep.turns[1:]) or ep.summaries < 0 or ep.ended not in ("", "no_room"):
-        raise ValueError("turn roles, summaries or end reason out of place")
+        raise PartialGroupError("turn roles, summaries or end reason out of place")
     for k, turn in enumerate(ep.turns):
         _check_tokens(turn.ids, turn.logprobs, turn.versions, policy=turn.role == "assistant", limits=limits,
                       what=f"turn {k}")
     _check_tokens(ep.draft_ids, ep.draft_logprobs, ep.draft_versions, policy=True, limits=limits, what="draft")
     if len(ep.draft_ids) > limits.max_tokens or (ep.draft_done and not ep.draft_ids):
-        raise ValueError(f"draft of {len(ep.draft_ids)} tokens (max_tokens {limits.max_tokens})")
+        raise PartialGroupError(f"draft of {len(ep.draft_ids)} tokens (max_tokens {limits.max_tokens})")
     answered = sum(turn.role == "assistant" for turn in ep.turns)
     if len(ep.attempts) > limits.max_attempts or answered > len(ep.attempts) or (
             not ep.summaries and answered != len(ep.attempts)):
-        raise ValueError(f"{len(ep.attempts)} attempts for {answered} answers (max_attempts {limits.max_attempts})")
+        raise PartialGroupError(f"{len(ep.attempts)} attempts for {answered} answers "
+                                f"(max_attempts {limits.max_attempts})")
     for n, attempt in enumerate(ep.attempts):
         passed = attempt.status == "passed"
         if (attempt.status not in _STATUSES or attempt.n_tests != len(task.tests)
                 or not 0 <= attempt.n_passed <= attempt.n_tests
                 or (passed and (attempt.n_passed != attempt.n_tests or n != len(ep.attempts) - 1))):
-            raise ValueError(f"attempt {n} ({attempt.status}, {attempt.n_passed}/{attempt.n_tests}) does not fit "
-                             f"the task's {len(task.tests)} tests")
+            raise PartialGroupError(f"attempt {n} ({attempt.status}, {attempt.n_passed}/{attempt.n_tests}) "
+                                    f"does not fit the task's {len(task.tests)} tests")
     length = len(flatten(ep, tokenizer).ids) + 1 + len(ep.draft_ids)       # + <|assistant|> of the draft
     if length > limits.max_seq_len:
-        raise ValueError(f"{length} tokens, past max_seq_len {limits.max_seq_len}")
+        raise PartialGroupError(f"{length} tokens, past max_seq_len {limits.max_seq_len}")
     if ep.routing is None:
         return
     if limits.routing is None:
-        raise ValueError("routing saved for a dense model")
+        raise PartialGroupError("routing saved for a dense model")
     layers, top_k, experts = limits.routing
     rows = ep.routing.numpy()
     if (ep.routing.dtype != "int64" or rows.ndim != 3 or rows.shape[1:] != (layers, top_k)
             or rows.shape[0] > length or (rows.size and not (0 <= rows.min() and rows.max() < experts))):
-        raise ValueError(f"routing {ep.routing.dtype} {rows.shape} does not fit ({length}, {layers}, {top_k}) "
-                         f"experts < {experts}")
+        raise PartialGroupError(f"routing {ep.routing.dtype} {rows.shape} does not fit "
+                                f"({length}, {layers}, {top_k}) experts < {experts}")
 
 
 def new_group(task: Task, task_id: str, group_size: int, tokenizer: ByteTokenizer, *, now: float) -> PartialGroup:

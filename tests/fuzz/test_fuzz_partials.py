@@ -2,8 +2,8 @@
 
 Pure: 3,000 values drawn by hypothesis (fixed seed) from a valid partial — random bytes, truncations, byte
 flips, lying zstd frames, and valid-looking partials with one absurd field — either are refused with a
-ValueError by `decode_partial` + `check_partial`, or (when the mutation left a consistent partial) can be
-resumed and flattened without error. Live: a real generator finds a different hostile partial for each of
+PartialGroupError by `decode_partial` + `check_partial`, or (when the mutation left a consistent partial) can
+be resumed and flattened without error. Live: a real generator finds a different hostile partial for each of
 its tasks: each is discarded with an Event(incident), and every group is sampled afresh — rollouts start with
 the task's own prompt, carry only the held version, and their logprobs are the model's — never a crash.
 """
@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.common.errors import PartialGroupError
 from rlbus.actors.generator.group import (
     ZSTD_MAGIC,
     Attempt,
@@ -148,7 +149,8 @@ def _check(data: bytes, task: Task) -> PartialGroup:
 
 def test_every_absurd_partial_is_refused() -> None:
     """Each single absurd field (other task, swapped prompt, out-of-vocab ids, NaN or positive logprobs, future
-    versions, fake passes, overlong episodes, bad routing, ...) is refused with a ValueError; the valid one passes."""
+    versions, fake passes, overlong episodes, bad routing, ...) is refused with a PartialGroupError (what the
+    generator catches to discard a partial); the valid one passes."""
     task = TASKS[0]
     assert _check(encode_partial(_valid(task)), task).rounds == 1
     for what, mutate in _absurd(task):
@@ -156,10 +158,10 @@ def test_every_absurd_partial_is_refused() -> None:
         mutate(state)
         try:
             _check(encode_partial(state), task)
-        except ValueError:
+        except PartialGroupError:
             continue
         pytest.fail(f"a partial with {what} was accepted")
-    with pytest.raises(ValueError, match="inflates past"):
+    with pytest.raises(PartialGroupError, match="inflates past"):
         _check(_bad_bytes(task, 4, random.Random(0)), task)
 
 
@@ -167,14 +169,14 @@ def test_every_absurd_partial_is_refused() -> None:
           suppress_health_check=list(HealthCheck))
 @given(st.integers(0, 5), st.integers(0, 2**32 - 1))
 def test_hostile_bytes_are_refused_or_resumable(category: int, seed: int) -> None:
-    """3,000 hostile byte strings: only ValueError, and whatever passes the check is a consistent partial that
-    a generator can continue (its contexts build, within max_seq_len)."""
+    """3,000 hostile byte strings: only PartialGroupError, and whatever passes the check is a consistent partial
+    that a generator can continue (its contexts build, within max_seq_len)."""
     task = TASKS[seed % 4]
     if category == 4 and seed % 50:
         category = 0      # the bomb is slow to build: a few of them are enough
     try:
         state = _check(_bad_bytes(task, category, random.Random(seed)), task)
-    except ValueError:
+    except PartialGroupError:
         return
     for ep in state.episodes:
         assert len(base_context(ep, task, TOK, LIMITS.max_attempts)) + len(ep.draft_ids) <= LIMITS.max_seq_len
