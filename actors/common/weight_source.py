@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 import anyio
 
 from rlbus.messages.bus import Bus
+from rlbus.messages.errors import TopologyError
 from rlbus.model.pretrain import load_checkpoint
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import Transformer
@@ -86,7 +87,7 @@ class LocalWeights:
 async def open_weights(spec: str, bus: Bus, region: str, *, local_version: int = 0) -> AsyncIterator[WeightSource]:
     """The weight source named by `spec` (see the module docstring), open for the block.
 
-    :raises ValueError: an unknown spec.
+    :raises TopologyError: an unknown spec (the `[generator] weights` setting's pattern allows none).
     """
     kind, _, rest = spec.partition(":")
     if kind == "local" and rest:
@@ -98,4 +99,4 @@ async def open_weights(spec: str, bus: Bus, region: str, *, local_version: int =
         async with WeightSync.open(bus, region) as sync:
             yield sync
         return
-    raise ValueError(f"weights spec {spec!r}: expected 'sync' or 'local:<path to pretrain.pt>'")
+    raise TopologyError(f"generator weights {spec!r}: expected 'sync' or 'local:<path to pretrain.pt>'")

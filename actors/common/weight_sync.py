@@ -33,6 +33,7 @@ import torch
 from anyio.abc import TaskStatus
 from torch import Tensor
 
+from rlbus.actors.common.errors import WeightsError
 from rlbus.kernels.delta import DTYPES, DeltaCorrupt, Patch, bits_view
 from rlbus.kernels.delta_state import StateIndex, apply_state_, read_index
 from rlbus.messages import checks, codec
@@ -60,14 +61,18 @@ def config_dict(config: ModelConfig) -> dict[str, Any]:
 
 
 def config_from_dict(fields: Mapping[str, Any]) -> ModelConfig:
-    """Inverse of `config_dict`. :raises ValueError: the fields do not make a ModelConfig."""
+    """Inverse of `config_dict`.
+
+    :raises WeightsError: the fields do not make a ModelConfig (unknown or missing fields, or sizes its own
+        checks refuse).
+    """
     values = dict(fields)
     if "moe_layers" in values:
         values["moe_layers"] = tuple(values["moe_layers"])
     try:
         return ModelConfig(**values)
-    except TypeError as err:
-        raise ValueError(f"manifest model_config {sorted(values)} is not a ModelConfig: {err}") from None
+    except (TypeError, ValueError) as err:
+        raise WeightsError(f"manifest model_config {sorted(values)} is not a ModelConfig: {err}") from None
 
 
 MAX_MODEL_PARAMS: Final = 1 << 31
@@ -78,13 +83,13 @@ def estimated_params(config: ModelConfig) -> int:
     """Roughly how many parameters a `Transformer(config)` has (embeddings, attention, feed-forwards and
     experts, untied head, MTP heads), after checking every size is positive.
 
-    :raises ValueError: a size is not a positive integer.
+    :raises WeightsError: a size is not a positive integer.
     """
     sizes = {name: getattr(config, name) for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
                                                        "max_seq_len", "n_experts", "top_k")}
     bad = {name: v for name, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
     if bad or not isinstance(config.mtp_heads, int) or config.mtp_heads < 0:
-        raise ValueError(f"sizes must be positive integers: {bad or {'mtp_heads': config.mtp_heads}}")
+        raise WeightsError(f"sizes must be positive integers: {bad or {'mtp_heads': config.mtp_heads}}")
     d, ff = config.d_model, config.d_ff
     n_moe = len(config.moe_layers)
     layers = config.n_layers * 4 * d * d + 3 * d * ff * (config.n_layers - n_moe + n_moe * config.n_experts)
@@ -444,7 +449,7 @@ class WeightSync:
                         got = (self._staged_digest or b"").hex()
                         raise DeltaCorrupt(f"version {manifest.version} decodes to digest {got}, the "
                                            f"manifest says {want.hex()}")
-                except (DeltaCorrupt, ValueError) as err:     # BaseMismatch is a ValueError
+                except (DeltaCorrupt, ValueError) as err:     # WeightsError, BaseMismatch are ValueErrors
                     self._staged_version = self._staged_digest = None
                     self._pending = None
                     raise _PartFailed(part, err) from err
@@ -459,8 +464,8 @@ class WeightSync:
             if self._staging is None or have != want:
                 self._staging = empty_state(index)
         elif part.base != self._staged_version or self._staging is None:
-            raise ValueError(f"object {part.name} applies to version {part.base}, staging holds "
-                             f"{self._staged_version}")
+            raise WeightsError(f"object {part.name} applies to version {part.base}, staging holds "
+                               f"{self._staged_version}")
         else:
             expect = self._staged_digest
         verify = part.base is None or self._since_verified + 1 >= self.verify_every
@@ -499,9 +504,9 @@ class WeightSync:
         if self._live is None:
             self._live = dict(self._model.state_dict(keep_vars=True))
             if set(self._live) != set(self._staging):
-                raise ValueError(f"the model's tensors differ from the published version's: missing "
-                                 f"{sorted(set(self._staging) - set(self._live))}, extra "
-                                 f"{sorted(set(self._live) - set(self._staging))}")
+                raise WeightsError(f"the model's tensors differ from the published version's: missing "
+                                   f"{sorted(set(self._staging) - set(self._live))}, extra "
+                                   f"{sorted(set(self._live) - set(self._staging))}")
         patched = self._bring_live(self._live, self._staging)
         self._pending, self._pending_elements = [], 0         # live == staging from here
         self.last_swap_patched = patched

@@ -45,7 +45,7 @@ from rlbus.actors.common.config import decode_config
 from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus
-from rlbus.messages.errors import BadMessage
+from rlbus.messages.errors import BadMessage, TopologyError
 from rlbus.messages.schemas import Heartbeat, SandboxRequest, SandboxResult, SandboxVerdict
 
 log = structlog.get_logger()
@@ -110,7 +110,7 @@ class SandboxSupervisor(Actor):
     async def setup(self) -> None:
         wanted = self.launch.isolation
         if wanted != "auto" and wanted not in ISOLATION_RANK:
-            raise ValueError(f"sandbox isolation {wanted!r}: expected auto, bwrap, unshare or rlimits-only")
+            raise TopologyError(f"sandbox isolation {wanted!r}: expected auto, bwrap, unshare or rlimits-only")
         levels: list[Isolation] = available_levels() if wanted == "auto" else [wanted]  # type: ignore[list-item]
         tmpfs_mb = 4 * self.config.max_file_mb + 16
         jail, why_not = await first_working_jail(levels, tmpfs_mb=tmpfs_mb)
