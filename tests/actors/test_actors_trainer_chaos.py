@@ -13,10 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
-from rlbus.actors.trainer.core import build_core
+from rlbus.actors.common.config import CheckpointerLaunch
 from rlbus.actors.common.ledger import Ledger, final_lineage, read_ledger
+from rlbus.actors.trainer.config import TrainerLaunch
+from rlbus.actors.trainer.core import build_core
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import CheckpointMark, TrainStep, VersionReady
 from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
@@ -45,20 +48,21 @@ def hub(tmp_path: Path, run: str) -> Iterator[RegionSet]:
         rs.stop()
 
 
-def _spec(rs: RegionSet, run: str, kind: str, actor_id: str, settings: dict[str, Any]) -> ProcessSpec:
+def _spec(rs: RegionSet, run: str, kind: str, actor_id: str, settings: dict[str, Any],
+          launch: TrainerLaunch | CheckpointerLaunch) -> ProcessSpec:
     args = ("--kind", kind, "--run", run, "--region", HUB, "--id", actor_id, "--url", rs.url(HUB), "--domain", HUB,
             "--role", kind, "--credentials", str(credentials_file(rs)), "--settings", json.dumps(settings),
-            "--heartbeat-s", "0.5", "--drain-s", "15")
+            "--launch", msgspec.json.encode(launch).decode(), "--heartbeat-s", "0.5", "--drain-s", "15")
     return ProcessSpec(actor_id=actor_id, kind=kind, region=HUB, args=args,
                        env={"RLBUS_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"})
 
 
 def _supervisor(rs: RegionSet, run: str, tmp_path: Path) -> LocalSupervisor:
     state = str(tmp_path / "state")
-    trainer = {"lr": 1e-3, "batch_rollouts": 4, "staleness_versions": 8, "checkpoint_interval": 2, "state_dir": state,
-               "resume_wait_s": 60.0}
-    specs = [_spec(rs, run, "trainer", TRAINER, trainer),
-             _spec(rs, run, "checkpointer", CHECKPOINTER, {"keep": 2, "state_dir": state})]
+    trainer = {"lr": 1e-3, "batch_rollouts": 4, "staleness_versions": 8}
+    specs = [_spec(rs, run, "trainer", TRAINER, trainer,
+                   TrainerLaunch(checkpoint_interval=2, state_dir=state, resume_wait_s=60.0)),
+             _spec(rs, run, "checkpointer", CHECKPOINTER, {"keep": 2}, CheckpointerLaunch(state_dir=state))]
     policy = RestartPolicy(max_restarts=2, window_s=120.0, backoff_initial_s=0.2, backoff_max_s=1.0)
     return LocalSupervisor(specs, policy=policy, log_dir=tmp_path / "logs", drain_timeout_s=20.0)
 
