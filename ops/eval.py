@@ -145,6 +145,7 @@ def _checkpoint_policy(path: Path) -> tuple[Any, str]:
     import msgspec
 
     from rlbus.actors.common.checkpoints import MARK_FILE, read_durable_state
+    from rlbus.actors.common.errors import CheckpointError
     from rlbus.messages.errors import RlbusError
     from rlbus.messages.schemas import CheckpointMark
     from rlbus.ops.final_eval import policy_from_state
@@ -155,7 +156,7 @@ def _checkpoint_policy(path: Path) -> tuple[Any, str]:
         raise RlbusError(f"{path / MARK_FILE}: not a checkpoint mark: {err}") from None
     try:
         blob = read_durable_state(path, mark)
-    except ValueError as err:
+    except CheckpointError as err:
         raise RlbusError(f"{err}: the checkpoint is damaged") from None
     return policy_from_state(blob), f"{path} (checkpoint step {mark.step}, policy version {mark.policy_version})"
 

@@ -17,6 +17,7 @@ from typing import Final
 
 import msgspec
 import structlog
+from rlbus.actors.common.errors import CheckpointError
 from rlbus.messages.bus import digest
 from rlbus.messages.schemas import CheckpointMark
 
@@ -48,17 +49,17 @@ def durable_steps(state_dir: Path) -> list[int]:
 def read_durable_state(step_dir: Path, mark: CheckpointMark) -> bytes:
     """The mark's one state object from its durable copy in `step_dir`, checked against the mark's digest.
 
-    :raises ValueError: the mark does not list exactly one object, or the file is missing or differs.
+    :raises CheckpointError: the mark does not list exactly one object, or the file is missing or differs.
     """
     if len(mark.objects) != 1 or len(mark.digests) != 1:
-        raise ValueError(f"the mark of step {mark.step} lists {len(mark.objects)} objects; the trainer writes "
-                         f"exactly one")
+        raise CheckpointError(f"the mark of step {mark.step} lists {len(mark.objects)} objects; the trainer "
+                              f"writes exactly one")
     path = step_dir / mark.objects[0]
     data = path.read_bytes() if path.is_file() else b""
     if not data:
-        raise ValueError(f"{path}: missing")
+        raise CheckpointError(f"{path}: missing or empty; the mark of step {mark.step} lists it")
     if digest(data) != mark.digests[0]:
-        raise ValueError(f"{path}: digest {digest(data)}; the mark expects {mark.digests[0]}")
+        raise CheckpointError(f"{path}: digest {digest(data)}; the mark expects {mark.digests[0]}")
     return data
 
 

@@ -30,6 +30,7 @@ import torch
 import torch._dynamo
 from torch import Tensor
 
+from rlbus.actors.common.errors import CheckpointError
 from rlbus.kernels.delta_state import encode_state
 from rlbus.kernels.logprob import token_logprob_entropy
 from rlbus.messages.schemas import Rollout
@@ -367,14 +368,14 @@ class TrainerCore:
     def load_state_blob(self, blob: bytes) -> dict[str, Any]:
         """Restore weights, optimizer and RNG from `state_blob` bytes; returns its `meta`.
 
-        :raises ValueError: another layout or architecture than this core's.
+        :raises CheckpointError: another layout or architecture than this core's.
         """
         payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         if payload.get("format") != STATE_FORMAT:
-            raise ValueError(f"trainer state of format {payload.get('format')!r}, expected {STATE_FORMAT}")
+            raise CheckpointError(f"trainer state of format {payload.get('format')!r}, expected {STATE_FORMAT}")
         if payload["model_config"] != self.model_config_dict():
-            raise ValueError(f"trainer state is for architecture {payload['model_config']}, this trainer "
-                             f"runs {self.model_config_dict()}")
+            raise CheckpointError(f"trainer state is for architecture {payload['model_config']}, this trainer "
+                                  f"runs {self.model_config_dict()}")
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         torch.set_rng_state(payload["rng"]["torch"])

@@ -18,8 +18,9 @@ import nats.js.errors
 import structlog
 
 from rlbus.actors.common.checkpoints import checkpoint_dir, read_durable_state
+from rlbus.actors.common.errors import CheckpointError
 from rlbus.messages.bus import Bus
-from rlbus.messages.errors import DigestMismatch, RlbusError
+from rlbus.messages.errors import DigestMismatch
 from rlbus.messages.history import last_message
 from rlbus.messages.schemas import CheckpointMark, VersionReady
 
@@ -45,7 +46,7 @@ async def resume_point(bus: Bus, *, state_dir: str = "", wait_s: float = 300.0,
                        gauges: dict[str, float] | None = None) -> Resume:
     """Wait for the checkpointer (up to `wait_s`), then read the newest mark, its state and the versions.
 
-    :raises RlbusError: the newest mark's state is neither in CKPT nor on disk with the right digest.
+    :raises CheckpointError: the newest mark's state is neither in CKPT nor on disk with the right digest.
     """
     s = bus.subjects
     await wait_for_checkpointer(bus, wait_s=wait_s, gauges=gauges if gauges is not None else {})
@@ -91,11 +92,11 @@ async def wait_for_checkpointer(bus: Bus, *, wait_s: float, gauges: dict[str, fl
 async def load_state(bus: Bus, mark: CheckpointMark, state_dir: str) -> tuple[bytes, Literal["ckpt", "disk"]]:
     """The mark's state bytes from CKPT, else from the checkpointer's durable copy; digest-checked.
 
-    :raises RlbusError: neither copy is there with the mark's digest.
+    :raises CheckpointError: the mark does not list one object, or neither copy is there with its digest.
     """
     if len(mark.objects) != 1 or len(mark.digests) != 1:
-        raise RlbusError(f"checkpoint mark of step {mark.step} lists {len(mark.objects)} objects; the trainer "
-                         f"writes exactly one")
+        raise CheckpointError(f"checkpoint mark of step {mark.step} lists {len(mark.objects)} objects; the "
+                              f"trainer writes exactly one")
     name, expected = mark.objects[0], mark.digests[0]
     try:
         return await bus.get_object(bus.subjects.checkpoint_bucket(), name, expected_digest=expected), "ckpt"
@@ -105,8 +106,8 @@ async def load_state(bus: Bus, mark: CheckpointMark, state_dir: str) -> tuple[by
         try:
             return await anyio.to_thread.run_sync(read_durable_state, checkpoint_dir(Path(state_dir), mark.step),
                                                   mark), "disk"
-        except ValueError as err:
+        except CheckpointError as err:
             log.warning("trainer_state_not_on_disk", step=mark.step, object=name, error=str(err))
-    raise RlbusError(f"the state of checkpoint step {mark.step} ({name}) is neither in CKPT nor on disk under "
-                     f"{state_dir or '(no state_dir)'} with digest {expected}; restore the checkpoint or start "
-                     f"a fresh run")
+    raise CheckpointError(f"the state of checkpoint step {mark.step} ({name}) is neither in CKPT nor on disk "
+                          f"under {state_dir or '(no state_dir)'} with digest {expected}; restore the checkpoint "
+                          f"or start a fresh run")
