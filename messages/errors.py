@@ -1,6 +1,8 @@
 """Errors rlbus raises on purpose: one root, `RlbusError`, and a named subclass per failure kind.
 
-Owns: the exception hierarchy. Lives in the lowest layer so every other folder can raise these.
+Owns: the exception hierarchy's root and the errors of the bus, digests, servers and topology. Lives in the
+lowest layer so every other folder can raise these; what actors refuse in their inputs (a task, a partial group,
+weights, a checkpoint) subclasses the root in actors/common/errors.py.
 Each message says what went wrong, where, the bad value, and what to do.
 """
 
