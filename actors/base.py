@@ -13,7 +13,6 @@ import abc
 import enum
 import json
 import os
-
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass

@@ -21,9 +21,10 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
+
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch, decode_config
 from rlbus.actors.common.checkpoints import checkpoint_dir, durable_marks, durable_steps, write_durable
+from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch, decode_config
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import BadMessage, DigestMismatch

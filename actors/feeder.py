@@ -34,10 +34,23 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
+
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.actors.common.weight_sync import LATEST_KEY
 from rlbus.actors.common.config import FeederConfig, FeederLaunch, decode_config, feed_weights
-from rlbus.actors.common.feed import POSITION_KEY, Position, TaskSequence, load_position, assign_region, position_matches, read_tasks_file, task_seed, task_sequence, task_source, verifier_for
+from rlbus.actors.common.feed import (
+    POSITION_KEY,
+    Position,
+    TaskSequence,
+    assign_region,
+    load_position,
+    position_matches,
+    read_tasks_file,
+    task_seed,
+    task_sequence,
+    task_source,
+    verifier_for,
+)
+from rlbus.actors.common.weight_sync import LATEST_KEY
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage, TopologyError

@@ -19,15 +19,15 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final
 
 import anyio
 import msgspec
 import nats.errors
-import numpy as np
 import nats.js.errors
+import numpy as np
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy

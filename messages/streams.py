@@ -27,6 +27,8 @@ from typing import Any, Final, Literal
 import anyio
 import structlog
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -40,8 +42,6 @@ from nats.js.api import (
     StreamConfig,
     StreamSource,
 )
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.errors import NoRespondersError
 from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from rlbus.messages.errors import BusUnavailable, TopologyError

@@ -87,8 +87,8 @@ async def read_events(bus: Bus, *, since: float | None, follow: bool = False
     """(stored at, stream seq, subject, Event) from the hub's EVENTS stream, from `since` (None: all)."""
     from rlbus.messages import codec
     from rlbus.messages.errors import BadMessage
-    from rlbus.messages.schemas import Event
     from rlbus.messages.history import Start, read_stream, stored_at
+    from rlbus.messages.schemas import Event
 
     start = Start() if since is None else Start.since(since)
     subjects = bus.subjects

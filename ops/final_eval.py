@@ -22,9 +22,9 @@ from typing import Final
 import anyio
 import torch
 
-from rlbus.actors.trainer.resume import load_state
 from rlbus.actors.common.config import EvaluatorLaunch
 from rlbus.actors.common.weight_sync import config_from_dict
+from rlbus.actors.trainer.resume import load_state
 from rlbus.messages.bus import Bus
 from rlbus.messages.history import last_message
 from rlbus.messages.schemas import CheckpointMark, EvalReport

@@ -107,8 +107,9 @@ class Target:
 
 async def any_listening(urls: tuple[str, ...], timeout_s: float = 1.0) -> bool:
     """True when a TCP connection to at least one of the NATS URLs succeeds (a quick, quiet pre-check)."""
-    import anyio
     from urllib.parse import urlsplit
+
+    import anyio
 
     for url in urls:
         parts = urlsplit(url if "://" in url else f"nats://{url}")

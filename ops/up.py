@@ -98,7 +98,7 @@ def hold_state_dir(state: Path, *, holder: str = "rlbus up") -> IO[str]:
     from rlbus.messages.errors import RlbusError
 
     state.mkdir(parents=True, exist_ok=True)
-    lock = open(state / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the whole run
+    lock = open(state / LOCK_FILE, "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

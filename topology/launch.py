@@ -20,6 +20,7 @@ from typing import Any, Final
 
 import anyio
 import msgspec
+import nats
 import structlog
 
 from rlbus.actors.common.config import CheckpointerLaunch, EvaluatorLaunch, FeederLaunch, PublisherLaunch
@@ -29,8 +30,6 @@ from rlbus.actors.trainer.config import TrainerLaunch
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.errors import TopologyError
 from rlbus.messages.schemas import Event
-import nats
-
 from rlbus.messages.streams import StreamSettings, provision_all, wait_routable
 from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
@@ -231,7 +230,7 @@ class Launch:
                 hub=topology.hub.name, credentials={r.name: _external_credentials(r.credentials_file,
                                                                                   r.credentials_env)
                                                     for r in topology.regions},
-                tls_ca=Path(ca).resolve() if ca is not None else None)
+                tls_ca=Path(ca).resolve() if ca is not None else None)  # noqa: ASYNC240 - once, at start
         write_run_file(state / RUN_FILE, topology.run, endpoints)
         try:
             admin = await _admin_bus(topology, endpoints)

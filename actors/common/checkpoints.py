@@ -17,6 +17,7 @@ from typing import Final
 
 import msgspec
 import structlog
+
 from rlbus.actors.common.errors import CheckpointError
 from rlbus.messages.bus import digest
 from rlbus.messages.schemas import CheckpointMark

@@ -29,6 +29,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.js.kv import KeyValue
+
 from rlbus.actors.common.config import FeederConfig, FeederLaunch, feed_weights
 from rlbus.actors.common.errors import TaskError
 from rlbus.messages.bus import Bus

@@ -45,6 +45,11 @@ import torch
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.config import decode_config
+from rlbus.actors.common.errors import PartialGroupError, TaskError
+from rlbus.actors.common.feed import task_from_verifier
+from rlbus.actors.common.sandbox_client import grade_result, request_for, run_in_sandbox
+from rlbus.actors.common.weight_source import WeightSource, open_weights
+from rlbus.actors.generator.batcher import SampleBatcher
 from rlbus.actors.generator.config import GeneratorConfig, GeneratorLaunch
 from rlbus.actors.generator.group import (
     Attempt,
@@ -66,11 +71,6 @@ from rlbus.actors.generator.group import (
     record_attempt,
     record_summary,
 )
-from rlbus.actors.common.errors import PartialGroupError, TaskError
-from rlbus.actors.common.feed import task_from_verifier
-from rlbus.actors.generator.batcher import SampleBatcher
-from rlbus.actors.common.sandbox_client import grade_result, request_for, run_in_sandbox
-from rlbus.actors.common.weight_source import WeightSource, open_weights
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import RlbusError
 from rlbus.messages.kv import put_at

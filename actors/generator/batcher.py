@@ -106,7 +106,7 @@ class SampleBatcher:
         except anyio.get_cancelled_exc_class():
             self._waiting[:0] = [r for r in batch if r is not own]
             raise
-        except Exception as err:  # noqa: BLE001 - handed to every caller of this call, who raises it
+        except Exception as err:
             for r in batch:
                 r.error = err
             return

@@ -32,6 +32,9 @@ import structlog
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.common.config import decode_config
+from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
 from rlbus.actors.sandbox.pool import (
     ISOLATION_RANK,
     ExecutorCrashed,
@@ -40,9 +43,6 @@ from rlbus.actors.sandbox.pool import (
     available_levels,
     first_working_jail,
 )
-from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.actors.common.config import decode_config
-from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage, TopologyError

@@ -34,21 +34,35 @@ import structlog
 import torch
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from rlbus.actors.trainer.core import (
-    Objective, Plan, StepStats, TrainerCore, build_core, plan_step, versions_behind)
-from rlbus.actors.trainer.resume import Resume, resume_point
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.config import decode_config
-from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch, settings_record
 from rlbus.actors.common.ledger import reason_category
+from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch, settings_record
+from rlbus.actors.trainer.core import (
+    Objective,
+    Plan,
+    StepStats,
+    TrainerCore,
+    build_core,
+    plan_step,
+    versions_behind,
+)
+from rlbus.actors.trainer.resume import Resume, resume_point
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import BadMessage, RlbusError
-from rlbus.messages.objects import delete_object
 from rlbus.messages.history import last_message
+from rlbus.messages.objects import delete_object
 from rlbus.messages.retry import GIVE_UP_S, retry_policy
 from rlbus.messages.schemas import (
-    CheckpointMark, DroppedRollout, Message, Rollout, StateUploaded, TrainStep, VersionReady)
+    CheckpointMark,
+    DroppedRollout,
+    Message,
+    Rollout,
+    StateUploaded,
+    TrainStep,
+    VersionReady,
+)
 from rlbus.messages.subjects import Subjects
 
 log = structlog.get_logger()

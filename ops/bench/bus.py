@@ -35,7 +35,6 @@ async def _run(n: int, rounds: int, tokens: int) -> dict[str, Any]:
     import uuid
 
     import msgspec
-
     from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 
     from rlbus.actors.demo import synthetic_rollout

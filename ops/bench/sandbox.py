@@ -123,9 +123,9 @@ async def _service(runs: int, level: str) -> dict[str, float]:
     from nats.js.api import StreamConfig
 
     from rlbus.actors.base import ActorId
+    from rlbus.actors.common.sandbox_client import run_in_sandbox
     from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
     from rlbus.actors.sandbox.supervisor import SandboxSupervisor
-    from rlbus.actors.common.sandbox_client import run_in_sandbox
     from rlbus.messages.bus import Bus, ConnectOptions
     from rlbus.messages.schemas import SandboxRequest
     from rlbus.topology.servers import EmbeddedServer

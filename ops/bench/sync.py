@@ -53,12 +53,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     from rlbus.actors.base import ActorId, ActorLimits
     from rlbus.actors.common.config import PublisherConfig, PublisherLaunch
-    from rlbus.actors.publisher import Publisher
-    from rlbus.ops.bench.version_source import VersionSource
     from rlbus.actors.common.weight_sync import WeightSync
+    from rlbus.actors.publisher import Publisher
     from rlbus.messages.bus import Bus, ConnectOptions, Identity
     from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
     from rlbus.model.transformer import ModelConfig, Transformer
+    from rlbus.ops.bench.version_source import VersionSource
     from rlbus.topology.regions import RegionSet
 
     t_start = time.perf_counter()

@@ -53,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def _handler(args: argparse.Namespace) -> int:
     import anyio
+
     from rlbus.messages.errors import TopologyError
     from rlbus.ops.chaos.plan import ChaosSettings
     from rlbus.ops.chaos.report import exit_code, table
@@ -94,9 +95,9 @@ def _handler(args: argparse.Namespace) -> int:
         return 130
     (state / RESULT_NAME).write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
-        print(json.dumps(result), flush=True)  # noqa: T201
+        print(json.dumps(result), flush=True)
     else:
-        print(table(result), flush=True)  # noqa: T201
+        print(table(result), flush=True)
     return exit_code(result)
 
 
@@ -104,6 +105,7 @@ async def _main(topology: Any, state: Path, settings: Any, args: argparse.Namesp
     import signal
 
     import anyio
+
     from rlbus.ops.chaos.run import ChaosRun
 
     chaos = ChaosRun(topology, state, settings, settle_s=args.settle_s, warmup_s=args.warmup_s, say=say)

@@ -28,6 +28,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
 from rlbus.actors.common.ledger import Ledger, final_lineage, read_all, read_ledger
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import RlbusError
@@ -292,7 +293,7 @@ class ChaosRun:
                     record.restored_s = self._now()
                     self.say(f"chaos +{record.restored_s:5.0f}s  {region} "
                              f"{'restarted on its store' if fault.kind == 'server_kill' else 'healed'}")
-                except Exception as err:      # noqa: BLE001 - reported in the result, the run goes on to its end
+                except Exception as err:
                     record.note = f"not restored: {err!r}"[:300]
                     log.error("chaos_restore_failed", region=region, fault=fault.kind, error=repr(err))
                 self.down.discard(region)

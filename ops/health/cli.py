@@ -52,8 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _handler(args: argparse.Namespace) -> int:
     import anyio
 
-    from rlbus.ops.target import resolve
     from rlbus.ops.health.model import HealthRules
+    from rlbus.ops.target import resolve
 
     target = resolve(args)
     rules = HealthRules(deadline_factor=args.deadline_factor, min_deadline_s=args.min_deadline_s,

@@ -26,10 +26,10 @@ from nats.aio.msg import Msg
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
-from rlbus.messages.schemas import Event, Heartbeat, WeightManifest
-from rlbus.ops.target import Target
-from rlbus.ops.health.model import BusHealth, HealthModel, HealthRules, RegionHealth, Snapshot
 from rlbus.messages.history import Start, read_stream, stored_at, stream_count
+from rlbus.messages.schemas import Event, Heartbeat, WeightManifest
+from rlbus.ops.health.model import BusHealth, HealthModel, HealthRules, RegionHealth, Snapshot
+from rlbus.ops.target import Target
 from rlbus.topology.tls import client_context
 
 log = structlog.get_logger()

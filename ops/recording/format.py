@@ -101,7 +101,7 @@ class RecordingWriter:
         self.header: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION, "run": run,
                                        "created": time.time(), "record_fields": list(RECORD_FIELDS),
                                        "compression": "zstd", **(header or {})}
-        self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._file: BinaryIO = open(self.path, "wb")
         raw = msgpack.packb(self.header, use_bin_type=True)
         self._file.write(MAGIC + _U32.pack(len(raw)) + raw)
         self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
@@ -172,7 +172,7 @@ class RecordingReader:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._file: BinaryIO = open(self.path, "rb")  # noqa: SIM115 - closed in close()
+        self._file: BinaryIO = open(self.path, "rb")
         try:
             self.header, self._data_start = self._read_header()
             self.complete = True

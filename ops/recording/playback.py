@@ -30,8 +30,8 @@ import msgspec
 from rlbus.messages import codec
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import AnyMessage, Event, Rollout, TensorBlob
-from rlbus.ops.recording.recorder import versions_of
 from rlbus.ops.recording.format import Record, RecordingReader
+from rlbus.ops.recording.recorder import versions_of
 
 _STREAM_OF_KIND: Final = {"rollout": "ROLLOUTS", "train_step": "TRAINLOG", "weight_manifest": "WEIGHTS",
                           "checkpoint_mark": "CHECKPOINTS", "eval_report": "EVALS", "event": "EVENTS"}

@@ -291,7 +291,7 @@ PLOTS = {"reward": ("reward per policy version", _plot_reward),
 
 def render_all(data: PlotData, out_dir: Path) -> list[Path]:
     """Write `<name>.png` for every plot into `out_dir`; returns the paths."""
-    from matplotlib.figure import Figure     # the Agg canvas, no pyplot state
+    from matplotlib.figure import Figure  # the Agg canvas, no pyplot state
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []

@@ -97,7 +97,7 @@ async def _run(target: Any, output: Path, labels: list[str] | None, args: argpar
         tg.cancel_scope.cancel()
     if tty and not args.quiet:
         print(file=sys.stderr)
-    size = output.stat().st_size
+    size = output.stat().st_size  # noqa: ASYNC240 - one stat of a closed file, after the recording
     counts = ", ".join(f"{k} {v}" for k, v in sorted(progress.counts.items()))
     print(f"rlbus record: wrote {output}: {progress.total} messages ({counts}); {size / 1e6:.2f} MB on disk, "
           f"{progress.bytes_in / 1e6:.2f} MB of messages")

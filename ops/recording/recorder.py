@@ -27,10 +27,10 @@ from nats.aio.msg import Msg
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
+from rlbus.messages.history import Start, read_batches, stored_at, stream_count
 from rlbus.messages.schemas import MESSAGE_TYPES, SCHEMA_VERSION, AnyMessage, Rollout
 from rlbus.messages.subjects import Subjects
 from rlbus.ops.recording.format import RecordingWriter
-from rlbus.messages.history import Start, read_batches, stored_at, stream_count
 
 log = structlog.get_logger()
 
@@ -174,7 +174,7 @@ async def _cancel_when_caught_up(finish: anyio.Event, scope: anyio.CancelScope, 
         if info.state.messages:
             last[label] = int(info.state.last_seq)
     with anyio.move_on_after(CATCH_UP_S) as bound:
-        while behind := [label for label, seq in last.items() if seen.get(label, 0) < seq]:
+        while behind := [label for label, seq in last.items() if seen.get(label, 0) < seq]:  # noqa: ASYNC110 - `seen` is advanced by the readers' task group; a bounded poll of it
             await anyio.sleep(0.1)
     if bound.cancelled_caught:
         log.warning("recording_catch_up_incomplete", streams=behind, seconds=CATCH_UP_S)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 KINDS = ("rollout", "train_step", "weight_manifest", "checkpoint_mark", "eval_report", "event")
 
 
-def open(path: str | os.PathLike[str], **filters: Any) -> Playback:  # noqa: A001 - the documented public name
+def open(path: str | os.PathLike[str], **filters: Any) -> Playback:
     """Open a recording for typed reading. Filters: kinds, versions=(lo, hi), rewards=(lo, hi), regions,
     task_ids, since, until (unix s). Iterate it for messages, or call `.rollouts()` for typed Rollouts."""
     from rlbus.ops.recording.playback import open_playback
@@ -236,9 +236,9 @@ def _publish(args: argparse.Namespace) -> int:
     import anyio
 
     from rlbus.messages.errors import RlbusError
-    from rlbus.ops.target import resolve
     from rlbus.ops.recording.playback import open_playback
     from rlbus.ops.recording.republish import DEFAULT_KINDS
+    from rlbus.ops.target import resolve
 
     if not args.run_opt:
         raise RlbusError("publish needs the target run: --run NEWRUN")

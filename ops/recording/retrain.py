@@ -27,9 +27,9 @@ import msgspec
 import structlog
 import torch
 
-from rlbus.actors.trainer.core import TrainerCore
 from rlbus.actors.trainer.actor import SETTINGS_KEY, THREADS_KEY, build_trainer_core, objective
 from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch, from_record
+from rlbus.actors.trainer.core import TrainerCore
 from rlbus.messages.errors import RlbusError
 from rlbus.messages.schemas import Event, Rollout, TrainStep, WeightManifest
 from rlbus.ops.recording.playback import Playback, open_playback
@@ -50,7 +50,7 @@ class TrainerSetup:
     config: TrainerConfig
     threads: int = 1
     source: str = ""
-    launch: TrainerLaunch = TrainerLaunch()
+    launch: TrainerLaunch = TrainerLaunch()  # noqa: RUF009 - a frozen Struct: one shared default is safe
 
 
 def recorded_setup(events: Iterable[Event]) -> TrainerSetup | None:

@@ -16,24 +16,24 @@ import anyio.abc
 import nats.js.errors
 import pytest
 import torch
+from helpers import eventually, new_run
 
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.config import EvaluatorConfig, EvaluatorLaunch, PublisherConfig, PublisherLaunch
-from rlbus.actors.evaluator import Evaluator
 from rlbus.actors.common.ledger import read_all
+from rlbus.actors.common.weight_sync import LATEST_KEY
+from rlbus.actors.evaluator import Evaluator
 from rlbus.actors.publisher import Publisher
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
-from rlbus.ops.bench.version_source import published_state, upload_version
-from rlbus.actors.common.weight_sync import LATEST_KEY
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import EvalReport, Heartbeat, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.model.evaluate import wilson_interval
 from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.ops.bench.version_source import published_state, upload_version
 from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
-from helpers import eventually, new_run
 
 pytestmark = pytest.mark.anyio
 

@@ -18,6 +18,7 @@ import anyio
 import msgspec
 import nats
 import pytest
+from helpers import eventually, hosted, new_run
 
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.config import FeederLaunch, feed_weights
@@ -35,8 +36,8 @@ from rlbus.actors.common.feed import (
     task_source,
     verifier_for,
 )
-from rlbus.actors.feeder import Feeder
 from rlbus.actors.common.ledger import ORIGINAL_MSG_ID_HEADER, TaskLedger, read_task_ledger
+from rlbus.actors.feeder import Feeder
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Delivery
 from rlbus.messages.schemas import Rollout, TensorBlob
@@ -45,7 +46,6 @@ from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
 from rlbus.model.tasks import eval_tasks
 from rlbus.topology.regions import RegionSet
-from helpers import eventually, hosted, new_run
 
 pytestmark = pytest.mark.anyio
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=2.0)
@@ -456,4 +456,4 @@ async def test_task_ledger_accounts_for_every_fed_task(two_regions: tuple[Region
     assert book is not None
     assert book.lost == [deleted] and not book.clean
     assert (book.fed, book.rolled_out, book.dead_lettered, book.pending) == (8, 2, 1, 4)
-    assert book.unfed == [] and deleted not in rolled + [dead]
+    assert book.unfed == [] and deleted not in [*rolled, dead]

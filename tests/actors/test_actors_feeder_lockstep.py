@@ -12,12 +12,13 @@ import msgspec
 import nats
 import nats.js.errors
 import pytest
+from helpers import eventually, new_run
 
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.config import FeederConfig, FeederLaunch
 from rlbus.actors.common.feed import POSITION_KEY, Position
-from rlbus.actors.feeder import Feeder
 from rlbus.actors.common.weight_sync import LATEST_KEY
+from rlbus.actors.feeder import Feeder
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.messages.schemas import Task as TaskMessage
@@ -25,7 +26,6 @@ from rlbus.messages.schemas import WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.regions import RegionSet
-from helpers import eventually, new_run
 
 pytestmark = pytest.mark.anyio
 HUB = "hub"

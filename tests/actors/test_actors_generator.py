@@ -25,13 +25,23 @@ from pathlib import Path
 import anyio
 import msgspec
 import nats.js.errors
-from nats.js.kv import KeyValue
 import pytest
 import torch
+from helpers import eventually, hosted, new_run
+from nats.js.kv import KeyValue
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.checkpointer import Checkpointer
-from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch, PublisherConfig, PublisherLaunch
+from rlbus.actors.common.config import (
+    CheckpointerConfig,
+    CheckpointerLaunch,
+    PublisherConfig,
+    PublisherLaunch,
+)
+from rlbus.actors.common.feed import verifier_for
+from rlbus.actors.common.ledger import Ledger, read_ledger
+from rlbus.actors.common.weight_source import LocalWeights
+from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
 from rlbus.actors.generator.group import (
     Attempt,
     PartialGroup,
@@ -40,15 +50,10 @@ from rlbus.actors.generator.group import (
     new_group,
     record_attempt,
 )
-from rlbus.actors.common.feed import verifier_for
-from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
-from rlbus.actors.common.ledger import Ledger, read_ledger
 from rlbus.actors.publisher import Publisher
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
 from rlbus.actors.trainer.actor import Trainer
 from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
-from rlbus.ops.bench.version_source import published_state, upload_version
-from rlbus.actors.common.weight_source import LocalWeights
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import Heartbeat, Rollout, SandboxVerdict
@@ -58,9 +63,9 @@ from rlbus.messages.subjects import BucketScope
 from rlbus.model.tasks import Task, eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.ops.bench.version_source import published_state, upload_version
 from rlbus.topology.regions import RegionSet
 from rlbus.topology.servers import EmbeddedServer
-from helpers import eventually, hosted, new_run
 
 pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)

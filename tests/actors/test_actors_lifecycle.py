@@ -14,7 +14,7 @@ import pytest
 from nats.js.api import StreamConfig
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits, State
-from rlbus.actors.demo import DemoProducer, DemoConfig
+from rlbus.actors.demo import DemoConfig, DemoProducer
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Heartbeat

@@ -4,35 +4,35 @@ an executor SIGKILLed mid-execution, and the actor as a real process (SIGTERM an
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from msgspec.structs import replace
 from pathlib import Path
 from typing import IO
 
 import anyio
 import pytest
+from helpers import eventually, hosted
+from msgspec.structs import replace
 from nats.js.api import StreamConfig
 
-from rlbus.actors.sandbox.pool import SANDBOX_UID, available_levels, descendants
 from rlbus.actors.base import ActorId, ActorLimits, State
+from rlbus.actors.common.sandbox_client import asserts_for, grade_result, request_for, run_in_sandbox
 from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
+from rlbus.actors.sandbox.pool import SANDBOX_UID, available_levels, descendants
 from rlbus.actors.sandbox.supervisor import SandboxSupervisor
-from rlbus.actors.common.sandbox_client import grade_result, request_for, run_in_sandbox, asserts_for
 from rlbus.messages import codec
 from rlbus.messages.bus import REASON_HEADER, Bus, ConnectOptions
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxRequest, SandboxResult
 from rlbus.model.tasks import eval_tasks
 from rlbus.topology.servers import EmbeddedServer
-from helpers import eventually, hosted
 
 pytestmark = pytest.mark.anyio
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=2.0)
@@ -246,7 +246,7 @@ async def test_concurrency_quota_queues_the_rest(admin_bus: Bus) -> None:
                 tg.start_soon(one)
     assert [r.verdict.status for r in results] == ["ok"] * 3
     spans = sorted(tuple(map(float, r.stdout.split())) for r in results)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), spans
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans
 
 
 # ---- infrastructure failures ----------------------------------------------------------------------
@@ -338,8 +338,8 @@ async def test_breaker_opens_on_repeated_crashes_then_closes(admin_bus: Bus) -> 
             async with anyio.create_task_group() as tg:
                 crashed: list[SandboxResult] = []
 
-                async def ask(m: str = marker) -> None:
-                    crashed.append(await run_in_sandbox(admin_bus, "hub", _req(_named(m, 1.5)), attempts=1))
+                async def ask(m: str = marker, into: list[SandboxResult] = crashed) -> None:
+                    into.append(await run_in_sandbox(admin_bus, "hub", _req(_named(m, 1.5)), attempts=1))
                 tg.start_soon(ask)
                 os.kill(_executor_of(actor, await _wait_for_comm(marker)), signal.SIGKILL)
             assert crashed[0].verdict.status == "crashed"

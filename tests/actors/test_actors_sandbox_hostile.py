@@ -15,15 +15,15 @@ from typing import Final
 
 import anyio
 import pytest
+from helpers import hosted
 
-from rlbus.actors.sandbox.pool import available_levels
 from rlbus.actors.base import ActorId, ActorLimits, State
-from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
-from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.actors.common.sandbox_client import run_in_sandbox
+from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
+from rlbus.actors.sandbox.pool import available_levels
+from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import SandboxLimits, SandboxRequest, SandboxResult
-from helpers import hosted
 
 pytestmark = pytest.mark.anyio
 FAST = ActorLimits(heartbeat_interval_s=0.5, drain_timeout_s=2.0)

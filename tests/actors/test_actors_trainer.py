@@ -11,22 +11,21 @@ import anyio
 import msgspec
 import pytest
 import torch
+from helpers import Hosted, hosted, new_run
+from helpers.rl_bus import HUB, ack_pending, connect, provision, publish_rollouts, until_acked, wait_for
+from helpers.rollouts import sample_rollouts
 
-from rlbus.actors.trainer.core import build_core
 from rlbus.actors.base import ActorId, ActorLimits, State
 from rlbus.actors.checkpointer import Checkpointer, checkpoint_dir, durable_steps
 from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch
 from rlbus.actors.common.ledger import read_all, read_ledger
 from rlbus.actors.trainer.actor import Trainer
 from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
+from rlbus.actors.trainer.core import build_core
 from rlbus.kernels.delta_state import apply_state_
 from rlbus.messages.bus import Bus, digest
 from rlbus.messages.schemas import CheckpointMark, Event, StateUploaded, TensorBlob, TrainStep, VersionReady
 from rlbus.topology.regions import RegionSet
-
-from helpers.rl_bus import HUB, ack_pending, connect, provision, publish_rollouts, until_acked, wait_for
-from helpers.rollouts import sample_rollouts
-from helpers import Hosted, hosted, new_run
 
 pytestmark = pytest.mark.anyio
 LIMITS = ActorLimits(heartbeat_interval_s=0.5, drain_timeout_s=20.0)

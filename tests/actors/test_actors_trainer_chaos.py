@@ -15,6 +15,18 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
+from helpers import eventually, new_run
+from helpers.rl_bus import (
+    HUB,
+    connect,
+    credentials_file,
+    provision,
+    publish_rollouts,
+    read_kind,
+    until_acked,
+    wait_for,
+)
+from helpers.rollouts import sample_rollouts
 
 from rlbus.actors.common.config import CheckpointerLaunch
 from rlbus.actors.common.ledger import Ledger, final_lineage, read_ledger
@@ -24,11 +36,6 @@ from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import CheckpointMark, TrainStep, VersionReady
 from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
 from rlbus.topology.regions import RegionSet
-
-from helpers.rl_bus import (
-    HUB, connect, credentials_file, provision, publish_rollouts, read_kind, until_acked, wait_for)
-from helpers.rollouts import sample_rollouts
-from helpers import eventually, new_run
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 TRAINER, CHECKPOINTER = "hub-trainer-0", "hub-checkpointer-0"

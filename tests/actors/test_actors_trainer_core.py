@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from helpers.rollouts import sample_rollouts
 
 from rlbus.actors.trainer.core import (
     Objective,
@@ -18,12 +19,10 @@ from rlbus.actors.trainer.core import (
     shared_prompt_logprobs,
     versions_behind,
 )
-from rlbus.kernels.logprob import token_logprob_entropy
 from rlbus.kernels.delta_state import apply_state_, encode_state
+from rlbus.kernels.logprob import token_logprob_entropy
 from rlbus.messages.schemas import Rollout, TensorBlob
 from rlbus.model.transformer import ModelConfig, Transformer
-
-from helpers.rollouts import sample_rollouts
 
 
 def _r(task: str, g: int, versions: list[int], *, size: int = 2, prompt: list[int] | None = None,

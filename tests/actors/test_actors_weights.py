@@ -22,13 +22,13 @@ import nats.errors
 import pytest
 import torch
 from anyio.abc import TaskGroup
+from helpers import eventually, new_run
 from torch import Tensor
 
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.config import PublisherConfig, PublisherLaunch
-from rlbus.actors.publisher import Publisher
-from rlbus.ops.bench.version_source import VersionSource
 from rlbus.actors.common.weight_sync import LATEST_KEY, Part, WeightSync, config_dict, plan_fetch
+from rlbus.actors.publisher import Publisher
 from rlbus.kernels.delta import bits_view
 from rlbus.kernels.delta_state import state_digest, tensor_digests
 from rlbus.messages import codec
@@ -37,11 +37,11 @@ from rlbus.messages.schemas import Event, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.model.generate import generate
 from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.ops.bench.version_source import VersionSource
 from rlbus.topology.examples import example_path
 from rlbus.topology.launch import kind_launch, kind_settings
 from rlbus.topology.load import load
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
-from helpers import eventually, new_run
 
 pytestmark = pytest.mark.anyio
 FAST = ActorLimits(heartbeat_interval_s=0.3, drain_timeout_s=2.0)

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import anyio
 import nats
 import nats.errors
 import pytest
+from helpers import new_run
 from nats.aio.client import Client as NATS
 
 from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
 from rlbus.messages.subjects import BucketScope, Subjects
 from rlbus.topology.servers import EmbeddedServer
-from helpers import new_run
 
 pytestmark = pytest.mark.anyio
 
@@ -63,7 +62,7 @@ async def test_role_is_refused_other_roles_subjects(nats_server: EmbeddedServer,
                 pass
         assert got is not None, f"own subject never arrived (connected {conn.is_connected}, errors {errors})"
         with anyio.fail_after(20):                      # hang guard only (a loaded CI machine is slow)
-            while len(errors) < len(forbidden(s)):  # noqa: ASYNC110 - polls what the callback saw
+            while len(errors) < len(forbidden(s)):
                 await anyio.sleep(0.02)
         arrived = [got.subject]
         while True:                                     # nothing else was let through (repeats of its own only)

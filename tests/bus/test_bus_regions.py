@@ -20,6 +20,7 @@ import nats
 import nats.errors
 import nats.js.errors
 import pytest
+from helpers import eventually, new_run
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from structlog.testing import capture_logs
@@ -27,7 +28,6 @@ from structlog.testing import capture_logs
 from rlbus.messages.streams import StreamSettings, provision_all, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
-from helpers import eventually, new_run
 
 pytestmark = pytest.mark.anyio
 

@@ -16,22 +16,22 @@ from typing import TypeVar
 import anyio
 import nats.errors
 import pytest
-from rlbus.actors.trainer.core import build_core
+from helpers import eventually, hosted
+from helpers.rl_bus import HUB, connect, until_acked, wait_for
+from helpers.rollouts import sample_rollouts
+
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.checkpointer import Checkpointer
 from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch
 from rlbus.actors.common.ledger import read_all, read_ledger
 from rlbus.actors.trainer.actor import Trainer
 from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
+from rlbus.actors.trainer.core import build_core
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import CheckpointMark, Rollout, TrainStep
 from rlbus.messages.streams import ensure_consumer, trainer_consumer
 from rlbus.topology.launch import Launch, stream_settings
 from rlbus.topology.load import load
-
-from helpers.rl_bus import HUB, connect, until_acked, wait_for
-from helpers.rollouts import sample_rollouts
-from helpers import eventually, hosted
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 T = TypeVar("T")
@@ -67,7 +67,7 @@ async def stored_ids(bus: Bus) -> Counter[str]:
 async def counted(actor: Actor, counter: str, at_least: int, timeout_s: float = 60) -> None:
     """Wait until the actor's counter reaches `at_least`."""
     with anyio.fail_after(timeout_s):
-        while actor.counters.get(counter, 0) < at_least:  # noqa: ASYNC110 - counters have no event to wait on
+        while actor.counters.get(counter, 0) < at_least:
             await anyio.sleep(0.2)
 
 

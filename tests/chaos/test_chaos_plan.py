@@ -7,6 +7,7 @@ import itertools
 from collections import Counter
 
 import pytest
+
 from rlbus.ops.chaos.plan import (
     ChaosSettings,
     Fault,

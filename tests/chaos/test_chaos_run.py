@@ -3,14 +3,14 @@ a partition and pauses; nothing lost, nothing trained twice, every kill done, an
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from rlbus.ops.chaos.plan import ChaosSettings, plan_faults
 
 pytestmark = pytest.mark.chaos

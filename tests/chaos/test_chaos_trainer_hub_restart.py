@@ -12,6 +12,9 @@ import msgspec
 import nats.errors
 import pytest
 import torch
+from helpers import new_run
+from helpers.rl_bus import HUB, connect
+from helpers.rollouts import sample_rollouts
 
 from rlbus.actors.trainer.core import build_core
 from rlbus.messages.bus import Bus
@@ -19,10 +22,6 @@ from rlbus.model.pretrain import CHECKPOINT_NAME
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.topology.launch import PRETRAINED_DIR, Launch
 from rlbus.topology.schema import Topology
-
-from helpers.rl_bus import HUB, connect
-from helpers.rollouts import sample_rollouts
-from helpers import new_run
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 TRAINER = "hub-trainer-0"

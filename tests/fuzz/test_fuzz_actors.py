@@ -18,22 +18,29 @@ import anyio
 import nats
 import pytest
 import structlog
+from helpers import eventually, hosted, new_run
+from helpers.fuzz_payloads import Payload, Target, build, recipes, valid
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from rlbus.actors.trainer.core import fresh_config
 from rlbus.actors.base import Actor, ActorId, ActorLimits, State
 from rlbus.actors.checkpointer import Checkpointer
-from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch, PublisherConfig, PublisherLaunch
-from rlbus.actors.generator.actor import Generator, GeneratorConfig
+from rlbus.actors.common.config import (
+    CheckpointerConfig,
+    CheckpointerLaunch,
+    PublisherConfig,
+    PublisherLaunch,
+)
 from rlbus.actors.common.ledger import read_all
+from rlbus.actors.common.weight_source import LocalWeights
+from rlbus.actors.common.weight_sync import WeightSync
+from rlbus.actors.generator.actor import Generator, GeneratorConfig
 from rlbus.actors.publisher import Publisher
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
 from rlbus.actors.trainer.actor import Trainer
 from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
-from rlbus.actors.common.weight_source import LocalWeights
-from rlbus.actors.common.weight_sync import WeightSync
+from rlbus.actors.trainer.core import fresh_config
 from rlbus.messages import codec
 from rlbus.messages.bus import REASON_HEADER, Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import CheckpointMark, Heartbeat, TrainStep
@@ -41,9 +48,6 @@ from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.messages.subjects import Subjects
 from rlbus.model.transformer import Transformer
 from rlbus.topology.regions import RegionSet
-
-from helpers.fuzz_payloads import Payload, Target, build, recipes, valid
-from helpers import eventually, hosted, new_run
 
 pytestmark = pytest.mark.anyio
 HUB = "hub"

@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import nats
 import pytest
+from helpers import new_run
 from nats.aio.client import Client as NATS
 
 from rlbus.actors.base import ActorId, ActorLimits
@@ -37,7 +38,6 @@ from rlbus.messages.subjects import Subjects
 from rlbus.model.pretrain import PretrainConfig, pretrain
 from rlbus.model.tasks import make_task
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
-from helpers import new_run
 
 pytestmark = pytest.mark.anyio
 HUB = "hub"

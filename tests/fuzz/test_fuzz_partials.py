@@ -23,11 +23,16 @@ import nats.js.errors
 import pytest
 import torch
 import zstandard
+from helpers import hosted, new_run
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.errors import PartialGroupError
+from rlbus.actors.common.feed import verifier_for
+from rlbus.actors.common.ledger import read_all
+from rlbus.actors.common.weight_source import LocalWeights
+from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
 from rlbus.actors.generator.group import (
     ZSTD_MAGIC,
     Attempt,
@@ -40,11 +45,7 @@ from rlbus.actors.generator.group import (
     new_group,
     record_attempt,
 )
-from rlbus.actors.common.feed import verifier_for
-from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
-from rlbus.actors.common.ledger import read_all
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
-from rlbus.actors.common.weight_source import LocalWeights
 from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.messages.schemas import Event, Rollout, SandboxVerdict, TensorBlob
 from rlbus.messages.schemas import Task as TaskMessage
@@ -54,7 +55,6 @@ from rlbus.model.tasks import Task, eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig, Transformer
 from rlbus.topology.servers import EmbeddedServer
-from helpers import hosted, new_run
 
 torch.set_num_threads(1)
 TOK = ByteTokenizer()

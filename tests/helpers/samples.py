@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 from rlbus.messages.schemas import (
-    CheckpointMark, DroppedRollout, EvalReport, Event, Heartbeat, Message, Rollout, SandboxLimits,
-    SandboxRequest, SandboxResult, SandboxVerdict, StateUploaded, Task, TensorBlob, TrainStep, VersionReady,
+    CheckpointMark,
+    DroppedRollout,
+    EvalReport,
+    Event,
+    Heartbeat,
+    Message,
+    Rollout,
+    SandboxLimits,
+    SandboxRequest,
+    SandboxResult,
+    SandboxVerdict,
+    StateUploaded,
+    Task,
+    TensorBlob,
+    TrainStep,
+    VersionReady,
     WeightManifest,
 )
 

@@ -88,7 +88,7 @@ def test_every_delta_encoding_round_trips_bit_exactly(pair: tuple[torch.Tensor, 
 @given(versions())
 def test_full_snapshot_round_trips_into_any_buffer(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
     """A snapshot (no base) fills a buffer holding anything with the exact bits."""
-    old, new = pair
+    _old, new = pair
     enc = encode_tensor(new)
     assert enc.header.encoding == Encoding.FULL and enc.header.changed == new.numel()
     target = torch.zeros_like(new)

@@ -116,7 +116,7 @@ def test_target_with_other_tensors_is_refused() -> None:
     _, blob = encode_state(v0)
     target = _clone(v0)
     del target["head.bias"]
-    with pytest.raises(ValueError, match="head.bias"):
+    with pytest.raises(ValueError, match=r"head\.bias"):
         apply_state_(target, blob)
 
 

@@ -10,10 +10,9 @@ import msgpack
 import msgspec
 import pytest
 import torch
+from helpers.samples import samples
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from helpers.samples import samples
 
 from rlbus.messages import codec
 from rlbus.messages.errors import BadMessage, UnsupportedSchema

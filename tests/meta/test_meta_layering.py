@@ -116,7 +116,7 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
 
 
 _PACKAGES = ("actors", "messages", "model", "kernels", "topology", "ops", "tests")
-_SUBJECT_START = re.compile(r"(rlbus\.(?!(%s)\b)|\$KV\.|\$O\.|\$JS\.|\$SRV\.)" % "|".join(_PACKAGES))
+_SUBJECT_START = re.compile(r"(rlbus\.(?!({})\b)|\$KV\.|\$O\.|\$JS\.|\$SRV\.)".format("|".join(_PACKAGES)))
 
 
 def subject_literals(path: Path) -> list[str]:

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from rlbus.model.episodes import (add_attempt, add_summary, completion_text, context_ids, episode_tokens,
-                                  start_episode)
+from rlbus.model.episodes import (
+    add_attempt,
+    add_summary,
+    completion_text,
+    context_ids,
+    episode_tokens,
+    start_episode,
+)
 from rlbus.model.grading import GradeResult
 from rlbus.model.tasks import HiddenTest, Task
 from rlbus.model.tokenizer import ByteTokenizer

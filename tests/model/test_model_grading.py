@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rlbus.model.grading import GradeCase, GradeResult, extract_code, grade, grade_many, subprocess_runner
-from rlbus.model.tasks import Task, HiddenTest
+from rlbus.model.tasks import HiddenTest, Task
 
 ADD2 = Task("t-add2", "int", 1, 'def f(x):\n    """Add 2."""\n', "f", "    x = x + 2\n    return x\n",
             (HiddenTest("(1,)", "3"), HiddenTest("(5,)", "7"), HiddenTest("(-2,)", "0")))

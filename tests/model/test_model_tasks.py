@@ -7,7 +7,7 @@ import itertools
 import random
 
 from rlbus.model.grading import grade_many
-from rlbus.model.tasks import EVAL_POOL, N_SHOWN, Task, HiddenTest, eval_tasks, make_task, train_tasks
+from rlbus.model.tasks import EVAL_POOL, N_SHOWN, HiddenTest, Task, eval_tasks, make_task, train_tasks
 
 
 def test_generation_is_deterministic() -> None:
@@ -73,7 +73,7 @@ def test_wrong_solutions_fail() -> None:
         pairs += [(task, f"    return {var}\n"), (task, "    return 0\n")]
     results = grade_many(pairs)
     assert not any(r.passed for r in results)
-    swapped = grade_many([(a, b.solution) for a, b in zip(tasks, tasks[1:], strict=False)
+    swapped = grade_many([(a, b.solution) for a, b in itertools.pairwise(tasks)
                           if a.solution != b.solution])
     assert sum(r.passed for r in swapped) <= 2  # only an accidentally equivalent pair may pass
 

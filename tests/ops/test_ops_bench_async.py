@@ -4,9 +4,8 @@ No speed is asserted (benchmarks report numbers; the suite checks outcomes)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest

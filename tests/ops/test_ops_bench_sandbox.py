@@ -11,10 +11,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from helpers.ops import json_in
+
 from rlbus.actors.sandbox.pool import LEVELS, available_levels
 from rlbus.ops.bench.sandbox import TARGET_MS
-
-from helpers.ops import json_in
 
 SMALLEST = ("--sandbox-runs", "1")
 """One timed execution per level (plus the bench's fixed warm-ups and ten fresh jails); `--quick` is 60."""

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlbus.actors.trainer.core import TrainerCore
+
 from rlbus.actors.checkpointer import write_durable
+from rlbus.actors.trainer.core import TrainerCore
 from rlbus.messages.bus import digest
 from rlbus.messages.schemas import CheckpointMark
 from rlbus.model.pretrain import CHECKPOINT_NAME

@@ -3,16 +3,14 @@ from a start time (an ephemeral consumer by start time)."""
 
 from __future__ import annotations
 
-
 import anyio
 import pytest
+from helpers.ops import json_lines, provision_single, run_cli, target_of, url_args
 
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Event
 from rlbus.ops.events import read_events
 from rlbus.topology.servers import EmbeddedServer
-
-from helpers.ops import json_lines, provision_single, run_cli, target_of, url_args
 
 pytestmark = pytest.mark.anyio
 

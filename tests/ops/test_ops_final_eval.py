@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
+
 from rlbus.actors.trainer.core import TrainerCore
 from rlbus.messages.schemas import EvalReport
 from rlbus.model.evaluate import EvalResult, evaluate_pass_at_1

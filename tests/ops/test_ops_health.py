@@ -16,10 +16,11 @@ from typing import Any
 
 import anyio
 import pytest
+from helpers.ops import json_in, provision_single, run_cli, target_of, url_args, write_credentials
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.actors.demo import DemoProducer, DemoConfig
+from rlbus.actors.demo import DemoConfig, DemoProducer
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Event, Heartbeat
@@ -27,8 +28,6 @@ from rlbus.ops.health.model import HealthModel, HealthRules
 from rlbus.ops.health.view import registry_for, serve_metrics
 from rlbus.ops.health.watch import HealthWatch
 from rlbus.topology.servers import EmbeddedServer
-
-from helpers.ops import json_in, provision_single, run_cli, target_of, url_args, write_credentials
 
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=1.0)
 RULES = ["--min-deadline-s", "1", "--stall-s", "1.5", "--settle-s", "0.3"]

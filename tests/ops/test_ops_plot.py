@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from helpers.ops import run_cli
 
 from rlbus.messages.schemas import (
     DroppedRollout,
@@ -18,6 +19,7 @@ from rlbus.messages.schemas import (
     TrainStep,
     WeightManifest,
 )
+from rlbus.ops.recording.format import RecordingWriter
 from rlbus.ops.recording.plotting import (
     PLOTS,
     PlotData,
@@ -28,9 +30,6 @@ from rlbus.ops.recording.plotting import (
     throughput_series,
 )
 from rlbus.ops.recording.recorder import versions_of
-from rlbus.ops.recording.format import RecordingWriter
-
-from helpers.ops import run_cli
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

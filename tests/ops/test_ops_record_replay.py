@@ -13,8 +13,11 @@ import anyio
 import msgpack
 import pytest
 import zstandard
+from helpers import new_run
+from helpers.ops import json_in, run_cli
 
 from rlbus.messages.bus import Bus, ConnectOptions
+from rlbus.messages.history import read_stream, stream_count
 from rlbus.messages.schemas import (
     EvalReport,
     Event,
@@ -26,14 +29,10 @@ from rlbus.messages.schemas import (
 )
 from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.ops.recording import replay
-from rlbus.ops.recording.playback import load_jsonl
 from rlbus.ops.recording.format import RecordingReader, RecordingWriter
-from rlbus.messages.history import read_stream, stream_count
+from rlbus.ops.recording.playback import load_jsonl
 from rlbus.topology.launch import RUN_FILE, Endpoints, write_run_file
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
-
-from helpers.ops import json_in, run_cli
-from helpers import new_run
 
 REGIONS = ("eu", "us", "hub")
 

@@ -19,19 +19,26 @@ import anyio
 import msgspec
 import numpy as np
 import pytest
+from helpers.ops import json_in, run_cli
 
-from rlbus.actors.trainer.core import TrainerCore
 from rlbus.actors.trainer.actor import SETTINGS_KEY, THREADS_KEY, TrainerConfig, build_trainer_core, objective
+from rlbus.actors.trainer.core import TrainerCore
 from rlbus.messages import codec
-from rlbus.messages.schemas import DroppedRollout, Event, Message, Rollout, TensorBlob, TrainStep, WeightManifest
-from rlbus.ops.target import resolve
+from rlbus.messages.history import stream_count
+from rlbus.messages.schemas import (
+    DroppedRollout,
+    Event,
+    Message,
+    Rollout,
+    TensorBlob,
+    TrainStep,
+    WeightManifest,
+)
 from rlbus.ops.cli import main
 from rlbus.ops.recording.format import RecordingWriter
 from rlbus.ops.recording.retrain import ReplayInputError, held_version, restore_points, retrain
-from rlbus.messages.history import stream_count
+from rlbus.ops.target import resolve
 from rlbus.topology.examples import example_path
-
-from helpers.ops import json_in, run_cli
 
 CONFIG = TrainerConfig(lr=1e-3, batch_rollouts=4, seed=3)
 """A fresh seeded tiny model (no pretrained file) with a learning rate that moves bf16 weights every step."""

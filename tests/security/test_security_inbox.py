@@ -4,17 +4,16 @@ deliveries, KV reads) nor forge replies into them; responders still answer reque
 
 from __future__ import annotations
 
-
 import anyio
 import nats
 import nats.errors
 import pytest
+from helpers import eventually, new_run
 from nats.aio.client import Client as NATS
 
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.subjects import Subjects, inbox_prefix
 from rlbus.topology.servers import EmbeddedServer
-from helpers import eventually, new_run
 
 pytestmark = pytest.mark.anyio
 

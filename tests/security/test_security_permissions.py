@@ -12,12 +12,12 @@ import anyio
 import nats
 import nats.errors
 import pytest
+from helpers import new_run
 from nats.aio.client import Client as NATS
 
 from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.regions import RegionSet
-from helpers import new_run
 
 pytestmark = pytest.mark.anyio
 HUB, LEAF = "hub", "eu"

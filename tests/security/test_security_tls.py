@@ -14,6 +14,7 @@ import anyio
 import nats
 import nats.errors
 import pytest
+from helpers import new_run
 
 from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.messages.schemas import Event
@@ -21,7 +22,6 @@ from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.regions import TLS_DIR, RegionSet
 from rlbus.topology.tls import TlsFiles
-from helpers import new_run
 
 pytestmark = [pytest.mark.anyio,
               pytest.mark.skipif(shutil.which("openssl") is None, reason="TLS certificates need the openssl CLI")]

@@ -14,13 +14,13 @@ from pathlib import Path
 import anyio
 import msgspec
 import pytest
+from helpers import new_run
 
 from rlbus.ops.target import add_target_options, resolve
 from rlbus.topology.examples import example_path
 from rlbus.topology.launch import Launch, actor_specs
 from rlbus.topology.load import load, validate_text
 from rlbus.topology.schema import RestartSettings, TlsSettings, Topology
-from helpers import new_run
 
 HUB, LEAF = "hub", "eu"
 

@@ -14,7 +14,12 @@ import pytest
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.checkpointer import build_checkpointer
 from rlbus.actors.common.config import (
-    CheckpointerConfig, EvaluatorConfig, FeederConfig, PublisherConfig, decode_config)
+    CheckpointerConfig,
+    EvaluatorConfig,
+    FeederConfig,
+    PublisherConfig,
+    decode_config,
+)
 from rlbus.actors.demo import build_demo_producer
 from rlbus.actors.generator.config import GeneratorConfig
 from rlbus.actors.kinds import LAUNCH_TYPES, build_actor

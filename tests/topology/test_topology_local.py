@@ -4,17 +4,17 @@ the others are undisturbed; past the restart policy it is failed and the run kee
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import msgspec
 import pytest
+from helpers import new_run
 
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
@@ -23,7 +23,6 @@ from rlbus.topology.examples import example_path
 from rlbus.topology.launch import Launch
 from rlbus.topology.load import load
 from rlbus.topology.schema import RestartSettings, Topology
-from helpers import new_run
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 
@@ -91,7 +90,7 @@ def test_rlbus_up_three_regions_stops_clean(tmp_path: Path, stop: str,
     state = tmp_path / "state"
     cmd = [sys.executable, "-m", "rlbus.ops.cli", "up", "demo", "--state-dir", str(state)]
     if stop == "for":
-        proc = subprocess.run(cmd + ["--for", "6"], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([*cmd, "--for", "6"], capture_output=True, text=True, timeout=120)
         out, code = proc.stdout, proc.returncode
     else:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from helpers import eventually
 from nats.js.api import StreamConfig
 
 from rlbus.messages import codec
@@ -27,7 +28,6 @@ from rlbus.messages.schemas import Heartbeat
 from rlbus.topology.local import ProcessSpec, RestartPolicy
 from rlbus.topology.ray_backend import RayBackend
 from rlbus.topology.servers import EmbeddedServer
-from helpers import eventually
 
 pytestmark = pytest.mark.anyio
 

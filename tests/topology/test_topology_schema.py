@@ -7,9 +7,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from rlbus.actors.common.config import FeederConfig
 from rlbus.topology.load import check, validate_text
 from rlbus.topology.reference import _schema_structs, field_docs, reference_markdown, struct_tables
-from rlbus.actors.common.config import FeederConfig
 from rlbus.topology.schema import ActorSpec, Region, Topology, parse_duration
 
 MINIMAL = """

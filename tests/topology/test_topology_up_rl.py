@@ -3,13 +3,12 @@ Ray backend: exit 0, a summary, a PNG, a clean ledger, and no process left behin
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import eventually_sync
 
 from rlbus.actors.sandbox.pool import STANDBY_NAME
 from rlbus.ops.up import stop_leftovers
 from rlbus.topology.examples import example_path
-from helpers import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
