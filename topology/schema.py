@@ -17,7 +17,15 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
-from rlbus.actors.common.config import CheckpointerConfig, EvaluatorConfig, FeederConfig, PublisherConfig
+from rlbus.actors.common.config import (
+    CheckpointerConfig,
+    EvaluatorConfig,
+    FeederConfig,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    PublisherConfig,
+)
 from rlbus.actors.generator.config import GeneratorConfig
 from rlbus.actors.sandbox.config import SandboxConfig
 from rlbus.actors.trainer.config import TrainerConfig
@@ -44,10 +52,6 @@ Duration = Annotated[str, msgspec.Meta(pattern=_DURATION_PATTERN)]
 SyncInterval = Annotated[str, msgspec.Meta(pattern=_SYNC_PATTERN)]
 NatsUrl = Annotated[str, msgspec.Meta(pattern=_URL_PATTERN)]
 EnvName = Annotated[str, msgspec.Meta(pattern=_ENV_PATTERN)]
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
 ActorKind = Literal["feeder", "generator", "trainer", "publisher", "checkpointer", "sandbox", "evaluator",
                     "demo_producer", "demo_consumer"]

@@ -10,10 +10,7 @@ from typing import Annotated
 
 import msgspec
 
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+from rlbus.actors.common.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 
 class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -11,11 +11,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from rlbus.actors.common.config import NonNegativeInt, PositiveFloat, PositiveInt
 from rlbus.messages.schemas import SandboxLimits
-
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class SandboxConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
