@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from rlbus.ops.target import add_target_options
+from rlbus.ops.target import add_target_options, on_signal
 
 if TYPE_CHECKING:
     from rlbus.messages.bus import Bus
@@ -69,7 +69,7 @@ async def _run(target: Any, since: float | None, args: argparse.Namespace) -> in
     async with (opened(target, args, command="rlbus events", refuse=refuse) as reached,
                 await reached.connect(name="rlbus-events") as bus, anyio.create_task_group() as tg):
         if args.follow:
-            tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+            tg.start_soon(on_signal, tg.cancel_scope.cancel)
         async for at, seq, subject, event in read_events(bus, since=since, follow=args.follow):
             if ((kinds and event.event not in kinds) or (actors and event.actor_id not in actors)
                     or (regions and event.region not in regions) or (akinds and event.actor_kind not in akinds)):
@@ -114,16 +114,3 @@ def _json_line(at: float, seq: int, subject: str, event: Event) -> str:
 
     return json.dumps({"time": at, "seq": seq, "subject": subject, **msgspec.to_builtins(event)})
 
-
-async def _cancel_on_signal(scope: Any) -> None:
-    import signal
-    import threading
-
-    import anyio
-
-    if threading.current_thread() is not threading.main_thread():
-        return                       # signals reach only the main thread (e.g. called from a test's worker)
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            scope.cancel()
-            return

@@ -2,7 +2,8 @@
 
 Owns: `add_target_options(parser)` (RUN, --state-dir, --url, --run, --hub, --user/--password,
 --credentials/--role), `resolve(args)` → `Target` (run id, hub, region URLs and JetStream domains,
-credentials), `Target.connect()`, `for_state_dir(state)`, and `opened(...)`, which lets a command read a
+credentials), `Target.connect()`, `for_state_dir(state)`, `on_signal(act)` (Ctrl-C ends a command's
+reading), and `opened(...)`, which lets a command read a
 stopped run: when nothing listens at its hub and its state directory holds the embedded servers `rlbus up`
 started, it starts those servers (no actor, under the state directory's lock) for as long as the command
 reads, then stops them. A run started by `rlbus up` is found through the `run.json` that topology/launch.py
@@ -16,7 +17,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -301,3 +302,19 @@ def parse_duration(text: str) -> float:
     if seconds < 0:
         raise RlbusError(f"duration {text!r} is negative")
     return seconds
+
+
+async def on_signal(act: Callable[[], object]) -> None:
+    """On SIGINT or SIGTERM call `act()` once (cancel a scope, set an event) and return. Signals reach only the
+    main thread, so called from another one (a test's worker thread) it returns at once."""
+    import signal
+    import threading
+
+    import anyio
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            act()
+            return

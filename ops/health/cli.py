@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from rlbus.ops.target import add_target_options
+from rlbus.ops.target import add_target_options, on_signal
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -91,7 +91,7 @@ async def _run(target: Any, rules: Any, args: argparse.Namespace) -> int:
                             task_status=task_status))
                         print(f"rlbus health: Prometheus metrics on http://{args.bind}:{port}/metrics",
                               file=sys.stderr, flush=True)
-                    tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+                    tg.start_soon(on_signal, tg.cancel_scope.cancel)
                     await _refresh_loop(watch, latest, args)
         finally:
             await watch.aclose()
@@ -137,16 +137,3 @@ def _print_table(snap: Any) -> None:
 
     Console(width=max(Console().width, 140)).print(render_table(snap))
 
-
-async def _cancel_on_signal(scope: Any) -> None:
-    import signal
-    import threading
-
-    import anyio
-
-    if threading.current_thread() is not threading.main_thread():
-        return                       # signals reach only the main thread (e.g. called from a test's worker)
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            scope.cancel()
-            return

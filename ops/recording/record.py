@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlbus.ops.target import add_target_options
+from rlbus.ops.target import add_target_options, on_signal
 
 STREAM_LABELS = ("ROLLOUTS", "TRAINLOG", "WEIGHTS", "CHECKPOINTS", "EVALS", "EVENTS")
 
@@ -91,7 +91,7 @@ async def _run(target: Any, output: Path, labels: list[str] | None, args: argpar
               if follow else None)
     async with (opened(target, args, command="rlbus record", refuse=refuse) as reached,
                 await reached.connect(name="rlbus-record") as bus, anyio.create_task_group() as tg):
-        tg.start_soon(_stop_on_signal, stop)
+        tg.start_soon(on_signal, stop.set)
         progress = await record(bus, output, follow=follow, duration_s=args.duration, labels=labels, stop=stop,
                                 on_progress=show)
         tg.cancel_scope.cancel()
@@ -105,16 +105,3 @@ async def _run(target: Any, output: Path, labels: list[str] | None, args: argpar
         print(f"rlbus record: streams not found (not recorded): {', '.join(progress.missing)}", file=sys.stderr)
     return 0
 
-
-async def _stop_on_signal(stop: Any) -> None:
-    import signal
-    import threading
-
-    import anyio
-
-    if threading.current_thread() is not threading.main_thread():
-        return                       # signals reach only the main thread (e.g. called from a test's worker)
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            stop.set()
-            return
