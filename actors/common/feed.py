@@ -12,7 +12,8 @@ JSONL task file: one JSON object per line with the `model.tasks.Task` fields, e.
 `{"task_id": "t1", "prompt": "def f(x):\\n    ...", "entry_point": "f",
   "tests": [{"args": "(3,)", "expected": "8"}], "family": "int", "level": 1, "solution": ""}`
 (`args` is the repr of the argument tuple, `expected` the repr of the result; family, level and solution
-are optional).
+are optional), or with `"test": "def check(candidate): ..."` (Python source tests) instead of `tests`, or an
+MBPP row; the layouts are model/task_sources.py's.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from rlbus.actors.common.errors import TaskError
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.model.tasks import HiddenTest, train_tasks
+from rlbus.model import task_sources
 from rlbus.model.tasks import Task as CodingTask
+from rlbus.model.tasks import train_tasks
 
 log = structlog.get_logger()
 
@@ -72,25 +74,21 @@ def verifier_for(task: CodingTask) -> dict[str, str]:
     doc = {"task_id": task.task_id, "family": task.family, "level": task.level, "prompt": task.prompt,
            "entry_point": task.entry_point, "solution": task.solution,
            "tests": [{"args": t.args, "expected": t.expected} for t in task.tests]}
+    if task.test_source:             # absent when empty: the same JSON as before for pair-only tasks
+        doc["test"] = task.test_source
     return {"kind": VERIFIER_KIND, "task": json.dumps(doc)}
 
 
 def task_from_json(doc: Mapping[str, Any]) -> CodingTask:
-    """A `model.tasks.Task` from its JSON object (a verifier's or a task file line's).
+    """A `model.tasks.Task` from its JSON object (a verifier's or a task file line's, rlbus or test-source
+    layout: model/task_sources.py `task_from_json`).
 
     :raises TaskError: a required field is missing or has the wrong type, or there are no tests.
     """
     try:
-        tests = tuple(HiddenTest(args=str(t["args"]), expected=str(t["expected"])) for t in doc["tests"])
-        task = CodingTask(task_id=str(doc["task_id"]), family=str(doc.get("family", "file")),
-                          level=int(doc.get("level", 0)), prompt=str(doc["prompt"]),
-                          entry_point=str(doc["entry_point"]), solution=str(doc.get("solution", "")), tests=tests)
-    except (KeyError, TypeError, ValueError) as err:
-        raise TaskError(f"task object needs task_id, prompt, entry_point and tests [{{args, expected}}]: "
-                        f"{err!r}") from None
-    if not task.tests:
-        raise TaskError(f"task {task.task_id!r} has no tests")
-    return task
+        return task_sources.task_from_json(doc)
+    except task_sources.TaskSourceError as err:
+        raise TaskError(str(err)) from None
 
 
 def task_from_verifier(message: TaskMessage) -> CodingTask:
@@ -112,19 +110,15 @@ def task_from_verifier(message: TaskMessage) -> CodingTask:
 
 
 def read_tasks_file(path: Path) -> list[CodingTask]:
-    """Every task of a JSONL file, in file order (blank lines skipped).
+    """Every task of a JSONL file, in file order, each line in the rlbus, test-source or MBPP layout
+    (model/task_sources.py `read_tasks_file`).
 
     :raises TaskError: naming the file and line of the first bad line.
     """
-    out = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            out.append(task_from_json(json.loads(line)))
-        except (ValueError, RecursionError) as err:    # RecursionError: nested past the parser's depth
-            raise TaskError(f"{path}:{number}: {err}") from None
-    return out
+    try:
+        return task_sources.read_tasks_file(path)
+    except task_sources.TaskSourceError as err:
+        raise TaskError(str(err)) from None
 
 
 def task_source(config: FeederConfig) -> str:

@@ -88,6 +88,23 @@ def test_verifier_and_task_file_rebuild_the_same_task(tmp_path: Path) -> None:
         task_from_verifier(TaskMessage(task_id="t", prompt="p", verifier={"kind": "python_tests"}))
 
 
+def test_a_task_with_a_test_source_travels_in_the_verifier_and_reads_from_a_file(tmp_path: Path) -> None:
+    """A JSONL line with `test` (a check function) instead of `tests` is a task with that test source; it
+    rebuilds the same from its verifier, and a pair-only task's verifier JSON has no `test` key."""
+    path = tmp_path / "source.jsonl"
+    line = {"task_id": "s1", "prompt": "def inc(x):\n", "entry_point": "inc",
+            "test": "def check(candidate):\n    assert candidate(1) == 2\n", "solution": "    return x + 1\n"}
+    path.write_text(json.dumps(line) + "\n")
+    (task,) = read_tasks_file(path)
+    assert (task.tests, task.test_source, task.solution) == ((), line["test"], line["solution"])
+    message = TaskMessage(task_id=task.task_id, prompt=task.prompt, verifier=verifier_for(task))
+    assert task_from_verifier(message) == task
+    assert "test" not in json.loads(verifier_for(eval_tasks(3, n=1)[0])["task"])
+    path.write_text(json.dumps({**line, "test": "print(1)\n"}) + "\n")
+    with pytest.raises(ValueError, match=r"source.jsonl:1: task 's1': a test source needs top-level assert"):
+        read_tasks_file(path)
+
+
 # ---- on real regions ----------------------------------------------------------------------------------
 @dataclass
 class Env:
