@@ -58,9 +58,11 @@ class Task:
     def program(self, completion: str) -> str:
         """The code to run for a completion: the prompt (header + docstring) followed by the body.
 
-        A completion that starts with its own `def`, `import` or `from` line is run as is.
+        A completion whose first non-blank line is its own unindented `def`, `import` or `from` line is run as
+        is (an indented `import` is the first line of a body).
         """
-        if completion.lstrip().startswith(("def ", "import ", "from ")):
+        first = completion.lstrip("\r\n")
+        if first.startswith(("def ", "import ", "from ")):
             return completion
         return self.prompt + completion
 
