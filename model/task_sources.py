@@ -19,6 +19,7 @@ Layouts of one JSON object (one line of a file):
 
 from __future__ import annotations
 
+import ast
 import gzip
 import importlib.resources
 import json
@@ -197,3 +198,23 @@ def source_problem(source: str) -> str | None:
         return (f"{source!r} is neither {BUILTIN!r}, {HUMANEVAL!r} nor a file: "
                 f"{'no such file' if not path.exists() else 'not a regular file'}")
     return None
+
+
+def broken_program(task: Task) -> str:
+    """The reference program (`task.program(task.solution)`) with the body of the entry point replaced by
+    `return None`, its signature kept: parsed with `ast`, the last top-level `def` of that name rewritten,
+    unparsed. Builds an AST: call it on the main thread (CPython 3.11's AST constructor is not thread-safe).
+
+    :raises TaskSourceError: the reference does not parse or defines no top-level function of that name.
+    """
+    try:
+        module = ast.parse(task.program(task.solution), f"<{task.task_id}>")
+    except (SyntaxError, ValueError, RecursionError) as err:
+        raise TaskSourceError(f"task {task.task_id!r}: the reference program does not parse: {err}") from None
+    defs = [node for node in module.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.name == task.entry_point]
+    if not defs:
+        raise TaskSourceError(f"task {task.task_id!r}: the reference program defines no top-level "
+                              f"{task.entry_point}()")
+    defs[-1].body = [ast.Return(value=ast.Constant(value=None))]
+    return ast.unparse(ast.fix_missing_locations(module)) + "\n"
