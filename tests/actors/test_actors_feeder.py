@@ -33,6 +33,7 @@ from rlbus.actors.common.feed import (
     read_position,
     read_tasks_file,
     task_from_verifier,
+    task_sequence,
     task_source,
     verifier_for,
 )
@@ -347,6 +348,32 @@ def test_sequence_skips_the_evaluators_held_out_prompts_and_the_launcher_names_t
     topology = tmp_path / "t.toml"
     topology.write_text(example_path("single").read_text().replace("[evaluator]", "[evaluator]\nseed = 7"))
     assert feeder_launch(load(topology)).eval_seed == 7
+
+
+def test_a_listed_held_out_source_is_skipped_by_prompt_hash_and_named_in_the_saved_source(tmp_path: Path) -> None:
+    """With the evaluator's tasks a file, a tasks file sharing two of its prompts feeds only the third task, and
+    the ids the cursors account for agree; the saved source names the exclusion; the launcher passes it."""
+    from rlbus.model.task_sources import HUMANEVAL
+    from rlbus.topology.examples import example_path
+    from rlbus.topology.launch import feeder_launch
+    from rlbus.topology.load import load
+
+    train = eval_tasks(5, n=3)
+    feed_file, held_out_file = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
+    feed_file.write_text("".join(verifier_for(t)["task"] + "\n" for t in train))
+    held_out_file.write_text("".join(verifier_for(t)["task"] + "\n" for t in (train[0], train[2])))
+    config = FeederConfig(tasks_file=str(feed_file))
+    launch = FeederLaunch(eval_tasks=str(held_out_file))
+    sequence = task_sequence(config, launch, read_tasks_file(feed_file))
+    assert sequence.end == 1 and sequence.get(0) == train[1]
+    assert fed_task_ids(config, launch, {"hub": 5}, "hub") == {"hub": [train[1].task_id]}
+    assert task_source(config, launch) == f"{feed_file}:excluding={held_out_file}"
+    assert task_source(config, FeederLaunch()) == str(feed_file)
+    built_in = task_sequence(FeederConfig(seed=0), FeederLaunch(eval_seed=1, eval_tasks=HUMANEVAL))
+    assert [built_in.get(i) for i in range(20)] == [TaskSequence(0, eval_seed=1).get(i) for i in range(20)]
+    topology = tmp_path / "t.toml"
+    topology.write_text(example_path("single").read_text().replace("[evaluator]", '[evaluator]\ntasks = "humaneval"'))
+    assert feeder_launch(load(topology)).eval_tasks == HUMANEVAL
 
 
 def test_levels_keep_only_those_built_in_tasks_in_sequence_order() -> None:

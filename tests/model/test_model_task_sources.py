@@ -8,15 +8,19 @@ from pathlib import Path
 
 import pytest
 
+from rlbus.actors.common.config import task_source_problem
 from rlbus.model.grading import grade_many
 from rlbus.model.task_sources import (
+    BUILTIN,
     HUMANEVAL,
     TaskSourceError,
+    held_out_hashes,
+    held_out_tasks,
     humaneval_tasks,
     load_tasks,
     read_tasks_file,
-    source_problem,
 )
+from rlbus.model.tasks import eval_tasks
 
 
 def test_humaneval_is_read_from_the_package_data_file_with_its_check_tests() -> None:
@@ -32,6 +36,8 @@ def test_humaneval_is_read_from_the_package_data_file_with_its_check_tests() -> 
     results = grade_many([(t, t.solution) for t in tasks], timeout_s=5.0)
     assert [t.task_id for t, r in zip(tasks, results, strict=True) if not r.passed] == []
     assert {(r.n_passed, r.n_tests) for r in results} == {(1, 1)}
+    assert held_out_tasks(HUMANEVAL, 1, 5) == tasks[:5] and held_out_tasks(BUILTIN, 1, 3) == eval_tasks(1, 3)
+    assert held_out_hashes(HUMANEVAL) == {t.prompt_hash for t in tasks} and held_out_hashes(BUILTIN) == frozenset()
 
 
 MBPP_ROWS = [
@@ -88,5 +94,5 @@ def test_a_line_of_no_layout_names_the_file_the_line_and_the_layouts(tmp_path: P
         read_tasks_file(path)
     with pytest.raises(TaskSourceError, match=r"nope.jsonl: cannot read the tasks file"):
         load_tasks(str(tmp_path / "nope.jsonl"))
-    assert "no such file" in (source_problem(str(tmp_path / "nope.jsonl")) or "")
-    assert source_problem(HUMANEVAL) is None and source_problem(str(path)) is None
+    assert "no such file" in (task_source_problem(str(tmp_path / "nope.jsonl")) or "")
+    assert task_source_problem(HUMANEVAL) is None and task_source_problem(str(path)) is None
