@@ -1,8 +1,9 @@
 """Grading candidate code against a task's hidden tests, through a pluggable runner.
 
-Owns: the runner protocol (`GradeCase` in, `GradeResult` out), the default `subprocess_runner`
-(one plain child process for a whole batch, per-case time limits, restarted past a crash or hang),
-code extraction from a completion, and `grade` / `grade_many`.
+Owns: the runner protocol (`GradeCase` in, `GradeResult` out), the tests program of a Python test source
+(`source_tests`: its top-level asserts, or one assert calling its `check(candidate)`), the default
+`subprocess_runner` (one plain child process for a whole batch, per-case time limits, restarted past a
+crash or hang), code extraction from a completion, and `grade` / `grade_many`.
 Does not own: isolation. The sandbox actor supplies a runner that executes `task_harness.py` in a jail.
 """
 

@@ -118,11 +118,12 @@ def task_from_mbpp(doc: Mapping[str, Any]) -> Task:
     for name in (m.group(1) for t in asserts for m in _CALLED.finditer(t)):
         found = re.search(rf"^def\s+{re.escape(name)}\s*\((.*?)\)\s*(->[^:]+)?:", code, re.MULTILINE | re.DOTALL)
         if found:
-            entry = name
-            signature = f"def {name}({' '.join(found.group(1).split())}){' ' + found.group(2).strip() if found.group(2) else ''}:"
+            returns = f" {found.group(2).strip()}" if found.group(2) else ""
+            entry, signature = name, f"def {name}({' '.join(found.group(1).split())}){returns}:"
             break
     if entry is None or signature is None:
-        raise TaskSourceError(f"MBPP task {task_id}: no function called in test_list is defined with `def` in code")
+        raise TaskSourceError(f"MBPP task {task_id}: no function called in test_list is defined with `def` in "
+                              f"code")
     docstring = text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
     prompt = f'{signature}\n    """{docstring}\n    """\n'
     tests = "\n".join([*([setup] if setup.strip() else []), *asserts]) + "\n"

@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from rlbus.model.tasks import Task
 
 DEFAULT_POOL: Final = 4
 """Executors (and requests in flight) of the supervisor the check starts."""
@@ -69,7 +72,7 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report["reference_passed"] == report["broken_rejected"] == report["tasks"] else 1
 
 
-async def check_tasks(tasks: list[Any], pool: int = DEFAULT_POOL) -> dict[str, Any]:
+async def check_tasks(tasks: list[Task], pool: int = DEFAULT_POOL) -> dict[str, Any]:
     """Grade each task's reference and broken copy in a sandbox supervisor served here, on an embedded
     nats-server in a temporary directory; the report of `rlbus tasks check --json`."""
     import tempfile

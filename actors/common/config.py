@@ -63,7 +63,9 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_tasks: PositiveInt | None = None
     """Stop after this many tasks; default: feed forever."""
     tasks_file: Path | None = None
-    """A JSONL file of tasks (one object per line: task_id, prompt, entry_point, tests [{args, expected}]) instead of the built-in family."""
+    """A JSONL file of tasks instead of the built-in family: per line an object in the rlbus layout (task_id, prompt,
+    entry_point, tests [{args, expected}]), the test-source layout (`test`: Python asserts or a `check(candidate)`
+    function, instead of `tests`) or MBPP's (task_id, text, code, test_list, test_setup_code)."""
     poll_interval_s: PositiveFloat = 1.0
     """How often each region's backlog is checked and topped up, seconds."""
     levels: list[Annotated[int, msgspec.Meta(ge=1, le=3)]] = []
