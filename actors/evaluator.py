@@ -4,7 +4,8 @@ Owns: following the region's published versions (actors/common/weight_sync.py `W
 per block of `every_versions` (the first it holds in each block: 0, k, 2k, ... while it keeps up; a version
 that arrives while it is busy is skipped for the newest, so after a slow evaluation it may be k+1; a
 started or restarted evaluator first evaluates the version it finds) on `n_tasks` held-out tasks
-(model/tasks.py `eval_tasks`, disjoint from training by prompt hash) with greedy decoding, grading each
+(`[evaluator] tasks`: the built-in `eval_tasks(seed)`, HumanEval or a tasks file, model/task_sources.py
+`held_out_tasks`; disjoint from training by prompt hash) with greedy decoding, grading each
 completion in the region's sandboxes (actors/common/sandbox_client.py), and publishing an `EvalReport` with
 the 95% Wilson interval on `evals`. A drain cancels an evaluation in progress between two decoding steps
 (or while it is graded), so stopping never waits for the whole task set. Does not: train, sample for
@@ -24,15 +25,17 @@ import torch
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.config import EvaluatorConfig, EvaluatorLaunch, decode_config
+from rlbus.actors.common.errors import TaskError
 from rlbus.actors.common.sandbox_client import grade_cases
 from rlbus.actors.common.weight_sync import WeightSync
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import SandboxCrashed
 from rlbus.messages.schemas import EvalReport, SandboxLimits
 from rlbus.model.episodes import completion_text
-from rlbus.model.evaluate import greedy_complete, wilson_interval
+from rlbus.model.evaluate import greedy_complete, too_long, wilson_interval
 from rlbus.model.grading import case_for, extract_code
-from rlbus.model.tasks import Task, eval_tasks
+from rlbus.model.task_sources import TaskSourceError, held_out_tasks
+from rlbus.model.tasks import Task
 from rlbus.model.tokenizer import ByteTokenizer
 
 log = structlog.get_logger()
@@ -56,7 +59,11 @@ class Evaluator(Actor):
 
     async def setup(self) -> None:
         torch.set_num_threads(1)
-        self.tasks = await anyio.to_thread.run_sync(eval_tasks, self.settings.seed, self.settings.n_tasks)
+        try:
+            self.tasks = await anyio.to_thread.run_sync(held_out_tasks, self.settings.tasks, self.settings.seed,
+                                                        self.settings.n_tasks)
+        except TaskSourceError as err:
+            raise TaskError(f"evaluator.tasks = {self.settings.tasks!r}: {err}") from None
         self.sync = WeightSync(self.bus, self.ident.region)
 
     async def run(self) -> None:
@@ -91,6 +98,11 @@ class Evaluator(Actor):
             self.count("evaluations_cancelled")
             log.info("evaluation_cancelled", version=version, n=len(prompts))
             raise
+        unread = sum(too_long(model, p, self.launch.max_tokens) for p in prompts)
+        if unread:      # an empty completion each: they fail their tests and stay in n
+            self.gauges["prompts_too_long"] = float(unread)
+            log.warning("eval_prompts_too_long", version=version, n=unread, of=len(prompts),
+                        max_seq_len=model.config.max_seq_len)
         cases = [case_for(task, extract_code(completion_text(c, self.tokenizer)))
                  for task, c in zip(self.tasks, ids, strict=True)]
         try:

@@ -73,7 +73,7 @@ class Feeder(Actor):
         self.config = config
         self.launch = launch or FeederLaunch()
         self.weights = feed_weights(config, self.launch, ident.region)
-        self.source = task_source(config)
+        self.source = task_source(config, self.launch)
         self.cursors: dict[str, int] = {r: 0 for r, _ in self.weights}
         self.fed_versions: dict[str, int] = {}
         """Lockstep: per region, the last policy version whose batch it was given."""

@@ -47,11 +47,14 @@ def greedy_complete(model: Transformer, prompts: Sequence[Sequence[int]], *, max
 
     Prompts are sorted by length before batching, so left padding stays small; each batch is one
     `generate(temperature=0)` call with the KV cache. `on_step(step)` runs before every decoding step of
-    every batch; an exception it raises (a caller's cancellation) ends the decoding there.
+    every batch; an exception it raises (a caller's cancellation) ends the decoding there. A prompt that
+    leaves no room for `max_new_tokens` in the model's context (`too_long`) gets an empty completion
+    (graded, it fails: a held-out task the model cannot read counts against it, not out of the set).
     """
     was_training = model.training
     model.eval()
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    order = sorted((i for i in range(len(prompts)) if not too_long(model, prompts[i], max_new_tokens)),
+                   key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
     try:
         for first in range(0, len(order), batch_size):
@@ -63,6 +66,11 @@ def greedy_complete(model: Transformer, prompts: Sequence[Sequence[int]], *, max
     finally:
         model.train(was_training)
     return out
+
+
+def too_long(model: Transformer, prompt: Sequence[int], max_new_tokens: int) -> bool:
+    """Whether `prompt` plus `max_new_tokens` exceeds the model's context (`max_seq_len`)."""
+    return len(prompt) + max_new_tokens > model.config.max_seq_len
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """Grading candidate code against a task's hidden tests, through a pluggable runner.
 
-Owns: the runner protocol (`GradeCase` in, `GradeResult` out), the default `subprocess_runner`
-(one plain child process for a whole batch, per-case time limits, restarted past a crash or hang),
-code extraction from a completion, and `grade` / `grade_many`.
+Owns: the runner protocol (`GradeCase` in, `GradeResult` out), the tests program of a Python test source
+(`source_tests`: its top-level asserts, or one assert calling its `check(candidate)`), the default
+`subprocess_runner` (one plain child process for a whole batch, per-case time limits, restarted past a
+crash or hang), code extraction from a completion, and `grade` / `grade_many`.
 Does not own: isolation. The sandbox actor supplies a runner that executes `task_harness.py` in a jail.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import subprocess
 import sys
@@ -32,12 +34,19 @@ Status = Literal["passed", "failed", "error", "timeout", "crashed"]
 
 @dataclass(frozen=True, slots=True)
 class GradeCase:
-    """One candidate to run: its source, the function to call, tests as (args repr, expected repr) pairs."""
+    """One candidate to run: its source, the function to call, tests as (args repr, expected repr) pairs, and
+    tests as Python source run after them (`source_tests` of the task's test source; "" for none)."""
 
     code: str
     entry_point: str
     tests: tuple[tuple[str, str], ...]
     timeout_s: float = 1.0
+    test_source: str = ""
+
+    @property
+    def n_tests(self) -> int:
+        """Tests of the case: one per pair, one per top-level assert of the test source."""
+        return len(self.tests) + count_asserts(self.test_source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +74,35 @@ class GradeResult:
         return f"{self.n_passed}/{self.n_tests} tests passed. {self.feedback}"
 
 
+_TOP_ASSERT: Final = re.compile(r"^assert\b", re.MULTILINE)
+_CHECK_DEF: Final = re.compile(r"^def\s+check\s*\(", re.MULTILINE)
+_CALL_CHECK: Final = (
+    "\n\ndef _rlbus_run_check(check, candidate):\n    check(candidate)\n    return True\n\n\n"
+    "assert _rlbus_run_check(check, {entry}), 'check({entry}) failed'\n"
+)
+
+
+def source_tests(entry_point: str, source: str) -> str:
+    """The tests program of a test source, every test a top-level assert (what the sandbox counts).
+
+    A source with top-level asserts (MBPP's `test_list`) runs as is, each assert one test. A source with
+    none that defines `check(candidate)` at top level (HumanEval's `test`) gets one assert calling it with
+    the entry point: one test, failed when `check` raises. Found by line patterns, not `ast`, so any thread
+    may call it.
+    :raises ValueError: the source has neither.
+    """
+    if _TOP_ASSERT.search(source):
+        return source
+    if _CHECK_DEF.search(source):
+        return source.rstrip("\n") + "\n" + _CALL_CHECK.format(entry=entry_point)
+    raise ValueError("a test source needs top-level assert statements or a top-level `def check(candidate):`")
+
+
+def count_asserts(tests_program: str) -> int:
+    """Top-level `assert` lines of a tests program (the executor counts the same statements)."""
+    return len(_TOP_ASSERT.findall(tests_program))
+
+
 Runner = Callable[[Sequence[GradeCase]], list[GradeResult]]
 """Runs a batch of cases, returning one result per case in order. Must never raise for bad code."""
 
@@ -87,7 +125,7 @@ def _run_child(cases: Sequence[GradeCase], workdir: str, memory_mb: int) -> list
     """Answer a prefix of `cases` (at least one) with one child process."""
     payload = "".join(
         json.dumps({"code": c.code, "entry_point": c.entry_point, "tests": [list(t) for t in c.tests],
-                    "timeout_s": c.timeout_s}) + "\n"
+                    "test_source": c.test_source, "timeout_s": c.timeout_s}) + "\n"
         for c in cases
     )
     env = {"PATH": os.environ.get("PATH", ""), "RLBUS_HARNESS_MEMORY_MB": str(memory_mb)}
@@ -136,7 +174,7 @@ def _run_child(cases: Sequence[GradeCase], workdir: str, memory_mb: int) -> list
 
 
 def _stuck(case: GradeCase, status: Status, feedback: str) -> GradeResult:
-    return GradeResult(status, 0, len(case.tests), feedback)
+    return GradeResult(status, 0, case.n_tests, feedback)
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:
@@ -159,8 +197,14 @@ def extract_code(completion: str) -> str:
 
 
 def case_for(task: Task, code: str, *, timeout_s: float = 1.0) -> GradeCase:
-    """The runner case grading a completion (`task.program(code)`) on all of `task`'s hidden tests."""
-    return GradeCase(task.program(code), task.entry_point, tuple((t.args, t.expected) for t in task.tests), timeout_s)
+    """The runner case grading a completion (`task.program(code)`) on all of `task`'s hidden tests (its pairs,
+    then its test source as `source_tests` makes it).
+
+    :raises ValueError: the task's test source has no test (`source_tests`).
+    """
+    source = source_tests(task.entry_point, task.test_source) if task.test_source else ""
+    return GradeCase(task.program(code), task.entry_point, tuple((t.args, t.expected) for t in task.tests), timeout_s,
+                     source)
 
 
 def grade_many(pairs: Sequence[tuple[Task, str]], *, runner: Runner = subprocess_runner,

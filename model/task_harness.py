@@ -3,7 +3,8 @@
 Owns: executing untrusted candidate code against its tests, with a per-case time limit.
 Does not own: isolation (the sandbox actor runs this same file inside its jail) or scheduling.
 Stdlib only and self-contained, so a sandbox can copy and run it as a plain script:
-stdin: JSON lines {"code", "entry_point", "tests": [[args_repr, expected_repr], ...], "timeout_s"};
+stdin: JSON lines {"code", "entry_point", "tests": [[args_repr, expected_repr], ...], "test_source", "timeout_s"}
+(`test_source`: optional Python run statement by statement after the pairs, each top-level assert a test);
 stdout: JSON lines {"n_passed", "n_tests", "status", "feedback"} in input order.
 """
 
@@ -54,7 +55,8 @@ def run_case(case: dict[str, object]) -> dict[str, object]:
     """Exec the code in a fresh namespace and run its tests; the first failure becomes the feedback."""
     code, entry = str(case["code"]), str(case["entry_point"])
     tests = [(ast.literal_eval(a), ast.literal_eval(e)) for a, e in case["tests"]]  # type: ignore[union-attr]
-    n_tests, n_passed = len(tests), 0
+    source = list(ast.parse(str(case.get("test_source", "")), "<tests>").body)
+    n_tests, n_passed = len(tests) + sum(isinstance(node, ast.Assert) for node in source), 0
     timeout_s = float(case.get("timeout_s", 1.0))  # type: ignore[arg-type]
     status, feedback = "passed", ""
     saved_stdout = sys.stdout
@@ -87,12 +89,30 @@ def run_case(case: dict[str, object]) -> dict[str, object]:
                 status = "failed"
                 feedback = f"{_call_text(entry, args)} returned {got!r}, expected {expected!r}"
                 break
+            if status == "passed":
+                status, feedback, passed = _run_source(source, namespace)
+                n_passed += passed
     except CaseTimeout:
         status, feedback = "timeout", f"timed out after {timeout_s:g}s"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0.0, 0.0)
         sys.stdout = saved_stdout
     return {"n_passed": n_passed, "n_tests": n_tests, "status": status, "feedback": _short(feedback)}
+
+
+def _run_source(source: list[ast.stmt], namespace: dict[str, object]) -> tuple[str, str, int]:
+    """(status, feedback, asserts passed) of running a test source's statements in the candidate's namespace;
+    the first failing statement ends it."""
+    passed = 0
+    for node in source:
+        try:
+            exec(compile(ast.Module(body=[node], type_ignores=[]), "<tests>", "exec"), namespace)
+        except CaseTimeout:
+            raise
+        except BaseException as err:
+            return "failed", f"line {node.lineno} of the tests: {type(err).__name__}: {err}", passed
+        passed += isinstance(node, ast.Assert)
+    return "passed", "", passed
 
 
 def main() -> None:

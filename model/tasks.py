@@ -50,20 +50,30 @@ class Task:
     entry_point: str
     solution: str
     tests: tuple[HiddenTest, ...]
+    test_source: str = ""
+    """Hidden tests as Python source, run after `tests` (either may be empty, not both): top-level asserts
+    (each one a test), or a `check(candidate)` function, called with the entry point as one test
+    (`model/grading.py` `source_tests`)."""
 
     def program(self, completion: str) -> str:
         """The code to run for a completion: the prompt (header + docstring) followed by the body.
 
-        A completion that starts with its own `def`, `import` or `from` line is run as is.
+        A completion whose first non-blank line is its own unindented `def`, `import` or `from` line is run as
+        is (an indented `import` is the first line of a body).
         """
-        if completion.lstrip().startswith(("def ", "import ", "from ")):
+        first = completion.lstrip("\r\n")
+        if first.startswith(("def ", "import ", "from ")):
             return completion
         return self.prompt + completion
 
     def verifier_spec(self) -> dict[str, str]:
-        """The tests as a flat str -> str map (the `Task` message's `verifier` field); no solution inside."""
-        return {"kind": "python_tests", "entry": self.entry_point, "family": self.family, "level": str(self.level),
+        """The tests as a flat str -> str map (the `Task` message's `verifier` field); no solution inside.
+        A test source goes under "test" (absent when empty, so older readers see the same map)."""
+        spec = {"kind": "python_tests", "entry": self.entry_point, "family": self.family, "level": str(self.level),
                 "tests": json.dumps([[t.args, t.expected] for t in self.tests])}
+        if self.test_source:
+            spec["test"] = self.test_source
+        return spec
 
     @classmethod
     def from_spec(cls, task_id: str, prompt: str, spec: dict[str, str]) -> Task:
@@ -71,7 +81,8 @@ class Task:
         if spec.get("kind") != "python_tests":
             raise ValueError(f"task {task_id}: verifier kind {spec.get('kind')!r} is not 'python_tests'")
         tests = tuple(HiddenTest(str(a), str(e)) for a, e in json.loads(spec["tests"]))
-        return cls(task_id, spec.get("family", ""), int(spec.get("level", "0")), prompt, spec["entry"], "", tests)
+        return cls(task_id, spec.get("family", ""), int(spec.get("level", "0")), prompt, spec["entry"], "", tests,
+                   spec.get("test", ""))
 
     @property
     def prompt_hash(self) -> str:

@@ -23,6 +23,7 @@ SUBCOMMANDS: Final = {
     "clean": "rlbus.ops.clean",
     "pretrain": "rlbus.ops.pretrain",
     "eval": "rlbus.ops.eval",
+    "tasks": "rlbus.ops.tasks",
     "bench": "rlbus.ops.bench.cli",
     "health": "rlbus.ops.health.cli",
     "events": "rlbus.ops.events",
@@ -52,7 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(json=True if args.log_json else None,
                       level=logging.DEBUG if args.verbose else logging.WARNING if args.command in
-                      ("validate", "health", "events", "replay", "bench", "record", "plot", "eval") else logging.INFO)
+                      ("validate", "health", "events", "replay", "bench", "record", "plot", "eval",
+                                            "tasks") else logging.INFO)
     try:
         return int(args.handler(args) or 0)
     except RlbusError as err:

@@ -3,7 +3,7 @@
 The evaluator scores every `every_versions`-th version while the run goes on, so its last report can be
 up to `every_versions - 1` versions older than the weights the run ends with. Once the actors have
 drained, `rlbus up` scores the newest durable checkpoint (the one the ledger walks back from) the way the
-evaluator would have: the same tasks (`eval_tasks(seed, n_tasks)`), the policy in bfloat16 as the
+evaluator would have: the same tasks (`held_out_tasks(tasks, seed, n_tasks)`), the policy in bfloat16 as the
 generators and the evaluator hold it, greedy decoding with the evaluator's token budget (the generators');
 graded in a `model.grading` subprocess like the pretrained base, since the sandbox actors have stopped.
 
@@ -23,13 +23,15 @@ import anyio
 import torch
 
 from rlbus.actors.common.config import EvaluatorLaunch
+from rlbus.actors.common.errors import TaskError
 from rlbus.actors.common.weight_sync import config_from_dict
 from rlbus.actors.trainer.resume import load_state
 from rlbus.messages.bus import Bus
 from rlbus.messages.history import last_message
 from rlbus.messages.schemas import CheckpointMark, EvalReport
 from rlbus.model.evaluate import EvalResult, evaluate_pass_at_1
-from rlbus.model.tasks import eval_tasks
+from rlbus.model.task_sources import BUILTIN, TaskSourceError, held_out_tasks
+from rlbus.model.tasks import Task
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import Transformer
 
@@ -47,17 +49,23 @@ class FinalEval:
 
 
 async def final_evaluation(bus: Bus, state_dir: Path, *, seed: int, n_tasks: int, max_tokens: int,
-                           threads: int = 1) -> FinalEval | None:
-    """Evaluate the newest CheckpointMark's weights; None when the run has no checkpoint yet.
+                           threads: int = 1, tasks: str = BUILTIN) -> FinalEval | None:
+    """Evaluate the newest CheckpointMark's weights on the evaluator's held-out set (`tasks`: its source);
+    None when the run has no checkpoint yet.
 
-    :raises RlbusError: the mark's state is neither in CKPT nor on disk with its digest.
+    :raises RlbusError: the mark's state is neither in CKPT nor on disk with its digest, or `tasks` is
+    unreadable.
     """
+    try:
+        held_out = held_out_tasks(tasks, seed, n_tasks)
+    except TaskSourceError as err:
+        raise TaskError(f"evaluator.tasks = {tasks!r}: {err}") from None
     s = bus.subjects
     mark = await last_message(bus.js, s.checkpoints_stream(), s.checkpoints(), CheckpointMark)
     if mark is None:
         return None
     blob, _ = await load_state(bus, mark, str(state_dir))
-    result = await anyio.to_thread.run_sync(_evaluate_state, blob, seed, n_tasks, max_tokens, threads)
+    result = await anyio.to_thread.run_sync(_evaluate_state, blob, held_out, max_tokens, threads)
     return FinalEval(mark.step, mark.policy_version, result)
 
 
@@ -70,12 +78,12 @@ def policy_from_state(blob: bytes) -> Transformer:
     return model
 
 
-def _evaluate_state(blob: bytes, seed: int, n_tasks: int, max_tokens: int, threads: int) -> EvalResult:
+def _evaluate_state(blob: bytes, tasks: list[Task], max_tokens: int, threads: int) -> EvalResult:
     model = policy_from_state(blob)
     previous = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        return evaluate_pass_at_1(model, ByteTokenizer(), eval_tasks(seed, n_tasks), max_new_tokens=max_tokens,
+        return evaluate_pass_at_1(model, ByteTokenizer(), tasks, max_new_tokens=max_tokens,
                                   batch_size=EvaluatorLaunch().batch_size)
     finally:
         torch.set_num_threads(previous)

@@ -333,7 +333,7 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
         try:
             view.final = await final_evaluation(bus, launch.state_dir, seed=ev.seed, n_tasks=ev.n_tasks,
                                                 max_tokens=topology.generator.max_tokens,
-                                                threads=topology.pretrain.threads)
+                                                threads=topology.pretrain.threads, tasks=ev.tasks)
         except RlbusError as err:
             print(f"rlbus up: final evaluation skipped: {err}", flush=True)
         if view.final is not None:

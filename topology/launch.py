@@ -118,12 +118,13 @@ def kind_launch(topology: Topology, kind: str, state_dir: Path | None = None,
 
 def feeder_launch(topology: Topology) -> FeederLaunch:
     """What the feeder cannot see itself: every region, the generator group size, the evaluator's held-out
-    seed (skipped by the task sequence), and shares proportional to each region's generator instances (used
+    seed and source (skipped by the task sequence), and shares proportional to each region's generator instances (used
     while `region_weights` is empty)."""
     counts = {r.name: float(sum(1 for i in topology.instances(r.name) if i.kind == "generator"))
               for r in topology.regions}
     return FeederLaunch(regions=[r.name for r in topology.regions], group_size=topology.generator.group_size,
                         eval_seed=topology.evaluator.seed,    # training never draws the evaluator's held-out prompts
+                        eval_tasks=topology.evaluator.tasks,
                         default_weights=counts if any(counts.values()) else {})
 
 

@@ -18,6 +18,7 @@ import msgspec
 import msgspec.inspect as mi
 import structlog
 
+from rlbus.actors.common.config import task_source_problem
 from rlbus.messages.errors import TopologyError
 from rlbus.topology._walk import Walker, key_path
 from rlbus.topology.problem import Problem
@@ -35,7 +36,8 @@ def validate(path: str | os.PathLike[str], *, local_cores: int | None = None) ->
     """(topology, problems) for the file at `path`; the topology is None when any problem is an error.
 
     Every problem carries `file=str(path)`. Also warns when a region's credentials file is missing, its
-    credentials environment variable is unset, or a TLS file is missing (they may exist where the actors run).
+    credentials environment variable is unset, or a TLS file is missing (they may exist where the actors run),
+    and reports an `[evaluator] tasks` that is neither a source name nor a file here as an error.
     """
     file = str(path)
     try:
@@ -56,6 +58,8 @@ def validate(path: str | os.PathLike[str], *, local_cores: int | None = None) ->
     topology, problems = validate_text(text, local_cores=local_cores)
     if topology is not None:
         problems += _environment(topology)
+        if any(p.severity == "error" for p in problems):
+            topology = None
     return topology, [msgspec.structs.replace(p, file=file) for p in problems]
 
 
@@ -119,6 +123,8 @@ def _environment(topology: Topology) -> list[Problem]:
                 out.append(Problem(key=f"tls.{name}", severity="warning",
                                    message=f"no file {value!r} here (relative paths are from the working "
                                            "directory); servers and actors need it where they run"))
+    if (problem := task_source_problem(topology.evaluator.tasks)) is not None:
+        out.append(Problem(key="evaluator.tasks", message=f"{problem}; the evaluator and the feeder read it"))
     return out
 
 

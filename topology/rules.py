@@ -230,6 +230,10 @@ def _settings(topology: Topology) -> Iterator[Found]:
     if feeder.levels and feeder.tasks_file is not None:
         yield _p("feeder.levels", f"levels {feeder.levels} select among the built-in tasks only, but feeder.tasks_file "
                  f"= {feeder.tasks_file!r} is set; remove one of them", also=("feeder.tasks_file",))
+    if feeder.tasks_file is not None and feeder.tasks_file == topology.evaluator.tasks:
+        yield _p("evaluator.tasks", f"the held-out set is feeder.tasks_file {feeder.tasks_file!r} itself: training "
+                 f"skips every held-out prompt, so it would draw nothing; give the evaluator another source",
+                 also=("feeder.tasks_file",))
     launch = topology.launch
     if launch.backend == "local" and launch.ray_address is not None:
         yield _p("launch.ray_address", 'ignored: launch.backend is "local"', "warning")

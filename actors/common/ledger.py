@@ -189,7 +189,7 @@ async def read_task_ledger(bus: Bus, config: FeederConfig, launch: FeederLaunch,
             raise TopologyError(
                 f"feeder position in region {feeder_region!r} (seed {position.seed}, source {position.source!r}, "
                 f"weights {position.weights}) was not saved under this feeder config (seed {config.seed}, source "
-                f"{task_source(config)!r}, weights {dict(feed_weights(config, launch, feeder_region))}); pass the config the "
+                f"{task_source(config, launch)!r}, weights {dict(feed_weights(config, launch, feeder_region))}); pass the config the "
                 f"feeder ran with")
         cursors = position.cursors
     fed = fed_task_ids(config, launch, cursors, feeder_region)

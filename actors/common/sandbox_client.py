@@ -1,7 +1,7 @@
 """How generators and evaluators use the sandbox service: tests as asserts, one request, retries.
 
 Owns: `asserts_for` (a task's (args, expected) pairs as one top-level `assert` each, checked like
-model/task_harness.py: equal and of the same type), `request_for` (a `SandboxRequest` grading a
+model/task_harness.py: equal and of the same type; a test source follows them as it is), `request_for` (a `SandboxRequest` grading a
 completion on a `model.tasks.Task`), `run_in_sandbox` (request/reply on `subjects.sandbox(region)`
 with a timeout and a retry of retryable verdicts) and `grade_result` (a `SandboxResult` as the
 `model.grading.GradeResult` the RL code uses); `grade_cases` grades a batch concurrently. Does not: run anything itself (actors/sandbox/supervisor.py).
@@ -47,9 +47,12 @@ def request_for(task: Task, completion: str, *, request_id: str, limits: Sandbox
 
 
 def request_for_case(case: GradeCase, *, request_id: str, limits: SandboxLimits | None = None) -> SandboxRequest:
-    """The request running a model.grading `GradeCase` (code, entry point, (args, expected) pairs)."""
-    return SandboxRequest(request_id=request_id, code=case.code, tests=asserts_for(case.entry_point, case.tests),
-                          limits=limits or SandboxLimits())
+    """The request running a model.grading `GradeCase`: one assert per (args, expected) pair, then the case's
+    test source (top-level asserts the executor counts, `model.grading.source_tests`)."""
+    tests = asserts_for(case.entry_point, case.tests) if case.tests or not case.test_source else ""
+    if case.test_source:
+        tests = f"{tests}\n{case.test_source}" if tests else case.test_source
+    return SandboxRequest(request_id=request_id, code=case.code, tests=tests, limits=limits or SandboxLimits())
 
 
 async def run_in_sandbox(bus: Bus, region: str, request: SandboxRequest, *, timeout_s: float | None = None,

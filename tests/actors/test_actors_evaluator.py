@@ -118,7 +118,7 @@ async def _upload(trainer: Bus, model: Transformer, version: int) -> None:
 
 
 @asynccontextmanager
-async def _actors(hub: _Hub, *, evaluator: bool = True
+async def _actors(hub: _Hub, *, evaluator: bool = True, settings: EvaluatorConfig = SETTINGS
                   ) -> AsyncIterator[tuple[anyio.abc.TaskGroup, Evaluator, SandboxSupervisor]]:
     """The publisher and a sandbox supervisor (and, unless told otherwise, the evaluator) served in this
     process until the block ends."""
@@ -129,7 +129,7 @@ async def _actors(hub: _Hub, *, evaluator: bool = True
                                     SANDBOX, FAST)
         await tg.start(sandbox.serve)
         actor = Evaluator(ActorId(hub.run, "hub", "evaluator", "hub-evaluator-0"), await hub.bus("evaluator"),
-                          SETTINGS, FAST, EVAL_LAUNCH)
+                          settings, FAST, EVAL_LAUNCH)
         if evaluator:
             await tg.start(actor.serve)
         yield tg, actor, sandbox
@@ -201,6 +201,42 @@ async def test_an_evaluator_joining_late_evaluates_the_version_it_finds_then_eac
     assert sandbox.counters.get("executions") == 3 * SETTINGS.n_tasks    # every held-out task graded there, once
     for report in reports:
         _check_report(report)
+
+
+MBPP_HELD_OUT = [
+    {"task_id": 1, "text": "Add one.", "code": "def inc(x):\r\n  return x + 1", "test_list": ["assert inc(1) == 2"],
+     "test_setup_code": ""},
+    {"task_id": 2, "text": "Halve.", "code": "def half(x):\r\n  return x // 2", "test_list": ["assert half(4) == 2"],
+     "test_setup_code": ""},
+    {"task_id": 3, "text": "Negate.", "code": "def neg(x):\r\n  return -x", "test_list": ["assert neg(1) == -1"],
+     "test_setup_code": ""},
+]
+
+
+@pytest.mark.parametrize("source", ["mbpp-file", "humaneval"])
+async def test_the_held_out_set_comes_from_the_configured_task_source(tmp_path: Path, source: str) -> None:
+    """With `tasks` set to a JSONL file (MBPP layout) or "humaneval", version 0 is evaluated on the first n_tasks
+    of that source, each graded in the sandbox; prompts longer than the tiny model's context get an empty
+    completion, fail, and stay in n."""
+    path = tmp_path / "held_out.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in MBPP_HELD_OUT))
+    settings = EvaluatorConfig(every_versions=2, n_tasks=3, seed=1,
+                               tasks=str(path) if source == "mbpp-file" else "humaneval")
+    async with _hub(tmp_path) as hub, _actors(hub, settings=settings) as (_, evaluator, sandbox):
+        trainer, admin = await hub.bus("trainer"), hub.buses[0]
+        torch.manual_seed(0)
+        await _upload(trainer, Transformer(ModelConfig.tiny()).eval(), 0)
+        await _wait_reported(admin, 0)
+        (report,) = await _reports(admin)
+    expected = ["mbpp-1", "mbpp-2", "mbpp-3"] if source == "mbpp-file" else ["HumanEval/0", "HumanEval/1",
+                                                                             "HumanEval/2"]
+    assert [t.task_id for t in evaluator.tasks] == expected
+    assert report.n == 3 and sandbox.counters.get("executions") == 3
+    _check_report(report)
+    if source == "humaneval":       # 331+ bytes of prompt and 16 new tokens do not fit 256
+        assert evaluator.gauges["prompts_too_long"] == 3.0 and report.pass_at_1 == 0.0
+    else:
+        assert "prompts_too_long" not in evaluator.gauges
 
 
 async def _collect(bus: Bus, subject: str, into: list[Heartbeat], busy: anyio.Event, last: anyio.Event) -> None:

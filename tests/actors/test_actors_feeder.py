@@ -33,6 +33,7 @@ from rlbus.actors.common.feed import (
     read_position,
     read_tasks_file,
     task_from_verifier,
+    task_sequence,
     task_source,
     verifier_for,
 )
@@ -86,6 +87,23 @@ def test_verifier_and_task_file_rebuild_the_same_task(tmp_path: Path) -> None:
     assert read_tasks_file(path) == [task]
     with pytest.raises(ValueError, match="verifier kind"):
         task_from_verifier(TaskMessage(task_id="t", prompt="p", verifier={"kind": "python_tests"}))
+
+
+def test_a_task_with_a_test_source_travels_in_the_verifier_and_reads_from_a_file(tmp_path: Path) -> None:
+    """A JSONL line with `test` (a check function) instead of `tests` is a task with that test source; it
+    rebuilds the same from its verifier, and a pair-only task's verifier JSON has no `test` key."""
+    path = tmp_path / "source.jsonl"
+    line = {"task_id": "s1", "prompt": "def inc(x):\n", "entry_point": "inc",
+            "test": "def check(candidate):\n    assert candidate(1) == 2\n", "solution": "    return x + 1\n"}
+    path.write_text(json.dumps(line) + "\n")
+    (task,) = read_tasks_file(path)
+    assert (task.tests, task.test_source, task.solution) == ((), line["test"], line["solution"])
+    message = TaskMessage(task_id=task.task_id, prompt=task.prompt, verifier=verifier_for(task))
+    assert task_from_verifier(message) == task
+    assert "test" not in json.loads(verifier_for(eval_tasks(3, n=1)[0])["task"])
+    path.write_text(json.dumps({**line, "test": "print(1)\n"}) + "\n")
+    with pytest.raises(ValueError, match=r"source.jsonl:1: task 's1': a test source needs top-level assert"):
+        read_tasks_file(path)
 
 
 # ---- on real regions ----------------------------------------------------------------------------------
@@ -330,6 +348,32 @@ def test_sequence_skips_the_evaluators_held_out_prompts_and_the_launcher_names_t
     topology = tmp_path / "t.toml"
     topology.write_text(example_path("single").read_text().replace("[evaluator]", "[evaluator]\nseed = 7"))
     assert feeder_launch(load(topology)).eval_seed == 7
+
+
+def test_a_listed_held_out_source_is_skipped_by_prompt_hash_and_named_in_the_saved_source(tmp_path: Path) -> None:
+    """With the evaluator's tasks a file, a tasks file sharing two of its prompts feeds only the third task, and
+    the ids the cursors account for agree; the saved source names the exclusion; the launcher passes it."""
+    from rlbus.model.task_sources import HUMANEVAL
+    from rlbus.topology.examples import example_path
+    from rlbus.topology.launch import feeder_launch
+    from rlbus.topology.load import load
+
+    train = eval_tasks(5, n=3)
+    feed_file, held_out_file = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
+    feed_file.write_text("".join(verifier_for(t)["task"] + "\n" for t in train))
+    held_out_file.write_text("".join(verifier_for(t)["task"] + "\n" for t in (train[0], train[2])))
+    config = FeederConfig(tasks_file=str(feed_file))
+    launch = FeederLaunch(eval_tasks=str(held_out_file))
+    sequence = task_sequence(config, launch, read_tasks_file(feed_file))
+    assert sequence.end == 1 and sequence.get(0) == train[1]
+    assert fed_task_ids(config, launch, {"hub": 5}, "hub") == {"hub": [train[1].task_id]}
+    assert task_source(config, launch) == f"{feed_file}:excluding={held_out_file}"
+    assert task_source(config, FeederLaunch()) == str(feed_file)
+    built_in = task_sequence(FeederConfig(seed=0), FeederLaunch(eval_seed=1, eval_tasks=HUMANEVAL))
+    assert [built_in.get(i) for i in range(20)] == [TaskSequence(0, eval_seed=1).get(i) for i in range(20)]
+    topology = tmp_path / "t.toml"
+    topology.write_text(example_path("single").read_text().replace("[evaluator]", '[evaluator]\ntasks = "humaneval"'))
+    assert feeder_launch(load(topology)).eval_tasks == HUMANEVAL
 
 
 def test_levels_keep_only_those_built_in_tasks_in_sequence_order() -> None:

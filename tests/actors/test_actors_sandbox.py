@@ -31,7 +31,7 @@ from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.messages import codec
 from rlbus.messages.bus import REASON_HEADER, Bus, ConnectOptions
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxRequest, SandboxResult
-from rlbus.model.tasks import eval_tasks
+from rlbus.model.tasks import Task, eval_tasks
 from rlbus.topology.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
@@ -133,6 +133,28 @@ async def test_task_solutions_graded_with_passed_and_total(nats_server: Embedded
     assert heartbeat["gauges"]["isolation_level"] == {"bwrap": 3, "unshare": 2, "rlimits-only": 1}[BEST]
     started = [e for e in await _events(admin_bus) if e.actor_kind == "sandbox" and e.data.get("isolation")]
     assert started and started[0].data["isolation"] == BEST
+
+
+async def test_source_tests_graded_in_the_sandbox_with_passed_and_total(admin_bus: Bus) -> None:
+    """A `check(candidate)` test source is one test (ok 1/1, or failed 0/1 when check raises); a source of
+    top-level asserts counts each, setup statements before them counting none."""
+    await _streams(admin_bus)
+    check = Task("c1", "file", 0, "def double(x):\n", "double", "    return 2 * x\n", (),
+                 "METADATA = {}\n\ndef check(candidate):\n    assert candidate(2) == 4\n    assert candidate(0) == 0\n")
+    asserts = Task("a1", "file", 0, "def double(x):\n", "double", "    return 2 * x\n", (),
+                   "K = 3\nassert double(K) == 6\nassert double(1) == 2\nassert double(-1) == -2\n")
+    async with serving(admin_bus):
+        async def grade(task: Task, body: str) -> SandboxResult:
+            return await run_in_sandbox(admin_bus, "hub", request_for(task, body, request_id=uuid.uuid4().hex,
+                                                                      limits=LIMITS), attempts=1)
+        good, bad = await grade(check, check.solution), await grade(check, "    return None\n")
+        counted = await grade(asserts, "    return 2 * x if x > 0 else 0\n")
+    assert (good.verdict.status, good.verdict.passed, good.verdict.total) == ("ok", 1, 1)
+    assert grade_result(good).passed
+    assert (bad.verdict.status, bad.verdict.passed, bad.verdict.total) == ("failed", 0, 1)
+    assert grade_result(bad).status == "failed" and "of the tests: AssertionError" in grade_result(bad).feedback
+    assert (counted.verdict.status, counted.verdict.passed, counted.verdict.total) == ("failed", 2, 3)
+    assert grade_result(counted).n_tests == 3 and not grade_result(counted).passed
 
 
 def test_asserts_for_one_assert_per_case() -> None:

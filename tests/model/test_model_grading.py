@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rlbus.model.grading import GradeCase, GradeResult, extract_code, grade, grade_many, subprocess_runner
+import pytest
+
+from rlbus.model.grading import (
+    GradeCase,
+    GradeResult,
+    extract_code,
+    grade,
+    grade_many,
+    source_tests,
+    subprocess_runner,
+)
 from rlbus.model.tasks import HiddenTest, Task
 
 ADD2 = Task("t-add2", "int", 1, 'def f(x):\n    """Add 2."""\n', "f", "    x = x + 2\n    return x\n",
@@ -80,3 +90,24 @@ def test_runner_is_pluggable_and_batched() -> None:
     assert calls[0][0].code == ADD2.prompt + ADD2.solution
     assert calls[0][0].tests == (("(1,)", "3"), ("(5,)", "7"), ("(-2,)", "0"))
     assert [r.passed for r in results] == [True] * 5 + [False]
+
+
+CHECKED = Task("t-check", "file", 0, "def double(x):\n", "double", "    return 2 * x\n", (),
+               "def check(candidate):\n    assert candidate(2) == 4\n    assert candidate(-1) == -2\n")
+
+
+def test_source_tests_run_after_the_pairs_with_a_check_call_as_one_test() -> None:
+    """A `check(candidate)` source is one test called with the entry point; top-level asserts count one each;
+    a source with neither is refused."""
+    ok, bad = grade(CHECKED, CHECKED.solution), grade(CHECKED, "    return x\n")
+    assert (ok.status, ok.n_passed, ok.n_tests) == ("passed", 1, 1)
+    assert (bad.status, bad.n_passed, bad.n_tests) == ("failed", 0, 1)
+    assert "of the tests: AssertionError" in bad.feedback
+    both = Task("t-both", "int", 1, ADD2.prompt, "f", ADD2.solution, ADD2.tests,
+                "assert f(10) == 12\nassert f(0) == 2\n")
+    result = grade(both, "    return x + 2 if x < 10 else 0\n")
+    assert (result.status, result.n_passed, result.n_tests) == ("failed", 3, 5)
+    assert source_tests("f", "assert f(1) == 2\n") == "assert f(1) == 2\n"
+    assert source_tests("f", CHECKED.test_source).endswith("assert _rlbus_run_check(check, f), 'check(f) failed'\n")
+    with pytest.raises(ValueError, match="top-level assert"):
+        source_tests("f", "x = 1\n")

@@ -55,6 +55,17 @@ def test_greedy_with_cache_matches_full_recompute() -> None:
         assert completion == seq[len(prompt):]
 
 
+def test_a_prompt_past_the_context_gets_an_empty_completion_and_the_others_decode_as_alone() -> None:
+    """A prompt whose length plus max_new_tokens exceeds max_seq_len is not decoded (an empty completion);
+    the other prompts get what they get without it."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=TOK.vocab_size))
+    short, long = [256, 5, 9, 13], [256] + [7] * 251            # 252 + 6 > 256
+    out = greedy_complete(model, [long, short], max_new_tokens=6, stop_id=TOK.stop_id, pad_id=TOK.pad_id)
+    alone = greedy_complete(model, [short], max_new_tokens=6, stop_id=TOK.stop_id, pad_id=TOK.pad_id)
+    assert out == [[], alone[0]] and alone[0]
+
+
 def test_corrupted_attempts_fail_and_documents_mask_them() -> None:
     """Most corrupted solutions fail; a retry document trains only on the final, correct attempt."""
     rng = random.Random(1)

