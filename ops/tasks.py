@@ -2,7 +2,7 @@
 
 Owns: the command. For every task of the source (`builtin`, `humaneval` or a JSONL file:
 model/task_sources.py) it grades, through a real sandbox supervisor on an embedded nats-server (both
-started here and stopped at the end, as `rlbus bench sandbox` does), the reference solution and a broken
+started here and stopped at the end: ops/local_sandbox.py), the reference solution and a broken
 copy of it (`model.task_sources.broken_program`: the entry point's body replaced by `return None`, its
 signature kept; built with `ast` on the main thread before any request goes out). A sound source has every
 reference passing and every broken copy failing its tests; each task that is not so is listed with its
@@ -75,22 +75,15 @@ def _check(args: argparse.Namespace) -> int:
 async def check_tasks(tasks: list[Task], pool: int = DEFAULT_POOL) -> dict[str, Any]:
     """Grade each task's reference and broken copy in a sandbox supervisor served here, on an embedded
     nats-server in a temporary directory; the report of `rlbus tasks check --json`."""
-    import tempfile
-    import uuid
-
     import anyio
-    from nats.js.api import StreamConfig
 
-    from rlbus.actors.base import ActorId
     from rlbus.actors.common.sandbox_client import grade_result, request_for_case, run_in_sandbox
     from rlbus.actors.sandbox.config import SandboxConfig
-    from rlbus.actors.sandbox.supervisor import SandboxSupervisor
-    from rlbus.messages.bus import Bus, ConnectOptions
     from rlbus.messages.errors import SandboxCrashed
     from rlbus.messages.schemas import SandboxLimits
     from rlbus.model.grading import GradeCase, case_for
     from rlbus.model.task_sources import TaskSourceError, broken_program
-    from rlbus.topology.servers import EmbeddedServer
+    from rlbus.ops.local_sandbox import local_sandbox
 
     exceptions: list[dict[str, str]] = []
     jobs: list[tuple[str, str, GradeCase]] = []          # (task id, "reference" | "broken", case)
@@ -108,50 +101,34 @@ async def check_tasks(tasks: list[Task], pool: int = DEFAULT_POOL) -> dict[str, 
     counts = {"reference": 0, "broken": 0}
     isolation: set[str] = set()
     done = 0
-    with tempfile.TemporaryDirectory(prefix="rlbus-tasks-check-") as tmp:
-        server = EmbeddedServer.start(tmp, name="tasks-check")
-        try:
-            cred = server.credential("admin")
-            bus = await Bus.connect(server.url, run=f"c{uuid.uuid4().hex[:8]}",
-                                    options=ConnectOptions(user=cred.user, password=cred.password))
-            s = bus.subjects
-            await bus.js.add_stream(StreamConfig(name=s.events_stream(), subjects=[s.all_events()]))
-            await bus.js.add_stream(StreamConfig(name=s.dead_letter_stream(), subjects=[s.all_dead_letters()]))
-            actor = SandboxSupervisor(ActorId(s.run, "hub", "sandbox", "check"), bus,
-                                      SandboxConfig(pool_size=pool, concurrency=pool, cpu_seconds=5.0))
-            limiter = anyio.CapacityLimiter(pool)
+    async with local_sandbox("tasks-check", SandboxConfig(pool_size=pool, concurrency=pool, cpu_seconds=5.0)) as bus:
+        limiter = anyio.CapacityLimiter(pool)
 
-            async def one(index: int, task_id: str, copy: str, case: GradeCase) -> None:
-                nonlocal done
-                async with limiter:
-                    request = request_for_case(case, request_id=f"check-{index}", limits=limits)
-                    try:
-                        result = await run_in_sandbox(bus, "hub", request)
-                    except SandboxCrashed as err:
-                        exceptions.append({"task_id": task_id, "copy": copy, "status": "no verdict",
-                                           "detail": str(err)[:300]})
-                        return
-                    finally:
-                        done += 1
-                        if done % 25 == 0 or done == len(jobs):
-                            print(f"rlbus tasks check: {done}/{len(jobs)} graded", file=sys.stderr, flush=True)
-                isolation.add(result.isolation)
-                grade = grade_result(result)
-                if (copy == "reference" and grade.passed) or (copy == "broken" and grade.status == "failed"):
-                    counts[copy] += 1
-                else:
-                    exceptions.append({"task_id": task_id, "copy": copy, "status": grade.status,
-                                       "detail": f"{grade.n_passed}/{grade.n_tests} tests passed; {grade.feedback}"})
+        async def one(index: int, task_id: str, copy: str, case: GradeCase) -> None:
+            nonlocal done
+            async with limiter:
+                request = request_for_case(case, request_id=f"check-{index}", limits=limits)
+                try:
+                    result = await run_in_sandbox(bus, "hub", request)
+                except SandboxCrashed as err:
+                    exceptions.append({"task_id": task_id, "copy": copy, "status": "no verdict",
+                                       "detail": str(err)[:300]})
+                    return
+                finally:
+                    done += 1
+                    if done % 25 == 0 or done == len(jobs):
+                        print(f"rlbus tasks check: {done}/{len(jobs)} graded", file=sys.stderr, flush=True)
+            isolation.add(result.isolation)
+            grade = grade_result(result)
+            if (copy == "reference" and grade.passed) or (copy == "broken" and grade.status == "failed"):
+                counts[copy] += 1
+            else:
+                exceptions.append({"task_id": task_id, "copy": copy, "status": grade.status,
+                                   "detail": f"{grade.n_passed}/{grade.n_tests} tests passed; {grade.feedback}"})
 
-            async with anyio.create_task_group() as tg:
-                await tg.start(actor.serve)
-                async with anyio.create_task_group() as work:
-                    for index, (task_id, copy, case) in enumerate(jobs):
-                        work.start_soon(one, index, task_id, copy, case)
-                tg.cancel_scope.cancel()
-            await bus.close()
-        finally:
-            server.stop()
+        async with anyio.create_task_group() as work:
+            for index, (task_id, copy, case) in enumerate(jobs):
+                work.start_soon(one, index, task_id, copy, case)
     order = {task.task_id: i for i, task in enumerate(tasks)}
     exceptions.sort(key=lambda e: (order.get(e["task_id"], len(order)), e["copy"] != "reference"))
     return {"tasks": len(tasks), "reference_passed": counts["reference"], "broken_rejected": counts["broken"],

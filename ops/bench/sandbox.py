@@ -115,45 +115,23 @@ async def _run(runs: int) -> dict[str, Any]:
 
 async def _service(runs: int, level: str) -> dict[str, float]:
     """Request/reply through a SandboxSupervisor on an embedded nats-server (what a generator waits)."""
-    import tempfile
     import time
-    import uuid
 
-    import anyio
-    from nats.js.api import StreamConfig
-
-    from rlbus.actors.base import ActorId
     from rlbus.actors.common.sandbox_client import run_in_sandbox
     from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
-    from rlbus.actors.sandbox.supervisor import SandboxSupervisor
-    from rlbus.messages.bus import Bus, ConnectOptions
     from rlbus.messages.schemas import SandboxRequest
-    from rlbus.topology.servers import EmbeddedServer
+    from rlbus.ops.local_sandbox import local_sandbox
 
-    with tempfile.TemporaryDirectory(prefix="rlbus-bench-sandbox-") as tmp:
-        server = EmbeddedServer.start(tmp, name="bench")
-        try:
-            cred = server.credential("admin")
-            bus = await Bus.connect(server.url, run=f"b{uuid.uuid4().hex[:8]}",
-                                    options=ConnectOptions(user=cred.user, password=cred.password))
-            s = bus.subjects
-            await bus.js.add_stream(StreamConfig(name=s.events_stream(), subjects=[s.all_events()]))
-            actor = SandboxSupervisor(ActorId(bus.subjects.run, "hub", "sandbox", "bench"), bus,
-                                      SandboxConfig(pool_size=1, concurrency=1), launch=SandboxLaunch(isolation=level))
-            samples: list[float] = []
-            async with anyio.create_task_group() as tg:
-                await tg.start(actor.serve)
-                for i in range(20 + runs):
-                    req = SandboxRequest(request_id=f"bench-{i}", code="pass\n", tests="assert 1 + 1 == 2\n")
-                    t0 = time.perf_counter()
-                    result = await run_in_sandbox(bus, "hub", req, attempts=1)
-                    if i >= 20:
-                        samples.append((time.perf_counter() - t0) * 1000)
-                    assert result.verdict.status == "ok", result
-                tg.cancel_scope.cancel()
-            await bus.close()
-        finally:
-            server.stop()
+    samples: list[float] = []
+    async with local_sandbox("bench-sandbox", SandboxConfig(pool_size=1, concurrency=1),
+                             SandboxLaunch(isolation=level)) as bus:
+        for i in range(20 + runs):
+            req = SandboxRequest(request_id=f"bench-{i}", code="pass\n", tests="assert 1 + 1 == 2\n")
+            t0 = time.perf_counter()
+            result = await run_in_sandbox(bus, "hub", req, attempts=1)
+            if i >= 20:
+                samples.append((time.perf_counter() - t0) * 1000)
+            assert result.verdict.status == "ok", result
     return _stats(samples)
 
 

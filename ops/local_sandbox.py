@@ -1,0 +1,54 @@
+"""A sandbox supervisor on its own embedded nats-server, for commands that grade code outside any run.
+
+Owns: `local_sandbox(...)`, an async context manager that starts a JetStream server in a temporary
+directory, connects as admin on a fresh run id, provisions the streams a supervisor writes to (EVENTS,
+DLQ), serves one `SandboxSupervisor` in region `hub`, and yields the bus to send `SandboxRequest`s on;
+on exit it cancels the supervisor, closes the bus and stops the server. Used by `rlbus tasks check`
+(ops/tasks.py) and `rlbus bench sandbox` (ops/bench/sandbox.py).
+Does not: build requests or grade results (actors/common/sandbox_client.py).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
+    from rlbus.messages.bus import Bus
+
+
+@asynccontextmanager
+async def local_sandbox(name: str, config: SandboxConfig,
+                        launch: SandboxLaunch | None = None) -> AsyncIterator[Bus]:
+    """Serve a supervisor with `config` (and `launch`) on a server of its own; yield the admin bus."""
+    import anyio
+    from nats.js.api import StreamConfig
+
+    from rlbus.actors.base import ActorId
+    from rlbus.actors.sandbox.supervisor import SandboxSupervisor
+    from rlbus.messages.bus import Bus, ConnectOptions
+    from rlbus.topology.servers import EmbeddedServer
+
+    with tempfile.TemporaryDirectory(prefix=f"rlbus-{name}-") as tmp:
+        server = EmbeddedServer.start(tmp, name=name)
+        try:
+            cred = server.credential("admin")
+            bus = await Bus.connect(server.url, run=f"l{uuid.uuid4().hex[:8]}",
+                                    options=ConnectOptions(user=cred.user, password=cred.password))
+            try:
+                s = bus.subjects
+                await bus.js.add_stream(StreamConfig(name=s.events_stream(), subjects=[s.all_events()]))
+                await bus.js.add_stream(StreamConfig(name=s.dead_letter_stream(), subjects=[s.all_dead_letters()]))
+                actor = SandboxSupervisor(ActorId(s.run, "hub", "sandbox", name), bus, config, launch=launch)
+                async with anyio.create_task_group() as tg:
+                    await tg.start(actor.serve)
+                    yield bus
+                    tg.cancel_scope.cancel()
+            finally:
+                await bus.close()
+        finally:
+            server.stop()
