@@ -1,9 +1,9 @@
 """Batched sampling from the policy with a KV cache, in-flight weight swaps and MTP speculation.
 
 Owns `generate` (temperature / greedy sampling, eos, per-token behaviour logprob, policy version
-and MoE routing, a swap hook between decoding steps, optional MXFP8 weights) and
-`speculative_generate` (greedy; MTP heads draft, the main head verifies). Does not own the
-transformer, the tokenizer or multi-turn summarisation (`model/summarize.py`).
+and MoE routing, a swap hook between decoding steps, optional MXFP8 weights) over any `Policy`, and
+`speculative_generate` (greedy; the built-in transformer's MTP heads draft, the main head verifies).
+Does not own the policies, the tokenizer or multi-turn summarisation (`model/summarize.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rlbus.model.quant import WeightQuant, quantized_copy, refresh_quantized
+from rlbus.model.builtin_policy import BuiltinPolicy, as_policy
+from rlbus.model.policy import Policy
+from rlbus.model.quant import WeightQuant, refresh_quantized
 from rlbus.model.transformer import Transformer
 
 SwapHook = Callable[[int], "int | None"]
@@ -107,14 +109,24 @@ def sample_next(
     return token, logp.gather(-1, token[:, None])[:, 0]
 
 
-def _check_budget(model: Transformer, prompt_len: int, max_new_tokens: int) -> None:
+def _check_budget(max_seq_len: int, prompt_len: int, max_new_tokens: int) -> None:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if prompt_len + max_new_tokens > model.config.max_seq_len:
+    if prompt_len + max_new_tokens > max_seq_len:
         raise ValueError(
             f"prompt of {prompt_len} + {max_new_tokens} new tokens exceeds max_seq_len "
-            f"{model.config.max_seq_len}; shorten the prompt or summarise the history"
+            f"{max_seq_len}; shorten the prompt or summarise the history"
         )
+
+
+def _quantized(policy: Policy, scheme: WeightQuant) -> Policy:
+    """A copy of `policy` in eval mode whose Linear weights are MXFP8 round-tripped."""
+    if scheme not in ("none", "mxfp8"):
+        raise ValueError(f"unknown weight_quant {scheme!r}; expected 'none' or 'mxfp8'")
+    clone = policy.clone().eval()
+    if scheme == "mxfp8":
+        refresh_quantized(clone.module, policy.module)
+    return clone
 
 
 class _Recorder:
@@ -164,7 +176,7 @@ class _Recorder:
 
 @torch.no_grad()
 def generate(
-    model: Transformer,
+    model: Policy | Transformer,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
@@ -186,10 +198,11 @@ def generate(
     the model's) is the KV cache's dtype: torch.bfloat16 runs attention in bf16, ~1.9x faster on CPU at
     64 rows; the behaviour logprobs are then those of that computation.
     """
-    tokens, mask = left_pad(prompts, pad_id, model.embed.weight.device)
+    model = as_policy(model)
+    tokens, mask = left_pad(prompts, pad_id, model.device)
     B, P = tokens.shape
-    _check_budget(model, P, max_new_tokens)
-    net = quantized_copy(model, weight_quant) if weight_quant != "none" else model
+    _check_budget(model.max_seq_len, P, max_new_tokens)
+    net = _quantized(model, weight_quant) if weight_quant != "none" else model
     # A prompt given several times (a group's G samples) is prefilled once; its cache rows are copied.
     distinct, copies = distinct_prompts(prompts)
     copy_of = torch.tensor(copies, dtype=torch.long, device=tokens.device)
@@ -205,8 +218,8 @@ def generate(
         if on_step is not None and (new_version := on_step(step)) is not None:
             version = new_version
             if net is not model:
-                refresh_quantized(net, model)
-        out = net(inputs, cache=cache, attention_mask=input_mask, with_mtp=False)
+                refresh_quantized(net.module, model.module)
+        out = net(inputs, cache=cache, attention_mask=input_mask)
         if step == 0 and shared:
             cache.keep_rows(copy_of, max_new_tokens)
             out = out._replace(logits=out.logits[:, -1:].index_select(0, copy_of),
@@ -230,7 +243,7 @@ def generate(
             inputs = inputs.index_select(0, keep)
             live = [live[i] for i in keep.tolist()]
     if routing:  # feed the last tokens once more, only to learn their routing
-        last = net(inputs, cache=cache, with_mtp=False).routing
+        last = net(inputs, cache=cache).routing
         routing.append(_in_rows(last, live, B))  # type: ignore[arg-type]
     return record.results(prompts, mask, routing)
 
@@ -256,7 +269,7 @@ def _drafts(model: Transformer, hidden: Tensor, k: int) -> Tensor:
 
 @torch.no_grad()
 def speculative_generate(
-    model: Transformer,
+    model: BuiltinPolicy | Transformer,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
@@ -274,13 +287,15 @@ def speculative_generate(
     aligned in the cache) is kept plus the main head's token after it, and the cache rolls back to
     drop the rejected drafts. logprobs are the main head's temperature-1 logprobs.
     """
+    if isinstance(model, BuiltinPolicy):
+        model = model.transformer
     n_heads = model.config.mtp_heads
     K = n_heads if draft_tokens is None else draft_tokens
     if not 1 <= K <= n_heads:
         raise ValueError(f"draft_tokens {K} must be in [1, mtp_heads={n_heads}]; the model needs MTP heads")
     tokens, mask = left_pad(prompts, pad_id, model.embed.weight.device)
     B, P = tokens.shape
-    _check_budget(model, P, max_new_tokens)
+    _check_budget(model.config.max_seq_len, P, max_new_tokens)
     cache = model.new_cache(B, P + max_new_tokens)
     stats = SpeculativeStats(forward_passes=1)
     record = _Recorder(B, eos_id)

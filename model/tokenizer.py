@@ -84,6 +84,23 @@ class ByteTokenizer:
         """The id that ends a policy turn (<|end_turn|>): pass it as `eos_id` to `generate`."""
         return self.end_turn_id
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Ids that end a turn's text: <|end_turn|> and <|eos|>."""
+        return (self.end_turn_id, self.eos_id)
+
+    def bos(self) -> list[int]:
+        """Start of a conversation: <|bos|>."""
+        return [self.bos_id]
+
+    def header(self, role: str) -> list[int]:
+        """The ids before a turn's content: its role token (<|user|>, <|assistant|>, <|observation|>, <|summary|>)."""
+        return [self.special_id(f"<|{role}|>")]
+
+    def closing(self) -> list[int]:
+        """The ids after a turn's content: <|end_turn|>."""
+        return [self.end_turn_id]
+
     def is_special(self, token_id: int) -> bool:
         """True for ids of special tokens (>= 256)."""
         return token_id >= N_BYTES

@@ -1,0 +1,116 @@
+"""The built-in policy: the project's transformer (`model/transformer.py`) and byte tokenizer behind `Policy`.
+
+Owns: `BuiltinPolicy` (spec = the `ModelConfig` fields, the shape older manifests carry; loading a
+`pretrain.pt`), and `config_dict` / `config_from_spec`.
+Does not own: the network or the tokenizer themselves, sampling, or MTP speculation (`model/generate.py`
+reaches the transformer through `BuiltinPolicy.transformer` for that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlbus.model.policy import Policy, PolicyCache, PolicyError, PolicyOutput
+from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.transformer import KVCache, ModelConfig, Transformer
+
+
+def config_dict(config: ModelConfig) -> dict[str, Any]:
+    """A ModelConfig as plain values (tuples as lists), as it travels in VersionReady and WeightManifest."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+
+
+def config_from_spec(fields: Mapping[str, Any]) -> ModelConfig:
+    """Inverse of `config_dict` (a `"policy": "builtin"` key is allowed).
+
+    :raises PolicyError: the fields do not make a ModelConfig (unknown or missing fields, or sizes its own
+        checks refuse).
+    """
+    values = {k: v for k, v in fields.items() if k != "policy"}
+    if "moe_layers" in values:
+        values["moe_layers"] = tuple(values["moe_layers"])
+    try:
+        return ModelConfig(**values)
+    except (TypeError, ValueError) as err:
+        raise PolicyError(f"manifest model_config {sorted(values)} is not a ModelConfig: {err}") from None
+
+
+class BuiltinPolicy(Policy):
+    """`Transformer` + `ByteTokenizer`. Keeps every feature of the transformer: MoE router replay, MTP heads
+    (speculative decoding through `transformer`), MXFP8 sampling."""
+
+    kind = "builtin"
+
+    def __init__(self, model: Transformer, tokenizer: ByteTokenizer | None = None) -> None:
+        self.module = model
+        self.tokenizer = tokenizer or ByteTokenizer()
+
+    @property
+    def transformer(self) -> Transformer:
+        return self.module  # type: ignore[return-value]
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.transformer.config
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> BuiltinPolicy:
+        return cls(Transformer(config_from_spec(spec)))
+
+    @classmethod
+    def load(cls, path: Path) -> BuiltinPolicy:
+        """A `pretrain.pt` (or the folder holding it), in eval mode.
+
+        :raises PolicyError: no such file, or one that is not a pretrain checkpoint.
+        """
+        from rlbus.model.pretrain import CHECKPOINT_NAME, load_checkpoint
+
+        file = path / CHECKPOINT_NAME if path.is_dir() else path
+        if not file.is_file():
+            raise PolicyError(f"{file}: no such file; expected a {CHECKPOINT_NAME} (run `rlbus pretrain`) or a "
+                              f"Hugging Face directory with a config.json")
+        try:
+            model, tokenizer, _ = load_checkpoint(file)
+        except (KeyError, RuntimeError, ValueError, EOFError, OSError) as err:
+            raise PolicyError(f"{file}: not a {CHECKPOINT_NAME} that `rlbus pretrain` writes "
+                              f"({type(err).__name__}: {str(err)[:200]})") from None
+        return cls(model, tokenizer)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def moe(self) -> tuple[int, int] | None:
+        return (len(self.config.moe_layers), self.config.top_k) if self.config.moe_layers else None
+
+    def forward(self, tokens: Tensor, *, cache: PolicyCache | None = None, attention_mask: Tensor | None = None,
+                routing: Tensor | None = None) -> PolicyOutput:
+        out = self.transformer(tokens, cache=cache, attention_mask=attention_mask,  # type: ignore[arg-type]
+                               routing=routing, with_mtp=False)
+        return PolicyOutput(out.logits, out.routing)
+
+    def new_cache(self, batch: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        return self.transformer.new_cache(batch, max_len, dtype)
+
+    def spec(self) -> dict[str, Any]:
+        return config_dict(self.config)
+
+    def to_(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> BuiltinPolicy:
+        self.module.to(device=device, dtype=dtype)  # the RoPE tables stay fp32 (Transformer._apply)
+        return self
+
+
+def as_policy(model: Policy | Transformer) -> Policy:
+    """A policy for a bare `Transformer` (tests and benchmarks that build one); a policy as it is."""
+    return model if isinstance(model, Policy) else BuiltinPolicy(model)
