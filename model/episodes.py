@@ -4,25 +4,24 @@ Owns: the episode record (immutable; each step returns a new one), the token lay
 and its loss mask (1 on tokens the policy generated, 0 on prompt, observations and framing).
 Does not own: sampling (`generate.py`) or grading (`grading.py`); the generator actor drives both.
 
-Layout: <|bos|> then per turn <|role|> content <|end_turn|>, where role is user, assistant,
-observation or summary. An assistant (or summary) turn's content is exactly the ids the policy
-sampled, normally ending with its own <|end_turn|>; a truncated one gets a closing <|end_turn|> that
-is masked out. The context handed to the policy ends with <|assistant|>.
+Layout (`model/policy.py`, `ChatTokenizer`): bos, then per turn header(role) content closing, where role is
+user, assistant, observation or summary. An assistant (or summary) turn's content is exactly the ids the
+policy sampled, normally ending with its own stop id (then only the rest of the closing follows); a truncated
+one gets the whole closing, masked out. The context handed to the policy ends with header("assistant"). With
+the byte tokenizer: <|bos|> then per turn <|role|> content <|end_turn|>.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Final, Literal
+from typing import Final
 
 from rlbus.model.grading import GradeResult
+from rlbus.model.policy import ChatTokenizer, Role, frame_turn
 from rlbus.model.tasks import Task
-from rlbus.model.tokenizer import ByteTokenizer
 
-Role = Literal["user", "assistant", "observation", "summary"]
 MAX_ATTEMPTS: Final = 3
-_POLICY_ROLES: Final = ("assistant", "summary")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,22 +69,22 @@ class EpisodeTokens:
     turn: list[int]
 
 
-def start_episode(task: Task, tokenizer: ByteTokenizer, *, max_attempts: int = MAX_ATTEMPTS) -> Episode:
+def start_episode(task: Task, tokenizer: ChatTokenizer, *, max_attempts: int = MAX_ATTEMPTS) -> Episode:
     """A fresh episode holding only the task's prompt as the user turn."""
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
     return Episode(task, (Turn("user", tuple(tokenizer.encode(task.prompt))),), (), max_attempts)
 
 
-def completion_text(ids: Sequence[int], tokenizer: ByteTokenizer) -> str:
-    """The text of sampled ids, cut at the first <|end_turn|> or <|eos|>."""
-    stops = (tokenizer.end_turn_id, tokenizer.eos_id)
+def completion_text(ids: Sequence[int], tokenizer: ChatTokenizer) -> str:
+    """The text of sampled ids, cut at the first stop id (<|end_turn|> or <|eos|> for the byte tokenizer)."""
+    stops = tokenizer.stop_ids
     cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
     return tokenizer.decode(ids[:cut])
 
 
 def add_attempt(episode: Episode, completion_ids: Sequence[int], result: GradeResult,
-                tokenizer: ByteTokenizer) -> Episode:
+                tokenizer: ChatTokenizer) -> Episode:
     """Append an attempt (the sampled ids) and its grade; a failed, non-final attempt adds an observation."""
     if episode.done:
         raise ValueError(f"episode of task {episode.task.task_id} is done after {episode.attempts} attempts")
@@ -101,27 +100,18 @@ def add_summary(episode: Episode, summary_ids: Sequence[int]) -> Episode:
     return replace(episode, turns=(episode.turns[0], Turn("summary", tuple(summary_ids))))
 
 
-def _role_id(role: Role, tokenizer: ByteTokenizer) -> int:
-    return {"user": tokenizer.user_id, "assistant": tokenizer.assistant_id,
-            "observation": tokenizer.observation_id, "summary": tokenizer.summary_id}[role]
-
-
-def episode_tokens(episode: Episode, tokenizer: ByteTokenizer) -> EpisodeTokens:
+def episode_tokens(episode: Episode, tokenizer: ChatTokenizer) -> EpisodeTokens:
     """Flatten an episode; loss_mask is 1 exactly on the ids the policy sampled (assistant/summary content)."""
-    ids, mask, turn = [tokenizer.bos_id], [0], [-1]
+    bos = tokenizer.bos()
+    ids, mask, turn = list(bos), [0] * len(bos), [-1] * len(bos)
     for index, t in enumerate(episode.turns):
-        policy = t.role in _POLICY_ROLES
-        content = list(t.ids)
-        ids += [_role_id(t.role, tokenizer), *content]
-        mask += [0] + [1 if policy else 0] * len(content)
-        turn += [index] * (1 + len(content))
-        if not (policy and content and content[-1] == tokenizer.end_turn_id):
-            ids.append(tokenizer.end_turn_id)  # framing (or closing a truncated sample): not the policy's
-            mask.append(0)
-            turn.append(index)
+        framed, framed_mask = frame_turn(tokenizer, t.role, t.ids)
+        ids += framed
+        mask += framed_mask
+        turn += [index] * len(framed)
     return EpisodeTokens(ids, mask, turn)
 
 
-def context_ids(episode: Episode, tokenizer: ByteTokenizer) -> list[int]:
-    """What the policy continues for its next attempt: the episode so far, then <|assistant|>."""
-    return [*episode_tokens(episode, tokenizer).ids, tokenizer.assistant_id]
+def context_ids(episode: Episode, tokenizer: ChatTokenizer) -> list[int]:
+    """What the policy continues for its next attempt: the episode so far, then the assistant header."""
+    return [*episode_tokens(episode, tokenizer).ids, *tokenizer.header("assistant")]

@@ -11,11 +11,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from rlbus.model.builtin_policy import as_policy
 from rlbus.model.episodes import completion_text
 from rlbus.model.generate import generate
 from rlbus.model.grading import GradeResult, Runner, grade_many, subprocess_runner
+from rlbus.model.policy import ChatTokenizer, Policy
 from rlbus.model.tasks import Task
-from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import Transformer
 
 
@@ -40,7 +41,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     return low, high
 
 
-def greedy_complete(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+def greedy_complete(model: Policy | Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                     stop_id: int, pad_id: int, batch_size: int = 64,
                     on_step: Callable[[int], None] | None = None) -> list[list[int]]:
     """Greedy continuation of each prompt until `stop_id` (kept) or max_new_tokens; results in input order.
@@ -51,7 +52,8 @@ def greedy_complete(model: Transformer, prompts: Sequence[Sequence[int]], *, max
     leaves no room for `max_new_tokens` in the model's context (`too_long`) gets an empty completion
     (graded, it fails: a held-out task the model cannot read counts against it, not out of the set).
     """
-    was_training = model.training
+    model = as_policy(model)
+    was_training = model.module.training
     model.eval()
     order = sorted((i for i in range(len(prompts)) if not too_long(model, prompts[i], max_new_tokens)),
                    key=lambda i: len(prompts[i]))
@@ -68,9 +70,9 @@ def greedy_complete(model: Transformer, prompts: Sequence[Sequence[int]], *, max
     return out
 
 
-def too_long(model: Transformer, prompt: Sequence[int], max_new_tokens: int) -> bool:
+def too_long(model: Policy | Transformer, prompt: Sequence[int], max_new_tokens: int) -> bool:
     """Whether `prompt` plus `max_new_tokens` exceeds the model's context (`max_seq_len`)."""
-    return len(prompt) + max_new_tokens > model.config.max_seq_len
+    return len(prompt) + max_new_tokens > as_policy(model).max_seq_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +90,7 @@ class EvalResult:
     results: list[GradeResult]
 
 
-def evaluate_pass_at_1(model: Transformer, tokenizer: ByteTokenizer, tasks: Sequence[Task], *,
+def evaluate_pass_at_1(model: Policy | Transformer, tokenizer: ChatTokenizer, tasks: Sequence[Task], *,
                        max_new_tokens: int = 160, runner: Runner = subprocess_runner,
                        batch_size: int = 64) -> EvalResult:
     """Greedy single-attempt pass@1 of `model` on `tasks`, graded in one runner call."""

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from rlbus.model.builtin_policy import as_policy
 from rlbus.model.generate import SampledSequence, SwapHook, generate
+from rlbus.model.policy import Policy
 from rlbus.model.quant import WeightQuant
 from rlbus.model.transformer import Transformer
 
@@ -73,7 +75,7 @@ class Summary:
 
 
 def summarize_if_over_budget(
-    model: Transformer,
+    model: Policy | Transformer,
     context: Sequence[int],
     *,
     budget: int,
@@ -103,10 +105,11 @@ def summarize_if_over_budget(
             f"keep_prefix {keep_prefix} + summary prompt {len(summary_prompt)} + "
             f"max_summary_tokens {max_summary_tokens} must fit the budget {budget}"
         )
-    room = model.config.max_seq_len - len(summary_prompt) - max_summary_tokens - keep_prefix
+    max_seq_len = as_policy(model).max_seq_len
+    room = max_seq_len - len(summary_prompt) - max_summary_tokens - keep_prefix
     if room < 0:
         raise ValueError(
-            f"max_seq_len {model.config.max_seq_len} cannot hold the prefix, summary prompt "
+            f"max_seq_len {max_seq_len} cannot hold the prefix, summary prompt "
             f"and {max_summary_tokens} summary tokens"
         )
     history = list(context[keep_prefix:])
