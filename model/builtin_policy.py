@@ -114,3 +114,8 @@ class BuiltinPolicy(Policy):
 def as_policy(model: Policy | Transformer) -> Policy:
     """A policy for a bare `Transformer` (tests and benchmarks that build one); a policy as it is."""
     return model if isinstance(model, Policy) else BuiltinPolicy(model)
+
+
+def fresh_config() -> ModelConfig:
+    """The architecture of a policy started without a pretrained checkpoint (tests): tiny, byte vocabulary."""
+    return ModelConfig.tiny(vocab_size=ByteTokenizer().vocab_size, max_seq_len=512)

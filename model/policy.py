@@ -306,3 +306,12 @@ def load_policy(path: Path, *, device: torch.device | str = "cpu", dtype: torch.
 
     policy = BuiltinPolicy.load(path)
     return policy.to_(device=device, dtype=dtype).eval()
+
+
+def fresh_builtin() -> Policy:
+    """A freshly initialised tiny built-in policy (a trainer started without a pretrained checkpoint: tests);
+    seed torch first for a reproducible one."""
+    from rlbus.model.builtin_policy import BuiltinPolicy, fresh_config
+    from rlbus.model.transformer import Transformer
+
+    return BuiltinPolicy(Transformer(fresh_config()))

@@ -4,14 +4,14 @@ one RL optimizer step, and the bytes of a checkpoint.
 Owns: `plan_step` (whole groups into a batch; stale or unusable groups dropped with a reason),
 `rollout_batch` (Rollouts → right-padded tensors aligned with next-token logits), `TrainerCore` (fp32
 master policy, frozen reference, AdamW: `train_step`, `bf16_state`, `state_blob` / `load_state_blob`),
-`build_core` (from a pretrained checkpoint or a fresh seeded tiny model).
+`build_core` (from a pretrained checkpoint or Hugging Face directory, or a fresh seeded tiny model) and
+`state_policy` (the policy a `state_blob` holds, for the closing evaluation, `rlbus eval` and `rlbus export`).
+Works on any `model.policy.Policy`; never on an implementation directly.
 Does not: talk to the bus, ack, publish or decide when to checkpoint (actors/trainer/actor.py).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import io
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -36,12 +36,17 @@ from rlbus.kernels.logprob import token_logprob_entropy
 from rlbus.messages.schemas import Rollout
 from rlbus.model.generate import distinct_prompts, left_pad
 from rlbus.model.loss import Aggregation, group_relative_advantages, rl_loss, shape_rewards
-from rlbus.model.pretrain import load_checkpoint
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policy import (
+    Policy,
+    PolicyError,
+    fresh_builtin,
+    load_policy,
+    policy_from_spec,
+    resolve_device,
+)
 
 STATE_FORMAT: Final = 1
-"""Layout version of `TrainerCore.state_blob`."""
+"""Layout version of `TrainerCore.state_blob` (the `policy_files` entry, absent from older blobs, reads as none)."""
 
 
 # ---- which rollouts go into the next step ------------------------------------------------------
@@ -128,7 +133,8 @@ class RolloutBatch:
     """(B,) int64 group index (rows of one task share it)."""
 
 
-def rollout_batch(rollouts: Sequence[Rollout], *, moe: tuple[int, int] | None = None) -> RolloutBatch:
+def rollout_batch(rollouts: Sequence[Rollout], *, moe: tuple[int, int] | None = None,
+                  device: torch.device | str = "cpu") -> RolloutBatch:
     """Pad `rollouts` into a `RolloutBatch`. moe = (n_moe_layers, top_k) of the model, None without MoE;
     routing is replayed when every rollout carries a (P + T, n_moe_layers, top_k) record."""
     if not rollouts:
@@ -162,15 +168,16 @@ def rollout_batch(rollouts: Sequence[Rollout], *, moe: tuple[int, int] | None = 
             record = torch.from_numpy(r.routing.numpy().astype(np.int64))
             routing[b, :record.shape[0]] = record
     return RolloutBatch(
-        tokens=tokens, mask=mask, behaviour=behaviour, routing=routing,
-        rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
-        lengths=torch.tensor([len(c) for c in completions], dtype=torch.long),
-        prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long),
-        group_ids=torch.tensor([groups[r.task_id] for r in rollouts], dtype=torch.long),
+        tokens=tokens.to(device), mask=mask.to(device), behaviour=behaviour.to(device),
+        routing=None if routing is None else routing.to(device),
+        rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32, device=device),
+        lengths=torch.tensor([len(c) for c in completions], dtype=torch.long, device=device),
+        prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device),
+        group_ids=torch.tensor([groups[r.task_id] for r in rollouts], dtype=torch.long, device=device),
     )
 
 
-def shared_prompt_logprobs(net: Transformer, batch: RolloutBatch, temperature: float = 1.0) -> Tensor | None:
+def shared_prompt_logprobs(net: Policy, batch: RolloutBatch, temperature: float = 1.0) -> Tensor | None:
     """`TrainerCore.logprobs` of the completion tokens with each distinct prompt run once: its keys and
     values are copied to the rows that share it (differentiably), then all completions run together.
 
@@ -187,24 +194,25 @@ def shared_prompt_logprobs(net: Transformer, batch: RolloutBatch, temperature: f
     first, copies = distinct_prompts(prompt_ids)
     if len(first) == B or width == 0 or min(P) == 0:
         return None
-    copy_of = torch.tensor(copies, dtype=torch.long)
+    device = batch.tokens.device
+    copy_of = torch.tensor(copies, dtype=torch.long, device=device)
     # left-padded: every distinct prompt's last token in the last column
-    prompts, real = left_pad([prompt_ids[b] for b in first], 0, batch.tokens.device)
-    completions = torch.zeros(B, width, dtype=torch.long)
+    prompts, real = left_pad([prompt_ids[b] for b in first], 0, device)
+    completions = torch.zeros(B, width, dtype=torch.long, device=device)
     for b in range(B):
         completions[b, :T[b]] = batch.tokens[b, P[b]:P[b] + T[b]]
     cache = net.new_cache(len(first), prompts.shape[1] + width)
-    head = net(prompts, cache=cache, attention_mask=real, with_mtp=False).logits[:, -1:]
+    head = net(prompts, cache=cache, attention_mask=real).logits[:, -1:]
     cache.keep_rows(copy_of, width)
-    rest = net(completions, cache=cache, with_mtp=False).logits[:, :-1]  # right padding: causality hides it
+    rest = net(completions, cache=cache).logits[:, :-1]  # right padding: causality hides it
     logits = torch.cat([head.index_select(0, copy_of), rest], dim=1)  # (B, width, V): predicts completion t
     if temperature != 1.0:
         logits = logits / temperature
     logp, _ = token_logprob_entropy(logits, completions)
-    logp = logp.masked_fill(torch.arange(width)[None] >= batch.lengths[:, None], 0.0)
+    logp = logp.masked_fill(torch.arange(width, device=device)[None] >= batch.lengths[:, None], 0.0)
     # completion token t of row b is position P_b - 1 + t of the (B, L-1) layout; padded rows land past it
-    at = torch.tensor(P, dtype=torch.long)[:, None] - 1 + torch.arange(width)[None]
-    return torch.zeros(B, L - 1 + width, dtype=logp.dtype).scatter(1, at, logp)[:, :L - 1]
+    at = batch.prompt_lengths[:, None] - 1 + torch.arange(width, device=device)[None]
+    return torch.zeros(B, L - 1 + width, dtype=logp.dtype, device=device).scatter(1, at, logp)[:, :L - 1]
 
 
 # ---- one optimizer step ------------------------------------------------------------------------
@@ -248,25 +256,33 @@ class StepStats:
 
 
 class TrainerCore:
-    """The fp32 master policy, its frozen reference and AdamW. Not thread-safe: one caller at a time."""
+    """The fp32 master policy, its frozen reference and AdamW, on the policy's device. Not thread-safe: one
+    caller at a time."""
 
-    def __init__(self, model: Transformer, reference: Transformer, *, lr: float, seed: int = 0) -> None:
-        self.model = model.float().train()
-        self.reference = reference.float().eval().requires_grad_(False)
-        self.config: ModelConfig = model.config
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    def __init__(self, policy: Policy, reference: Policy, *, lr: float, seed: int = 0) -> None:
+        self.policy = policy.to_(dtype=torch.float32).train()
+        self.reference = reference.to_(device=policy.device, dtype=torch.float32).eval()
+        self.reference.module.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.policy.module.parameters(), lr=lr, betas=(0.9, 0.95),
+                                           weight_decay=0.0)
         torch.manual_seed(seed)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The trained torch module (its parameters are the optimizer's)."""
+        return self.policy.module
 
     @property
     def moe(self) -> tuple[int, int] | None:
         """(n_moe_layers, top_k), or None for a dense model."""
-        return (len(self.config.moe_layers), self.config.top_k) if self.config.moe_layers else None
+        return self.policy.moe
 
     def check(self, rollout: Rollout) -> str | None:
         """Why this model cannot train on `rollout` (None: it can)."""
         P, T = len(rollout.prompt_tokens), len(rollout.completion_tokens)
-        if P + T > self.config.max_seq_len:
-            return f"too_long: {P + T} tokens > max_seq_len {self.config.max_seq_len}"
+        max_seq_len, vocab_size = self.policy.max_seq_len, self.policy.vocab_size
+        if P + T > max_seq_len:
+            return f"too_long: {P + T} tokens > max_seq_len {max_seq_len}"
         if len(rollout.behaviour_logprobs) != T or len(rollout.policy_versions) != T:
             return "invalid: per-token arrays differ in length from the completion"
         if len(rollout.loss_mask) not in (0, T):
@@ -274,14 +290,14 @@ class TrainerCore:
         if T and P == 0:
             return "invalid: empty prompt"
         ids = np.concatenate([rollout.prompt_tokens.numpy(), rollout.completion_tokens.numpy()])
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            return f"invalid: token id outside the vocabulary of {self.config.vocab_size}"
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            return f"invalid: token id outside the vocabulary of {vocab_size}"
         shape = (P + T, *self.moe) if self.moe is not None else None
         if rollout.routing is not None and shape is not None and tuple(rollout.routing.shape) != shape:
             return f"invalid: routing shape {tuple(rollout.routing.shape)} != {shape}"
         return None
 
-    def logprobs(self, net: Transformer, batch: RolloutBatch, temperature: float = 1.0) -> Tensor:
+    def logprobs(self, net: Policy, batch: RolloutBatch, temperature: float = 1.0) -> Tensor:
         """(B, L-1) log-probability under `net` of each next token, with the batch's routing replayed:
         log softmax(logits / temperature)[next token].
 
@@ -292,7 +308,7 @@ class TrainerCore:
             shared = shared_prompt_logprobs(net, batch, temperature)
             if shared is not None:
                 return shared
-        logits = net(batch.tokens, routing=batch.routing, with_mtp=False).logits
+        logits = net(batch.tokens, routing=batch.routing).logits
         if temperature != 1.0:
             logits = logits / temperature
         logp, _ = token_logprob_entropy(logits[:, :-1], batch.tokens[:, 1:])
@@ -307,9 +323,9 @@ class TrainerCore:
         truncated IS weights vs the behaviour logprobs and the k1 KL vs the reference. A non-finite loss
         or gradient leaves the weights as they were (`applied=False`).
         """
-        batch = rollout_batch(rollouts, moe=self.moe)
-        self.model.train()
-        logp = self.logprobs(self.model, batch, objective.temperature)
+        batch = rollout_batch(rollouts, moe=self.moe, device=self.policy.device)
+        self.policy.train()
+        logp = self.logprobs(self.policy, batch, objective.temperature)
         with torch.no_grad():
             ref = self.logprobs(self.reference, batch, objective.temperature)
         rewards = batch.rewards
@@ -341,8 +357,8 @@ class TrainerCore:
 
     # ---- versions and checkpoints --------------------------------------------------------------
     def bf16_state(self) -> dict[str, Tensor]:
-        """The published version: every tensor of the fp32 master's state dict cast to bfloat16."""
-        return {name: t.detach().to(torch.bfloat16).contiguous() for name, t in self.model.state_dict().items()}
+        """The published version: every tensor of the fp32 master's `named_tensors` cast to bfloat16, on the CPU."""
+        return self.policy.published_state(torch.bfloat16)
 
     def published_version(self) -> tuple[bytes, str, int]:
         """What a version is published as: (the full-snapshot `encode_state` blob of `bf16_state`, its
@@ -352,15 +368,20 @@ class TrainerCore:
         return blob, index.version_digest.hex(), sum(t.numel() * t.element_size() for t in state.values())
 
     def model_config_dict(self) -> dict[str, Any]:
-        """The architecture as plain values (ModelConfig fields; tuples as lists)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.config).items()}
+        """The policy's spec (`Policy.spec`): what VersionReady and every WeightManifest carry as `model_config`."""
+        return self.policy.spec()
+
+    def policy_files(self) -> dict[str, bytes]:
+        """The files a joiner needs besides the tensors (`Policy.files`; none for the built-in policy)."""
+        return self.policy.files()
 
     def state_blob(self, meta: Mapping[str, Any]) -> bytes:
-        """Everything to resume: fp32 weights, AdamW state, RNG state, the architecture and `meta`
+        """Everything to resume: fp32 weights, AdamW state, RNG state, the policy's spec and files and `meta`
         (plain values), as `torch.save` bytes that `torch.load(weights_only=True)` reads back."""
-        payload = {"format": STATE_FORMAT, "model": self.model.state_dict(),
+        payload = {"format": STATE_FORMAT, "model": self.policy.named_tensors(),
                    "optimizer": self.optimizer.state_dict(), "rng": {"torch": torch.get_rng_state()},
-                   "model_config": self.model_config_dict(), "meta": dict(meta)}
+                   "model_config": self.model_config_dict(), "policy_files": self.policy_files(),
+                   "meta": dict(meta)}
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         return buffer.getvalue()
@@ -370,36 +391,64 @@ class TrainerCore:
 
         :raises CheckpointError: another layout or architecture than this core's.
         """
-        payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        if payload.get("format") != STATE_FORMAT:
-            raise CheckpointError(f"trainer state of format {payload.get('format')!r}, expected {STATE_FORMAT}")
+        payload = read_state(blob)
         if payload["model_config"] != self.model_config_dict():
             raise CheckpointError(f"trainer state is for architecture {payload['model_config']}, this trainer "
                                   f"runs {self.model_config_dict()}")
-        self.model.load_state_dict(payload["model"])
+        try:
+            self.policy.load_tensors_(payload["model"])
+        except PolicyError as err:
+            raise CheckpointError(f"trainer state does not fit this trainer's policy: {err}") from None
         self.optimizer.load_state_dict(payload["optimizer"])
         torch.set_rng_state(payload["rng"]["torch"])
         return dict(payload["meta"])
 
 
-def fresh_config() -> ModelConfig:
-    """The architecture of a trainer started without a pretrained checkpoint (tests): tiny, byte vocab."""
-    return ModelConfig.tiny(vocab_size=ByteTokenizer().vocab_size, max_seq_len=512)
+def read_state(blob: bytes) -> dict[str, Any]:
+    """The payload of a `state_blob` (weights_only load on the CPU).
+
+    :raises CheckpointError: another layout than `STATE_FORMAT`.
+    """
+    payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != STATE_FORMAT:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise CheckpointError(f"trainer state of format {found!r}, expected {STATE_FORMAT}")
+    return payload
 
 
-def build_core(pretrained: str, *, lr: float, seed: int) -> TrainerCore:
-    """A core from a `pretrain.pt` (file or folder; also the frozen reference), or, with `pretrained`
-    empty, from a fresh `fresh_config()` model initialised with `seed`.
+def state_policy(blob: bytes, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.bfloat16) -> Policy:
+    """The policy a `state_blob` holds, in `dtype` (bfloat16: as its version is published), eval mode.
+
+    :raises CheckpointError: not a trainer state, or one whose policy cannot be built.
+    """
+    payload = read_state(blob)
+    try:
+        policy = policy_from_spec(payload["model_config"], payload.get("policy_files") or {}, device=device,
+                                  dtype=torch.float32)
+        policy.load_tensors_(payload["model"])
+    except PolicyError as err:
+        raise CheckpointError(f"trainer state holds no usable policy: {err}") from None
+    return policy.to_(dtype=dtype).eval()
+
+
+def build_core(pretrained: str, *, lr: float, seed: int, device: str = "auto") -> TrainerCore:
+    """A core from a `pretrain.pt` (file or folder) or a Hugging Face directory (also the frozen reference),
+    or, with `pretrained` empty, from a fresh tiny built-in policy initialised with `seed`; on `device`
+    ("auto": CUDA when present).
 
     :raises FileNotFoundError: `pretrained` names nothing.
+    :raises PolicyError: it names something that is not a policy, or `device` cannot be had here.
     """
+    where = resolve_device(device)
     if pretrained:
         path = Path(pretrained)
         if not path.exists():
             raise FileNotFoundError(f"pretrained checkpoint {path} does not exist; run `rlbus pretrain` or "
                                     f"let `rlbus up` pretrain first")
-        model, _, _ = load_checkpoint(path)
+        policy = load_policy(path, dtype=torch.float32)
     else:
         torch.manual_seed(seed)
-        model = Transformer(fresh_config())
-    return TrainerCore(model, copy.deepcopy(model), lr=lr, seed=seed)
+        policy = fresh_builtin()
+    policy.to_(device=where, dtype=torch.float32)
+    return TrainerCore(policy, policy.clone(), lr=lr, seed=seed)

@@ -22,6 +22,7 @@ from rlbus.actors.trainer.core import (
 from rlbus.kernels.delta_state import apply_state_, encode_state
 from rlbus.kernels.logprob import token_logprob_entropy
 from rlbus.messages.schemas import Rollout, TensorBlob
+from rlbus.model.builtin_policy import BuiltinPolicy
 from rlbus.model.transformer import ModelConfig, Transformer
 
 
@@ -40,7 +41,7 @@ def _r(task: str, g: int, versions: list[int], *, size: int = 2, prompt: list[in
 def _core(config: ModelConfig, seed: int = 0) -> TrainerCore:
     torch.manual_seed(seed)
     model = Transformer(config)
-    return TrainerCore(model, copy.deepcopy(model), lr=1e-3, seed=seed)
+    return TrainerCore(BuiltinPolicy(model), BuiltinPolicy(copy.deepcopy(model)), lr=1e-3, seed=seed)
 
 
 def test_plan_drops_stale_groups_waits_for_incomplete_ones_and_fills_the_batch() -> None:
@@ -180,8 +181,8 @@ def test_logprobs_are_taken_at_the_sampling_temperature() -> None:
     rollouts = sample_rollouts(core.model, tasks=2, group_size=2, max_new_tokens=6, seed=4, temperature=0.7)
     batch = rollout_batch(rollouts)
     with torch.no_grad():
-        scaled = core.logprobs(core.model, batch, 0.7)
-        plain = core.logprobs(core.model, batch)
+        scaled = core.logprobs(core.policy, batch, 0.7)
+        plain = core.logprobs(core.policy, batch)
     torch.testing.assert_close(scaled[batch.mask], batch.behaviour[batch.mask], atol=1e-4, rtol=0)
     assert (plain[batch.mask] - batch.behaviour[batch.mask]).abs().max() > 1e-2
     stats = core.train_step(rollouts, Objective(temperature=0.7, kl_coef=0.0))
@@ -210,11 +211,11 @@ def test_shared_prompts_run_once_and_give_the_full_forward_logprobs_and_gradient
         span[b, P - 1:P - 1 + T] = True
     logits = core.model(batch.tokens, with_mtp=False).logits[:, :-1]
     full, _ = token_logprob_entropy(logits / 0.7, batch.tokens[:, 1:])
-    shared = shared_prompt_logprobs(core.model, batch, 0.7)
+    shared = shared_prompt_logprobs(core.policy, batch, 0.7)
     assert shared is not None and shared.shape == full.shape
     torch.testing.assert_close(shared[span], full[span], atol=1e-5, rtol=0)
     assert torch.equal(shared[~span], torch.zeros_like(shared[~span]))
-    assert torch.equal(core.logprobs(core.model, batch, 0.7), shared)
+    assert torch.equal(core.logprobs(core.policy, batch, 0.7), shared)
     weights = torch.randn(full.shape, generator=g) * batch.mask
     params = list(core.model.parameters())
     for want, got in zip(torch.autograd.grad((full * weights).sum(), params, allow_unused=True),
@@ -223,7 +224,7 @@ def test_shared_prompts_run_once_and_give_the_full_forward_logprobs_and_gradient
         if want is not None:
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     distinct = rollout_batch([_r("x", 0, [0, 0], prompt=[5, 6]), _r("y", 0, [0], prompt=[7])])
-    assert shared_prompt_logprobs(core.model, distinct) is None
+    assert shared_prompt_logprobs(core.policy, distinct) is None
 
 
 def test_router_replay_reproduces_the_behaviour_logprobs_of_an_moe_policy() -> None:
@@ -234,8 +235,8 @@ def test_router_replay_reproduces_the_behaviour_logprobs_of_an_moe_policy() -> N
     batch = rollout_batch(rollouts, moe=core.moe)
     assert batch.routing is not None and batch.routing.shape[2:] == (2, 2)
     with torch.no_grad():
-        replayed = core.logprobs(core.model, batch)
-        other = core.logprobs(core.model, type(batch)(**{**batch.__dict__, "routing": (batch.routing + 1) % 4}))
+        replayed = core.logprobs(core.policy, batch)
+        other = core.logprobs(core.policy, type(batch)(**{**batch.__dict__, "routing": (batch.routing + 1) % 4}))
     torch.testing.assert_close(replayed[batch.mask], batch.behaviour[batch.mask], atol=1e-4, rtol=0)
     assert (other[batch.mask] - batch.behaviour[batch.mask]).abs().max() > 1e-3
     assert core.train_step(rollouts, Objective()).replayed
@@ -316,10 +317,10 @@ def test_build_core_starts_from_a_pretrained_checkpoint_folder_and_freezes_it_as
     torch.save({"state_dict": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "tokenizer": ByteTokenizer().info(), "meta": {"step": 1}}, tmp_path / "pretrained" / CHECKPOINT_NAME)
     core = build_core(str(tmp_path / "pretrained"), lr=1e-3, seed=0)
-    assert core.config == model.config and core.moe == (1, 2)
+    assert core.policy.spec() == BuiltinPolicy(model).spec() and core.moe == (1, 2)
     for name, value in model.state_dict().items():
         assert torch.equal(core.model.state_dict()[name], value)
-        assert torch.equal(core.reference.state_dict()[name], value)
-    assert not any(p.requires_grad for p in core.reference.parameters())
+        assert torch.equal(core.reference.module.state_dict()[name], value)
+    assert not any(p.requires_grad for p in core.reference.module.parameters())
     with pytest.raises(FileNotFoundError, match="rlbus pretrain"):
         build_core(str(tmp_path / "nowhere"), lr=1e-3, seed=0)

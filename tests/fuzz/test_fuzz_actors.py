@@ -40,12 +40,12 @@ from rlbus.actors.publisher import Publisher
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
 from rlbus.actors.trainer.actor import Trainer
 from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
-from rlbus.actors.trainer.core import fresh_config
 from rlbus.messages import codec
 from rlbus.messages.bus import REASON_HEADER, Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import CheckpointMark, Heartbeat, TrainStep
 from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.messages.subjects import Subjects
+from rlbus.model.builtin_policy import fresh_config
 from rlbus.model.transformer import Transformer
 from rlbus.topology.regions import RegionSet
 

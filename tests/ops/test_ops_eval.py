@@ -18,6 +18,7 @@ from rlbus.actors.checkpointer import write_durable
 from rlbus.actors.trainer.core import TrainerCore
 from rlbus.messages.bus import digest
 from rlbus.messages.schemas import CheckpointMark
+from rlbus.model.builtin_policy import BuiltinPolicy
 from rlbus.model.pretrain import CHECKPOINT_NAME
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig, Transformer
@@ -42,7 +43,7 @@ def _pretrained(folder: Path) -> Path:
 
 def _checkpoint(state_dir: Path, step: int) -> Path:
     model = _model()
-    blob = TrainerCore(model, copy.deepcopy(model), lr=1e-3).state_blob({"step": step})
+    blob = TrainerCore(BuiltinPolicy(model), BuiltinPolicy(copy.deepcopy(model)), lr=1e-3).state_blob({"step": step})
     name = f"state-step-{step}-test"
     mark = CheckpointMark(step=step, policy_version=step, objects=[name], digests=[digest(blob)])
     return write_durable(state_dir, mark, {name: blob})

@@ -9,6 +9,7 @@ import torch
 
 from rlbus.actors.trainer.core import TrainerCore
 from rlbus.messages.schemas import EvalReport
+from rlbus.model.builtin_policy import BuiltinPolicy
 from rlbus.model.evaluate import EvalResult, evaluate_pass_at_1
 from rlbus.model.tasks import eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
@@ -26,7 +27,7 @@ def test_final_evaluation_scores_the_published_bf16_weights_of_the_state() -> No
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 1e-3)       # bits below bf16's precision: rounding matters
-    core = TrainerCore(model, copy.deepcopy(model), lr=1e-3)
+    core = TrainerCore(BuiltinPolicy(model), BuiltinPolicy(copy.deepcopy(model)), lr=1e-3)
     blob = core.state_blob({"step": 7})
 
     policy = policy_from_state(blob)
