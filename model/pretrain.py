@@ -1,10 +1,12 @@
-"""Continued pretraining of the policy on a synthetic corpus of solved coding tasks (the first training phase).
+"""Continued pretraining of a policy (built-in or Hugging Face) on solved coding tasks and real Python source.
 
-Owns: the corpus (prompt + canonical solution, and some two-attempt documents where a corrupted first
-attempt gets test feedback and the retry is correct), the training loop, checkpoints
-(`pretrain.pt` + `pretrain.json`), `load_checkpoint`, the final held-out greedy pass@1, and `settings_key`
-(the digest under which `rlbus up` caches a pretrained base).
-Does not own: the network (`transformer.py`), tasks and grading, or the CLI (`ops/pretrain.py`).
+Owns: the training loop over any `Policy` (loss from `policy.forward(inputs).logits`), its schedule, checkpoints
+(built-in: `pretrain.pt` + `pretrain.json`; Hugging Face: the output folder itself is a model directory that
+`transformers` loads, with `pretrain.json` inside, replaced atomically), `loss.png`, `load_checkpoint`, the
+final held-out greedy pass@1, the start of a run (`new_hf_policy`, `load_start`) and `settings_key` (the digest
+under which `rlbus up` caches a pretrained base).
+Does not own: the corpus and its decontamination (`corpus.py`), the networks (`transformer.py`,
+`hf_policy.py`, `hf_recipe.py`), tasks and grading, or the CLI (`ops/pretrain.py`).
 Deterministic given the seed and thread count.
 """
 
@@ -17,9 +19,10 @@ import json
 import math
 import os
 import random
-import re
+import shutil
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -28,24 +31,43 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from rlbus.model.episodes import add_attempt, episode_tokens, start_episode
+from rlbus.model.builtin_policy import BuiltinPolicy
+from rlbus.model.corpus import (
+    Decontaminator,
+    Document,
+    code_documents,
+    corrupt,
+    mixed_documents,
+    source_files,
+    task_documents,
+    tokenizer_texts,
+)
 from rlbus.model.evaluate import EvalResult, evaluate_pass_at_1
-from rlbus.model.grading import GradeResult, grade_many
+from rlbus.model.policy import ChatTokenizer, Policy, PolicyError, resolve_device
 from rlbus.model.tasks import Task, eval_tasks, train_tasks
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig, Transformer
+
+__all__ = ["CHECKPOINT_NAME", "LOSS_PLOT", "SUMMARY_NAME", "PretrainConfig", "PretrainProgress", "PretrainResult",
+           "corrupt", "load_checkpoint", "load_start", "new_hf_policy", "plot_losses", "pretrain", "settings_key"]
 
 log = structlog.get_logger()
 
 CHECKPOINT_NAME: Final = "pretrain.pt"
 SUMMARY_NAME: Final = "pretrain.json"
+LOSS_PLOT: Final = "loss.png"
+HF_VOCAB: Final[dict[str, int]] = {"tiny": 1024, "small": 2048, "m30": 8192}
+"""Vocabulary of the BPE tokenizer a `--hf` run trains, by size preset."""
+TOKENIZER_CHARS: Final = 3_000_000
+"""About how much text a new BPE tokenizer learns from (a sample: the standard library alone is ~10 MB)."""
 
 
 @dataclass(frozen=True)
 class PretrainConfig:
-    """Everything a pretraining run needs besides seed, steps, threads and output folder."""
+    """Everything a pretraining run needs besides seed, steps, threads, output folder and starting policy."""
 
     model: ModelConfig
+    """The built-in transformer's shape (a run that starts from another policy takes that policy's shape)."""
     batch_size: int = 32
     lr: float = 3e-3
     """Peak AdamW learning rate; linear warmup, then cosine to `lr * min_lr_ratio`."""
@@ -65,10 +87,17 @@ class PretrainConfig:
     max_new_tokens: int = 128
     """Greedy decoding budget per held-out task (the longest canonical body is ~120 tokens)."""
     checkpoint_every: int = 100
+    code_fraction: float = 0.0
+    """Share of documents that are real Python source (`model/corpus.py`); 0 trains on task documents only."""
+    corpus_dirs: tuple[str, ...] = ()
+    """Folders of `.py` files read besides the standard library's (when `code_fraction` > 0)."""
+    stdlib: bool = True
+    """Whether the standard library's own sources are part of the code corpus."""
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> PretrainConfig:
-        """"small" (the CLI default, ~minutes on 2 cores) or "tiny" (seconds; for tests)."""
+        """"small" (the CLI default, ~minutes on 2 cores), "tiny" (seconds; for tests) or "m30" (~34M
+        parameters). A Hugging Face run takes the schedule of its size's preset."""
         vocab = ByteTokenizer().vocab_size
         match name:
             case "small":
@@ -78,15 +107,18 @@ class PretrainConfig:
                 model = ModelConfig.tiny(vocab_size=vocab, max_seq_len=512)
                 base = cls(model=model, batch_size=8, steps=30, warmup_steps=5, eval_n=20,
                            max_new_tokens=64, checkpoint_every=1000)
+            case "m30":
+                base = cls(model=ModelConfig.m30(vocab_size=vocab), lr=1e-3, batch_size=16)
             case _:
-                raise ValueError(f"unknown pretrain preset {name!r}; use 'small' or 'tiny'")
+                raise ValueError(f"unknown pretrain preset {name!r}; use 'small', 'tiny' or 'm30'")
         return dataclasses.replace(base, **overrides)
 
 
 @dataclass(frozen=True, slots=True)
 class PretrainProgress:
     """One progress report: phase is "train" (after every optimizer step; the caller picks which to show),
-    "eval", or "checkpoint" (each intermediate one at its step, the final one at `step == steps`)."""
+    "eval", or "checkpoint" (each intermediate one at its step, the final one at `step == steps`). A run that
+    continues an earlier one counts steps from where that one stopped."""
 
     phase: str
     step: int
@@ -100,7 +132,8 @@ class PretrainProgress:
 
 @dataclass(frozen=True, slots=True)
 class PretrainResult:
-    """What a run produced: checkpoint and summary paths, losses, held-out pass@1 with its 95% interval."""
+    """What a run produced: checkpoint (the `pretrain.pt`, or the Hugging Face folder) and summary paths, losses,
+    held-out pass@1 with its 95% interval, and the trained policy (in eval mode)."""
 
     checkpoint: Path
     summary: Path
@@ -110,81 +143,50 @@ class PretrainResult:
     wall_s: float
     train_s: float
     eval: EvalResult
+    policy: Policy | None = None
+    start_step: int = 0
+    """Steps of the run this one continued (0 for a fresh start); `steps` counts from 0 through both."""
 
 
 Progress = Callable[[PretrainProgress], None]
 
 
-def corrupt(solution: str, rng: random.Random) -> str:
-    """A plausible wrong attempt: change one integer literal, flip one operator, or drop one step line."""
-    lines = solution.split("\n")
-    steps = [i for i, line in enumerate(lines) if line.startswith("    ") and "return" not in line]
-    literals = list(re.finditer(r"(?<![\w'])\d+", solution))
-    kind = rng.choice(["literal", "operator", "drop"])
-    if kind == "literal" and literals:
-        m = rng.choice(literals)
-        value = int(m.group()) + rng.choice([-2, -1, 1, 2])
-        return solution[: m.start()] + str(max(0, value)) + solution[m.end():]
-    swaps = {" + ": " - ", " - ": " + ", " * ": " + ", " > ": " < ", " < ": " > ", "[::-1]": "", ".upper()": ""}
-    present = [k for k in swaps if k in solution]
-    if kind == "operator" and present:
-        old = rng.choice(present)
-        return solution.replace(old, swaps[old], 1)
-    if len(steps) > 1 and not any(line.strip().startswith(("if", "else")) for line in lines):
-        del lines[rng.choice(steps)]
-        return "\n".join(lines)
-    return solution.replace("return ", "return -", 1) if "return x" in solution else solution + "\n"
+def _documents(config: PretrainConfig, seed: int, tokenizer: ChatTokenizer) -> Iterator[Document]:
+    """Endless task documents of `config` (`corpus.task_documents`)."""
+    return task_documents(seed, tokenizer, eval_seed=config.task_seed, retry_fraction=config.retry_fraction,
+                          prompt_loss_weight=config.prompt_loss_weight)
 
 
-def _documents(config: PretrainConfig, seed: int, tokenizer: ByteTokenizer) -> Iterator[tuple[list[int], list[float]]]:
-    """Endless (ids, loss weights) documents: weights 1 on a correct solution, `prompt_loss_weight` elsewhere."""
-    rng = random.Random(f"rlbus-pretrain:{seed}")
-    tasks = train_tasks(seed, eval_seed=config.task_seed)
-    while True:
-        chunk = list(itertools.islice(tasks, 256))
-        retry = [rng.random() < config.retry_fraction for _ in chunk]
-        wrong = {i: corrupt(t.solution, rng) for i, t in enumerate(chunk) if retry[i]}
-        graded = dict(zip(wrong, grade_many([(chunk[i], code) for i, code in wrong.items()]), strict=True))
-        for i, task in enumerate(chunk):
-            first = graded.get(i)
-            yield _document(task, tokenizer, config.prompt_loss_weight,
-                            (wrong[i], first) if first is not None and not first.passed else None)
+def _corpus(config: PretrainConfig, seed: int, tokenizer: ChatTokenizer, max_seq_len: int,
+            held_out: Sequence[Task]) -> Iterator[Document]:
+    """Task documents mixed with code documents at `config.code_fraction` (task documents alone at 0)."""
+    tasks = _documents(config, seed, tokenizer)
+    if config.code_fraction <= 0.0:
+        return tasks
+    files = source_files([Path(d) for d in config.corpus_dirs], stdlib=config.stdlib)
+    code = code_documents(files, tokenizer, max_seq_len + 1, random.Random(f"rlbus-code:{seed}"),
+                          Decontaminator(held_out))
+    return mixed_documents(tasks, code, config.code_fraction, random.Random(f"rlbus-mix:{seed}"))
 
 
-def _document(task: Task, tokenizer: ByteTokenizer, prompt_weight: float,
-              wrong: tuple[str, GradeResult] | None) -> tuple[list[int], list[float]]:
-    episode = start_episode(task, tokenizer)
-    if wrong is not None:
-        episode = add_attempt(episode, [*tokenizer.encode(wrong[0]), tokenizer.end_turn_id], wrong[1], tokenizer)
-    correct = GradeResult("passed", len(task.tests), len(task.tests), "")
-    episode = add_attempt(episode, [*tokenizer.encode(task.solution), tokenizer.end_turn_id], correct, tokenizer)
-    flat = episode_tokens(episode, tokenizer)
-    last = len(episode.turns) - 1  # only the final (correct) attempt is a target
-    weights = [1.0 if m and t == last else (0.0 if m else prompt_weight) for m, t in zip(flat.loss_mask, flat.turn,
-                                                                                          strict=True)]
-    return flat.ids, weights
-
-
-def _batches(config: PretrainConfig, seed: int, tokenizer: ByteTokenizer
+def _batches(docs: Iterator[Document], batch_size: int, max_seq_len: int, pad_id: int, seed: int
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(inputs (B,T), targets (B,T), weights (B,T)), right-padded per batch.
 
     Documents come in pools of 8 batches, sorted by length so a batch pads little, batches shuffled.
     """
-    docs = _documents(config, seed, tokenizer)
     rng = random.Random(f"rlbus-batches:{seed}")
-    limit = config.model.max_seq_len + 1
+    limit = max_seq_len + 1
     pool_batches = 8
     while True:
-        pool = sorted((next(docs) for _ in range(config.batch_size * pool_batches)), key=lambda d: len(d[0]))
-        groups = [pool[i:i + config.batch_size] for i in range(0, len(pool), config.batch_size)]
+        pool = sorted((next(docs) for _ in range(batch_size * pool_batches)), key=lambda d: len(d[0]))
+        groups = [pool[i:i + batch_size] for i in range(0, len(pool), batch_size)]
         rng.shuffle(groups)
         for batch in groups:
-            yield _pad(batch, limit, tokenizer.pad_id)
+            yield _pad(batch, limit, pad_id)
 
 
-def _pad(batch: list[tuple[list[int], list[float]]], limit: int, pad_id: int
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pad(batch: list[Document], limit: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     width = min(limit, max(len(ids) for ids, _ in batch))
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     weights = torch.zeros((len(batch), width))
@@ -204,69 +206,106 @@ def _lr(step: int, steps: int, config: PretrainConfig) -> float:
 
 
 def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path, threads: int,
-             progress: Progress | None = None) -> PretrainResult:
-    """Train a fresh `Transformer(config.model)` for `steps`, checkpoint to `out_dir`, evaluate pass@1."""
+             progress: Progress | None = None, *, policy: Policy | None = None, start_step: int = 0,
+             origin: str = "", device: str = "cpu") -> PretrainResult:
+    """Train `policy` (default: a fresh `Transformer(config.model)` seeded by `seed`) for `steps`, checkpoint to
+    `out_dir`, evaluate pass@1 on `eval_tasks(config.task_seed, config.eval_n)`.
+
+    A built-in policy checkpoints to `out_dir/pretrain.pt`; a Hugging Face one makes `out_dir` a model directory.
+    `start_step` (the steps of the run `policy` comes from, named by `origin`) continues the step count and
+    varies the data; the schedule spans this run's `steps`.
+
+    :raises ValueError: steps or threads below 1, or a vocabulary too small for the tokenizer.
+    :raises PolicyError: `out_dir` holds files that a Hugging Face output would replace but did not write.
+    """
     steps = config.steps if steps is None else steps
-    if steps < 1 or threads < 1:
-        raise ValueError(f"steps ({steps}) and threads ({threads}) must be >= 1")
+    if steps < 1 or threads < 1 or start_step < 0:
+        raise ValueError(f"steps ({steps}) and threads ({threads}) must be >= 1, start_step ({start_step}) >= 0")
     report = progress or (lambda _: None)
-    out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    tokenizer = ByteTokenizer()
-    if config.model.vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"model vocab_size {config.model.vocab_size} < tokenizer's {tokenizer.vocab_size}")
-    model = Transformer(config.model)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    if policy is None:
+        tokenizer = ByteTokenizer()
+        if config.model.vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"model vocab_size {config.model.vocab_size} < tokenizer's {tokenizer.vocab_size}")
+        policy = BuiltinPolicy(Transformer(config.model), tokenizer)
+    if isinstance(policy, BuiltinPolicy):
+        config = dataclasses.replace(config, model=policy.config)
+    else:
+        _check_hf_out(out_dir)
+    policy.to_(device=resolve_device(device), dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = policy.tokenizer
+    module = policy.module
+    held_out = eval_tasks(config.task_seed, config.eval_n)
+    data_seed = seed + start_step
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
     start = time.monotonic()
     losses: list[float] = []
     tokens_seen = 0
-    checkpoint = out_dir / CHECKPOINT_NAME
-    batches = _batches(config, seed, tokenizer)
-    model.train()
+    total = start_step + steps
+    hf = not isinstance(policy, BuiltinPolicy)
+    checkpoint = out_dir if hf else out_dir / CHECKPOINT_NAME
+    batches = _batches(_corpus(config, data_seed, tokenizer, policy.max_seq_len, held_out), config.batch_size,
+                       policy.max_seq_len, tokenizer.pad_id, data_seed)
+    base = {"seed": seed, "threads": threads, "task_seed": config.task_seed, "policy": policy.kind,
+            "start_step": start_step, "from": origin}
+    policy.train()
     for step in range(steps):
-        inputs, targets, weights = next(batches)
+        inputs, targets, weights = (t.to(policy.device) for t in next(batches))
         lr = _lr(step, steps, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        logits = model(inputs).logits
+        logits = policy.forward(inputs).logits.float()
         per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
         loss = (per_token * weights.reshape(-1)).sum() / weights.sum().clamp_min(1.0)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        torch.nn.utils.clip_grad_norm_(module.parameters(), config.grad_clip)
         optimizer.step()
         losses.append(loss.item())
         tokens_seen += int((targets != tokenizer.pad_id).sum())
         elapsed = time.monotonic() - start
-        report(PretrainProgress("train", step + 1, steps, elapsed, losses[-1], lr, tokens_seen / elapsed))
+        done = start_step + step + 1
+        report(PretrainProgress("train", done, total, elapsed, losses[-1], lr, tokens_seen / elapsed))
         if (step + 1) % config.checkpoint_every == 0 and step + 1 < steps:
-            _save(checkpoint, model, tokenizer, config, {"seed": seed, "step": step + 1, "final": False})
-            report(PretrainProgress("checkpoint", step + 1, steps, elapsed, note=str(checkpoint)))
+            meta = {**base, "step": done, "final": False, "first_loss": losses[0], "losses": losses}
+            if hf:
+                _save_hf(out_dir, policy, {**meta, "config": _config_dict(config, hf), "checkpoint": str(checkpoint)})
+            else:
+                _save(checkpoint, policy.transformer, config, {k: meta[k] for k in ("seed", "step", "final")})
+            report(PretrainProgress("checkpoint", done, total, elapsed, note=str(checkpoint)))
     train_s = time.monotonic() - start
-    log.info("pretrain_trained", steps=steps, first_loss=losses[0], final_loss=losses[-1], seconds=round(train_s, 1))
-    report(PretrainProgress("eval", steps, steps, train_s, note=f"greedy pass@1 on {config.eval_n} held-out tasks"))
-    result = evaluate_pass_at_1(model, tokenizer, eval_tasks(config.task_seed, config.eval_n),
-                                max_new_tokens=config.max_new_tokens)
+    log.info("pretrain_trained", steps=steps, first_loss=losses[0], final_loss=losses[-1], seconds=round(train_s, 1),
+             policy=policy.kind, start_step=start_step)
+    report(PretrainProgress("eval", total, total, train_s, note=f"greedy pass@1 on {config.eval_n} held-out tasks"))
+    policy.eval()
+    result = evaluate_pass_at_1(policy, tokenizer, held_out, max_new_tokens=config.max_new_tokens)
     wall_s = time.monotonic() - start
     final_loss = sum(losses[-10:]) / len(losses[-10:])
     meta = {
-        "seed": seed, "step": steps, "final": True, "threads": threads, "task_seed": config.task_seed,
+        "seed": seed, "step": total, "final": True, "threads": threads, "task_seed": config.task_seed,
         "first_loss": losses[0], "final_loss": final_loss, "train_s": round(train_s, 2), "wall_s": round(wall_s, 2),
         "eval": {"n": result.n, "passed": result.passed, "pass_at_1": result.pass_at_1,
                  "ci95": [result.ci_low, result.ci_high], "by_family": result.by_family},
     }
-    _save(checkpoint, model, tokenizer, config, meta)
     summary = out_dir / SUMMARY_NAME
-    summary.write_text(json.dumps({**meta, "config": dataclasses.asdict(config), "checkpoint": str(checkpoint),
-                                   "tokenizer": tokenizer.info()}, indent=2) + "\n")
+    document = {**meta, "config": _config_dict(config, hf), "checkpoint": str(checkpoint), "policy": policy.kind,
+                "start_step": start_step, "from": origin, "losses": losses}
+    if hf:
+        _save_hf(out_dir, policy, document)
+    else:
+        _save(checkpoint, policy.transformer, config, meta)
+        summary.write_text(json.dumps({**document, "tokenizer": ByteTokenizer().info()}, indent=2) + "\n")
+        plot_losses(out_dir / LOSS_PLOT, losses, start_step)
     log.info("pretrain_evaluated", pass_at_1=result.pass_at_1, ci95=[result.ci_low, result.ci_high],
              seconds=round(wall_s, 1))
-    report(PretrainProgress("checkpoint", steps, steps, wall_s, note=str(checkpoint)))
-    return PretrainResult(checkpoint, summary, steps, losses[0], final_loss, wall_s, train_s, result)
+    report(PretrainProgress("checkpoint", total, total, wall_s, note=str(checkpoint)))
+    return PretrainResult(checkpoint, summary, total, losses[0], final_loss, wall_s, train_s, result, policy,
+                          start_step)
 
 
 KEY_FORMAT: Final = 1
@@ -284,11 +323,21 @@ def settings_key(config: PretrainConfig, steps: int, seed: int, threads: int) ->
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _save(path: Path, model: Transformer, tokenizer: ByteTokenizer, config: PretrainConfig,
-          meta: dict[str, Any]) -> None:
+def _config_dict(config: PretrainConfig, hf: bool) -> dict[str, Any]:
+    """The config as plain values; without the built-in `model` shape for a Hugging Face policy (its own
+    config.json says it)."""
+    values = dataclasses.asdict(config)
+    if hf:
+        del values["model"]
+    return values
+
+
+# ---- built-in checkpoints ----------------------------------------------------------------------------------
+
+def _save(path: Path, model: Transformer, config: PretrainConfig, meta: dict[str, Any]) -> None:
     """Atomic torch.save of state_dict, model config, tokenizer info and meta (write, fsync, rename)."""
     payload = {"state_dict": model.state_dict(), "model_config": dataclasses.asdict(config.model),
-               "tokenizer": tokenizer.info(), "pretrain_config": dataclasses.asdict(config), "meta": meta}
+               "tokenizer": ByteTokenizer().info(), "pretrain_config": dataclasses.asdict(config), "meta": meta}
     tmp = path.with_suffix(".tmp")
     with tmp.open("wb") as f:
         torch.save(payload, f)
@@ -307,3 +356,116 @@ def load_checkpoint(path: Path) -> tuple[Transformer, ByteTokenizer, dict[str, A
     model.load_state_dict(payload["state_dict"])
     model.eval()
     return model, ByteTokenizer.from_info(payload["tokenizer"]), dict(payload["meta"])
+
+
+# ---- Hugging Face directories ----------------------------------------------------------------------------
+
+def _check_hf_out(out_dir: Path) -> None:
+    """A Hugging Face run replaces `out_dir` whole: refuse a folder holding files it did not write.
+
+    :raises PolicyError: `out_dir` is a file, or a non-empty folder without a `pretrain.json`.
+    """
+    if out_dir.exists() and not out_dir.is_dir():
+        raise PolicyError(f"output {out_dir} is a file; a Hugging Face run writes a folder there")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / SUMMARY_NAME).is_file():
+        raise PolicyError(f"output folder {out_dir} is not empty and holds no {SUMMARY_NAME}: a Hugging Face run "
+                          f"replaces the whole folder with the model directory; pass an empty or new --out")
+
+
+def _save_hf(out_dir: Path, policy: Policy, summary: dict[str, Any]) -> None:
+    """`out_dir` becomes a complete model directory: the policy's files (tokenizer, chat template), then
+    `save_pretrained` of its module (config, generation config, safetensors), `pretrain.json` and `loss.png`.
+
+    Written into a sibling temporary folder, then renamed over `out_dir` (the previous checkpoint is moved aside
+    first and removed after), so a reader never sees a half-written directory under `out_dir`.
+    """
+    out_dir = out_dir.resolve()
+    tmp = out_dir.with_name(f".{out_dir.name}.partial")
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    for stale in (tmp, old):
+        if stale.exists():
+            shutil.rmtree(stale)
+    tmp.mkdir(parents=True)
+    for name, data in policy.files().items():
+        (tmp / name).write_bytes(data)
+    policy.module.save_pretrained(tmp)  # type: ignore[operator]
+    (tmp / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n")
+    plot_losses(tmp / LOSS_PLOT, summary.get("losses", []), int(summary.get("start_step", 0)))
+    if out_dir.exists():
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def load_start(path: Path, *, device: str = "cpu") -> tuple[Policy, int]:
+    """The policy a `--from` run continues, in fp32, and the steps it was trained for (its `pretrain.json`'s
+    `step`; 0 when it has none, as a downloaded model does). A folder (or file) holding a `pretrain.pt` is a
+    built-in checkpoint; anything else must be a Hugging Face model directory.
+
+    :raises PolicyError: from `HFPolicy.load` (no such folder, not a model directory) or `BuiltinPolicy.load`.
+    """
+    folder = path if path.is_dir() else path.parent
+    if path.is_file() or (path / CHECKPOINT_NAME).is_file():
+        policy: Policy = BuiltinPolicy.load(path)
+    else:
+        from rlbus.model.hf_policy import HFPolicy
+
+        policy = HFPolicy.load(path, device=device, dtype=torch.float32)
+    step = 0
+    if (folder / SUMMARY_NAME).is_file():
+        try:
+            step = int(json.loads((folder / SUMMARY_NAME).read_text()).get("step", 0))
+        except (ValueError, TypeError, AttributeError) as err:
+            raise PolicyError(f"{folder / SUMMARY_NAME}: not a pretrain summary ({err}); remove it to start the "
+                              "step count at 0") from None
+    return policy, step
+
+
+def new_hf_policy(config: PretrainConfig, architecture: str, size: str, seed: int, *, max_seq_len: int,
+                  device: str = "cpu") -> Policy:
+    """A randomly initialised Hugging Face policy (`hf_recipe.build_hf_dir`) whose BPE tokenizer is trained on
+    this run's corpus: training-task texts and a seeded sample of the source files (`corpus.tokenizer_texts`,
+    decontaminated against the held-out set), about `TOKENIZER_CHARS` characters.
+
+    :raises PolicyError: an architecture or size the recipe does not build.
+    """
+    from rlbus.model.hf_policy import HFPolicy
+    from rlbus.model.hf_recipe import build_hf_dir
+
+    files = source_files([Path(d) for d in config.corpus_dirs], stdlib=config.stdlib)
+    held_out = Decontaminator(eval_tasks(config.task_seed, config.eval_n))
+    tasks = itertools.islice(train_tasks(seed, eval_seed=config.task_seed), 500)
+    texts = tokenizer_texts(files, tasks, held_out, random.Random(f"rlbus-bpe:{seed}"), max_chars=TOKENIZER_CHARS)
+    with tempfile.TemporaryDirectory(prefix="rlbus-hf-init-") as tmp:
+        try:
+            build_hf_dir(Path(tmp), architecture=architecture, texts=texts,  # type: ignore[arg-type]
+                         vocab_size=HF_VOCAB.get(size, 2048), size=size,  # type: ignore[arg-type]
+                         max_seq_len=max_seq_len, seed=seed)
+        except ValueError as err:
+            raise PolicyError(f"--hf {architecture} --config {size}: {err}") from None
+        return HFPolicy.load(Path(tmp), device=device, dtype=torch.float32)
+
+
+def plot_losses(path: Path, losses: Sequence[float], start_step: int = 0) -> None:
+    """The loss curve as a PNG (matplotlib's Agg canvas, no pyplot state): every step, and a 10-step moving
+    average once there are 20 steps. Written to a temporary name, then renamed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.6), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    steps = list(range(start_step + 1, start_step + len(losses) + 1))
+    ax.plot(steps, losses, linewidth=0.8, alpha=0.6, label="loss")
+    if len(losses) >= 20:
+        smooth = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
+        ax.plot(steps, smooth, linewidth=1.6, label="10-step mean")
+        ax.legend()
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats per target token)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    tmp.replace(path)

@@ -1,0 +1,240 @@
+"""The pretraining corpus: built-in task documents mixed with real Python source, decontaminated.
+
+Owns: the task documents (prompt + canonical solution, some retrying a corrupted first attempt after its test
+feedback), the code documents (the standard library's own `.py` files and any directory given, read lazily in a
+seeded order and split at line boundaries into plain documents of at most the model's context, each ending with
+the tokenizer's `eos_id`, loss on every token), the decontamination rule (`Decontaminator`), the mix
+(`mixed_documents`) and `tokenizer_texts` (what a new BPE tokenizer learns from).
+Does not own: tokenizers, batching or the training loop (`model/pretrain.py`).
+
+Decontamination: text is normalised by collapsing every run of whitespace to one space; a source file whose
+normalised text contains the normalised prompt or the normalised canonical solution body of any held-out task is
+dropped whole (so no split can cut a copy in two and let both halves through). Every code document is a slice
+of a file that passed, so no document contains a held-out prompt or solution.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import re
+import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Final
+
+from rlbus.model.episodes import add_attempt, episode_tokens, start_episode
+from rlbus.model.grading import GradeResult, grade_many
+from rlbus.model.policy import ChatTokenizer
+from rlbus.model.tasks import Task, train_tasks
+
+Document = tuple[list[int], list[float]]
+"""(ids, loss weight per id)."""
+
+SKIP_DIRS: Final = frozenset({"test", "tests", "site-packages", "dist-packages", "idlelib", "lib2to3",
+                              "turtledemo", "ensurepip", "pydoc_data", "__pycache__", "node_modules"})
+"""Folders never read: test suites, installed third-party packages, the IDLE and 2to3 sources, generated data."""
+MAX_FILE_BYTES: Final = 256 * 1024
+"""Source files larger than this are skipped (generated tables, not code a policy should imitate)."""
+MIN_DOC_TOKENS: Final = 16
+"""Shorter slices (a file's last few lines) are not worth a batch row."""
+
+
+class CorpusError(ValueError):
+    """A corpus that cannot be read: a `--corpus` folder that is none, or no source file left to train on."""
+
+
+def normalise(text: str) -> str:
+    """Every run of whitespace as one space, no leading or trailing space."""
+    return " ".join(text.split())
+
+
+class Decontaminator:
+    """Refuses text holding a held-out task's prompt or canonical solution body (after `normalise`)."""
+
+    def __init__(self, held_out: Iterable[Task]) -> None:
+        needles = {normalise(part) for task in held_out for part in (task.prompt, task.solution)}
+        self.needles: tuple[str, ...] = tuple(sorted(n for n in needles if n))
+
+    def clean(self, text: str) -> bool:
+        """True when `text` contains none of the held-out prompts or solution bodies."""
+        flat = normalise(text)
+        return not any(needle in flat for needle in self.needles)
+
+
+# ---- task documents ------------------------------------------------------------------------------------
+
+def corrupt(solution: str, rng: random.Random) -> str:
+    """A plausible wrong attempt: change one integer literal, flip one operator, or drop one step line."""
+    lines = solution.split("\n")
+    steps = [i for i, line in enumerate(lines) if line.startswith("    ") and "return" not in line]
+    literals = list(re.finditer(r"(?<![\w'])\d+", solution))
+    kind = rng.choice(["literal", "operator", "drop"])
+    if kind == "literal" and literals:
+        m = rng.choice(literals)
+        value = int(m.group()) + rng.choice([-2, -1, 1, 2])
+        return solution[: m.start()] + str(max(0, value)) + solution[m.end():]
+    swaps = {" + ": " - ", " - ": " + ", " * ": " + ", " > ": " < ", " < ": " > ", "[::-1]": "", ".upper()": ""}
+    present = [k for k in swaps if k in solution]
+    if kind == "operator" and present:
+        old = rng.choice(present)
+        return solution.replace(old, swaps[old], 1)
+    if len(steps) > 1 and not any(line.strip().startswith(("if", "else")) for line in lines):
+        del lines[rng.choice(steps)]
+        return "\n".join(lines)
+    return solution.replace("return ", "return -", 1) if "return x" in solution else solution + "\n"
+
+
+def task_documents(seed: int, tokenizer: ChatTokenizer, *, eval_seed: int, retry_fraction: float,
+                   prompt_loss_weight: float) -> Iterator[Document]:
+    """Endless task documents: weights 1 on a correct solution, `prompt_loss_weight` on prompt and feedback,
+    0 on a wrong first attempt. Training tasks never share a prompt with `eval_tasks(eval_seed)`."""
+    rng = random.Random(f"rlbus-pretrain:{seed}")
+    tasks = train_tasks(seed, eval_seed=eval_seed)
+    while True:
+        chunk = list(itertools.islice(tasks, 256))
+        retry = [rng.random() < retry_fraction for _ in chunk]
+        wrong = {i: corrupt(t.solution, rng) for i, t in enumerate(chunk) if retry[i]}
+        graded = dict(zip(wrong, grade_many([(chunk[i], code) for i, code in wrong.items()]), strict=True))
+        for i, task in enumerate(chunk):
+            first = graded.get(i)
+            yield task_document(task, tokenizer, prompt_loss_weight,
+                                (wrong[i], first) if first is not None and not first.passed else None)
+
+
+def task_document(task: Task, tokenizer: ChatTokenizer, prompt_weight: float,
+                  wrong: tuple[str, GradeResult] | None) -> Document:
+    """One episode in the tokenizer's chat framing: the prompt, optionally a wrong attempt and its feedback, then
+    the canonical solution closed by the tokenizer's `stop_id`; only that last attempt is a target."""
+    episode = start_episode(task, tokenizer)
+    if wrong is not None:
+        episode = add_attempt(episode, [*tokenizer.encode(wrong[0]), tokenizer.stop_id], wrong[1], tokenizer)
+    correct = GradeResult("passed", len(task.tests), len(task.tests), "")
+    episode = add_attempt(episode, [*tokenizer.encode(task.solution), tokenizer.stop_id], correct, tokenizer)
+    flat = episode_tokens(episode, tokenizer)
+    last = len(episode.turns) - 1
+    weights = [1.0 if m and t == last else (0.0 if m else prompt_weight)
+               for m, t in zip(flat.loss_mask, flat.turn, strict=True)]
+    return flat.ids, weights
+
+
+# ---- source files ----------------------------------------------------------------------------------------
+
+def stdlib_root() -> Path:
+    """The folder of the running Python's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def source_files(dirs: Sequence[Path], *, stdlib: bool) -> list[Path]:
+    """Every `.py` file under `dirs` (and the standard library when `stdlib`), sorted, skipping `SKIP_DIRS`,
+    hidden folders and files over `MAX_FILE_BYTES`. Lists names only; nothing is read.
+
+    :raises CorpusError: a folder of `dirs` that does not exist.
+    """
+    roots = [stdlib_root()] if stdlib else []
+    for d in dirs:
+        if not d.is_dir():
+            raise CorpusError(f"corpus folder {d} does not exist or is not a folder; pass a folder of .py files")
+        roots.append(d)
+    found: set[Path] = set()
+    for root in roots:
+        for folder, subdirs, files in os.walk(root):
+            subdirs[:] = sorted(s for s in subdirs if s not in SKIP_DIRS and not s.startswith((".", "config-")))
+            for name in files:
+                path = Path(folder) / name
+                if name.endswith(".py") and path.is_file() and path.stat().st_size <= MAX_FILE_BYTES:
+                    found.add(path)
+    return sorted(found)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def split_source(text: str, tokenizer: ChatTokenizer, max_tokens: int) -> list[list[int]]:
+    """`text` as documents of at most `max_tokens` ids each, the last one `eos_id`.
+
+    Lines are grouped greedily (by each line's own token count) and each group is encoded as one text; a group
+    that encodes longer (or one line longer than the budget) is cut. Groups under `MIN_DOC_TOKENS` or of blank
+    text are dropped.
+    """
+    budget = max_tokens - 1
+    if budget < 1:
+        raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+    groups: list[str] = []
+    lines: list[str] = []
+    used = 0
+    for line in text.splitlines(keepends=True):
+        n = len(tokenizer.encode(line))
+        if lines and used + n > budget:
+            groups.append("".join(lines))
+            lines, used = [], 0
+        lines.append(line)
+        used += n
+    if lines:
+        groups.append("".join(lines))
+    docs = []
+    for group in groups:
+        if not group.strip():
+            continue
+        ids = tokenizer.encode(group)[:budget]
+        if len(ids) >= MIN_DOC_TOKENS:
+            docs.append([*ids, tokenizer.eos_id])
+    return docs
+
+
+def code_documents(files: Sequence[Path], tokenizer: ChatTokenizer, max_tokens: int, rng: random.Random,
+                   decontaminator: Decontaminator) -> Iterator[Document]:
+    """Endless plain documents from `files`, weight 1 on every id: the files in an `rng` order (reshuffled each
+    pass), each read only when reached, dropped whole unless `decontaminator.clean`, split by `split_source`.
+
+    :raises CorpusError: a whole pass over `files` gives no document.
+    """
+    order = list(files)
+    while True:
+        rng.shuffle(order)
+        produced = 0
+        for path in order:
+            text = _read(path)
+            if text is None or not decontaminator.clean(text):
+                continue
+            for ids in split_source(text, tokenizer, max_tokens):
+                produced += 1
+                yield ids, [1.0] * len(ids)
+        if not produced:
+            raise CorpusError(f"none of {len(order)} source files gives a document (unreadable, empty, or holding "
+                              "a held-out task); pass --corpus folders of .py files or set the code fraction to 0")
+
+
+def mixed_documents(tasks: Iterator[Document], code: Iterator[Document] | None, code_fraction: float,
+                    rng: random.Random) -> Iterator[Document]:
+    """Each document is code with probability `code_fraction`, else a task document. With no code (or a fraction
+    of 0) the task documents pass through untouched and `rng` is never drawn."""
+    if code is None or code_fraction <= 0.0:
+        yield from tasks
+        return
+    while True:
+        yield next(code) if rng.random() < code_fraction else next(tasks)
+
+
+def tokenizer_texts(files: Sequence[Path], tasks: Iterable[Task], decontaminator: Decontaminator,
+                    rng: random.Random, *, max_chars: int) -> list[str]:
+    """Texts a new BPE tokenizer learns from: the given training tasks' prompts and solutions, then source files
+    in an `rng` order (decontaminated like the documents) until about `max_chars` characters in all."""
+    texts = [task.prompt + task.solution for task in tasks]
+    total = sum(map(len, texts))
+    order = list(files)
+    rng.shuffle(order)
+    for path in order:
+        if total >= max_chars:
+            break
+        text = _read(path)
+        if text is None or not decontaminator.clean(text):
+            continue
+        texts.append(text)
+        total += len(text)
+    return texts
