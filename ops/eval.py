@@ -6,9 +6,9 @@ With `--samples K` it also samples K completions per task at `--temperature` and
 pass@1, pass@K and, for the tasks greedy decoding fails, how many passes the policy samples at all: the
 measure of what RL can still turn into greedy passes (docs/experiments.md).
 
-Owns: the `eval` subcommand, `load_policy` (state directory, `checkpoints/step-N` directory or
-`pretrain.pt` → policy and a label; checkpoint objects digest-checked against their `mark.json`),
-`sample_passes` and `summarize`.
+Owns: the `eval` subcommand, `load_policy` (state directory, `checkpoints/step-N` directory, `pretrain.pt`
+or Hugging Face directory → a `Policy` and a label; checkpoint objects digest-checked against their
+`mark.json`), `sample_passes` and `summarize`.
 Does not: run while a run goes on or publish anything (actors/evaluator.py; ops/final_eval.py).
 """
 
@@ -23,7 +23,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from rlbus.model.policy import Policy
 
 DEFAULT_TASKS: Final = 1000
 """The default run's evaluator (`topology/examples/single.toml` [evaluator] n_tasks)."""
@@ -43,8 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "--temperature: sampled pass@1, pass@K, and how many of the tasks greedy decoding fails "
                     "the policy solves at least once in K (what RL can still turn into greedy passes). "
                     "WEIGHTS is a run's state directory (its newest checkpoint), one checkpoints/step-N "
-                    "directory, or a pretrain.pt (or the directory holding it).")
-    p.add_argument("weights", type=Path, help="state directory, checkpoints/step-N directory, or pretrain.pt")
+                    "directory, a pretrain.pt (or the directory holding it), or a Hugging Face directory "
+                    "(config.json, safetensors, tokenizer.json with its chat template; `rlbus export` writes one).")
+    p.add_argument("weights", type=Path,
+                   help="state directory, checkpoints/step-N directory, pretrain.pt, or Hugging Face directory")
     p.add_argument("--tasks", type=int, default=DEFAULT_TASKS,
                    help=f"held-out tasks to score (default {DEFAULT_TASKS}, the default run's evaluator)")
     p.add_argument("--seed", type=int, default=1, help="held-out task seed (default 1, the evaluator's)")
@@ -56,6 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="sampling temperature for --samples (default 0.7, the default run's)")
     p.add_argument("--sample-seed", type=int, default=0, help="seed of the sampler (default 0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the policy runs (default auto: CUDA when present, else CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(handler=_handler)
 
@@ -72,13 +79,13 @@ def _handler(args: argparse.Namespace) -> int:
     import torch
 
     from rlbus.model.evaluate import evaluate_pass_at_1
+    from rlbus.model.policy import resolve_device
     from rlbus.model.tasks import eval_tasks
-    from rlbus.model.tokenizer import ByteTokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    policy, label = load_policy(args.weights)
-    tokenizer = ByteTokenizer()
+    policy, label = load_policy(args.weights, device=resolve_device(args.device))
+    tokenizer = policy.tokenizer
     started = time.monotonic()
     tasks = eval_tasks(args.seed, args.tasks)
     _progress(f"{label}: greedy on {len(tasks)} held-out tasks (seed {args.seed})")
@@ -87,7 +94,7 @@ def _handler(args: argparse.Namespace) -> int:
     if args.samples:
         _progress(f"greedy done in {time.monotonic() - started:.0f}s; sampling {args.samples} per task at "
                   f"temperature {args.temperature}")
-        passes = sample_passes(policy, tokenizer, tasks, samples=args.samples, temperature=args.temperature,
+        passes = sample_passes(policy, tasks, samples=args.samples, temperature=args.temperature,
                                max_tokens=args.max_tokens, seed=args.sample_seed,
                                progress=lambda done: _progress(f"sampled {done}/{len(tasks)} tasks "
                                                                f"({time.monotonic() - started:.0f}s)"))
@@ -105,30 +112,41 @@ def _progress(text: str) -> None:
 
 
 # ---- the weights --------------------------------------------------------------------------------
-def load_policy(path: Path) -> tuple[Any, str]:
-    """(the policy in bfloat16, eval mode; a label) from a state directory (its newest durable checkpoint),
-    a `checkpoints/step-N` directory (its state object, digest-checked against `mark.json`) or a
-    `pretrain.pt` / a directory holding one (the pretrained base, as version 0 is published).
+def load_policy(path: Path, *, device: Any = "cpu", dtype: Any = None) -> tuple[Policy, str]:
+    """(the policy in eval mode on `device`, in `dtype` (default bfloat16: as a version is published); a label)
+    from a state directory (its newest durable checkpoint), a `checkpoints/step-N` directory (its state object,
+    digest-checked against `mark.json`), a `pretrain.pt` / a directory holding one (the pretrained base, as
+    version 0 is published) or a Hugging Face directory (one with a config.json).
 
-    :raises RlbusError: nothing loadable there, or a checkpoint object that does not match its digest.
+    :raises RlbusError: nothing loadable there (PolicyError), or a checkpoint object that does not match its
+        digest (CheckpointError); every message is one line.
     """
     import torch
 
     from rlbus.actors.common.checkpoints import MARK_FILE, checkpoint_dir, durable_steps
     from rlbus.messages.errors import RlbusError
-    from rlbus.model.pretrain import CHECKPOINT_NAME, load_checkpoint
+    from rlbus.model.policy import PolicyError, is_hf_dir
+    from rlbus.model.pretrain import CHECKPOINT_NAME
 
+    dtype = dtype or torch.bfloat16
     if not path.exists():
         raise RlbusError(f"{path}: no such file or directory; expected a run's state directory, a "
-                         f"checkpoints/step-N directory or a {CHECKPOINT_NAME}")
-    if path.is_file() or (path / CHECKPOINT_NAME).is_file():
+                         f"checkpoints/step-N directory, a {CHECKPOINT_NAME} or a Hugging Face directory")
+    if is_hf_dir(path) or path.is_file() or (path / CHECKPOINT_NAME).is_file():
+        from rlbus.model.policy import load_policy as load_weights
+
         try:
-            model, _, meta = load_checkpoint(path)
+            policy = load_weights(path, device=device, dtype=dtype)
+        except PolicyError as err:
+            raise PolicyError(one_line(err)) from None
         except (OSError, EOFError, RuntimeError, KeyError, TypeError, ValueError, pickle.UnpicklingError) as err:
-            raise RlbusError(f"{path}: not a readable {CHECKPOINT_NAME} ({type(err).__name__}: {err}); expected "
-                             f"the file `rlbus pretrain` or `rlbus up` writes") from None
-        steps = meta.get("steps")
-        return model.to(torch.bfloat16).eval(), f"{path} (pretrained base{f', {steps} steps' if steps else ''})"
+            raise PolicyError(f"{path}: not a readable {CHECKPOINT_NAME} ({type(err).__name__}: "
+                              f"{one_line(err, 120)}); expected the file `rlbus pretrain` or `rlbus up` "
+                              f"writes") from None
+        if is_hf_dir(path):
+            return policy, f"{path} (Hugging Face directory, {policy.kind} policy)"
+        steps = _pretrain_steps(path / CHECKPOINT_NAME if path.is_dir() else path)
+        return policy, f"{path} (pretrained base{f', {steps} steps' if steps else ''})"
     if (path / "checkpoints").is_dir():
         steps = durable_steps(path)
         if not steps:
@@ -137,50 +155,78 @@ def load_policy(path: Path) -> tuple[Any, str]:
         path = checkpoint_dir(path, max(steps))
     if not (path / MARK_FILE).is_file():
         raise RlbusError(f"{path}: expected a run's state directory (with checkpoints/), a checkpoints/step-N "
-                         f"directory (with {MARK_FILE}) or a {CHECKPOINT_NAME}")
-    return _checkpoint_policy(path)
+                         f"directory (with {MARK_FILE}), a {CHECKPOINT_NAME} or a Hugging Face directory "
+                         f"(with config.json)")
+    return _checkpoint_policy(path, device=device, dtype=dtype)
 
 
-def _checkpoint_policy(path: Path) -> tuple[Any, str]:
+def one_line(err: BaseException | str, limit: int = 400) -> str:
+    """An error's text on one line (runs of whitespace, newlines included, become one space), cut at `limit`."""
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _pretrain_steps(file: Path) -> int | None:
+    """The pretraining steps a `pretrain.pt` records (its meta), read through a memory map."""
+    import torch
+
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=True, mmap=True).get("meta", {})
+    except (OSError, RuntimeError, pickle.UnpicklingError, AttributeError):
+        return None
+    steps = meta.get("steps") if isinstance(meta, dict) else None
+    return steps if isinstance(steps, int) else None
+
+
+def _checkpoint_policy(path: Path, *, device: Any, dtype: Any) -> tuple[Policy, str]:
     import msgspec
 
     from rlbus.actors.common.checkpoints import MARK_FILE, read_durable_state
     from rlbus.actors.common.errors import CheckpointError
+    from rlbus.actors.trainer.core import state_policy
     from rlbus.messages.errors import RlbusError
     from rlbus.messages.schemas import CheckpointMark
-    from rlbus.ops.final_eval import policy_from_state
 
     try:
         mark = msgspec.json.decode((path / MARK_FILE).read_bytes(), type=CheckpointMark)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as err:
-        raise RlbusError(f"{path / MARK_FILE}: not a checkpoint mark: {err}") from None
+        raise RlbusError(f"{path / MARK_FILE}: not a checkpoint mark: {one_line(err)}") from None
     try:
         blob = read_durable_state(path, mark)
     except CheckpointError as err:
-        raise RlbusError(f"{err}: the checkpoint is damaged") from None
-    return policy_from_state(blob), f"{path} (checkpoint step {mark.step}, policy version {mark.policy_version})"
+        raise CheckpointError(f"{one_line(err)}: the checkpoint is damaged") from None
+    try:
+        policy = state_policy(blob, device=device, dtype=dtype)
+    except CheckpointError as err:
+        raise CheckpointError(f"{path}: {one_line(err)}") from None
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        raise CheckpointError(f"{path / mark.objects[0]}: not a trainer state ({type(err).__name__}: "
+                              f"{one_line(err, 120)})") from None
+    return policy, f"{path} (checkpoint step {mark.step}, policy version {mark.policy_version})"
 
 
 # ---- sampling -----------------------------------------------------------------------------------
-def sample_passes(model: Any, tokenizer: Any, tasks: Sequence[Any], *, samples: int, temperature: float,
+def sample_passes(policy: Policy, tasks: Sequence[Any], *, samples: int, temperature: float,
                   max_tokens: int, seed: int = 0, progress: Callable[[int], None] | None = None) -> list[int]:
     """Per task, how many of `samples` completions at `temperature` pass every test (one batched
-    `generate` call per SAMPLE_TASKS_PER_CALL tasks, bfloat16 KV cache like the generators; graded in
-    a `model.grading` subprocess). Seeded: the same arguments give the same counts."""
+    `generate` call per SAMPLE_TASKS_PER_CALL tasks, bfloat16 KV cache like the generators, prompts and stops
+    from `policy.tokenizer`; graded in a `model.grading` subprocess). Seeded: the same arguments give the same
+    counts."""
     import torch
 
     from rlbus.model.episodes import completion_text
     from rlbus.model.generate import generate
     from rlbus.model.grading import grade_many
 
-    sampler = torch.Generator().manual_seed(seed)
+    tokenizer = policy.tokenizer
+    sampler = torch.Generator(device=policy.device).manual_seed(seed)
     passes: list[int] = []
     every = max(1, len(tasks) // 10)
     for first in range(0, len(tasks), SAMPLE_TASKS_PER_CALL):
         chunk = tasks[first:first + SAMPLE_TASKS_PER_CALL]
         prompts = [tokenizer.prompt_ids(t.prompt) for t in chunk for _ in range(samples)]
         with torch.no_grad():
-            out = generate(model, prompts, max_new_tokens=max_tokens, temperature=temperature,
+            out = generate(policy, prompts, max_new_tokens=max_tokens, temperature=temperature,
                            eos_id=tokenizer.stop_id, pad_id=tokenizer.pad_id, generator=sampler,
                            kv_dtype=torch.bfloat16)
         graded = grade_many([(chunk[j // samples], completion_text(s.tokens.tolist(), tokenizer))

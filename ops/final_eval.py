@@ -13,7 +13,6 @@ Does not: publish on the bus, or evaluate while the run is going (actors/evaluat
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,16 +23,15 @@ import torch
 
 from rlbus.actors.common.config import EvaluatorLaunch
 from rlbus.actors.common.errors import TaskError
-from rlbus.actors.common.weight_sync import config_from_dict
+from rlbus.actors.trainer.core import state_policy
 from rlbus.actors.trainer.resume import load_state
 from rlbus.messages.bus import Bus
 from rlbus.messages.history import last_message
 from rlbus.messages.schemas import CheckpointMark, EvalReport
 from rlbus.model.evaluate import EvalResult, evaluate_pass_at_1
+from rlbus.model.policy import Policy
 from rlbus.model.task_sources import BUILTIN, TaskSourceError, held_out_tasks
 from rlbus.model.tasks import Task
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import Transformer
 
 REPORT_NAME: Final = "final_eval.json"
 """In the state directory: the closing evaluation (version, step, pass@1, interval, per family)."""
@@ -69,21 +67,21 @@ async def final_evaluation(bus: Bus, state_dir: Path, *, seed: int, n_tasks: int
     return FinalEval(mark.step, mark.policy_version, result)
 
 
-def policy_from_state(blob: bytes) -> Transformer:
+def policy_from_state(blob: bytes) -> Policy:
     """The policy of a trainer state blob as a version of it is published: its fp32 master weights rounded
-    to bfloat16 (actors/trainer/core.py `bf16_state`), in a bfloat16 model in eval mode."""
-    payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    model = Transformer(config_from_dict(payload["model_config"])).to(torch.bfloat16).eval()
-    model.load_state_dict(payload["model"])
-    return model
+    to bfloat16 (actors/trainer/core.py `bf16_state`), on the CPU in eval mode (`state_policy`).
+
+    :raises CheckpointError: not a trainer state, or one whose policy cannot be built.
+    """
+    return state_policy(blob, device="cpu", dtype=torch.bfloat16)
 
 
 def _evaluate_state(blob: bytes, tasks: list[Task], max_tokens: int, threads: int) -> EvalResult:
-    model = policy_from_state(blob)
+    policy = policy_from_state(blob)
     previous = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        return evaluate_pass_at_1(model, ByteTokenizer(), tasks, max_new_tokens=max_tokens,
+        return evaluate_pass_at_1(policy, policy.tokenizer, tasks, max_new_tokens=max_tokens,
                                   batch_size=EvaluatorLaunch().batch_size)
     finally:
         torch.set_num_threads(previous)

@@ -1,5 +1,5 @@
 """`rlbus eval` (ops/eval.py): finds the weights (the newest durable checkpoint of a state directory, one
-checkpoint directory, or a pretrain.pt), refuses damaged or missing ones with exit 2 and a message that
+checkpoint directory, a pretrain.pt or a Hugging Face directory), refuses damaged or missing ones with exit 2 and a message that
 says what it expected, and reports greedy and sampled pass rates whose bookkeeping adds up."""
 
 from __future__ import annotations
@@ -127,3 +127,34 @@ def test_a_file_that_is_not_a_checkpoint_is_exit_2_from_the_real_command(tmp_pat
     assert done.returncode == 2, done.stderr
     assert f"{bad}: not a readable pretrain.pt (UnpicklingError" in done.stderr
     assert "expected the file `rlbus pretrain` or `rlbus up` writes" in done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_policy_is_the_published_bf16_one_on_the_chosen_device(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`load_policy` gives a Policy whose tokenizer the scoring uses: a checkpoint's tensors are the bf16 version
+    it publishes, a pretrain.pt's the bf16 cast of its weights; `--device cuda` without CUDA is exit 2, one line."""
+    from rlbus.actors.trainer.core import read_state
+    from rlbus.model.policy import Policy
+    from rlbus.ops.eval import load_policy
+
+    step = _checkpoint(tmp_path / "run", 4)
+    policy, label = load_policy(tmp_path / "run", device="cpu")
+    assert isinstance(policy, Policy) and "checkpoint step 4" in label and not policy.module.training
+    assert policy.tokenizer.prompt_ids("x") == TOK.prompt_ids("x")
+    saved = read_state(next(step.glob("state-*")).read_bytes())["model"]
+    for name, tensor in policy.named_tensors().items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, saved[name].to(torch.bfloat16)), name
+
+    base, label = load_policy(_pretrained(tmp_path / "pretrained") / CHECKPOINT_NAME)
+    want = _model().state_dict()
+    assert "(pretrained base)" in label and base.device == torch.device("cpu")
+    assert all(torch.equal(t, want[n].to(torch.bfloat16)) for n, t in base.named_tensors().items())
+
+    keyless = tmp_path / "keyless.pt"
+    torch.save({"state_dict": {}}, keyless)
+    code, _, err = _run(capsys, str(keyless), "--tasks", "2")
+    assert code == 2 and f"{keyless}: not a pretrain.pt" in err and err.count("\n") == 1, err
+    if not torch.cuda.is_available():
+        code, _, err = _run(capsys, str(tmp_path / "run"), "--tasks", "2", "--device", "cuda")
+        assert code == 2 and "no CUDA device" in err and err.count("\n") == 1, err

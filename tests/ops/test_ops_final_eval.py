@@ -32,15 +32,15 @@ def test_final_evaluation_scores_the_published_bf16_weights_of_the_state() -> No
 
     policy = policy_from_state(blob)
     published = core.bf16_state()
-    state = policy.state_dict()
+    state = policy.named_tensors()
     assert state.keys() == published.keys()
     for name, tensor in published.items():
         assert state[name].dtype == torch.bfloat16 and torch.equal(state[name], tensor), name
     assert any(not torch.equal(state[n].float(), t) for n, t in model.state_dict().items())   # not the fp32 master
-    assert not policy.training
+    assert not policy.module.training and policy.device == torch.device("cpu")
 
     got = _evaluate_state(blob, eval_tasks(1, 6), max_tokens=24, threads=1)
-    want = evaluate_pass_at_1(policy, tok, eval_tasks(1, 6), max_new_tokens=24, batch_size=32)
+    want = evaluate_pass_at_1(policy, policy.tokenizer, eval_tasks(1, 6), max_new_tokens=24, batch_size=32)
     assert got.completions == want.completions and got.n == 6
     assert sum(n for _, n in got.by_family.values()) == 6
 
