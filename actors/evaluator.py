@@ -36,7 +36,6 @@ from rlbus.model.evaluate import greedy_complete, too_long, wilson_interval
 from rlbus.model.grading import case_for, extract_code
 from rlbus.model.task_sources import TaskSourceError, held_out_tasks
 from rlbus.model.tasks import Task
-from rlbus.model.tokenizer import ByteTokenizer
 
 log = structlog.get_logger()
 
@@ -51,7 +50,6 @@ class Evaluator(Actor):
         super().__init__(ident, bus, limits)
         self.settings = settings
         self.launch = launch or EvaluatorLaunch()
-        self.tokenizer = ByteTokenizer()
         self.tasks: list[Task] = []
         self.last_evaluated: int | None = None
         # its schedule, for `rlbus health`: the version it reports may be this many (plus slack) behind by design
@@ -64,7 +62,7 @@ class Evaluator(Actor):
                                                         self.settings.n_tasks)
         except TaskSourceError as err:
             raise TaskError(f"evaluator.tasks = {self.settings.tasks!r}: {err}") from None
-        self.sync = WeightSync(self.bus, self.ident.region)
+        self.sync = WeightSync(self.bus, self.ident.region, device=self.launch.device)
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -88,12 +86,13 @@ class Evaluator(Actor):
 
     async def _evaluate(self, version: int) -> None:
         model = self.sync.model
-        prompts = [self.tokenizer.prompt_ids(t.prompt) for t in self.tasks]
+        tokenizer = model.tokenizer
+        prompts = [tokenizer.prompt_ids(t.prompt) for t in self.tasks]
         try:
             # a drain cancels this task: the worker thread sees it before its next decoding step and stops
             ids = await anyio.to_thread.run_sync(lambda: greedy_complete(
                 model, prompts, max_new_tokens=self.launch.max_tokens, batch_size=self.launch.batch_size,
-                stop_id=self.tokenizer.stop_id, pad_id=self.tokenizer.pad_id, on_step=_stop_if_cancelled))
+                stop_id=tokenizer.stop_id, pad_id=tokenizer.pad_id, on_step=_stop_if_cancelled))
         except anyio.get_cancelled_exc_class():
             self.count("evaluations_cancelled")
             log.info("evaluation_cancelled", version=version, n=len(prompts))
@@ -102,8 +101,8 @@ class Evaluator(Actor):
         if unread:      # an empty completion each: they fail their tests and stay in n
             self.gauges["prompts_too_long"] = float(unread)
             log.warning("eval_prompts_too_long", version=version, n=unread, of=len(prompts),
-                        max_seq_len=model.config.max_seq_len)
-        cases = [case_for(task, extract_code(completion_text(c, self.tokenizer)))
+                        max_seq_len=model.max_seq_len)
+        cases = [case_for(task, extract_code(completion_text(c, tokenizer)))
                  for task, c in zip(self.tasks, ids, strict=True)]
         try:
             results = await grade_cases(self.bus, self.ident.region, cases, id_prefix=f"eval-{version}-"

@@ -212,6 +212,12 @@ class Subjects:
         return f"weights-v{version}"
 
     @staticmethod
+    def policy_file_object(sha256_hex: str) -> str:
+        """Object holding one file a policy needs besides its tensors (a Hugging Face config or tokenizer file),
+        named by its content: the trainer puts it in CKPT, the publisher copies it to every region's WEIGHTS."""
+        return f"policy-file-{token(sha256_hex, 'sha256')}"
+
+    @staticmethod
     def state_object(step: int, incarnation: str) -> str:
         """CKPT object holding the trainer's full state after step N, uploaded by one trainer incarnation."""
         return f"state-step-{step}-{token(incarnation, 'incarnation')}"

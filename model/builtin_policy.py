@@ -41,6 +41,24 @@ def config_from_spec(fields: Mapping[str, Any]) -> ModelConfig:
         raise PolicyError(f"manifest model_config {sorted(values)} is not a ModelConfig: {err}") from None
 
 
+def estimated_params(config: ModelConfig) -> int:
+    """Roughly how many parameters a `Transformer(config)` has (embeddings, attention, feed-forwards and
+    experts, untied head, MTP heads), after checking every size is positive.
+
+    :raises PolicyError: a size is not a positive integer.
+    """
+    sizes = {name: getattr(config, name) for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
+                                                       "max_seq_len", "n_experts", "top_k")}
+    bad = {name: v for name, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
+    if bad or not isinstance(config.mtp_heads, int) or config.mtp_heads < 0:
+        raise PolicyError(f"sizes must be positive integers: {bad or {'mtp_heads': config.mtp_heads}}")
+    d, ff = config.d_model, config.d_ff
+    n_moe = len(config.moe_layers)
+    layers = config.n_layers * 4 * d * d + 3 * d * ff * (config.n_layers - n_moe + n_moe * config.n_experts)
+    heads = (0 if config.tie_embeddings else 1) + config.mtp_heads
+    return config.vocab_size * d * (1 + heads) + layers
+
+
 class BuiltinPolicy(Policy):
     """`Transformer` + `ByteTokenizer`. Keeps every feature of the transformer: MoE router replay, MTP heads
     (speculative decoding through `transformer`), MXFP8 sampling."""
@@ -94,6 +112,10 @@ class BuiltinPolicy(Policy):
     def moe(self) -> tuple[int, int] | None:
         return (len(self.config.moe_layers), self.config.top_k) if self.config.moe_layers else None
 
+    @property
+    def n_experts(self) -> int | None:
+        return self.config.n_experts if self.config.moe_layers else None
+
     def forward(self, tokens: Tensor, *, cache: PolicyCache | None = None, attention_mask: Tensor | None = None,
                 routing: Tensor | None = None) -> PolicyOutput:
         out = self.transformer(tokens, cache=cache, attention_mask=attention_mask,  # type: ignore[arg-type]
@@ -109,11 +131,6 @@ class BuiltinPolicy(Policy):
     def to_(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> BuiltinPolicy:
         self.module.to(device=device, dtype=dtype)  # the RoPE tables stay fp32 (Transformer._apply)
         return self
-
-
-def as_policy(model: Policy | Transformer) -> Policy:
-    """A policy for a bare `Transformer` (tests and benchmarks that build one); a policy as it is."""
-    return model if isinstance(model, Policy) else BuiltinPolicy(model)
 
 
 def fresh_config() -> ModelConfig:

@@ -11,11 +11,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rlbus.model.builtin_policy import as_policy
 from rlbus.model.episodes import completion_text
 from rlbus.model.generate import generate
 from rlbus.model.grading import GradeResult, Runner, grade_many, subprocess_runner
-from rlbus.model.policy import ChatTokenizer, Policy
+from rlbus.model.policy import ChatTokenizer, Policy, as_policy
 from rlbus.model.tasks import Task
 from rlbus.model.transformer import Transformer
 

@@ -15,8 +15,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rlbus.model.builtin_policy import BuiltinPolicy, as_policy
-from rlbus.model.policy import Policy
+from rlbus.model.builtin_policy import BuiltinPolicy
+from rlbus.model.policy import Policy, as_policy
 from rlbus.model.quant import WeightQuant, refresh_quantized
 from rlbus.model.transformer import Transformer
 

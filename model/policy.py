@@ -155,6 +155,11 @@ class Policy(ABC):
         return None
 
     @property
+    def n_experts(self) -> int | None:
+        """Experts per routed layer (routing ids are below it), None for a dense policy."""
+        return None
+
+    @property
     def device(self) -> torch.device:
         return next(self.module.parameters()).device
 
@@ -270,6 +275,35 @@ def spec_kind(spec: Mapping[str, Any]) -> str:
     return str(spec.get("policy", "builtin"))
 
 
+def spec_files(spec: Mapping[str, Any]) -> dict[str, str]:
+    """The files a spec lists: file name -> sha256 hex (none for the built-in policy).
+
+    :raises PolicyError: a `files` entry that is not a map of names to sha256 hex digests.
+    """
+    files = spec.get("files", {})
+    if not isinstance(files, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+            for k, v in files.items()):
+        raise PolicyError(f"policy spec key 'files': expected file name -> sha256 hex, got {str(files)[:120]}")
+    return dict(files)
+
+
+def estimate_params(spec: Mapping[str, Any]) -> int | None:
+    """Roughly how many parameters the spec's policy has, where the spec alone tells (None: it does not).
+
+    :raises PolicyError: a spec its implementation refuses before building anything.
+    """
+    kind = spec_kind(spec)
+    if kind == "builtin":
+        from rlbus.model.builtin_policy import config_from_spec, estimated_params
+
+        return estimated_params(config_from_spec(spec))
+    if kind == "hf":
+        spec_files(spec)
+        return None
+    raise PolicyError(f"policy spec names kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
 def policy_from_spec(spec: Mapping[str, Any], files: Mapping[str, bytes] | None = None, *,
                      device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> Policy:
     """A policy of the spec's architecture (weights as initialised: a version's tensors follow).
@@ -315,3 +349,61 @@ def fresh_builtin() -> Policy:
     from rlbus.model.transformer import Transformer
 
     return BuiltinPolicy(Transformer(fresh_config()))
+
+
+def as_policy(model: Policy | nn.Module) -> Policy:
+    """A policy as it is; a bare built-in `Transformer` (tests and benchmarks build one) as a `BuiltinPolicy`."""
+    if isinstance(model, Policy):
+        return model
+    from rlbus.model.builtin_policy import BuiltinPolicy
+    from rlbus.model.transformer import Transformer
+
+    if not isinstance(model, Transformer):
+        raise TypeError(f"expected a Policy or the built-in Transformer, got {type(model).__name__}")
+    return BuiltinPolicy(model)
+
+
+def check_policy_dir(kind: str, path: Path) -> None:
+    """Check, without building anything, that `path` holds a policy of `kind` ("builtin": a `pretrain.pt` or
+    its folder; "hf": a Hugging Face directory whose config, weights, tokenizer and chat template are usable).
+
+    :raises PolicyError: one line naming the file, the key and what was expected.
+    """
+    if kind == "hf":
+        from rlbus.model import hf_policy
+
+        hf_policy.check_dir(path)
+        return
+    if kind == "builtin":
+        from rlbus.model.pretrain import CHECKPOINT_NAME
+
+        file = path / CHECKPOINT_NAME if path.is_dir() else path
+        if not file.is_file():
+            raise PolicyError(f"{file}: no such file; expected a built-in {CHECKPOINT_NAME} (`rlbus pretrain` writes "
+                              f"one) or its folder")
+        return
+    raise PolicyError(f"policy kind {kind!r}: expected one of {', '.join(KINDS)}")
+
+
+def is_moe_dir(kind: str, path: Path) -> bool:
+    """Whether the policy at `path` routes tokens through experts (read from its config, nothing built)."""
+    if kind == "hf":
+        import json
+
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return any("Moe" in a for a in config.get("architectures", [])) or bool(config.get("num_experts"))
+    if kind == "builtin":
+        import torch
+
+        from rlbus.model.pretrain import CHECKPOINT_NAME
+
+        file = path / CHECKPOINT_NAME if path.is_dir() else path
+        try:
+            payload = torch.load(file, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, ValueError, EOFError):
+            return False
+        return bool(payload.get("model_config", {}).get("moe_layers"))
+    return False

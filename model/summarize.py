@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rlbus.model.builtin_policy import as_policy
 from rlbus.model.generate import SampledSequence, SwapHook, generate
-from rlbus.model.policy import Policy
+from rlbus.model.policy import Policy, as_policy
 from rlbus.model.quant import WeightQuant
 from rlbus.model.transformer import Transformer
 

@@ -98,9 +98,10 @@ def kind_launch(topology: Topology, kind: str, state_dir: Path | None = None,
         case "feeder":
             return feeder_launch(topology)
         case "generator":
-            return GeneratorLaunch(torch_threads=torch_threads)
+            return GeneratorLaunch(torch_threads=torch_threads, device=topology.policy.device)
         case "trainer":
-            return TrainerLaunch(pretrained=str(state / PRETRAINED_DIR), state_dir=str(state),
+            return TrainerLaunch(pretrained=str(policy_dir(topology, state)), state_dir=str(state),
+                                 device=topology.policy.device,
                                  checkpoint_interval=topology.checkpoint.interval_steps,
                                  keep_version_objects=max(16, 2 * topology.weights.keep_versions),
                                  sampling_temperature=topology.generator.temperature or 1.0)
@@ -109,11 +110,20 @@ def kind_launch(topology: Topology, kind: str, state_dir: Path | None = None,
         case "sandbox":
             return SandboxLaunch()
         case "evaluator":
-            return EvaluatorLaunch(max_tokens=topology.generator.max_tokens)
+            return EvaluatorLaunch(max_tokens=topology.generator.max_tokens, device=topology.policy.device)
         case "publisher":    # it writes every region's weight bucket: it needs their names and the hub
             return PublisherLaunch(regions=[r.name for r in topology.regions], hub=topology.hub.name)
         case _:
             return None
+
+
+def policy_dir(topology: Topology, state: Path) -> Path:
+    """Where the run's starting policy is: `[policy] path` when it names an existing directory or file, else
+    `<state_dir>/pretrained` (where `rlbus up` pretrains the built-in policy, or builds one by the recipe)."""
+    path = topology.policy.path
+    if path and (Path(path).exists() or topology.policy.recipe is None):
+        return Path(path).resolve()
+    return state / PRETRAINED_DIR
 
 
 def feeder_launch(topology: Topology) -> FeederLaunch:

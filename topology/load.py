@@ -125,6 +125,43 @@ def _environment(topology: Topology) -> list[Problem]:
                                            "directory); servers and actors need it where they run"))
     if (problem := task_source_problem(topology.evaluator.tasks)) is not None:
         out.append(Problem(key="evaluator.tasks", message=f"{problem}; the evaluator and the feeder read it"))
+    out += policy_problems(topology)
+    return out
+
+
+def policy_problems(topology: Topology) -> list[Problem]:
+    """What is wrong with `[policy]` here: a model directory that is missing (without a recipe) or unusable
+    (config, architecture, weights, tokenizer, chat template), router replay on a dense model, and, as a
+    warning, `device = "cuda"` on a machine without CUDA (the actors may run elsewhere)."""
+    from rlbus.model.policy import PolicyError, check_policy_dir, is_moe_dir
+
+    policy = topology.policy
+    out: list[Problem] = []
+    path = Path(policy.path) if policy.path else None
+    if policy.kind == "hf" and path is None and policy.recipe is None:
+        out.append(Problem(key="policy.path", message="kind 'hf' needs a model directory (config.json, safetensors "
+                                                      "weights, tokenizer.json) or a [policy.recipe] to build one"))
+    if path is not None and (path.exists() or policy.recipe is None):
+        try:
+            check_policy_dir(policy.kind, path)
+        except PolicyError as err:
+            out.append(Problem(key="policy.path", message=str(err)))
+    if policy.recipe is not None and policy.kind != "hf":
+        out.append(Problem(key="policy.recipe", message="a recipe builds a Hugging Face model: set policy.kind = "
+                                                        "\"hf\", or drop the recipe ([pretrain] builds the built-in one)"))
+    if policy.router_replay:
+        routed = path is not None and path.exists() and is_moe_dir(policy.kind, path)
+        if not routed:
+            out.append(Problem(key="policy.router_replay", message="router replay needs a mixture-of-experts model; "
+                                                                   "this policy is dense (or not built yet): drop "
+                                                                   "the key, replay follows the model"))
+    if policy.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            out.append(Problem(key="policy.device", severity="warning",
+                               message="no CUDA device on this machine; actors that run here will fail to start "
+                                       "(fine when they run on GPU nodes)"))
     return out
 
 

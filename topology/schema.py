@@ -149,6 +149,41 @@ class PretrainSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 
 
 
+class PolicyRecipe(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[policy.recipe]`: how `rlbus up` builds a Hugging Face policy when `policy.path` is empty or missing: a
+    fresh model of this architecture and size, a byte-level BPE tokenizer trained on the pretraining corpus,
+    then `[pretrain]` steps of pretraining (model/hf_recipe.py, model/pretrain.py)."""
+
+    architecture: Literal["qwen2", "llama"] = "qwen2"
+    """The Hugging Face architecture built: 'qwen2' (Qwen2ForCausalLM) or 'llama' (LlamaForCausalLM)."""
+    size: Literal["tiny", "small", "m30"] = "small"
+    """'tiny' (tests, seconds), 'small' (a few million parameters, minutes on 2 cores) or 'm30' (about 30M)."""
+
+
+class PolicySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[policy]`: the one place that names the model every trainer, generator and evaluator runs."""
+
+    kind: Literal["builtin", "hf"] = "builtin"
+    """'builtin' (the project's transformer and byte tokenizer, pretrained by `[pretrain]`) or 'hf' (a local
+    Hugging Face directory: config.json, safetensors weights, tokenizer.json, loaded through transformers)."""
+    path: str = ""
+    """kind 'hf': the model directory. Empty (or missing, with a recipe): `rlbus up` builds one by the recipe into
+    `<state_dir>/pretrained`."""
+    recipe: PolicyRecipe | None = None
+    """kind 'hf': how to build the model when `path` is empty or missing; none: `path` must exist."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype generators and the evaluator sample in (versions are published in bfloat16; the trainer's master
+    copy is always float32)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where every policy runs: 'auto' is CUDA when the actor's machine has it, else the CPU; 'cuda' fails the
+    actor at start (with an Event) where there is none."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """kind 'hf': the transformers attention implementation."""
+    router_replay: bool | None = None
+    """Replay each rollout's recorded MoE routing in the trainer; default: exactly when the model routes. true
+    on a dense model is refused."""
+
+
 class DurabilitySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`[durability]`: JetStream storage settings; the default favours throughput."""
 
@@ -248,6 +283,8 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     """Settings of the evaluator."""
     weights: PublisherConfig = PublisherConfig()
     """Settings of the weight publisher."""
+    policy: PolicySettings = PolicySettings()
+    """The model: built-in or a Hugging Face directory, its device and dtype."""
     pretrain: PretrainSettings = PretrainSettings()
     """Pretraining before the RL run (when no pretrained policy exists yet)."""
     durability: DurabilitySettings = DurabilitySettings()

@@ -204,6 +204,8 @@ class EvaluatorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Longest completion, in tokens (the launcher passes the topology's generator.max_tokens)."""
     batch_size: PositiveInt = 32
     """Held-out prompts decoded together."""
+    device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda)$")] = "cpu"
+    """Where the policy runs (topology `[policy] device`): 'auto' is CUDA when this machine has it."""
 
 
 __all__ = ["CheckpointerConfig", "CheckpointerLaunch", "EvaluatorConfig", "EvaluatorLaunch", "FeederConfig",

@@ -2,12 +2,12 @@
 
 Owns: the `WeightSource` protocol the generator samples through (a model, the version it holds, a
 thread-safe `maybe_swap(step)` for `model.generate`'s `on_step`, `wait_for_version`), `LocalWeights` (a
-fixed model: a pretrain checkpoint, or a model handed in by a test) and `open_weights(spec, ...)`,
-which turns the `generator.weights` setting into a source.
+fixed policy: a pretrain checkpoint or Hugging Face directory, or a policy handed in by a test) and
+`open_weights(spec, ...)`, which turns the `generator.weights` setting into a source.
 Does not: fetch, verify or decode published versions (actors/common/weight_sync.py, `WeightSync`, the real source).
 
 Specs: "sync" — the region's published versions through `WeightSync`; "local:<path>" — a fixed
-`pretrain.pt` checkpoint (or its folder), reported as version `local_version`.
+`pretrain.pt` checkpoint (or its folder) or Hugging Face directory, reported as version `local_version`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import anyio
+from torch import nn
 
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import TopologyError
-from rlbus.model.pretrain import load_checkpoint
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import Transformer
+from rlbus.model.policy import ChatTokenizer, Policy, as_policy, load_policy, resolve_device
 
 
 @runtime_checkable
@@ -33,8 +32,8 @@ class WeightSource(Protocol):
     steps; everything else on the event loop."""
 
     @property
-    def model(self) -> Transformer:
-        """The model to sample from; its parameters are updated in place by `maybe_swap`."""
+    def model(self) -> Policy:
+        """The policy to sample from; its tensors are updated in place by `maybe_swap`."""
         ...
 
     @property
@@ -52,23 +51,28 @@ class WeightSource(Protocol):
 
 
 class LocalWeights:
-    """A fixed model that never changes: `held_version` is always `version`."""
+    """A fixed policy that never changes: `held_version` is always `version`."""
 
-    def __init__(self, model: Transformer, *, version: int = 0, tokenizer: ByteTokenizer | None = None) -> None:
-        self._model = model.eval()
+    def __init__(self, model: Policy | nn.Module, *, version: int = 0) -> None:
+        self._model = as_policy(model).eval()
         self._version = version
-        self.tokenizer = tokenizer or ByteTokenizer()
         self.swaps = 0
         self._lock = threading.Lock()
 
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        return self._model.tokenizer
+
     @classmethod
-    def from_checkpoint(cls, path: Path, *, version: int = 0) -> LocalWeights:
-        """Load a `pretrain.pt` (model/pretrain.py) or the folder holding it."""
-        model, tokenizer, _ = load_checkpoint(path)
-        return cls(model, version=version, tokenizer=tokenizer)
+    def from_checkpoint(cls, path: Path, *, version: int = 0, device: str = "cpu") -> LocalWeights:
+        """Load a `pretrain.pt` (model/pretrain.py), the folder holding it, or a Hugging Face directory.
+
+        :raises PolicyError: nothing loadable there.
+        """
+        return cls(load_policy(path, device=resolve_device(device)), version=version)
 
     @property
-    def model(self) -> Transformer:
+    def model(self) -> Policy:
         return self._model
 
     @property
@@ -84,19 +88,22 @@ class LocalWeights:
 
 
 @asynccontextmanager
-async def open_weights(spec: str, bus: Bus, region: str, *, local_version: int = 0) -> AsyncIterator[WeightSource]:
-    """The weight source named by `spec` (see the module docstring), open for the block.
+async def open_weights(spec: str, bus: Bus, region: str, *, local_version: int = 0,
+                       device: str = "cpu") -> AsyncIterator[WeightSource]:
+    """The weight source named by `spec` (see the module docstring), open for the block, its policy on
+    `device` ("auto": CUDA when present).
 
     :raises TopologyError: an unknown spec (the `[generator] weights` setting's pattern allows none).
     """
     kind, _, rest = spec.partition(":")
     if kind == "local" and rest:
-        yield await anyio.to_thread.run_sync(lambda: LocalWeights.from_checkpoint(Path(rest), version=local_version))
+        yield await anyio.to_thread.run_sync(
+            lambda: LocalWeights.from_checkpoint(Path(rest), version=local_version, device=device))
         return
     if kind == "sync":
         from rlbus.actors.common.weight_sync import WeightSync
 
-        async with WeightSync.open(bus, region) as sync:
+        async with WeightSync.open(bus, region, device=device) as sync:
             yield sync
         return
     raise TopologyError(f"generator weights {spec!r}: expected 'sync' or 'local:<path to pretrain.pt>'")

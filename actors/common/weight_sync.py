@@ -8,15 +8,17 @@ in a worker thread (every tensor re-hashed against the version's digests for ful
 `verify_every`-th delta), and brings the live model to the staged version in place from
 `maybe_swap(step)`, which `model.generate` calls between decoding steps: sparse deltas by writing the
 changed elements the staging recorded (no second decode), anything else by copying the staged tensors.
+The live policy is built from the first manifest's spec (`model_config`, any `model.policy.Policy` kind),
+with the files it lists (a Hugging Face policy's config and tokenizer) fetched from the region's store.
 A corrupt or missing object raises `Event(weights_rejected)` and the next plan avoids it
 (a full snapshot); nothing unverified ever reaches the live model. Also the small helpers the publisher
 shares: architecture dicts and decoding a full blob into fresh tensors.
-Does not: encode or publish versions (actors/publisher.py), sample (model/generate.py).
+Does not: encode or publish versions (actors/publisher.py), sample (model/generate.py), or know any policy
+implementation (model/policy.py picks it from the spec).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import threading
 import time
@@ -43,7 +45,13 @@ from rlbus.messages.objects import fetch_object
 from rlbus.messages.schemas import Event, WeightManifest
 from rlbus.messages.subjects import Subjects
 from rlbus.messages.wakeup import Wakeup
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policy import (
+    Policy,
+    estimate_params,
+    policy_from_spec,
+    resolve_device,
+    spec_files,
+)
 
 log = structlog.get_logger()
 
@@ -54,47 +62,9 @@ _PATCH_LIMIT: Final = 1 / 8
 """Pending patches past this fraction of the model's elements are dropped for one full copy at the swap."""
 
 
-# ---- architecture and blobs (shared with the publisher) ---------------------------------------------
-def config_dict(config: ModelConfig) -> dict[str, Any]:
-    """A ModelConfig as plain values (tuples as lists), as it travels in VersionReady and WeightManifest."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
-
-
-def config_from_dict(fields: Mapping[str, Any]) -> ModelConfig:
-    """Inverse of `config_dict`.
-
-    :raises WeightsError: the fields do not make a ModelConfig (unknown or missing fields, or sizes its own
-        checks refuse).
-    """
-    values = dict(fields)
-    if "moe_layers" in values:
-        values["moe_layers"] = tuple(values["moe_layers"])
-    try:
-        return ModelConfig(**values)
-    except (TypeError, ValueError) as err:
-        raise WeightsError(f"manifest model_config {sorted(values)} is not a ModelConfig: {err}") from None
-
-
+# ---- blobs (shared with the publisher) ---------------------------------------------------------------
 MAX_MODEL_PARAMS: Final = 1 << 31
 """Largest architecture a manifest may ask a generator to build (a bigger one is refused, not allocated)."""
-
-
-def estimated_params(config: ModelConfig) -> int:
-    """Roughly how many parameters a `Transformer(config)` has (embeddings, attention, feed-forwards and
-    experts, untied head, MTP heads), after checking every size is positive.
-
-    :raises WeightsError: a size is not a positive integer.
-    """
-    sizes = {name: getattr(config, name) for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
-                                                       "max_seq_len", "n_experts", "top_k")}
-    bad = {name: v for name, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
-    if bad or not isinstance(config.mtp_heads, int) or config.mtp_heads < 0:
-        raise WeightsError(f"sizes must be positive integers: {bad or {'mtp_heads': config.mtp_heads}}")
-    d, ff = config.d_model, config.d_ff
-    n_moe = len(config.moe_layers)
-    layers = config.n_layers * 4 * d * d + 3 * d * ff * (config.n_layers - n_moe + n_moe * config.n_experts)
-    heads = (0 if config.tie_embeddings else 1) + config.mtp_heads
-    return config.vocab_size * d * (1 + heads) + layers
 
 
 def empty_state(index: StateIndex) -> dict[str, Tensor]:
@@ -192,14 +162,16 @@ class WeightSync:
     progress means "not yet"), so generation never stalls on a download or a decode.
     """
 
-    def __init__(self, bus: Bus, region: str | None = None, *, model: Transformer | None = None,
+    def __init__(self, bus: Bus, region: str | None = None, *, model: Policy | None = None,
                  dtype: torch.dtype = torch.bfloat16, verify_every: int = 8, threads: int = 1,
-                 retry_s: float = 1.0) -> None:
+                 retry_s: float = 1.0, device: str = "cpu") -> None:
         if verify_every < 1:
             raise ValueError(f"verify_every must be >= 1, got {verify_every}")
         self.bus = bus
         self.region = region or bus.identity.region
         self.dtype = dtype
+        self.device = device
+        """Where the live policy is built ("auto": CUDA when present); staging stays on the CPU."""
         self.verify_every = verify_every
         """Every full snapshot and every this-many-th delta re-hash every applied tensor against the
         version's digests (1: every version). Other deltas are checked by the object's sha256, every
@@ -251,8 +223,8 @@ class WeightSync:
 
     # ---- what generators read ---------------------------------------------------------------------
     @property
-    def model(self) -> Transformer:
-        """The live model (built from the first manifest's `model_config` when none was given)."""
+    def model(self) -> Policy:
+        """The live policy (built from the first manifest's `model_config` when none was given)."""
         if self._model is None:
             raise RuntimeError("no weights yet: `await sync.wait_for_version(0)` before using the model")
         return self._model
@@ -277,14 +249,24 @@ class WeightSync:
         """The newest manifest seen on the region's LATEST key."""
         return self._latest
 
-    def build_model(self) -> Transformer:
-        """A model of the latest manifest's architecture in `dtype`, eval mode (weights: whatever init gives).
+    def build_model(self, files: Mapping[str, bytes] | None = None) -> Policy:
+        """A policy of the latest manifest's spec in `dtype` on `device`, eval mode (weights: whatever init
+        gives), with the files the spec lists (`fetch_files`).
 
         :raises RuntimeError: no manifest with a `model_config` yet.
+        :raises PolicyError: the spec or its files make no policy, or the device cannot be had.
         """
         if self._latest is None or not self._latest.model_config:
             raise RuntimeError("no manifest with a model_config yet; wait for the publisher's first version")
-        return Transformer(config_from_dict(self._latest.model_config)).to(self.dtype).eval()
+        return policy_from_spec(self._latest.model_config, files, device=resolve_device(self.device),
+                                dtype=self.dtype)
+
+    async def fetch_files(self, spec: Mapping[str, Any]) -> dict[str, bytes]:
+        """The files `spec` lists, from the region's WEIGHTS store (the publisher copies them there beside
+        version 0), by file name; their sha256 is checked when the policy is built."""
+        bucket = self.bus.subjects.weights_bucket(self.region)
+        return {name: await fetch_object(self.bus.js, bucket, Subjects.policy_file_object(sha))
+                for name, sha in spec_files(spec).items()}
 
     def maybe_swap(self, step: int = 0) -> int | None:
         """Copy the staged version into the live model in place and return it; None if nothing newer is
@@ -350,24 +332,24 @@ class WeightSync:
                 await watcher.stop()
 
     def _check_architecture(self, manifest: WeightManifest) -> None:
-        """A manifest's `model_config` must make a ModelConfig of at most `MAX_MODEL_PARAMS` parameters,
-        and the one of the model already built, if any (the architecture never changes within a run).
+        """A manifest's `model_config` must be a policy spec of at most `MAX_MODEL_PARAMS` parameters (where
+        the spec tells its size), and the one of the policy already built, if any (the architecture never
+        changes within a run).
 
         :raises BadMessage: naming what is wrong.
         """
         if not manifest.model_config:
             return
         try:
-            config = config_from_dict(manifest.model_config)
-            params = estimated_params(config)
+            params = estimate_params(manifest.model_config)
         except (ValueError, TypeError, OverflowError) as err:
             raise BadMessage(f"manifest v{manifest.version}: unusable model_config: {err}"[:500]) from None
-        if params > MAX_MODEL_PARAMS:
+        if params is not None and params > MAX_MODEL_PARAMS:
             raise BadMessage(f"manifest v{manifest.version}: model_config of ~{params:.3g} parameters "
                              f"(at most {MAX_MODEL_PARAMS:.3g})")
-        if self._model is not None and self._model.config != config:
-            raise BadMessage(f"manifest v{manifest.version}: model_config {manifest.model_config} differs from "
-                             f"the running model's architecture")
+        if self._model is not None and self._model.spec() != dict(manifest.model_config):
+            raise BadMessage(f"manifest v{manifest.version}: model_config {str(manifest.model_config)[:200]} "
+                             f"differs from the running model's architecture")
 
     async def _stage_loop(self) -> None:
         while True:
@@ -384,7 +366,8 @@ class WeightSync:
         try:
             if manifest.model_config:
                 await self._ensure_model()
-        except (RuntimeError, ValueError) as err:        # e.g. out of memory for the architecture
+        except (RuntimeError, ValueError, *_FETCH_ERRORS, nats.js.errors.NotFoundError, DigestMismatch) as err:
+            # e.g. out of memory for the architecture, a policy file not (yet) in the region's store
             await self._reject(manifest, "", f"cannot build the model: {err!r}")
             return False
         try:
@@ -487,10 +470,12 @@ class WeightSync:
         self.verified += verify
 
     async def _ensure_model(self) -> None:
-        """Build the live model from the latest manifest once (both the stager and a waiter may ask)."""
+        """Build the live policy from the latest manifest once (both the stager and a waiter may ask)."""
         async with self._build_lock:
             if self._model is None:
-                self._model = await anyio.to_thread.run_sync(self.build_model)
+                assert self._latest is not None
+                files = await self.fetch_files(self._latest.model_config)
+                self._model = await anyio.to_thread.run_sync(self.build_model, files)
 
     def _swap_blocking(self) -> None:
         with self._lock:
@@ -502,7 +487,7 @@ class WeightSync:
             return None
         t0 = time.perf_counter()
         if self._live is None:
-            self._live = dict(self._model.state_dict(keep_vars=True))
+            self._live = self._model.named_tensors()
             if set(self._live) != set(self._staging):
                 raise WeightsError(f"the model's tensors differ from the published version's: missing "
                                    f"{sorted(set(self._staging) - set(self._live))}, extra "

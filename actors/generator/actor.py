@@ -78,9 +78,9 @@ from rlbus.messages.retry import retry_policy
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model.generate import SampledSequence, generate
+from rlbus.model.policy import ChatTokenizer, Policy
 from rlbus.model.summarize import summarize_if_over_budget
 from rlbus.model.tasks import Task
-from rlbus.model.tokenizer import ByteTokenizer
 
 log = structlog.get_logger()
 
@@ -104,17 +104,16 @@ class Generator(Actor):
     kind = "generator"
 
     def __init__(self, ident: ActorId, bus: Bus, config: GeneratorConfig, limits: ActorLimits | None = None,
-                 *, weights: WeightSource | None = None, tokenizer: ByteTokenizer | None = None,
+                 *, weights: WeightSource | None = None, tokenizer: ChatTokenizer | None = None,
                  launch: GeneratorLaunch | None = None) -> None:
         super().__init__(ident, bus, limits)
         self.config = config
         self.launch = launch or GeneratorLaunch()
         self._given_weights = weights
         self.weights: WeightSource | None = weights
-        self.tokenizer = tokenizer or ByteTokenizer()
+        self._tokenizer = tokenizer
         self._model_lock = threading.Lock()
         self._sampling_s = 0.0
-        self._stops = (self.tokenizer.end_turn_id, self.tokenizer.eos_id)
         self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "partials_discarded", "sandbox_errors",
                                             "tokens", "graded_repeats", "groups_grown", "grown_unpublished"), 0))
 
@@ -132,15 +131,15 @@ class Generator(Actor):
             await self._serve(self._given_weights)
             return
         async with open_weights(self.config.weights, self.bus, self.ident.region,
-                                local_version=self.config.local_version) as weights:
+                                local_version=self.config.local_version, device=self.launch.device) as weights:
             await self._serve(weights)
 
     async def _serve(self, weights: WeightSource) -> None:
         self.weights = weights
         await weights.wait_for_version(0)
         self._note_version()
-        self._batcher = SampleBatcher(self._sample_rows, max_len=weights.model.config.max_seq_len)
-        log.info("generator_weights_ready", version=weights.held_version)
+        self._batcher = SampleBatcher(self._sample_rows, max_len=weights.model.max_seq_len)
+        log.info("generator_weights_ready", version=weights.held_version, policy=weights.model.describe())
         async with anyio.create_task_group() as tg:
             for _ in range(self.config.concurrent_tasks):
                 tg.start_soon(self._worker)
@@ -156,9 +155,9 @@ class Generator(Actor):
         message = delivery.message
         try:
             task = task_from_verifier(message)
-            if prompt_length(task, self.tokenizer) + 2 > self.model.config.max_seq_len:
+            if prompt_length(task, self.tokenizer) + 2 > self.model.max_seq_len:
                 raise TaskError(f"prompt of task {message.task_id} does not fit max_seq_len "
-                                f"{self.model.config.max_seq_len}")
+                                f"{self.model.max_seq_len}")
         except ValueError as err:      # a TaskError, or a prompt the tokenizer cannot encode (UnicodeError)
             self.count("rejected")
             await self.bus.dead_letter(delivery.raw, reason=str(err), source=self.stream)
@@ -268,14 +267,16 @@ class Generator(Actor):
     async def _prepare_attempt(self, state: PartialGroup, ep: EpisodeState, task: Task) -> bool:
         """Before an attempt: end the episode when no context is left, summarise when over budget.
         Returns False when it summarised (a step of its own, saved before sampling)."""
-        max_len = self.model.config.max_seq_len
+        max_len = self.model.max_seq_len
         budget = min(self.config.context_budget or max_len - self.config.max_tokens, max_len - 1)
         context = base_context(ep, task, self.tokenizer, self.config.max_attempts)
         if len(context) <= budget or not ep.attempts:     # the first attempt fits (checked per task)
             return True
         keep = prompt_length(task, self.tokenizer)
-        # the new context, prompt + <|summary|> summary <|end_turn|> <|assistant|>, must fit the budget
-        summary_tokens = min(self.config.max_tokens, budget - keep - 3)
+        # the new context, prompt + summary header + summary + closing + assistant header, must fit the budget
+        tok = self.tokenizer
+        framing = len(tok.header("summary")) + len(tok.closing()) + len(tok.header("assistant"))
+        summary_tokens = min(self.config.max_tokens, budget - keep - framing)
         if summary_tokens < 1:
             ep.ended = "no_room"
             return True
@@ -287,8 +288,8 @@ class Generator(Actor):
             with self._model_lock:
                 summary = summarize_if_over_budget(
                     weights.model, context, budget=budget, keep_prefix=keep,
-                    summary_prompt=[self.tokenizer.summary_id], max_summary_tokens=summary_tokens,
-                    eos_id=self.tokenizer.end_turn_id, temperature=self.config.temperature, version=version,
+                    summary_prompt=tok.header("summary"), max_summary_tokens=summary_tokens,
+                    eos_id=tok.stop_id, temperature=self.config.temperature, version=version,
                     on_step=weights.maybe_swap, generator=torch.Generator().manual_seed(seed))
             assert summary is not None  # len(context) > budget
             return list(summary.sample.tokens.tolist())
@@ -304,7 +305,7 @@ class Generator(Actor):
 
     async def _sample(self, state: PartialGroup, rows: list[EpisodeState], task: Task) -> None:
         """Sample up to `partial_every_tokens` more ids for every open draft, in one batch."""
-        max_len = self.model.config.max_seq_len
+        max_len = self.model.max_seq_len
         bases = [base_context(ep, task, self.tokenizer, self.config.max_attempts) for ep in rows]
         limits = [min(self.config.max_tokens, max_len - len(b)) for b in bases]
         contexts = [b + ep.draft_ids for b, ep in zip(bases, rows, strict=True)]
@@ -317,7 +318,7 @@ class Generator(Actor):
         for ep, out, context, limit in zip(rows, samples, contexts, limits, strict=True):
             routing = out.routing.numpy() if out.routing is not None else None
             kept += add_chunk(ep, out.tokens.tolist(), out.logprobs.tolist(), out.versions.tolist(), routing,
-                              len(context), stop_ids=self._stops, limit=limit)
+                              len(context), stop_ids=self.tokenizer.stop_ids, limit=limit)
         state.chunks += 1
         state.sampled_tokens += kept
         state.generate_s += elapsed
@@ -334,7 +335,7 @@ class Generator(Actor):
         weights = self._weights()
         with self._model_lock:
             return generate(weights.model, contexts, max_new_tokens=n, temperature=self.config.temperature,
-                            eos_id=self.tokenizer.end_turn_id, pad_id=self.tokenizer.pad_id,
+                            eos_id=self.tokenizer.stop_id, pad_id=self.tokenizer.pad_id,
                             version=weights.held_version or 0, on_step=weights.maybe_swap,
                             generator=torch.Generator().manual_seed(seed), kv_dtype=torch.bfloat16)
 
@@ -421,13 +422,14 @@ class Generator(Actor):
         return state, entry.revision
 
     def _partial_limits(self, group_size: int) -> PartialLimits:
-        config = self.model.config
+        policy = self.model
         held = self._weights().held_version
-        routing = (len(config.moe_layers), config.top_k, config.n_experts) if config.moe_layers else None
+        moe, experts = policy.moe, policy.n_experts
+        routing = (*moe, experts) if moe is not None and experts is not None else None
         return PartialLimits(group_size=group_size, max_group_size=self.config.max_group_size,
                              max_attempts=self.config.max_attempts,
-                             max_tokens=self.config.max_tokens, max_seq_len=config.max_seq_len,
-                             vocab_size=config.vocab_size,
+                             max_tokens=self.config.max_tokens, max_seq_len=policy.max_seq_len,
+                             vocab_size=policy.vocab_size,
                              held_version=held if held is not None else 0, routing=routing)
 
     async def _save(self, key: str, state: PartialGroup, revision: int | None) -> int:
@@ -445,8 +447,13 @@ class Generator(Actor):
         return self.weights
 
     @property
-    def model(self) -> Any:
+    def model(self) -> Policy:
         return self._weights().model
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        """The policy's tokenizer (or the one handed in)."""
+        return self._tokenizer if self._tokenizer is not None else self.model.tokenizer
 
     def _note_version(self) -> None:
         version = self._weights().held_version

@@ -56,6 +56,8 @@ class GeneratorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     torch_threads: NonNegativeInt = 0
     """torch.set_num_threads for sampling (the launcher passes the instance's `torch_threads`); 0 leaves
     torch's default."""
+    device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda)$")] = "cpu"
+    """Where the policy runs (topology `[policy] device`): 'auto' is CUDA when this machine has it."""
 
 
 __all__ = ["GeneratorConfig", "GeneratorLaunch"]

@@ -101,12 +101,13 @@ def trainer_threads() -> int:
     return max(1, int(os.environ.get("RLBUS_TORCH_THREADS", "1") or 1))
 
 
-def build_trainer_core(config: TrainerConfig, *, threads: int, pretrained: str = "") -> TrainerCore:
+def build_trainer_core(config: TrainerConfig, *, threads: int, pretrained: str = "",
+                       device: str = "cpu") -> TrainerCore:
     """Set torch's thread count and build the core of `config` from `pretrained` (`TrainerLaunch.pretrained`;
-    empty: a fresh tiny model): the trainer's setup and `rlbus replay FILE train` (ops/recording/retrain.py)
-    both start here, so a replay cannot drift from the live trainer."""
+    empty: a fresh tiny model) on `device` (`TrainerLaunch.device`): the trainer's setup and `rlbus replay FILE
+    train` (ops/recording/retrain.py) both start here, so a replay cannot drift from the live trainer."""
     torch.set_num_threads(threads)
-    return build_core(pretrained, lr=config.lr, seed=config.seed)
+    return build_core(pretrained, lr=config.lr, seed=config.seed, device=device)
 
 
 class Trainer(Actor):
@@ -157,11 +158,11 @@ class Trainer(Actor):
         if info.config.max_ack_pending and info.config.max_ack_pending > 0:
             self.max_buffered = int(info.config.max_ack_pending)
         self.gauges["buffer_bound"] = float(self.max_buffered)
-        cfg, threads, pretrained = self.config, trainer_threads(), self.launch.pretrained
+        cfg, threads, pretrained, device = self.config, trainer_threads(), self.launch.pretrained, self.launch.device
         self.core = await anyio.to_thread.run_sync(
-            lambda: build_trainer_core(cfg, threads=threads, pretrained=pretrained))
+            lambda: build_trainer_core(cfg, threads=threads, pretrained=pretrained, device=device))
         log.info("trainer_model_ready", pretrained=pretrained or None, incarnation=self.incarnation,
-                 params=sum(p.numel() for p in self.core.model.parameters()))
+                 policy=self.core.policy.describe())
 
     async def run(self) -> None:
         core = self._core()

@@ -73,7 +73,10 @@ class TrainerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     must agree with (topology/launch.py derives them), and timing knobs for tests."""
 
     pretrained: str = ""
-    """`pretrain.pt` (or its folder) to start from and to use as the KL reference; empty: a fresh tiny model."""
+    """`pretrain.pt` (or its folder), or a Hugging Face directory, to start from and to use as the KL reference;
+    empty: a fresh tiny built-in model."""
+    device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda)$")] = "cpu"
+    """Where the policy runs (topology `[policy] device`): 'auto' is CUDA when this machine has it."""
     state_dir: str = ""
     """The run's state directory: the checkpointer's durable copies are read from here if CKPT lost one."""
     checkpoint_interval: PositiveInt = 10

@@ -144,7 +144,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             for bus in buses:
                 await bus.close()
             await anyio.to_thread.run_sync(rs.stop)
-    n_params = sum(p.numel() for p in source.model.parameters())
+    n_params = sum(p.numel() for p in source.policy.module.parameters())
     median = {mode: statistics.median(r["total_s"] for r in rows) for mode, rows in results.items()}
     after = {mode: statistics.median(r["total_s"] - r["queue_s"] - r["download_s"] for r in rows)
              for mode, rows in results.items()}

@@ -17,7 +17,6 @@ from rlbus.actors.common.checkpoints import read_durable_state
 from rlbus.actors.common.errors import CheckpointError, PartialGroupError, TaskError, WeightsError
 from rlbus.actors.common.feed import read_tasks_file, task_from_verifier, verifier_for
 from rlbus.actors.common.weight_source import open_weights
-from rlbus.actors.common.weight_sync import config_dict, config_from_dict, estimated_params
 from rlbus.actors.generator.group import PartialLimits, check_partial, decode_partial, new_group
 from rlbus.actors.trainer.core import STATE_FORMAT, build_core
 from rlbus.actors.trainer.resume import load_state
@@ -25,6 +24,8 @@ from rlbus.messages.bus import digest
 from rlbus.messages.errors import RlbusError, TopologyError
 from rlbus.messages.schemas import CheckpointMark
 from rlbus.messages.schemas import Task as TaskMessage
+from rlbus.model.builtin_policy import config_dict, config_from_spec, estimated_params
+from rlbus.model.policy import PolicyError
 from rlbus.model.tasks import eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig
@@ -79,16 +80,16 @@ def test_an_unusable_verifier_is_a_task_error() -> None:
         task_from_verifier(TaskMessage(task_id="t", prompt="p", verifier=verifier))
 
 
-def test_an_architecture_that_is_not_one_is_a_weights_error() -> None:
+def test_an_architecture_that_is_not_one_is_a_policy_error() -> None:
     """Unknown fields, sizes ModelConfig refuses, and a size of 0 are refused naming the value."""
     fields = config_dict(ModelConfig.tiny())
-    with pytest.raises(WeightsError, match="is not a ModelConfig"):
-        config_from_dict({**fields, "n_wheels": 3})
-    with pytest.raises(WeightsError, match="d_model 64 must split into n_heads 5"):
-        config_from_dict({**fields, "n_heads": 5})
-    with pytest.raises(WeightsError, match=r"positive integers: \{'d_ff': 0\}"):
+    with pytest.raises(PolicyError, match="is not a ModelConfig"):
+        config_from_spec({**fields, "n_wheels": 3})
+    with pytest.raises(PolicyError, match="d_model 64 must split into n_heads 5"):
+        config_from_spec({**fields, "n_heads": 5})
+    with pytest.raises(PolicyError, match=r"positive integers: \{'d_ff': 0\}"):
         estimated_params(ModelConfig.tiny(d_ff=0))
-    assert config_from_dict(fields) == ModelConfig.tiny()
+    assert config_from_spec(fields) == ModelConfig.tiny()
 
 
 @pytest.mark.anyio

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.config import PublisherConfig, PublisherLaunch
-from rlbus.actors.common.weight_sync import LATEST_KEY, Part, WeightSync, config_dict, plan_fetch
+from rlbus.actors.common.weight_sync import LATEST_KEY, Part, WeightSync, plan_fetch
 from rlbus.actors.publisher import Publisher
 from rlbus.kernels.delta import bits_view
 from rlbus.kernels.delta_state import state_digest, tensor_digests
@@ -35,6 +35,7 @@ from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import Event, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
+from rlbus.model.builtin_policy import config_dict
 from rlbus.model.generate import generate
 from rlbus.model.transformer import ModelConfig, Transformer
 from rlbus.ops.bench.version_source import VersionSource
@@ -111,7 +112,7 @@ def _source(lr: float = 1e-3, seed: int = 0) -> VersionSource:
 
 
 def _assert_bit_exact(sync: WeightSync, want: Mapping[str, Tensor]) -> None:
-    live = sync.model.state_dict()
+    live = sync.model.named_tensors()
     assert set(live) == set(want)
     for name, tensor in want.items():
         assert live[name].dtype == torch.bfloat16
