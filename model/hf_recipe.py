@@ -1,0 +1,182 @@
+"""Hugging Face model directories built on the spot, for machines without downloads.
+
+Owns: `train_bpe_tokenizer` (byte-level BPE trained with `tokenizers` on local text) and `build_hf_dir` (a
+complete directory of a randomly initialised Llama, Qwen2, Qwen3 or Qwen3-MoE of a size preset: `config.json`,
+safetensors weights, `tokenizer.json`, `tokenizer_config.json` and a ChatML chat template), which
+`rlbus.model.hf_policy.HFPolicy.load` and plain `transformers` both load.
+Does not: train the model (pretraining is `model/pretrain.py`'s job), or download anything.
+
+Special tokens: `<|endoftext|>` ends a document and is the tokenizer's eos; `<|im_start|>` / `<|im_end|>` frame
+chat turns (ChatML, `<|im_start|>{role}\\n{content}<|im_end|>\\n`), so `<|im_end|>` is the stop of a policy turn;
+`<|pad|>` pads. `generation_config.json` lists both `<|im_end|>` and `<|endoftext|>` as eos, as chat models do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Final, Literal
+
+Architecture = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
+Size = Literal["tiny", "m30"]
+
+SPECIAL_TOKENS: Final = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+"""Ids 0..3 of every tokenizer `train_bpe_tokenizer` trains, in this order."""
+EOS_TOKEN: Final = "<|endoftext|>"
+STOP_TOKEN: Final = "<|im_end|>"
+PAD_TOKEN: Final = "<|pad|>"
+
+CHATML_TEMPLATE: Final = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""ChatML, as Qwen2 and Qwen3 chat models use it (without their tool and reasoning extras)."""
+
+_SYSTEM_TEMPLATE: Final = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\n' + default_system + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+)
+
+_ARCHITECTURES: Final[dict[str, str]] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+_SIZES: Final[dict[str, dict[str, int]]] = {
+    # ~0.1M parameters (+ 64 per vocabulary entry and tied/untied head): unit tests.
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "moe_intermediate_size": 64},
+    # ~25M parameters in the blocks, ~30M with a vocabulary of 8192 (Qwen2-like: GQA 8/4 heads).
+    "m30": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "intermediate_size": 1536, "moe_intermediate_size": 384},
+}
+
+
+def chat_template(system_prompt: str | None = None) -> str:
+    """The ChatML template; with `system_prompt`, one that opens with that system turn when the conversation
+    has none (as Qwen2's templates do with "You are a helpful assistant.")."""
+    if system_prompt is None:
+        return CHATML_TEMPLATE
+    return "{%- set default_system = " + repr(system_prompt) + " %}" + _SYSTEM_TEMPLATE + CHATML_TEMPLATE
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
+    """A byte-level BPE `tokenizers.Tokenizer` of at most `vocab_size` ids trained on `texts`.
+
+    Ids 0..3 are `SPECIAL_TOKENS`; the 256 byte symbols are always in the vocabulary, so any text encodes.
+    Deterministic for the same texts and size.
+
+    :raises ValueError: `vocab_size` leaves no room for the specials and the byte alphabet.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    floor = len(SPECIAL_TOKENS) + 256
+    if vocab_size < floor:
+        raise ValueError(f"vocab_size {vocab_size} must be >= {floor} (the specials and the 256 byte symbols)")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(texts), trainer)
+    return tokenizer
+
+
+def _config(architecture: str, size: str, *, vocab_size: int, tie_embeddings: bool, max_seq_len: int,
+            ids: dict[str, int]) -> Any:
+    """The transformers config of `architecture` at preset `size`, fp32, sdpa."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    shape = dict(_SIZES[size])
+    moe_width = shape.pop("moe_intermediate_size")
+    common: dict[str, Any] = {
+        **shape,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_seq_len,
+        "tie_word_embeddings": tie_embeddings,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": None,
+        "eos_token_id": ids[EOS_TOKEN],
+        "pad_token_id": ids[PAD_TOKEN],
+        "dtype": "float32",
+    }
+    match architecture:
+        case "llama":
+            return LlamaConfig(**common)
+        case "qwen2":
+            return Qwen2Config(**common, use_sliding_window=False)
+        case "qwen3":
+            return Qwen3Config(**common, use_sliding_window=False)
+        case "qwen3_moe":
+            return Qwen3MoeConfig(**common, use_sliding_window=False, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=moe_width, decoder_sparse_step=1, mlp_only_layers=[],
+                                  norm_topk_prob=True)
+    raise ValueError(f"architecture {architecture!r}: expected one of {', '.join(_ARCHITECTURES)}")
+
+
+def build_hf_dir(
+    out_dir: Path,
+    *,
+    architecture: Architecture = "qwen2",
+    texts: Iterable[str],
+    vocab_size: int = 512,
+    size: Size = "tiny",
+    tie_embeddings: bool | None = None,
+    max_seq_len: int = 512,
+    seed: int = 0,
+    system_prompt: str | None = None,
+) -> Path:
+    """Write a complete Hugging Face directory of a randomly initialised model to `out_dir`; returns it.
+
+    The tokenizer is trained on `texts` (`train_bpe_tokenizer`); the config's `vocab_size` is `vocab_size`
+    (at least the tokenizer's size). `tie_embeddings` defaults to what the family's small models do (Qwen2 and
+    Qwen3 tie, Llama and Qwen3-MoE do not). `system_prompt` makes the chat template open with that system turn
+    when a conversation has none. The same arguments (and seed) write the same files.
+
+    :raises ValueError: an unknown architecture or size, or a vocabulary too small.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+
+    if architecture not in _ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r}: expected one of {', '.join(_ARCHITECTURES)}")
+    if size not in _SIZES:
+        raise ValueError(f"size {size!r}: expected one of {', '.join(_SIZES)}")
+    tokenizer = train_bpe_tokenizer(texts, vocab_size)
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    tied = architecture in ("qwen2", "qwen3") if tie_embeddings is None else tie_embeddings
+    config = _config(architecture, size, vocab_size=max(vocab_size, tokenizer.get_vocab_size()),
+                     tie_embeddings=tied, max_seq_len=max_seq_len, ids=ids)
+    config.architectures = [_ARCHITECTURES[architecture]]
+    rng = torch.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    finally:
+        torch.set_rng_state(rng)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[ids[STOP_TOKEN], ids[EOS_TOKEN]], pad_token_id=ids[PAD_TOKEN], bos_token_id=None,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=["<|im_start|>", STOP_TOKEN],
+        chat_template=chat_template(system_prompt),
+        model_max_length=max_seq_len,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(out_dir)
+    return out_dir
