@@ -1,15 +1,10 @@
 """The Hugging Face policy: a local model directory (`config.json`, safetensors, `tokenizer.json`) behind `Policy`.
 
-Owns: `check_dir` (what `rlbus validate` runs: every defect of a directory as one line naming the file, without
-building the model), `HFChatTokenizer` (turn framing cut out of the model's own chat template), `HFCache` (a
-`transformers.DynamicCache` with the built-in cache's per-row key masks and positions), `HFPolicy` (load from a
-directory or build from a spec and its files; forward with the built-in transformer's padding and cache
-semantics; Qwen3-MoE router record and replay).
+Owns: `check_dir` (what `rlbus validate` runs; nothing built), `HFChatTokenizer` (turn framing cut out of the
+model's chat template), `HFCache` (a DynamicCache with per-row key masks and positions), `HFPolicy` (load, spec,
+the built-in transformer's forward semantics, Qwen3-MoE router record and replay). Attention: SDPA by default.
 Does not own: sampling (`model/generate.py`), the interface (`model/policy.py`), building directories
-(`model/hf_recipe.py`).
-
-Supported architectures: `SUPPORTED`. Attention runs through PyTorch's SDPA by default (`DEFAULT_ATTENTION`;
-"eager" is equivalent, only slower). `transformers` is imported inside functions: importing this module is cheap.
+(`model/hf_recipe.py`). `transformers` is imported inside functions, so importing this module stays cheap.
 """
 
 from __future__ import annotations

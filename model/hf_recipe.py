@@ -1,14 +1,9 @@
 """Hugging Face model directories built on the spot, for machines without downloads.
 
-Owns: `train_bpe_tokenizer` (byte-level BPE trained with `tokenizers` on local text) and `build_hf_dir` (a
-complete directory of a randomly initialised Llama, Qwen2, Qwen3 or Qwen3-MoE of a size preset: `config.json`,
-safetensors weights, `tokenizer.json`, `tokenizer_config.json` and a ChatML chat template), which
-`rlbus.model.hf_policy.HFPolicy.load` and plain `transformers` both load.
-Does not: train the model (pretraining is `model/pretrain.py`'s job), or download anything.
-
-Special tokens: `<|endoftext|>` ends a document and is the tokenizer's eos; `<|im_start|>` / `<|im_end|>` frame
-chat turns (ChatML, `<|im_start|>{role}\\n{content}<|im_end|>\\n`), so `<|im_end|>` is the stop of a policy turn;
-`<|pad|>` pads. `generation_config.json` lists both `<|im_end|>` and `<|endoftext|>` as eos, as chat models do.
+Owns: `train_bpe_tokenizer` (byte-level BPE on local text) and `build_hf_dir` (a randomly initialised Llama,
+Qwen2, Qwen3 or Qwen3-MoE of a size preset, saved with its tokenizer and a ChatML chat template). Special tokens:
+`<|endoftext|>` (the eos: end of a document), `<|im_start|>` / `<|im_end|>` (ChatML turns: `<|im_end|>` is the
+stop of a policy turn), `<|pad|>`. Does not: train the model (`model/pretrain.py`) or download anything.
 """
 
 from __future__ import annotations
@@ -16,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final, Literal
+
+from rlbus.model.hf_policy import DEFAULT_CHAT_TEMPLATE
 
 Architecture = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
 Size = Literal["tiny", "m30"]
@@ -26,12 +23,7 @@ EOS_TOKEN: Final = "<|endoftext|>"
 STOP_TOKEN: Final = "<|im_end|>"
 PAD_TOKEN: Final = "<|pad|>"
 
-CHATML_TEMPLATE: Final = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+CHATML_TEMPLATE: Final = DEFAULT_CHAT_TEMPLATE
 """ChatML, as Qwen2 and Qwen3 chat models use it (without their tool and reasoning extras)."""
 
 _SYSTEM_TEMPLATE: Final = (
