@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, get_args
 
 import structlog
 import torch
@@ -56,7 +56,7 @@ log = structlog.get_logger()
 CHECKPOINT_NAME: Final = "pretrain.pt"
 SUMMARY_NAME: Final = "pretrain.json"
 LOSS_PLOT: Final = "loss.png"
-HF_VOCAB: Final[dict[str, int]] = {"tiny": 1024, "small": 2048, "m30": 8192}
+HF_VOCAB: Final[dict[str, int]] = {"tiny": 1024, "m30": 8192}
 """Vocabulary of the BPE tokenizer a `--hf` run trains, by size preset."""
 TOKENIZER_CHARS: Final = 3_000_000
 """About how much text a new BPE tokenizer learns from (a sample: the standard library alone is ~10 MB)."""
@@ -431,19 +431,20 @@ def new_hf_policy(config: PretrainConfig, architecture: str, size: str, seed: in
     :raises PolicyError: an architecture or size the recipe does not build.
     """
     from rlbus.model.hf_policy import HFPolicy
-    from rlbus.model.hf_recipe import build_hf_dir
+    from rlbus.model.hf_recipe import Architecture, Size, build_hf_dir
 
+    if architecture not in get_args(Architecture):
+        raise PolicyError(f"--hf {architecture!r}: expected an architecture of {', '.join(get_args(Architecture))}")
+    if size not in get_args(Size):
+        raise PolicyError(f"--hf {architecture} builds the sizes {', '.join(get_args(Size))}, not --config {size}")
     files = source_files([Path(d) for d in config.corpus_dirs], stdlib=config.stdlib)
     held_out = Decontaminator(eval_tasks(config.task_seed, config.eval_n))
     tasks = itertools.islice(train_tasks(seed, eval_seed=config.task_seed), 500)
     texts = tokenizer_texts(files, tasks, held_out, random.Random(f"rlbus-bpe:{seed}"), max_chars=TOKENIZER_CHARS)
     with tempfile.TemporaryDirectory(prefix="rlbus-hf-init-") as tmp:
-        try:
-            build_hf_dir(Path(tmp), architecture=architecture, texts=texts,  # type: ignore[arg-type]
-                         vocab_size=HF_VOCAB.get(size, 2048), size=size,  # type: ignore[arg-type]
-                         max_seq_len=max_seq_len, seed=seed)
-        except ValueError as err:
-            raise PolicyError(f"--hf {architecture} --config {size}: {err}") from None
+        build_hf_dir(Path(tmp), architecture=architecture, texts=texts,  # type: ignore[arg-type]
+                     vocab_size=HF_VOCAB.get(size, 2048), size=size,  # type: ignore[arg-type]
+                     max_seq_len=max_seq_len, seed=seed)
         return HFPolicy.load(Path(tmp), device=device, dtype=torch.float32)
 
 

@@ -1,17 +1,20 @@
-"""`rlbus pretrain`: continued pretraining of the policy on solved coding tasks, then held-out pass@1.
+"""`rlbus pretrain`: continued pretraining of a policy (built-in or Hugging Face), then held-out pass@1.
 
 Owns: the command line and its progress lines (`PretrainPrinter`, shared with `rlbus up`). Does not own the
-training (`model/pretrain.py`). Writes DIR/pretrain.pt (state_dict, model config, tokenizer info, meta) and
-DIR/pretrain.json.
+training (`model/pretrain.py`) or the corpus (`model/corpus.py`). A built-in run writes DIR/pretrain.pt
+(state_dict, model config, tokenizer info, meta), DIR/pretrain.json and DIR/loss.png; a Hugging Face run
+(`--hf ARCH`, or `--from` a model directory) makes DIR a model directory that `transformers` loads, with
+pretrain.json and loss.png inside.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from rlbus.model.pretrain import PretrainProgress
@@ -69,34 +72,67 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `pretrain` subcommand to the `rlbus` parser."""
     p = sub.add_parser(
         "pretrain",
-        help="pretrain the policy on synthetic coding-task solutions and report held-out pass@1",
-        description="Train a fresh policy on prompts + canonical solutions of the built-in coding-task "
-                    "family (some documents retry after test feedback), checkpoint it, then greedy-decode the "
-                    "held-out tasks and print pass@1 with its 95% Wilson interval. The small preset takes "
-                    "a few minutes on 2 CPU cores.",
+        help="pretrain a policy (built-in or Hugging Face) on coding-task solutions and Python source, "
+             "report held-out pass@1",
+        description="Train a policy on prompts + canonical solutions of the built-in coding-task family (some "
+                    "documents retry after test feedback), mixed with real Python source (the standard library's "
+                    "own files and any --corpus folder, decontaminated against the held-out tasks), checkpoint "
+                    "it, then greedy-decode the held-out tasks and print pass@1 with its 95% Wilson interval. "
+                    "By default a fresh built-in transformer (the small preset takes a few minutes on 2 CPU "
+                    "cores); --hf ARCH builds a Hugging Face model from scratch (its BPE tokenizer trained on "
+                    "the corpus); --from DIR continues a Hugging Face model directory (or a pretrain.pt folder).",
     )
     p.add_argument("--out", type=Path, default=Path(".rlbus/pretrain"), metavar="DIR",
-                   help="output folder for pretrain.pt and pretrain.json (default: .rlbus/pretrain)")
-    p.add_argument("--config", choices=("small", "tiny"), default="small",
-                   help="model and schedule preset: small (the real run) or tiny (seconds, for tests)")
+                   help="output folder (default: .rlbus/pretrain); a Hugging Face run makes it a model directory")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--hf", metavar="ARCH", default=None,
+                       help="build a Hugging Face model of this architecture from scratch (qwen2, llama, qwen3, "
+                            "qwen3_moe) at the --config size")
+    start.add_argument("--from", dest="from_dir", type=Path, default=None, metavar="DIR",
+                       help="continue pretraining the policy in DIR: a Hugging Face model directory, or a folder "
+                            "with a pretrain.pt; the step count continues from its pretrain.json")
+    p.add_argument("--config", choices=("small", "tiny", "m30"), default=None,
+                   help="model and schedule preset: small (the real built-in run, the default), tiny (seconds, "
+                        "for tests; the default with --hf) or m30 (~30M parameters); with --hf it also picks the "
+                        "model size (tiny or m30)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation and training data (default 0)")
     p.add_argument("--task-seed", type=int, default=0,
                    help="seed of the held-out task set; training never sees its prompts (default 0)")
     p.add_argument("--eval-n", type=int, default=None, help="held-out tasks to evaluate (default: the preset's)")
+    p.add_argument("--corpus", type=Path, action="append", default=[], metavar="DIR",
+                   help="a folder of .py files to train on besides the standard library (repeatable)")
+    p.add_argument("--no-stdlib", action="store_true", help="leave the standard library's sources out of the corpus")
+    p.add_argument("--code-fraction", type=float, default=None, metavar="F",
+                   help="share of documents that are Python source, 0..1 (default 0.5 for a Hugging Face "
+                        "policy, 0 for the built-in one)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="write an intermediate checkpoint every N steps (default: the preset's)")
+    p.add_argument("--device", choices=("cpu", "auto", "cuda"), default="cpu",
+                   help="where to train: cpu (the default; deterministic per thread count), auto or cuda")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
     p.set_defaults(handler=_handler)
 
 
-def _handler(args: argparse.Namespace) -> int:
-    from rlbus.model.pretrain import PretrainConfig, pretrain
+HF_CODE_FRACTION = 0.5
+"""Default share of code documents for a Hugging Face policy (the built-in one trains on task documents only)."""
 
-    overrides: dict[str, int] = {"task_seed": args.task_seed}
-    if args.eval_n is not None:
-        overrides["eval_n"] = args.eval_n
+
+def _handler(args: argparse.Namespace) -> int:
+    from rlbus.model.builtin_policy import BuiltinPolicy
+    from rlbus.model.corpus import CorpusError
+    from rlbus.model.pretrain import PretrainConfig, load_start, new_hf_policy, pretrain
+
+    preset = args.config or ("tiny" if args.hf else "small")
+    overrides: dict[str, Any] = {"task_seed": args.task_seed, "stdlib": not args.no_stdlib,
+                                 "corpus_dirs": tuple(str(d) for d in args.corpus)}
+    for key, value in (("eval_n", args.eval_n), ("lr", args.lr), ("checkpoint_every", args.checkpoint_every)):
+        if value is not None:
+            overrides[key] = value
     try:
-        config = PretrainConfig.preset(args.config, **overrides)
+        config = PretrainConfig.preset(preset, **overrides)
     except ValueError as err:
         print(f"rlbus pretrain: {err}", file=sys.stderr)
         return 2
@@ -104,11 +140,39 @@ def _handler(args: argparse.Namespace) -> int:
     if steps < 1 or args.threads < 1 or not 1 <= config.eval_n <= 2000:
         print("rlbus pretrain: --steps and --threads must be >= 1 and --eval-n in 1..2000", file=sys.stderr)
         return 2
+    if not config.lr > 0 or config.checkpoint_every < 1 or not 0.0 <= (args.code_fraction or 0.0) <= 1.0:
+        print("rlbus pretrain: --lr must be > 0, --checkpoint-every >= 1 and --code-fraction in 0..1",
+              file=sys.stderr)
+        return 2
+    missing = [str(d) for d in args.corpus if not d.is_dir()]
+    if missing:
+        print(f"rlbus pretrain: --corpus {missing[0]} is not a folder; pass a folder of .py files", file=sys.stderr)
+        return 2
 
-    print(f"pretrain: config {args.config}, {steps} steps, seed {args.seed}, task seed {args.task_seed}, "
-          f"{args.threads} threads -> {args.out}", flush=True)
-    result = pretrain(config, steps, args.seed, args.out, args.threads,
-                      progress=None if args.json else PretrainPrinter(sys.stdout))
+    start_step, origin, policy, what = 0, "", None, f"config {preset}"
+    if args.from_dir is not None:
+        policy, start_step = load_start(args.from_dir, device=args.device)
+        origin, what = str(args.from_dir), f"{policy.kind} policy from {args.from_dir} (step {start_step})"
+    elif args.hf is not None:
+        policy = new_hf_policy(config, args.hf, preset, args.seed, max_seq_len=config.model.max_seq_len,
+                               device=args.device)
+        what = f"hf {args.hf} {preset}"
+    hf = policy is not None and not isinstance(policy, BuiltinPolicy)
+    fraction = args.code_fraction if args.code_fraction is not None else HF_CODE_FRACTION if hf else 0.0
+    config = dataclasses.replace(config, code_fraction=fraction)
+    if fraction > 0 and args.no_stdlib and not args.corpus:
+        print("rlbus pretrain: --code-fraction > 0 with --no-stdlib needs a --corpus folder", file=sys.stderr)
+        return 2
+
+    print(f"pretrain: {what}, {steps} steps, seed {args.seed}, task seed {args.task_seed}, "
+          f"code fraction {fraction:g}, {args.threads} threads -> {args.out}", flush=True)
+    try:
+        result = pretrain(config, steps, args.seed, args.out, args.threads,
+                          progress=None if args.json else PretrainPrinter(sys.stdout), policy=policy,
+                          start_step=start_step, origin=origin, device=args.device)
+    except CorpusError as err:
+        print(f"\nrlbus pretrain: {err}", file=sys.stderr)
+        return 2
     ev = result.eval
     if args.json:
         print(json.dumps(json.loads(result.summary.read_text())))

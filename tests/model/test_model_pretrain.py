@@ -1,8 +1,10 @@
-"""Pretraining end to end on the tiny preset, checkpoint loading, greedy decoding and the Wilson interval."""
+"""Pretraining end to end on the tiny preset (built-in and Hugging Face), continuing a run, checkpoint loading,
+the code corpus and its decontamination, greedy decoding and the Wilson interval."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 from pathlib import Path
@@ -11,14 +13,26 @@ from typing import Any
 import pytest
 import torch
 
+from rlbus.model.corpus import (
+    SKIP_DIRS,
+    Decontaminator,
+    code_documents,
+    source_files,
+    split_source,
+    stdlib_root,
+)
 from rlbus.model.evaluate import greedy_complete, wilson_interval
 from rlbus.model.grading import grade_many
+from rlbus.model.policy import load_policy
 from rlbus.model.pretrain import (
     PretrainConfig,
     PretrainProgress,
+    PretrainResult,
+    _corpus,
     _documents,
     corrupt,
     load_checkpoint,
+    new_hf_policy,
     pretrain,
     settings_key,
 )
@@ -28,6 +42,7 @@ from rlbus.model.transformer import ModelConfig, Transformer
 from rlbus.ops.cli import main
 
 TOK = ByteTokenizer()
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_wilson_interval_hand_values() -> None:
@@ -97,6 +112,8 @@ def test_tiny_pretrain_end_to_end(tmp_path: Path) -> None:
     reloaded = load_checkpoint(tmp_path / "pretrain.pt")[0]
     for a, b in zip(model.state_dict().values(), reloaded.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+    assert (tmp_path / "loss.png").read_bytes().startswith(PNG)
+    assert summary["policy"] == "builtin" and len(summary["losses"]) == 30 and summary["config"]["code_fraction"] == 0
 
 
 def test_pretrain_is_deterministic(tmp_path: Path) -> None:
@@ -145,3 +162,134 @@ def test_settings_key_is_equal_for_equal_settings_and_differs_for_any_change() -
         others.append(settings_key(dataclasses.replace(config, model=model), 300, 0, 2))
     assert len(others) == 3 + len(dataclasses.fields(PretrainConfig)) - 1 + len(dataclasses.fields(ModelConfig))
     assert key not in others and len(set(others)) == len(others)
+
+
+# ---- the code corpus -------------------------------------------------------------------------------------
+
+def test_a_planted_copy_of_a_held_out_task_in_a_corpus_folder_is_dropped(tmp_path: Path) -> None:
+    """A --corpus file holding a held-out task's prompt and solution (re-spaced: the rule normalises whitespace)
+    gives no document; a clean file beside it does, each document of it at most the context long and ending with
+    eos, and no document of the mix contains a held-out prompt or solution."""
+    config = PretrainConfig.preset("tiny", eval_n=20, code_fraction=1.0, stdlib=False,
+                                   corpus_dirs=(str(tmp_path),))
+    held_out = eval_tasks(config.task_seed, config.eval_n)
+    task = held_out[7]
+    planted = ("import os\n\n\n" + task.prompt.replace("\n", "\n\n") + task.solution.replace("    ", "\t")
+               + "\n\nprint(f(3))\n")
+    (tmp_path / "planted.py").write_text(planted)
+    clean = "".join(f"def g{i}(a, b):\n    '''Add {i}.'''\n    return a + b + {i}\n\n" for i in range(40))
+    (tmp_path / "clean.py").write_text(clean)
+    decontaminate = Decontaminator(held_out)
+    assert not decontaminate.clean(planted) and decontaminate.clean(clean)
+    expected = split_source(clean, TOK, config.model.max_seq_len + 1)
+    assert len(expected) > 1
+    docs = list(itertools.islice(_corpus(config, 0, TOK, config.model.max_seq_len, held_out), 3 * len(expected)))
+    assert sorted(map(tuple, (ids for ids, _ in docs))) == sorted(map(tuple, expected * 3))
+    for ids, weights in docs:
+        text = " ".join(TOK.decode(ids).split())
+        assert ids[-1] == TOK.eos_id and len(ids) <= config.model.max_seq_len + 1 and set(weights) == {1.0}
+        assert " ".join(task.solution.split()) not in text and "def f(" not in text
+
+
+def test_the_stdlib_corpus_is_sampled_lazily_and_deterministically() -> None:
+    """The standard library's sources are listed without tests, site-packages or idlelib; code documents come
+    in the same order for the same seed, another for another seed; with code_fraction 0 the task documents pass
+    through untouched."""
+    files = source_files([], stdlib=True)
+    root = stdlib_root()
+    assert len(files) > 100 and all(f.is_relative_to(root) and f.suffix == ".py" for f in files)
+    assert not any(SKIP_DIRS & set(f.relative_to(root).parts[:-1]) for f in files)
+    assert root / "json" / "decoder.py" in files
+    clean = Decontaminator(eval_tasks(0, 20))
+
+    def first(seed: int) -> list[list[int]]:
+        return [ids for ids, _ in itertools.islice(code_documents(files, TOK, 257, random.Random(seed), clean), 5)]
+
+    assert first(1) == first(1) != first(2)
+    assert all(len(ids) <= 257 and ids[-1] == TOK.eos_id for ids in first(1))
+    config = PretrainConfig.preset("tiny")
+    assert list(itertools.islice(_corpus(config, 4, TOK, 512, []), 12)) == list(
+        itertools.islice(_documents(config, 4, TOK), 12))
+
+
+# ---- Hugging Face policies ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[PretrainResult, list[PretrainProgress]]:
+    """4 steps of a tiny Qwen2 built from scratch (its BPE tokenizer trained on the corpus), half the documents
+    standard-library source, an intermediate checkpoint at step 2."""
+    out = tmp_path_factory.mktemp("hf") / "qwen2"
+    config = PretrainConfig.preset("tiny", eval_n=3, max_new_tokens=8, checkpoint_every=2, code_fraction=0.5,
+                                   batch_size=4)
+    policy = new_hf_policy(config, "qwen2", "tiny", 0, max_seq_len=256)
+    seen: list[PretrainProgress] = []
+    return pretrain(config, 4, 0, out, 1, progress=seen.append, policy=policy), seen
+
+
+def test_a_hugging_face_run_writes_a_directory_plain_transformers_loads(
+        hf_run: tuple[PretrainResult, list[PretrainProgress]]) -> None:
+    """The output folder is a model directory: AutoModelForCausalLM and AutoTokenizer load it, the model's
+    logits equal the in-memory policy's, `load_policy` loads it; pretrain.json and loss.png are inside, the
+    intermediate checkpoint was named, and no temporary folder is left beside it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result, seen = hf_run
+    out = result.checkpoint
+    assert result.policy is not None and result.policy.kind == "hf" and out.is_dir()
+    summary = json.loads((out / "pretrain.json").read_text())
+    assert summary["step"] == 4 and summary["final"] and summary["policy"] == "hf" and len(summary["losses"]) == 4
+    assert summary["eval"]["n"] == 3 and (out / "loss.png").read_bytes().startswith(PNG)
+    assert [(p.phase, p.step) for p in seen if p.phase == "checkpoint"] == [("checkpoint", 2), ("checkpoint", 4)]
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+
+    policy = result.policy
+    tokenizer = policy.tokenizer
+    prompt = eval_tasks(0, 1)[0].prompt
+    ids = torch.tensor([tokenizer.prompt_ids(prompt)])
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    with torch.no_grad():
+        expected = policy.forward(ids).logits
+        torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(load_policy(out).forward(ids).logits, expected, rtol=0, atol=1e-5)
+    assert hf_tok.eos_token_id == tokenizer.eos_id and hf_tok.pad_token_id == tokenizer.pad_id
+    assert hf_tok.decode(ids[0].tolist(), skip_special_tokens=False) == tokenizer.decode(ids[0].tolist(),
+                                                                                            specials=True)
+    chat = hf_tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      tokenize=False)
+    assert chat == tokenizer.decode(ids[0].tolist(), specials=True)
+
+
+def test_from_continues_a_hugging_face_directory(hf_run: tuple[PretrainResult, list[PretrainProgress]],
+                                                 tmp_path: Path) -> None:
+    """`rlbus pretrain --from DIR` trains on from DIR's weights: the step count continues (4 + 2), losses are
+    recorded, and the new directory loads with plain transformers and differs from DIR's weights."""
+    from transformers import AutoModelForCausalLM
+
+    start = hf_run[0].checkpoint
+    out = tmp_path / "more"
+    code = main(["pretrain", "--from", str(start), "--steps", "2", "--eval-n", "2", "--threads", "1",
+                 "--out", str(out)])
+    assert code == 0
+    summary = json.loads((out / "pretrain.json").read_text())
+    assert (summary["step"], summary["start_step"], summary["from"]) == (6, 4, str(start))
+    assert len(summary["losses"]) == 2 and all(0 < loss < 20 for loss in summary["losses"])
+    assert summary["config"]["code_fraction"] == 0.5
+    before = AutoModelForCausalLM.from_pretrained(start).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("case", ["missing", "not_a_model", "unknown_arch"])
+def test_a_bad_start_is_a_one_line_error(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--from a folder that does not exist or holds no model, or --hf an architecture the recipe does not build:
+    exit 2 with one line naming it, nothing trained."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.txt").write_text("not a model\n")
+    start = {"missing": ["--from", str(tmp_path / "nope")], "not_a_model": ["--from", str(tmp_path / "notes")],
+             "unknown_arch": ["--hf", "gpt7"]}[case]
+    code = main(["pretrain", *start, "--steps", "1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("rlbus pretrain: ")
+    assert {"missing": "nope", "not_a_model": "config.json", "unknown_arch": "gpt7"}[case] in err
+    assert not (tmp_path / "out").exists()
