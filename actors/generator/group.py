@@ -39,8 +39,8 @@ from rlbus.actors.common.errors import PartialGroupError
 from rlbus.messages.schemas import Rollout, SandboxVerdict, TensorBlob
 from rlbus.model.episodes import Episode, Turn, add_attempt, completion_text, context_ids
 from rlbus.model.grading import GradeResult, Status
+from rlbus.model.policy import ChatTokenizer, frame_turn
 from rlbus.model.tasks import Task
-from rlbus.model.tokenizer import ByteTokenizer
 
 PARTIAL_FORMAT: Final = 1
 """Version of the PartialGroup layout; a partial of another format is ignored (the group starts over)."""
@@ -165,7 +165,7 @@ class PartialLimits:
     """(n_moe_layers, top_k, n_experts) of an MoE model; None: a dense model, partials carry no routing."""
 
 
-def check_partial(state: PartialGroup, task: Task, task_id: str, tokenizer: ByteTokenizer,
+def check_partial(state: PartialGroup, task: Task, task_id: str, tokenizer: ChatTokenizer,
                   limits: PartialLimits) -> None:
     """Raise PartialGroupError (naming the first problem) unless `state` is a partial this task's group could
     have saved: same format and task; a group size of G or, grown (`grow_group`), a multiple of G up to
@@ -210,7 +210,7 @@ def _check_tokens(ids: Sequence[int], logprobs: Sequence[float], versions: Seque
         raise PartialGroupError(f"{what}: a policy version outside [0, {limits.held_version}]")
 
 
-def _check_episode(ep: EpisodeState, task: Task, prompt: Sequence[int], tokenizer: ByteTokenizer,
+def _check_episode(ep: EpisodeState, task: Task, prompt: Sequence[int], tokenizer: ChatTokenizer,
                    limits: PartialLimits) -> None:
     if not ep.turns or ep.turns[0].role != "user" or ep.turns[0].ids != list(prompt):
         raise PartialGroupError("does not start with the task's prompt")
@@ -234,7 +234,7 @@ def _check_episode(ep: EpisodeState, task: Task, prompt: Sequence[int], tokenize
                 or (passed and (attempt.n_passed != attempt.n_tests or n != len(ep.attempts) - 1))):
             raise PartialGroupError(f"attempt {n} ({attempt.status}, {attempt.n_passed}/{attempt.n_tests}) "
                                     f"does not fit the task's {len(task.tests)} tests")
-    length = len(flatten(ep, tokenizer).ids) + 1 + len(ep.draft_ids)       # + <|assistant|> of the draft
+    length = len(flatten(ep, tokenizer).ids) + len(tokenizer.header("assistant")) + len(ep.draft_ids)
     if length > limits.max_seq_len:
         raise PartialGroupError(f"{length} tokens, past max_seq_len {limits.max_seq_len}")
     if ep.routing is None:
@@ -249,7 +249,7 @@ def _check_episode(ep: EpisodeState, task: Task, prompt: Sequence[int], tokenize
                                 f"({length}, {layers}, {top_k}) experts < {experts}")
 
 
-def new_group(task: Task, task_id: str, group_size: int, tokenizer: ByteTokenizer, *, now: float) -> PartialGroup:
+def new_group(task: Task, task_id: str, group_size: int, tokenizer: ChatTokenizer, *, now: float) -> PartialGroup:
     """G fresh episodes holding only the prompt."""
     prompt = tokenizer.encode(task.prompt)
     return PartialGroup(task_id=task_id, group_size=group_size, started_at=now,
@@ -267,7 +267,7 @@ def any_passed(state: PartialGroup) -> bool:
     return any(ep.passed for ep in state.episodes)
 
 
-def grow_group(state: PartialGroup, task: Task, tokenizer: ByteTokenizer, n: int) -> None:
+def grow_group(state: PartialGroup, task: Task, tokenizer: ChatTokenizer, n: int) -> None:
     """Add n fresh episodes (the prompt only) to the group; its Rollouts will all carry the new size."""
     if n < 1:
         raise ValueError(f"grow by {n} episodes: expected at least 1")
@@ -298,14 +298,15 @@ def episode_of(ep: EpisodeState, task: Task, max_attempts: int) -> Episode:
                    tuple(a.grade() for a in ep.attempts), max_attempts)
 
 
-def base_context(ep: EpisodeState, task: Task, tokenizer: ByteTokenizer, max_attempts: int) -> list[int]:
-    """What the next attempt continues: the episode so far, then <|assistant|> (draft not included)."""
+def base_context(ep: EpisodeState, task: Task, tokenizer: ChatTokenizer, max_attempts: int) -> list[int]:
+    """What the next attempt continues: the episode so far, then the assistant header (draft not included)."""
     return context_ids(episode_of(ep, task, max_attempts), tokenizer)
 
 
-def prompt_length(task: Task, tokenizer: ByteTokenizer) -> int:
-    """Tokens kept ahead of a summary: <|bos|><|user|>prompt<|end_turn|>."""
-    return len(tokenizer.encode(task.prompt)) + 3
+def prompt_length(task: Task, tokenizer: ChatTokenizer) -> int:
+    """Tokens kept ahead of a summary: bos and the user turn (<|bos|><|user|>prompt<|end_turn|>)."""
+    return (len(tokenizer.bos()) + len(tokenizer.header("user")) + len(tokenizer.encode(task.prompt))
+            + len(tokenizer.closing()))
 
 
 def add_chunk(ep: EpisodeState, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
@@ -328,7 +329,7 @@ def add_chunk(ep: EpisodeState, tokens: Sequence[int], logprobs: Sequence[float]
     return cut
 
 
-def record_attempt(ep: EpisodeState, task: Task, attempt: Attempt, tokenizer: ByteTokenizer,
+def record_attempt(ep: EpisodeState, task: Task, attempt: Attempt, tokenizer: ChatTokenizer,
                    max_attempts: int) -> None:
     """Turn the done draft into an assistant turn graded by `attempt` (plus an observation when it
     failed and attempts are left), and clear the draft."""
@@ -348,7 +349,7 @@ def record_summary(ep: EpisodeState, summary_ids: Sequence[int]) -> None:
     ep.summaries += 1
 
 
-def policy_text(ids: Sequence[int], tokenizer: ByteTokenizer) -> str:
+def policy_text(ids: Sequence[int], tokenizer: ChatTokenizer) -> str:
     """The text of sampled ids up to the first stop; ids the tokenizer does not know are skipped."""
     return completion_text([t for t in ids if 0 <= t < tokenizer.vocab_size], tokenizer)
 
@@ -364,28 +365,24 @@ class Flat:
     """-1 where no policy token is (filled in by `build_rollout`)."""
 
 
-def flatten(ep: EpisodeState, tokenizer: ByteTokenizer) -> Flat:
-    """The finished turns as laid out by model/episodes.py `episode_tokens`, with per-token arrays."""
-    role_id = {"user": tokenizer.user_id, "assistant": tokenizer.assistant_id,
-               "observation": tokenizer.observation_id, "summary": tokenizer.summary_id}
-    ids, mask, lps, vers = [tokenizer.bos_id], [0], [0.0], [-1]
+def flatten(ep: EpisodeState, tokenizer: ChatTokenizer) -> Flat:
+    """The finished turns as laid out by model/episodes.py `episode_tokens`, with per-token arrays; the loss
+    mask covers the assistant turns' sampled ids (a summary's logprobs are not kept: it is context here)."""
+    bos = tokenizer.bos()
+    ids, mask, lps, vers = list(bos), [0] * len(bos), [0.0] * len(bos), [-1] * len(bos)
     for turn in ep.turns:
-        n = len(turn.ids)
-        ids += [role_id[turn.role], *turn.ids]
+        framed, _ = frame_turn(tokenizer, turn.role, turn.ids)
+        head = len(tokenizer.header(turn.role))
+        tail = len(framed) - head - len(turn.ids)
+        ids += framed
         if turn.role == "assistant":
-            mask += [0] + [1] * n
-            lps += [0.0, *turn.logprobs]
-            vers += [-1, *turn.versions]
+            mask += [0] * head + [1] * len(turn.ids) + [0] * tail
+            lps += [0.0] * head + list(turn.logprobs) + [0.0] * tail
+            vers += [-1] * head + list(turn.versions) + [-1] * tail
         else:
-            mask += [0] * (n + 1)
-            lps += [0.0] * (n + 1)
-            vers += [-1] * (n + 1)
-        policy = turn.role in ("assistant", "summary")
-        if not (policy and turn.ids and turn.ids[-1] == tokenizer.end_turn_id):
-            ids.append(tokenizer.end_turn_id)
-            mask.append(0)
-            lps.append(0.0)
-            vers.append(-1)
+            mask += [0] * len(framed)
+            lps += [0.0] * len(framed)
+            vers += [-1] * len(framed)
     return Flat(ids, mask, lps, vers)
 
 
@@ -412,7 +409,7 @@ def attempt_reward(attempt: Attempt, partial_credit: float = 0.0) -> float:
 
 
 def build_rollout(ep: EpisodeState, *, task: Task, task_id: str, group_index: int, group_size: int,
-                  tokenizer: ByteTokenizer, region: str, generator_id: str,
+                  tokenizer: ChatTokenizer, region: str, generator_id: str,
                   timings: dict[str, float], partial_credit: float = 0.0) -> Rollout:
     """The finished episode as a Rollout (layout in the module docstring); reward 1.0 when the last
     attempt passed every hidden test, else partial_credit * (tests passed / tests) of that attempt
@@ -420,7 +417,7 @@ def build_rollout(ep: EpisodeState, *, task: Task, task_id: str, group_index: in
     flat = flatten(ep, tokenizer)
     policy_positions = [i for i, m in enumerate(flat.loss_mask) if m]
     end = policy_positions[-1] + 1 if policy_positions else len(flat.ids)
-    n_prompt = prompt_length(task, tokenizer) + 1
+    n_prompt = prompt_length(task, tokenizer) + len(tokenizer.header("assistant"))
     if end < n_prompt:
         raise ValueError(f"episode {task_id}-{group_index} has no sampled token to train on")
     versions = fill_versions(flat.versions[:end])

@@ -13,9 +13,11 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "model": {"kernels"},
     "actors": {"messages", "model", "kernels"},
-    "topology": {"messages", "actors"},
+    "topology": {"messages", "actors", "model"},
     "ops": {"messages", "model", "kernels", "actors", "topology"},
 }
+SHARED_ROOTS: frozenset[str] = frozenset({"rlbus.messages.errors"})
+"""Modules every layer may import whatever its place: the root of rlbus's errors lives in the lowest layer."""
 
 
 def rlbus_imports(path: Path) -> set[str]:
@@ -29,13 +31,16 @@ def rlbus_imports(path: Path) -> set[str]:
             names = [node.module]
         for name in names:
             parts = name.split(".")
+            if name in SHARED_ROOTS:
+                continue
             if parts[0] == "rlbus" and len(parts) > 1:
                 found.add(parts[1])
     return found
 
 
 def test_imports_point_down() -> None:
-    """ops → topology → actors → model|messages|kernels; nothing below imports upward."""
+    """ops → topology → actors → model|messages|kernels; nothing below imports upward (the error root,
+    messages/errors.py, is for everyone)."""
     bad = []
     for layer, allowed in ALLOWED.items():
         for path in (ROOT / layer).rglob("*.py"):
@@ -113,6 +118,42 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     sample = tmp_path / "x.py"
     sample.write_text("import rlbus.ops.cli\nfrom rlbus.actors.base import Actor\nfrom . import y\n")
     assert rlbus_imports(sample) == {"ops", "actors"}
+
+
+POLICY_IMPLEMENTATIONS: frozenset[str] = frozenset({"transformer", "tokenizer", "builtin_policy", "hf_policy",
+                                                     "hf_recipe", "pretrain", "export"})
+"""Modules of model/ that are one policy implementation (or build one): actors reach models only through
+model/policy.py."""
+
+
+def model_imports(path: Path) -> set[str]:
+    """The modules of model/ a file imports (`rlbus.model.x`, `from rlbus.model import x`), inside functions too."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("rlbus.model.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith("rlbus.model."):
+                found.add(node.module.split(".")[2])
+            elif node.module == "rlbus.model":
+                found |= {a.name for a in node.names}
+    return found
+
+
+def test_no_actor_imports_a_policy_implementation() -> None:
+    """Actors see models only through the policy interface (model/policy.py): never the built-in transformer or
+    tokenizer, the Hugging Face policy, or pretraining, directly."""
+    bad = [f"{path.relative_to(ROOT)} imports rlbus.model.{name}"
+           for path in (ROOT / "actors").rglob("*.py") for name in model_imports(path) & POLICY_IMPLEMENTATIONS]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_model_import_checker_sees_every_form(tmp_path: Path) -> None:
+    """Absolute, from-package and function-level imports are all seen (so the rule above can fail)."""
+    sample = tmp_path / "x.py"
+    sample.write_text("import rlbus.model.transformer\nfrom rlbus.model import tokenizer, policy\n"
+                      "def f():\n    from rlbus.model.hf_policy import HFPolicy\n")
+    assert model_imports(sample) == {"transformer", "tokenizer", "policy", "hf_policy"}
 
 
 _PACKAGES = ("actors", "messages", "model", "kernels", "topology", "ops", "tests")
