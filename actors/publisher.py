@@ -50,6 +50,7 @@ from rlbus.messages.schemas import VersionReady, WeightManifest
 from rlbus.messages.streams import ensure_consumer
 from rlbus.messages.subjects import Subjects
 from rlbus.messages.wakeup import Wakeup
+from rlbus.model.policy import PolicyError, spec_files
 
 log = structlog.get_logger()
 
@@ -123,6 +124,8 @@ class Publisher(Actor):
         self._unavailable: set[int] = set()
         """Versions not in CKPT (or corrupt there): never tried again as bases."""
         self._announced: int | None = None
+        self._files: dict[str, bytes] = {}
+        """Policy files (a Hugging Face config and tokenizer) by object name, as downloaded from CKPT once."""
         self._progress = anyio.Condition()
         self.last: EncodedVersion | None = None
         self.trace: dict[int, dict[str, float]] = {}
@@ -458,6 +461,13 @@ class Publisher(Actor):
         if region.present is None:
             region.present = await _list_digests(store)
         m = target.manifest
+        for name in self._policy_file_names(m):          # what a joiner needs to build the policy, first
+            if name in region.present:
+                continue
+            data = await self._policy_file(name)
+            await self.bus.put_object(bucket, name, data, domain=region.name)
+            region.present[name] = store_digest(data)
+            self.count("policy_files_written")
         for name, want in zip(m.objects, m.digests, strict=True):
             if region.present.get(name) == want:
                 continue
@@ -470,6 +480,30 @@ class Publisher(Actor):
                              domain=None if region.name == self.bus.domain else region.name)
         if target.final:
             await self._prune(region, store, m)
+
+    @staticmethod
+    def _policy_file_names(manifest: WeightManifest) -> list[str]:
+        """Object names of the files the manifest's policy spec lists (none for the built-in policy).
+
+        :raises BadMessage: a spec whose `files` is not a map of names to sha256 digests.
+        """
+        try:
+            files = spec_files(manifest.model_config)
+        except PolicyError as err:
+            raise BadMessage(f"manifest v{manifest.version}: {err}") from None
+        return [Subjects.policy_file_object(sha) for sha in sorted(set(files.values()))]
+
+    async def _policy_file(self, name: str) -> bytes:
+        """A policy file from the hub's CKPT (the trainer put it there before its first VersionReady), kept.
+
+        :raises BadMessage: it is not there (retried by the region writer).
+        """
+        if name not in self._files:
+            data = await self._download(name, None)
+            if data is None:
+                raise BadMessage(f"policy file {name} is not in CKPT; the trainer uploads it before version 0")
+            self._files[name] = data
+        return self._files[name]
 
     async def _prune(self, region: _Region, store: ObjectStore, manifest: WeightManifest) -> None:
         """Delete objects of versions older than the last `keep_versions` (never one the manifest lists)."""

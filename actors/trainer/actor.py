@@ -19,6 +19,7 @@ to CKPT + StateUploaded. A TrainStep is always stored before any mark can cover 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import time
 import uuid
@@ -126,6 +127,7 @@ class Trainer(Actor):
         self.step = 0
         self.version = 0
         self.announced: int | None = None
+        self._files_uploaded = False
         self.resumed = False
         self.resume_source = ""
         """Where the state came from: "ckpt" (the mark's object), "disk" (the durable copy) or "fresh"."""
@@ -407,6 +409,7 @@ class Trainer(Actor):
         version, step = self.version, self.step
 
         blob, version_digest, raw = await anyio.to_thread.run_sync(core.published_version)
+        await self._upload_policy_files(core)
         name = Subjects.version_object(version)
         bucket = self.subjects.checkpoint_bucket()
         digest = await self._put(name, blob)
@@ -418,6 +421,15 @@ class Trainer(Actor):
         old = version - self.launch.keep_version_objects
         if old >= 0:
             await delete_object(self.bus.js, bucket, Subjects.version_object(old))
+
+    async def _upload_policy_files(self, core: TrainerCore) -> None:
+        """Put the files the policy's spec lists (a Hugging Face config and tokenizer) in CKPT, by content, once
+        per incarnation: the publisher copies them to every region beside the version objects."""
+        if self._files_uploaded:
+            return
+        for data in core.policy_files().values():
+            await self._put(Subjects.policy_file_object(hashlib.sha256(data).hexdigest()), data)
+        self._files_uploaded = True
 
     async def _checkpoint(self) -> None:
         """Upload the full state of this step to CKPT and announce it to the checkpointer."""
