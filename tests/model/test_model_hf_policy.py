@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -119,6 +121,41 @@ def test_greedy_generate_equals_transformers_generate(policies: dict[str, HFPoli
         assert all(t == tok.pad_id for t in ref[len(mine):])
 
 
+def _staggered_eos(rows: list[list[int]]) -> int:
+    """A token that ends the rows at two or more different steps (so rows leave the batch one by one)."""
+    for token in sorted({t for row in rows for t in row}):
+        if len({row.index(token) for row in rows if token in row}) >= 2:
+            return token
+    raise AssertionError("no token ends the rows at different steps")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_rows_leaving_the_batch_keep_every_row_and_its_routing(policies: dict[str, HFPolicy], family: str) -> None:
+    """Rows ending at different steps leave the batch (keep_rows inside generate): each row is its eos-free
+    decode cut at its eos, and a routed row's record still replays to its behaviour logprobs."""
+    policy = policies[family]
+    base = prompts(policy)
+    batch = [base[0], base[1], base[0], base[2], base[1], base[0], base[2], base[0], base[1]]
+    free = [s.tokens.tolist() for s in generate(policy, batch, max_new_tokens=12, temperature=0,
+                                                pad_id=policy.tokenizer.pad_id)]
+    eos = _staggered_eos(free)
+    out = generate(policy, batch, max_new_tokens=12, temperature=0, eos_id=eos, pad_id=policy.tokenizer.pad_id)
+    assert len({len(seq.tokens) for seq in out}) >= 2
+    for prompt, row, seq in zip(batch, free, out, strict=True):
+        assert seq.tokens.tolist() == (row[: row.index(eos) + 1] if eos in row else row)
+        if seq.routing is not None:
+            assert seq.routing.shape == (len(prompt) + len(seq.tokens), 2, 2)
+            torch.testing.assert_close(seq.logprobs, _full_logp(policy, prompt, seq.tokens, seq.routing),
+                                       atol=1e-5, rtol=0)
+
+
+def test_importing_the_policy_modules_does_not_import_transformers() -> None:
+    """transformers loads in seconds: importing rlbus.model.policy, hf_policy and hf_recipe leaves it unloaded."""
+    code = ("import sys, rlbus.model.policy, rlbus.model.hf_policy, rlbus.model.hf_recipe; "
+            "sys.exit('transformers' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_in_flight_swap_changes_version_at_the_right_token(dirs: dict[str, Path], family: str) -> None:
     """Weights loaded in at step 5 give versions [7]*5 + [8]*rest and equal a manual old-then-new decode over the
@@ -212,7 +249,9 @@ def test_named_tensors_list_a_tied_weight_once(dirs: dict[str, Path], family: st
 
 
 # ---- router replay ----------------------------------------------------------------------------------------
-def _full_logp(policy: HFPolicy, prompt: list[int], tokens: torch.Tensor, routing: torch.Tensor | None) -> torch.Tensor:
+def _full_logp(policy: HFPolicy, prompt: list[int], tokens: torch.Tensor, routing: torch.Tensor | None
+               ) -> torch.Tensor:
+    """Reference: one uncached forward over prompt + tokens (routing replayed if given), logprob of each token."""
     seq = torch.tensor(prompt + tokens.tolist())[None]
     with torch.no_grad():
         logits = policy(seq, routing=None if routing is None else routing[None]).logits
