@@ -23,6 +23,7 @@ SUBCOMMANDS: Final = {
     "clean": "rlbus.ops.clean",
     "pretrain": "rlbus.ops.pretrain",
     "eval": "rlbus.ops.eval",
+    "export": "rlbus.ops.export",
     "tasks": "rlbus.ops.tasks",
     "bench": "rlbus.ops.bench.cli",
     "health": "rlbus.ops.health.cli",
