@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from rlbus.model.policy import (
     Policy,
+    PolicyCache,
     PolicyError,
     PolicyOutput,
     Role,
@@ -547,8 +548,12 @@ class HFPolicy(Policy):
         return int(self.config.num_experts) if self._taps else None
 
     # ---- compute --------------------------------------------------------------------------------------
-    def forward(self, tokens: Tensor, *, cache: Any = None, attention_mask: Tensor | None = None,
+    def forward(self, tokens: Tensor, *, cache: PolicyCache | None = None, attention_mask: Tensor | None = None,
                 routing: Tensor | None = None) -> PolicyOutput:
+        """See `Policy.forward`; `cache` must come from `new_cache`.
+
+        :raises PolicyError: another implementation's cache, or routing this policy refuses (`_routing`).
+        """
         B, T = tokens.shape
         real = (attention_mask.bool() if attention_mask is not None
                 else torch.ones(B, T, dtype=torch.bool, device=tokens.device))
