@@ -158,3 +158,37 @@ def test_the_policy_is_the_published_bf16_one_on_the_chosen_device(
     if not torch.cuda.is_available():
         code, _, err = _run(capsys, str(tmp_path / "run"), "--tasks", "2", "--device", "cuda")
         assert code == 2 and "no CUDA device" in err and err.count("\n") == 1, err
+
+
+def test_a_hugging_face_directory_is_scored_and_an_export_decodes_as_the_policy_it_came_from(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`rlbus eval` takes a Hugging Face directory; a built-in policy exported by `rlbus export` loads back as a
+    Hugging Face policy that frames prompts with the same ids and decodes greedily to the same tokens (float32)."""
+    from helpers.hf import build_family
+
+    from rlbus.model.evaluate import greedy_complete
+    from rlbus.ops.eval import load_policy
+
+    code, out, _ = _run(capsys, str(build_family(tmp_path, "qwen2-tied")), "--tasks", "2", "--max-tokens", "4",
+                        "--json", "--device", "cpu")
+    report = json.loads(out)
+    assert code == 0 and "Hugging Face directory, hf policy" in report["weights"] and report["n"] == 2
+
+    model = _model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(1)) * 0.2)   # decodes past one token
+    folder = tmp_path / "noisy"
+    folder.mkdir()
+    torch.save({"state_dict": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "tokenizer": TOK.info(), "meta": {}}, folder / CHECKPOINT_NAME)
+    assert main(["export", str(folder), "-o", str(tmp_path / "export")]) == 0
+    base, _ = load_policy(folder, dtype=torch.float32)
+    exported, label = load_policy(tmp_path / "export", dtype=torch.float32)
+    assert exported.kind == "hf" and "Hugging Face directory" in label
+    prompts = [TOK.prompt_ids(text) for text in ("def add(x, y):", "Return the reward.", "ok")]
+    assert [exported.tokenizer.prompt_ids(text) for text in ("def add(x, y):", "Return the reward.", "ok")] == prompts
+    assert exported.tokenizer.stop_id == TOK.stop_id and exported.tokenizer.pad_id == TOK.pad_id
+    kwargs = {"max_new_tokens": 12, "stop_id": TOK.stop_id, "pad_id": TOK.pad_id}
+    want = greedy_complete(base, prompts, **kwargs)
+    assert greedy_complete(exported, prompts, **kwargs) == want and len({t for row in want for t in row}) > 3
