@@ -208,7 +208,7 @@ class Policy(ABC):
 
     def published_state(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, Tensor]:
         """`named_tensors` detached, cast to `dtype`, contiguous, on the CPU: what the trainer publishes."""
-        return {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
+        return {name: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
                 for name, t in self.named_tensors().items()}
 
     @torch.no_grad()

@@ -23,6 +23,7 @@ import pytest
 import torch
 from anyio.abc import TaskGroup
 from helpers import eventually, new_run
+from helpers.hf import build_family
 from torch import Tensor
 
 from rlbus.actors.base import ActorId, ActorLimits
@@ -37,6 +38,7 @@ from rlbus.messages.schemas import Event, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.model.builtin_policy import config_dict
 from rlbus.model.generate import generate
+from rlbus.model.hf_policy import HFPolicy
 from rlbus.model.transformer import ModelConfig, Transformer
 from rlbus.ops.bench.version_source import VersionSource
 from rlbus.topology.examples import example_path
@@ -106,8 +108,14 @@ async def _start_publisher(tg: TaskGroup, world: _World, settings: tuple[Publish
     return publisher
 
 
-def _source(lr: float = 1e-3, seed: int = 0) -> VersionSource:
+def _source(lr: float = 1e-3, seed: int = 0, *, kind: str = "builtin", root: Path | None = None) -> VersionSource:
+    """A version source of the tiny built-in policy, or (kind "hf", `root` a scratch folder) of a tiny Qwen2
+    directory loaded through transformers."""
     torch.manual_seed(seed)
+    if kind == "hf":
+        assert root is not None
+        policy = HFPolicy.load(build_family(root, "qwen2-tied"), dtype=torch.float32)
+        return VersionSource(policy, lr=lr, batch=2, seq_len=32, seed=seed)
     return VersionSource(Transformer(CONFIG), lr=lr, batch=2, seq_len=32, seed=seed)
 
 
@@ -179,9 +187,11 @@ def test_launcher_hands_the_publisher_its_weights_section_every_region_and_the_h
         topology.weights.keep_versions, topology.weights.full_every, topology.weights.delta_depth)
 
 
-async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["builtin", "hf"])
+async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exactly(tmp_path: Path, kind: str) -> None:
     """Versions 0-5 reach two syncs per region over deltas and snapshots; each holds every tensor of the
-    trainer's bf16 cast bit for bit, and every announcement lists all three regions."""
+    trainer's bf16 cast bit for bit, and every announcement lists all three regions. For a Hugging Face policy
+    each generator builds it from the config and tokenizer files the publisher copied to its region."""
     async with _regions(tmp_path) as world, anyio.create_task_group() as tg:
         rs = world.rs
         trainer = await world.bus("hub", "trainer")
@@ -192,7 +202,7 @@ async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exact
                 sync = WeightSync(await world.bus(region, "generator", f"{region}-gen-{i}"), region)
                 await tg.start(sync.run)
                 syncs.append(sync)
-        source = _source()
+        source = _source(kind=kind, root=tmp_path / "models")
         await source.publish(trainer)
         for _ in range(5):
             await source.step_and_publish(trainer)
@@ -202,7 +212,11 @@ async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exact
         for sync in syncs:
             assert sync.held_version == 5
             _assert_bit_exact(sync, source.history[5])
-            assert config_dict(sync.model.config) == config_dict(CONFIG)
+            assert sync.model.spec() == source.policy.spec() and sync.model.kind == kind
+            if kind == "builtin":
+                assert config_dict(sync.model.config) == config_dict(CONFIG)
+            else:                      # same tokenizer as the trainer's, from the region's copy of its files
+                assert sync.model.tokenizer.encode("def f(x):") == source.policy.tokenizer.encode("def f(x):")
         await _wait_announced(trainer, 5)      # generators may take a version before its final stage is out
         manifests = await _announcements(trainer)
         assert [m.version for m in manifests] == [0, 1, 2, 3, 4, 5]
