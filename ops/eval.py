@@ -1,4 +1,4 @@
-"""`rlbus eval WEIGHTS`: score a checkpoint, or the pretrained base, on the evaluator's held-out tasks.
+"""`rlbus eval WEIGHTS`: score a checkpoint, the pretrained base or a Hugging Face directory on the held-out tasks.
 
 Greedy pass@1 with its 95% interval, per family, exactly as the evaluator and `rlbus up`'s closing
 evaluation score a version (the policy in bfloat16 as it is published, the same tasks for the same seed).
@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
+    import torch
+
     from rlbus.model.policy import Policy
 
 DEFAULT_TASKS: Final = 1000
@@ -112,7 +114,8 @@ def _progress(text: str) -> None:
 
 
 # ---- the weights --------------------------------------------------------------------------------
-def load_policy(path: Path, *, device: Any = "cpu", dtype: Any = None) -> tuple[Policy, str]:
+def load_policy(path: Path, *, device: torch.device | str = "cpu",
+                dtype: torch.dtype | None = None) -> tuple[Policy, str]:
     """(the policy in eval mode on `device`, in `dtype` (default bfloat16: as a version is published); a label)
     from a state directory (its newest durable checkpoint), a `checkpoints/step-N` directory (its state object,
     digest-checked against `mark.json`), a `pretrain.pt` / a directory holding one (the pretrained base, as
@@ -178,7 +181,7 @@ def _pretrain_steps(file: Path) -> int | None:
     return steps if isinstance(steps, int) else None
 
 
-def _checkpoint_policy(path: Path, *, device: Any, dtype: Any) -> tuple[Policy, str]:
+def _checkpoint_policy(path: Path, *, device: torch.device | str, dtype: torch.dtype) -> tuple[Policy, str]:
     import msgspec
 
     from rlbus.actors.common.checkpoints import MARK_FILE, read_durable_state
