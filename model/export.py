@@ -1,11 +1,9 @@
 """A policy written out as a Hugging Face directory that plain `transformers` loads (no rlbus code to read it).
 
-Owns: `export_policy` (a `Policy` -> a directory: config.json, generation_config.json, model.safetensors in the
-dtype the policy holds, tokenizer.json, tokenizer_config.json with a chat template), the built-in transformer's
-mapping onto `LlamaForCausalLM` (`llama_config`, `llama_tensors`), the byte tokenizer as a `tokenizers`
-tokenizer (`byte_tokenizer_files`), and `ExportError`.
-Does not: find or load checkpoints (ops/export.py through ops/eval.py), or read exports back (model/hf_policy.py
-and `transformers` do). `transformers`, `tokenizers` and `safetensors` are imported inside functions.
+Owns: `export_policy` (safetensors in the policy's dtype, config.json, generation_config.json, tokenizer files
+with a chat template), the built-in transformer as a `LlamaForCausalLM` (`llama_config`, `llama_tensors`), the
+byte tokenizer as tokenizer.json (`byte_tokenizer_files`), `ExportError`. transformers is imported lazily.
+Does not: find or load checkpoints (ops/export.py, ops/eval.py), or read exports back (model/hf_policy.py).
 """
 
 from __future__ import annotations
