@@ -9,6 +9,7 @@ reaches the transformer through `BuiltinPolicy.transformer` for that).
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -95,9 +96,10 @@ class BuiltinPolicy(Policy):
                               f"Hugging Face directory with a config.json")
         try:
             model, tokenizer, _ = load_checkpoint(file)
-        except (KeyError, RuntimeError, ValueError, EOFError, OSError) as err:
+        except (KeyError, RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError) as err:
+            first = (str(err).strip().splitlines() or [""])[0][:200]
             raise PolicyError(f"{file}: not a {CHECKPOINT_NAME} that `rlbus pretrain` writes "
-                              f"({type(err).__name__}: {str(err)[:200]})") from None
+                              f"({type(err).__name__}: {first})") from None
         return cls(model, tokenizer)
 
     @property

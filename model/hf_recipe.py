@@ -15,7 +15,7 @@ from typing import Any, Final, Literal
 from rlbus.model.hf_policy import DEFAULT_CHAT_TEMPLATE
 
 Architecture = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
-Size = Literal["tiny", "m30"]
+Size = Literal["tiny", "small", "m30"]
 
 SPECIAL_TOKENS: Final = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 """Ids 0..3 of every tokenizer `train_bpe_tokenizer` trains, in this order."""
@@ -43,6 +43,9 @@ _SIZES: Final[dict[str, dict[str, int]]] = {
     # ~0.1M parameters (+ 64 per vocabulary entry and tied/untied head): unit tests.
     "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "intermediate_size": 128, "moe_intermediate_size": 64},
+    # ~3M parameters in the blocks, ~3.7M with a vocabulary of 2048: pretrains and trains by RL on 2 CPU cores.
+    "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 768, "moe_intermediate_size": 192},
     # ~25M parameters in the blocks, ~30M with a vocabulary of 8192 (Qwen2-like: GQA 8/4 heads).
     "m30": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
             "intermediate_size": 1536, "moe_intermediate_size": 384},

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -174,11 +175,17 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
     before (by any run), else pretrained into the cache, then copied. `cache=False` pretrains straight into
     the state directory and neither reads nor writes the cache."""
     from rlbus.model.pretrain import CHECKPOINT_NAME, SUMMARY_NAME, PretrainConfig, pretrain, settings_key
-    from rlbus.ops.pretrain import PretrainPrinter
-    from rlbus.topology.launch import PRETRAINED_DIR
+    from rlbus.ops.pretrain import HF_CODE_FRACTION, PretrainPrinter
+    from rlbus.topology.launch import policy_dir
 
-    out = state / PRETRAINED_DIR
-    if (out / CHECKPOINT_NAME).exists() and (out / SUMMARY_NAME).exists():
+    policy = topology.policy
+    out = policy_dir(topology, state)
+    hf = policy.kind == "hf"
+    made = ("config.json" if hf else CHECKPOINT_NAME, SUMMARY_NAME)
+    if policy.path and out.exists():             # the operator's own model: nothing to build
+        print(f"rlbus up: policy {policy.kind} from {out}", flush=True)
+        return _pass_summary(out / SUMMARY_NAME)
+    if all((out / name).exists() for name in made):
         print(f"rlbus up: pretrained policy found in {out}", flush=True)
         return _pass_summary(out / SUMMARY_NAME)
     settings = topology.pretrain
@@ -186,29 +193,45 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
     overrides: dict[str, Any] = {"task_seed": topology.evaluator.seed}
     if settings.eval_n is not None:
         overrides["eval_n"] = settings.eval_n
-    config = PretrainConfig.preset(settings.preset, **overrides)
+    recipe = policy.recipe
+    if hf:
+        assert recipe is not None                   # validate refuses kind 'hf' without a path or a recipe
+        overrides["code_fraction"] = HF_CODE_FRACTION
+    config = PretrainConfig.preset(recipe.size if recipe is not None else settings.preset, **overrides)
     steps = settings.steps or config.steps
+    what = f"hf {recipe.architecture} {recipe.size}" if recipe is not None else settings.preset
     with contextlib.ExitStack() as held:
         target = out
         if cache:
             key = settings_key(config, steps, settings.seed, settings.threads)
+            if recipe is not None:              # the recipe is part of what decides the base
+                key = hashlib.sha256(f"{key}:{recipe.architecture}:{recipe.size}".encode()).hexdigest()[:16]
             target = pretrained_cache(state) / key
             held.enter_context(_cache_lock(target))
-            if (target / CHECKPOINT_NAME).exists() and (target / SUMMARY_NAME).exists():
-                _install(target, out, (CHECKPOINT_NAME, SUMMARY_NAME))
+            if all((target / name).exists() for name in made):
+                _install(target, out, _base_files(target))
                 print(f"rlbus up: reusing pretrained base {target} (same settings as {_origin(target)}); "
                       f"--no-pretrained-cache pretrains afresh", flush=True)
                 return _pass_summary(out / SUMMARY_NAME)
-        print(f"rlbus up: no pretrained policy yet: pretraining ({settings.preset}, {steps} steps, "
+        print(f"rlbus up: no pretrained policy yet: pretraining ({what}, {steps} steps, "
               f"{settings.threads} threads) into {target}", flush=True)
         if cache:
             target.mkdir(parents=True, exist_ok=True)
             (target / ORIGIN_FILE).write_text(json.dumps({"run": topology.run, "state_dir": str(state.resolve()),
                                                           "at": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+        start = None
+        if recipe is not None:
+            from rlbus.model.pretrain import new_hf_policy
+            from rlbus.ops.pretrain import _quiet_transformers
+
+            _quiet_transformers()
+            start = new_hf_policy(config, recipe.architecture, recipe.size, settings.seed,
+                                  max_seq_len=config.model.max_seq_len, device=policy.device)
         result = pretrain(config, steps, settings.seed, target, settings.threads,
-                          progress=PretrainPrinter(sys.stdout, prefix="  pretrain "))
+                          progress=PretrainPrinter(sys.stdout, prefix="  pretrain "), policy=start,
+                          device=policy.device)
         if cache:
-            _install(target, out, (CHECKPOINT_NAME, SUMMARY_NAME))
+            _install(target, out, _base_files(target))
     ev = result.eval
     print(f"rlbus up: pretrained in {result.wall_s:.0f}s: held-out pass@1 {ev.pass_at_1:.3f} "
           f"[{ev.ci_low:.3f}, {ev.ci_high:.3f}] on {ev.n} tasks", flush=True)
@@ -227,6 +250,13 @@ def _cache_lock(folder: Path) -> Any:
                   flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def _base_files(folder: Path) -> tuple[str, ...]:
+    """The files of a pretrained base (a pretrain.pt and its summary, or a Hugging Face directory), not the cache's
+    own bookkeeping."""
+    return tuple(sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != ORIGIN_FILE
+                        and not p.name.startswith(".")))
 
 
 def _install(source: Path, out: Path, names: tuple[str, ...]) -> None:

@@ -118,12 +118,10 @@ def kind_launch(topology: Topology, kind: str, state_dir: Path | None = None,
 
 
 def policy_dir(topology: Topology, state: Path) -> Path:
-    """Where the run's starting policy is: `[policy] path` when it names an existing directory or file, else
-    `<state_dir>/pretrained` (where `rlbus up` pretrains the built-in policy, or builds one by the recipe)."""
+    """Where the run's starting policy is: `[policy] path` (an existing model, or where the recipe builds one),
+    else `<state_dir>/pretrained` (where `rlbus up` pretrains the built-in policy, or builds one by the recipe)."""
     path = topology.policy.path
-    if path and (Path(path).exists() or topology.policy.recipe is None):
-        return Path(path).resolve()
-    return state / PRETRAINED_DIR
+    return Path(path).resolve() if path else state / PRETRAINED_DIR
 
 
 def feeder_launch(topology: Topology) -> FeederLaunch:
