@@ -116,6 +116,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(handler=_handler)
 
 
+def _quiet_transformers() -> None:
+    """No transformers progress bars (loading and writing weights) between the step lines; this process only."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:     # HFPolicy.load names the missing package
+        return
+    hf_logging.disable_progress_bar()
+
+
 HF_CODE_FRACTION = 0.5
 """Default share of code documents for a Hugging Face policy (the built-in one trains on task documents only)."""
 
@@ -150,6 +159,8 @@ def _handler(args: argparse.Namespace) -> int:
         return 2
 
     start_step, origin, policy, what = 0, "", None, f"config {preset}"
+    if args.hf is not None or args.from_dir is not None:
+        _quiet_transformers()
     if args.from_dir is not None:
         policy, start_step = load_start(args.from_dir, device=args.device)
         origin, what = str(args.from_dir), f"{policy.kind} policy from {args.from_dir} (step {start_step})"

@@ -97,7 +97,8 @@ def test_corrupted_attempts_fail_and_documents_mask_them() -> None:
 
 
 def test_tiny_pretrain_end_to_end(tmp_path: Path) -> None:
-    """`rlbus pretrain --config tiny` trains (loss falls), writes a loadable checkpoint and a JSON summary."""
+    """`rlbus pretrain --config tiny` trains (loss falls), writes a loadable checkpoint, a JSON summary and the loss
+    curve; `--from` that folder continues the step count."""
     code = main(["pretrain", "--config", "tiny", "--steps", "30", "--seed", "1", "--threads", "1",
                  "--eval-n", "12", "--out", str(tmp_path)])
     assert code == 0
@@ -114,6 +115,12 @@ def test_tiny_pretrain_end_to_end(tmp_path: Path) -> None:
         assert torch.equal(a, b)
     assert (tmp_path / "loss.png").read_bytes().startswith(PNG)
     assert summary["policy"] == "builtin" and len(summary["losses"]) == 30 and summary["config"]["code_fraction"] == 0
+    more = tmp_path / "more"
+    assert main(["pretrain", "--from", str(tmp_path), "--steps", "2", "--threads", "1", "--eval-n", "2",
+                 "--out", str(more)]) == 0
+    continued = json.loads((more / "pretrain.json").read_text())
+    assert (continued["step"], continued["start_step"], continued["policy"]) == (32, 30, "builtin")
+    assert load_checkpoint(more)[2]["step"] == 32
 
 
 def test_pretrain_is_deterministic(tmp_path: Path) -> None:
