@@ -13,6 +13,7 @@ Deterministic given the seed and thread count.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import itertools
 import json
@@ -49,14 +50,15 @@ from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig, Transformer
 
 __all__ = ["CHECKPOINT_NAME", "LOSS_PLOT", "SUMMARY_NAME", "PretrainConfig", "PretrainProgress", "PretrainResult",
-           "corrupt", "load_checkpoint", "load_start", "new_hf_policy", "plot_losses", "pretrain", "settings_key"]
+           "check_hf_out", "corrupt", "load_checkpoint", "load_start", "new_hf_policy", "plot_losses", "pretrain",
+           "settings_key"]
 
 log = structlog.get_logger()
 
 CHECKPOINT_NAME: Final = "pretrain.pt"
 SUMMARY_NAME: Final = "pretrain.json"
 LOSS_PLOT: Final = "loss.png"
-HF_VOCAB: Final[dict[str, int]] = {"tiny": 1024, "m30": 8192}
+HF_VOCAB: Final[dict[str, int]] = {"tiny": 1024, "small": 2048, "m30": 8192}
 """Vocabulary of the BPE tokenizer a `--hf` run trains, by size preset."""
 TOKENIZER_CHARS: Final = 3_000_000
 """About how much text a new BPE tokenizer learns from (a sample: the standard library alone is ~10 MB)."""
@@ -232,7 +234,7 @@ def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path
     if isinstance(policy, BuiltinPolicy):
         config = dataclasses.replace(config, model=policy.config)
     else:
-        _check_hf_out(out_dir)
+        check_hf_out(out_dir)
     policy.to_(device=resolve_device(device), dtype=torch.float32)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = policy.tokenizer
@@ -360,16 +362,23 @@ def load_checkpoint(path: Path) -> tuple[Transformer, ByteTokenizer, dict[str, A
 
 # ---- Hugging Face directories ----------------------------------------------------------------------------
 
-def _check_hf_out(out_dir: Path) -> None:
-    """A Hugging Face run replaces `out_dir` whole: refuse a folder holding files it did not write.
+WEIGHT_FILES: Final = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*.pth")
+"""Weights of an earlier model in a Hugging Face output folder: replaced, never carried over (a stale shard index
+would make transformers load the old shards)."""
 
-    :raises PolicyError: `out_dir` is a file, or a non-empty folder without a `pretrain.json`.
+
+def check_hf_out(out_dir: Path) -> None:
+    """A Hugging Face run replaces the folder `out_dir` (carrying its loose files over): refuse one holding folders,
+    which it would not carry.
+
+    :raises PolicyError: `out_dir` is a file, or a folder holding folders.
     """
     if out_dir.exists() and not out_dir.is_dir():
         raise PolicyError(f"output {out_dir} is a file; a Hugging Face run writes a folder there")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / SUMMARY_NAME).is_file():
-        raise PolicyError(f"output folder {out_dir} is not empty and holds no {SUMMARY_NAME}: a Hugging Face run "
-                          f"replaces the whole folder with the model directory; pass an empty or new --out")
+    folders = sorted(p.name for p in out_dir.iterdir() if p.is_dir()) if out_dir.is_dir() else []
+    if folders:
+        raise PolicyError(f"output folder {out_dir} holds folders ({', '.join(folders[:3])}): a Hugging Face run "
+                          f"replaces the folder with the model directory; pass an empty or new --out")
 
 
 def _save_hf(out_dir: Path, policy: Policy, summary: dict[str, Any]) -> None:
@@ -377,7 +386,8 @@ def _save_hf(out_dir: Path, policy: Policy, summary: dict[str, Any]) -> None:
     `save_pretrained` of its module (config, generation config, safetensors), `pretrain.json` and `loss.png`.
 
     Written into a sibling temporary folder, then renamed over `out_dir` (the previous checkpoint is moved aside
-    first and removed after), so a reader never sees a half-written directory under `out_dir`.
+    first and removed after), so a reader never sees a half-written directory under `out_dir`. Loose files already
+    in `out_dir` that this does not write (notes, a cache's bookkeeping) are carried over, except `WEIGHT_FILES`.
     """
     out_dir = out_dir.resolve()
     tmp = out_dir.with_name(f".{out_dir.name}.partial")
@@ -391,7 +401,11 @@ def _save_hf(out_dir: Path, policy: Policy, summary: dict[str, Any]) -> None:
     policy.module.save_pretrained(tmp)  # type: ignore[operator]
     (tmp / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n")
     plot_losses(tmp / LOSS_PLOT, summary.get("losses", []), int(summary.get("start_step", 0)))
-    if out_dir.exists():
+    if out_dir.is_dir():
+        for entry in out_dir.iterdir():
+            keep = not any(fnmatch.fnmatch(entry.name, pattern) for pattern in WEIGHT_FILES)
+            if entry.is_file() and keep and not (tmp / entry.name).exists():
+                shutil.copy2(entry, tmp / entry.name)
         out_dir.rename(old)
     tmp.rename(out_dir)
     if old.exists():

@@ -94,7 +94,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--config", choices=("small", "tiny", "m30"), default=None,
                    help="model and schedule preset: small (the real built-in run, the default), tiny (seconds, "
                         "for tests; the default with --hf) or m30 (~30M parameters); with --hf it also picks the "
-                        "model size (tiny or m30)")
+                        "recipe's model size of that name")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation and training data (default 0)")
     p.add_argument("--task-seed", type=int, default=0,
@@ -132,7 +132,7 @@ HF_CODE_FRACTION = 0.5
 def _handler(args: argparse.Namespace) -> int:
     from rlbus.model.builtin_policy import BuiltinPolicy
     from rlbus.model.corpus import CorpusError
-    from rlbus.model.pretrain import PretrainConfig, load_start, new_hf_policy, pretrain
+    from rlbus.model.pretrain import PretrainConfig, check_hf_out, load_start, new_hf_policy, pretrain
 
     preset = args.config or ("tiny" if args.hf else "small")
     overrides: dict[str, Any] = {"task_seed": args.task_seed, "stdlib": not args.no_stdlib,
@@ -165,6 +165,7 @@ def _handler(args: argparse.Namespace) -> int:
         policy, start_step = load_start(args.from_dir, device=args.device)
         origin, what = str(args.from_dir), f"{policy.kind} policy from {args.from_dir} (step {start_step})"
     elif args.hf is not None:
+        check_hf_out(args.out)                  # before the tokenizer and model are built
         policy = new_hf_policy(config, args.hf, preset, args.seed, max_seq_len=config.model.max_seq_len,
                                device=args.device)
         what = f"hf {args.hf} {preset}"

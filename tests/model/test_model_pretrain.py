@@ -224,8 +224,10 @@ def test_the_stdlib_corpus_is_sampled_lazily_and_deterministically() -> None:
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[PretrainResult, list[PretrainProgress]]:
     """4 steps of a tiny Qwen2 built from scratch (its BPE tokenizer trained on the corpus), half the documents
-    standard-library source, an intermediate checkpoint at step 2."""
+    standard-library source, an intermediate checkpoint at step 2; the output folder already holds a note."""
     out = tmp_path_factory.mktemp("hf") / "qwen2"
+    out.mkdir()
+    (out / "NOTES.txt").write_text("kept\n")
     config = PretrainConfig.preset("tiny", eval_n=3, max_new_tokens=8, checkpoint_every=2, code_fraction=0.5,
                                    batch_size=4)
     policy = new_hf_policy(config, "qwen2", "tiny", 0, max_seq_len=256)
@@ -237,7 +239,8 @@ def test_a_hugging_face_run_writes_a_directory_plain_transformers_loads(
         hf_run: tuple[PretrainResult, list[PretrainProgress]]) -> None:
     """The output folder is a model directory: AutoModelForCausalLM and AutoTokenizer load it, the model's
     logits equal the in-memory policy's, `load_policy` loads it; pretrain.json and loss.png are inside, the
-    intermediate checkpoint was named, and no temporary folder is left beside it."""
+    intermediate checkpoint was named, no temporary folder is left beside it, and a loose file that was in the
+    folder is still there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     result, seen = hf_run
@@ -248,6 +251,7 @@ def test_a_hugging_face_run_writes_a_directory_plain_transformers_loads(
     assert summary["eval"]["n"] == 3 and (out / "loss.png").read_bytes().startswith(PNG)
     assert [(p.phase, p.step) for p in seen if p.phase == "checkpoint"] == [("checkpoint", 2), ("checkpoint", 4)]
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+    assert (out / "NOTES.txt").read_text() == "kept\n"
 
     policy = result.policy
     tokenizer = policy.tokenizer
@@ -287,16 +291,18 @@ def test_from_continues_a_hugging_face_directory(hf_run: tuple[PretrainResult, l
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
 
 
-@pytest.mark.parametrize("case", ["missing", "not_a_model", "unknown_arch"])
+@pytest.mark.parametrize("case", ["missing", "not_a_model", "unknown_arch", "out_has_folders"])
 def test_a_bad_start_is_a_one_line_error(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--from a folder that does not exist or holds no model, or --hf an architecture the recipe does not build:
-    exit 2 with one line naming it, nothing trained."""
+    """--from a folder that does not exist or holds no model, --hf an architecture the recipe does not build, or
+    an --out folder holding folders (a Hugging Face run replaces the folder): exit 2 with one line naming it,
+    nothing trained."""
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "README.txt").write_text("not a model\n")
     start = {"missing": ["--from", str(tmp_path / "nope")], "not_a_model": ["--from", str(tmp_path / "notes")],
-             "unknown_arch": ["--hf", "gpt7"]}[case]
-    code = main(["pretrain", *start, "--steps", "1", "--out", str(tmp_path / "out")])
+             "unknown_arch": ["--hf", "gpt7"], "out_has_folders": ["--hf", "qwen2", "--out", str(tmp_path)]}[case]
+    code = main(["pretrain", "--out", str(tmp_path / "out"), *start, "--steps", "1"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("rlbus pretrain: ")
-    assert {"missing": "nope", "not_a_model": "config.json", "unknown_arch": "gpt7"}[case] in err
+    assert {"missing": "nope", "not_a_model": "config.json", "unknown_arch": "gpt7",
+            "out_has_folders": "holds folders (notes)"}[case] in err
     assert not (tmp_path / "out").exists()
