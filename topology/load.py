@@ -95,9 +95,11 @@ def load(path: str | os.PathLike[str], *, local_cores: int | None = None) -> Top
     """
     topology, problems = validate(path, local_cores=local_cores)
     if topology is None:
-        errors = sum(p.severity == "error" for p in problems)
+        errors = [p for p in problems if p.severity == "error"]
+        if len(errors) == 1 and len(problems) == 1:       # one line: the problem names the file and the key
+            raise TopologyError(f"{errors[0]} (check with `rlbus validate {path}`)")
         lines = "\n".join(f"  {p}" for p in problems)
-        raise TopologyError(f"{path}: {errors} problem{'s' if errors != 1 else ''}; fix them and run "
+        raise TopologyError(f"{path}: {len(errors)} problem{'s' if len(errors) != 1 else ''}; fix them and run "
                             f"`rlbus validate {path}`:\n{lines}")
     for problem in problems:
         log.warning("topology_warning", file=problem.file, key=problem.key, message=problem.message)
