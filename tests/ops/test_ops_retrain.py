@@ -1,8 +1,8 @@
 """`rlbus replay FILE train`: a recording fed to a fresh trainer reproduces every WeightManifest digest.
 
 Pure tests write recordings from a trainer core stepped the way the live trainer steps it (drop-only
-records, a restart from an older checkpoint that abandons a step) and check the walk and that a tampered
-reward is caught at the right version; the slow test records a live `rlbus up` on the tiny topology with
+records, a restart from an older checkpoint that abandons a step; a fresh built-in model or a tiny Hugging Face
+directory) and check the walk and that a tampered reward is caught at the right version; the slow test records a live `rlbus up` on the tiny topology with
 `rlbus record` while it runs and replays it."""
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import anyio
 import msgspec
 import numpy as np
 import pytest
+from helpers.hf import build_family
 from helpers.ops import json_in, run_cli
 
 from rlbus.actors.trainer.actor import SETTINGS_KEY, THREADS_KEY, TrainerConfig, build_trainer_core, objective
+from rlbus.actors.trainer.config import TrainerLaunch, settings_record
 from rlbus.actors.trainer.core import TrainerCore
 from rlbus.messages import codec
 from rlbus.messages.history import stream_count
@@ -66,6 +68,8 @@ class Live:
     path: Path
     tamper: str | None = None
     """Rollout id whose reward is flipped in the recording (the live core trains on the true one)."""
+    pretrained: str = ""
+    """What the trainer starts from (`TrainerLaunch.pretrained`): empty, a fresh seeded tiny built-in model."""
     core: TrainerCore = field(init=False)
     writer: RecordingWriter = field(init=False)
     seq: dict[str, int] = field(default_factory=dict)
@@ -74,9 +78,10 @@ class Live:
     digests: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.core = build_trainer_core(CONFIG, threads=1)
+        self.core = build_trainer_core(CONFIG, threads=1, pretrained=self.pretrained)
         self.writer = RecordingWriter(self.path, run="t", header={"streams": {"TRAINLOG": "TRAINLOG_t"}})
-        settings = {SETTINGS_KEY: msgspec.json.encode(CONFIG).decode(), THREADS_KEY: "1"}
+        record = settings_record(CONFIG, TrainerLaunch(pretrained=self.pretrained))
+        settings = {SETTINGS_KEY: msgspec.json.encode(record).decode(), THREADS_KEY: "1"}
         self.add("EVENTS", Event(event="started", actor_id="hub-trainer-0", actor_kind="trainer", data=settings))
         self.announce()
 
@@ -112,18 +117,18 @@ class Live:
 
     def restart(self, blob: bytes, step: int) -> None:
         """A new incarnation resumes from the checkpoint of `step` and announces it as the next version."""
-        self.core = build_trainer_core(CONFIG, threads=1)
+        self.core = build_trainer_core(CONFIG, threads=1, pretrained=self.pretrained)
         self.core.load_state_blob(blob)
         self.step = step
         self.version += 1
         self.announce()
 
 
-def record_run(path: Path, tamper: str | None = None) -> dict[int, str]:
+def record_run(path: Path, tamper: str | None = None, pretrained: str = "") -> dict[int, str]:
     """v0; step 1 → v1; step 2 drops only; step 3 → v2 (checkpoint); step 4 → v3 (abandoned); restart from
     step 3 announcing v4; step 4 again (other groups) → v5; step 5 → v6; step 6 with a non-finite loss → v7
     (v6's weights). Returns the live digests by version."""
-    live = Live(path, tamper)
+    live = Live(path, tamper, pretrained)
     live.train(group("a", [1.0, 0.0], 1) + group("b", [0.0, 0.0], 2))
     live.drops_only(("x-0",))
     live.train(group("c", [0.0, 1.0], 3) + group("d", [1.0, 1.0], 4), dropped=("y-0", "y-1"))
@@ -147,10 +152,15 @@ def test_walk_restores_where_a_step_repeats_and_drop_records_hold_their_version(
         restore_points([TrainStep(step=1, policy_version=1), TrainStep(step=3, policy_version=2)])
 
 
-def test_replay_reproduces_every_version_across_drops_and_a_restart(tmp_path: Path,
+@pytest.mark.parametrize("kind", ["builtin", "hf"])
+def test_replay_reproduces_every_version_across_drops_and_a_restart(tmp_path: Path, kind: str,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """All 8 versions (v0 … v7, the abandoned v3, the resumed v4 and the unapplied v7 too) match; exit 0."""
-    live = record_run(tmp_path / "run.rlrec")
+    """All 8 versions (v0 … v7, the abandoned v3, the resumed v4 and the unapplied v7 too) match; exit 0. The
+    trainer starts from a fresh built-in model, or from a tiny Hugging Face directory (the recorded launch
+    names it, and the replay builds its trainer from it)."""
+    pretrained = str(build_family(tmp_path / "models", "qwen2-tied")) if kind == "hf" else ""
+    live = record_run(tmp_path / "run.rlrec", pretrained=pretrained)
+    assert build_trainer_core(CONFIG, threads=1, pretrained=pretrained).policy.kind == kind
     assert live[4] == live[2] and live[7] == live[6] and len(set(live.values())) == 6   # the others all differ
     result = retrain(tmp_path / "run.rlrec")
     assert [(c.version, c.replayed) for c in sorted(result.checks, key=lambda c: c.version)] == sorted(live.items())
