@@ -39,6 +39,7 @@ from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.model.builtin_policy import config_dict
 from rlbus.model.generate import generate
 from rlbus.model.hf_policy import HFPolicy
+from rlbus.model.policy import Policy, policy_from_spec
 from rlbus.model.transformer import ModelConfig, Transformer
 from rlbus.ops.bench.version_source import VersionSource
 from rlbus.topology.examples import example_path
@@ -414,11 +415,13 @@ async def test_full_every_one_publishes_only_full_snapshots_without_decoding(tmp
         tg.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("kind", ["builtin", "hf"])
 async def test_swap_mid_generation_changes_the_version_at_that_token_and_matches_a_kept_cache_reference(
-        tmp_path: Path) -> None:
+        tmp_path: Path, kind: str) -> None:
     """Greedy generation with on_step=maybe_swap takes v1 at token K while v1 is published mid-generation:
     tokens before K carry v0, from K on v1, and the tokens equal a reference decoding the prefix under v0 and
-    the rest under v1 with the same KV cache, token by token."""
+    the rest under v1 with the same KV cache, token by token (through the policy interface, for the built-in
+    and a Hugging Face policy alike)."""
     K, N = 6, 16
     async with _regions(tmp_path, ("hub",)) as world, anyio.create_task_group() as tg:
         rs = world.rs
@@ -426,10 +429,11 @@ async def test_swap_mid_generation_changes_the_version_at_that_token_and_matches
         await _start_publisher(tg, world, _settings(rs))
         sync = WeightSync(await world.bus("hub", "generator", "hub-gen-0"), "hub")
         await tg.start(sync.run)
-        source = _source(lr=3e-2)
+        source = _source(lr=3e-2, kind=kind, root=tmp_path / "models")
         await source.publish(trainer)
         with anyio.fail_after(30):
             await sync.wait_for_version(0)
+        assert sync.model.kind == kind
         prompt = [[1, 5, 9, 30, 77, 12]]
         at_k = anyio.Event()
         staged = anyio.Event()
@@ -456,26 +460,27 @@ async def test_swap_mid_generation_changes_the_version_at_that_token_and_matches
         assert out.versions.tolist() == [0] * K + [1] * (N - K)
         assert sync.held_version == 1
         _assert_bit_exact(sync, source.history[1])
-        reference = _reference_decode(prompt[0], source.history[0], source.history[1], K, N)
+        reference = _reference_decode(source.policy, prompt[0], source.history[0], source.history[1], K, N)
         assert out.tokens.tolist() == reference
-        all_old = _reference_decode(prompt[0], source.history[0], source.history[0], K, N)
+        all_old = _reference_decode(source.policy, prompt[0], source.history[0], source.history[0], K, N)
         assert reference != all_old               # the swap mattered: v1 decodes differently from v0
         tg.cancel_scope.cancel()
 
 
-def _reference_decode(prompt: list[int], old: Mapping[str, Tensor], new: Mapping[str, Tensor], k: int,
-                      n: int) -> list[int]:
-    """Greedy token by token: prefill and tokens 0..k-1 under `old`, then `new` loaded in place, same cache."""
-    model = Transformer(CONFIG).to(torch.bfloat16).eval()
-    model.load_state_dict(dict(old))
+def _reference_decode(trained: Policy, prompt: list[int], old: Mapping[str, Tensor], new: Mapping[str, Tensor],
+                      k: int, n: int) -> list[int]:
+    """Greedy token by token on a bf16 policy of `trained`'s spec and files: prefill and tokens 0..k-1 under
+    `old`, then `new` loaded in place, same cache."""
+    model = policy_from_spec(trained.spec(), trained.files(), dtype=torch.bfloat16)
+    model.load_tensors_(old)
     cache = model.new_cache(1, len(prompt) + n)
     tokens: list[int] = []
     inputs = torch.tensor([prompt])
     with torch.no_grad():
         for step in range(n):
             if step == k:
-                model.load_state_dict(dict(new))
-            logits = model(inputs, cache=cache, with_mtp=False).logits[:, -1]
+                model.load_tensors_(new)
+            logits = model.forward(inputs, cache=cache).logits[:, -1]
             token = int(torch.log_softmax(logits.float(), dim=-1).argmax(-1))
             tokens.append(token)
             inputs = torch.tensor([[token]])
