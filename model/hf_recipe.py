@@ -61,6 +61,11 @@ def chat_template(system_prompt: str | None = None) -> str:
     return "{%- set default_system = " + repr(system_prompt) + " %}" + _SYSTEM_TEMPLATE + CHATML_TEMPLATE
 
 
+QWEN2_SPLIT: Final = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                      r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+"""The pre-tokenizer split of Qwen2's tokenizers (letters, single digits, punctuation runs, newlines, spaces)."""
+
+
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
     """A byte-level BPE `tokenizers.Tokenizer` of at most `vocab_size` ids trained on `texts`.
 
@@ -69,13 +74,18 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
 
     :raises ValueError: `vocab_size` leaves no room for the specials and the byte alphabet.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     floor = len(SPECIAL_TOKENS) + 256
     if vocab_size < floor:
         raise ValueError(f"vocab_size {vocab_size} must be >= {floor} (the specials and the 256 byte symbols)")
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen2's own normaliser and split (transformers' Qwen2Tokenizer rebuilds exactly these around the file's
+    # vocabulary), so `AutoTokenizer.from_pretrained` on the directory encodes as rlbus does, for every family.
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -437,3 +437,15 @@ def test_cache_reports_its_shape(policies: dict[str, HFPolicy]) -> None:
         policy.new_cache(1, policy.max_seq_len + 1)
     with torch.no_grad(), pytest.raises(ValueError, match="slots"):
         policy(torch.zeros(3, 17, dtype=torch.long), cache=cache)
+
+
+@pytest.mark.parametrize("family", ["qwen2-tied", "llama"])
+def test_plain_autotokenizer_encodes_a_recipe_directory_as_the_policy_does(dirs: dict[str, Path], family: str) -> None:
+    """transformers picks its own tokenizer class for a Qwen2 directory (rebuilding the split rules around the
+    file's vocabulary); the recipe trains with those rules, so a user of plain transformers gets rlbus's ids."""
+    from transformers import AutoTokenizer
+
+    policy = HFPolicy.load(dirs[family])
+    plain = AutoTokenizer.from_pretrained(dirs[family])
+    for text in ("def add(x, y):\n    return x+y  # ok\n\n\n", "héllo wörld 1234", "  \t x\r\n"):
+        assert plain(text, add_special_tokens=False)["input_ids"] == policy.tokenizer.encode(text), text
