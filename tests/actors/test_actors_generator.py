@@ -28,6 +28,7 @@ import nats.js.errors
 import pytest
 import torch
 from helpers import eventually, hosted, new_run
+from helpers.hf import build_family
 from nats.js.kv import KeyValue
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
@@ -70,7 +71,7 @@ from rlbus.topology.servers import EmbeddedServer
 pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)
 
-RUNS = tuple(new_run() for _ in range(12))
+RUNS = tuple(new_run() for _ in range(16))
 """Run ids of this module: the server grants their PARTIALS buckets to the generator role."""
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
 TOK = ByteTokenizer()
@@ -476,16 +477,27 @@ def _stop(proc: subprocess.Popen[bytes]) -> int:
     return proc.wait()
 
 
-@pytest.mark.chaos
-async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once(env: Env, tmp_path: Path) -> None:
-    """SIGKILL a generator process mid-rollout: the task comes back to a new generator process, which resumes
-    the saved partial (resumed counter; every token saved before the kill is in the rollouts unchanged, with
-    the old version, and only the rest is sampled anew) and the group is in ROLLOUTS exactly once; a trainer
-    then trains on it: ledger 0 lost, 0 trained twice."""
-    checkpoint = tmp_path / "pretrain.pt"
+def _policy_files(kind: str, root: Path) -> Path:
+    """What a `local:` generator and the trainer start from: a tiny built-in `pretrain.pt`, or a tiny Qwen2
+    Hugging Face directory."""
+    if kind == "hf":
+        return build_family(root, "qwen2-tied", max_seq_len=1024)
+    checkpoint = root / "pretrain.pt"
     model = tiny_model()
     torch.save({"state_dict": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "tokenizer": TOK.info(), "meta": {}}, checkpoint)
+    return checkpoint
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("kind", ["builtin", "hf"])
+async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once(env: Env, tmp_path: Path,
+                                                                                 kind: str) -> None:
+    """SIGKILL a generator process mid-rollout: the task comes back to a new generator process, which resumes
+    the saved partial (resumed counter; every token saved before the kill is in the rollouts unchanged, with
+    the old version, and only the rest is sampled anew) and the group is in ROLLOUTS exactly once; a trainer
+    then trains on it: ledger 0 lost, 0 trained twice. The same for a built-in policy and a Hugging Face one."""
+    checkpoint = _policy_files(kind, tmp_path)
     settings = {"weights": f"local:{checkpoint}", "group_size": 2, "max_tokens": 48, "partial_every_tokens": 4,
                 "max_attempts": 3, "sandbox_timeout_s": 10.0}
     task = coding_task(0)
@@ -542,6 +554,8 @@ async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once
             tg.cancel_scope.cancel()
     group = await rollouts(env)
     assert Counter(r.rollout_id for r in group) == {f"{task.task_id}-0": 1, f"{task.task_id}-1": 1}
+    prompt = LocalWeights.from_checkpoint(checkpoint).tokenizer.prompt_ids(task.prompt)   # framed by that policy
+    assert all(r.prompt_tokens.tolist() == prompt for r in group)
     assert heartbeats["heir"].counters["resumed"] == 1 and heartbeats["heir"].state == "stopped"
     assert heartbeats["heir"].counters["tokens"] == sum(int(sum(r.loss_mask.tolist())) for r in group) - saved.sampled_tokens
     for r, ep in zip(group, saved.episodes, strict=True):

@@ -42,9 +42,10 @@ TEXTS: Final = _texts()
 PROMPTS: Final = ("def add(x, y):", "Write a function that returns the reward of a rollout.", "ok")
 
 
-def build_family(root: Path, family: str, *, seed: int = 0) -> Path:
-    """Write the tiny directory of `family` (a key of `FAMILIES`) under `root`; returns it."""
-    return build_hf_dir(root / family, texts=TEXTS, vocab_size=400, size="tiny", max_seq_len=128, seed=seed,
+def build_family(root: Path, family: str, *, seed: int = 0, max_seq_len: int = 128) -> Path:
+    """Write the tiny directory of `family` (a key of `FAMILIES`) under `root`; returns it. A generator on a
+    coding task needs a longer `max_seq_len` (the task's prompt alone is a few hundred of these ids)."""
+    return build_hf_dir(root / family, texts=TEXTS, vocab_size=400, size="tiny", max_seq_len=max_seq_len, seed=seed,
                         **FAMILIES[family])
 
 
