@@ -7,19 +7,21 @@ import torch
 
 from rlbus.messages.schemas import Rollout, TensorBlob
 from rlbus.model.generate import generate
+from rlbus.model.policy import Policy, as_policy
 from rlbus.model.transformer import Transformer
 
 
-def sample_rollouts(model: Transformer, *, tasks: int, group_size: int, version: int = 0, seed: int = 0,
+def sample_rollouts(model: Policy | Transformer, *, tasks: int, group_size: int, version: int = 0, seed: int = 0,
                     prompt_len: int = 6, max_new_tokens: int = 6, tag: str = "task",
                     versions: int | None = None, temperature: float = 1.0) -> list[Rollout]:
     """`tasks` groups of `group_size` rollouts sampled at `temperature` (default 1) from `model` (its weights are
     `version`; `versions` overrides the per-token version recorded, e.g. to fake stale rollouts)."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = min(model.config.vocab_size, 250)
+    policy = as_policy(model)
+    gen = torch.Generator(device=policy.device).manual_seed(seed)
+    vocab = min(policy.vocab_size, 250)
     out: list[Rollout] = []
     for t in range(tasks):
-        prompt = torch.randint(1, vocab, (prompt_len,), generator=gen).tolist()
+        prompt = torch.randint(1, vocab, (prompt_len,), generator=gen, device=policy.device).tolist()
         samples = generate(model, [prompt] * group_size, max_new_tokens=max_new_tokens, temperature=temperature,
                            version=version, generator=gen)
         task_id = f"{tag}-{seed}-{t}"
