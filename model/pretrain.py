@@ -91,6 +91,9 @@ class PretrainConfig:
     checkpoint_every: int = 100
     code_fraction: float = 0.0
     """Share of documents that are real Python source (`model/corpus.py`); 0 trains on task documents only."""
+    code_tokens: int = 256
+    """Longest code document, in tokens (at most the model's context): source files are split at line
+    boundaries into pieces this long, so a batch of code costs about what a batch of task documents does."""
     corpus_dirs: tuple[str, ...] = ()
     """Folders of `.py` files read besides the standard library's (when `code_fraction` > 0)."""
     stdlib: bool = True
@@ -166,8 +169,8 @@ def _corpus(config: PretrainConfig, seed: int, tokenizer: ChatTokenizer, max_seq
     if config.code_fraction <= 0.0:
         return tasks
     files = source_files([Path(d) for d in config.corpus_dirs], stdlib=config.stdlib)
-    code = code_documents(files, tokenizer, max_seq_len + 1, random.Random(f"rlbus-code:{seed}"),
-                          Decontaminator(held_out))
+    code = code_documents(files, tokenizer, min(max_seq_len, config.code_tokens) + 1,
+                          random.Random(f"rlbus-code:{seed}"), Decontaminator(held_out))
     return mixed_documents(tasks, code, config.code_fraction, random.Random(f"rlbus-mix:{seed}"))
 
 

@@ -175,8 +175,8 @@ def test_settings_key_is_equal_for_equal_settings_and_differs_for_any_change() -
 
 def test_a_planted_copy_of_a_held_out_task_in_a_corpus_folder_is_dropped(tmp_path: Path) -> None:
     """A --corpus file holding a held-out task's prompt and solution (re-spaced: the rule normalises whitespace)
-    gives no document; a clean file beside it does, each document of it at most the context long and ending with
-    eos, and no document of the mix contains a held-out prompt or solution."""
+    gives no document; a clean file beside it does, each document of it at most `code_tokens` (and the context)
+    long and ending with eos, and no document of the mix contains a held-out prompt or solution."""
     config = PretrainConfig.preset("tiny", eval_n=20, code_fraction=1.0, stdlib=False,
                                    corpus_dirs=(str(tmp_path),))
     held_out = eval_tasks(config.task_seed, config.eval_n)
@@ -188,13 +188,14 @@ def test_a_planted_copy_of_a_held_out_task_in_a_corpus_folder_is_dropped(tmp_pat
     (tmp_path / "clean.py").write_text(clean)
     decontaminate = Decontaminator(held_out)
     assert not decontaminate.clean(planted) and decontaminate.clean(clean)
-    expected = split_source(clean, TOK, config.model.max_seq_len + 1)
+    limit = min(config.model.max_seq_len, config.code_tokens) + 1
+    expected = split_source(clean, TOK, limit)
     assert len(expected) > 1
     docs = list(itertools.islice(_corpus(config, 0, TOK, config.model.max_seq_len, held_out), 3 * len(expected)))
     assert sorted(map(tuple, (ids for ids, _ in docs))) == sorted(map(tuple, expected * 3))
     for ids, weights in docs:
         text = " ".join(TOK.decode(ids).split())
-        assert ids[-1] == TOK.eos_id and len(ids) <= config.model.max_seq_len + 1 and set(weights) == {1.0}
+        assert ids[-1] == TOK.eos_id and len(ids) <= limit and set(weights) == {1.0}
         assert " ".join(task.solution.split()) not in text and "def f(" not in text
 
 
