@@ -1,5 +1,6 @@
 """`rlbus up` runs the RL job itself on a tiny topology for a few optimizer steps, with the local and the
-Ray backend: exit 0, a summary, a PNG, a clean ledger, and no process left behind."""
+Ray backend, on the built-in policy and on a Hugging Face one built by a `[policy.recipe]`: exit 0, a summary,
+a PNG, a clean ledger, a final evaluation, and no process left behind."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rlbus.ops.eval import load_policy
 from rlbus.topology.examples import example_path
 
 pytestmark = pytest.mark.slow
@@ -23,11 +25,25 @@ kind = "evaluator"
 '''
 
 
-def _topology(tmp_path: Path) -> Path:
-    """tiny.toml with a shorter pretraining and an evaluator in the hub."""
+HF_POLICY = '''
+[policy]
+kind = "hf"
+device = "cpu"
+
+  [policy.recipe]
+  architecture = "qwen2"
+  size = "tiny"
+'''
+"""A tiny Qwen2-architecture Hugging Face model that `rlbus up` builds and pretrains (`[pretrain] steps`) first."""
+
+
+def _topology(tmp_path: Path, policy: str) -> Path:
+    """tiny.toml with a shorter pretraining and an evaluator in the hub; `policy` "hf": the `HF_POLICY` recipe."""
     text = example_path("tiny").read_text()
     text = text.replace('kind = "checkpointer"\n', 'kind = "checkpointer"\n' + EVALUATOR, 1)
     text = text.replace("steps = 30", "steps = 6").replace("eval_n = 8", "eval_n = 4")
+    if policy == "hf":
+        text += HF_POLICY
     path = tmp_path / "tiny_rl.toml"
     path.write_text(text)
     return path
@@ -53,20 +69,28 @@ def _ray_daemons() -> set[int]:
     return found
 
 
+@pytest.mark.parametrize("policy", ["builtin", "hf"])
 @pytest.mark.parametrize("backend", ["local", "ray"])
-def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, backend: str,
+def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                     backend: str, policy: str,
                                                      processes_mentioning: Callable[[str], list[int]]) -> None:
-    """`rlbus up --steps 3` pretrains, trains 3+ steps, ends with a summary, a clean ledger and a PNG."""
-    state = tmp_path / "state"
+    """`rlbus up --steps 3` pretrains, trains 3+ steps, ends with a summary, a clean ledger and a PNG; the
+    built-in policy, or a Hugging Face model the recipe builds (a model directory, through transformers), and
+    the final checkpoint is a policy of that kind with the base's spec (for Hugging Face: its config and
+    tokenizer files). The two Hugging Face runs share the pretrained-base cache beside their state directories
+    (the second reuses what the first pretrained)."""
+    root = tmp_path_factory.getbasetemp() / "up-rl-hf" if policy == "hf" else tmp_path
+    root.mkdir(exist_ok=True)
+    state = root / f"state-{backend}"
     ray_before = _ray_daemons()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.run(
-        [sys.executable, "-m", "rlbus.ops.cli", "up", str(_topology(tmp_path)), "--state-dir", str(state),
+        [sys.executable, "-m", "rlbus.ops.cli", "up", str(_topology(tmp_path, policy)), "--state-dir", str(state),
          "--steps", "3", "--backend", backend],
         capture_output=True, text=True, timeout=600, env=env)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
-    assert "rlbus up: pretrained in" in out
+    assert "rlbus up: pretrained in" in out or (policy == "hf" and "rlbus up: reusing pretrained base" in out)
     assert "rlbus up: summary" in out and "optimizer steps" in out
     progress = PROGRESS.findall(out)
     assert [int(step) for _, step, _ in progress][:3] == [1, 2, 3], out[-3000:]
@@ -76,9 +100,12 @@ def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, backend: st
     final = json.loads((state / "final_eval.json").read_text())   # the final checkpoint, scored after the run
     newest = max(int(d.name.removeprefix("step-")) for d in (state / "checkpoints").glob("step-*"))
     assert final["step"] == newest and final["n"] == 4 and final["base"]["source"] == "evaluator v0"
+    trained, _ = load_policy(state / "checkpoints" / f"step-{newest}")
+    base, _ = load_policy(state / "pretrained")
+    assert trained.kind == base.kind == policy and trained.spec() == base.spec()
     assert f"final weights v{final['policy_version']} (checkpoint step {final['step']}" in out
     assert "versus v0 (the pretrained base, same tasks)" in out
     assert (state / "plots" / "progress.png").stat().st_size > 10_000
-    assert (state / "pretrained" / "pretrain.pt").exists()
+    assert (state / "pretrained" / ("config.json" if policy == "hf" else "pretrain.pt")).exists()
     assert processes_mentioning(str(state)) == []
     assert _ray_daemons() - ray_before == set()           # Ray's daemons (backend ray) are gone too
