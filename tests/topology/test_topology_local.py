@@ -1,6 +1,7 @@
 """The local backend on a real 3-region embedded bus: a SIGKILLed actor is restarted with an Event and
 the others are undisturbed; past the restart policy it is failed and the run keeps its other actors;
-`rlbus up` starts and stops cleanly and leaves no process behind."""
+`rlbus up` starts and stops cleanly and leaves no process behind, for the bus demo and for the RL job on a
+Hugging Face policy with a generator in every region."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import anyio
 import msgspec
 import pytest
 from helpers import new_run
+from helpers.hf import build_family
 
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
@@ -83,14 +85,52 @@ async def test_sigkilled_actor_restarts_then_fails_past_policy(tmp_path: Path) -
     assert not any(_alive(pid) for pid in before.values())
 
 
-@pytest.mark.parametrize("stop", ["for", "sigint"])
+LEAVES = '''[[regions]]
+name = "eu"
+role = "leaf"
+
+  [[regions.actors]]
+  kind = "generator"
+
+  [[regions.actors]]
+  kind = "sandbox"
+
+[[regions]]
+name = "us"
+role = "leaf"
+
+  [[regions.actors]]
+  kind = "generator"
+
+  [[regions.actors]]
+  kind = "sandbox"
+
+'''
+
+
+def _three_regions_hf(tmp_path: Path) -> Path:
+    """tiny.toml spread over a hub and two leaves (a generator and a sandbox in each), its policy a tiny Qwen2
+    Hugging Face directory given by `[policy] path` (nothing to pretrain)."""
+    model = build_family(tmp_path / "models", "qwen2-tied", max_seq_len=1024)
+    text = example_path("tiny").read_text().replace("[feeder]\n", LEAVES + "[feeder]\n", 1)
+    text += f'\n[policy]\nkind = "hf"\npath = "{model}"\ndevice = "cpu"\n'
+    path = tmp_path / "three_hf.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("stop", ["for", "sigint", pytest.param("steps-hf", marks=pytest.mark.slow)])
 def test_rlbus_up_three_regions_stops_clean(tmp_path: Path, stop: str,
                                             processes_mentioning: Callable[[str], list[int]]) -> None:
-    """`rlbus up` on the 3-region demo runs, stops (by --for or Ctrl-C) with exit 0, and no process survives."""
+    """`rlbus up` on the 3-region demo runs, stops (by --for or Ctrl-C) with exit 0, and no process survives.
+    "steps-hf": the RL job in three regions on a Hugging Face policy, stopped by --steps: every region's
+    generator builds the policy from the files and weights in its own region's store, the ledger is clean."""
     state = tmp_path / "state"
-    cmd = [sys.executable, "-m", "rlbus.ops.cli", "up", "demo", "--state-dir", str(state)]
-    if stop == "for":
-        proc = subprocess.run([*cmd, "--for", "6"], capture_output=True, text=True, timeout=120)
+    topology = str(_three_regions_hf(tmp_path)) if stop == "steps-hf" else "demo"
+    cmd = [sys.executable, "-m", "rlbus.ops.cli", "up", topology, "--state-dir", str(state)]
+    if stop in ("for", "steps-hf"):
+        until = ["--for", "6"] if stop == "for" else ["--steps", "2"]
+        proc = subprocess.run([*cmd, *until], capture_output=True, text=True, timeout=120 if stop == "for" else 600)
         out, code = proc.stdout, proc.returncode
     else:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -108,7 +148,17 @@ def test_rlbus_up_three_regions_stops_clean(tmp_path: Path, stop: str,
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert code == 0, out[-2000:]
-    assert "rlbus up: summary" in out and "demo_producer.published" in out
-    assert "eu-demo_producer-0: stopped" in out and "hub-demo_consumer-0: stopped" in out
+    assert code == 0, out[-3000:]
+    assert "rlbus up: summary" in out
+    if stop == "steps-hf":
+        assert "rlbus up: run 'tiny', 3 region(s)" in out
+        assert int(out.split("optimizer steps ", 1)[1].split(",", 1)[0]) >= 2
+        assert "ledger (clean)" in out and "lost 0, trained twice 0" in out
+        for region in ("hub", "eu", "us"):
+            log = (state / "logs" / f"{region}-generator-0.log").read_text()
+            ready = [line for line in log.splitlines() if "generator_weights_ready" in line]
+            assert ready and all("hf policy" in line for line in ready), log[-2000:]
+    else:
+        assert "demo_producer.published" in out
+        assert "eu-demo_producer-0: stopped" in out and "hub-demo_consumer-0: stopped" in out
     assert processes_mentioning(str(state)) == []
