@@ -5,6 +5,7 @@ KV-cached decoding vs re-running the full forward per new token (256 new tokens)
 decoding with MTP heads (trained here for a few seconds on strided counting, so acceptance means
 something) vs plain greedy; the stall of an in-place weight swap mid-generation vs building the
 model and loading the same weights from a file; per-token logprob drift of MXFP8 vs bf16 weights.
+`--model-policy hf` runs the Hugging Face policy's bench instead (`ops/bench/hf_model.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from rlbus.ops.bench import hf_model
+
+    hf_model.add_arguments(p)
     p.add_argument(
         "--model-threads",
         type=int,
@@ -41,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    if getattr(args, "model_policy", "builtin") == "hf":
+        from rlbus.ops.bench import hf_model
+
+        return hf_model.run(args)
+
     torch.set_num_threads(args.model_threads)
     device = torch.device(args.model_device)
     quick = bool(getattr(args, "quick", False))
@@ -57,6 +66,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
+    if result.get("policy") == "hf":
+        from rlbus.ops.bench import hf_model
+
+        return hf_model.table(result)
     rows = [
         (
             "kv_cache_speedup",
