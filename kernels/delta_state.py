@@ -125,25 +125,37 @@ def encode_state(new: Mapping[str, Tensor], old: Mapping[str, Tensor] | None = N
     return index, b"".join(parts)
 
 
-def read_index(blob: bytes | memoryview) -> tuple[StateIndex, int]:
-    """Parse and check a blob's index: -> (index, offset of the first payload).
+def _parse_index(view: bytes | memoryview) -> StateIndex:
+    """The index of a blob starting with its prefix and index (payloads may follow or not yet have arrived).
 
-    :raises DeltaCorrupt: wrong magic or format, index digest mismatch, or sizes that do not add up.
+    :raises DeltaCorrupt: wrong magic or format, index digest mismatch, or an index that does not decode.
     """
-    view = memoryview(blob)
+    view = memoryview(view)
     if len(view) < _PREFIX.size:
         raise DeltaCorrupt(f"blob of {len(view)} bytes is shorter than its {_PREFIX.size}-byte prefix")
     magic, fmt, ilen, idigest = _PREFIX.unpack_from(view)
     if magic != MAGIC or fmt != FORMAT:
         raise DeltaCorrupt(f"not a weight blob of format {FORMAT} (magic {bytes(magic)!r}, format {fmt})")
     raw_index = view[_PREFIX.size:_PREFIX.size + ilen]
-    if digest_bytes(raw_index) != idigest:
+    if len(raw_index) < ilen or digest_bytes(raw_index) != idigest:
         raise DeltaCorrupt("blob index fails its digest; fetch the blob again or a full snapshot")
     try:
         index = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(raw_index), type=StateIndex)
     except (msgspec.DecodeError, zstandard.ZstdError) as err:
         raise DeltaCorrupt(f"blob index passes its digest but does not decode: {err}") from err
-    start = _PREFIX.size + ilen
+    if len(index.names) != len(index.headers):
+        raise DeltaCorrupt(f"blob index lists {len(index.names)} names and {len(index.headers)} headers")
+    return index
+
+
+def read_index(blob: bytes | memoryview) -> tuple[StateIndex, int]:
+    """Parse and check a blob's index: -> (index, offset of the first payload).
+
+    :raises DeltaCorrupt: wrong magic or format, index digest mismatch, or sizes that do not add up.
+    """
+    view = memoryview(blob)
+    index = _parse_index(view)
+    start = _PREFIX.size + _PREFIX.unpack_from(view)[2]
     if len(index.names) != len(index.headers) or start + sum(h.size for h in index.headers) != len(view):
         raise DeltaCorrupt(f"blob holds {len(view) - start} payload bytes, its index lists "
                            f"{sum(h.size for h in index.headers)}")
@@ -184,3 +196,101 @@ def apply_state_(target: MutableMapping[str, Tensor], blob: bytes | memoryview, 
     if patches is not None:
         patches.update((j[0], patch) for j, patch in zip(jobs, done, strict=True))
     return index
+
+
+class StreamApplier:
+    """`apply_state_` of a blob that arrives in pieces: `feed` each piece in order, then `finish`.
+
+    Each payload is checked and decoded into `target` as soon as its last byte arrives, so at most one payload
+    (the largest tensor's) is held besides the piece fed: a full snapshot streams into staging buffers without
+    the whole blob in memory. `make_target(index)` is called once, when the index is read, and returns the
+    mapping to write into (the staging buffers, allocated or reused for the index's shapes).
+    `target` is partly written when a later check fails: use it only after `finish` returned.
+
+    :raises DeltaCorrupt: a digest or structure check fails (from `feed` or `finish`); :raises BaseMismatch;
+    :raises ValueError: the target's tensors do not match the index.
+    """
+
+    def __init__(self, make_target: Callable[[StateIndex], MutableMapping[str, Tensor]], *,
+                 expect_base: bytes | None = None, verify: bool = False,
+                 patches: MutableMapping[str, Patch | None] | None = None) -> None:
+        self._make_target = make_target
+        self._expect_base = expect_base
+        self._verify = verify
+        self._patches = patches
+        self._head = bytearray()
+        self._index: StateIndex | None = None
+        self._target: MutableMapping[str, Tensor] | None = None
+        self._next = 0
+        self._buffer = bytearray()
+        self.received = 0
+        self.peak_buffer = 0
+        """Largest number of bytes held at once (the head or one payload's pieces), for benchmarks."""
+
+    @property
+    def index(self) -> StateIndex | None:
+        return self._index
+
+    def feed(self, piece: bytes | memoryview) -> None:
+        """The next bytes of the blob."""
+        view = memoryview(piece)
+        self.received += len(view)
+        while self._index is None and len(view):
+            want = _PREFIX.size if len(self._head) < _PREFIX.size else _PREFIX.size + _PREFIX.unpack_from(self._head)[2]
+            take = max(0, want - len(self._head))
+            self._head += view[:take]
+            view = view[take:]
+            self.peak_buffer = max(self.peak_buffer, len(self._head))
+            if len(self._head) >= _PREFIX.size and len(self._head) == _PREFIX.size + _PREFIX.unpack_from(self._head)[2]:
+                self._read_head()
+        while len(view):
+            view = self._take(view)
+
+    def _read_head(self) -> None:
+        head = bytes(self._head)
+        index = _parse_index(head)
+        if self._expect_base is not None and index.base_digest is not None and index.base_digest != self._expect_base:
+            raise BaseMismatch(f"delta is against base {index.base_digest.hex()}, target holds "
+                               f"{self._expect_base.hex()}; fetch the delta from the held version or a full snapshot")
+        target = self._make_target(index)
+        if set(target) != set(index.names):
+            missing, extra = sorted(set(index.names) - set(target)), sorted(set(target) - set(index.names))
+            raise ValueError(f"target and blob differ in tensors: missing {missing}, extra {extra}")
+        self._index, self._target = index, target
+        self._head = bytearray()
+
+    def _take(self, view: memoryview) -> memoryview:
+        """Consume bytes of the current payload from `view`; decode it once complete. -> the rest of `view`."""
+        index, target = self._index, self._target
+        assert index is not None and target is not None
+        if self._next >= len(index.headers):
+            raise DeltaCorrupt(f"blob holds more than the {sum(h.size for h in index.headers)} payload bytes its "
+                               f"index lists")
+        header = index.headers[self._next]
+        need = header.size - len(self._buffer)
+        if not self._buffer and len(view) >= header.size:
+            payload, rest = view[:header.size], view[header.size:]      # the whole payload in this piece
+        else:
+            self._buffer += view[:need]
+            self.peak_buffer = max(self.peak_buffer, len(self._buffer))
+            rest = view[need:]
+            if len(self._buffer) < header.size:
+                return rest
+            payload = memoryview(self._buffer)
+        name = index.names[self._next]
+        patch = decode_payload_(target[name], header, payload, verify=self._verify)
+        if self._patches is not None:
+            self._patches[name] = patch
+        self._buffer = bytearray()
+        self._next += 1
+        return rest
+
+    def finish(self) -> StateIndex:
+        """After the last piece: -> the index. :raises DeltaCorrupt: the blob ended early."""
+        while (self._index is not None and self._next < len(self._index.headers)
+               and self._index.headers[self._next].size == 0 and not self._buffer):
+            self._take(memoryview(b""))                  # empty tensors at the end have no bytes to wait for
+        if self._index is None or self._next != len(self._index.headers) or self._buffer:
+            listed = sum(h.size for h in self._index.headers) if self._index is not None else "?"
+            raise DeltaCorrupt(f"blob ended after {self.received} bytes, before its index's {listed} payload bytes")
+        return self._index

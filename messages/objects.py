@@ -2,7 +2,8 @@
 
 Owns: `put_object` (chunks of `OBJECT_CHUNK`, returns the `sha256:<hex>` digest an announcing message
 carries), `fetch_object` (every chunk through an ephemeral pull consumer fetched in batches, hashed while the
-next ones arrive, checked against the store's own digest and the announced one), `delete_object` (best effort), and the
+next ones arrive, checked against the store's own digest and the announced one), `stream_object` (the same,
+handing each chunk on as it arrives, so a decoder never holds the object whole), `delete_object` (best effort), and the
 digest forms (`digest`, `store_digest`). Used alike by weight sync, the publisher, the checkpointer and the
 trainer's resume (through `Bus.get_object`). nats-py's plain `ObjectStore.get()` is quadratic in the
 object's size, and its `get(writeinto=)` streams through an ordered push consumer (3-10x slower here than
@@ -14,6 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 import anyio
@@ -67,10 +69,26 @@ async def fetch_object(js: JetStreamContext, bucket: str, name: str, *, expected
     :raises DigestMismatch: the bytes do not match a digest.
     :raises TimeoutError: the chunks did not arrive in time.
     """
+    parts: list[bytes] = []
+    await stream_object(js, bucket, name, parts.append, expected_digest=expected_digest, timeout_s=timeout_s)
+    return b"".join(parts)
+
+
+async def stream_object(js: JetStreamContext, bucket: str, name: str, sink: Callable[[bytes], Awaitable[None] | None],
+                        *, expected_digest: str | None = None, timeout_s: float | None = 60.0,
+                        batch: int = FETCH_BATCH) -> int:
+    """Hand an object's chunks, in order, to `sink` as they arrive (awaited when it returns an awaitable), then
+    check the whole against the store's sha256 and `expected_digest`; -> its size. At most `batch` chunks are
+    held at once: a consumer that decodes as it goes never holds the object whole. The digests are known only
+    at the end: a sink must not use what it built before this returns.
+
+    :raises nats.js.errors.NotFoundError: no such bucket or object.
+    :raises DigestMismatch: the bytes do not match a digest.
+    :raises TimeoutError: the chunks did not arrive in time.
+    """
     store = await js.object_store(bucket)
     info = await store.get_info(name)
     size = int(info.size or 0)
-    parts: list[bytes] = []
     got = 0
     sha = hashlib.sha256()
     if size:
@@ -83,10 +101,12 @@ async def fetch_object(js: JetStreamContext, bucket: str, name: str, *, expected
         try:
             with anyio.fail_after(timeout_s):
                 while got < size:
-                    for msg in await psub.fetch(FETCH_BATCH, timeout=wait_s):
-                        parts.append(msg.data)
+                    for msg in await psub.fetch(batch, timeout=wait_s):
                         sha.update(msg.data)
                         got += len(msg.data)
+                        done = sink(msg.data)
+                        if done is not None:
+                            await done
         finally:
             with anyio.move_on_after(2.0, shield=True):
                 await psub.unsubscribe()
@@ -96,7 +116,7 @@ async def fetch_object(js: JetStreamContext, bucket: str, name: str, *, expected
                              f"says {info.size} bytes, {info.digest}")
     if expected_digest is not None and actual != expected_digest:
         raise DigestMismatch(f"object {bucket}/{name}: digest {actual} != announced {expected_digest}")
-    return b"".join(parts)
+    return size
 
 
 async def delete_object(js: JetStreamContext, bucket: str, name: str) -> bool:

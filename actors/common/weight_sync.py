@@ -37,11 +37,11 @@ from torch import Tensor
 
 from rlbus.actors.common.errors import WeightsError
 from rlbus.kernels.delta import DTYPES, DeltaCorrupt, Patch, bits_view
-from rlbus.kernels.delta_state import StateIndex, apply_state_, read_index
+from rlbus.kernels.delta_state import StateIndex, StreamApplier, apply_state_, read_index
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage, DigestMismatch
-from rlbus.messages.objects import fetch_object
+from rlbus.messages.objects import fetch_object, stream_object
 from rlbus.messages.schemas import Event, WeightManifest
 from rlbus.messages.subjects import Subjects
 from rlbus.messages.wakeup import Wakeup
@@ -58,6 +58,8 @@ log = structlog.get_logger()
 LATEST_KEY: Final = "latest"
 """The key of each region's LATEST KV bucket that points at the newest WeightManifest."""
 _FETCH_ERRORS: Final = (nats.errors.Error, TimeoutError, OSError)
+STREAM_BATCH: Final = 4
+"""Object chunks (512 KiB each) a streamed full snapshot holds in flight."""
 _PATCH_LIMIT: Final = 1 / 8
 """Pending patches past this fraction of the model's elements are dropped for one full copy at the swap."""
 
@@ -387,7 +389,9 @@ class WeightSync:
 
     async def _try(self, manifest: WeightManifest, path: list[Part]) -> bool | None:
         """One planned chain: True staged; False a transient failure (retry later); None an object was
-        rejected and is avoided from now on (plan again)."""
+        rejected and is avoided from now on (plan again). A lone full snapshot streams into the staging."""
+        if len(path) == 1 and path[0].base is None:
+            return await self._stream_full(manifest, path[0])
         t0 = time.perf_counter()
         blobs = []
         for part in path:
@@ -416,6 +420,65 @@ class WeightSync:
                  apply_s=round(self.timings["apply"], 3))
         self._staged_event.set()
         return True
+
+    async def _stream_full(self, manifest: WeightManifest, part: Part) -> bool | None:
+        """Stream a full snapshot into the staging buffers chunk by chunk (`StreamApplier`, decoded in a worker
+        thread), so the blob is never held whole beside them: the host memory a version takes is the staging
+        copy plus one tensor's payload. Every tensor is re-hashed (`verify`), and the object's digests are
+        checked when its last chunk arrived; until then, and on any failure, the staging is marked unusable
+        (the live model is untouched and generation goes on under the held version). Same outcomes as `_try`."""
+        t0 = time.perf_counter()
+        await anyio.to_thread.run_sync(self._lock.acquire)
+        try:
+            self._staged_version = self._staged_digest = None
+            self._pending = None
+            applier = StreamApplier(self._staging_for, verify=True)
+            bucket = self.bus.subjects.weights_bucket(self.region)
+            try:
+                await stream_object(self.bus.js, bucket, part.name,
+                                    lambda chunk: anyio.to_thread.run_sync(applier.feed, chunk),
+                                    expected_digest=part.digest, batch=STREAM_BATCH)
+                index = applier.finish()
+                want = bytes.fromhex(manifest.version_digest) if manifest.version_digest else None
+                if want is not None and index.version_digest != want:
+                    raise DeltaCorrupt(f"version {manifest.version} decodes to digest {index.version_digest.hex()}, "
+                                       f"the manifest says {want.hex()}")
+                if index.base_digest is not None:
+                    raise DeltaCorrupt(f"object {part.name} is listed as a full snapshot but holds a delta")
+            except (DigestMismatch, nats.js.errors.NotFoundError, DeltaCorrupt, ValueError) as err:
+                failure: Exception | None = err
+            except _FETCH_ERRORS as err:
+                log.warning("weights_fetch_failed", region=self.region, version=manifest.version,
+                            object=part.name, error=repr(err))
+                return False
+            else:
+                failure = None
+                self._staged_version, self._staged_digest = part.version, index.version_digest
+                self._since_verified = 0
+                self.verified += 1
+        finally:
+            self._lock.release()
+        if failure is not None:
+            self._avoid.add(part.name)
+            await self._reject(manifest, part.name, f"{type(failure).__name__}: {failure}")
+            return None
+        elapsed = time.perf_counter() - t0
+        self.timings.update(fetch=elapsed, apply=elapsed)
+        self.last_path = [part.name]
+        log.info("weights_staged", region=self.region, version=manifest.version, objects=self.last_path,
+                 bytes=part.size, fetch_s=round(elapsed, 3), apply_s=round(elapsed, 3), streamed=True)
+        self._staged_event.set()
+        return True
+
+    def _staging_for(self, index: StateIndex) -> dict[str, Tensor]:
+        """The staging buffers for a full snapshot of `index`: the current ones when their names, shapes and
+        dtypes match, else freshly allocated ones."""
+        want = {n: (tuple(h.shape), DTYPES[h.dtype]) for n, h in zip(index.names, index.headers, strict=True)}
+        have = {n: (tuple(t.shape), t.dtype) for n, t in (self._staging or {}).items()}
+        if self._staging is None or have != want:
+            self._staging = None                    # free the old buffers before allocating the new ones
+            self._staging = empty_state(index)
+        return self._staging
 
     def _apply(self, path: list[Part], blobs: list[bytes], manifest: WeightManifest) -> None:
         """Worker thread: apply the chain into the staging buffers, verifying every tensor. On any failure

@@ -17,7 +17,15 @@ from rlbus.kernels.delta import (
     merge_positions,
     tensor_digest,
 )
-from rlbus.kernels.delta_state import apply_state_, encode_state, read_index, state_digest, tensor_digests
+from rlbus.kernels.delta_state import (
+    StateIndex,
+    StreamApplier,
+    apply_state_,
+    encode_state,
+    read_index,
+    state_digest,
+    tensor_digests,
+)
 
 
 def _model(seed: int) -> dict[str, torch.Tensor]:
@@ -218,3 +226,55 @@ def test_multi_version_delta_from_chained_changes_is_the_same_blob() -> None:
     target = _clone(versions[0])
     apply_state_(target, chained, verify=True)
     assert _equal(target, versions[3])
+
+
+@pytest.mark.parametrize("piece", [1, 7, 333, 1 << 20])
+def test_a_blob_streamed_in_pieces_applies_as_the_whole_blob_does(piece: int) -> None:
+    """Snapshot and delta fed `piece` bytes at a time give the same tensors and patches as `apply_state_`, holding
+    at most one payload (or the head) besides the piece."""
+    v0, v1 = _model(0), _step(_model(0), 1, 1e-4)
+    index0, snap = encode_state(v0)
+    _, delta = encode_state(v1, v0)
+    staged: dict[str, torch.Tensor] = {}
+
+    def allocate(index: StateIndex) -> dict[str, torch.Tensor]:
+        staged.update({k: torch.empty_like(v) for k, v in v0.items()})
+        return staged
+
+    for blob, want, base in ((snap, v0, None), (delta, v1, index0.version_digest)):
+        patches: dict[str, object] = {}
+        stream = StreamApplier(allocate if base is None else (lambda _: staged), expect_base=base, verify=True,
+                               patches=patches)
+        for at in range(0, len(blob), piece):
+            stream.feed(blob[at:at + piece])
+        assert stream.finish().version_digest == read_index(blob)[0].version_digest
+        assert _equal(staged, want)
+        whole = _clone(v0) if base is not None else {k: torch.empty_like(v) for k, v in v0.items()}
+        expected: dict[str, object] = {}
+        apply_state_(whole, blob, patches=expected)
+        assert patches.keys() == expected.keys()
+        largest = max(h.size for h in read_index(blob)[0].headers)
+        assert stream.peak_buffer <= max(largest, read_index(blob)[1])
+
+
+def test_a_streamed_blob_that_is_corrupt_short_or_long_or_for_another_base_is_refused() -> None:
+    v0 = _model(0)
+    index0, snap = encode_state(v0)
+    _, delta = encode_state(_step(v0, 1, 1e-4), v0)
+
+    def run(blob: bytes, base: bytes | None = None) -> None:
+        stream = StreamApplier(lambda _: {k: torch.empty_like(v) for k, v in v0.items()}, expect_base=base)
+        for at in range(0, len(blob), 100):
+            stream.feed(blob[at:at + 100])
+        stream.finish()
+
+    flipped = bytearray(snap)
+    flipped[-10] ^= 0xFF
+    with pytest.raises(DeltaCorrupt, match="fails its digest"):
+        run(bytes(flipped))
+    with pytest.raises(DeltaCorrupt, match="ended after"):
+        run(snap[:-1])
+    with pytest.raises(DeltaCorrupt, match="more than"):
+        run(snap + b"x")
+    with pytest.raises(BaseMismatch):
+        run(delta, base=b"\0" * len(index0.version_digest))
