@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
                    help="model, hf: the Hugging Face directory to use (default: build and pretrain a Qwen2 m30 "
                         "into .rlbus/bench/ once)")
-    p.add_argument("--model-hf-steps", type=int, default=150,
-                   help="model, hf: pretraining steps of the built model (default 150)")
+    p.add_argument("--model-hf-steps", type=int, default=60,
+                   help="model, hf: pretraining steps of the built model (default 60)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
