@@ -133,8 +133,9 @@ def _environment(topology: Topology) -> list[Problem]:
 
 def policy_problems(topology: Topology) -> list[Problem]:
     """What is wrong with `[policy]` here: a model directory that is missing (without a recipe) or unusable
-    (config, architecture, weights, tokenizer, chat template), router replay on a dense model, and, as a
-    warning, `device = "cuda"` on a machine without CUDA (the actors may run elsewhere)."""
+    (config, architecture, weights, tokenizer, chat template), router replay on a dense model, and, as
+    warnings, `device = "cuda"` on a machine without CUDA (the actors may run elsewhere) and the older keys
+    that named a model (`generator.weights = "local:..."`, `pretrain.preset` beside a Hugging Face policy)."""
     from rlbus.model.policy import PolicyError, check_policy_dir, is_moe_dir
 
     policy = topology.policy
@@ -157,6 +158,14 @@ def policy_problems(topology: Topology) -> list[Problem]:
             out.append(Problem(key="policy.router_replay", message="router replay needs a mixture-of-experts model; "
                                                                    "this policy is dense (or not built yet): drop "
                                                                    "the key, replay follows the model"))
+    if topology.generator.weights.startswith("local:"):
+        out.append(Problem(key="generator.weights", severity="warning",
+                           message="naming a model here is deprecated: [policy] path names the model of every "
+                                   "actor (a 'local:' model is still loaded, fixed, as before)"))
+    if policy.kind == "hf" and topology.pretrain.preset != "small":
+        out.append(Problem(key="pretrain.preset", severity="warning",
+                           message="ignored for kind 'hf': the model's size is [policy.recipe] size (the steps, "
+                                   "seed, threads and eval_n of [pretrain] still apply)"))
     if policy.device == "cuda":
         import torch
 

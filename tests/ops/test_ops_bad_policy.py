@@ -68,3 +68,24 @@ def test_a_broken_model_directory_is_one_line_exit_2_from_every_entry_point(
     if command != "validate":                    # validate also prints its count line
         assert lines == [problem], err
     assert not state.exists()                    # nothing started
+
+
+def test_older_keys_that_named_a_model_still_load_with_a_deprecation_warning(tmp_path: Path) -> None:
+    """`generator.weights = "local:..."` and `[pretrain] preset` beside a Hugging Face policy load (warnings, not
+    errors), each naming [policy] as where the model is named now; a kind 'hf' without a path or recipe is an error."""
+    from rlbus.topology.load import validate
+
+    base = example_path("tiny").read_text()
+    old = tmp_path / "old.toml"
+    old.write_text(base.replace("[generator]\n", '[generator]\nweights = "local:/tmp/p/pretrain.pt"\n', 1)
+                   .replace('preset = "tiny"', 'preset = "tiny"', 1)
+                   .replace('run = "tiny"', 'run = "old"\n\n[policy]\nkind = "hf"\n\n  [policy.recipe]\n'
+                            '  size = "tiny"\n', 1))
+    topology, problems = validate(old, local_cores=2)
+    assert topology is not None, [str(p) for p in problems]
+    warned = {p.key: p.message for p in problems if p.severity == "warning"}
+    assert "[policy]" in warned["generator.weights"] and "[policy.recipe]" in warned["pretrain.preset"]
+    bare = tmp_path / "bare.toml"
+    bare.write_text(base.replace('run = "tiny"', 'run = "bare"\n\n[policy]\nkind = "hf"\n', 1))
+    topology, problems = validate(bare, local_cores=2)
+    assert topology is None and [p.key for p in problems if p.severity == "error"] == ["policy.path"]
