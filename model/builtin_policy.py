@@ -97,9 +97,10 @@ class BuiltinPolicy(Policy):
         try:
             model, tokenizer, _ = load_checkpoint(file)
         except (KeyError, RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError) as err:
-            first = (str(err).strip().splitlines() or [""])[0][:200]
-            raise PolicyError(f"{file}: not a {CHECKPOINT_NAME} that `rlbus pretrain` writes "
-                              f"({type(err).__name__}: {first})") from None
+            first = (str(err).strip().splitlines() or [""])[0][:120]
+            what = "not a" if isinstance(err, (KeyError, ValueError)) else "not a readable"   # read, but not ours
+            raise PolicyError(f"{file}: {what} {CHECKPOINT_NAME} ({type(err).__name__}: {first}); expected "
+                              f"the file `rlbus pretrain` or `rlbus up` writes") from None
         return cls(model, tokenizer)
 
     @property

@@ -162,7 +162,7 @@ def policy_problems(topology: Topology) -> list[Problem]:
         out.append(Problem(key="generator.weights", severity="warning",
                            message="naming a model here is deprecated: [policy] path names the model of every "
                                    "actor (a 'local:' model is still loaded, fixed, as before)"))
-    if policy.kind == "hf" and topology.pretrain.preset != "small":
+    if policy.kind == "hf" and policy.recipe is not None and topology.pretrain.preset != "small":
         out.append(Problem(key="pretrain.preset", severity="warning",
                            message="ignored for kind 'hf': the model's size is [policy.recipe] size (the steps, "
                                    "seed, threads and eval_n of [pretrain] still apply)"))

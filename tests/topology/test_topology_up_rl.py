@@ -69,8 +69,7 @@ def _ray_daemons() -> set[int]:
     return found
 
 
-@pytest.mark.parametrize("policy", ["builtin", "hf"])
-@pytest.mark.parametrize("backend", ["local", "ray"])
+@pytest.mark.parametrize(("backend", "policy"), [("local", "builtin"), ("ray", "builtin"), ("ray", "hf")])
 def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
                                                      backend: str, policy: str,
                                                      processes_mentioning: Callable[[str], list[int]]) -> None:
