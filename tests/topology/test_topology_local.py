@@ -85,18 +85,8 @@ async def test_sigkilled_actor_restarts_then_fails_past_policy(tmp_path: Path) -
     assert not any(_alive(pid) for pid in before.values())
 
 
-LEAVES = '''[[regions]]
-name = "eu"
-role = "leaf"
-
-  [[regions.actors]]
-  kind = "generator"
-
-  [[regions.actors]]
-  kind = "sandbox"
-
-[[regions]]
-name = "us"
+LEAF = '''[[regions]]
+name = "{name}"
 role = "leaf"
 
   [[regions.actors]]
@@ -106,6 +96,7 @@ role = "leaf"
   kind = "sandbox"
 
 '''
+LEAVES = "".join(LEAF.format(name=name) for name in ("eu", "us"))
 
 
 def _three_regions_hf(tmp_path: Path) -> Path:
