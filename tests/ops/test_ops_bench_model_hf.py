@@ -17,9 +17,10 @@ from rlbus.ops.bench.hf_model import table
 pytestmark = pytest.mark.slow
 
 NUMBERS = ("hf_generate_ratio", "rlbus_tokens_per_s", "hf_tokens_per_s", "rlbus_len_mean", "hf_len_mean",
-           "trainer_tokens_per_s", "sft_tokens_per_s", "trainer_sft_ratio", "swap_peak_ratio",
-           "swap_fetch_peak_ratio", "swap_model_bytes", "swap_blob_bytes")
-SHARES = ("rlbus_len_std", "hf_len_std", "rlbus_stop_fraction", "hf_stop_fraction", "greedy_stop_fraction")
+           "trainer_tokens_per_s", "sft_tokens_per_s", "trainer_sft_ratio", "swap_model_bytes", "swap_blob_bytes")
+SHARES = ("rlbus_len_std", "hf_len_std", "rlbus_stop_fraction", "hf_stop_fraction", "greedy_stop_fraction",
+          # rises of the memory high-water mark: a tiny model's buffers may fit in pages the process already held
+          "swap_peak_ratio", "swap_fetch_peak_ratio")
 
 
 def test_quick_hf_model_bench_prints_every_key_with_finite_positive_numbers(tmp_path: Path) -> None:
