@@ -220,6 +220,73 @@ class SandboxResult(Message, tag="sandbox_result"):
     wall_seconds: float = 0.0
 
 
+class SessionOpen(Message, tag="session_open"):
+    """Open a sandbox session: a workspace seeded with `files`, held while calls renew its lease.
+    Produced by generators (actors/common/sessions.py); consumed by a region's sandbox supervisors (queue group)."""
+
+    files: dict[str, bytes] = {}
+    """Workspace-relative path → content; directories are made as needed."""
+    lease_s: float = 60.0
+    """The session is destroyed this long after its last call (capped by `[sandbox] max_lease_s`)."""
+    max_file_kb: int | None = None
+    """Largest file a tool may write, KiB (None: the supervisor's `[sandbox] max_file_mb`; capped by it)."""
+    max_workspace_kb: int | None = None
+    """Largest total of the workspace's files, KiB (None: `[sandbox] workspace_mb`; capped by it)."""
+
+
+class SessionOpened(Message, tag="session_opened"):
+    """The reply to a SessionOpen: the session's id (tool calls go to the supervisor it names) or why not."""
+
+    session_id: str = ""
+    ok: bool = False
+    error: str = ""
+    isolation: str = ""
+    lease_s: float = 0.0
+    """The lease granted (the asked one, capped by the supervisor)."""
+
+
+class ToolCall(Message, tag="tool_call"):
+    """One tool call in a session (`list_files`, `read_file`, `write_file`, `edit_file`, `search`, `run`,
+    `grade`, `snapshot`; arguments in actors/sandbox/tools.py). Every call renews the session's lease."""
+
+    session_id: str
+    call_id: str
+    tool: str
+    args: dict[str, Any] = {}
+
+
+class ToolResult(Message, tag="tool_result"):
+    """The reply to a ToolCall. `status`: ok, error (the call was refused or failed: `error` says why, for
+    the model to read), timeout, output_limit, no_session, busy. `snapshot` fills `files`, `digests`
+    (sha256 hex of each) and `deleted`: what changed since the session opened."""
+
+    session_id: str
+    call_id: str
+    ok: bool
+    output: str = ""
+    error: str = ""
+    truncated: bool = False
+    exit_code: int | None = None
+    elapsed_ms: float = 0.0
+    status: str = "ok"
+    files: dict[str, bytes] = {}
+    digests: dict[str, str] = {}
+    deleted: list[str] = []
+
+
+class SessionClose(Message, tag="session_close"):
+    """Destroy a session and its workspace now (answered with a SessionClosed)."""
+
+    session_id: str
+
+
+class SessionClosed(Message, tag="session_closed"):
+    """The reply to a SessionClose: `existed` is False when the session was already gone (closed or expired)."""
+
+    session_id: str
+    existed: bool = True
+
+
 class Heartbeat(Message, tag="heartbeat"):
     """Liveness and progress of one actor. Produced by every actor (actors/base.py); consumed by `rlbus health`."""
 
@@ -297,8 +364,10 @@ class EvalReport(Message, tag="eval_report"):
 AnyMessage: TypeAlias = (
     Task | Rollout | WeightManifest | CheckpointMark | SandboxRequest | SandboxResult | Heartbeat | Event
     | TrainStep | EvalReport | VersionReady | StateUploaded
+    | SessionOpen | SessionOpened | ToolCall | ToolResult | SessionClose | SessionClosed
 )
 MESSAGE_TYPES: Final[tuple[type[Message], ...]] = (
     Task, Rollout, WeightManifest, CheckpointMark, SandboxRequest, SandboxResult, Heartbeat, Event,
     TrainStep, EvalReport, VersionReady, StateUploaded,
+    SessionOpen, SessionOpened, ToolCall, ToolResult, SessionClose, SessionClosed,
 )

@@ -108,6 +108,30 @@ class Subjects:
         """Request/reply subject of a region's sandbox supervisors (queue group)."""
         return f"{self.prefix}.sandbox.{token(region, 'region')}"
 
+    def session_open(self, region: str) -> str:
+        """Request/reply subject where a region's sandbox supervisors open sessions (queue group)."""
+        return f"{self.prefix}.session.{token(region, 'region')}"
+
+    def session_calls(self, region: str, supervisor: str) -> str:
+        """Request/reply subject of one supervisor's sessions: tool calls and closes (`session_host`)."""
+        return f"{self.prefix}.session.{token(region, 'region')}.{token(supervisor, 'supervisor id')}"
+
+    @staticmethod
+    def new_session_id(supervisor: str) -> str:
+        """A fresh session id, `<supervisor id>.<16 hex>`: it names the supervisor that holds the session."""
+        return f"{token(supervisor, 'supervisor id')}.{secrets.token_hex(8)}"
+
+    @staticmethod
+    def session_host(session_id: str) -> str:
+        """The supervisor id a session id names (`new_session_id`).
+
+        :raises SubjectError: the id is not `<supervisor id>.<hex>`.
+        """
+        host, _, rest = session_id.partition(".") if isinstance(session_id, str) else ("", "", "")
+        if not rest or not re.fullmatch(r"[0-9a-f]+", rest):
+            raise SubjectError(f"session id {session_id!r} is not '<supervisor id>.<hex>'")
+        return token(host, "supervisor id")
+
     def health(self, region: str, kind: str, actor: str) -> str:
         """Heartbeats of one actor."""
         return f"{self.prefix}.health.{token(region, 'region')}.{token(kind, 'kind')}.{token(actor, 'actor id')}"
@@ -324,13 +348,14 @@ def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list
     common_sub = [f"{inbox_prefix(role)}.>", "$SRV.>", f"{run}.>", "$JS.EVENT.>", "$KV.>", "$O.>"]
     data: dict[str, list[str]] = {
         "feeder": [f"{run}.tasks.*", *_bucket_writes(scope.buckets("partials"))],
-        "generator": [f"{run}.rollouts.*", f"{run}.sandbox.*", *_bucket_writes(scope.buckets("partials"))],
+        "generator": [f"{run}.rollouts.*", f"{run}.sandbox.*", f"{run}.session.>",
+                      *_bucket_writes(scope.buckets("partials"))],
         "trainer": [f"{run}.trainlog", f"{run}.state.*", *_bucket_writes(scope.buckets("checkpoint"))],
         "publisher": [f"{run}.weights", *_bucket_writes(scope.buckets("weights")),
                       *_bucket_writes(scope.buckets("latest"))],
         "checkpointer": [f"{run}.checkpoints", *_bucket_writes(scope.buckets("checkpoint"))],
         "sandbox": [],
-        "evaluator": [f"{run}.evals", f"{run}.sandbox.*"],
+        "evaluator": [f"{run}.evals", f"{run}.sandbox.*", f"{run}.session.>"],
         "observer": [],
     }
     if role not in data:
@@ -345,7 +370,7 @@ def role_denials(role: Role, scope: BucketScope | None = None) -> tuple[list[str
 
     Publish: no role pulls from, acks for, or creates/updates another role's durable consumer (stealing
     or stalling its work), and nobody but admin deletes a durable. Subscribe: only sandbox supervisors
-    listen on sandbox request subjects (a listener there could answer with forged verdicts).
+    listen on sandbox request and session subjects (a listener there could answer with forged verdicts).
     Generators' durables are named per region, so they are protected for the regions of `scope` only.
     """
     if role in ("admin", "leaf"):
@@ -361,5 +386,5 @@ def role_denials(role: Role, scope: BucketScope | None = None) -> tuple[list[str
                 deny += [*_api(f"CONSUMER.MSG.NEXT.*.{name}", f"CONSUMER.CREATE.*.{name}",
                                f"CONSUMER.CREATE.*.{name}.>"),
                          f"$JS.ACK.*.{name}.>", f"$JS.ACK.*.*.*.{name}.>"]
-    sub_deny = [] if role == "sandbox" else [f"{_ROOT}.*.sandbox.*"]
+    sub_deny = [] if role == "sandbox" else [f"{_ROOT}.*.sandbox.*", f"{_ROOT}.*.session.>"]
     return deny, sub_deny
