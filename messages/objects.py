@@ -98,10 +98,15 @@ async def stream_object(js: JetStreamContext, bucket: str, name: str, sink: Call
             config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
                                   inactive_threshold=10.0))
         wait_s = timeout_s if timeout_s is not None else STALL_S
+        chunks, seen = int(info.chunks or 0), 0
         try:
             with anyio.fail_after(timeout_s):
                 while got < size:
-                    for msg in await psub.fetch(batch, timeout=wait_s):
+                    # Never ask for more chunks than remain: a pull request the server holds open for a batch
+                    # it cannot fill returns only when its expiry passes (the whole `wait_s`).
+                    want = max(1, min(batch, chunks - seen)) if chunks else batch
+                    for msg in await psub.fetch(want, timeout=wait_s):
+                        seen += 1
                         sha.update(msg.data)
                         got += len(msg.data)
                         done = sink(msg.data)

@@ -6,6 +6,9 @@ the one retry policy where a call site uses it (a sandbox request nobody answers
 
 from __future__ import annotations
 
+import base64
+import json
+
 import anyio
 import nats.js.errors
 import pytest
@@ -40,14 +43,19 @@ async def test_fetch_object_round_trips_and_checks_both_digests(admin_bus: Bus) 
         await fetch_object(js, bucket, "never-written")
 
 
-async def test_fetch_object_refuses_chunks_that_do_not_match_the_store(admin_bus: Bus) -> None:
-    """A chunk added behind the store's back: more bytes than its metadata says, refused by name."""
+async def test_fetch_object_reads_the_chunks_its_metadata_names_and_refuses_a_mismatch(admin_bus: Bus) -> None:
+    """A chunk added behind the store's back is not part of the object (the download reads the chunks the
+    metadata counts); metadata rewritten to count it makes the bytes disagree with its digest: refused by name."""
     js, bucket = admin_bus.js, admin_bus.subjects.checkpoint_bucket()
     store = await js.create_object_store(bucket)
     await put_object(js, bucket, "obj", b"x" * 1000)
     info = await store.get_info("obj")
     await js.publish(f"$O.{bucket}.C.{info.nuid}", b"tampered")
-    with pytest.raises(DigestMismatch, match=r"obj: 1008 bytes .* says 1000 bytes"):
+    assert await fetch_object(js, bucket, "obj") == b"x" * 1000
+    info.size, info.chunks = 1008, 2
+    meta = f"$O.{bucket}.M.{base64.urlsafe_b64encode(b'obj').decode()}"
+    await js.publish(meta, json.dumps(info.as_dict()).encode(), headers={"Nats-Rollup": "sub"})
+    with pytest.raises(DigestMismatch, match=r"obj: 1008 bytes .* says 1008 bytes"):
         await fetch_object(js, bucket, "obj")
 
 
