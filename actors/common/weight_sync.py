@@ -503,12 +503,7 @@ class WeightSync:
     def _apply_part(self, part: Part, blob: bytes) -> None:
         expect = None
         if part.base is None:
-            index, _ = read_index(blob)
-            want = {n: (tuple(h.shape), DTYPES[h.dtype])
-                    for n, h in zip(index.names, index.headers, strict=True)}
-            have = {n: (tuple(t.shape), t.dtype) for n, t in (self._staging or {}).items()}
-            if self._staging is None or have != want:
-                self._staging = empty_state(index)
+            self._staging_for(read_index(blob)[0])
         elif part.base != self._staged_version or self._staging is None:
             raise WeightsError(f"object {part.name} applies to version {part.base}, staging holds "
                                f"{self._staged_version}")
