@@ -1,0 +1,180 @@
+"""The agentic coding environment: a small repository, an instruction, tools in a sandboxed workspace, hidden
+tests on submit.
+
+Owns: `AgenticBudgets`, `AgenticState` and `AgenticEnvironment`: rendering a `RepoTask` (instruction, file
+list, tool list), taking a policy turn (its tool calls parsed, checked, run through the `WorkspacePort` in
+order, their results as one observation turn, each truncated to the observation budget), the turn, tool-call,
+token and wall budgets, and the reward (the hidden tests on a fresh copy of the final workspace: 1.0 when
+they pass, else 0.0) once `submit` is called or a budget runs out.
+Does not own: the tools themselves or the workspace (the sandbox, behind the port), the tool-call text
+format (model/tool_calls.py), the tasks (model/repo_tasks.py). The wall clock is passed in, never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Final, Literal
+
+import msgspec
+
+from rlbus.model.env.base import EnvState, StepOutcome, WorkspacePort, refuse_done, state_tokens
+from rlbus.model.episodes import Turn, completion_text
+from rlbus.model.grading import GradeResult
+from rlbus.model.policy import ChatTokenizer
+from rlbus.model.repo_tasks import RepoTask
+from rlbus.model.tool_calls import (
+    BadCall,
+    ToolCall,
+    args_of,
+    outcome_text,
+    parse_turn,
+    response_text,
+    tools_text,
+)
+
+EndReason = Literal["", "submit", "turns", "tool_calls", "tokens", "wall"]
+NO_CALL: Final = ("error: no tool call in this turn. Call a tool as <tool_call>\n"
+                  '{"name": ..., "arguments": {...}}\n</tool_call>, and submit when the change is done.')
+COMPACT_TOOLS: Final = (
+    "Tools: list_files{path=\".\"}, read_file{path, start_line?, end_line?}, write_file{path, content}, "
+    "edit_file{path, old, new}, search{pattern, path=\".\"}, run{command, timeout_s?}, submit{}. Call one as "
+    '<tool_call>\n{"name": "read_file", "arguments": {"path": "..."}}\n</tool_call>.')
+"""The tool list in one paragraph, for a policy whose context is short (the built-in byte policy)."""
+
+
+class AgenticBudgets(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What ends an agentic episode besides `submit`, and how much of a tool's output the policy reads."""
+
+    max_turns: Annotated[int, msgspec.Meta(ge=1)] = 20
+    """Policy turns; the episode is graded after the last one."""
+    max_tool_calls: Annotated[int, msgspec.Meta(ge=1)] = 100
+    """Tool-call blocks over the episode (malformed ones count); the one past it ends the episode."""
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
+    """Tokens of the whole episode (prompt, turns, observations, framing): the policy's context."""
+    min_turn_tokens: Annotated[int, msgspec.Meta(ge=1)] = 32
+    """The episode ends once fewer than this many of `max_tokens` are left for the next turn."""
+    wall_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    """Seconds from the start (the clock handed to `start` and `step`); checked after each turn."""
+    observation_chars: Annotated[int, msgspec.Meta(ge=1)] = 4000
+    """Characters of one tool result shown; longer ones are cut, saying so."""
+    observation_tokens: Annotated[int, msgspec.Meta(ge=16)] = 1024
+    """Tokens of one observation turn (all the turn's results); longer ones are cut, saying so."""
+    run_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    """A `run` call's wall timeout when it names none, and the most it may ask for."""
+
+
+class AgenticState(EnvState, frozen=True, kw_only=True, tag="agentic"):
+    """An agentic episode: its task, when it started, what it has spent, the calls run (in order, as run),
+    why it ended and the hidden tests' grade."""
+
+    task: RepoTask
+    started_at: float = 0.0
+    policy_turns: int = 0
+    tool_calls: int = 0
+    calls: tuple[ToolCall, ...] = ()
+    ended: EndReason = ""
+    grade: GradeResult | None = None
+
+
+class AgenticEnvironment:
+    """Fix or extend a small repository with tools; graded by its hidden tests (`RepoTask`).
+
+    `tool_list` "full" renders the tool signatures as Qwen2/Qwen3 templates do (`tools_text`); "compact"
+    renders `COMPACT_TOOLS`, a paragraph for short contexts. The call format is the same either way.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, budgets: AgenticBudgets | None = None, *,
+                 tool_list: Literal["full", "compact"] = "full") -> None:
+        self._tokenizer = tokenizer
+        self.budgets = budgets or AgenticBudgets()
+        self.tool_list = tool_list
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        return self._tokenizer
+
+    def render(self, task: RepoTask) -> str:
+        """The user turn: the instruction, the repository's files, the tools and how to finish."""
+        tools = tools_text() if self.tool_list == "full" else COMPACT_TOOLS
+        files = "\n".join(sorted(task.files))
+        return (f"{task.instruction}\n\nThe repository (your working directory):\n{files}\n\n{tools}\n\n"
+                "Call submit when the change is done: the hidden tests then run on the repository as you leave it.")
+
+    def start(self, task: RepoTask, *, now: float = 0.0) -> AgenticState:
+        """The rendered task as the user turn; the wall budget counts from `now`."""
+        return AgenticState(turns=(Turn("user", tuple(self._tokenizer.encode(self.render(task)))),), task=task,
+                            started_at=now)
+
+    async def step(self, state: AgenticState, policy_ids: Sequence[int], port: WorkspacePort, *,
+                   now: float = 0.0) -> StepOutcome[AgenticState]:
+        """Run the turn's tool calls in order and answer them in one observation turn; on `submit` or a spent
+        budget, grade the workspace and end (no observation then).
+
+        A malformed call or an unknown tool is answered with what is wrong (the port is not called); calls
+        after a `submit` are not run; a turn without a call is answered with `NO_CALL`. A raise from the port (no sandbox answered) propagates with the state
+        unchanged, so the turn may be taken again.
+        :raises ValueError: the episode is done.
+        """
+        refuse_done(state)
+        b = self.budgets
+        text = completion_text(policy_ids, self._tokenizer)
+        parsed = parse_turn(text)
+        results: list[str] = []
+        calls, spent, ended = list(state.calls), state.tool_calls, ""
+        for item in parsed:
+            if spent >= b.max_tool_calls:
+                ended = "tool_calls"
+                break
+            spent += 1
+            if isinstance(item, BadCall):
+                results.append(f"error: {item.problem}")
+                continue
+            if item.name == "submit":
+                ended = "submit"
+                break
+            call = self._bounded(item)
+            outcome = await port.tool(call.name, args_of(call))
+            calls.append(call)
+            results.append(self._cut(outcome_text(call, outcome.output, outcome.error, outcome.exit_code,
+                                                  outcome.timed_out)))
+        turns = (*state.turns, Turn("assistant", tuple(policy_ids)))
+        shown = response_text(results) if parsed else NO_CALL
+        observation = Turn("observation", self._observation_ids(shown)) if shown else None
+        new = msgspec.structs.replace(state, turns=turns, policy_turns=state.policy_turns + 1, tool_calls=spent,
+                                      calls=tuple(calls))
+        if not ended:
+            with_obs = msgspec.structs.replace(new, turns=(*turns, observation)) if observation else new
+            if new.policy_turns >= b.max_turns:
+                ended = "turns"
+            elif now - state.started_at >= b.wall_s:
+                ended = "wall"
+            elif len(state_tokens(with_obs, self._tokenizer).ids) + b.min_turn_tokens > b.max_tokens:
+                ended = "tokens"
+            else:
+                return StepOutcome(with_obs, observation)
+        grade = await port.grade_workspace(state.task.hidden_tests, state.task.test_command)
+        done = msgspec.structs.replace(new, done=True, reward=grade.reward, verdict=grade.status, ended=ended,
+                                       grade=grade)
+        return StepOutcome(done, None)
+
+    def _bounded(self, call: ToolCall) -> ToolCall:
+        """A `run` call with its timeout set and capped by the budget; other calls as they are."""
+        if call.name != "run":
+            return call
+        cap = self.budgets.run_timeout_s
+        asked = float(call.arguments.get("timeout_s", cap))
+        return ToolCall("run", {**call.arguments, "timeout_s": min(max(asked, 0.1), cap)})
+
+    def _cut(self, text: str) -> str:
+        limit = self.budgets.observation_chars
+        if len(text) <= limit:
+            return text
+        return f"{text[:limit]}\n[output truncated: {len(text)} characters, the first {limit} shown]"
+
+    def _observation_ids(self, text: str) -> tuple[int, ...]:
+        ids = self._tokenizer.encode(text)
+        limit = self.budgets.observation_tokens
+        if len(ids) <= limit:
+            return tuple(ids)
+        notice = self._tokenizer.encode(f"\n[observation truncated to {limit} tokens]")
+        return tuple(ids[: max(limit - len(notice), 0)] + notice)

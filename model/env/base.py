@@ -1,0 +1,129 @@
+"""What every environment shares: the interface the generator drives, the sandbox ports, the per-turn state.
+
+Owns: `Environment` (start a task, take one policy turn), the ports an environment calls the sandbox through
+(`GradePort`: grade code on tests; `WorkspacePort`: a tool call in the episode's workspace, the hidden tests
+on a fresh copy of it; `SandboxPort`: both), `ToolOutcome`, `EnvState` (the turns so far, done, reward,
+verdict: a msgspec Struct, so the state after every turn round-trips through msgpack or JSON and a partial
+rollout checkpoints it), `StepOutcome`, and the flattening of a state into ids and loss mask.
+Does not own: sampling, sessions or the bus. The generator opens the episode's sandbox session, implements
+the ports over the bus and hands them in; every method here is pure except the port calls it awaits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import msgspec
+
+from rlbus.model.episodes import EpisodeTokens, Turn
+from rlbus.model.grading import GradeCase, GradeResult
+from rlbus.model.policy import ChatTokenizer, frame_turn
+
+
+class ToolOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What the sandbox answers to one tool call in a workspace.
+
+    `output` is the tool's text (a file's lines, a listing, a command's stdout and stderr); `error` is
+    non-empty when the call could not be done (no such file, a path outside the workspace, `old` not found
+    once), and is what the policy is told. `exit_code` and `timed_out` are a `run` call's.
+    """
+
+    output: str = ""
+    error: str = ""
+    exit_code: int | None = None
+    timed_out: bool = False
+
+
+class GradePort(Protocol):
+    """Grading a completion's code on a task's hidden tests (the function-writing environment)."""
+
+    async def grade(self, case: GradeCase) -> GradeResult:
+        """Run `case` (code and tests) in the sandbox. Bad code is a failed result, never a raise; a raise
+        (no sandbox answered) leaves the episode's state as it was, so the turn can be taken again."""
+        ...
+
+
+class WorkspacePort(Protocol):
+    """Calls into the episode's workspace, a sandbox session the generator opened for it."""
+
+    async def tool(self, name: str, args: Mapping[str, Any]) -> ToolOutcome:
+        """One tool call (`model/tool_calls.py` `TOOLS`: name and arguments already checked)."""
+        ...
+
+    async def grade_workspace(self, files: Mapping[str, str], command: str) -> GradeResult:
+        """Run `command` in a fresh copy of the workspace with `files` (the hidden tests) written into it;
+        passed when it exits 0. The copy is the sandbox's; the workspace itself is left as it is."""
+        ...
+
+
+class SandboxPort(GradePort, WorkspacePort, Protocol):
+    """Every sandbox call an environment makes."""
+
+
+class EnvState(msgspec.Struct, frozen=True, kw_only=True, tag_field="env"):
+    """An episode after some turns: the base of each environment's state (its `tag` names the environment).
+
+    `turns` are rendered for the tokenizer the environment was built with: a policy turn's ids verbatim,
+    the others the encoded text. `reward` and `verdict` are final once `done`.
+    """
+
+    turns: tuple[Turn, ...]
+    done: bool = False
+    reward: float = 0.0
+    verdict: str = ""
+
+
+S = TypeVar("S", bound=EnvState)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome(Generic[S]):
+    """One policy turn taken: the new state and the observation turn it added (None when none)."""
+
+    state: S
+    observation: Turn | None
+
+
+class Environment(Protocol[S]):
+    """What the generator drives: a task rendered for the policy, then one policy turn at a time."""
+
+    @property
+    def tokenizer(self) -> ChatTokenizer: ...
+
+    def start(self, task: Any, *, now: float = 0.0) -> S:
+        """The initial state: the task rendered as the first turns. `now` is the wall clock (seconds)."""
+        ...
+
+    async def step(self, state: S, policy_ids: Sequence[int], port: Any, *, now: float = 0.0) -> StepOutcome[S]:
+        """Take the policy turn `policy_ids` (sampled ids, verbatim): run what it asks through `port` and
+        return the new state. `now` is the wall clock, passed in so the logic stays pure.
+
+        :raises ValueError: the episode is done.
+        """
+        ...
+
+
+def state_tokens(state: EnvState, tokenizer: ChatTokenizer) -> EpisodeTokens:
+    """A state's turns flattened as model/episodes.py lays them out: loss_mask 1 exactly on the ids the policy
+    sampled (assistant and summary content); prompts, observations, tool results and framing 0."""
+    bos = tokenizer.bos()
+    ids, mask, turn = list(bos), [0] * len(bos), [-1] * len(bos)
+    for index, t in enumerate(state.turns):
+        framed, framed_mask = frame_turn(tokenizer, t.role, t.ids)
+        ids += framed
+        mask += framed_mask
+        turn += [index] * len(framed)
+    return EpisodeTokens(ids, mask, turn)
+
+
+def state_context(state: EnvState, tokenizer: ChatTokenizer) -> list[int]:
+    """What the policy continues for its next turn: the state's tokens, then the assistant header."""
+    return [*state_tokens(state, tokenizer).ids, *tokenizer.header("assistant")]
+
+
+def refuse_done(state: EnvState) -> None:
+    """:raises ValueError: `state` is done (no more turns)."""
+    if state.done:
+        raise ValueError(f"the episode is done ({state.verdict}); it takes no more turns")

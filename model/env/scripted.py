@@ -1,0 +1,40 @@
+"""Scripted policies for the agentic environment: fixed turns instead of sampled ones, for tests and harness runs.
+
+Owns: `reference_script` (the task's reference edit, one call a turn, then `submit`), `SUBMIT_SCRIPT` (submit
+at once) and `scripted_ids` (the ids of a script's next turn for a state, ending with the tokenizer's stop,
+as a sampled turn that closed itself would).
+Does not own: sampling (model/generate.py) or the environment (model/env/agentic.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+from rlbus.model.env.agentic import AgenticState
+from rlbus.model.policy import ChatTokenizer
+from rlbus.model.repo_tasks import RepoTask, repo_task_of_id
+from rlbus.model.tool_calls import ToolCall
+
+SUBMIT: Final = ToolCall("submit", {}).text()
+SUBMIT_SCRIPT: Final = (SUBMIT,)
+"""Submits the repository as given: the hidden tests fail on it (reward 0)."""
+
+
+def reference_script(task: RepoTask) -> tuple[str, ...]:
+    """One turn per call of the task's reference edit, then a submit turn (reward 1). A task rebuilt from its
+    verifier spec carries no reference: it is regenerated from the task's id.
+
+    :raises ValueError: the task has no reference and its id names no built-in task.
+    """
+    reference = task.reference or repo_task_of_id(task.task_id).reference
+    return (*(f"I will change {c.arguments['path']}.\n{c.text()}" for c in reference), SUBMIT)
+
+
+def scripted_ids(script: Sequence[str], state: AgenticState, tokenizer: ChatTokenizer) -> list[int]:
+    """The ids of the script's turn for `state` (turn `state.policy_turns`; the last one once it runs out),
+    closed by the tokenizer's stop id."""
+    if not script:
+        raise ValueError("a script needs at least one turn")
+    text = script[min(state.policy_turns, len(script) - 1)]
+    return [*tokenizer.encode(text), tokenizer.stop_id]

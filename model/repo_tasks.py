@@ -1,0 +1,324 @@
+"""Built-in repository tasks: small generated Python packages with a bug to fix or a function to add.
+
+Owns: `RepoTask` (files, instruction, hidden tests, the command that runs them, a reference edit as tool
+calls), `repo_task` / `repo_tasks` (deterministic from a seed, in `LEVELS`), `apply_edit` (a write_file or
+edit_file call on a dict of files, as the sandbox would do it) and `flat_program` (a package as one Python
+program that imports its modules from memory, for a sandbox that runs a single program).
+Does not own: running anything (the sandbox), the environment that serves these (model/env/agentic.py).
+
+Levels:
+1. a one-line bug in the function the instruction names (one file);
+2. a function to add to one module that another module already imports and calls;
+3. a one-line bug in a helper of one module, reported only through its caller in another module.
+Every task's hidden tests pass on its reference solution and fail on its repository as given (checked
+through the real sandbox by the tests); `task_id` is `repo-L<level>-<seed>`, so the id rebuilds the task.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from rlbus.model.tasks import prompt_hash
+from rlbus.model.tool_calls import ToolCall
+
+LEVELS: Final = (1, 2, 3)
+HIDDEN_TEST: Final = "test_hidden.py"
+"""The hidden tests' file, written at the workspace root of the grading copy only."""
+TEST_COMMAND: Final = f"python3 -B {HIDDEN_TEST}"
+_ID: Final = re.compile(r"repo-L([0-9]+)-([0-9]+)")
+_PACKAGES: Final = ("inventory", "ledger", "geometry", "textkit", "stats", "schedule", "catalog", "metrics")
+
+
+class RepoTask(msgspec.Struct, frozen=True, kw_only=True):
+    """One repository task. `files` is the repository (path -> text), `hidden_tests` the files the grade adds to a
+    fresh copy of the final workspace before running `test_command` (exit 0: passed); `reference` is an edit
+    that solves it (write_file / edit_file calls) and `solution` the files after it."""
+
+    task_id: str
+    level: int
+    instruction: str
+    files: dict[str, str]
+    hidden_tests: dict[str, str]
+    test_command: str = TEST_COMMAND
+    reference: tuple[ToolCall, ...] = ()
+    solution: dict[str, str] = {}
+
+    @property
+    def prompt(self) -> str:
+        """The instruction and the file list: what identifies the task (its prompt hash)."""
+        return f"{self.instruction}\n\n" + "\n".join(sorted(self.files))
+
+    @property
+    def prompt_hash(self) -> str:
+        return prompt_hash(self.prompt)
+
+    def verifier_spec(self) -> dict[str, str]:
+        """The task as the `Task` message's str -> str verifier map (no reference inside)."""
+        return {"kind": "repo", "level": str(self.level), "instruction": self.instruction,
+                "files": json.dumps(self.files, sort_keys=True), "tests": json.dumps(self.hidden_tests, sort_keys=True),
+                "command": self.test_command}
+
+    @classmethod
+    def from_spec(cls, task_id: str, spec: Mapping[str, str]) -> RepoTask:
+        """Rebuild a task from `verifier_spec()` (reference and solution left empty).
+
+        :raises ValueError: the spec is not a repository task's, naming the key.
+        """
+        if spec.get("kind") != "repo":
+            raise ValueError(f"task {task_id}: verifier kind {spec.get('kind')!r} is not 'repo'")
+        try:
+            files, tests = json.loads(spec["files"]), json.loads(spec["tests"])
+            level, instruction, command = int(spec["level"]), spec["instruction"], spec["command"]
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"task {task_id}: repository verifier spec key {err} missing or malformed") from None
+        if not all(isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values())) for v in (files, tests)):
+            raise ValueError(f"task {task_id}: repository verifier spec 'files'/'tests' must map paths to text")
+        return cls(task_id=task_id, level=level, instruction=instruction, files=files, hidden_tests=tests,
+                   test_command=command)
+
+
+# ---- editing ---------------------------------------------------------------------------------------------
+class EditError(ValueError):
+    """An edit that cannot be applied: the message is what the policy is told."""
+
+
+def apply_edit(files: Mapping[str, str], call: ToolCall) -> dict[str, str]:
+    """`files` after a write_file or edit_file call (edit_file: `old` must occur exactly once).
+
+    :raises EditError: edit_file on a missing file or with `old` absent or repeated; another tool.
+    """
+    out = dict(files)
+    args = call.arguments
+    match call.name:
+        case "write_file":
+            out[args["path"]] = args["content"]
+        case "edit_file":
+            path, old = args["path"], args["old"]
+            if path not in out:
+                raise EditError(f"no such file: {path}")
+            found = out[path].count(old)
+            if found != 1:
+                raise EditError(f"{path}: the text to replace occurs {found} times; it must occur exactly once")
+            out[path] = out[path].replace(old, args["new"], 1)
+        case other:
+            raise EditError(f"{other} does not edit files")
+    return out
+
+
+# ---- the pieces ------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Fn:
+    """A function of a generated module: its source lines, the line a bug replaces, what it does, test calls."""
+
+    name: str
+    params: str
+    body: tuple[str, ...]
+    bug_line: int
+    bug: str
+    does: str
+    calls: tuple[str, ...]
+
+    def source(self, *, buggy: bool = False) -> str:
+        lines = list(self.body)
+        if buggy:
+            lines[self.bug_line] = self.bug
+        return f"def {self.name}({self.params}):\n" + "".join(f"    {line}\n" for line in lines)
+
+
+def _functions(rng: random.Random) -> list[_Fn]:
+    """Every function kind, with constants and test inputs drawn from `rng`."""
+    k = rng.randint(2, 9)
+    lo, hi = rng.randint(-5, 0), rng.randint(5, 20)
+    xs = [rng.randint(-9, 30) for _ in range(rng.randint(4, 7))]
+    words = " ".join(rng.sample(["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa"], 3))
+    items = [(rng.randint(1, 9), rng.randint(1, 5)) for _ in range(3)]
+    return [
+        _Fn("clamp", "x, lo, hi", ("return max(lo, min(x, hi))",), 0, "return max(lo, min(x, lo))",
+            "limits x to the range lo..hi", (f"{hi + 7}, {lo}, {hi}", f"{lo - 3}, {lo}, {hi}", f"{hi - 1}, {lo}, {hi}")),
+        _Fn("mean", "xs", ("return sum(xs) / len(xs)",), 0, "return sum(xs) / (len(xs) + 1)",
+            "returns the arithmetic mean of xs", (repr(xs), repr(xs[:2]))),
+        _Fn("count_vowels", "s", ('return sum(1 for c in s.lower() if c in "aeiou")',), 0,
+            'return sum(1 for c in s.lower() if c in "aeio")', "counts the vowels (a, e, i, o, u) of s",
+            (repr(words), repr("Queue Up"))),
+        _Fn("is_multiple", "n", (f"return n % {k} == 0",), 0, f"return n % {k} == 1",
+            f"tells whether n is a multiple of {k}", (str(k * 3), str(k * 3 + 1), "0")),
+        _Fn("scale", "xs", (f"return [x * {k} for x in xs]",), 0, f"return [x + {k} for x in xs]",
+            f"multiplies every element of xs by {k}", (repr(xs), "[]")),
+        _Fn("total_price", "items", ("return sum(price * qty for price, qty in items)",), 0,
+            "return sum(price + qty for price, qty in items)",
+            "returns the total of price * qty over the (price, qty) pairs of items", (repr(items),)),
+        _Fn("title_words", "s", ('return " ".join(w.capitalize() for w in s.split())',), 0,
+            'return " ".join(w.lower() for w in s.split())', "capitalizes every word of s", (repr(words),)),
+        _Fn("running_sum", "xs", ("out, total = [], 0", "for x in xs:", "    total += x", "    out.append(total)",
+                                  "return out"), 2, "    total = x", "returns the running totals of xs",
+            (repr(xs),)),
+        _Fn("argmax", "xs", ("return max(range(len(xs)), key=lambda i: xs[i])",), 0,
+            "return min(range(len(xs)), key=lambda i: xs[i])", "returns the index of the largest element of xs",
+            (repr(xs),)),
+        _Fn("count_above", "xs", (f"return sum(1 for x in xs if x > {k})",), 0,
+            f"return sum(1 for x in xs if x >= {k})",
+            f"counts the elements of xs greater than {k}", (repr(xs), repr([k, k + 1, xs[0]]))),
+    ]
+
+
+def _value(fn: _Fn, call: str, *, buggy: bool = False, prelude: str = "") -> Any:
+    """The result of `fn(call)` (our own generated code, run here to write the expected values)."""
+    scope: dict[str, Any] = {}
+    exec(prelude + fn.source(buggy=buggy), scope)
+    return eval(f"{fn.name}({call})", scope)
+
+
+def _module(doc: str, parts: list[str], imports: str = "") -> str:
+    return f'"""{doc}"""\n\n' + (f"{imports}\n" if imports else "") + "\n\n" + "\n\n".join(parts)
+
+
+def _asserts(module: str, names: list[str], cases: list[tuple[str, str, Any]]) -> str:
+    head = f"from {module} import {', '.join(sorted(set(names)))}\n\n"
+    body = "".join(f"assert {name}({call}) == {value!r}, {f'{name}({call}) should be {value!r}'!r}\n"
+                   for name, call, value in cases)
+    return head + body
+
+
+def _caught(fn: _Fn, prelude: str = "") -> list[str]:
+    """Test calls whose result the bug changes; the calls of a function whose bug none of them catches are
+    redrawn by the caller."""
+    return [c for c in fn.calls if _value(fn, c, prelude=prelude) != _value(fn, c, buggy=True, prelude=prelude)]
+
+
+def repo_task(level: int, seed: int) -> RepoTask:
+    """The task of `level` drawn from `seed` (the same every time).
+
+    :raises ValueError: `level` is not one of `LEVELS`.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"repository task level {level} is not one of {LEVELS}")
+    rng = random.Random(f"repo:{level}:{seed}")
+    pkg = rng.choice(_PACKAGES)
+    fns = _functions(rng)
+    rng.shuffle(fns)
+    target, others = fns[0], fns[1:5]
+    while not _caught(target):  # every kind has calls that catch its bug; guard the drawn constants anyway
+        fns = _functions(rng)
+        target, others = fns[0], fns[1:5]
+    task_id = f"repo-L{level}-{seed}"
+    mod_a, mod_b = f"{pkg}/core.py", f"{pkg}/helpers.py"
+    files = {f"{pkg}/__init__.py": f'"""The {pkg} package."""\n',
+             "README.md": f"# {pkg}\n\nSmall utilities: `{pkg}.core` and `{pkg}.helpers`.\n"}
+    keep = [(fn.name, call, _value(fn, call)) for fn in others for call in fn.calls[:1]]
+    match level:
+        case 1:
+            where = rng.choice((mod_a, mod_b))
+            other = mod_b if where == mod_a else mod_a
+            files[where] = _module(f"{pkg} functions.", [target.source(buggy=True), others[0].source(),
+                                                          others[1].source()])
+            files[other] = _module(f"More {pkg} functions.", [others[2].source(), others[3].source()])
+            buggy_line, fixed_line = f"    {target.bug}\n", f"    {target.body[target.bug_line]}\n"
+            reference = (ToolCall("edit_file", {"path": where, "old": buggy_line, "new": fixed_line}),)
+            instruction = (f"`{target.name}` in {where} is wrong: it should be the function that "
+                           f"{target.does}. Fix it without changing the other functions.")
+            cases = [(target.name, c, _value(target, c)) for c in target.calls]
+            tests = {HIDDEN_TEST: _asserts(f"{pkg}.{where[len(pkg) + 1:-3]}", [target.name, others[0].name,
+                                           others[1].name], [*cases, *keep[:2]])
+                     + _asserts(f"{pkg}.{other[len(pkg) + 1:-3]}", [others[2].name, others[3].name], keep[2:])}
+        case 2:
+            user = (f"def describe_{target.name}(*args):\n"
+                    f"    return f\"{target.name}{{args}} = {{{target.name}(*args)!r}}\"\n")
+            files[mod_b] = _module(f"{pkg} helpers.", [others[0].source(), others[1].source()])
+            files[mod_a] = _module(f"{pkg} core functions.", [user, others[2].source()],
+                                   imports=f"from {pkg}.helpers import {target.name}")
+            new_helpers = _module(f"{pkg} helpers.", [others[0].source(), others[1].source(), target.source()])
+            reference = (ToolCall("write_file", {"path": mod_b, "content": new_helpers}),)
+            instruction = (f"{mod_a} imports `{target.name}` from {mod_b}, which does not define it yet. Add "
+                           f"`{target.name}({target.params})` to {mod_b}: the function that {target.does}.")
+            cases = [(target.name, c, _value(target, c)) for c in target.calls]
+            described = [(f"describe_{target.name}", c,
+                          f"{target.name}{eval(f'({c},)')!r} = {_value(target, c)!r}") for c in target.calls[:1]]
+            tests = {HIDDEN_TEST: _asserts(f"{pkg}.helpers", [target.name, others[0].name, others[1].name],
+                                           [*cases, *keep[:2]])
+                     + _asserts(f"{pkg}.core", [f"describe_{target.name}", others[2].name],
+                                [*described, keep[2]])}
+        case _:
+            caller = _Fn(f"{target.name}_report", "*args", (f"return [{target.name}(*args)]",), 0, "",
+                         f"returns [{target.name}(*args)]", ())
+            files[mod_b] = _module(f"{pkg} helpers.", [others[0].source(), target.source(buggy=True)])
+            files[mod_a] = _module(f"{pkg} core functions.", [caller.source(), others[1].source()],
+                                   imports=f"from {pkg}.helpers import {target.name}")
+            buggy_line, fixed_line = f"    {target.bug}\n", f"    {target.body[target.bug_line]}\n"
+            reference = (ToolCall("edit_file", {"path": mod_b, "old": buggy_line, "new": fixed_line}),)
+            shown = target.calls[0] if _caught(target)[:1] == [target.calls[0]] else _caught(target)[0]
+            instruction = (f"`{caller.name}({shown})` in {mod_a} should give {[_value(target, shown)]!r} (it "
+                           f"wraps a function that {target.does}), but it does not. Find the bug and fix it.")
+            cases = [(target.name, c, _value(target, c)) for c in target.calls]
+            reports = [(caller.name, c, [_value(target, c)]) for c in target.calls]
+            tests = {HIDDEN_TEST: _asserts(f"{pkg}.helpers", [target.name, others[0].name], [*cases, keep[0]])
+                     + _asserts(f"{pkg}.core", [caller.name, others[1].name], [*reports, keep[1]])}
+    solution = dict(files)
+    for call in reference:
+        solution = apply_edit(solution, call)
+    return RepoTask(task_id=task_id, level=level, instruction=instruction, files=files, hidden_tests=tests,
+                    reference=reference, solution=solution)
+
+
+def repo_task_of_id(task_id: str) -> RepoTask:
+    """The task a `repo-L<level>-<seed>` id names.
+
+    :raises ValueError: the id is not of that form, or its level is unknown.
+    """
+    found = _ID.fullmatch(task_id)
+    if not found:
+        raise ValueError(f"{task_id!r} is not a repository task id (repo-L<level>-<seed>)")
+    return repo_task(int(found.group(1)), int(found.group(2)))
+
+
+def repo_tasks(seed: int, *, level: int | None = None) -> Iterator[RepoTask]:
+    """An endless stream of tasks from `seed`: of `level`, or cycling through `LEVELS` when None."""
+    n = 0
+    while True:
+        lv = level if level is not None else LEVELS[n % len(LEVELS)]
+        yield repo_task(lv, seed * 1_000_003 + n)
+        n += 1
+
+
+_LOADER: Final = '''import importlib.abc, importlib.util, sys
+
+
+class _MemoryFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports the modules of _FILES (path -> source) from memory."""
+
+    def _path(self, name):
+        base = name.replace(".", "/")
+        for path in (base + "/__init__.py", base + ".py"):
+            if path in _FILES:
+                return path
+        return None
+
+    def find_spec(self, name, path=None, target=None):
+        found = self._path(name)
+        if found is None:
+            return None
+        return importlib.util.spec_from_loader(name, self, is_package=found.endswith("/__init__.py"))
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        path = self._path(module.__name__)
+        exec(compile(_FILES[path], path, "exec"), module.__dict__)
+
+
+sys.meta_path.insert(0, _MemoryFinder())
+'''
+
+
+def flat_program(files: Mapping[str, str]) -> str:
+    """One program that makes the `.py` files of a repository importable from memory (other files are left
+    out); the hidden tests run after it as they would at the workspace root."""
+    sources = {path: text for path, text in sorted(files.items()) if path.endswith(".py")}
+    return f"_FILES = {sources!r}\n" + _LOADER

@@ -1,0 +1,252 @@
+"""The agentic coding environment: tool calls parsed and run in order, malformed ones answered, budgets that end
+an episode, observations cut to their budget, the reward from the workspace's grade, the loss mask on the policy's
+turns only, the state round-tripping after every turn. The port is a fake over an in-memory dict of files."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.hf import build_family
+
+from rlbus.model.env import (
+    SUBMIT_SCRIPT,
+    AgenticBudgets,
+    AgenticEnvironment,
+    AgenticState,
+    ToolCall,
+    ToolOutcome,
+    decode_state,
+    encode_state,
+    parse_turn,
+    reference_script,
+    scripted_ids,
+    state_context,
+    state_tokens,
+)
+from rlbus.model.env.agentic import NO_CALL
+from rlbus.model.grading import GradeResult
+from rlbus.model.hf_policy import HFPolicy
+from rlbus.model.policy import ChatTokenizer
+from rlbus.model.repo_tasks import EditError, RepoTask, apply_edit, repo_task
+from rlbus.model.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+pytestmark = pytest.mark.anyio
+
+
+class FakeWorkspace:
+    """The file tools on a dict; grading says whether the files equal the task's reference solution."""
+
+    def __init__(self, task: RepoTask) -> None:
+        self.files = dict(task.files)
+        self.solution = task.solution
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.graded: list[tuple[dict[str, str], str]] = []
+
+    async def tool(self, name: str, args: Mapping[str, Any]) -> ToolOutcome:
+        self.calls.append((name, dict(args)))
+        match name:
+            case "list_files":
+                return ToolOutcome(output="\n".join(sorted(p for p in self.files if p.startswith(
+                    "" if args["path"] == "." else args["path"]))))
+            case "read_file":
+                if args["path"] not in self.files:
+                    return ToolOutcome(error=f"no such file: {args['path']}")
+                return ToolOutcome(output=self.files[args["path"]])
+            case "write_file" | "edit_file":
+                try:
+                    self.files = apply_edit(self.files, ToolCall(name, dict(args)))
+                except EditError as err:
+                    return ToolOutcome(error=str(err))
+                return ToolOutcome(output="ok")
+            case "search":
+                return ToolOutcome(output="\n".join(f"{p}:{i}:{line}" for p, text in sorted(self.files.items())
+                                                    for i, line in enumerate(text.splitlines(), 1)
+                                                    if re.search(args["pattern"], line)))
+            case "run":
+                return ToolOutcome(output="x" * 10_000, exit_code=0)
+        raise AssertionError(f"the environment passed an unchecked tool {name}")
+
+    async def grade_workspace(self, files: Mapping[str, str], command: str) -> GradeResult:
+        self.graded.append((dict(files), command))
+        ok = self.files == self.solution
+        return GradeResult("passed" if ok else "failed", int(ok), 1, "" if ok else "hidden tests failed")
+
+
+TASKS = [repo_task(level, seed) for level in (1, 2, 3) for seed in range(4)]
+
+
+async def _play(env: AgenticEnvironment, task: RepoTask, script: tuple[str, ...],
+                port: FakeWorkspace | None = None) -> tuple[AgenticState, FakeWorkspace]:
+    port = port or FakeWorkspace(task)
+    state = env.start(task, now=0.0)
+    for turn in range(50):
+        ids = scripted_ids(script, state, env.tokenizer)
+        state = (await env.step(state, ids, port, now=float(turn))).state
+        assert decode_state(encode_state(state)) == state
+        if state.done:
+            return state, port
+    raise AssertionError("the script never ended the episode")
+
+
+@pytest.mark.parametrize("task", TASKS, ids=lambda t: t.task_id)
+async def test_reference_script_solves_and_submit_at_once_fails(task: RepoTask) -> None:
+    """Following the reference edit then submitting earns 1.0; submitting the repository as given earns 0.0."""
+    env = AgenticEnvironment(TOK)
+    solved, port = await _play(env, task, reference_script(task))
+    assert (solved.reward, solved.verdict, solved.ended) == (1.0, "passed", "submit")
+    assert port.graded == [(task.hidden_tests, task.test_command)]
+    assert solved.calls == task.reference and solved.policy_turns == len(task.reference) + 1
+    failed, port = await _play(env, task, SUBMIT_SCRIPT)
+    assert (failed.reward, failed.verdict, failed.ended, failed.policy_turns) == (0.0, "failed", "submit", 1)
+    assert port.calls == []
+
+
+async def test_malformed_calls_are_answered_not_run() -> None:
+    """Invalid JSON, an unknown tool, bad arguments and an unclosed tag each get an error line; only the valid
+    call reaches the sandbox, and the episode goes on."""
+    task = TASKS[0]
+    env, port = AgenticEnvironment(TOK), FakeWorkspace(task)
+    turn = ('<tool_call>\n{"name": "read_file", "arguments": {"path": \n</tool_call>'
+            '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "read_file", "arguments": {"path": 3}}</tool_call>'
+            '<tool_call>{"name": "list_files", "arguments": {"recursive": true}}</tool_call>'
+            '<tool_call>["list_files"]</tool_call>'
+            '<tool_call>\n{"name": "list_files", "arguments": {}}\n</tool_call>'
+            '<tool_call>{"name": "submit"')
+    out = await env.step(env.start(task), [*TOK.encode(turn), TOK.stop_id], port)
+    assert not out.state.done and out.observation is not None
+    text = TOK.decode(out.observation.ids)
+    responses = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.DOTALL)
+    assert [r.split(":")[0] for r in responses] == ["error"] * 5 + ["\n".join(sorted(task.files)), "error"]
+    assert "not valid JSON" in responses[0] and "unknown tool 'rm_rf'" in responses[1]
+    assert "path must be a string" in responses[2] and "unknown argument(s) recursive" in responses[3]
+    assert "without its </tool_call>" in responses[6]
+    assert port.calls == [("list_files", {"path": "."})] and out.state.tool_calls == 7
+
+
+async def test_turn_without_a_call_is_reminded() -> None:
+    """A turn with no tool call is answered with how to call one; nothing runs."""
+    env, task = AgenticEnvironment(TOK), TASKS[1]
+    out = await env.step(env.start(task), [*TOK.encode("I think the bug is in core."), TOK.stop_id],
+                         FakeWorkspace(task))
+    assert out.observation is not None and TOK.decode(out.observation.ids) == NO_CALL
+
+
+async def test_thousands_of_calls_end_the_episode_at_the_budget() -> None:
+    """5000 calls in one turn: exactly `max_tool_calls` run, then the episode ends and is graded."""
+    task = TASKS[2]
+    env, port = AgenticEnvironment(TOK, AgenticBudgets(max_tool_calls=40)), FakeWorkspace(task)
+    turn = ToolCall("list_files", {}).text() * 5000
+    out = await env.step(env.start(task), [*TOK.encode(turn), TOK.stop_id], port)
+    assert out.state.done and out.state.ended == "tool_calls" and out.observation is None
+    assert len(port.calls) == 40 and out.state.tool_calls == 40 and len(port.graded) == 1
+
+
+@pytest.mark.parametrize(("budgets", "ended"), [
+    (AgenticBudgets(max_turns=2), "turns"),
+    (AgenticBudgets(wall_s=1.5), "wall"),
+    (AgenticBudgets(max_tokens=3000), "tokens"),
+])
+async def test_budgets_end_the_episode(budgets: AgenticBudgets, ended: str) -> None:
+    """Turns, the wall clock handed in and the context's tokens each end an episode, which is then graded."""
+    task = TASKS[3]
+    env, port = AgenticEnvironment(TOK, budgets), FakeWorkspace(task)
+    read = ToolCall("read_file", {"path": sorted(task.files)[-1]}).text()
+    state = env.start(task, now=100.0)
+    turns = 0
+    while not state.done:
+        state = (await env.step(state, [*TOK.encode(read), TOK.stop_id], port, now=100.0 + turns)).state
+        turns += 1
+        assert turns < 20
+    assert state.ended == ended and state.verdict == "failed" and len(port.graded) == 1
+    assert turns == {"turns": 2, "wall": 3}.get(ended, turns)
+    if ended == "tokens":
+        assert len(state_tokens(state, TOK).ids) <= 3000 + len(TOK.encode(read)) + 2
+    with pytest.raises(ValueError, match="done"):
+        await env.step(state, [TOK.stop_id], port)
+
+
+async def test_observations_are_cut_to_their_budget_saying_so() -> None:
+    """A long result is cut to `observation_chars`, the observation to `observation_tokens`, each with a notice;
+    a run's timeout is capped by the budget."""
+    task = TASKS[4]
+    port = FakeWorkspace(task)
+    env = AgenticEnvironment(TOK, AgenticBudgets(observation_chars=100, observation_tokens=4000, run_timeout_s=5.0))
+    turn = ToolCall("run", {"command": "yes", "timeout_s": 999}).text()
+    out = await env.step(env.start(task), [*TOK.encode(turn), TOK.stop_id], port)
+    assert out.observation is not None
+    text = TOK.decode(out.observation.ids)
+    assert text == ("<tool_response>\nexit code 0\n" + "x" * 88
+                    + "\n[output truncated: 10012 characters, the first 100 shown]\n</tool_response>")
+    assert port.calls == [("run", {"command": "yes", "timeout_s": 5.0})]
+    env = AgenticEnvironment(TOK, AgenticBudgets(observation_chars=100_000, observation_tokens=64))
+    out = await env.step(env.start(task), [*TOK.encode(turn), TOK.stop_id], port)
+    assert out.observation is not None and len(out.observation.ids) == 64
+    assert TOK.decode(out.observation.ids).endswith("\n[observation truncated to 64 tokens]")
+
+
+def test_parse_accepts_arguments_as_a_json_string() -> None:
+    """Arguments given as a JSON string (as some models write them) are decoded; defaults are filled."""
+    calls = parse_turn('<tool_call>{"name": "search", "arguments": "{\\"pattern\\": \\"def\\"}"}</tool_call>')
+    assert calls == [ToolCall("search", {"path": ".", "pattern": "def"})]
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    return HFPolicy.load(build_family(tmp_path_factory.mktemp("hf"), "qwen2-tied")).tokenizer
+
+
+@pytest.mark.parametrize("which", ["byte", "qwen2"])
+async def test_loss_mask_covers_exactly_the_policy_turns(which: str, request: pytest.FixtureRequest) -> None:
+    """On the byte tokenizer and a Qwen2 chat template, mask 1 exactly on the ids of the assistant turns: the
+    prompt, tool results, reminders and framing are 0; the context ends with the assistant header."""
+    tok: ChatTokenizer = TOK if which == "byte" else request.getfixturevalue("qwen2")
+    task = TASKS[5]
+    env, port = AgenticEnvironment(tok, tool_list="compact"), FakeWorkspace(task)
+    state = env.start(task)
+    sampled: list[list[int]] = []
+    for text in ("thinking", ToolCall("read_file", {"path": sorted(task.files)[0]}).text(), '<tool_call>{"x"'):
+        ids = [*tok.encode(text), tok.stop_id]
+        sampled.append(ids)
+        state = (await env.step(state, ids, port)).state
+    flat = state_tokens(state, tok)
+    assert [t.role for t in state.turns] == ["user", *["assistant", "observation"] * 3]
+    masked = [i for i, m in zip(flat.ids, flat.loss_mask, strict=True) if m]
+    assert masked == [i for ids in sampled for i in ids]
+    for index, t in enumerate(state.turns):
+        turn_mask = [m for m, k in zip(flat.loss_mask, flat.turn, strict=True) if k == index]
+        assert any(turn_mask) == (t.role == "assistant")
+    assert state_context(state, tok)[-len(tok.header("assistant")):] == tok.header("assistant")
+
+
+def test_state_decodes_only_from_a_state() -> None:
+    """Garbage bytes or a state of an unknown environment do not decode."""
+    import msgspec
+
+    with pytest.raises(msgspec.DecodeError):
+        decode_state(b"\x93garbage")
+    with pytest.raises(msgspec.DecodeError):
+        decode_state(msgspec.msgpack.encode({"env": "chess", "turns": []}))
+
+
+def test_hf_rendering_matches_a_qwen_template_tool_turn(qwen2: Any, tmp_path: Path) -> None:
+    """Tool results in the observation role are what a Qwen2.5-style template renders for consecutive `tool`
+    messages: <|im_start|>user\\n<tool_response>\\n...\\n</tool_response>\\n<tool_response>...<|im_end|>."""
+    from rlbus.model.policy import frame_turn
+    from rlbus.model.tool_calls import response_text
+
+    template = ("{%- for message in messages %}{%- if message.role == 'tool' %}"
+                "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}"
+                "{%- endif %}{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+                "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+                "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+                "{%- endif %}{%- endfor %}")
+    rendered = qwen2.hf.apply_chat_template([{"role": "tool", "content": "A"}, {"role": "tool", "content": "B"}],
+                                            chat_template=template, tokenize=False)
+    ids, _ = frame_turn(qwen2, "observation", qwen2.encode(response_text(["A", "B"])))
+    assert qwen2.decode(ids, specials=True) == rendered
