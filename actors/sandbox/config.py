@@ -37,6 +37,14 @@ class SandboxConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """Open file descriptors per snippet (RLIMIT_NOFILE); at least 3 for stdin, stdout, stderr."""
     max_output_kb: PositiveInt = 64
     """Captured stdout plus stderr per snippet, KiB; the snippet is killed past it."""
+    max_sessions: PositiveInt = 64
+    """Sessions (persistent workspaces for tool calls) one supervisor holds open; past it an open is refused.
+    Their `run` calls share the `concurrency` quota with snippets."""
+    max_lease_s: PositiveFloat = 600.0
+    """Longest lease a session may ask for: it is destroyed this long after its last call at most."""
+    workspace_mb: PositiveInt = 64
+    """Total size of one session's files, MiB; a tool write past it is refused (a session may ask for less).
+    Each file is capped by `max_file_mb`."""
 
     def clamp(self, asked: SandboxLimits) -> SandboxLimits:
         """The request's limits, each capped by this supervisor's ceiling."""

@@ -7,6 +7,12 @@ the supervisor stops reading and its bounded subscription buffer takes the rest)
 answers "error" at once while executions keep failing for infrastructure reasons, bad requests
 answered with an "error" verdict and dead-lettered. The isolation level in use is in every result,
 the logs, the `started` event and the heartbeat (`isolation_level` gauge, `isolation_<level>` counter).
+It also holds sessions (actors/sandbox/sessions.py): `SessionOpen` on `subjects.session_open(region)` (queue
+group) is answered with a `SessionOpened` whose id names this supervisor; `ToolCall`s and `SessionClose`s
+come on `subjects.session_calls(region, id)` and are answered with a `ToolResult` / `SessionClosed`. A
+message there that does not decode (or a ToolCall whose args are not a map) is answered with an error and
+dead-lettered. Sessions are destroyed when the supervisor stops; the heartbeat shows `sessions_open` and
+per-tool latency (`tool_<name>_ms`, the median of recent calls, and `tool_<name>_last_ms`).
 Does not: build jails or run snippets (actors/sandbox/pool.py, actors/sandbox/executor.py), or grade
 tasks (actors/common/sandbox_client.py renders a task's tests as asserts).
 
@@ -43,10 +49,23 @@ from rlbus.actors.sandbox.pool import (
     available_levels,
     first_working_jail,
 )
+from rlbus.actors.sandbox.sessions import SessionHost, too_long
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage, TopologyError
-from rlbus.messages.schemas import Heartbeat, SandboxRequest, SandboxResult, SandboxVerdict
+from rlbus.messages.schemas import (
+    Heartbeat,
+    Message,
+    SandboxRequest,
+    SandboxResult,
+    SandboxVerdict,
+    SessionClose,
+    SessionClosed,
+    SessionOpen,
+    SessionOpened,
+    ToolCall,
+    ToolResult,
+)
 
 log = structlog.get_logger()
 
@@ -102,6 +121,8 @@ class SandboxSupervisor(Actor):
         self.isolation: Isolation | None = None
         self.pool: ExecutorPool | None = None
         self._sub: Subscription | None = None
+        self._session_subs: list[Subscription] = []
+        self.sessions: SessionHost | None = None
         self._done: OrderedDict[str, SandboxResult] = OrderedDict()
         self._running: dict[str, anyio.Event] = {}
         self._exec_ms_mean = 0.0
@@ -122,12 +143,19 @@ class SandboxSupervisor(Actor):
         self.counters[f"isolation_{jail.level.replace('-', '_')}"] = 1
         # subscribed before `ready`, so a requester that saw the actor ready is answered
         subject = self.bus.subjects.sandbox(self.ident.region)
+        queue = self.bus.subjects.durable("sandbox", self.ident.region)
+        pending = {"pending_msgs_limit": self.launch.pending_limit,
+                   "pending_bytes_limit": self.launch.pending_limit * 1024 * 1024}
+        self.sessions = SessionHost(self.config, jail.level, self.limiter, self.busy)
         try:
-            self._sub = await self.bus.nc.subscribe(subject, queue=self.bus.subjects.durable("sandbox", self.ident.region),
-                                                    pending_msgs_limit=self.launch.pending_limit,
-                                                    pending_bytes_limit=self.launch.pending_limit * 1024 * 1024)
+            self._sub = await self.bus.nc.subscribe(subject, queue=queue, **pending)
+            self._session_subs = [
+                await self.bus.nc.subscribe(self.bus.subjects.session_open(self.ident.region), queue=queue, **pending),
+                await self.bus.nc.subscribe(self.bus.subjects.session_calls(self.ident.region, self.ident.actor_id),
+                                            **pending)]
             await self.bus.nc.flush()
         except BaseException:
+            await self.sessions.close_all()
             await self.pool.aclose()
             raise
         log.info("sandbox_ready", isolation=jail.level, pool_size=self.config.pool_size,
@@ -135,9 +163,14 @@ class SandboxSupervisor(Actor):
 
     async def run(self) -> None:
         assert self.pool is not None and self.isolation is not None and self._sub is not None
+        assert self.sessions is not None
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.pool.maintain)
+                tg.start_soon(self.sessions.reap)
+                session_slots = anyio.Semaphore(self.config.max_sessions + self.launch.max_queued)
+                for sub in self._session_subs:
+                    tg.start_soon(self._serve_sessions, sub, session_slots)
                 await self.emit("started", detail=f"sandbox isolation {self.isolation}", isolation=self.isolation,
                                 pool_size=str(self.config.pool_size), concurrency=str(self.config.concurrency))
                 slots = anyio.Semaphore(self.config.concurrency + self.launch.max_queued)
@@ -146,7 +179,9 @@ class SandboxSupervisor(Actor):
                     tg.start_soon(self._handle_in_slot, msg, slots)
         finally:
             with anyio.move_on_after(1.0, shield=True):
-                await self._sub.unsubscribe()
+                for sub in (self._sub, *self._session_subs):
+                    await sub.unsubscribe()
+            await self.sessions.close_all()
             await self.pool.aclose()
 
     def heartbeat(self) -> Heartbeat:
@@ -157,6 +192,7 @@ class SandboxSupervisor(Actor):
             "executors_alive": float(len(pool.live)) if pool else 0.0,
             "in_flight": float(stats.borrowed_tokens), "queued": float(stats.tasks_waiting),
             "breaker_open": float(self.breaker.rejects()), "exec_ms_mean": self._exec_ms_mean,
+            **(self.sessions.gauges() if self.sessions else {}),
         })
         return super().heartbeat()
 
@@ -271,6 +307,85 @@ class SandboxSupervisor(Actor):
             await self.emit("incident", detail=f"sandbox circuit breaker open for {self.breaker.cooldown_s:g}s "
                                                f"after {self.breaker.consecutive} infrastructure failures; "
                                                f"last: {what[:300]}")
+
+    # ---- sessions -------------------------------------------------------------------------------
+    async def _serve_sessions(self, sub: Subscription, slots: anyio.Semaphore) -> None:
+        async with anyio.create_task_group() as tg:
+            async for msg in sub.messages:
+                await slots.acquire()        # bounded like snippet requests
+                tg.start_soon(self._session_in_slot, msg, slots)
+
+    async def _session_in_slot(self, msg: Msg, slots: anyio.Semaphore) -> None:
+        try:
+            await self._session_message(msg)
+        finally:
+            slots.release()
+
+    async def _session_message(self, msg: Msg) -> None:
+        """One session message: open, tool call or close; anything else is answered and dead-lettered."""
+        assert self.sessions is not None
+        opening = msg.subject == self.bus.subjects.session_open(self.ident.region)
+        try:
+            message = codec.decode(msg.data, msg.headers)
+            wanted: tuple[type[Message], ...] = (SessionOpen,) if opening else (ToolCall, SessionClose)
+            if not isinstance(message, wanted):
+                raise BadMessage(f"expected {' or '.join(t.__name__ for t in wanted)} here, got "
+                                 f"{type(message).__name__}")
+            if isinstance(message, (ToolCall, SessionClose)) and (long := too_long(
+                    message.session_id, getattr(message, "call_id", ""), getattr(message, "tool", ""))):
+                raise BadMessage(f"id {long[:40]!r}... is longer than 256 characters")
+        except BadMessage as err:
+            await self._bad_session_message(msg, str(err), opening)
+            return
+        if not msg.reply:
+            await self._bad_session_message(msg, "a session message needs a reply subject (use request/reply)", opening)
+            return
+        self.count(f"session_{type(message).__name__}")
+        answer: Message
+        try:
+            if isinstance(message, SessionOpen):
+                answer = self.sessions.open(message, self.bus.subjects.new_session_id(self.ident.actor_id))
+            elif isinstance(message, ToolCall):
+                answer = await self.sessions.call(message)
+                self.count("tool_calls")
+            else:
+                assert isinstance(message, SessionClose)
+                answer = SessionClosed(session_id=message.session_id,
+                                       existed=await self.sessions.close(message.session_id))
+        except Exception as err:            # a fault of ours: answer it, never die of one message
+            log.exception("sandbox_session_message_failed", kind=type(message).__name__)
+            self.last_error = f"session: {err!r}"[:500]
+            answer = self._session_error(message, f"sandbox supervisor error: {err!r}")
+        await self._send(msg, answer)
+
+    def _session_error(self, message: Message | None, why: str) -> Message:
+        if isinstance(message, SessionOpen) or message is None:
+            return SessionOpened(ok=False, error=why, isolation=self.isolation or "")
+        return ToolResult(session_id=getattr(message, "session_id", ""), call_id=getattr(message, "call_id", ""),
+                          ok=False, error=why, status="error")
+
+    async def _bad_session_message(self, msg: Msg, reason: str, opening: bool) -> None:
+        self.count("bad_requests")
+        if msg.reply:
+            answer = (SessionOpened(ok=False, error=f"bad session request: {reason}", isolation=self.isolation or "")
+                      if opening else ToolResult(session_id="", call_id="", ok=False, status="error",
+                                                 error=f"bad tool call message: {reason}"))
+            await self._send(msg, answer)
+        await self.bus.store_dead_letter(msg.data, reason=reason, source=self.kind, subject=msg.subject,
+                                         headers=msg.headers)
+
+    async def _send(self, msg: Msg, answer: Message) -> None:
+        data, headers = codec.encode(answer)
+        if len(data) > self.bus.nc.max_payload and isinstance(answer, ToolResult):
+            answer = ToolResult(session_id=answer.session_id, call_id=answer.call_id, ok=False, status="error",
+                                error=f"the result is {len(data)} bytes, past the bus's message limit of "
+                                      f"{self.bus.nc.max_payload} bytes (ask for less)")
+            data, headers = codec.encode(answer)
+        try:
+            await self.bus.nc.publish(msg.reply, data, headers=headers or None)
+            self.count("replies")
+        except (nats.errors.Error, OSError) as err:
+            log.warning("sandbox_session_reply_not_sent", kind=type(answer).__name__, error=repr(err))
 
     # ---- replies and bad requests ---------------------------------------------------------------
     async def _reply(self, msg: Msg, result: SandboxResult) -> None:

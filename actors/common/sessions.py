@@ -1,0 +1,156 @@
+"""How generators use sandbox sessions: open, call tools, snapshot, close, over request/reply.
+
+Owns: `open_session` (a workspace seeded with files, in the region's queue group; the id names the
+supervisor that holds it), `call_tool` (one `ToolCall` → its `ToolResult`), `snapshot_session`,
+`close_session`, `restore_files` (the opening files overlaid by a snapshot: what to reopen with to restore
+a workspace), and `SandboxSession`, the port an environment is handed (`tool`, `grade`, `snapshot`,
+`close`; an async context manager that closes on exit). Every call renews the session's lease; a
+session whose holder stops calling is destroyed by its supervisor after `lease_s`.
+Does not: run tools (actors/sandbox/), parse a model's tool calls or render results (model/).
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, Final
+
+import nats.errors
+
+from rlbus.messages import codec
+from rlbus.messages.bus import Bus
+from rlbus.messages.errors import SandboxCrashed
+from rlbus.messages.schemas import (
+    SessionClose,
+    SessionClosed,
+    SessionOpen,
+    SessionOpened,
+    ToolCall,
+    ToolResult,
+)
+
+REPLY_GRACE_S: Final = 10.0
+"""Time beyond a call's own timeout a requester waits (queueing under the quota, the bus)."""
+OPEN_TIMEOUT_S: Final = 10.0
+
+
+class SessionRefused(SandboxCrashed):
+    """No session could be opened (the supervisor said why, or none answered)."""
+
+
+async def _request(bus: Bus, subject: str, message: Any, timeout_s: float) -> Any:
+    data, headers = codec.encode(message)
+    try:
+        msg = await bus.nc.request(subject, data, timeout=timeout_s, headers=headers or None)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as err:
+        raise SandboxCrashed(f"no reply on {subject} within {timeout_s:g}s: {type(err).__name__}") from err
+    return codec.decode(msg.data, msg.headers)
+
+
+async def open_session(bus: Bus, region: str, files: Mapping[str, bytes], lease_s: float = 60.0,
+                       timeout_s: float = OPEN_TIMEOUT_S, **limits: int) -> str:
+    """A new session in `region` seeded with `files`; its id.
+
+    :raises SessionRefused: the supervisor refused (its reason inside) or none answered.
+    """
+    request = SessionOpen(files=dict(files), lease_s=lease_s, **limits)
+    try:
+        answer = await _request(bus, bus.subjects.session_open(region), request, timeout_s)
+    except SandboxCrashed as err:
+        raise SessionRefused(f"no sandbox session opened in {region}: {err}") from err
+    if not isinstance(answer, SessionOpened) or not answer.ok:
+        why = answer.error if isinstance(answer, SessionOpened) else f"a {type(answer).__name__} came back"
+        raise SessionRefused(f"no sandbox session opened in {region}: {why}")
+    return answer.session_id
+
+
+async def call_tool(bus: Bus, region: str, session_id: str, tool: str, args: Mapping[str, Any], *,
+                    call_id: str | None = None, timeout_s: float = 30.0) -> ToolResult:
+    """One tool call; its result (a refused call is a result with ok=False, not a raise).
+
+    :raises SandboxCrashed: no reply within `timeout_s` (the supervisor is gone or overloaded).
+    """
+    subject = bus.subjects.session_calls(region, bus.subjects.session_host(session_id))
+    call = ToolCall(session_id=session_id, call_id=call_id or uuid.uuid4().hex[:16], tool=tool, args=dict(args))
+    answer = await _request(bus, subject, call, timeout_s)
+    if not isinstance(answer, ToolResult):
+        raise SandboxCrashed(f"a {type(answer).__name__} came back for tool call {call.call_id}")
+    return answer
+
+
+async def snapshot_session(bus: Bus, region: str, session_id: str, *, timeout_s: float = 30.0) -> ToolResult:
+    """The files changed since the session opened (`files`, `digests`) and the opening files deleted."""
+    return await call_tool(bus, region, session_id, "snapshot", {}, timeout_s=timeout_s)
+
+
+async def close_session(bus: Bus, region: str, session_id: str, *, timeout_s: float = 10.0) -> bool:
+    """Destroy the session now; False when it was already gone (closed or expired)."""
+    subject = bus.subjects.session_calls(region, bus.subjects.session_host(session_id))
+    answer = await _request(bus, subject, SessionClose(session_id=session_id), timeout_s)
+    return isinstance(answer, SessionClosed) and answer.existed
+
+
+def restore_files(base: Mapping[str, bytes], snapshot: ToolResult) -> dict[str, bytes]:
+    """The files to open a session with to restore a snapshotted workspace: `base` (the opening files)
+    without the deleted ones, overlaid by the changed ones."""
+    files = {k: v for k, v in base.items() if k.strip("/") not in set(snapshot.deleted)}
+    files.update(snapshot.files)
+    return files
+
+
+class SandboxSession:
+    """A session held for one episode: the port an environment calls (`tool`, `grade`, `snapshot`, `close`).
+
+    `await SandboxSession.open(bus, region, files)`, or `async with` one to close it at the end.
+    """
+
+    def __init__(self, bus: Bus, region: str, session_id: str, *, call_timeout_s: float = 30.0) -> None:
+        self.bus = bus
+        self.region = region
+        self.session_id = session_id
+        self.call_timeout_s = call_timeout_s
+        self.closed = False
+        self._ids = itertools.count()
+
+    @classmethod
+    async def open(cls, bus: Bus, region: str, files: Mapping[str, bytes], lease_s: float = 60.0,
+                   timeout_s: float = OPEN_TIMEOUT_S, **limits: int) -> SandboxSession:
+        return cls(bus, region, await open_session(bus, region, files, lease_s, timeout_s, **limits))
+
+    async def tool(self, name: str, args: Mapping[str, Any]) -> ToolResult:
+        """Call tool `name`; waits the call's own timeout (if it has one) plus REPLY_GRACE_S."""
+        wait = max(self.call_timeout_s, float(args.get("timeout_s") or 0) + REPLY_GRACE_S)
+        return await call_tool(self.bus, self.region, self.session_id, name, args,
+                               call_id=f"{self.session_id}-{next(self._ids)}", timeout_s=wait)
+
+    async def grade(self, files: Mapping[str, str], command: str, timeout_s: float | None = None) -> ToolResult:
+        """Run `command` in a fresh copy of the workspace with `files` added (exit 0 = pass)."""
+        args: dict[str, Any] = {"files": dict(files), "command": command}
+        if timeout_s is not None:
+            args["timeout_s"] = timeout_s
+        return await self.tool("grade", args)
+
+    async def snapshot(self) -> ToolResult:
+        return await self.tool("snapshot", {})
+
+    async def close(self) -> bool:
+        if self.closed:
+            return False
+        self.closed = True
+        return await close_session(self.bus, self.region, self.session_id)
+
+    async def __aenter__(self) -> SandboxSession:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        try:
+            await self.close()
+        except SandboxCrashed:
+            pass                       # the lease ends it
+
+
+__all__ = ["SandboxSession", "SessionRefused", "call_tool", "close_session", "open_session", "restore_files",
+           "snapshot_session"]

@@ -1,0 +1,165 @@
+"""One shell command in a fresh jail with one session's workspace as its only writable directory.
+
+Owns: the command line of a per-call jail at each isolation level (`jail_argv`) and `run_jailed`: start
+it, capture stdout and stderr together up to a cap (past it the jail is killed and the output marked
+truncated), kill it at its wall timeout, and return the exit code.
+- bwrap: user, pid, net, ipc, uts and mount namespaces as uid 65534 (a root supervisor drops to 65534 on
+  the host first, so RLIMIT_NPROC holds), read-only /usr and system dirs, fresh /proc, /dev and /tmp,
+  the workspace bound read-write at /workspace and nothing else of the host. --die-with-parent: killing
+  the bwrap process kills pid 1 of the namespace, which takes every process of the call with it
+  (`setsid` does not leave a pid namespace), and a call's processes never outlive it.
+- unshare (root): pid, net, ipc, uts and mount namespaces, uid 65534 with no capabilities, cwd the
+  workspace. Weaker: the host's file system is visible, and writable wherever uid 65534 may write
+  (every session's workspace is 65534's, so one call can reach another session's files).
+- rlimits-only: a new session and process group as uid 65534 (when root) with the rlimits; the timeout
+  kills the process group. Weaker: no network isolation, the host's file system as above, and a process
+  that calls `setsid` escapes the kill.
+Every level runs `prlimit` (CPU, address space, processes, file size, open files, no core) then
+`bash -c COMMAND`, with a clean environment (HOME and cwd the workspace).
+Does not: decide limits or parse tool calls (actors/sandbox/tools.py), touch NATS.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from subprocess import DEVNULL, PIPE, STDOUT
+from typing import Final
+
+import anyio
+from anyio.abc import Process
+
+from rlbus.actors.sandbox.pool import SANDBOX_UID, Isolation, _processes_of, sandbox_python
+
+JAIL_WORKSPACE: Final = "/workspace"
+"""Where the workspace is inside a bwrap jail (other levels run in the host path itself)."""
+_SYSTEM_DIRS: Final = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
+DRAIN_S: Final = 2.0
+"""After a kill, how long the output pipe may take to reach EOF (every writer is dead by then)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunLimits:
+    """Per-call limits of a jailed command."""
+
+    timeout_s: float
+    cpu_seconds: float
+    memory_mb: int
+    max_processes: int
+    max_file_mb: int
+    max_open_files: int
+    max_output_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    """What a jailed command did: exit code (None when killed), combined output, and why it stopped."""
+
+    exit_code: int | None
+    output: str
+    truncated: bool
+    timed_out: bool
+    elapsed_ms: float
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def python_in_jail() -> tuple[str, str]:
+    """(interpreter, prefix) a jailed command can run (stdlib only is needed by the search tool)."""
+    return sandbox_python(for_other_uid=_is_root())
+
+
+def jail_argv(level: Isolation, workspace: Path, argv: list[str], limits: RunLimits) -> tuple[list[str], str]:
+    """(command line, cwd) running `argv` in `workspace` at `level` under `limits`."""
+    cpu = max(1, int(-(-limits.cpu_seconds // 1)))
+    nproc = limits.max_processes
+    if level != "bwrap":           # no user namespace: RLIMIT_NPROC counts the uid's processes host-wide
+        nproc += _processes_of(SANDBOX_UID if _is_root() else os.geteuid())
+    limited = ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_mb << 20}",
+               f"--nproc={nproc}", f"--fsize={limits.max_file_mb << 20}",
+               f"--nofile={limits.max_open_files}", "--core=0", "--", *argv]
+    drop = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups"] if _is_root() else []
+    if level == "bwrap":
+        out = [*drop, "--pdeathsig=KILL"] if drop else []
+        out += ["bwrap", "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+                "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
+        for d in _SYSTEM_DIRS:
+            if os.path.islink(d):
+                out += ["--symlink", os.readlink(d), d]
+            elif os.path.isdir(d):
+                out += ["--ro-bind", d, d]
+        _, prefix = python_in_jail()
+        if not prefix.startswith("/usr"):
+            out += ["--ro-bind", prefix, prefix]
+        out += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(workspace), JAIL_WORKSPACE,
+                "--chdir", JAIL_WORKSPACE, "--setenv", "HOME", JAIL_WORKSPACE, *limited]
+        return out, "/"
+    if level == "unshare":
+        caps = ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+        out = ["setpriv", "--pdeathsig=KILL", "unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc",
+               "--net", "--ipc", "--uts", "--", *drop, *caps, *limited]
+        return out, str(workspace)
+    return [*drop, *limited], str(workspace)
+
+
+async def run_jailed(level: Isolation, workspace: Path, argv: list[str], limits: RunLimits) -> RunOutcome:
+    """Run `argv` jailed in `workspace`; kill the jail at `limits.timeout_s` or past the output cap.
+
+    Cancellation kills the jail too (a closed or expired session's call).
+    """
+    cmd, cwd = jail_argv(level, workspace, argv, limits)
+    home = JAIL_WORKSPACE if level == "bwrap" else str(workspace)
+    env = {"PATH": _PATH, "LANG": "C.UTF-8", "HOME": home, "TMPDIR": "/tmp"}
+    started = time.perf_counter()
+    process = await anyio.open_process(cmd, stdin=DEVNULL, stdout=PIPE, stderr=STDOUT, env=env, cwd=cwd,
+                                       start_new_session=True)
+    chunks: list[bytes] = []
+    got = 0
+    truncated = timed_out = False
+    try:
+        assert process.stdout is not None
+        with anyio.move_on_after(limits.timeout_s) as scope:
+            async for chunk in process.stdout:
+                chunks.append(chunk)
+                got += len(chunk)
+                if got > limits.max_output_bytes:
+                    truncated = True
+                    break
+            if not truncated:
+                await process.wait()
+        timed_out = scope.cancelled_caught
+        if truncated or timed_out:
+            _kill(process, level)
+            with anyio.move_on_after(DRAIN_S):
+                async for _ in process.stdout:   # drain: every writer is dead, EOF comes
+                    pass
+    finally:
+        if process.returncode is None:
+            _kill(process, level)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5.0):
+            await process.wait()
+        await process.aclose()
+    output = b"".join(chunks)[:limits.max_output_bytes].decode("utf-8", "replace")
+    killed = truncated or timed_out
+    return RunOutcome(None if killed else process.returncode, output, truncated, timed_out,
+                      (time.perf_counter() - started) * 1000)
+
+
+def _kill(process: Process, level: Isolation) -> None:
+    """SIGKILL the jail: bwrap/unshare take their pid namespace with them; rlimits-only kills its group."""
+    try:
+        if level == "rlimits-only":
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            process.kill()
+    except ProcessLookupError:
+        pass
+
+
+__all__ = ["JAIL_WORKSPACE", "RunLimits", "RunOutcome", "jail_argv", "python_in_jail", "run_jailed"]

@@ -1,0 +1,300 @@
+"""The tools of a sandbox session: their arguments, checked, and what each does in the workspace.
+
+Owns: `TOOLS` (name → argument spec), `check_args` (a clear error for an unknown tool, a missing, unknown
+or mistyped argument), and `run_tool`, which runs one checked call on a session and returns a
+`ToolResult`. The tools (arguments: required, then optional with their default):
+- `list_files` {path="."}: every entry below `path`, one per line, sorted; directories end in `/`,
+  symbolic links in `@` (listed, never entered), other special files in `?`.
+- `read_file` {path, start_line?, end_line?}: the file's text (lines start..end, 1-based, inclusive).
+- `write_file` {path, content}: create or replace a file (parent directories made).
+- `edit_file` {path, old, new}: replace the one occurrence of `old` by `new`; an error says how many
+  times `old` occurs when that is not exactly once.
+- `search` {pattern, path="."}: Python regex, `path:line:text` per matching line (links and binary files
+  skipped); exit 1 when nothing matches. Runs jailed, so a pathological pattern only meets the timeout.
+- `run` {command, timeout_s?}: `bash -c command` in the workspace, jailed (actors/sandbox/jailrun.py),
+  stdout and stderr together; killed past its timeout (`status` timeout) or its output cap
+  (`truncated`, `status` output_limit). `ok` is True when the command ran to its end, whatever its exit.
+- `grade` {command, files={}, timeout_s?}: `command` in a fresh copy of the workspace with `files` (path →
+  text) added, never in the workspace itself; exit 0 means pass.
+- `snapshot` {}: the files changed or added since the session opened (`ToolResult.files`, with sha256
+  hex in `digests`) and the opening files deleted since (`deleted`); links and special files are not
+  captured (named in `output`). Reopening with the opening files overlaid by these restores the workspace.
+Output is capped at `[sandbox] max_output_kb` (`truncated`). Does not: hold sessions or leases
+(actors/sandbox/sessions.py), or know any file-system trick (actors/sandbox/workspace.py).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from rlbus.actors.sandbox.jailrun import RunOutcome, python_in_jail
+from rlbus.actors.sandbox.workspace import Workspace, WorkspaceError, parts_of
+
+REQUIRED: Final = object()
+"""Marks an argument without a default."""
+Spec = dict[str, tuple[type, Any]]
+TOOLS: Final[dict[str, Spec]] = {
+    "list_files": {"path": (str, ".")},
+    "read_file": {"path": (str, REQUIRED), "start_line": (int, None), "end_line": (int, None)},
+    "write_file": {"path": (str, REQUIRED), "content": (str, REQUIRED)},
+    "edit_file": {"path": (str, REQUIRED), "old": (str, REQUIRED), "new": (str, REQUIRED)},
+    "search": {"pattern": (str, REQUIRED), "path": (str, ".")},
+    "run": {"command": (str, REQUIRED), "timeout_s": (float, None)},
+    "grade": {"command": (str, REQUIRED), "files": (dict, {}), "timeout_s": (float, None)},
+    "snapshot": {},
+}
+JAILED: Final = frozenset({"search", "run", "grade"})
+"""Tools that run a jailed process: they queue under the supervisor's concurrency quota."""
+MAX_ENTRIES: Final = 5000
+"""Entries `list_files` reports at most (then `truncated`)."""
+SEARCH_SOURCE: Final = r"""
+import os, re, sys
+pattern, top, cap = re.compile(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+written = 0
+found = False
+def scan(path):
+    global written, found
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 20)
+    except OSError:
+        return
+    if b"\0" in data[:8192]:
+        return
+    for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+        if pattern.search(line):
+            found = True
+            text = f"{os.path.normpath(path)}:{n}:{line[:500]}\n"
+            sys.stdout.write(text)
+            written += len(text)
+            if written > cap:
+                sys.exit(0)
+if os.path.isfile(top) and not os.path.islink(top):
+    scan(top)
+for root, dirs, files in os.walk(top, followlinks=False):
+    dirs.sort()
+    for name in sorted(files):
+        path = os.path.join(root, name)
+        if not os.path.islink(path):
+            scan(path)
+sys.exit(0 if found else 1)
+"""
+
+
+class ToolArgsError(Exception):
+    """The call names no tool we have, or its arguments do not fit the tool's (the text says how)."""
+
+
+def check_args(tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments with defaults filled in.
+
+    :raises ToolArgsError: unknown tool, missing/unknown argument, or one of the wrong type.
+    """
+    spec = TOOLS.get(tool)
+    if spec is None:
+        raise ToolArgsError(f"unknown tool {tool!r}; the tools are {', '.join(TOOLS)}")
+    wanted = ", ".join(f"{k}{'' if d is REQUIRED else '?'}" for k, (_, d) in spec.items()) or "none"
+    extra = sorted(set(args) - set(spec))
+    if extra:
+        raise ToolArgsError(f"{tool}: unknown argument {extra[0]!r} (arguments: {wanted})")
+    out: dict[str, Any] = {}
+    for name, (kind, default) in spec.items():
+        if name not in args or args[name] is None:
+            if default is REQUIRED:
+                raise ToolArgsError(f"{tool}: missing argument {name!r} (arguments: {wanted})")
+            out[name] = default
+            continue
+        value = args[name]
+        fits = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+                else isinstance(value, int) and not isinstance(value, bool) if kind is int
+                else isinstance(value, kind))
+        if not fits:
+            raise ToolArgsError(f"{tool}: argument {name!r} must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
+        if kind is dict and not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ToolArgsError(f"{tool}: argument {name!r} must map paths (strings) to file texts (strings)")
+        out[name] = float(value) if kind is float else value
+    return out
+
+
+_KIND_NAMES: Final = {str: "a string", int: "an integer", float: "a number", dict: "an object"}
+
+
+@dataclass
+class Reply:
+    """What a tool produced; the session turns it into a ToolResult."""
+
+    ok: bool
+    output: str = ""
+    error: str = ""
+    truncated: bool = False
+    exit_code: int | None = None
+    status: str = "ok"
+    files: dict[str, bytes] | None = None
+    digests: dict[str, str] | None = None
+    deleted: list[str] | None = None
+
+
+Runner = Callable[[Path, list[str], float], Awaitable[RunOutcome]]
+"""Runs argv jailed in a directory with a timeout (the session's level, limits and the quota)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolLimits:
+    """The supervisor's limits for tool output and jailed calls."""
+
+    max_output_bytes: int
+    max_timeout_s: float
+
+
+def _capped(text: str, cap: int) -> tuple[str, bool]:
+    data = text.encode()
+    if len(data) <= cap:
+        return text, False
+    return data[:cap].decode("utf-8", "ignore"), True
+
+
+async def run_tool(ws: Workspace, tool: str, args: dict[str, Any], limits: ToolLimits, runner: Runner,
+                   scratch: Path) -> Reply:
+    """One checked call (`check_args`) on `ws`. A refused file operation is an error reply, not a raise."""
+    try:
+        return await _TOOLS_IMPL[tool](ws, args, limits, runner, scratch)
+    except WorkspaceError as err:
+        return Reply(False, error=str(err), status="error")
+
+
+async def _list(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: Runner, scratch: Path) -> Reply:
+    lines = []
+    for rel, kind, _ in ws.entries(args["path"]):
+        lines.append(rel + {"dir": "/", "link": "@", "other": "?"}.get(kind, ""))
+        if len(lines) >= MAX_ENTRIES:
+            break
+    output, truncated = _capped("\n".join(lines) + ("\n" if lines else ""), limits.max_output_bytes)
+    return Reply(True, output, truncated=truncated or len(lines) >= MAX_ENTRIES)
+
+
+async def _read(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: Runner, scratch: Path) -> Reply:
+    text = ws.read_bytes(args["path"]).decode("utf-8", "replace")
+    start, end = args["start_line"], args["end_line"]
+    if start is not None or end is not None:
+        lines = text.splitlines(keepends=True)
+        first = max(1, start or 1)
+        last = len(lines) if end is None else end
+        if last < first:
+            return Reply(False, error=f"read_file: end_line {last} is before start_line {first}", status="error")
+        text = "".join(lines[first - 1:last])
+    output, truncated = _capped(text, limits.max_output_bytes)
+    return Reply(True, output, truncated=truncated)
+
+
+async def _write(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: Runner, scratch: Path) -> Reply:
+    data = args["content"].encode()
+    ws.write_bytes(args["path"], data)
+    return Reply(True, f"wrote {len(data)} bytes to {'/'.join(parts_of(args['path']))}\n")
+
+
+async def _edit(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: Runner, scratch: Path) -> Reply:
+    path, old, new = args["path"], args["old"], args["new"]
+    if not old:
+        return Reply(False, error="edit_file: 'old' is empty; give the exact text to replace", status="error")
+    try:
+        text = ws.read_bytes(path).decode("utf-8")
+    except UnicodeDecodeError:
+        return Reply(False, error=f"edit_file: {path} is not UTF-8 text", status="error")
+    count = text.count(old)
+    if count != 1:
+        return Reply(False, error=f"edit_file: the old text occurs {count} times in {path}; it must occur "
+                                  f"exactly once (add surrounding lines to make it unique)", status="error")
+    ws.write_bytes(path, text.replace(old, new, 1).encode())
+    return Reply(True, f"edited {path}\n")
+
+
+def _outcome(out: RunOutcome, limits: ToolLimits, timeout_s: float) -> Reply:
+    output, truncated = _capped(out.output, limits.max_output_bytes)
+    if out.timed_out:
+        return Reply(False, output, f"the command was killed after {timeout_s:g} s (its wall timeout)",
+                     truncated, None, "timeout")
+    if out.truncated:
+        return Reply(False, output, f"the command's output passed {limits.max_output_bytes} bytes; it was "
+                                    f"killed", True, None, "output_limit")
+    return Reply(True, output, truncated=truncated, exit_code=out.exit_code)
+
+
+def _timeout(args: dict[str, Any], limits: ToolLimits) -> float:
+    asked = args["timeout_s"]
+    if asked is not None and asked <= 0:
+        raise WorkspaceError(f"timeout_s must be positive, got {asked:g}")
+    return limits.max_timeout_s if asked is None else min(asked, limits.max_timeout_s)
+
+
+async def _search(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: Runner, scratch: Path) -> Reply:
+    try:
+        re.compile(args["pattern"])
+    except re.error as err:
+        return Reply(False, error=f"search: {args['pattern']!r} is not a valid regular expression: {err}",
+                     status="error")
+    parts = parts_of(args["path"])
+    if parts:
+        _exists(ws, parts)
+    python, _ = python_in_jail()
+    argv = [python, "-I", "-S", "-c", SEARCH_SOURCE, args["pattern"], "/".join(parts) or ".",
+            str(limits.max_output_bytes)]
+    timeout_s = limits.max_timeout_s
+    out = await runner(ws.root, argv, timeout_s)
+    reply = _outcome(out, limits, timeout_s)
+    if reply.ok and out.exit_code not in (0, 1):
+        return Reply(False, reply.output, f"search failed (exit {out.exit_code})", reply.truncated, out.exit_code,
+                     "error")
+    return reply
+
+
+def _exists(ws: Workspace, parts: list[str]) -> None:
+    """Refuse a search path that is a link or missing (the walk in the jail would skip it silently)."""
+    parent = "/".join(parts[:-1]) or "."
+    for rel, kind, _ in ws.entries(parent):
+        if rel == "/".join(parts):
+            if kind == "link":
+                raise WorkspaceError(f"{rel} is a symbolic link; links are not followed")
+            return
+    raise WorkspaceError(f"{'/'.join(parts)}: no such file or directory")
+
+
+async def _run(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: Runner, scratch: Path) -> Reply:
+    timeout_s = _timeout(args, limits)
+    out = await runner(ws.root, ["bash", "-c", args["command"]], timeout_s)
+    return _outcome(out, limits, timeout_s)
+
+
+async def _grade(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: Runner, scratch: Path) -> Reply:
+    timeout_s = _timeout(args, limits)
+    where = scratch / f"grade-{uuid.uuid4().hex[:12]}"
+    try:
+        fresh = ws.copy_to(where)
+        for path, text in sorted(args["files"].items()):
+            fresh.write_bytes(path, text.encode())
+        out = await runner(where, ["bash", "-c", args["command"]], timeout_s)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    return _outcome(out, limits, timeout_s)
+
+
+async def _snapshot(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: Runner, scratch: Path) -> Reply:
+    files, digests, deleted, skipped = ws.changed()
+    lines = [f"{len(files)} changed or new, {len(deleted)} deleted"]
+    lines += [f"not captured (link or special file): {p}" for p in skipped]
+    return Reply(True, "\n".join(lines) + "\n", files=files, digests=digests, deleted=deleted)
+
+
+_TOOLS_IMPL: Final[dict[str, Callable[[Workspace, dict[str, Any], ToolLimits, Runner, Path], Awaitable[Reply]]]] = {
+    "list_files": _list, "read_file": _read, "write_file": _write, "edit_file": _edit, "search": _search,
+    "run": _run, "grade": _grade, "snapshot": _snapshot,
+}
+assert set(_TOOLS_IMPL) == set(TOOLS)
+
+
+__all__ = ["JAILED", "TOOLS", "Reply", "Runner", "ToolArgsError", "ToolLimits", "check_args", "run_tool"]

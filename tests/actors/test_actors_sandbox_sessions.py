@@ -1,0 +1,102 @@
+"""Sandbox sessions against a real server and real jails: every tool through a generator-role client,
+grading in a fresh copy, snapshot and restore into a new session, the session quota, lease expiry,
+sessions destroyed when the supervisor stops, and the heartbeat's session gauges."""
+
+from __future__ import annotations
+
+import hashlib
+
+import anyio
+import pytest
+from helpers import eventually
+from helpers.sandbox_sessions import CONFIG, role_bus, serving
+from msgspec.structs import replace
+
+from rlbus.actors.common.sessions import (
+    SandboxSession,
+    SessionRefused,
+    call_tool,
+    open_session,
+    restore_files,
+)
+from rlbus.messages.bus import Bus
+from rlbus.topology.servers import EmbeddedServer
+
+pytestmark = pytest.mark.anyio
+FILES = {"pkg/__init__.py": b"", "pkg/calc.py": b"def add(a, b):\n    return a - b\n", "README": b"calc\n"}
+TESTS = "from pkg.calc import add\nassert add(2, 3) == 5\nprint('passed')\n"
+
+
+async def test_tools_work_in_a_persistent_workspace(nats_server: EmbeddedServer, admin_bus: Bus) -> None:
+    """A generator opens a session; list, read, edit, write, search and run see one persistent workspace;
+    grading runs in a fresh copy and leaves the workspace as it was."""
+    async with serving(admin_bus), role_bus(nats_server, "generator", admin_bus.subjects.run) as gen:
+        async with await SandboxSession.open(gen, "hub", FILES, lease_s=30) as s:
+            listed = await s.tool("list_files", {})
+            assert listed.output.splitlines() == ["README", "pkg/", "pkg/__init__.py", "pkg/calc.py"]
+            assert (await s.tool("read_file", {"path": "pkg/calc.py", "start_line": 2})).output == "    return a - b\n"
+            failing = await s.grade({"test_add.py": TESTS}, "python3 test_add.py")
+            assert failing.ok and failing.exit_code != 0 and "AssertionError" in failing.output
+            twice = await s.tool("edit_file", {"path": "pkg/calc.py", "old": "a", "new": "x"})
+            assert not twice.ok and "occurs 3 times" in twice.error
+            edited = await s.tool("edit_file", {"path": "pkg/calc.py", "old": "a - b", "new": "a + b"})
+            assert edited.ok, edited
+            assert (await s.tool("write_file", {"path": "docs/notes.md", "content": "fixed add\n"})).ok
+            found = await s.tool("search", {"pattern": r"a \+ b|fixed"})
+            assert found.output.splitlines() == ["docs/notes.md:1:fixed add", "pkg/calc.py:2:    return a + b"]
+            ran = await s.tool("run", {"command": "echo out; echo err >&2; touch made_by_run; exit 3"})
+            assert (ran.ok, ran.exit_code, ran.output, ran.status) == (True, 3, "out\nerr\n", "ok")
+            passing = await s.grade({"test_add.py": TESTS}, "python3 test_add.py && touch made_by_grade")
+            assert (passing.ok, passing.exit_code, passing.output) == (True, 0, "passed\n"), passing
+            after = (await s.tool("list_files", {})).output.splitlines()
+            assert "made_by_run" in after and "made_by_grade" not in after and "test_add.py" not in after
+            assert (await s.tool("search", {"pattern": "nothing-matches-this"})).exit_code == 1
+
+
+async def test_snapshot_restores_into_a_new_session(admin_bus: Bus) -> None:
+    """A snapshot holds the changed and new files with their sha256 and the deleted ones; a session opened
+    with the opening files overlaid by it holds the same files as the first."""
+    async with serving(admin_bus):
+        async with await SandboxSession.open(admin_bus, "hub", FILES) as first:
+            await first.tool("write_file", {"path": "pkg/calc.py", "content": "def add(a, b):\n    return a + b\n"})
+            await first.tool("run", {"command": "rm README && mkdir -p out && printf 'x\\0y' > out/blob.bin"})
+            snap = await first.snapshot()
+            assert snap.ok and sorted(snap.files) == ["out/blob.bin", "pkg/calc.py"] and snap.deleted == ["README"]
+            assert all(hashlib.sha256(v).hexdigest() == snap.digests[k] for k, v in snap.files.items())
+            want = (await first.tool("run", {"command": "find . -type f | sort | xargs sha256sum"})).output
+        async with await SandboxSession.open(admin_bus, "hub", restore_files(FILES, snap)) as second:
+            got = (await second.tool("run", {"command": "find . -type f | sort | xargs sha256sum"})).output
+            assert got == want and "blob.bin" in got
+
+
+async def test_session_quota_lease_expiry_and_stop(admin_bus: Bus) -> None:
+    """Past max_sessions an open is refused saying so; a session nobody calls is destroyed after its lease
+    (a late call gets no_session); stopping the supervisor destroys the rest with their workspaces."""
+    config = replace(CONFIG, max_sessions=2)
+    async with serving(admin_bus, config) as actor:
+        assert actor.sessions is not None
+        root = actor.sessions.root
+        kept = await open_session(admin_bus, "hub", FILES, lease_s=30)
+        short = await open_session(admin_bus, "hub", {}, lease_s=0.5)
+        with pytest.raises(SessionRefused, match="max_sessions = 2"):
+            await open_session(admin_bus, "hub", {})
+        await eventually(lambda: short not in actor.sessions.sessions, what="the short lease to expire", timeout_s=10)
+        late = await call_tool(admin_bus, "hub", short, "list_files", {})
+        assert (late.ok, late.status) == (False, "no_session") and not (root / short).exists()
+        assert (await call_tool(admin_bus, "hub", kept, "read_file", {"path": "README"})).output == "calc\n"
+        gauges = actor.heartbeat().gauges
+        assert gauges["sessions_open"] == 1 and gauges["sessions_expired"] == 1 and gauges["tool_read_file_ms"] > 0
+        assert (root / kept / "pkg" / "calc.py").exists()
+    assert not root.exists()
+
+
+async def test_calls_renew_the_lease(admin_bus: Bus) -> None:
+    """A session whose holder keeps calling outlives its lease many times over."""
+    async with serving(admin_bus) as actor:
+        assert actor.sessions is not None
+        sid = await open_session(admin_bus, "hub", {}, lease_s=0.4)
+        with anyio.fail_after(20):
+            for _ in range(8):
+                await anyio.sleep(0.15)
+                assert (await call_tool(admin_bus, "hub", sid, "list_files", {})).ok
+        assert sid in actor.sessions.sessions
