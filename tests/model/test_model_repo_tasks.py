@@ -81,8 +81,7 @@ def test_repo_source_names() -> None:
 @pytest.mark.anyio
 async def test_hidden_tests_pass_on_references_and_fail_on_repositories_in_the_sandbox() -> None:
     """Through a real sandbox supervisor on its own nats-server, each task's hidden tests (run after its package
-    flattened into one program) pass on the reference solution and fail on the repository as given: a failed
-    test for a bug, an import error for a function not added yet."""
+    flattened into one program) pass on the reference solution and fail on the repository as given."""
     import anyio
 
     from rlbus.actors.common.sandbox_client import grade_result, run_in_sandbox
@@ -108,6 +107,5 @@ async def test_hidden_tests_pass_on_references_and_fail_on_repositories_in_the_s
     for task in TASKS:
         status, passed, total = verdicts[task.task_id, "reference"]
         assert (status, passed) == ("passed", total) and total >= 4, (task.task_id, verdicts[task.task_id, "reference"])
-        # level 2's core module imports a function that is not there yet: an import error before any test
-        expected = "error" if task.level == 2 else "failed"
-        assert verdicts[task.task_id, "given"][0] == expected, (task.task_id, verdicts[task.task_id, "given"])
+        status, passed, total = verdicts[task.task_id, "given"]
+        assert status == "failed" and passed < total, (task.task_id, verdicts[task.task_id, "given"])
