@@ -9,7 +9,7 @@ or mistyped argument), and `run_tool`, which runs one checked call on a session 
 - `write_file` {path, content}: create or replace a file (parent directories made).
 - `edit_file` {path, old, new}: replace the one occurrence of `old` by `new`; an error says how many
   times `old` occurs when that is not exactly once.
-- `search` {pattern, path="."}: Python regex, `path:line:text` per matching line (links and binary files
+- `search` {pattern, path="."}: Python regex, `path:line:text` per matching line (links, special and binary files
   skipped); exit 1 when nothing matches. Runs jailed, so a pathological pattern only meets the timeout.
 - `run` {command, timeout_s?}: `bash -c command` in the workspace, jailed (actors/sandbox/jailrun.py),
   stdout and stderr together; killed past its timeout (`status` timeout) or its output cap
@@ -54,14 +54,20 @@ JAILED: Final = frozenset({"search", "run", "grade"})
 MAX_ENTRIES: Final = 5000
 """Entries `list_files` reports at most (then `truncated`)."""
 SEARCH_SOURCE: Final = r"""
-import os, re, sys
+import os, re, stat, sys
 pattern, top, cap = re.compile(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 written = 0
 found = False
+def regular(path):
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 def scan(path):
     global written, found
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
             data = f.read(1 << 20)
     except OSError:
         return
@@ -75,13 +81,13 @@ def scan(path):
             written += len(text)
             if written > cap:
                 sys.exit(0)
-if os.path.isfile(top) and not os.path.islink(top):
+if regular(top):
     scan(top)
 for root, dirs, files in os.walk(top, followlinks=False):
     dirs.sort()
     for name in sorted(files):
         path = os.path.join(root, name)
-        if not os.path.islink(path):
+        if regular(path):
             scan(path)
 sys.exit(0 if found else 1)
 """

@@ -94,8 +94,11 @@ class Workspace:
     def _why(err: OSError, parts: list[str], dir_fd: int, name: str) -> WorkspaceError:
         where = "/".join(parts)
         try:
-            if stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode):
+            mode = os.lstat(name, dir_fd=dir_fd).st_mode
+            if stat.S_ISLNK(mode):
                 return WorkspaceError(f"{where} is a symbolic link; links are not followed")
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                return WorkspaceError(f"{where} is not a regular file or directory")
         except OSError:
             pass
         if err.errno == errno.ENOTDIR:

@@ -9,7 +9,7 @@ import hashlib
 import anyio
 import pytest
 from helpers import eventually
-from helpers.sandbox_sessions import CONFIG, role_bus, serving
+from helpers.sandbox_sessions import BEST, CONFIG, role_bus, serving
 from msgspec.structs import replace
 
 from rlbus.actors.common.sessions import (
@@ -100,3 +100,16 @@ async def test_calls_renew_the_lease(admin_bus: Bus) -> None:
                 await anyio.sleep(0.15)
                 assert (await call_tool(admin_bus, "hub", sid, "list_files", {})).ok
         assert sid in actor.sessions.sessions
+
+
+@pytest.mark.skipif(BEST != "bwrap", reason="the facts of the bwrap jail (bubblewrap is not available here)")
+async def test_run_sees_only_its_workspace(admin_bus: Bus) -> None:
+    """In the bwrap jail a command runs as uid 65534 in /workspace, sees no host directory but the system's
+    read-only ones, has loopback only, and cannot write /usr."""
+    async with serving(admin_bus), await SandboxSession.open(admin_bus, "hub", FILES) as s:
+        facts = await s.tool("run", {"command": "id -u; pwd; ls /; ls /sys/class/net 2>/dev/null || "
+                                                "cat /proc/net/dev | tail -n +3 | cut -d: -f1; touch /usr/x || echo ro"})
+        lines = facts.output.split()
+        assert lines[:2] == ["65534", "/workspace"], facts.output
+        assert {"root", "work", "home", "etc", "dev", "proc"} & set(lines) == {"dev", "proc"}
+        assert "lo" in lines and "eth0" not in lines and lines[-1] == "ro"
