@@ -168,15 +168,16 @@ def _functions(rng: random.Random) -> list[_Fn]:
     ]
 
 
-def _value(fn: _Fn, call: str, *, buggy: bool = False, prelude: str = "") -> Any:
+def _value(fn: _Fn, call: str, *, buggy: bool = False) -> Any:
     """The result of `fn(call)` (our own generated code, run here to write the expected values)."""
     scope: dict[str, Any] = {}
-    exec(prelude + fn.source(buggy=buggy), scope)
+    exec(fn.source(buggy=buggy), scope)
     return eval(f"{fn.name}({call})", scope)
 
 
 def _module(doc: str, parts: list[str], imports: str = "") -> str:
-    return f'"""{doc}"""\n\n' + (f"{imports}\n" if imports else "") + "\n\n" + "\n\n".join(parts)
+    head = f'"""{doc}"""\n\n' + (f"{imports}\n\n\n" if imports else "\n")
+    return head + "\n\n".join(parts)
 
 
 def _asserts(module: str, names: list[str], cases: list[tuple[str, str, Any]]) -> str:
@@ -186,10 +187,95 @@ def _asserts(module: str, names: list[str], cases: list[tuple[str, str, Any]]) -
     return head + body
 
 
-def _caught(fn: _Fn, prelude: str = "") -> list[str]:
-    """Test calls whose result the bug changes; the calls of a function whose bug none of them catches are
-    redrawn by the caller."""
-    return [c for c in fn.calls if _value(fn, c, prelude=prelude) != _value(fn, c, buggy=True, prelude=prelude)]
+def _caught(fn: _Fn) -> list[str]:
+    """The test calls whose result the bug changes."""
+    return [c for c in fn.calls if _value(fn, c) != _value(fn, c, buggy=True)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Draw:
+    """What one task is built from: its package, the function the task is about, four others to keep."""
+
+    pkg: str
+    target: _Fn
+    others: tuple[_Fn, ...]
+
+    @property
+    def core(self) -> str:
+        return f"{self.pkg}/core.py"
+
+    @property
+    def helpers(self) -> str:
+        return f"{self.pkg}/helpers.py"
+
+    def kept(self, i: int) -> tuple[str, str, Any]:
+        """A test of the `i`-th other function (its first call): an edit must not break it."""
+        fn = self.others[i]
+        return fn.name, fn.calls[0], _value(fn, fn.calls[0])
+
+    def cases(self) -> list[tuple[str, str, Any]]:
+        return [(self.target.name, c, _value(self.target, c)) for c in self.target.calls]
+
+
+def _one_line_fix(path: str, fn: _Fn) -> ToolCall:
+    return ToolCall("edit_file", {"path": path, "old": f"    {fn.bug}\n", "new": f"    {fn.body[fn.bug_line]}\n"})
+
+
+def _level_1(d: _Draw, rng: random.Random) -> tuple[str, dict[str, str], tuple[ToolCall, ...], str]:
+    """A one-line bug in the function the instruction names."""
+    where = rng.choice((d.core, d.helpers))
+    other = d.helpers if where == d.core else d.core
+    o = d.others
+    files = {where: _module(f"{d.pkg} functions.", [d.target.source(buggy=True), o[0].source(), o[1].source()]),
+             other: _module(f"More {d.pkg} functions.", [o[2].source(), o[3].source()])}
+    instruction = (f"`{d.target.name}` in {where} is wrong: it should be the function that {d.target.does}. "
+                   "Fix it without changing the other functions.")
+    tests = (_asserts(_dotted(where), [d.target.name, o[0].name, o[1].name], [*d.cases(), d.kept(0), d.kept(1)])
+             + _asserts(_dotted(other), [o[2].name, o[3].name], [d.kept(2), d.kept(3)]))
+    return instruction, files, (_one_line_fix(where, d.target),), tests
+
+
+def _level_2(d: _Draw, rng: random.Random) -> tuple[str, dict[str, str], tuple[ToolCall, ...], str]:
+    """A function to add to the helpers module, which the core module already imports and calls."""
+    t, o = d.target, d.others
+    describe = f"describe_{t.name}"
+    user = f"def {describe}(*args):\n    return f\"{t.name}{{args}} = {{{t.name}(*args)!r}}\"\n"
+    files = {d.helpers: _module(f"{d.pkg} helpers.", [o[0].source(), o[1].source()]),
+             d.core: _module(f"{d.pkg} core functions.", [user, o[2].source()],
+                             imports=f"from {d.pkg}.helpers import {t.name}")}
+    added = _module(f"{d.pkg} helpers.", [o[0].source(), o[1].source(), t.source()])
+    instruction = (f"{d.core} imports `{t.name}` from {d.helpers}, which does not define it yet. Add "
+                   f"`{t.name}({t.params})` to {d.helpers}: the function that {t.does}.")
+    call = t.calls[0]
+    described = (describe, call, f"{t.name}{eval(f'({call},)')!r} = {_value(t, call)!r}")
+    tests = (_asserts(_dotted(d.helpers), [t.name, o[0].name, o[1].name], [*d.cases(), d.kept(0), d.kept(1)])
+             + _asserts(_dotted(d.core), [describe, o[2].name], [described, d.kept(2)]))
+    return instruction, files, (ToolCall("write_file", {"path": d.helpers, "content": added}),), tests
+
+
+def _level_3(d: _Draw, rng: random.Random) -> tuple[str, dict[str, str], tuple[ToolCall, ...], str]:
+    """A one-line bug in a helper, reported only through its caller in the core module."""
+    t, o = d.target, d.others
+    report = f"{t.name}_report"
+    caller = f"def {report}(*args):\n    return [{t.name}(*args)]\n"
+    files = {d.helpers: _module(f"{d.pkg} helpers.", [o[0].source(), t.source(buggy=True)]),
+             d.core: _module(f"{d.pkg} core functions.", [caller, o[1].source()],
+                             imports=f"from {d.pkg}.helpers import {t.name}")}
+    shown = _caught(t)[0]
+    instruction = (f"`{report}({shown})` in {d.core} should give {[_value(t, shown)]!r} (it wraps a function "
+                   f"that {t.does}), but it does not. Find the bug and fix it.")
+    reports = [(report, c, [_value(t, c)]) for c in t.calls]
+    tests = (_asserts(_dotted(d.helpers), [t.name, o[0].name], [*d.cases(), d.kept(0)])
+             + _asserts(_dotted(d.core), [report, o[1].name], [*reports, d.kept(1)]))
+    return instruction, files, (_one_line_fix(d.helpers, t),), tests
+
+
+_LEVEL_BUILDERS: Final = {1: _level_1, 2: _level_2, 3: _level_3}
+
+
+def _dotted(path: str) -> str:
+    """The module name of a file path: pkg/core.py -> pkg.core."""
+    return path.removesuffix(".py").replace("/", ".")
 
 
 def repo_task(level: int, seed: int) -> RepoTask:
@@ -201,69 +287,19 @@ def repo_task(level: int, seed: int) -> RepoTask:
         raise ValueError(f"repository task level {level} is not one of {LEVELS}")
     rng = random.Random(f"repo:{level}:{seed}")
     pkg = rng.choice(_PACKAGES)
-    fns = _functions(rng)
-    rng.shuffle(fns)
-    target, others = fns[0], fns[1:5]
-    while not _caught(target):  # every kind has calls that catch its bug; guard the drawn constants anyway
+    while True:  # every kind has test calls its bug changes; redraw should some constants ever hide it
         fns = _functions(rng)
-        target, others = fns[0], fns[1:5]
-    task_id = f"repo-L{level}-{seed}"
-    mod_a, mod_b = f"{pkg}/core.py", f"{pkg}/helpers.py"
+        rng.shuffle(fns)
+        if _caught(fns[0]):
+            break
+    instruction, code, reference, tests = _LEVEL_BUILDERS[level](_Draw(pkg, fns[0], tuple(fns[1:5])), rng)
     files = {f"{pkg}/__init__.py": f'"""The {pkg} package."""\n',
-             "README.md": f"# {pkg}\n\nSmall utilities: `{pkg}.core` and `{pkg}.helpers`.\n"}
-    keep = [(fn.name, call, _value(fn, call)) for fn in others for call in fn.calls[:1]]
-    match level:
-        case 1:
-            where = rng.choice((mod_a, mod_b))
-            other = mod_b if where == mod_a else mod_a
-            files[where] = _module(f"{pkg} functions.", [target.source(buggy=True), others[0].source(),
-                                                          others[1].source()])
-            files[other] = _module(f"More {pkg} functions.", [others[2].source(), others[3].source()])
-            buggy_line, fixed_line = f"    {target.bug}\n", f"    {target.body[target.bug_line]}\n"
-            reference = (ToolCall("edit_file", {"path": where, "old": buggy_line, "new": fixed_line}),)
-            instruction = (f"`{target.name}` in {where} is wrong: it should be the function that "
-                           f"{target.does}. Fix it without changing the other functions.")
-            cases = [(target.name, c, _value(target, c)) for c in target.calls]
-            tests = {HIDDEN_TEST: _asserts(f"{pkg}.{where[len(pkg) + 1:-3]}", [target.name, others[0].name,
-                                           others[1].name], [*cases, *keep[:2]])
-                     + _asserts(f"{pkg}.{other[len(pkg) + 1:-3]}", [others[2].name, others[3].name], keep[2:])}
-        case 2:
-            user = (f"def describe_{target.name}(*args):\n"
-                    f"    return f\"{target.name}{{args}} = {{{target.name}(*args)!r}}\"\n")
-            files[mod_b] = _module(f"{pkg} helpers.", [others[0].source(), others[1].source()])
-            files[mod_a] = _module(f"{pkg} core functions.", [user, others[2].source()],
-                                   imports=f"from {pkg}.helpers import {target.name}")
-            new_helpers = _module(f"{pkg} helpers.", [others[0].source(), others[1].source(), target.source()])
-            reference = (ToolCall("write_file", {"path": mod_b, "content": new_helpers}),)
-            instruction = (f"{mod_a} imports `{target.name}` from {mod_b}, which does not define it yet. Add "
-                           f"`{target.name}({target.params})` to {mod_b}: the function that {target.does}.")
-            cases = [(target.name, c, _value(target, c)) for c in target.calls]
-            described = [(f"describe_{target.name}", c,
-                          f"{target.name}{eval(f'({c},)')!r} = {_value(target, c)!r}") for c in target.calls[:1]]
-            tests = {HIDDEN_TEST: _asserts(f"{pkg}.helpers", [target.name, others[0].name, others[1].name],
-                                           [*cases, *keep[:2]])
-                     + _asserts(f"{pkg}.core", [f"describe_{target.name}", others[2].name],
-                                [*described, keep[2]])}
-        case _:
-            caller = _Fn(f"{target.name}_report", "*args", (f"return [{target.name}(*args)]",), 0, "",
-                         f"returns [{target.name}(*args)]", ())
-            files[mod_b] = _module(f"{pkg} helpers.", [others[0].source(), target.source(buggy=True)])
-            files[mod_a] = _module(f"{pkg} core functions.", [caller.source(), others[1].source()],
-                                   imports=f"from {pkg}.helpers import {target.name}")
-            buggy_line, fixed_line = f"    {target.bug}\n", f"    {target.body[target.bug_line]}\n"
-            reference = (ToolCall("edit_file", {"path": mod_b, "old": buggy_line, "new": fixed_line}),)
-            shown = target.calls[0] if _caught(target)[:1] == [target.calls[0]] else _caught(target)[0]
-            instruction = (f"`{caller.name}({shown})` in {mod_a} should give {[_value(target, shown)]!r} (it "
-                           f"wraps a function that {target.does}), but it does not. Find the bug and fix it.")
-            cases = [(target.name, c, _value(target, c)) for c in target.calls]
-            reports = [(caller.name, c, [_value(target, c)]) for c in target.calls]
-            tests = {HIDDEN_TEST: _asserts(f"{pkg}.helpers", [target.name, others[0].name], [*cases, keep[0]])
-                     + _asserts(f"{pkg}.core", [caller.name, others[1].name], [*reports, keep[1]])}
+             "README.md": f"# {pkg}\n\nSmall utilities: `{pkg}.core` and `{pkg}.helpers`.\n", **code}
     solution = dict(files)
     for call in reference:
         solution = apply_edit(solution, call)
-    return RepoTask(task_id=task_id, level=level, instruction=instruction, files=files, hidden_tests=tests,
-                    reference=reference, solution=solution)
+    return RepoTask(task_id=f"repo-L{level}-{seed}", level=level, instruction=instruction, files=files,
+                    hidden_tests={HIDDEN_TEST: tests}, reference=reference, solution=solution)
 
 
 def repo_task_of_id(task_id: str) -> RepoTask:

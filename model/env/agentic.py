@@ -17,7 +17,14 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
-from rlbus.model.env.base import EnvState, StepOutcome, WorkspacePort, refuse_done, state_tokens
+from rlbus.model.env.base import (
+    EnvState,
+    StepOutcome,
+    WorkspacePort,
+    refuse_done,
+    state_context,
+    state_tokens,
+)
 from rlbus.model.episodes import Turn, completion_text
 from rlbus.model.grading import GradeResult
 from rlbus.model.policy import ChatTokenizer
@@ -156,6 +163,11 @@ class AgenticEnvironment:
         done = msgspec.structs.replace(new, done=True, reward=grade.reward, verdict=grade.status, ended=ended,
                                        grade=grade)
         return StepOutcome(done, None)
+
+    def room(self, state: AgenticState) -> int:
+        """Tokens the next policy turn may take: what `max_tokens` leaves after the context (at least 0); the
+        generator caps its sampling there."""
+        return max(self.budgets.max_tokens - len(state_context(state, self._tokenizer)), 0)
 
     def _bounded(self, call: ToolCall) -> ToolCall:
         """A `run` call with its timeout set and capped by the budget; other calls as they are."""
