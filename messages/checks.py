@@ -24,6 +24,7 @@ from rlbus.messages.schemas import (
     Message,
     Rollout,
     SandboxRequest,
+    Segment,
     StateUploaded,
     Task,
     TensorBlob,
@@ -158,31 +159,38 @@ def _rollout(r: Rollout) -> None:
         _bad("group_size", f"{r.group_size} is not in 1..{MAX_GROUP_SIZE}")
     if not 0 <= r.group_index < r.group_size:
         _bad("group_index", f"{r.group_index} is not in 0..{r.group_size - 1}")
-    prompt = _array(r.prompt_tokens, "prompt_tokens", _INTEGER_KINDS)
-    completion = _array(r.completion_tokens, "completion_tokens", _INTEGER_KINDS)
-    logprobs = _array(r.behaviour_logprobs, "behaviour_logprobs", _FLOAT_KINDS)
-    versions = _array(r.policy_versions, "policy_versions", _INTEGER_KINDS)
-    mask = _array(r.loss_mask, "loss_mask", _INTEGER_KINDS | {"b"})
+    _token_arrays(r, "")
+    for i, segment in enumerate(r.segments):
+        _token_arrays(segment, f"segments[{i}].")
+    if not math.isfinite(r.reward):
+        _bad("reward", f"{r.reward} is not finite")
+
+
+def _token_arrays(r: Rollout | Segment, at: str) -> None:
+    """The per-token arrays of a rollout or one of its segments (`at` prefixes the field names)."""
+    prompt = _array(r.prompt_tokens, at + "prompt_tokens", _INTEGER_KINDS)
+    completion = _array(r.completion_tokens, at + "completion_tokens", _INTEGER_KINDS)
+    logprobs = _array(r.behaviour_logprobs, at + "behaviour_logprobs", _FLOAT_KINDS)
+    versions = _array(r.policy_versions, at + "policy_versions", _INTEGER_KINDS)
+    mask = _array(r.loss_mask, at + "loss_mask", _INTEGER_KINDS | {"b"})
     T = completion.shape[0]
     for name, values in (("behaviour_logprobs", logprobs), ("policy_versions", versions)):
         if values.shape[0] != T:
-            _bad(name, f"{values.shape[0]} values for {T} completion tokens")
+            _bad(at + name, f"{values.shape[0]} values for {T} completion tokens")
     if mask.shape[0] not in (0, T):
-        _bad("loss_mask", f"{mask.shape[0]} values for {T} completion tokens")
+        _bad(at + "loss_mask", f"{mask.shape[0]} values for {T} completion tokens")
     if T and prompt.shape[0] == 0:
-        _bad("prompt_tokens", "a completion without a prompt token")
+        _bad(at + "prompt_tokens", "a completion without a prompt token")
     for name, ids in (("prompt_tokens", prompt), ("completion_tokens", completion)):
         if ids.size and int(ids.min()) < 0:
-            _bad(name, "a negative token id")
+            _bad(at + name, "a negative token id")
     if versions.size and int(versions.min()) < 0:
-        _bad("policy_versions", "a negative policy version")
+        _bad(at + "policy_versions", "a negative policy version")
     if logprobs.size and not bool(np.isfinite(logprobs).all()):
-        _bad("behaviour_logprobs", "a NaN or infinite log-probability")
-    if not math.isfinite(r.reward):
-        _bad("reward", f"{r.reward} is not finite")
+        _bad(at + "behaviour_logprobs", "a NaN or infinite log-probability")
     if r.routing is not None:
-        routing = _array(r.routing, "routing", _INTEGER_KINDS, ndim=3)
+        routing = _array(r.routing, at + "routing", _INTEGER_KINDS, ndim=3)
         if routing.shape[0] != prompt.shape[0] + T:
-            _bad("routing", f"{routing.shape[0]} rows for {prompt.shape[0] + T} tokens")
+            _bad(at + "routing", f"{routing.shape[0]} rows for {prompt.shape[0] + T} tokens")
         if routing.size and int(routing.min()) < 0:
-            _bad("routing", "a negative expert index")
+            _bad(at + "routing", "a negative expert index")

@@ -83,6 +83,24 @@ class SandboxVerdict(msgspec.Struct, frozen=True, kw_only=True):
     status: Literal["ok", "failed", "timeout", "crashed", "oom", "output_limit", "error"] = "error"
 
 
+class Segment(msgspec.Struct, frozen=True, kw_only=True):
+    """An earlier stretch of a rollout, with the context it was sampled under (which the rollout's own prompt no
+    longer holds once the episode summarised its history). Same per-token layout as a Rollout's fields."""
+
+    prompt_tokens: TensorBlob
+    """int32 (P,): what the policy read before the segment's first token."""
+    completion_tokens: TensorBlob
+    """int32 (T,)."""
+    behaviour_logprobs: TensorBlob
+    """float32 (T,)."""
+    policy_versions: TensorBlob
+    """int32 (T,)."""
+    loss_mask: TensorBlob
+    """uint8 (T,): 1 where the policy produced the token."""
+    routing: TensorBlob | None = None
+    """MoE routing record over prompt + completion (int64 (P + T, n_moe_layers, top_k))."""
+
+
 class Rollout(Message, tag="rollout"):
     """One sampled completion with everything the trainer needs.
 
@@ -111,6 +129,10 @@ class Rollout(Message, tag="rollout"):
     region: str = ""
     generator_id: str = ""
     created_at: float = msgspec.field(default_factory=time.time)
+    segments: list[Segment] = []
+    """Earlier segments, oldest first, each trained under its own context (an episode that summarised: the
+    turns before each summary, and the summary itself under what the policy read when it wrote it). The
+    rollout's own fields are its last segment. Empty for an episode that never summarised."""
 
 
 class WeightManifest(Message, tag="weight_manifest"):

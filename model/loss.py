@@ -92,14 +92,20 @@ def shape_rewards(
 
 
 def aggregate(
-    values: Tensor, mask: Tensor, mode: Aggregation = "token_mean", *, norm: float | None = None
+    values: Tensor,
+    mask: Tensor,
+    mode: Aggregation = "token_mean",
+    *,
+    norm: float | None = None,
+    sequences: Tensor | None = None,
 ) -> Tensor:
     """Reduce per-token values (B, T) over mask (B, T) (True/1 = counts) to a scalar.
 
     token_mean:     sum_bt m v / sum_bt m  (every token weighs the same; DAPO, Yu et al. 2025)
     sequence_mean:  mean_b (sum_t m v / sum_t m) over sequences with a token (GRPO, Shao et al. 2024)
     token_sum_norm: sum_bt m v / norm, norm a constant, default B * T (Dr. GRPO, Liu et al. 2025)
-    An empty mask gives 0.
+    An empty mask gives 0. `sequences` (B,) int64 maps rows to sequences for sequence_mean, when one
+    sequence spans several rows (a rollout's segments); None: each row is a sequence.
     """
     if values.shape != mask.shape:
         raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} must have one shape")
@@ -110,7 +116,12 @@ def aggregate(
             return total / m.sum().clamp_min(1)
         case "sequence_mean":
             per_token = m.sum(-1)
-            per_seq = (values * m).sum(-1) / per_token.clamp_min(1)
+            sums = (values * m).sum(-1)
+            if sequences is not None:
+                n = int(sequences.max()) + 1 if sequences.numel() else 0
+                per_token = per_token.new_zeros(n).index_add_(0, sequences, per_token)
+                sums = sums.new_zeros(n).index_add_(0, sequences, sums)
+            per_seq = sums / per_token.clamp_min(1)
             has = per_token > 0
             return per_seq[has].sum() / has.sum().clamp_min(1)
         case "token_sum_norm":
@@ -144,6 +155,7 @@ def rl_loss(
     is_cap: float = 2.0,
     kl_coef: float = 0.0,
     mode: Aggregation = "token_mean",
+    sequences: Tensor | None = None,
 ) -> LossTerms:
     """Off-policy corrected policy gradient with the k1 KL folded into the per-token advantage.
 
@@ -154,6 +166,7 @@ def rl_loss(
         loss_t = -w_t * A'_t * logp_t,   loss = aggregate(loss_t, mask, mode)
     k1 enters as a reward (its gradient, E[k1 grad logp], is grad KL), not as a loss term: the
     gradient of k1 itself has zero mean under pi_theta (Tang & Munos 2025; Zhang et al. 2025).
+    `sequences` (B,): which sequence each row belongs to, for sequence_mean (`aggregate`).
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
@@ -165,14 +178,14 @@ def rl_loss(
     weights = truncated_importance_weights(logp, logp_behaviour, is_cap)
     kl = k1_kl(logp.detach(), logp_ref)
     per_token = -weights * (advantages - kl_coef * kl) * logp
-    pg = aggregate(per_token, mask, mode)
+    pg = aggregate(per_token, mask, mode, sequences=sequences)
     m = mask.bool()
     n = m.sum().clamp_min(1)
     ratio = torch.exp(logp.detach() - logp_behaviour)
     return LossTerms(
         loss=pg,
         pg_loss=pg.detach(),
-        kl=aggregate(kl, mask, mode).detach(),
+        kl=aggregate(kl, mask, mode, sequences=sequences).detach(),
         mean_weight=weights[m].sum() / n,
         truncated_fraction=(ratio[m] > is_cap).sum() / n,
     )

@@ -56,6 +56,7 @@ from rlbus.actors.generator.group import (
     EpisodeState,
     PartialGroup,
     PartialLimits,
+    SampledSummary,
     add_chunk,
     any_passed,
     base_context,
@@ -284,7 +285,7 @@ class Generator(Actor):
         version = weights.held_version or 0
         seed = _seed(state)
 
-        def summarise() -> list[int]:
+        def summarise() -> SampledSummary:
             with self._model_lock:
                 summary = summarize_if_over_budget(
                     weights.model, context, budget=budget, keep_prefix=keep,
@@ -292,15 +293,18 @@ class Generator(Actor):
                     eos_id=tok.stop_id, temperature=self.config.temperature, version=version,
                     on_step=weights.maybe_swap, generator=torch.Generator().manual_seed(seed))
             assert summary is not None  # len(context) > budget
-            return list(summary.sample.tokens.tolist())
+            sample = summary.sample
+            return SampledSummary(source=list(summary.source), ids=sample.tokens.tolist(),
+                                  logprobs=sample.logprobs.tolist(), versions=sample.versions.tolist(),
+                                  routing=None if sample.routing is None else sample.routing.numpy())
 
         started = time.monotonic()
-        ids = await anyio.to_thread.run_sync(summarise)
+        written = await anyio.to_thread.run_sync(summarise)
         state.generate_s += time.monotonic() - started
         state.chunks += 1
-        record_summary(ep, ids)
+        record_summary(ep, task, written, self.tokenizer)
         self.count("summaries")
-        log.info("episode_summarised", task_id=state.task_id, context=len(context), summary=len(ids))
+        log.info("episode_summarised", task_id=state.task_id, context=len(context), summary=len(written.ids))
         return False
 
     async def _sample(self, state: PartialGroup, rows: list[EpisodeState], task: Task) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 import zstandard
 
 from rlbus.actors.common.errors import PartialGroupError
-from rlbus.messages.schemas import Rollout, SandboxVerdict, TensorBlob
+from rlbus.messages.schemas import Rollout, SandboxVerdict, Segment, TensorBlob
 from rlbus.model.episodes import Episode, Turn, add_attempt, completion_text, context_ids
 from rlbus.model.grading import GradeResult, Status
 from rlbus.model.policy import ChatTokenizer, frame_turn
@@ -91,6 +91,9 @@ class EpisodeState(msgspec.Struct, kw_only=True):
     summaries: int = 0
     routing: TensorBlob | None = None
     """int64 (R, n_moe_layers, top_k): experts of the first R tokens of the current sequence (MoE only)."""
+    segments: list[Segment] = []
+    """What each summary closed, oldest first (`record_summary`): the turns before it and the summary itself,
+    each with the context it was sampled under; the Rollout carries them (`Rollout.segments`)."""
 
     @property
     def passed(self) -> bool:
@@ -234,6 +237,10 @@ def _check_episode(ep: EpisodeState, task: Task, prompt: Sequence[int], tokenize
                 or (passed and (attempt.n_passed != attempt.n_tests or n != len(ep.attempts) - 1))):
             raise PartialGroupError(f"attempt {n} ({attempt.status}, {attempt.n_passed}/{attempt.n_tests}) "
                                     f"does not fit the task's {len(task.tests)} tests")
+    if len(ep.segments) > 2 * ep.summaries:
+        raise PartialGroupError(f"{len(ep.segments)} segments for {ep.summaries} summaries")
+    for k, seg in enumerate(ep.segments):
+        _check_segment(seg, limits, what=f"segment {k}")
     length = len(flatten(ep, tokenizer).ids) + len(tokenizer.header("assistant")) + len(ep.draft_ids)
     if length > limits.max_seq_len:
         raise PartialGroupError(f"{length} tokens, past max_seq_len {limits.max_seq_len}")
@@ -247,6 +254,19 @@ def _check_episode(ep: EpisodeState, task: Task, prompt: Sequence[int], tokenize
             or rows.shape[0] > length or (rows.size and not (0 <= rows.min() and rows.max() < experts))):
         raise PartialGroupError(f"routing {ep.routing.dtype} {rows.shape} does not fit "
                                 f"({length}, {layers}, {top_k}) experts < {experts}")
+
+
+def _check_segment(seg: Segment, limits: PartialLimits, *, what: str) -> None:
+    prompt, ids = seg.prompt_tokens.tolist(), seg.completion_tokens.tolist()
+    mask = seg.loss_mask.tolist()
+    if not prompt or len(mask) != len(ids) or len(prompt) + len(ids) > limits.max_seq_len:
+        raise PartialGroupError(f"{what}: {len(prompt)} prompt ids, {len(ids)} ids, {len(mask)} mask values "
+                                f"(max_seq_len {limits.max_seq_len})")
+    _check_tokens(prompt, [], [], policy=False, limits=limits, what=what)
+    _check_tokens(ids, seg.behaviour_logprobs.tolist(), seg.policy_versions.tolist(), policy=True, limits=limits,
+                  what=what)
+    if seg.routing is not None and limits.routing is None:
+        raise PartialGroupError(f"{what}: routing saved for a dense model")
 
 
 def new_group(task: Task, task_id: str, group_size: int, tokenizer: ChatTokenizer, *, now: float) -> PartialGroup:
@@ -342,9 +362,33 @@ def record_attempt(ep: EpisodeState, task: Task, attempt: Attempt, tokenizer: Ch
     ep.draft_ids, ep.draft_logprobs, ep.draft_versions, ep.draft_done = [], [], [], False
 
 
-def record_summary(ep: EpisodeState, summary_ids: Sequence[int]) -> None:
-    """Replace the history after the prompt by a summary turn (model/episodes.py add_summary)."""
-    ep.turns = [ep.turns[0], TurnState(role="summary", ids=[int(t) for t in summary_ids])]
+@dataclass(frozen=True, slots=True)
+class SampledSummary:
+    """A summary as the policy wrote it: what it read (`source`), then per sampled id its logprob, version and
+    (MoE) the routing over source + ids."""
+
+    source: list[int]
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    routing: np.ndarray | None = None
+
+
+def record_summary(ep: EpisodeState, task: Task, summary: SampledSummary, tokenizer: ChatTokenizer) -> None:
+    """Close the episode's current segment (its turns since the last summary, when it trained on any) and add
+    the summary as a segment of its own, under the context it was written in; then replace the history after
+    the prompt by the summary turn (model/episodes.py add_summary)."""
+    before = episode_segment(ep, task, tokenizer)
+    if before is not None:
+        ep.segments.append(before)
+    ep.segments.append(Segment(
+        prompt_tokens=TensorBlob.of(summary.source, "int32"),
+        completion_tokens=TensorBlob.of(summary.ids, "int32"),
+        behaviour_logprobs=TensorBlob.of(summary.logprobs, "float32"),
+        policy_versions=TensorBlob.of(summary.versions, "int32"),
+        loss_mask=TensorBlob.of([1] * len(summary.ids), "uint8"),
+        routing=None if summary.routing is None else TensorBlob.of(summary.routing, "int64")))
+    ep.turns = [ep.turns[0], TurnState(role="summary", ids=[int(t) for t in summary.ids])]
     ep.routing = None
     ep.summaries += 1
 
@@ -408,34 +452,49 @@ def attempt_reward(attempt: Attempt, partial_credit: float = 0.0) -> float:
     return partial_credit * attempt.n_passed / attempt.n_tests if attempt.n_tests > 0 else 0.0
 
 
-def build_rollout(ep: EpisodeState, *, task: Task, task_id: str, group_index: int, group_size: int,
-                  tokenizer: ChatTokenizer, region: str, generator_id: str,
-                  timings: dict[str, float], partial_credit: float = 0.0) -> Rollout:
-    """The finished episode as a Rollout (layout in the module docstring); reward 1.0 when the last
-    attempt passed every hidden test, else partial_credit * (tests passed / tests) of that attempt
-    (0.0 with the default: no partial credit)."""
+def episode_segment(ep: EpisodeState, task: Task, tokenizer: ChatTokenizer) -> Segment | None:
+    """The episode's finished turns as trained tokens (layout in the module docstring): the prompt, then up to
+    the last policy-sampled id; None when no turn since the prompt (or the last summary) was sampled."""
     flat = flatten(ep, tokenizer)
     policy_positions = [i for i, m in enumerate(flat.loss_mask) if m]
     end = policy_positions[-1] + 1 if policy_positions else len(flat.ids)
     n_prompt = prompt_length(task, tokenizer) + len(tokenizer.header("assistant"))
-    if end < n_prompt:
-        raise ValueError(f"episode {task_id}-{group_index} has no sampled token to train on")
+    if not policy_positions or end < n_prompt:
+        return None
     versions = fill_versions(flat.versions[:end])
-    last = ep.attempts[-1] if ep.attempts else Attempt(status="error", n_passed=0, n_tests=len(task.tests),
-                                                        feedback="never attempted")
     routing = None
-    if ep.routing is not None and policy_positions:
+    if ep.routing is not None:
         rows = ep.routing.numpy()
         if rows.shape[0] < end:
-            raise ValueError(f"routing of {task_id}-{group_index} covers {rows.shape[0]} of {end} tokens")
+            raise ValueError(f"routing covers {rows.shape[0]} of {end} tokens")
         routing = TensorBlob.of(rows[:end], "int64")
-    return Rollout(
-        rollout_id=f"{task_id}-{group_index}", task_id=task_id, group_index=group_index, group_size=group_size,
+    return Segment(
         prompt_tokens=TensorBlob.of(flat.ids[:n_prompt], "int32"),
         completion_tokens=TensorBlob.of(flat.ids[n_prompt:end], "int32"),
         behaviour_logprobs=TensorBlob.of(flat.logprobs[n_prompt:end], "float32"),
         policy_versions=TensorBlob.of(versions[n_prompt:end], "int32"),
-        loss_mask=TensorBlob.of(flat.loss_mask[n_prompt:end], "uint8"),
-        routing=routing, reward=attempt_reward(last, partial_credit), verdict=last.verdict,
-        timings=dict(timings), region=region, generator_id=generator_id,
+        loss_mask=TensorBlob.of(flat.loss_mask[n_prompt:end], "uint8"), routing=routing)
+
+
+def build_rollout(ep: EpisodeState, *, task: Task, task_id: str, group_index: int, group_size: int,
+                  tokenizer: ChatTokenizer, region: str, generator_id: str,
+                  timings: dict[str, float], partial_credit: float = 0.0) -> Rollout:
+    """The finished episode as a Rollout (layout in the module docstring), its earlier segments included;
+    reward 1.0 when the last attempt passed every hidden test, else partial_credit * (tests passed / tests)
+    of that attempt (0.0 with the default: no partial credit)."""
+    try:
+        tail = episode_segment(ep, task, tokenizer)
+    except ValueError as err:
+        raise ValueError(f"episode {task_id}-{group_index}: {err}") from None
+    if tail is None:
+        raise ValueError(f"episode {task_id}-{group_index} has no sampled token to train on")
+    last = ep.attempts[-1] if ep.attempts else Attempt(status="error", n_passed=0, n_tests=len(task.tests),
+                                                        feedback="never attempted")
+    return Rollout(
+        rollout_id=f"{task_id}-{group_index}", task_id=task_id, group_index=group_index, group_size=group_size,
+        prompt_tokens=tail.prompt_tokens, completion_tokens=tail.completion_tokens,
+        behaviour_logprobs=tail.behaviour_logprobs, policy_versions=tail.policy_versions,
+        loss_mask=tail.loss_mask, routing=tail.routing, reward=attempt_reward(last, partial_credit),
+        verdict=last.verdict, timings=dict(timings), region=region, generator_id=generator_id,
+        segments=list(ep.segments),
     )

@@ -33,7 +33,7 @@ from torch import Tensor
 from rlbus.actors.common.errors import CheckpointError
 from rlbus.kernels.delta_state import encode_state
 from rlbus.kernels.logprob import token_logprob_entropy
-from rlbus.messages.schemas import Rollout
+from rlbus.messages.schemas import Rollout, Segment
 from rlbus.model.generate import distinct_prompts, left_pad
 from rlbus.model.loss import Aggregation, group_relative_advantages, rl_loss, shape_rewards
 from rlbus.model.policy import (
@@ -59,9 +59,10 @@ class Plan:
 
 
 def versions_behind(rollout: Rollout, version: int) -> int:
-    """version - min(per-token policy versions), at least 0; a rollout without tokens is 0 behind."""
-    versions = rollout.policy_versions.numpy()
-    return max(0, version - int(versions.min())) if versions.size else 0
+    """version - min(per-token policy versions, its segments' included), at least 0; a rollout without tokens
+    is 0 behind."""
+    oldest = [int(v.min()) for part in (*rollout.segments, rollout) if (v := part.policy_versions.numpy()).size]
+    return max(0, version - min(oldest)) if oldest else 0
 
 
 def plan_step(groups: Mapping[str, Sequence[Rollout]], *, version: int, staleness_versions: int,
@@ -112,8 +113,10 @@ def plan_step(groups: Mapping[str, Sequence[Rollout]], *, version: int, stalenes
 # ---- the padded batch --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RolloutBatch:
-    """B rollouts right-padded to L = max(P_b + T_b) tokens; position j of the (B, L-1) arrays is the
-    prediction of token j+1 from logits[:, j], so completion token t of row b sits at j = P_b - 1 + t."""
+    """B rows right-padded to L = max(P_b + T_b) tokens; position j of the (B, L-1) arrays is the
+    prediction of token j+1 from logits[:, j], so completion token t of row b sits at j = P_b - 1 + t.
+    A row is a rollout, or one of its earlier segments (each under its own context, `Rollout.segments`):
+    a rollout's segments come first, then the rollout itself, and `owner` says whose each row is."""
 
     tokens: Tensor
     """(B, L) int64 prompt + completion ids, right-padded with 0."""
@@ -131,49 +134,65 @@ class RolloutBatch:
     """(B,) int64 prompt lengths P_b."""
     group_ids: Tensor
     """(B,) int64 group index (rows of one task share it)."""
+    owner: Tensor
+    """(B,) int64: the index of the rollout each row belongs to (0..N-1; the identity without segments)."""
+    segmented: bool = False
+    """Some rollout has earlier segments (then B > N)."""
+
+
+def batch_rows(rollouts: Sequence[Rollout]) -> list[tuple[Rollout | Segment, int]]:
+    """Every row a batch of `rollouts` trains, with the index of its rollout: each rollout's segments, oldest
+    first, then the rollout itself."""
+    return [(part, i) for i, r in enumerate(rollouts) for part in (*r.segments, r)]
 
 
 def rollout_batch(rollouts: Sequence[Rollout], *, moe: tuple[int, int] | None = None,
                   device: torch.device | str = "cpu") -> RolloutBatch:
-    """Pad `rollouts` into a `RolloutBatch`. moe = (n_moe_layers, top_k) of the model, None without MoE;
-    routing is replayed when every rollout carries a (P + T, n_moe_layers, top_k) record."""
+    """Pad `rollouts` (their segments as rows of their own, `batch_rows`) into a `RolloutBatch`. moe =
+    (n_moe_layers, top_k) of the model, None without MoE; routing is replayed when every row carries a
+    (P + T, n_moe_layers, top_k) record."""
     if not rollouts:
         raise ValueError("a batch needs at least one rollout")
-    prompts = [r.prompt_tokens.numpy().astype(np.int64) for r in rollouts]
-    completions = [r.completion_tokens.numpy().astype(np.int64) for r in rollouts]
-    B = len(rollouts)
+    rows = batch_rows(rollouts)
+    owners = [i for _, i in rows]
+    parts = [part for part, _ in rows]
+    prompts = [r.prompt_tokens.numpy().astype(np.int64) for r in parts]
+    completions = [r.completion_tokens.numpy().astype(np.int64) for r in parts]
+    B = len(parts)
     L = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
     tokens = torch.zeros(B, L, dtype=torch.long)
     mask = torch.zeros(B, max(L - 1, 0), dtype=torch.bool)
     behaviour = torch.zeros(B, max(L - 1, 0), dtype=torch.float32)
     groups: dict[str, int] = {}
-    for b, (r, p, c) in enumerate(zip(rollouts, prompts, completions, strict=True)):
+    for b, (r, p, c) in enumerate(zip(parts, prompts, completions, strict=True)):
+        owner = rollouts[owners[b]]
         P, T = len(p), len(c)
         tokens[b, :P] = torch.from_numpy(p)
         tokens[b, P:P + T] = torch.from_numpy(c)
         if T:
             if P < 1:
-                raise ValueError(f"rollout {r.rollout_id}: a completion needs at least one prompt token")
+                raise ValueError(f"rollout {owner.rollout_id}: a completion needs at least one prompt token")
             keep = r.loss_mask.numpy()
             trained = torch.ones(T, dtype=torch.bool) if keep.size == 0 else torch.from_numpy(keep != 0)
             mask[b, P - 1:P - 1 + T] = trained
             behaviour[b, P - 1:P - 1 + T] = torch.from_numpy(r.behaviour_logprobs.numpy().astype(np.float32))
-        groups.setdefault(r.task_id, len(groups))
+        groups.setdefault(owner.task_id, len(groups))
     routing = None
-    if moe is not None and all(r.routing is not None for r in rollouts):
+    if moe is not None and all(r.routing is not None for r in parts):
         n_moe, top_k = moe
         routing = torch.arange(top_k, dtype=torch.long).expand(B, L, n_moe, top_k).clone()
-        for b, r in enumerate(rollouts):
+        for b, r in enumerate(parts):
             assert r.routing is not None
             record = torch.from_numpy(r.routing.numpy().astype(np.int64))
             routing[b, :record.shape[0]] = record
     return RolloutBatch(
         tokens=tokens.to(device), mask=mask.to(device), behaviour=behaviour.to(device),
         routing=None if routing is None else routing.to(device),
-        rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32, device=device),
+        rewards=torch.tensor([rollouts[i].reward for i in owners], dtype=torch.float32, device=device),
         lengths=torch.tensor([len(c) for c in completions], dtype=torch.long, device=device),
         prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device),
-        group_ids=torch.tensor([groups[r.task_id] for r in rollouts], dtype=torch.long, device=device),
+        group_ids=torch.tensor([groups[rollouts[i].task_id] for i in owners], dtype=torch.long, device=device),
+        owner=torch.tensor(owners, dtype=torch.long, device=device), segmented=B > len(rollouts),
     )
 
 
@@ -213,6 +232,20 @@ def shared_prompt_logprobs(net: Policy, batch: RolloutBatch, temperature: float 
     # completion token t of row b is position P_b - 1 + t of the (B, L-1) layout; padded rows land past it
     at = batch.prompt_lengths[:, None] - 1 + torch.arange(width, device=device)[None]
     return torch.zeros(B, L - 1 + width, dtype=logp.dtype, device=device).scatter(1, at, logp)[:, :L - 1]
+
+
+def per_rollout(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """(rewards, completion lengths, group ids), each (N,) per rollout: a rollout's length counts the
+    completion tokens of all its rows. The batch's own tensors when it has no segments."""
+    if not batch.segmented:
+        return batch.rewards, batch.lengths, batch.group_ids
+    n = int(batch.owner.max()) + 1
+    first = torch.full((n,), batch.owner.numel(), dtype=torch.long, device=batch.owner.device)
+    first = first.scatter_reduce(0, batch.owner, torch.arange(batch.owner.numel(), device=batch.owner.device),
+                                 reduce="amin")
+    lengths = torch.zeros(n, dtype=batch.lengths.dtype, device=batch.lengths.device).index_add_(
+        0, batch.owner, batch.lengths)
+    return batch.rewards.index_select(0, first), lengths, batch.group_ids.index_select(0, first)
 
 
 # ---- one optimizer step ------------------------------------------------------------------------
@@ -278,7 +311,13 @@ class TrainerCore:
         return self.policy.moe
 
     def check(self, rollout: Rollout) -> str | None:
-        """Why this model cannot train on `rollout` (None: it can)."""
+        """Why this model cannot train on `rollout` or one of its segments (None: it can)."""
+        for i, segment in enumerate(rollout.segments):
+            if (why := self._check_part(segment)) is not None:
+                return f"{why} (segment {i})"
+        return self._check_part(rollout)
+
+    def _check_part(self, rollout: Rollout | Segment) -> str | None:
         P, T = len(rollout.prompt_tokens), len(rollout.completion_tokens)
         max_seq_len, vocab_size = self.policy.max_seq_len, self.policy.vocab_size
         if P + T > max_seq_len:
@@ -328,13 +367,16 @@ class TrainerCore:
         logp = self.logprobs(self.policy, batch, objective.temperature)
         with torch.no_grad():
             ref = self.logprobs(self.reference, batch, objective.temperature)
-        rewards = batch.rewards
+        rewards, lengths, group_ids = per_rollout(batch)
         if objective.length_coef > 0:
-            rewards = shape_rewards(rewards, batch.lengths, objective.length_budget,
+            rewards = shape_rewards(rewards, lengths, objective.length_budget,
                                     coef=objective.length_coef, power=objective.length_power)
-        advantages = group_relative_advantages(rewards, batch.group_ids, scale_by_std=objective.scale_by_std)
+        advantages = group_relative_advantages(rewards, group_ids, scale_by_std=objective.scale_by_std)
+        if batch.segmented:
+            advantages = advantages.index_select(0, batch.owner)
         terms = rl_loss(logp, batch.behaviour, ref, advantages, batch.mask, is_cap=objective.is_cap,
-                        kl_coef=objective.kl_coef, mode=objective.aggregation)
+                        kl_coef=objective.kl_coef, mode=objective.aggregation,
+                        sequences=batch.owner if batch.segmented else None)
         self.optimizer.zero_grad(set_to_none=True)
         terms.loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -348,7 +390,7 @@ class TrainerCore:
                     group["lr"] = lr
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        raw = batch.rewards
+        raw, _, _ = per_rollout(batch)
         return StepStats(
             loss=loss, kl=float(terms.kl), reward_mean=float(raw.mean()),
             reward_std=float(raw.std(unbiased=False)), mean_weight=float(terms.mean_weight),

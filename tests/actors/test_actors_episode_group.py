@@ -4,6 +4,7 @@ finished episode becomes, the partial's encoding (compressed when large), and a 
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -12,6 +13,7 @@ from rlbus.actors.generator.group import (
     Attempt,
     PartialGroup,
     PartialLimits,
+    SampledSummary,
     add_chunk,
     any_passed,
     base_context,
@@ -29,7 +31,9 @@ from rlbus.actors.generator.group import (
     record_attempt,
     record_summary,
 )
-from rlbus.messages.schemas import SandboxVerdict
+from rlbus.messages import checks
+from rlbus.messages.errors import BadMessage
+from rlbus.messages.schemas import SandboxVerdict, TensorBlob
 from rlbus.model.episodes import episode_tokens
 from rlbus.model.tasks import eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
@@ -103,14 +107,19 @@ def test_attempts_follow_the_episode_layout_and_become_a_rollout() -> None:
     assert r.verdict.status == "ok" and r.routing is None
 
 
-def test_summary_replaces_the_history_and_is_masked() -> None:
-    """After a summary the episode reads prompt, <|summary|> and the summary; the Rollout starts there and
-    trains only on the attempts after it."""
-    ep = new_group(TASK, "t", 1, TOK, now=0.0).episodes[0]
+def test_summary_replaces_the_history_and_closes_two_segments() -> None:
+    """After a summary the episode reads prompt, <|summary|> and the summary; the Rollout's own tokens start
+    there and train only on the attempts after it, and its segments keep what the summary replaced: the
+    first attempt under the prompt, and the summary (all trained) under exactly what the policy read."""
+    group = new_group(TASK, "t", 1, TOK, now=0.0)
+    ep = group.episodes[0]
     ep.draft_ids, ep.draft_logprobs, ep.draft_versions = [*TOK.encode("x"), END], [-1.0, -1.0], [0, 0]
     record_attempt(ep, TASK, _failed(0), TOK, 3)
+    before = base_context(ep, TASK, TOK, 3)
     summary = [*TOK.encode("tried x"), END]
-    record_summary(ep, summary)
+    source = [*before, TOK.summary_id]
+    record_summary(ep, TASK, SampledSummary(source=source, ids=summary, logprobs=[-0.5] * len(summary),
+                                            versions=[1] * len(summary)), TOK)
     assert ep.summaries == 1 and len(ep.attempts) == 1 and [t.role for t in ep.turns] == ["user", "summary"]
     prefix = TOK.prompt_ids(TASK.prompt)[:-1]
     assert base_context(ep, TASK, TOK, 3) == [*prefix, TOK.summary_id, *summary, TOK.assistant_id]
@@ -124,6 +133,17 @@ def test_summary_replaces_the_history_and_is_masked() -> None:
     mask = r.loss_mask.tolist()
     assert mask[:len(summary) + 1] == [0] * (len(summary) + 1)           # summary and <|assistant|>
     assert sum(mask) == 4 and r.reward == 0.0
+    first, written = r.segments
+    assert first.prompt_tokens.tolist() == TOK.prompt_ids(TASK.prompt)
+    assert first.loss_mask.tolist()[:2] == [1, 1] and sum(first.loss_mask.tolist()) == 2
+    assert first.behaviour_logprobs.tolist()[:2] == [-1.0, -1.0]
+    assert written.prompt_tokens.tolist() == source and written.completion_tokens.tolist() == summary
+    assert written.loss_mask.tolist() == [1] * len(summary) and written.policy_versions.tolist() == [1] * len(summary)
+    assert decode_partial(encode_partial(group)) == group                  # and the partial keeps them
+    checks.check(r)                                                        # the segments are valid on the wire
+    broken = msgspec.structs.replace(r, segments=[msgspec.structs.replace(written, loss_mask=TensorBlob.of([1], "uint8"))])
+    with pytest.raises(BadMessage, match=r"segments\[0\]\.loss_mask"):
+        checks.check(broken)
 
 
 def test_partial_round_trips_and_large_ones_are_compressed() -> None:

@@ -9,6 +9,7 @@ kept by in-progress acks and delivered once, and versions the publisher announce
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -55,12 +56,14 @@ from rlbus.actors.publisher import Publisher
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
 from rlbus.actors.trainer.actor import Trainer
 from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
+from rlbus.actors.trainer.core import TrainerCore, rollout_batch
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import Heartbeat, Rollout, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.streams import StreamSettings, provision_hub, provision_region, provision_run
 from rlbus.messages.subjects import BucketScope
+from rlbus.model.policy import as_policy
 from rlbus.model.tasks import Task, eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig, Transformer
@@ -428,7 +431,9 @@ async def test_group_without_a_pass_grows_by_g_up_to_max_group_size(env: Env, su
 
 async def test_over_budget_history_is_summarised(env: Env) -> None:
     """With a context budget just above the prompt, the history after a failed attempt is replaced by the
-    policy's own summary (masked out of the loss); the next attempts read prompt + summary, as replayed."""
+    policy's own summary; the next attempts read prompt + summary, as replayed. The rollout's segments keep
+    the first attempt under the prompt and the summary under what the policy read, and the trainer's own
+    logprobs of every segment, recomputed under the same weights, equal the behaviour logprobs."""
     task = coding_task(3)
     keep = len(TOK.encode(task.prompt)) + 3
     config = GeneratorConfig(
@@ -453,6 +458,17 @@ async def test_over_budget_history_is_summarised(env: Env) -> None:
         m = torch.tensor(mask, dtype=torch.bool)
         torch.testing.assert_close(teacher_forced(model, r)[m], torch.tensor(r.behaviour_logprobs.tolist())[m],
                                    atol=BF16_KV_ATOL, rtol=0)
+        first, written = r.segments
+        assert first.prompt_tokens.tolist() == TOK.prompt_ids(task.prompt) and 0 < sum(first.loss_mask.tolist()) <= 12
+        assert written.loss_mask.tolist() == [1] * len(written.completion_tokens)
+        assert written.prompt_tokens.tolist()[-1] == TOK.summary_id
+        assert completion[:len(written.completion_tokens)] == written.completion_tokens.tolist()
+    core = TrainerCore(as_policy(copy.deepcopy(model)), as_policy(copy.deepcopy(model)), lr=0.0)
+    batch = rollout_batch(await rollouts(env))
+    assert batch.tokens.shape[0] == 6 and batch.owner.tolist() == [0, 0, 0, 1, 1, 1]
+    with torch.no_grad():
+        logp = core.logprobs(core.policy, batch)
+    torch.testing.assert_close(logp[batch.mask], batch.behaviour[batch.mask], atol=BF16_KV_ATOL, rtol=0)
 
 
 # ---- chaos: a generator process SIGKILLed mid-rollout ---------------------------------------------------

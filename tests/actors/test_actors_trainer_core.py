@@ -21,7 +21,7 @@ from rlbus.actors.trainer.core import (
 )
 from rlbus.kernels.delta_state import apply_state_, encode_state
 from rlbus.kernels.logprob import token_logprob_entropy
-from rlbus.messages.schemas import Rollout, TensorBlob
+from rlbus.messages.schemas import Rollout, Segment, TensorBlob
 from rlbus.model.builtin_policy import BuiltinPolicy
 from rlbus.model.transformer import ModelConfig, Transformer
 
@@ -324,3 +324,35 @@ def test_build_core_starts_from_a_pretrained_checkpoint_folder_and_freezes_it_as
     assert not any(p.requires_grad for p in core.reference.module.parameters())
     with pytest.raises(FileNotFoundError, match="rlbus pretrain"):
         build_core(str(tmp_path / "nowhere"), lr=1e-3, seed=0)
+
+
+def _segment(prompt: list[int], completion: list[int], logprobs: list[float], versions: list[int]) -> Segment:
+    return Segment(prompt_tokens=TensorBlob.of(prompt, "int32"), completion_tokens=TensorBlob.of(completion, "int32"),
+                   behaviour_logprobs=TensorBlob.of(logprobs, "float32"), policy_versions=TensorBlob.of(versions, "int32"),
+                   loss_mask=TensorBlob.of([1] * len(completion), "uint8"))
+
+
+def test_segments_are_rows_of_their_own_rollout_and_weigh_it_once() -> None:
+    """A rollout's segments enter the batch as rows before it, each under its own prompt; the group advantage
+    is the rollout's (a segment does not count as a member); under sequence_mean the rollout is one
+    sequence across its rows; staleness reads the oldest token of any segment."""
+    core = _core(ModelConfig.tiny(vocab_size=264))
+    first, second = sample_rollouts(core.model, tasks=1, group_size=2, max_new_tokens=5, seed=3)
+    extra = _segment([3, 4, 5], [6, 7], [-0.5, -0.25], [0, 1])
+    first = msgspec.structs.replace(first, reward=1.0, segments=[extra])
+    second = msgspec.structs.replace(second, reward=0.0)
+    batch = rollout_batch([first, second])
+    assert batch.owner.tolist() == [0, 0, 1] and batch.segmented
+    assert batch.tokens[0, :5].tolist() == [3, 4, 5, 6, 7] and batch.mask[0, 2:4].tolist() == [True, True]
+    assert versions_behind(first, 4) == 4 and versions_behind(second, 4) == 4 - int(second.policy_versions.numpy().min())
+    assert core.check(msgspec.structs.replace(first, segments=[_segment([3], [999], [-1.0], [0])])) == (
+        "invalid: token id outside the vocabulary of 264 (segment 0)")
+    with torch.no_grad():
+        logp = core.logprobs(core.policy, batch)
+    adv = [0.5, 0.5, -0.5]                          # rewards 1 and 0 of two rollouts, not of three rows
+    weight = torch.exp(logp - batch.behaviour).clamp(max=2.0)        # the segment's behaviour is not the policy's
+    per_row = [(-adv[b] * weight[b] * logp[b])[batch.mask[b]].sum() for b in range(3)]
+    counts = [int(batch.mask[b].sum()) for b in range(3)]
+    want = float(((per_row[0] + per_row[1]) / (counts[0] + counts[1]) + per_row[2] / counts[2]) / 2)
+    stats = core.train_step([first, second], Objective(kl_coef=0.0, grad_clip=0.0, aggregation="sequence_mean"))
+    assert stats.loss == pytest.approx(want, abs=1e-4) and stats.reward_mean == 0.5
