@@ -16,7 +16,6 @@ through the real sandbox by the tests); `task_id` is `repo-L<level>-<seed>`, so 
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from collections.abc import Iterator, Mapping
@@ -32,8 +31,11 @@ LEVELS: Final = (1, 2, 3)
 HIDDEN_TEST: Final = "test_hidden.py"
 """The hidden tests' file, written at the workspace root of the grading copy only."""
 TEST_COMMAND: Final = f"python3 -B {HIDDEN_TEST}"
+VERIFIER_KIND: Final = "rlbus-repo-task-v1"
+"""`Task.verifier["kind"]` of a repository task; `Task.verifier["task"]` holds it as JSON."""
 _ID: Final = re.compile(r"repo-L([0-9]+)-([0-9]+)")
-_PACKAGES: Final = ("inventory", "ledger", "geometry", "textkit", "stats", "schedule", "catalog", "metrics")
+_PACKAGES: Final = ("inventory", "ledger", "geometry", "textkit", "stats", "schedule", "catalog", "metrics",
+                     "billing", "survey", "routing", "library", "weather", "orders", "grades", "playlist")
 
 
 class RepoTask(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,36 +54,32 @@ class RepoTask(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def prompt(self) -> str:
-        """The instruction and the file list: what identifies the task (its prompt hash)."""
-        return f"{self.instruction}\n\n" + "\n".join(sorted(self.files))
+        """The instruction and every file with its path: what identifies the task (its prompt hash)."""
+        return f"{self.instruction}\n\n" + "".join(f"--- {path}\n{self.files[path]}" for path in sorted(self.files))
 
     @property
     def prompt_hash(self) -> str:
         return prompt_hash(self.prompt)
 
     def verifier_spec(self) -> dict[str, str]:
-        """The task as the `Task` message's str -> str verifier map (no reference inside)."""
-        return {"kind": "repo", "level": str(self.level), "instruction": self.instruction,
-                "files": json.dumps(self.files, sort_keys=True), "tests": json.dumps(self.hidden_tests, sort_keys=True),
-                "command": self.test_command}
+        """The task as the `Task` message's verifier map: `{"kind": VERIFIER_KIND, "task": <JSON>}`, the JSON
+        holding every field but the reference and its solution."""
+        shown = msgspec.structs.replace(self, reference=(), solution={})
+        return {"kind": VERIFIER_KIND, "task": msgspec.json.encode(shown).decode()}
 
     @classmethod
-    def from_spec(cls, task_id: str, spec: Mapping[str, str]) -> RepoTask:
-        """Rebuild a task from `verifier_spec()` (reference and solution left empty).
+    def from_spec(cls, spec: Mapping[str, str]) -> RepoTask:
+        """Rebuild a task from `verifier_spec()`.
 
-        :raises ValueError: the spec is not a repository task's, naming the key.
+        :raises ValueError: the spec is not a repository task's: the kind, or what is wrong in its JSON (with
+            its path, such as `$.files`).
         """
-        if spec.get("kind") != "repo":
-            raise ValueError(f"task {task_id}: verifier kind {spec.get('kind')!r} is not 'repo'")
+        if spec.get("kind") != VERIFIER_KIND or "task" not in spec:
+            raise ValueError(f"verifier kind {spec.get('kind')!r} is not {VERIFIER_KIND!r} with a 'task'")
         try:
-            files, tests = json.loads(spec["files"]), json.loads(spec["tests"])
-            level, instruction, command = int(spec["level"]), spec["instruction"], spec["command"]
-        except (KeyError, ValueError) as err:
-            raise ValueError(f"task {task_id}: repository verifier spec key {err} missing or malformed") from None
-        if not all(isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values())) for v in (files, tests)):
-            raise ValueError(f"task {task_id}: repository verifier spec 'files'/'tests' must map paths to text")
-        return cls(task_id=task_id, level=level, instruction=instruction, files=files, hidden_tests=tests,
-                   test_command=command)
+            return msgspec.json.decode(spec["task"], type=cls)
+        except msgspec.DecodeError as err:
+            raise ValueError(f"repository task verifier: {err}") from None
 
 
 # ---- editing ---------------------------------------------------------------------------------------------

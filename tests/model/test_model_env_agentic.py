@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from helpers.hf import build_family
 
@@ -87,7 +88,8 @@ async def _play(env: AgenticEnvironment, task: RepoTask, script: tuple[str, ...]
     for turn in range(50):
         ids = scripted_ids(script, state, env.tokenizer)
         state = (await env.step(state, ids, port, now=float(turn))).state
-        assert decode_state(encode_state(state)) == state
+        assert decode_state(encode_state(state)) == state == msgspec.json.decode(msgspec.json.encode(state),
+                                                                                type=AgenticState)
         if state.done:
             return state, port
     raise AssertionError("the script never ended the episode")
@@ -95,12 +97,15 @@ async def _play(env: AgenticEnvironment, task: RepoTask, script: tuple[str, ...]
 
 @pytest.mark.parametrize("task", TASKS, ids=lambda t: t.task_id)
 async def test_reference_script_solves_and_submit_at_once_fails(task: RepoTask) -> None:
-    """Following the reference edit then submitting earns 1.0; submitting the repository as given earns 0.0."""
+    """Following the reference edit then submitting earns 1.0 (also for the task rebuilt from its verifier spec,
+    whose reference comes from its id); submitting the repository as given earns 0.0. The state round-trips
+    through msgpack and JSON after every turn."""
     env = AgenticEnvironment(TOK)
     solved, port = await _play(env, task, reference_script(task))
     assert (solved.reward, solved.verdict, solved.ended) == (1.0, "passed", "submit")
     assert port.graded == [(task.hidden_tests, task.test_command)]
     assert solved.calls == task.reference and solved.policy_turns == len(task.reference) + 1
+    assert reference_script(RepoTask.from_spec(task.verifier_spec())) == reference_script(task)
     failed, port = await _play(env, task, SUBMIT_SCRIPT)
     assert (failed.reward, failed.verdict, failed.ended, failed.policy_turns) == (0.0, "failed", "submit", 1)
     assert port.calls == []
@@ -229,8 +234,6 @@ async def test_loss_mask_covers_exactly_the_policy_turns(which: str, request: py
 
 def test_state_decodes_only_from_a_state() -> None:
     """Garbage bytes or a state of an unknown environment do not decode."""
-    import msgspec
-
     with pytest.raises(msgspec.DecodeError):
         decode_state(b"\x93garbage")
     with pytest.raises(msgspec.DecodeError):
