@@ -12,6 +12,7 @@ format (model/tool_calls.py), the tasks (model/repo_tasks.py). The wall clock is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Annotated, Final, Literal
 
@@ -175,6 +176,8 @@ class AgenticEnvironment:
             return call
         cap = self.budgets.run_timeout_s
         asked = float(call.arguments.get("timeout_s", cap))
+        if not math.isfinite(asked):  # Python's JSON reads NaN and Infinity
+            asked = cap
         return ToolCall("run", {**call.arguments, "timeout_s": min(max(asked, 0.1), cap)})
 
     def _cut(self, text: str) -> str:

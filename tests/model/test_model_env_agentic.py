@@ -192,6 +192,9 @@ async def test_observations_are_cut_to_their_budget_saying_so() -> None:
     assert text == ("<tool_response>\nexit code 0\n" + "x" * 88
                     + "\n[output truncated: 10012 characters, the first 100 shown]\n</tool_response>")
     assert port.calls == [("run", {"command": "yes", "timeout_s": 5.0})]
+    nan = '<tool_call>{"name": "run", "arguments": {"command": "yes", "timeout_s": NaN}}</tool_call>'
+    await env.step(env.start(task), [*TOK.encode(nan), TOK.stop_id], port)
+    assert port.calls[-1] == ("run", {"command": "yes", "timeout_s": 5.0})
     env = AgenticEnvironment(TOK, AgenticBudgets(observation_chars=100_000, observation_tokens=64))
     out = await env.step(env.start(task), [*TOK.encode(turn), TOK.stop_id], port)
     assert out.observation is not None and len(out.observation.ids) == 64
