@@ -119,8 +119,10 @@ class AgenticEnvironment:
         budget, grade the workspace and end (no observation then).
 
         A malformed call or an unknown tool is answered with what is wrong (the port is not called); calls
-        after a `submit` are not run; a turn without a call is answered with `NO_CALL`. A raise from the port (no sandbox answered) propagates with the state
-        unchanged, so the turn may be taken again.
+        after a `submit` are not run; a turn without a call is answered with `NO_CALL`. A raise from the port
+        (no sandbox answered) propagates and no state is returned; the calls of this turn that ran before it
+        have changed the workspace, so the generator takes the turn again only over a workspace restored to
+        the state's (a snapshot), never by running the calls twice.
         :raises ValueError: the episode is done.
         """
         refuse_done(state)

@@ -134,6 +134,17 @@ async def test_malformed_calls_are_answered_not_run() -> None:
     assert port.calls == [("list_files", {"path": "."})] and out.state.tool_calls == 7
 
 
+async def test_calls_after_submit_are_not_run() -> None:
+    """An edit and a submit in one turn: the edit runs, the submit grades it, the call after it never runs."""
+    task = TASKS[6]
+    env, port = AgenticEnvironment(TOK), FakeWorkspace(task)
+    turn = "".join(c.text() for c in (*task.reference, ToolCall("submit"), ToolCall("write_file", {
+        "path": "x.py", "content": ""})))
+    out = await env.step(env.start(task), [*TOK.encode(turn), TOK.stop_id], port)
+    assert (out.state.reward, out.state.ended, out.state.tool_calls) == (1.0, "submit", len(task.reference) + 1)
+    assert [name for name, _ in port.calls] == [c.name for c in task.reference] and "x.py" not in port.files
+
+
 async def test_turn_without_a_call_is_reminded() -> None:
     """A turn with no tool call is answered with how to call one; nothing runs."""
     env, task = AgenticEnvironment(TOK), TASKS[1]
