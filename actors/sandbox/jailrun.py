@@ -21,16 +21,19 @@ Does not: decide limits or parse tool calls (actors/sandbox/tools.py), touch NAT
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import DEVNULL, PIPE, STDOUT
-from typing import Final
+from typing import Any, Final
 
 import anyio
 from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from rlbus.actors.sandbox.pool import SANDBOX_UID, Isolation, _processes_of, sandbox_python
 
@@ -75,6 +78,25 @@ def python_in_jail() -> tuple[str, str]:
     return sandbox_python(for_other_uid=_is_root())
 
 
+def bwrap_prefix(workspace: Path, *, tmpfs_mb: int | None = None) -> list[str]:
+    """The bwrap command line up to the command: `workspace` at /workspace (cwd, HOME), the rest as documented."""
+    drop = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+            "--pdeathsig=KILL"] if _is_root() else []
+    out = [*drop, "bwrap", "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+           "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d):
+            out += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            out += ["--ro-bind", d, d]
+    _, prefix = python_in_jail()
+    if not prefix.startswith("/usr"):
+        out += ["--ro-bind", prefix, prefix]
+    size = ["--size", str(tmpfs_mb << 20)] if tmpfs_mb is not None else []
+    return [*out, "--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp", "--bind", str(workspace),
+            JAIL_WORKSPACE, "--chdir", JAIL_WORKSPACE, "--setenv", "HOME", JAIL_WORKSPACE]
+
+
 def jail_argv(level: Isolation, workspace: Path, argv: list[str], limits: RunLimits) -> tuple[list[str], str]:
     """(command line, cwd) running `argv` in `workspace` at `level` under `limits`."""
     cpu = max(1, int(-(-limits.cpu_seconds // 1)))
@@ -86,20 +108,7 @@ def jail_argv(level: Isolation, workspace: Path, argv: list[str], limits: RunLim
                f"--nofile={limits.max_open_files}", "--core=0", "--", *argv]
     drop = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups"] if _is_root() else []
     if level == "bwrap":
-        out = [*drop, "--pdeathsig=KILL"] if drop else []
-        out += ["bwrap", "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-                "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
-        for d in _SYSTEM_DIRS:
-            if os.path.islink(d):
-                out += ["--symlink", os.readlink(d), d]
-            elif os.path.isdir(d):
-                out += ["--ro-bind", d, d]
-        _, prefix = python_in_jail()
-        if not prefix.startswith("/usr"):
-            out += ["--ro-bind", prefix, prefix]
-        out += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(workspace), JAIL_WORKSPACE,
-                "--chdir", JAIL_WORKSPACE, "--setenv", "HOME", JAIL_WORKSPACE, *limited]
-        return out, "/"
+        return [*bwrap_prefix(workspace), *limited], "/"
     if level == "unshare":
         caps = ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
         out = ["setpriv", "--pdeathsig=KILL", "unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc",
@@ -151,6 +160,106 @@ async def run_jailed(level: Isolation, workspace: Path, argv: list[str], limits:
                       (time.perf_counter() - started) * 1000)
 
 
+RUNNER_SOURCE: Final = Path(__file__).with_name("runner.py")
+START_TIMEOUT_S: Final = 15.0
+"""A session jail must say it is ready within this."""
+REPLY_GRACE_S: Final = 5.0
+"""A session jail that has not answered `timeout_s + REPLY_GRACE_S` after a request is killed as hung."""
+
+
+class JailBroken(Exception):
+    """A session jail died, hung or did not start; the session starts another for its next call."""
+
+
+class SessionJail:
+    """A long-lived bwrap jail with one workspace bound read-write at /workspace and actors/sandbox/runner.py
+    as pid 1, running the session's calls one at a time (a fork and exec per call instead of a new jail)."""
+
+    def __init__(self, process: Process, reader: BufferedByteReceiveStream, workspace: Path) -> None:
+        self.process = process
+        self.reader = reader
+        self.workspace = workspace
+        self.calls = 0
+
+    @classmethod
+    async def start(cls, workspace: Path, *, tmpfs_mb: int) -> SessionJail:
+        """Start a jail on `workspace` and wait for its runner's ready frame.
+
+        :raises JailBroken: it exited or stayed silent.
+        """
+        python, _ = python_in_jail()
+        argv = [*bwrap_prefix(workspace, tmpfs_mb=tmpfs_mb), "--as-pid-1",
+                python, "-I", "-S", "-c", RUNNER_SOURCE.read_text(), JAIL_WORKSPACE]
+        process = await anyio.open_process(argv, stdin=PIPE, stdout=PIPE, stderr=DEVNULL,
+                                           env={"PATH": _PATH, "LANG": "C.UTF-8"}, cwd="/", start_new_session=True)
+        assert process.stdout is not None
+        jail = cls(process, BufferedByteReceiveStream(process.stdout), workspace)
+        try:
+            with anyio.fail_after(START_TIMEOUT_S):
+                hello = await jail._receive()
+        except (TimeoutError, JailBroken) as err:
+            await jail.kill()
+            raise JailBroken(f"the session jail did not start: {err!r}") from None
+        if not hello.get("ready"):
+            await jail.kill()
+            raise JailBroken(f"the session jail said {hello!r} instead of ready")
+        return jail
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    async def _receive(self) -> dict[str, Any]:
+        try:
+            (n,) = struct.unpack(">I", await self.reader.receive_exactly(4))
+            frame: dict[str, Any] = json.loads(await self.reader.receive_exactly(n))
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+                anyio.ClosedResourceError) as err:
+            raise JailBroken(f"session jail pipe closed ({type(err).__name__})") from None
+        return frame
+
+    async def run(self, argv: list[str], limits: RunLimits) -> RunOutcome:
+        """One call in this jail. Cancellation kills the jail (its state is then unknown).
+
+        :raises JailBroken: the jail died or hung (it is killed).
+        """
+        assert self.process.stdin is not None
+        env = {"PATH": _PATH, "LANG": "C.UTF-8", "HOME": JAIL_WORKSPACE, "TMPDIR": "/tmp"}
+        request = {"argv": argv, "timeout_s": limits.timeout_s, "cap": limits.max_output_bytes, "env": env,
+                   "limits": {"cpu_seconds": limits.cpu_seconds, "memory_mb": limits.memory_mb,
+                              "max_processes": limits.max_processes, "max_file_mb": limits.max_file_mb,
+                              "max_open_files": limits.max_open_files}}
+        data = json.dumps(request).encode()
+        started = time.perf_counter()
+        try:
+            await self.process.stdin.send(struct.pack(">I", len(data)) + data)
+            with anyio.fail_after(limits.timeout_s + REPLY_GRACE_S):
+                reply = await self._receive()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, TimeoutError, JailBroken) as err:
+            await self.kill()
+            raise JailBroken(f"the session jail broke during a call: {err!r}") from None
+        except BaseException:
+            await self.kill()
+            raise
+        if "error" in reply:
+            raise JailBroken(str(reply["error"]))
+        self.calls += 1
+        return RunOutcome(reply["exit_code"], str(reply["output"]), bool(reply["truncated"]),
+                          bool(reply["timed_out"]), (time.perf_counter() - started) * 1000)
+
+    async def kill(self) -> None:
+        """SIGKILL the jail (pid 1 of its namespace goes with it, and every process in there) and reap it."""
+        with anyio.CancelScope(shield=True):
+            if self.process.returncode is None:
+                try:
+                    self.process.kill()
+                except ProcessLookupError:
+                    pass
+            with anyio.move_on_after(5.0):
+                await self.process.wait()
+            await self.process.aclose()
+
+
 def _kill(process: Process, level: Isolation) -> None:
     """SIGKILL the jail: bwrap/unshare take their pid namespace with them; rlimits-only kills its group."""
     try:
@@ -162,4 +271,5 @@ def _kill(process: Process, level: Isolation) -> None:
         pass
 
 
-__all__ = ["JAIL_WORKSPACE", "RunLimits", "RunOutcome", "jail_argv", "python_in_jail", "run_jailed"]
+__all__ = ["JAIL_WORKSPACE", "JailBroken", "RunLimits", "RunOutcome", "SessionJail", "jail_argv", "python_in_jail",
+           "run_jailed"]

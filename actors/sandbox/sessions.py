@@ -5,20 +5,27 @@ opening files, owned by the sandbox uid when root), answering its tool calls one
 tools.py), renewing its lease on every call, and destroying it on close, when its lease runs out (`reap`)
 and when the supervisor stops (`close_all`); a call in flight when its session goes is cancelled and its
 jail killed. At most `[sandbox] max_sessions` are open. A session is a workspace, not an executor: its
-jailed calls (`run`, `grade`, `search`) take a slot of the supervisor's concurrency limiter like any
-snippet, so the sessions of a group queue for the same quota. Per-tool latency (median of the recent
-calls) and the open sessions are kept for the heartbeat.
+jailed calls (`run`, `search`; `grade` too) take a slot of the supervisor's concurrency limiter like any
+snippet, so the sessions of a group queue for the same quota.
+At the bwrap level each session has its own long-lived jail (jailrun.SessionJail: the workspace bound,
+actors/sandbox/runner.py as pid 1, a fork and exec per call, every process of a call killed before it
+answers); `[sandbox] session_spares` of them are kept started ahead on empty workspaces (`maintain_spares`),
+so an open adopts one; a session without one, or whose jail broke, starts one at its next jailed call.
+`grade` runs in a fresh jail on a fresh copy. Other levels start a fresh jail per call (jailrun.run_jailed).
+Per-tool latency (median of the recent calls) and the open sessions are kept for the heartbeat.
 Does not: talk to NATS (actors/sandbox/supervisor.py), do file or jail work itself (workspace.py,
 jailrun.py).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import statistics
 import tempfile
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -30,7 +37,7 @@ import anyio
 import structlog
 
 from rlbus.actors.sandbox.config import SandboxConfig
-from rlbus.actors.sandbox.jailrun import RunLimits, RunOutcome, run_jailed
+from rlbus.actors.sandbox.jailrun import JailBroken, RunLimits, RunOutcome, SessionJail, run_jailed
 from rlbus.actors.sandbox.pool import SANDBOX_UID, Isolation
 from rlbus.actors.sandbox.tools import TOOLS, ToolArgsError, ToolLimits, check_args, run_tool
 from rlbus.actors.sandbox.workspace import Workspace, WorkspaceError
@@ -57,6 +64,7 @@ class Session:
     scopes: set[anyio.CancelScope] = field(default_factory=set)
     closed: bool = False
     calls: int = 0
+    jail: SessionJail | None = None
 
     def renew(self) -> None:
         self.deadline = time.monotonic() + self.lease_s
@@ -80,6 +88,12 @@ class SessionHost:
         self.expired = 0
         self.opened = 0
         self.limits = ToolLimits(max_output_bytes=config.max_output_kb << 10, max_timeout_s=config.wall_seconds)
+        self.spares: list[tuple[Path, SessionJail]] = []
+        self._background: list[SessionJail] = []
+        self._spare_wanted = anyio.Event()
+        self.jails_started = 0
+        self.jails_broken = 0
+        self.spare_misses = 0
 
     # ---- open / close -----------------------------------------------------------------------------
     def open(self, request: SessionOpen, session_id: str) -> SessionOpened:
@@ -97,13 +111,24 @@ class SessionHost:
         if request.max_workspace_kb is not None:
             max_total = min(max_total, max(0, request.max_workspace_kb) << 10)
         lease = min(request.lease_s, self.config.max_lease_s)
-        ws = Workspace(self.root / session_id, max_file_bytes=max_file, max_total_bytes=max_total, uid=self.uid)
+        jail: SessionJail | None = None
+        where = self.root / session_id
+        if self.spares:
+            spare, jail = self.spares.pop()
+            spare.rename(where)          # the jail's bind mount follows the directory
+            self._spare_wanted.set()
+        elif self.level == "bwrap" and self.config.session_spares:
+            self.spare_misses += 1
+        ws = Workspace(where, max_file_bytes=max_file, max_total_bytes=max_total, uid=self.uid,
+                       exists=jail is not None)
         try:
             ws.seed(dict(request.files))
         except WorkspaceError as err:
             ws.remove()
+            if jail is not None:
+                self._discard(jail)
             return SessionOpened(ok=False, isolation=self.level, error=f"cannot seed the workspace: {err}")
-        self.sessions[session_id] = Session(session_id, ws, lease, time.monotonic() + lease)
+        self.sessions[session_id] = Session(session_id, ws, lease, time.monotonic() + lease, jail=jail)
         self.opened += 1
         return SessionOpened(session_id=session_id, ok=True, isolation=self.level, lease_s=lease)
 
@@ -118,14 +143,49 @@ class SessionHost:
             scope.cancel()
         with anyio.CancelScope(shield=True):
             async with session.lock:             # the cancelled call has finished with the workspace
+                if session.jail is not None:
+                    await session.jail.kill()
                 session.workspace.remove()
         return True
 
+    def _discard(self, jail: SessionJail) -> None:
+        """A jail to kill outside a synchronous path (`maintain_spares` does it)."""
+        self._background.append(jail)
+        self._spare_wanted.set()
+
+    async def maintain_spares(self) -> None:
+        """Forever (bwrap only): keep `session_spares` jails started on empty workspaces; a failed start
+        is logged and retried after a pause."""
+        if self.level != "bwrap":
+            return
+        while True:
+            self._spare_wanted = anyio.Event()
+            while self._background:
+                await self._background.pop().kill()
+            while len(self.spares) < self.config.session_spares:
+                where = self.root / f"spare-{uuid.uuid4().hex[:12]}"
+                Workspace(where, max_file_bytes=0, max_total_bytes=0, uid=self.uid)
+                try:
+                    jail = await SessionJail.start(where, tmpfs_mb=self.config.workspace_mb)
+                except JailBroken as err:
+                    shutil.rmtree(where, ignore_errors=True)
+                    log.warning("sandbox_session_jail_start_failed", error=str(err))
+                    await anyio.sleep(1.0)
+                    continue
+                self.jails_started += 1
+                self.spares.append((where, jail))
+            if len(self.spares) >= self.config.session_spares and not self._background:
+                await self._spare_wanted.wait()
+
     async def close_all(self) -> None:
-        """Every session destroyed, then the scratch root removed (the supervisor stops)."""
+        """Every session and spare jail destroyed, then the scratch root removed (the supervisor stops)."""
         with anyio.CancelScope(shield=True):
             for sid in list(self.sessions):
                 await self.close(sid)
+            for jail in [j for _, j in self.spares] + self._background:
+                await jail.kill()
+            self.spares.clear()
+            self._background.clear()
             shutil.rmtree(self.root, ignore_errors=True)
 
     async def reap(self) -> None:
@@ -164,8 +224,8 @@ class SessionHost:
                     if session.closed:
                         scope.cancel()
                     await anyio.lowlevel.checkpoint()
-                    reply = await run_tool(session.workspace, call.tool, args, self.limits, self._runner,
-                                           self.root)
+                    reply = await run_tool(session.workspace, call.tool, args, self.limits,
+                                           functools.partial(self._runner, session), self.root)
             finally:
                 session.scopes.discard(scope)
                 session.renew()
@@ -179,20 +239,34 @@ class SessionHost:
                       truncated=reply.truncated, exit_code=reply.exit_code, files=reply.files or {},
                       digests=reply.digests or {}, deleted=reply.deleted or [])
 
-    async def _runner(self, where: Path, argv: list[str], timeout_s: float) -> RunOutcome:
-        """A jailed process under the supervisor's quota and the `[sandbox]` limits."""
+    async def _runner(self, session: Session, where: Path, argv: list[str], timeout_s: float) -> RunOutcome:
+        """A jailed process under the supervisor's quota and the `[sandbox]` limits: in the session's own jail
+        when it runs in the session's workspace at the bwrap level, else in a fresh jail."""
         c = self.config
         limits = RunLimits(timeout_s=timeout_s, cpu_seconds=c.cpu_seconds, memory_mb=c.memory_mb,
                            max_processes=c.max_processes, max_file_mb=c.max_file_mb,
                            max_open_files=c.max_open_files, max_output_bytes=self.limits.max_output_bytes)
         async with self.limiter:
             with self.busy():
-                return await run_jailed(self.level, where, argv, limits)
+                if self.level != "bwrap" or where != session.workspace.root:
+                    return await run_jailed(self.level, where, argv, limits)
+                try:
+                    if session.jail is None or not session.jail.alive:
+                        session.jail = await SessionJail.start(where, tmpfs_mb=c.workspace_mb)
+                        self.jails_started += 1
+                    return await session.jail.run(argv, limits)
+                except JailBroken as err:
+                    self.jails_broken += 1
+                    session.jail = None
+                    log.warning("sandbox_session_jail_broken", session_id=session.session_id, error=str(err))
+                    raise JailBroken(f"the session's jail broke ({err}); the next call starts another") from None
 
     # ---- health -----------------------------------------------------------------------------------
     def gauges(self) -> dict[str, float]:
         out = {"sessions_open": float(len(self.sessions)), "sessions_expired": float(self.expired),
-               "sessions_opened": float(self.opened)}
+               "sessions_opened": float(self.opened), "session_spares": float(len(self.spares)),
+               "session_jails_started": float(self.jails_started), "session_jails_broken": float(self.jails_broken),
+               "session_spare_misses": float(self.spare_misses)}
         for tool, samples in self.latency.items():
             if samples:
                 out[f"tool_{tool}_ms"] = round(statistics.median(samples), 3)

@@ -168,6 +168,7 @@ class SandboxSupervisor(Actor):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.pool.maintain)
                 tg.start_soon(self.sessions.reap)
+                tg.start_soon(self.sessions.maintain_spares)
                 session_slots = anyio.Semaphore(self.config.max_sessions + self.launch.max_queued)
                 for sub in self._session_subs:
                     tg.start_soon(self._serve_sessions, sub, session_slots)

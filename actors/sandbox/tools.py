@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from rlbus.actors.sandbox.jailrun import RunOutcome, python_in_jail
+from rlbus.actors.sandbox.jailrun import JailBroken, RunOutcome, python_in_jail
 from rlbus.actors.sandbox.workspace import Workspace, WorkspaceError, parts_of
 
 REQUIRED: Final = object()
@@ -170,7 +170,7 @@ async def run_tool(ws: Workspace, tool: str, args: dict[str, Any], limits: ToolL
     """One checked call (`check_args`) on `ws`. A refused file operation is an error reply, not a raise."""
     try:
         return await _TOOLS_IMPL[tool](ws, args, limits, runner, scratch)
-    except WorkspaceError as err:
+    except (WorkspaceError, JailBroken) as err:
         return Reply(False, error=str(err), status="error")
 
 

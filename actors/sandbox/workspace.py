@@ -53,15 +53,17 @@ def parts_of(path: str) -> list[str]:
 class Workspace:
     """One session's directory. Size limits in bytes; `uid` owns what is written (None: this process)."""
 
-    def __init__(self, root: Path, *, max_file_bytes: int, max_total_bytes: int, uid: int | None) -> None:
+    def __init__(self, root: Path, *, max_file_bytes: int, max_total_bytes: int, uid: int | None,
+                 exists: bool = False) -> None:
         self.root = root
         self.max_file_bytes = max_file_bytes
         self.max_total_bytes = max_total_bytes
         self.uid = uid
         self.base: dict[str, str] = {}
         """sha256 hex of every seeded file: `changed()` compares against it."""
-        root.mkdir(mode=0o755)
-        self._own(str(root))
+        if not exists:                   # else: an empty directory made ahead (a spare session jail's)
+            root.mkdir(mode=0o755)
+            self._own(str(root))
 
     def _own(self, path: str, dir_fd: int | None = None) -> None:
         if self.uid is not None:

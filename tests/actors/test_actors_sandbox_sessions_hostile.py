@@ -192,6 +192,21 @@ async def test_setsid_escape_through_run_is_contained(admin_bus: Bus, tmp_path: 
         await sc.done()
 
 
+async def test_a_command_cannot_harm_the_jail_it_runs_in(admin_bus: Bus, tmp_path: Path) -> None:
+    """Signals to the jail's pid 1, reading its memory or fds, or leaving a process stopped do nothing to it:
+    the next call runs in the same jail."""
+    async with scene(admin_bus, tmp_path) as sc:
+        assert sc.actor.sessions is not None
+        assert (await sc.run("true")).ok
+        jail = sc.actor.sessions.sessions[sc.session.session_id].jail
+        assert jail is not None
+        tried = await sc.run("kill -KILL 1; kill -STOP 1; kill -TERM 1; head -c 16 /proc/1/mem; ls /proc/1/fd; "
+                             "sleep 60 & kill -STOP $!; echo tried")
+        assert tried.ok and tried.output.endswith("tried\n") and "0\n1\n" not in tried.output, tried
+        assert sc.actor.sessions.sessions[sc.session.session_id].jail is jail
+        await sc.done()
+
+
 async def test_network_access_through_run_fails(admin_bus: Bus, tmp_path: Path) -> None:
     """A command cannot reach a host listener on loopback: the connection fails, nothing arrives."""
     listener = socket.create_server(("127.0.0.1", 0))

@@ -13,10 +13,11 @@ from pathlib import Path
 from nats.js.api import StreamConfig
 
 from helpers.hosting import hosted
+from helpers.waiting import eventually
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.sessions import SandboxSession
 from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
-from rlbus.actors.sandbox.pool import available_levels
+from rlbus.actors.sandbox.pool import available_levels, descendants
 from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.topology.servers import EmbeddedServer
@@ -72,6 +73,15 @@ def marked(marker: str) -> set[int]:
     return found
 
 
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2:].split()[0] != b"Z"
+
+
 def tree(root: Path) -> dict[str, bytes | str]:
     """Every entry below `root` (links as their target, files as content), to compare before and after."""
     out: dict[str, bytes | str] = {}
@@ -89,7 +99,12 @@ async def assert_contained(actor: SandboxSupervisor, bus: Bus, session: SandboxS
     the closed session and its workspace are gone, and the files outside the workspace are unchanged."""
     normal = await session.tool("run", {"command": "echo alive"})
     assert (normal.ok, normal.output) == (True, "alive\n"), normal
+    assert actor.sessions is not None
+    jail = actor.sessions.sessions[session.session_id].jail
+    jail_pids = [jail.process.pid, *descendants(jail.process.pid)] if jail is not None else []
     assert await session.close()
+    await eventually(lambda: [p for p in jail_pids if _alive(p)], lambda alive: not alive,
+                     what="the session's jail gone", timeout_s=10)
     assert marked(marker) == set()
     assert actor.sessions is not None
     assert session.session_id not in actor.sessions.sessions
