@@ -1,6 +1,7 @@
 """The tools of the agentic coding environment and their text format: specs, parsing, rendering.
 
-Owns: `TOOLS` (the fixed names and arguments the sandbox implements), `ToolCall`, `parse_turn` (a policy
+Owns: `TOOLS` (the fixed names and arguments the sandbox implements), `ToolCall`, `ToolOutcome` (what the
+sandbox answers to one), `parse_turn` (a policy
 turn's text -> its tool calls and the problems of the ones that are not calls), `check_call` (arguments
 against a tool's spec), and the text of the tool list, a call and a tool response.
 Does not own: running tools (the sandbox, through `WorkspacePort`) or budgets (model/env/agentic.py).
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
 from typing import Any, Final, Literal
 
 import msgspec
@@ -64,6 +64,20 @@ class ToolCall(msgspec.Struct, frozen=True):
         """The call as the policy writes it: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
         body = json.dumps({"name": self.name, "arguments": self.arguments}, ensure_ascii=False)
         return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
+
+
+class ToolOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What the sandbox answers to one tool call in a workspace.
+
+    `output` is the tool's text (a file's lines, a listing, a command's stdout and stderr); `error` is
+    non-empty when the call could not be done (no such file, a path outside the workspace, `old` not found
+    once), and is what the policy is told. `exit_code` and `timed_out` are a `run` call's.
+    """
+
+    output: str = ""
+    error: str = ""
+    exit_code: int | None = None
+    timed_out: bool = False
 
 
 class BadCall(msgspec.Struct, frozen=True):
@@ -156,16 +170,12 @@ def response_text(results: list[str]) -> str:
     return "\n".join(f"{RESPONSE_OPEN}\n{r}\n{RESPONSE_CLOSE}" for r in results)
 
 
-def outcome_text(call: ToolCall, output: str, error: str, exit_code: int | None, timed_out: bool) -> str:
-    """What the policy reads of one tool's outcome."""
-    if error:
-        return f"error: {error}"
+def outcome_text(call: ToolCall, outcome: ToolOutcome) -> str:
+    """What the policy reads of one tool's outcome: `error: ...`, or the output (a `run` call's after its exit
+    code, or "timed out")."""
+    if outcome.error:
+        return f"error: {outcome.error}"
     if call.name == "run":
-        head = "timed out" if timed_out else f"exit code {exit_code}"
-        return f"{head}\n{output}" if output else head
-    return output
-
-
-def args_of(call: ToolCall) -> Mapping[str, Any]:
-    """The arguments the port gets (a copy: the call stays as it was recorded)."""
-    return dict(call.arguments)
+        head = "timed out" if outcome.timed_out else f"exit code {outcome.exit_code}"
+        return f"{head}\n{outcome.output}" if outcome.output else head
+    return outcome.output

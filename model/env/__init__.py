@@ -19,14 +19,13 @@ from rlbus.model.env.base import (
     GradePort,
     SandboxPort,
     StepOutcome,
-    ToolOutcome,
     WorkspacePort,
     state_context,
     state_tokens,
 )
 from rlbus.model.env.function import FunctionEnvironment, FunctionState
 from rlbus.model.env.scripted import SUBMIT_SCRIPT, reference_script, scripted_ids
-from rlbus.model.tool_calls import TOOLS, BadCall, ToolCall, check_call, parse_turn
+from rlbus.model.tool_calls import TOOLS, BadCall, ToolCall, ToolOutcome, check_call, parse_turn
 
 AnyState: TypeAlias = FunctionState | AgenticState
 _DECODER = msgspec.msgpack.Decoder(AnyState)

@@ -33,7 +33,6 @@ from rlbus.model.repo_tasks import RepoTask
 from rlbus.model.tool_calls import (
     BadCall,
     ToolCall,
-    args_of,
     outcome_text,
     parse_turn,
     response_text,
@@ -143,10 +142,9 @@ class AgenticEnvironment:
                 ended = "submit"
                 break
             call = self._bounded(item)
-            outcome = await port.tool(call.name, args_of(call))
+            outcome = await port.tool(call.name, dict(call.arguments))
             calls.append(call)
-            results.append(self._cut(outcome_text(call, outcome.output, outcome.error, outcome.exit_code,
-                                                  outcome.timed_out)))
+            results.append(self._cut(outcome_text(call, outcome)))
         turns = (*state.turns, Turn("assistant", tuple(policy_ids)))
         shown = response_text(results) if parsed else NO_CALL
         observation = Turn("observation", self._observation_ids(shown)) if shown else None

@@ -2,9 +2,10 @@
 
 Owns: `Environment` (start a task, take one policy turn), the ports an environment calls the sandbox through
 (`GradePort`: grade code on tests; `WorkspacePort`: a tool call in the episode's workspace, the hidden tests
-on a fresh copy of it; `SandboxPort`: both), `ToolOutcome`, `EnvState` (the turns so far, done, reward,
+on a fresh copy of it; `SandboxPort`: both), `EnvState` (the turns so far, done, reward,
 verdict: a msgspec Struct, so the state after every turn round-trips through msgpack or JSON and a partial
-rollout checkpoints it), `StepOutcome`, and the flattening of a state into ids and loss mask.
+rollout checkpoints it), `StepOutcome`, and the flattening of a state into ids and loss mask. `ToolOutcome`,
+what the port answers to a tool call, lives with the tool format (model/tool_calls.py).
 Does not own: sampling, sessions or the bus. The generator opens the episode's sandbox session, implements
 the ports over the bus and hands them in; every method here is pure except the port calls it awaits.
 """
@@ -20,20 +21,7 @@ import msgspec
 from rlbus.model.episodes import EpisodeTokens, Turn
 from rlbus.model.grading import GradeCase, GradeResult
 from rlbus.model.policy import ChatTokenizer, frame_turn
-
-
-class ToolOutcome(msgspec.Struct, frozen=True, kw_only=True):
-    """What the sandbox answers to one tool call in a workspace.
-
-    `output` is the tool's text (a file's lines, a listing, a command's stdout and stderr); `error` is
-    non-empty when the call could not be done (no such file, a path outside the workspace, `old` not found
-    once), and is what the policy is told. `exit_code` and `timed_out` are a `run` call's.
-    """
-
-    output: str = ""
-    error: str = ""
-    exit_code: int | None = None
-    timed_out: bool = False
+from rlbus.model.tool_calls import ToolOutcome
 
 
 class GradePort(Protocol):
