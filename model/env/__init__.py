@@ -22,6 +22,7 @@ from rlbus.model.env.base import (
     WorkspacePort,
     state_context,
     state_tokens,
+    summarized,
 )
 from rlbus.model.env.function import FunctionEnvironment, FunctionState
 from rlbus.model.env.scripted import SUBMIT_SCRIPT, reference_script, scripted_ids
@@ -72,4 +73,5 @@ __all__ = [
     "scripted_ids",
     "state_context",
     "state_tokens",
+    "summarized",
 ]

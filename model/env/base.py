@@ -4,7 +4,7 @@ Owns: `Environment` (start a task, take one policy turn), the ports an environme
 (`GradePort`: grade code on tests; `WorkspacePort`: a tool call in the episode's workspace, the hidden tests
 on a fresh copy of it; `SandboxPort`: both), `EnvState` (the turns so far, done, reward,
 verdict: a msgspec Struct, so the state after every turn round-trips through msgpack or JSON and a partial
-rollout checkpoints it), `StepOutcome`, and the flattening of a state into ids and loss mask. `ToolOutcome`,
+rollout checkpoints it), `StepOutcome`, the flattening of a state into ids and loss mask, and `summarized`. `ToolOutcome`,
 what the port answers to a tool call, lives with the tool format (model/tool_calls.py).
 Does not own: sampling, sessions or the bus. The generator opens the episode's sandbox session, implements
 the ports over the bus and hands them in; every method here is pure except the port calls it awaits.
@@ -109,6 +109,12 @@ def state_tokens(state: EnvState, tokenizer: ChatTokenizer) -> EpisodeTokens:
 def state_context(state: EnvState, tokenizer: ChatTokenizer) -> list[int]:
     """What the policy continues for its next turn: the state's tokens, then the assistant header."""
     return [*state_tokens(state, tokenizer).ids, *tokenizer.header("assistant")]
+
+
+def summarized(state: S, summary_ids: Sequence[int]) -> S:
+    """The state with everything after its first turn replaced by a policy-written summary turn (the
+    self-summarisation of a long history, as model/episodes.py `add_summary`); the rest of the state is kept."""
+    return msgspec.structs.replace(state, turns=(state.turns[0], Turn("summary", tuple(summary_ids))))
 
 
 def refuse_done(state: EnvState) -> None:

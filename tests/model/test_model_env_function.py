@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from rlbus.model.env import FunctionEnvironment, decode_state, encode_state, state_context, state_tokens
-from rlbus.model.episodes import add_attempt, context_ids, episode_tokens, start_episode
+from rlbus.model.env import (
+    FunctionEnvironment,
+    decode_state,
+    encode_state,
+    state_context,
+    state_tokens,
+    summarized,
+)
+from rlbus.model.episodes import add_attempt, add_summary, context_ids, episode_tokens, start_episode
 from rlbus.model.grading import GradeCase, GradeResult, case_for, extract_code
 from rlbus.model.tasks import Task, eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
@@ -62,3 +69,20 @@ async def test_same_turns_tokens_and_rewards_as_episodes(task: Task, script: str
     assert state.reward == (0.0 if script == "three failures" else 1.0)
     with pytest.raises(ValueError, match="done"):
         await env.step(state, [TOK.stop_id], port)
+
+
+async def test_summary_replaces_the_history_as_episodes_does() -> None:
+    """A summary after a failed attempt leaves the prompt and the summary turn, as `add_summary` does; the
+    next attempt follows it."""
+    task = eval_tasks(3, 1)[0]
+    env, port = FunctionEnvironment(TOK), FakeGrader(task)
+    ids = [*TOK.encode("    return None\n"), TOK.stop_id]
+    state = (await env.step(env.start(task), ids, port)).state
+    episode = add_attempt(start_episode(task, TOK), ids, await FakeGrader(task).grade(port.cases[-1]), TOK)
+    summary = [*TOK.encode("returning None fails"), TOK.stop_id]
+    state, episode = summarized(state, summary), add_summary(episode, summary)
+    assert state.turns == episode.turns and [t.role for t in state.turns] == ["user", "summary"]
+    assert state_tokens(state, TOK) == episode_tokens(episode, TOK)
+    after = (await env.step(state, [*TOK.encode(task.solution), TOK.stop_id], port)).state
+    assert after.turns == add_attempt(episode, [*TOK.encode(task.solution), TOK.stop_id],
+                                      GradeResult("passed", 1, 1, ""), TOK).turns and after.reward == 1.0
