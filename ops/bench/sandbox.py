@@ -8,7 +8,13 @@ a pre-forked executor under unshare + setpriv, and one with rlimits only. Times 
 round trip to the executor (`ExecutorPool.execute`); `service_median_ms` adds the NATS request/reply
 through a real `SandboxSupervisor` on an embedded server. The CPU time per execution (the jail's
 processes plus the supervisor's side) is reported too: on a shared, loaded machine the wall time is
-mostly waiting for a core. Nothing here asserts speed.
+mostly waiting for a core. Sessions, through NATS and a supervisor at the best level with the default
+`[sandbox]` quota: `session_open_median_ms` (open of a small workspace, over back-to-back open → run →
+close cycles, so the spare jails are used up faster than they are replenished), `session_first_run_median_ms`
+(that first `run`, which starts the session's jail when no spare was left), `tool_read_median_ms` (read_file
+of a small file), `tool_run_median_ms` (`run` of `true` in a session's own jail), and `sessions_sustained` (sessions one supervisor holds open, up to its
+`max_sessions`, while every one's `run` call queues under the quota and is answered). Nothing here
+asserts speed.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 from typing import Any
 
 TARGET_MS = 10.0
+SESSION_TARGETS_MS = {"session_open_median_ms": 50.0, "tool_read_median_ms": 5.0, "tool_run_median_ms": 10.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,6 +100,7 @@ async def _run(runs: int) -> dict[str, Any]:
         out["levels"]["bwrap-fresh"] = _stats(samples)
 
     out["levels"]["service-nats"] = await _service(runs, levels[0])
+    sessions = await sessions_bench(runs, levels[0])
     best = levels[0]
     isolated = best in ("bwrap", "unshare")
     table = out["levels"]
@@ -107,6 +115,7 @@ async def _run(runs: int) -> dict[str, Any]:
         "unshare_median_ms": table.get("unshare-preforked", {}).get("median_ms"),
         "rlimits_only_median_ms": table.get("rlimits-only-preforked", {}).get("median_ms"),
         "service_median_ms": table["service-nats"]["median_ms"],
+        **sessions,
         "levels": table,
         "cpu_count": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -135,6 +144,73 @@ async def _service(runs: int, level: str) -> dict[str, float]:
     return _stats(samples)
 
 
+async def sessions_bench(runs: int, level: str, *, max_sessions: int | None = None) -> dict[str, Any]:
+    """Session open, read and run latency, and the sessions one supervisor holds while their runs queue
+    (the default `[sandbox]`; `max_sessions` lowers that one bound, for a quick check)."""
+    import time
+
+    import anyio
+
+    from rlbus.actors.common.sessions import SessionRefused, call_tool, close_session, open_session
+    from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
+    from rlbus.ops.local_sandbox import local_sandbox
+
+    files = {"pkg/__init__.py": b"", "pkg/mod.py": b"def f(x):\n    return x\n" * 20, "README": b"bench\n"}
+    config = SandboxConfig() if max_sessions is None else SandboxConfig(max_sessions=max_sessions)
+    n = max(runs, 5)
+    opens: list[float] = []
+    firsts: list[float] = []
+    reads: list[float] = []
+    jailed: list[float] = []
+    async with local_sandbox("bench-sandbox", config, SandboxLaunch(isolation=level)) as bus:   # type: ignore[arg-type]
+        for i in range(5 + n):                   # back to back: spares are used up faster than they are made
+            t0 = time.perf_counter()
+            sid = await open_session(bus, "hub", files, lease_s=60)
+            t1 = time.perf_counter()
+            first = await call_tool(bus, "hub", sid, "run", {"command": "true"})
+            if i >= 5:
+                opens.append((t1 - t0) * 1000)
+                firsts.append((time.perf_counter() - t1) * 1000)
+            assert first.ok, first
+            await close_session(bus, "hub", sid)
+        sid = await open_session(bus, "hub", files, lease_s=60)
+        for samples, tool, args in ((reads, "read_file", {"path": "pkg/mod.py"}), (jailed, "run", {"command": "true"})):
+            for i in range(5 + n):
+                t0 = time.perf_counter()
+                result = await call_tool(bus, "hub", sid, tool, args)
+                if i >= 5:
+                    samples.append((time.perf_counter() - t0) * 1000)
+                assert result.ok, result
+        await close_session(bus, "hub", sid)
+        held: list[str] = []
+        try:
+            while len(held) < config.max_sessions + 1:
+                held.append(await open_session(bus, "hub", files, lease_s=120))
+        except SessionRefused:
+            pass
+        answered = 0
+        t0 = time.perf_counter()
+
+        async def one(session_id: str) -> None:
+            nonlocal answered
+            result = await call_tool(bus, "hub", session_id, "run", {"command": "echo ok"}, timeout_s=300)
+            answered += result.ok and result.output == "ok\n"
+
+        async with anyio.create_task_group() as tg:
+            for session_id in held:
+                tg.start_soon(one, session_id)
+        queued_s = time.perf_counter() - t0
+        for session_id in held:
+            await close_session(bus, "hub", session_id)
+    return {"session_open_median_ms": _stats(opens)["median_ms"],
+            "session_first_run_median_ms": _stats(firsts)["median_ms"],
+            "tool_read_median_ms": _stats(reads)["median_ms"],
+            "tool_run_median_ms": _stats(jailed)["median_ms"], "tool_run_p90_ms": _stats(jailed)["p90_ms"],
+            "sessions_sustained": answered if answered == len(held) else 0, "sessions_max": config.max_sessions,
+            "sessions_concurrency": config.concurrency, "sessions_queued_runs_s": round(queued_s, 3),
+            "session_targets_ms": dict(SESSION_TARGETS_MS)}
+
+
 def table(result: dict[str, Any]) -> str:
     lines = [f"sandbox per-execution overhead (trivial snippet; isolation in use: {result['isolation']}; "
              f"{result['cpu_count']} cores, load {result['load_avg_1m']})",
@@ -145,4 +221,10 @@ def table(result: dict[str, Any]) -> str:
     iso = result["isolated_median_ms"]
     lines.append(f"isolated (pre-forked, fully isolated) median: "
                  f"{'n/a' if iso is None else f'{iso:.2f} ms'} (target <= {result['target_ms']:g} ms)")
+    for key, target in result["session_targets_ms"].items():
+        lines.append(f"{key}: {result[key]:.2f} ms (target <= {target:g} ms)")
+    lines.append(f"session_first_run_median_ms: {result['session_first_run_median_ms']:.2f} ms")
+    lines.append(f"sessions_sustained: {result['sessions_sustained']} open sessions (max_sessions "
+                 f"{result['sessions_max']}), their run calls queued under concurrency {result['sessions_concurrency']} "
+                 f"and answered in {result['sessions_queued_runs_s']:.2f} s")
     return "\n".join(lines)
