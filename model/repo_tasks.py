@@ -10,8 +10,9 @@ Levels:
 1. a one-line bug in the function the instruction names (one file);
 2. a function to add to one module that another module already imports and calls;
 3. a one-line bug in a helper of one module, reported only through its caller in another module.
-Every task's hidden tests pass on its reference solution and fail on its repository as given (checked
-through the real sandbox by the tests); `task_id` is `repo-L<level>-<seed>`, so the id rebuilds the task.
+Every task's hidden tests pass on its reference solution and fail on its repository as given, by construction
+(a bug is kept only with a test call whose result it changes; a function not added yet fails the import;
+the tests check a set of tasks through the real sandbox); `task_id` is `repo-L<level>-<seed>`, so the id rebuilds the task.
 """
 
 from __future__ import annotations
