@@ -9,7 +9,7 @@ truncated), kill it at its wall timeout, and return the exit code.
   the bwrap process kills pid 1 of the namespace, which takes every process of the call with it
   (`setsid` does not leave a pid namespace), and a call's processes never outlive it.
 - unshare (root): pid, net, ipc, uts and mount namespaces, uid 65534 with no capabilities, cwd the
-  workspace. Weaker: the host's file system is visible, and writable wherever uid 65534 may write
+  workspace; the kill takes the namespace's pid 1 (and so every process in it). Weaker: the host's file system is visible, and writable wherever uid 65534 may write
   (every session's workspace is 65534's, so one call can reach another session's files).
 - rlimits-only: a new session and process group as uid 65534 (when root) with the rlimits; the timeout
   kills the process group. Weaker: no network isolation, the host's file system as above, and a process
@@ -35,7 +35,7 @@ import anyio
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from rlbus.actors.sandbox.pool import SANDBOX_UID, Isolation, _processes_of, sandbox_python
+from rlbus.actors.sandbox.pool import SANDBOX_UID, Isolation, _processes_of, descendants, sandbox_python
 
 JAIL_WORKSPACE: Final = "/workspace"
 """Where the workspace is inside a bwrap jail (other levels run in the host path itself)."""
@@ -110,7 +110,7 @@ def jail_argv(level: Isolation, workspace: Path, argv: list[str], limits: RunLim
     if level == "bwrap":
         return [*bwrap_prefix(workspace), *limited], "/"
     if level == "unshare":
-        caps = ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+        caps = ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--pdeathsig=KILL"]
         out = ["setpriv", "--pdeathsig=KILL", "unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc",
                "--net", "--ipc", "--uts", "--", *drop, *caps, *limited]
         return out, str(workspace)
@@ -265,8 +265,14 @@ def _kill(process: Process, level: Isolation) -> None:
     try:
         if level == "rlimits-only":
             os.killpg(process.pid, signal.SIGKILL)
-        else:
-            process.kill()
+            return
+        if level == "unshare":             # pid 1 of the namespace first: it takes the rest with it
+            for pid in descendants(process.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        process.kill()
     except ProcessLookupError:
         pass
 

@@ -5,11 +5,12 @@ sessions destroyed when the supervisor stops, and the heartbeat's session gauges
 from __future__ import annotations
 
 import hashlib
+import os
 
 import anyio
 import pytest
 from helpers import eventually
-from helpers.sandbox_sessions import BEST, CONFIG, role_bus, serving
+from helpers.sandbox_sessions import BEST, CONFIG, marked, new_marker, role_bus, serving
 from msgspec.structs import replace
 
 from rlbus.actors.common.sessions import (
@@ -19,6 +20,7 @@ from rlbus.actors.common.sessions import (
     open_session,
     restore_files,
 )
+from rlbus.actors.sandbox.pool import available_levels
 from rlbus.messages.bus import Bus
 from rlbus.topology.servers import EmbeddedServer
 
@@ -113,3 +115,20 @@ async def test_run_sees_only_its_workspace(admin_bus: Bus) -> None:
         assert lines[:2] == ["65534", "/workspace"], facts.output
         assert {"root", "work", "home", "etc", "dev", "proc"} & set(lines) == {"dev", "proc"}
         assert "lo" in lines and "eth0" not in lines and lines[-1] == "ro"
+
+
+@pytest.mark.parametrize("level", available_levels()[1:] or [pytest.param("none", marks=pytest.mark.skip(
+    reason="no weaker isolation level than the best one here"))])
+async def test_weaker_levels_run_in_the_workspace_as_the_sandbox_uid(admin_bus: Bus, level: str) -> None:
+    """At the unshare and rlimits-only levels a fresh jail per call runs in the workspace's host directory as
+    uid 65534 (when root) with the file tools seeing what it wrote, and its timeout kills the command."""
+    marker = new_marker()
+    async with serving(admin_bus, level=level) as actor, await SandboxSession.open(admin_bus, "hub", FILES) as s:
+        assert actor.isolation == level and actor.sessions is not None
+        ran = await s.tool("run", {"command": "id -u; pwd; echo made > out.txt"})
+        assert ran.ok and ran.output.split()[1] == str(actor.sessions.root / s.session_id), ran
+        assert ran.output.split()[0] == ("65534" if os.geteuid() == 0 else str(os.geteuid()))
+        assert (await s.tool("read_file", {"path": "out.txt"})).output == "made\n"
+        slept = await s.tool("run", {"command": f"export {marker}=1; sleep 3600", "timeout_s": 0.5})
+        assert slept.status == "timeout"
+        await eventually(lambda: marked(marker), lambda pids: not pids, what="the command killed", timeout_s=10)

@@ -37,11 +37,12 @@ async def provision(bus: Bus) -> None:
 
 
 @asynccontextmanager
-async def serving(bus: Bus, config: SandboxConfig = CONFIG, actor_id: str = "sb1") -> AsyncIterator[SandboxSupervisor]:
-    """A supervisor in region hub at the best level, served in this process until the block ends."""
+async def serving(bus: Bus, config: SandboxConfig = CONFIG, actor_id: str = "sb1",
+                  level: str = BEST) -> AsyncIterator[SandboxSupervisor]:
+    """A supervisor in region hub at `level` (the best one here), served in this process until the block ends."""
     await provision(bus)
     async with hosted(SandboxSupervisor(ActorId(bus.subjects.run, "hub", "sandbox", actor_id), bus, config, FAST,
-                                        SandboxLaunch(isolation=BEST))) as actor:  # type: ignore[arg-type]
+                                        SandboxLaunch(isolation=level))) as actor:  # type: ignore[arg-type]
         yield actor
 
 
