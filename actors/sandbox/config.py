@@ -43,8 +43,8 @@ class SandboxConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     max_lease_s: PositiveFloat = 600.0
     """Longest lease a session may ask for: it is destroyed this long after its last call at most."""
     session_spares: NonNegativeInt = 2
-    """Session jails kept started ahead, each on an empty workspace, so an open does not wait for one (bwrap
-    only; a session without one starts its jail at its first jailed call)."""
+    """Session jails kept started ahead (from the first session on), each on an empty workspace, so an open does
+    not wait for one (bwrap only; a session without one starts its jail at its first jailed call)."""
     workspace_mb: PositiveInt = 64
     """Total size of one session's files, MiB; a tool write past it is refused (a session may ask for less).
     Each file is capped by `max_file_mb`."""

@@ -9,8 +9,8 @@ jailed calls (`run`, `search`; `grade` too) take a slot of the supervisor's conc
 snippet, so the sessions of a group queue for the same quota.
 At the bwrap level each session has its own long-lived jail (jailrun.SessionJail: the workspace bound,
 actors/sandbox/runner.py as pid 1, a fork and exec per call, every process of a call killed before it
-answers); `[sandbox] session_spares` of them are kept started ahead on empty workspaces (`maintain_spares`),
-so an open adopts one; a session without one, or whose jail broke, starts one at its next jailed call.
+answers); from the first open on, `[sandbox] session_spares` of them are kept started ahead on empty
+workspaces (`maintain_spares`), so an open adopts one; a session without one, or whose jail broke, starts one at its next jailed call.
 `grade` runs in a fresh jail on a fresh copy. Other levels start a fresh jail per call (jailrun.run_jailed).
 Per-tool latency (median of the recent calls) and the open sessions are kept for the heartbeat.
 Does not: talk to NATS (actors/sandbox/supervisor.py), do file or jail work itself (workspace.py,
@@ -91,6 +91,7 @@ class SessionHost:
         self.spares: list[tuple[Path, SessionJail]] = []
         self._background: list[SessionJail] = []
         self._spare_wanted = anyio.Event()
+        self._first_open = anyio.Event()
         self.jails_started = 0
         self.jails_broken = 0
         self.spare_misses = 0
@@ -111,6 +112,7 @@ class SessionHost:
         if request.max_workspace_kb is not None:
             max_total = min(max_total, max(0, request.max_workspace_kb) << 10)
         lease = min(request.lease_s, self.config.max_lease_s)
+        self._first_open.set()
         jail: SessionJail | None = None
         where = self.root / session_id
         if self.spares:
@@ -154,10 +156,12 @@ class SessionHost:
         self._spare_wanted.set()
 
     async def maintain_spares(self) -> None:
-        """Forever (bwrap only): keep `session_spares` jails started on empty workspaces; a failed start
-        is logged and retried after a pause."""
+        """Forever (bwrap only), from the first open on (a supervisor that never holds a session starts no
+        jail): keep `session_spares` jails started on empty workspaces; a failed start is logged and retried
+        after a pause."""
         if self.level != "bwrap":
             return
+        await self._first_open.wait()
         while True:
             self._spare_wanted = anyio.Event()
             while self._background:
