@@ -7,7 +7,8 @@ Does not: publish or consume (messages/bus.py), start servers (topology/servers.
 Where things live (every region's server has its own JetStream domain, normally = region name):
   each region R, hub included — `TASKS_<run>_R` (work queue on tasks.R, durable pull consumer
   `generator_R`), `ROLLOUTS_<run>_R` (limits on rollouts.R, dedupe by Nats-Msg-Id), KV
-  `PARTIALS_<run>_R`, object store `WEIGHTS_<run>_R`, KV `LATEST_<run>_R`;
+  `PARTIALS_<run>_R`, object stores `WEIGHTS_<run>_R` and `WORKSPACES_<run>_R` (snapshots of agentic
+  episodes' workspaces, written by generators), KV `LATEST_<run>_R`;
   hub only — `ROLLOUTS_<run>` (no subjects: sources every region's ROLLOUTS stream, leaves through
   `$JS.<domain>.API`; durable `trainer`), `TRAINLOG`, `WEIGHTS` (manifests), `CHECKPOINTS`, `STATE`,
   `EVALS`, `HEALTH`, `EVENTS`, `DLQ` streams and object store `CKPT`.
@@ -259,6 +260,8 @@ async def provision_region(nc: NATS, subjects: Subjects, region: str, *, domain:
     await ensure_key_value(js, KeyValueConfig(bucket=subjects.latest_bucket(region), history=1,
                                               storage=_storage(settings), replicas=settings.replicas))
     await ensure_object_store(js, ObjectStoreConfig(bucket=subjects.weights_bucket(region),
+                                                    storage=_storage(settings), replicas=settings.replicas))
+    await ensure_object_store(js, ObjectStoreConfig(bucket=subjects.workspaces_bucket(region),
                                                     storage=_storage(settings), replicas=settings.replicas))
 
 

@@ -222,6 +222,16 @@ class Subjects:
         """Object store of weight blobs, one copy per region."""
         return self._name("WEIGHTS", region)
 
+    def workspaces_bucket(self, region: str) -> str:
+        """Object store of workspace snapshots of agentic episodes in progress, one per region (content-addressed:
+        `workspace_object`)."""
+        return self._name("WORKSPACES", region)
+
+    @staticmethod
+    def workspace_object(sha256_hex: str) -> str:
+        """WORKSPACES object holding one snapshot of a workspace's changed files, named by its content."""
+        return f"ws-{token(sha256_hex, 'sha256')}"
+
     def latest_bucket(self, region: str) -> str:
         """KV bucket holding the `latest` weight pointer, one per region."""
         return self._name("LATEST", region)
@@ -262,7 +272,7 @@ class BucketScope:
     runs: tuple[str, ...] = ()
     regions: tuple[str, ...] = ()
 
-    def buckets(self, kind: Literal["partials", "weights", "latest", "checkpoint"]) -> list[str]:
+    def buckets(self, kind: Literal["partials", "weights", "latest", "checkpoint", "workspaces"]) -> list[str]:
         """`$KV.<bucket>.>` / `$O.<bucket>.>` publish patterns of one bucket kind, for every run and region."""
         out: list[str] = []
         for run in self.runs:
@@ -274,6 +284,8 @@ class BucketScope:
                     out += [f"$KV.{s.latest_bucket(r)}.>" for r in self.regions]
                 case "weights":
                     out += [f"$O.{s.weights_bucket(r)}.>" for r in self.regions]
+                case "workspaces":
+                    out += [f"$O.{s.workspaces_bucket(r)}.>" for r in self.regions]
                 case "checkpoint":
                     out += [f"$O.{s.checkpoint_bucket()}.>"]
         return out
@@ -336,7 +348,7 @@ def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list
     to a request it received (the servers set `allow_responses`, see `RESPONSE_PERMISSION`). No role but
     admin may create, update, purge or delete a stream, or publish raw to another domain's API. Data subjects are granted by role: only the trainer side (trainer, publisher,
     checkpointer) writes weights, checkpoints and TRAINLOG; only the feeder writes tasks; only generators
-    write rollouts. Bucket writes (plain and through `$JS.<domain>.API`, plus purging the bucket's stream)
+    write rollouts and workspace snapshots. Bucket writes (plain and through `$JS.<domain>.API`, plus purging the bucket's stream)
     are granted per bucket for the runs and regions of `scope`.
     """
     scope = scope or BucketScope()
@@ -349,7 +361,7 @@ def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list
     data: dict[str, list[str]] = {
         "feeder": [f"{run}.tasks.*", *_bucket_writes(scope.buckets("partials"))],
         "generator": [f"{run}.rollouts.*", f"{run}.sandbox.*", f"{run}.session.>",
-                      *_bucket_writes(scope.buckets("partials"))],
+                      *_bucket_writes(scope.buckets("partials")), *_bucket_writes(scope.buckets("workspaces"))],
         "trainer": [f"{run}.trainlog", f"{run}.state.*", *_bucket_writes(scope.buckets("checkpoint"))],
         "publisher": [f"{run}.weights", *_bucket_writes(scope.buckets("weights")),
                       *_bucket_writes(scope.buckets("latest"))],

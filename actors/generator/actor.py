@@ -17,6 +17,9 @@ group carries that rare pass (every Rollout of it carries the grown `group_size`
 Rollouts go out with `publish_batch` (msg id = rollout id f"{task_id}-{g}"), the partial is deleted, and
 only then is the task acked; `in_progress()` holds it meanwhile. Another generator that wins the partial's
 compare-and-set owns the task; the loser lets go.
+A task whose verifier is of the repository kind (model/repo_tasks.py) is an agentic group instead: G episodes in
+sandbox sessions, driven turn by turn, its own partial and workspace snapshots (actors/generator/agentic.py);
+the delivery, holding, acking and dead-lettering around it are the same.
 Does not: define the partial layout or flatten rollouts (actors/generator/group.py), fetch weights
 (actors/common/weight_source.py), run code (actors/sandbox/supervisor.py).
 
@@ -49,6 +52,7 @@ from rlbus.actors.common.errors import PartialGroupError, TaskError
 from rlbus.actors.common.feed import task_from_verifier
 from rlbus.actors.common.sandbox_client import grade_result, request_for, run_in_sandbox
 from rlbus.actors.common.weight_source import WeightSource, open_weights
+from rlbus.actors.generator.agentic import AgenticGroups, environment_of, fits
 from rlbus.actors.generator.batcher import SampleBatcher
 from rlbus.actors.generator.config import GeneratorConfig, GeneratorLaunch
 from rlbus.actors.generator.group import (
@@ -80,6 +84,8 @@ from rlbus.messages.schemas import Event, SandboxLimits, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model.generate import SampledSequence, generate
 from rlbus.model.policy import ChatTokenizer, Policy
+from rlbus.model.repo_tasks import VERIFIER_KIND as REPO_KIND
+from rlbus.model.repo_tasks import RepoTask
 from rlbus.model.summarize import summarize_if_over_budget
 from rlbus.model.tasks import Task
 
@@ -115,6 +121,7 @@ class Generator(Actor):
         self._tokenizer = tokenizer
         self._model_lock = threading.Lock()
         self._sampling_s = 0.0
+        self.agentic = AgenticGroups(self)
         self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "partials_discarded", "sandbox_errors",
                                             "tokens", "graded_repeats", "groups_grown", "grown_unpublished"), 0))
 
@@ -154,11 +161,18 @@ class Generator(Actor):
     # ---- one task -------------------------------------------------------------------------------
     async def _handle(self, delivery: Delivery[TaskMessage]) -> None:
         message = delivery.message
+        task: Task | RepoTask
         try:
-            task = task_from_verifier(message)
-            if prompt_length(task, self.tokenizer) + 2 > self.model.max_seq_len:
-                raise TaskError(f"prompt of task {message.task_id} does not fit max_seq_len "
-                                f"{self.model.max_seq_len}")
+            if message.verifier.get("kind") == REPO_KIND:     # an agentic group (actors/generator/agentic.py)
+                task = RepoTask.from_spec(message.verifier)
+                if not fits(task, environment_of(self), self.model.max_seq_len):
+                    raise TaskError(f"the first context of repository task {message.task_id} leaves no room for a "
+                                    f"turn in max_seq_len {self.model.max_seq_len}")
+            else:
+                task = task_from_verifier(message)
+                if prompt_length(task, self.tokenizer) + 2 > self.model.max_seq_len:
+                    raise TaskError(f"prompt of task {message.task_id} does not fit max_seq_len "
+                                    f"{self.model.max_seq_len}")
         except ValueError as err:      # a TaskError, or a prompt the tokenizer cannot encode (UnicodeError)
             self.count("rejected")
             await self.bus.dead_letter(delivery.raw, reason=str(err), source=self.stream)
@@ -169,7 +183,10 @@ class Generator(Actor):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._hold, delivery)
                     await self._await_version(message.min_version)
-                    outcome = await self._run_group(message, task)
+                    if isinstance(task, RepoTask):
+                        outcome = await self.agentic.run(message, task, partial_key(message.task_id))
+                    else:
+                        outcome = await self._run_group(message, task)
                     tg.cancel_scope.cancel()
             except anyio.get_cancelled_exc_class():
                 with anyio.move_on_after(1.0, shield=True):
@@ -443,6 +460,31 @@ class Generator(Actor):
             return await put_at(self.bus.js, bucket, key, encode_partial(state), revision=revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             raise _TakenOver(state.task_id) from None
+
+    # ---- what agentic groups use ------------------------------------------------------------------
+    async def sample_rows(self, contexts: list[list[int]], n: int, seed: int) -> list[SampledSequence]:
+        """Sample through the generator's batcher (merged with every other task's rows, weights swapped in
+        flight)."""
+        started = time.monotonic()
+        samples = await self._batcher.sample(contexts, n, seed)
+        self._sampling_s += time.monotonic() - started
+        self.gauges["tokens_per_s"] = self.counters["tokens"] / max(self._sampling_s, 1e-9)
+        return samples
+
+    def weights_source(self) -> WeightSource:
+        return self._weights()
+
+    @property
+    def model_lock(self) -> threading.Lock:
+        """Held by whoever runs the policy (sampling, scoring, swapping)."""
+        return self._model_lock
+
+    def held_version(self) -> int:
+        held = self._weights().held_version
+        return held if held is not None else 0
+
+    def note_version(self) -> None:
+        self._note_version()
 
     # ---- helpers --------------------------------------------------------------------------------
     def _weights(self) -> WeightSource:

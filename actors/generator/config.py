@@ -6,11 +6,37 @@ Owns: those two Structs. Imports only msgspec, so the topology schema can compos
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
 from rlbus.actors.common.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
+
+class AgenticSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[generator.agentic]`: the budgets of an agentic episode (a repository task: model/env/agentic.py
+    `AgenticBudgets`, whose fields and defaults these are; a test keeps the two equal) and its tool list."""
+
+    max_turns: PositiveInt = 20
+    """Policy turns; the episode is graded after the last one."""
+    max_tool_calls: PositiveInt = 100
+    """Tool-call blocks over the episode (malformed ones count); the one past it ends the episode."""
+    max_tokens: PositiveInt = 8192
+    """Tokens of the whole episode (prompt, turns, observations, framing), capped by the policy's context."""
+    min_turn_tokens: PositiveInt = 32
+    """The episode ends once fewer than this many of `max_tokens` are left for the next turn."""
+    wall_s: PositiveFloat = 600.0
+    """Seconds from the episode's start; checked after each turn."""
+    observation_chars: PositiveInt = 4000
+    """Characters of one tool result shown; longer ones are cut, saying so."""
+    observation_tokens: Annotated[int, msgspec.Meta(ge=16)] = 1024
+    """Tokens of one observation turn (all the turn's results); longer ones are cut, saying so."""
+    run_timeout_s: PositiveFloat = 10.0
+    """A `run` call's wall timeout when it names none, and the most it may ask for."""
+    tool_list: Literal["auto", "full", "compact"] = "auto"
+    """How the user turn lists the tools: 'full' (JSON signatures, as Qwen2/Qwen3 templates render them),
+    'compact' (one paragraph, for short contexts), 'auto' (compact for a policy whose context is under 4096
+    tokens, like the built-in one)."""
 
 
 class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -48,6 +74,15 @@ class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     partial_credit: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     """Reward of a failed final attempt: this times the fraction of hidden tests it passed (a full pass
     is always 1.0); 0 gives plain pass/fail rewards."""
+    agentic: AgenticSettings = AgenticSettings()
+    """Budgets of agentic episodes (tasks of the repository kind, such as `[feeder] tasks = "repo"`)."""
+    script: Literal["", "reference", "submit"] = ""
+    """Testing and harness knob for agentic episodes: '' samples every policy turn; 'reference' takes the task's
+    reference edit, one call a turn, then submits (reward 1); 'submit' submits at once (reward 0). Scripted turns
+    carry the live policy's logprobs of those ids (one forward pass), so their rollouts stay trainable."""
+    session_lease_s: PositiveFloat = 120.0
+    """Lease of an agentic episode's sandbox session: destroyed this long after its last call (a generator that
+    died leaves none behind); capped by the supervisor's `[sandbox] max_lease_s`."""
 
 
 class GeneratorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -60,4 +95,4 @@ class GeneratorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Where the policy runs (topology `[policy] device`): 'auto' is CUDA when this machine has it."""
 
 
-__all__ = ["GeneratorConfig", "GeneratorLaunch"]
+__all__ = ["AgenticSettings", "GeneratorConfig", "GeneratorLaunch"]

@@ -1,0 +1,593 @@
+"""Agentic groups: a repository task's G episodes, each in its own sandbox session, driven turn by turn.
+
+Owns: `AgenticGroups` (what the generator runs for a Task whose verifier is of the repository kind,
+model/repo_tasks.py `VERIFIER_KIND`), its partial (`AgenticPartial`: a tagged layout of its own behind
+`AGENTIC_MAGIC`, so a function group's partial and an agentic one are never taken for each other;
+`check_agentic_partial` refuses a corrupt or foreign one), the workspace snapshots (content-addressed
+objects in the region's WORKSPACES bucket, digest-checked both ways) and the Rollouts of the group.
+A turn: one policy turn for every open episode (sampled together through the generator's batcher, each
+capped by `AgenticEnvironment.room` and `[generator] max_tokens`, weights swapped in flight; or, with
+`[generator] script`, the script's turn scored by one forward pass of the live policy), then
+`AgenticEnvironment.step` through the episode's session, then a snapshot of each workspace a turn may have
+changed, then the partial saved (compare-and-set). A replacement generator reopens each unfinished
+episode's session seeded with the task's files overlaid by the snapshot (`restore_files`), never by
+re-running commands. Once every episode is done the sessions are closed and the G Rollouts published.
+Sandbox failures: opening a session is tried `OPEN_TRIES` times; an episode whose session cannot be opened,
+or whose sandbox stops answering a call, ends with that turn, reward 0 and verdict "error" (counted in
+`sandbox_errors`); the generator goes on.
+Does not: parse tool calls, run budgets or grade (model/env/agentic.py), run tools (actors/sandbox/).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+import torch
+import zstandard
+
+from rlbus.actors.common.errors import PartialGroupError
+from rlbus.actors.common.sessions import SandboxSession, open_session, restore_files
+from rlbus.actors.generator.group import MAX_PARTIAL_BYTES, fill_versions
+from rlbus.messages.errors import DigestMismatch, RlbusError, SandboxCrashed
+from rlbus.messages.kv import put_at
+from rlbus.messages.objects import digest
+from rlbus.messages.retry import retry_policy
+from rlbus.messages.schemas import Event, Rollout, SandboxVerdict, TensorBlob, ToolResult
+from rlbus.messages.schemas import Task as TaskMessage
+from rlbus.model.env import (
+    SUBMIT_SCRIPT,
+    AgenticBudgets,
+    AgenticEnvironment,
+    AgenticState,
+    ToolOutcome,
+    decode_state,
+    encode_state,
+    reference_script,
+    scripted_ids,
+    state_context,
+    state_tokens,
+)
+from rlbus.model.episodes import Turn
+from rlbus.model.grading import GradeResult
+from rlbus.model.repo_tasks import RepoTask
+
+if TYPE_CHECKING:
+    from rlbus.actors.generator.actor import Generator
+
+log = structlog.get_logger()
+
+AGENTIC_MAGIC: Final = b"RLAG1"
+"""Prefix of an agentic partial (then zstd-compressed msgpack); a function group's partial never starts with it."""
+AGENTIC_FORMAT: Final = "agentic-1"
+"""`AgenticPartial.format`: a layout of another version is discarded (the group starts over)."""
+OPEN_TRIES: Final = 3
+"""Tries to open an episode's session (1 s, then 2 s apart) before the episode ends as a sandbox error."""
+CHANGING_TOOLS: Final = frozenset({"write_file", "edit_file", "run"})
+"""Tools after which a workspace is snapshotted (the others only read it)."""
+_OBJECT: Final = re.compile(r"ws-[0-9a-f]{64}")
+
+
+class _TakenOver(Exception):
+    """Another generator saved this task's partial since we read it: it owns the task now."""
+
+
+class WorkspaceSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """A workspace's changes since it opened, as stored in the WORKSPACES bucket (msgpack)."""
+
+    files: dict[str, bytes] = {}
+    deleted: list[str] = []
+
+
+class AgenticEpisode(msgspec.Struct, kw_only=True):
+    """One episode of an agentic group: its environment state (`encode_state`), the behaviour logprobs and
+    policy versions of each of its policy turns, its workspace snapshot, and a sandbox failure that ended it."""
+
+    state: bytes
+    logprobs: list[list[float]] = []
+    versions: list[list[int]] = []
+    snapshot: str = ""
+    """WORKSPACES object of the workspace after the last turn that may have changed it; "": as opened."""
+    snapshot_digest: str = ""
+    """`sha256:<hex>` of that object."""
+    sandbox_error: str = ""
+
+
+class AgenticPartial(msgspec.Struct, kw_only=True):
+    """An agentic group in progress, saved after every turn under the task's PARTIALS key."""
+
+    format: str = AGENTIC_FORMAT
+    task_id: str
+    group_size: int
+    episodes: list[AgenticEpisode]
+    turns: int = 0
+    """Group turns done (one policy turn of every open episode)."""
+    sampled_tokens: int = 0
+    generate_s: float = 0.0
+    tool_s: float = 0.0
+    started_at: float = 0.0
+    writer: str = ""
+    resumes: int = 0
+    objects: list[str] = []
+    """Every snapshot object the group wrote (deleted once it is published)."""
+
+
+def encode_agentic(partial: AgenticPartial) -> bytes:
+    return AGENTIC_MAGIC + zstandard.ZstdCompressor(level=3).compress(msgspec.msgpack.encode(partial))
+
+
+def decode_agentic(data: bytes) -> AgenticPartial:
+    """:raises PartialGroupError: the bytes are not an agentic partial (a function group's, garbage, too big)."""
+    if not data.startswith(AGENTIC_MAGIC):
+        raise PartialGroupError("not an agentic partial (no agentic tag)")
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(memoryview(data)[len(AGENTIC_MAGIC):])
+        raw = reader.read(MAX_PARTIAL_BYTES + 1)
+        if len(raw) > MAX_PARTIAL_BYTES:
+            raise PartialGroupError(f"inflates past {MAX_PARTIAL_BYTES} bytes")
+        return msgspec.msgpack.decode(raw, type=AgenticPartial)
+    except (msgspec.DecodeError, zstandard.ZstdError, ValueError) as err:
+        raise PartialGroupError(f"not an agentic partial: {err}") from None
+
+
+def episode_state(ep: AgenticEpisode) -> AgenticState:
+    state = decode_state(ep.state)
+    if not isinstance(state, AgenticState):
+        raise PartialGroupError(f"an episode's state is a {type(state).__name__}, not an agentic one")
+    return state
+
+
+@dataclass(frozen=True, slots=True)
+class AgenticLimits:
+    """What an agentic partial read back must fit to be resumed (this generator's model and settings)."""
+
+    group_size: int
+    max_seq_len: int
+    vocab_size: int
+    held_version: int
+
+
+def check_agentic_partial(partial: AgenticPartial, task: RepoTask, task_id: str, env: AgenticEnvironment,
+                          limits: AgenticLimits) -> None:
+    """Raise PartialGroupError (naming the first problem) unless `partial` is one this task's group could have
+    saved: its format, task and group size; every episode's state of this very task, starting with its rendered
+    user turn; one list of logprobs (finite, <= 0) and versions (0..held) per policy turn, as long as its ids;
+    ids in the vocabulary; within max_seq_len; snapshot names that are content addresses."""
+    if (partial.format, partial.task_id) != (AGENTIC_FORMAT, task_id):
+        raise PartialGroupError(f"saved for format {partial.format!r}, task {partial.task_id!r}; expected "
+                                f"{AGENTIC_FORMAT!r}, {task_id!r}")
+    if partial.group_size != limits.group_size or len(partial.episodes) != partial.group_size:
+        raise PartialGroupError(f"{len(partial.episodes)} episodes, group size {partial.group_size}; expected "
+                                f"{limits.group_size}")
+    if min(partial.turns, partial.sampled_tokens, partial.resumes) < 0 or not all(
+            math.isfinite(x) and x >= 0 for x in (partial.generate_s, partial.tool_s)):
+        raise PartialGroupError("negative or non-finite counters")
+    if any(not _OBJECT.fullmatch(name) for name in partial.objects):
+        raise PartialGroupError("a snapshot object name that is not a content address")
+    first = env.start(task).turns[0]
+    for g, ep in enumerate(partial.episodes):
+        try:
+            _check_episode(ep, task, first, env, limits)
+        except (msgspec.DecodeError, ValueError, TypeError) as err:
+            raise PartialGroupError(f"episode {g}: {err}") from None
+
+
+def _check_episode(ep: AgenticEpisode, task: RepoTask, first: Turn, env: AgenticEnvironment,
+                   limits: AgenticLimits) -> None:
+    state = episode_state(ep)
+    if state.task != task or not state.turns or state.turns[0] != first:
+        raise PartialGroupError("not this task's episode")
+    policy = [t for t in state.turns if t.role == "assistant"]
+    if any(t.role in ("user", "summary") for t in state.turns[1:]) or len(policy) != state.policy_turns:
+        raise PartialGroupError("turn roles out of place")
+    if len(ep.logprobs) != len(policy) or len(ep.versions) != len(policy):
+        raise PartialGroupError(f"{len(ep.logprobs)} logprob and {len(ep.versions)} version lists for "
+                                f"{len(policy)} policy turns")
+    for turn, lps, vers in zip(policy, ep.logprobs, ep.versions, strict=True):
+        if not len(turn.ids) == len(lps) == len(vers):
+            raise PartialGroupError(f"a turn of {len(turn.ids)} ids with {len(lps)} logprobs, {len(vers)} versions")
+        if any(not (math.isfinite(x) and x <= 0.0) for x in lps):
+            raise PartialGroupError("a logprob that is not finite and <= 0")
+        if any(not 0 <= v <= limits.held_version for v in vers):
+            raise PartialGroupError(f"a policy version outside [0, {limits.held_version}]")
+    if any(not 0 <= t < limits.vocab_size for turn in state.turns for t in turn.ids):
+        raise PartialGroupError(f"token id outside the vocabulary [0, {limits.vocab_size})")
+    length = len(state_tokens(state, env.tokenizer).ids)
+    if length > limits.max_seq_len:
+        raise PartialGroupError(f"{length} tokens, past max_seq_len {limits.max_seq_len}")
+    if (ep.snapshot or ep.snapshot_digest) and not (
+            _OBJECT.fullmatch(ep.snapshot) and ep.snapshot_digest == f"sha256:{ep.snapshot[3:]}"):
+        raise PartialGroupError(f"snapshot {ep.snapshot[:80]!r} ({ep.snapshot_digest[:80]!r}) is not a content "
+                                f"address")
+
+
+def budgets_of(generator: Generator) -> AgenticBudgets:
+    """The `[generator.agentic]` budgets, the episode's tokens capped by the policy's context."""
+    a = generator.config.agentic
+    return AgenticBudgets(max_turns=a.max_turns, max_tool_calls=a.max_tool_calls,
+                          max_tokens=min(a.max_tokens, generator.model.max_seq_len), min_turn_tokens=a.min_turn_tokens,
+                          wall_s=a.wall_s, observation_chars=a.observation_chars,
+                          observation_tokens=a.observation_tokens, run_timeout_s=a.run_timeout_s)
+
+
+def environment_of(generator: Generator) -> AgenticEnvironment:
+    a = generator.config.agentic
+    compact = a.tool_list == "compact" or (a.tool_list == "auto" and generator.model.max_seq_len < 4096)
+    return AgenticEnvironment(generator.tokenizer, budgets_of(generator), tool_list="compact" if compact else "full")
+
+
+class _Port:
+    """An episode's `WorkspacePort` over its sandbox session. A call the sandbox does not answer, or that finds
+    the session gone, raises SandboxCrashed (the episode then ends as a sandbox error)."""
+
+    def __init__(self, session: SandboxSession) -> None:
+        self.session = session
+
+    async def tool(self, name: str, args: Mapping[str, Any]) -> ToolOutcome:
+        result = _answered(await self.session.tool(name, args))
+        return ToolOutcome(output=result.output, error=result.error, exit_code=result.exit_code,
+                           timed_out=result.status == "timeout")
+
+    async def grade_workspace(self, files: Mapping[str, str], command: str) -> GradeResult:
+        result = _answered(await self.session.grade(files, command))
+        if result.ok and result.exit_code == 0:
+            return GradeResult("passed", 1, 1, "")
+        status = "timeout" if result.status == "timeout" else "failed"
+        return GradeResult(status, 0, 1, (result.error or result.output)[-2000:])
+
+
+def _answered(result: ToolResult) -> ToolResult:
+    if result.status in ("no_session", "busy"):
+        raise SandboxCrashed(f"session {result.session_id}: {result.status} ({result.error[:200]})")
+    return result
+
+
+@dataclass
+class _Turn:
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+class AgenticGroups:
+    """Runs agentic groups for one generator (see the module docstring); the generator's hook is `run`."""
+
+    def __init__(self, generator: Generator) -> None:
+        self.gen = generator
+        self.bucket = generator.bus.subjects.workspaces_bucket(generator.ident.region)
+
+    # ---- one group ------------------------------------------------------------------------------
+    async def run(self, message: TaskMessage, task: RepoTask, key: str) -> Literal["published", "taken_over"]:
+        gen = self.gen
+        env = environment_of(gen)
+        group_size = message.group_size if message.group_size >= 1 else gen.config.group_size
+        partial, revision, snapshots = await self._load(key, message.task_id, group_size, task, env)
+        if partial is None:
+            now = time.time()
+            partial = AgenticPartial(task_id=message.task_id, group_size=group_size, started_at=now,
+                                     episodes=[AgenticEpisode(state=encode_state(env.start(task, now=now)))
+                                               for _ in range(group_size)])
+            snapshots = {}
+        else:
+            partial.resumes += 1
+            gen.count("resumed")
+            log.info("partial_resumed", task_id=message.task_id, turns=partial.turns, writer=partial.writer,
+                     kind="agentic")
+        sessions: dict[int, SandboxSession] = {}
+        try:
+            states = [episode_state(ep) for ep in partial.episodes]
+            while not all(s.done for s in states):
+                await self._turn(partial, states, sessions, snapshots, task, env)
+                partial.writer = gen.ident.actor_id
+                revision = await self._save(key, partial, revision)
+        except _TakenOver:
+            return "taken_over"
+        finally:
+            await self._close_all(sessions)
+        await self._publish(partial, states, message, key, env)
+        return "published"
+
+    async def _turn(self, partial: AgenticPartial, states: list[AgenticState], sessions: dict[int, SandboxSession],
+                    snapshots: dict[int, WorkspaceSnapshot], task: RepoTask, env: AgenticEnvironment) -> None:
+        """One turn of every open episode: open what has no session, a policy turn each, the steps, snapshots."""
+        open_ = [g for g, s in enumerate(states) if not s.done]
+        started = time.monotonic()
+        turns = await self._policy_turns(partial, [(g, states[g]) for g in open_], env, task)
+        partial.generate_s += time.monotonic() - started
+        started = time.monotonic()
+
+        async def step(g: int) -> None:
+            ep, state, turn = partial.episodes[g], states[g], turns[g]
+            ep.logprobs.append(turn.logprobs)
+            ep.versions.append(turn.versions)
+            try:
+                if g not in sessions:
+                    sessions[g] = await self._open(task, snapshots.get(g))
+                calls = len(state.calls)
+                new = (await env.step(state, turn.ids, _Port(sessions[g]), now=time.time())).state
+                if not new.done and any(c.name in CHANGING_TOOLS for c in new.calls[calls:]):
+                    await self._snapshot(partial, ep, sessions[g], snapshots, g)
+            except (RlbusError, nats.errors.Error, TimeoutError, DigestMismatch) as err:
+                self.gen.count("sandbox_errors")
+                log.warning("agentic_sandbox_error", task_id=partial.task_id, group_index=g, error=repr(err)[:300])
+                ep.sandbox_error = f"{type(err).__name__}: {err}"[:300]
+                new = msgspec.structs.replace(state, turns=(*state.turns, Turn("assistant", tuple(turn.ids))),
+                                              policy_turns=state.policy_turns + 1, done=True, reward=0.0,
+                                              verdict="error")
+            states[g] = new
+            ep.state = encode_state(new)
+            if new.done and g in sessions:
+                await self._close(sessions.pop(g))
+
+        async with anyio.create_task_group() as tg:
+            for g in open_:
+                tg.start_soon(step, g)
+        partial.tool_s += time.monotonic() - started
+        partial.turns += 1
+
+    async def _policy_turns(self, partial: AgenticPartial, rows: list[tuple[int, AgenticState]],
+                            env: AgenticEnvironment, task: RepoTask) -> dict[int, _Turn]:
+        """The next policy turn of each open episode: sampled (all rows of the group, and of other tasks, in
+        merged calls), or the script's, scored under the live policy."""
+        gen = self.gen
+        max_len = gen.model.max_seq_len
+        contexts = {g: state_context(s, env.tokenizer) for g, s in rows}
+        caps = {g: max(0, min(gen.config.max_tokens, env.room(s), max_len - len(contexts[g]))) for g, s in rows}
+        if gen.config.script:
+            script = reference_script(task) if gen.config.script == "reference" else SUBMIT_SCRIPT
+            scripted = {g: scripted_ids(script, s, env.tokenizer)[:caps[g]] or [env.tokenizer.stop_id] for g, s in rows}
+            return await anyio.to_thread.run_sync(self._score, contexts, scripted)
+        out = {g: _Turn([], [], []) for g, _ in rows}
+        stops = set(env.tokenizer.stop_ids)
+        pending = [g for g, _ in rows if caps[g] > 0]
+
+        async def sample(g: int, seed: int) -> None:
+            turn = out[g]
+            (sample,) = await gen.sample_rows([contexts[g] + turn.ids], caps[g] - len(turn.ids), seed)
+            for t, lp, v in zip(sample.tokens.tolist(), sample.logprobs.tolist(), sample.versions.tolist(),
+                                strict=True):
+                turn.ids.append(int(t))
+                turn.logprobs.append(min(float(lp), 0.0))
+                turn.versions.append(int(v))
+                if t in stops:
+                    break
+
+        chunk = 0
+        while pending:
+            async with anyio.create_task_group() as tg:
+                for g in pending:
+                    tg.start_soon(sample, g, _seed(partial.task_id, partial.turns, g, chunk))
+            chunk += 1
+            pending = [g for g in pending if len(out[g].ids) < caps[g] and not (out[g].ids and out[g].ids[-1] in stops)]
+        for g, _ in rows:
+            if not out[g].ids:               # no room at all: a lone stop, so the turn exists and the budget ends it
+                out[g] = _Turn([env.tokenizer.stop_id], [0.0], [gen.held_version()])
+        kept = sum(len(t.ids) for t in out.values())
+        partial.sampled_tokens += kept
+        gen.count("tokens", kept)
+        gen.note_version()
+        return out
+
+    def _score(self, contexts: Mapping[int, list[int]], turns: Mapping[int, list[int]]) -> dict[int, _Turn]:
+        """Behaviour logprobs of scripted turns: one forward pass each of context + ids under the live policy
+        (worker thread, the generator's model lock held)."""
+        gen = self.gen
+        weights = gen.weights_source()
+        out: dict[int, _Turn] = {}
+        with gen.model_lock, torch.no_grad():
+            weights.maybe_swap(0)
+            version = weights.held_version or 0
+            model = weights.model
+            for g, ids in turns.items():
+                context = contexts[g][-(model.max_seq_len - len(ids)):]   # all of it: the cap left room
+                x = torch.tensor([[*context, *ids]], device=model.device)
+                logits = model(x).logits[0, len(context) - 1:-1].float()
+                lps = torch.log_softmax(logits, dim=-1).gather(-1, x[0, len(context):, None])[:, 0]
+                out[g] = _Turn(list(ids), [min(float(v), 0.0) for v in lps.tolist()], [version] * len(ids))
+        return out
+
+    # ---- sessions and snapshots ----------------------------------------------------------------
+    async def _open(self, task: RepoTask, snapshot: WorkspaceSnapshot | None) -> SandboxSession:
+        """A session seeded with the task's files (overlaid by `snapshot`); tried OPEN_TRIES times.
+
+        :raises SandboxCrashed: none could be opened.
+        """
+        gen = self.gen
+        files = {path: text.encode() for path, text in task.files.items()}
+        if snapshot is not None:
+            files = restore_files(files, ToolResult(session_id="", call_id="", ok=True, files=snapshot.files,
+                                                    deleted=snapshot.deleted))
+        for attempt in range(OPEN_TRIES):
+            try:
+                session_id = await open_session(gen.bus, gen.ident.region, files, lease_s=gen.config.session_lease_s)
+                return SandboxSession(gen.bus, gen.ident.region, session_id,
+                                      call_timeout_s=gen.config.sandbox_timeout_s)
+            except SandboxCrashed as err:
+                if attempt == OPEN_TRIES - 1:
+                    raise
+                log.warning("session_open_retry", attempt=attempt + 1, error=str(err)[:300])
+                await anyio.sleep(2.0 ** attempt)
+        raise AssertionError("unreachable")
+
+    async def _snapshot(self, partial: AgenticPartial, ep: AgenticEpisode, session: SandboxSession,
+                        snapshots: dict[int, WorkspaceSnapshot], g: int) -> None:
+        """Snapshot the workspace's changed files, check each file's digest, store the snapshot under its own
+        content address (unless it is there already) and point the episode at it."""
+        result = _answered(await session.snapshot())
+        if not result.ok:
+            raise SandboxCrashed(f"snapshot of session {session.session_id} refused: {result.error[:200]}")
+        for path, data in result.files.items():
+            if result.digests.get(path) != hashlib.sha256(data).hexdigest():
+                raise DigestMismatch(f"snapshot of session {session.session_id}: {path} does not match its digest")
+        snap = WorkspaceSnapshot(files=dict(sorted(result.files.items())), deleted=sorted(result.deleted))
+        blob = msgspec.msgpack.encode(snap)
+        hexdigest = hashlib.sha256(blob).hexdigest()
+        name = self.gen.bus.subjects.workspace_object(hexdigest)
+        if name != ep.snapshot:
+            if name not in partial.objects:
+                await self.gen.bus.put_object(self.bucket, name, blob)
+                partial.objects.append(name)
+            ep.snapshot, ep.snapshot_digest = name, digest(blob)
+        snapshots[g] = snap
+
+    async def _restore(self, partial: AgenticPartial) -> dict[int, WorkspaceSnapshot]:
+        """The snapshot of every unfinished episode that has one, fetched and digest-checked.
+
+        :raises PartialGroupError: one is missing, corrupt or does not decode.
+        """
+        out: dict[int, WorkspaceSnapshot] = {}
+        for g, ep in enumerate(partial.episodes):
+            if not ep.snapshot or episode_state(ep).done:
+                continue
+            try:
+                blob = await self.gen.bus.get_object(self.bucket, ep.snapshot, expected_digest=ep.snapshot_digest,
+                                                     timeout_s=30.0)
+                out[g] = msgspec.msgpack.decode(blob, type=WorkspaceSnapshot)
+            except (nats.js.errors.NotFoundError, DigestMismatch, msgspec.DecodeError, TimeoutError) as err:
+                raise PartialGroupError(f"episode {g}: workspace snapshot {ep.snapshot}: {err!r}"[:300]) from None
+        return out
+
+    async def _close(self, session: SandboxSession) -> None:
+        with anyio.move_on_after(5.0, shield=True):
+            try:
+                await session.close()
+            except (RlbusError, nats.errors.Error, TimeoutError) as err:   # its lease ends it
+                log.warning("session_not_closed", session_id=session.session_id, error=repr(err)[:200])
+
+    async def _close_all(self, sessions: dict[int, SandboxSession]) -> None:
+        with anyio.CancelScope(shield=True):
+            for g in list(sessions):
+                await self._close(sessions.pop(g))
+
+    # ---- partials -------------------------------------------------------------------------------
+    async def _load(self, key: str, task_id: str, group_size: int, task: RepoTask, env: AgenticEnvironment
+                    ) -> tuple[AgenticPartial | None, int | None, dict[int, WorkspaceSnapshot]]:
+        """The saved partial, its revision and its episodes' snapshots; (None, revision, {}) when absent or
+        unusable (discarded with an `Event(incident)`, like a function group's)."""
+        gen = self.gen
+        try:
+            entry = await gen.kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None, None, {}
+        try:
+            partial = decode_agentic(entry.value or b"")
+            held = gen.held_version()
+            check_agentic_partial(partial, task, task_id, env, AgenticLimits(
+                group_size=group_size, max_seq_len=gen.model.max_seq_len, vocab_size=gen.model.vocab_size,
+                held_version=held))
+            snapshots = await self._restore(partial)
+        except PartialGroupError as err:
+            gen.count("partials_discarded")
+            log.warning("partial_discarded", task_id=task_id, revision=entry.revision, error=str(err)[:300])
+            await gen.bus.event(Event(event="incident", actor_id=gen.ident.actor_id, actor_kind=gen.kind,
+                                      region=gen.ident.region, detail=f"partial discarded: {str(err)[:300]}",
+                                      data={"what": "partial_discarded", "task_id": task_id[:200]}))
+            return None, entry.revision, {}
+        return partial, entry.revision, snapshots
+
+    async def _save(self, key: str, partial: AgenticPartial, revision: int | None) -> int:
+        bucket = self.gen.bus.subjects.partials_bucket(self.gen.ident.region)
+        try:
+            return await put_at(self.gen.bus.js, bucket, key, encode_agentic(partial), revision=revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise _TakenOver(partial.task_id) from None
+
+    # ---- publishing -----------------------------------------------------------------------------
+    async def _publish(self, partial: AgenticPartial, states: list[AgenticState], message: TaskMessage, key: str,
+                       env: AgenticEnvironment) -> None:
+        """Publish the G Rollouts (msg id = rollout id, retried until stored), then delete the partial and the
+        group's snapshot objects."""
+        gen = self.gen
+        now = time.time()
+        timings = {"generate_s": partial.generate_s, "tool_s": partial.tool_s, "wall_s": now - partial.started_at,
+                   "queue_s": max(0.0, partial.started_at - message.created_at), "resumes": float(partial.resumes)}
+        rollouts = [agentic_rollout(ep, state, env, task_id=partial.task_id, group_index=g,
+                                    group_size=partial.group_size, region=gen.ident.region,
+                                    generator_id=gen.ident.actor_id, timings=timings)
+                    for g, (ep, state) in enumerate(zip(partial.episodes, states, strict=True))]
+        subject = gen.bus.subjects.rollouts(gen.ident.region)
+        retry = retry_policy("rollouts_not_published", on=(nats.errors.Error, TimeoutError), initial_s=0.5, max_s=5.0,
+                             forever="the group is in hand and its task held: ride out the region's outage rather "
+                                     "than give the work back", task_id=partial.task_id)
+        async for attempt in retry:
+            with attempt:
+                try:
+                    await gen.bus.publish_batch([(subject, r, r.rollout_id) for r in rollouts])
+                except (nats.errors.Error, TimeoutError):
+                    gen.count("publish_failures")
+                    raise
+        gen.count("rollouts", len(rollouts))
+        try:
+            await gen.kv.delete(key)
+            store = await gen.bus.js.object_store(self.bucket)
+            for name in partial.objects:
+                await store.delete(name)
+        except (nats.errors.Error, TimeoutError) as err:
+            log.warning("partial_not_deleted", task_id=partial.task_id, error=repr(err))
+        log.info("group_published", task_id=partial.task_id, rollouts=len(rollouts), kind="agentic",
+                 rewards=[r.reward for r in rollouts], turns=partial.turns, tokens=partial.sampled_tokens,
+                 resumes=partial.resumes)
+
+
+def agentic_rollout(ep: AgenticEpisode, state: AgenticState, env: AgenticEnvironment, *, task_id: str,
+                    group_index: int, group_size: int, region: str, generator_id: str,
+                    timings: Mapping[str, float]) -> Rollout:
+    """A finished episode as a Rollout: prompt = the first user turn's context (bos, the user turn, the
+    assistant header); completion = the rest up to the last policy id; loss mask exactly the policy's ids
+    (`state_tokens`), their behaviour logprobs and versions in order (versions of other tokens filled from the
+    nearest policy token); reward and verdict from the final state."""
+    tok = env.tokenizer
+    flat = state_tokens(state, tok)
+    first = msgspec.structs.replace(state, turns=state.turns[:1])
+    n_prompt = len(state_context(first, tok))
+    policy = [i for i, m in enumerate(flat.loss_mask) if m]
+    lps = [x for turn in ep.logprobs for x in turn]
+    vers = [v for turn in ep.versions for v in turn]
+    if not policy or len(policy) != len(lps) or policy[0] < n_prompt:
+        raise ValueError(f"episode {task_id}-{group_index}: {len(policy)} policy ids for {len(lps)} logprobs")
+    end = policy[-1] + 1
+    logprobs, versions = [0.0] * end, [-1] * end
+    for i, lp, v in zip(policy, lps, vers, strict=True):
+        logprobs[i], versions[i] = lp, v
+    versions = fill_versions(versions)
+    grade = state.grade
+    status = "ok" if state.verdict == "passed" else ("timeout" if state.verdict == "timeout" else
+                                                   "error" if state.verdict == "error" else "failed")
+    verdict = SandboxVerdict(passed=grade.n_passed if grade else 0, total=grade.n_tests if grade else 1,
+                             status=status)  # type: ignore[arg-type]
+    return Rollout(
+        rollout_id=f"{task_id}-{group_index}", task_id=task_id, group_index=group_index, group_size=group_size,
+        prompt_tokens=TensorBlob.of(flat.ids[:n_prompt], "int32"),
+        completion_tokens=TensorBlob.of(flat.ids[n_prompt:end], "int32"),
+        behaviour_logprobs=TensorBlob.of(logprobs[n_prompt:end], "float32"),
+        policy_versions=TensorBlob.of(versions[n_prompt:end], "int32"),
+        loss_mask=TensorBlob.of(flat.loss_mask[n_prompt:end], "uint8"), routing=None,
+        reward=float(state.reward), verdict=verdict,
+        timings={**timings, "turns": float(state.policy_turns), "tool_calls": float(state.tool_calls),
+                 "sandbox_error": float(bool(ep.sandbox_error))},
+        region=region, generator_id=generator_id, segments=[])
+
+
+def _seed(task_id: str, turn: int, g: int, chunk: int) -> int:
+    """Sampler seed of one episode's call: stable across a resume (task, turn, episode, call of the turn)."""
+    return int.from_bytes(hashlib.sha256(f"{task_id}:agentic:{turn}:{g}:{chunk}".encode()).digest()[:7], "big")
+
+
+def fits(task: RepoTask, env: AgenticEnvironment, max_seq_len: int) -> bool:
+    """Whether the task's first context leaves room for a turn of `min_turn_tokens` in the policy's context."""
+    return len(state_context(env.start(task), env.tokenizer)) + env.budgets.min_turn_tokens <= max_seq_len
+
+
+__all__ = ["AGENTIC_FORMAT", "AGENTIC_MAGIC", "AgenticEpisode", "AgenticGroups", "AgenticLimits", "AgenticPartial",
+           "WorkspaceSnapshot", "agentic_rollout", "check_agentic_partial", "decode_agentic", "encode_agentic",
+           "fits"]

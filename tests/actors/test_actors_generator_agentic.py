@@ -1,0 +1,309 @@
+"""Agentic groups through the real generator, sandbox supervisor and NATS: a scripted policy that follows the
+reference edit solves a repository task of every level (reward 1) and one that submits at once gets 0, with
+rollouts whose loss mask is exactly the policy's ids and whose behaviour logprobs a forward pass reproduces; a
+generator process SIGKILLed mid-episode leaves a partial and a workspace snapshot from which another one
+finishes the group (reward still 1, published once); no session is left open afterwards."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import msgspec
+import nats.js.errors
+import pytest
+import torch
+from helpers import eventually, hosted, new_run
+
+from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.common.weight_source import LocalWeights
+from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
+from rlbus.actors.generator.agentic import (
+    AgenticPartial,
+    WorkspaceSnapshot,
+    decode_agentic,
+    episode_state,
+)
+from rlbus.actors.generator.config import AgenticSettings
+from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
+from rlbus.actors.sandbox.pool import available_levels
+from rlbus.actors.sandbox.supervisor import SandboxSupervisor
+from rlbus.messages import codec
+from rlbus.messages.bus import Bus, ConnectOptions
+from rlbus.messages.schemas import Rollout
+from rlbus.messages.schemas import Task as TaskMessage
+from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
+from rlbus.messages.subjects import BucketScope
+from rlbus.model.env import AgenticBudgets
+from rlbus.model.repo_tasks import RepoTask, repo_task
+from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.topology.servers import EmbeddedServer
+
+pytestmark = pytest.mark.anyio
+torch.set_num_threads(1)
+
+RUNS = tuple(new_run() for _ in range(4))
+FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
+TOK = ByteTokenizer()
+SANDBOX = SandboxConfig(pool_size=1, concurrency=2, cpu_seconds=4.0, wall_seconds=8.0, memory_mb=256,
+                        max_processes=16, max_file_mb=1, max_open_files=64, max_output_kb=16, max_sessions=8,
+                        workspace_mb=4, max_lease_s=60.0, session_spares=0)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Env:
+    server: EmbeddedServer
+    run: str
+    admin: Bus
+
+    async def bus(self, role: str) -> Bus:
+        cred = self.server.credential(role)
+        return await Bus.connect(self.server.url, run=self.run,
+                                 options=ConnectOptions(user=cred.user, password=cred.password))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    srv = EmbeddedServer.start(tmp_path_factory.mktemp("agentic-js"), name="agentic",
+                               scope=BucketScope(runs=RUNS, regions=("hub",)))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+_free = list(RUNS)
+
+
+@pytest.fixture
+async def env(server: EmbeddedServer) -> AsyncIterator[Env]:
+    run = _free.pop()
+    cred = server.credential("admin")
+    admin = await Bus.connect(server.url, run=run, options=ConnectOptions(user=cred.user, password=cred.password))
+    settings = StreamSettings.tiny()
+    await provision_region(admin.nc, admin.subjects, "hub", domain=None, settings=settings)
+    await provision_hub(admin.nc, admin.subjects, "hub", {"hub": None}, settings)
+    try:
+        yield Env(server, run, admin)
+    finally:
+        await admin.close()
+
+
+def tiny_model(**shape: int) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.tiny(max_seq_len=2048, **shape)).eval()  # type: ignore[arg-type]
+
+
+def message(task: RepoTask, group_size: int = 2) -> TaskMessage:
+    return TaskMessage(task_id=task.task_id, prompt=task.prompt, verifier=task.verifier_spec(),
+                       group_size=group_size, region="hub", seed=1)
+
+
+@asynccontextmanager
+async def supervisor(env: Env) -> AsyncIterator[SandboxSupervisor]:
+    bus = await env.bus("sandbox")
+    actor = SandboxSupervisor(ActorId(env.run, "hub", "sandbox", "sb"), bus, SANDBOX, FAST,
+                              SandboxLaunch(isolation=available_levels()[0]))  # type: ignore[arg-type]
+    async with hosted(actor, close=[bus]) as served:
+        yield served
+
+
+@asynccontextmanager
+async def generator(env: Env, model: Transformer, config: GeneratorConfig) -> AsyncIterator[Generator]:
+    bus = await env.bus("generator")
+    actor = Generator(ActorId(env.run, "hub", "generator", "g1"), bus, config, FAST,
+                      weights=LocalWeights(model, version=2))
+    async with hosted(actor, close=[bus]) as served:
+        yield served
+
+
+async def rollouts(env: Env) -> list[Rollout]:
+    stream = env.admin.subjects.rollouts_stream("hub")
+    info = await env.admin.js.stream_info(stream)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        msg = await env.admin.js.get_msg(stream, seq)
+        out.append(codec.decode_as(msg.data, msg.headers, Rollout))
+    return sorted(out, key=lambda r: (r.task_id, r.group_index))
+
+
+async def stored(env: Env, stream: str) -> int:
+    return int((await env.admin.js.stream_info(stream)).state.messages)
+
+
+async def workspace_objects(env: Env) -> list[str]:
+    store = await env.admin.js.object_store(env.admin.subjects.workspaces_bucket("hub"))
+    try:
+        return [o.name for o in await store.list() if not o.deleted]
+    except nats.js.errors.NotFoundError:
+        return []
+
+
+def teacher_forced(model: Transformer, rollout: Rollout) -> torch.Tensor:
+    ids = torch.tensor([*rollout.prompt_tokens.tolist(), *rollout.completion_tokens.tolist()])[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids, with_mtp=False).logits[0].float(), dim=-1)
+    P = len(rollout.prompt_tokens)
+    return logp[P - 1:-1].gather(-1, ids[0, P:, None])[:, 0]
+
+
+def sessions_open(actor: SandboxSupervisor) -> int:
+    return int(actor.gauges.get("sessions_open", -1)) if actor.sessions is None else len(actor.sessions.sessions)
+
+
+def test_agentic_settings_mirror_the_environment_budgets() -> None:
+    """`[generator.agentic]` has every `AgenticBudgets` field with the same default (plus the tool list)."""
+    budgets = {k: getattr(AgenticBudgets(), k) for k in AgenticBudgets.__struct_fields__}
+    settings = {k: getattr(AgenticSettings(), k) for k in AgenticSettings.__struct_fields__}
+    assert settings.pop("tool_list") == "auto"
+    assert settings == budgets
+
+
+async def test_scripted_policies_solve_or_fail_every_level_through_the_real_sandbox(env: Env) -> None:
+    """The reference script earns 1.0 on a repository task of each level, the submit script 0.0 on the same
+    three; each rollout's loss mask covers exactly the policy's ids, its behaviour logprobs are those of a forward
+    pass of the live policy; every session is closed, the partials and the workspace snapshots are gone."""
+    model = tiny_model()
+    tasks = [repo_task(level, 7) for level in (1, 2, 3)]
+    s = env.admin.subjects
+    results: dict[str, list[Rollout]] = {}
+    async with supervisor(env) as sandbox:
+        for script in ("reference", "submit"):
+            config = GeneratorConfig(group_size=2, script=script, max_tokens=600, concurrent_tasks=3,
+                                     sandbox_timeout_s=20.0, agentic=AgenticSettings(max_turns=4))
+            before = await stored(env, s.rollouts_stream("hub"))
+            async with generator(env, model, config) as actor:
+                for task in tasks:
+                    named = msgspec.structs.replace(message(task), task_id=f"{script}-{task.task_id}")
+                    await env.admin.publish(s.tasks("hub"), named, msg_id=named.task_id)
+
+                async def done(actor: Generator = actor) -> bool:
+                    return actor.counters.get("tasks", 0) == len(tasks)
+                await eventually(done, timeout_s=120, what=f"{script}: every group published")
+                assert actor.counters.get("sandbox_errors", 0) == 0
+            assert await stored(env, s.rollouts_stream("hub")) == before + 2 * len(tasks)
+            results[script] = [r for r in await rollouts(env) if r.task_id.startswith(script)]
+        await eventually(lambda: sessions_open(sandbox), lambda n: n == 0, what="every session closed", timeout_s=10)
+    solved, failed = results["reference"], results["submit"]
+    assert [r.reward for r in solved] == [1.0] * 6 and all(r.verdict.status == "ok" for r in solved)
+    assert [r.reward for r in failed] == [0.0] * 6 and all(r.verdict.status == "failed" for r in failed)
+    for r in solved + failed:
+        task = next(t for t in tasks if r.task_id.endswith(t.task_id))
+        mask = r.loss_mask.tolist()
+        turns = len(task.reference) + 1 if r in solved else 1
+        assert r.timings["turns"] == turns and sum(mask) > 0 and mask[-1] == 1
+        assert r.prompt_tokens.tolist()[-1] == TOK.assistant_id
+        assert task.instruction in TOK.decode(r.prompt_tokens.tolist())
+        assert set(r.policy_versions.tolist()) == {2}
+        keep = torch.tensor(mask, dtype=torch.bool)
+        torch.testing.assert_close(teacher_forced(model, r)[keep], torch.tensor(r.behaviour_logprobs.tolist())[keep],
+                                   atol=1e-4, rtol=0)
+        assert all(lp == 0.0 for lp, m in zip(r.behaviour_logprobs.tolist(), mask, strict=True) if not m)
+    kv = await env.admin.js.key_value(s.partials_bucket("hub"))
+    for r in solved + failed:
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await kv.get(partial_key(r.task_id))
+    assert await workspace_objects(env) == []
+
+
+# ---- chaos: a generator process SIGKILLed mid-episode ------------------------------------------------------
+def _spawn(env: Env, actor_id: str, settings: dict[str, object], log_path: Path) -> subprocess.Popen[bytes]:
+    cred = env.server.credential("generator")
+    cmd = [sys.executable, "-m", "rlbus.ops.actor", "--kind", "generator", "--run", env.run, "--region", "hub",
+           "--id", actor_id, "--url", env.server.url, "--heartbeat-s", "0.2", "--drain-s", "3",
+           "--settings", json.dumps(settings)]
+    environ = {**os.environ, "RLBUS_NATS_USER": cred.user, "RLBUS_NATS_PASSWORD": cred.password,
+               "RLBUS_TORCH_THREADS": "1"}
+    with log_path.open("wb") as log:
+        return subprocess.Popen(cmd, env=environ, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+@pytest.mark.chaos
+async def test_sigkilled_generator_mid_episode_is_resumed_from_the_workspace_snapshot(env: Env,
+                                                                                    tmp_path: Path) -> None:
+    """SIGKILL a generator process between the reference edit and the submit: the partial holds both episodes'
+    states and a snapshot of their edited workspaces; a new generator process restores the snapshot into new
+    sessions (it does not redo the edit: its first scripted turn is the submit), the hidden tests pass (reward 1)
+    and the group is in ROLLOUTS exactly once; the dead one's sessions expire, the heir's are closed."""
+    # a policy slow enough to score (about a second a turn on one thread) that the kill lands between the turns
+    model = tiny_model(d_model=384, n_layers=6, n_heads=6, d_ff=1152)
+    checkpoint = tmp_path / "pretrain.pt"
+    torch.save({"state_dict": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "tokenizer": TOK.info(), "meta": {}}, checkpoint)
+    task = repo_task(2, 3)
+    settings = {"weights": f"local:{checkpoint}", "group_size": 2, "max_tokens": 600, "script": "reference",
+                "sandbox_timeout_s": 20.0, "session_lease_s": 3.0}
+    s = env.admin.subjects
+    kv = await env.admin.js.key_value(s.partials_bucket("hub"))
+    key = partial_key(task.task_id)
+    saved: list[AgenticPartial] = []
+    async with supervisor(env) as sandbox:
+        victim = _spawn(env, "victim", {**settings, "local_version": 1}, tmp_path / "victim.log")
+        heir: subprocess.Popen[bytes] | None = None
+        try:
+            watcher = await kv.watch(key)
+            await env.admin.publish(s.tasks("hub"), message(task), msg_id=task.task_id)
+            with anyio.fail_after(120):
+                async for entry in watcher:
+                    if entry is None or not entry.value:
+                        continue
+                    partial = decode_agentic(entry.value)
+                    if partial.turns == 1:
+                        os.kill(victim.pid, signal.SIGKILL)
+                        saved.append(partial)
+                        break
+            await watcher.stop()
+            victim.wait()
+            assert await stored(env, s.rollouts_stream("hub")) == 0, (tmp_path / "victim.log").read_text()[-3000:]
+            (partial,) = saved
+            assert partial.writer == "victim" and all(ep.snapshot for ep in partial.episodes)
+            blob = await env.admin.get_object(s.workspaces_bucket("hub"), partial.episodes[0].snapshot,
+                                              expected_digest=partial.episodes[0].snapshot_digest)
+            snapshot = msgspec.msgpack.decode(blob, type=WorkspaceSnapshot)
+            edited = {p: v.decode() for p, v in snapshot.files.items()}
+            assert edited and all(task.solution[p] == text for p, text in edited.items())
+            assert not any(episode_state(ep).done for ep in partial.episodes)
+            heir = _spawn(env, "heir", {**settings, "local_version": 2}, tmp_path / "heir.log")
+
+            async def published() -> bool:
+                return (await stored(env, s.rollouts_stream("hub")) >= 2
+                        and await stored(env, s.tasks_stream("hub")) == 0)
+            await eventually(published, timeout_s=120, what="the heir published the group")
+            assert _stop(heir) == 0, (tmp_path / "heir.log").read_text()[-3000:]
+        finally:
+            for proc in (victim, heir):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        await eventually(lambda: sessions_open(sandbox), lambda n: n == 0, what="every session gone", timeout_s=15)
+    group = await rollouts(env)
+    assert Counter(r.rollout_id for r in group) == {f"{task.task_id}-0": 1, f"{task.task_id}-1": 1}
+    for r in group:
+        assert (r.reward, r.generator_id, r.timings["resumes"], r.timings["turns"]) == (1.0, "heir", 1.0, 2.0)
+        versions = [v for v, m in zip(r.policy_versions.tolist(), r.loss_mask.tolist(), strict=True) if m]
+        assert versions[0] == 1 and versions[-1] == 2       # the edit turn is the victim's, the submit the heir's
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await kv.get(key)
+    assert await workspace_objects(env) == []
