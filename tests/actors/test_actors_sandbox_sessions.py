@@ -8,6 +8,7 @@ import hashlib
 import os
 
 import anyio
+import nats
 import pytest
 from helpers import eventually
 from helpers.sandbox_sessions import BEST, CONFIG, marked, new_marker, role_bus, serving
@@ -132,3 +133,35 @@ async def test_weaker_levels_run_in_the_workspace_as_the_sandbox_uid(admin_bus: 
         slept = await s.tool("run", {"command": f"export {marker}=1; sleep 3600", "timeout_s": 0.5})
         assert slept.status == "timeout"
         await eventually(lambda: marked(marker), lambda pids: not pids, what="the command killed", timeout_s=10)
+
+
+async def test_only_sandboxes_listen_on_session_subjects(nats_server: EmbeddedServer, admin_bus: Bus) -> None:
+    """A generator subscribing to session opens or to a supervisor's calls (to forge results) is refused, and an
+    observer may not open a session; a generator may."""
+    s = admin_bus.subjects
+    errors: list[str] = []
+
+    async def on_error(err: Exception) -> None:
+        errors.append(str(err))
+
+    async with serving(admin_bus):
+        generator = await nats.connect(**nats_server.connect_options("generator"), error_cb=on_error,
+                                       allow_reconnect=False)
+        observer = await nats.connect(**nats_server.connect_options("observer"), error_cb=on_error,
+                                      allow_reconnect=False)
+        try:
+            await generator.subscribe(s.session_open("hub"))
+            await generator.subscribe(s.session_calls("hub", "sb1"))
+            await observer.publish(s.session_open("hub"), b"x")
+            await generator.flush()
+            await observer.flush()
+            await eventually(lambda: len(errors), lambda n: n >= 3, what="three permission violations", timeout_s=10)
+            assert sorted(e.split('"')[1] for e in errors) == sorted(
+                [s.session_open("hub").lower(), s.session_calls("hub", "sb1").lower(), s.session_open("hub").lower()])
+            assert all("permissions violation" in e for e in errors)
+        finally:
+            await generator.close()
+            await observer.close()
+        async with role_bus(nats_server, "generator", s.run) as gen:
+            sid = await open_session(gen, "hub", {})
+            assert (await call_tool(gen, "hub", sid, "list_files", {})).ok

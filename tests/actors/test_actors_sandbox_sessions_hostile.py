@@ -19,7 +19,7 @@ import pytest
 from helpers import eventually
 from helpers.sandbox_sessions import assert_contained, marked, new_marker, serving, tree
 
-from rlbus.actors.common.sessions import SandboxSession, call_tool
+from rlbus.actors.common.sessions import SandboxSession, SessionRefused, call_tool, open_session
 from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.messages import codec
 from rlbus.messages.bus import REASON_HEADER, Bus
@@ -91,6 +91,8 @@ async def test_dotdot_paths_are_refused(admin_bus: Bus, tmp_path: Path) -> None:
         _refused(await sc.session.tool("list_files", {"path": ".."}), "'..'")
         _refused(await sc.session.tool("search", {"pattern": ".", "path": "../"}), "'..'")
         _refused(await sc.session.tool("grade", {"files": {"../../canary.txt": "pwned"}, "command": "true"}), "'..'")
+        with pytest.raises(SessionRefused, match=r"'\.\.' is not allowed"):
+            await open_session(admin_bus, "hub", {"../../canary.txt": b"pwned"})
         await sc.done()
 
 
