@@ -47,7 +47,8 @@ class SandboxConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     not wait for one (bwrap only; a session without one starts its jail at its first jailed call)."""
     workspace_mb: PositiveInt = 64
     """Total size of one session's files, MiB; a tool write past it is refused (a session may ask for less).
-    Each file is capped by `max_file_mb`."""
+    Each file is capped by `max_file_mb`. A root supervisor makes each workspace a tmpfs of this size, so a
+    command's writes stop there too."""
 
     def clamp(self, asked: SandboxLimits) -> SandboxLimits:
         """The request's limits, each capped by this supervisor's ceiling."""

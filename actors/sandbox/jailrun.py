@@ -200,6 +200,9 @@ class SessionJail:
         except (TimeoutError, JailBroken) as err:
             await jail.kill()
             raise JailBroken(f"the session jail did not start: {err!r}") from None
+        except BaseException:                    # cancelled while it started: nothing of it is left
+            await jail.kill()
+            raise
         if not hello.get("ready"):
             await jail.kill()
             raise JailBroken(f"the session jail said {hello!r} instead of ready")

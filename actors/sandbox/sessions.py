@@ -12,7 +12,9 @@ actors/sandbox/runner.py as pid 1, a fork and exec per call, every process of a 
 answers); from the first open on, `[sandbox] session_spares` of them are kept started ahead on empty
 workspaces (`maintain_spares`), so an open adopts one; a session without one, or whose jail broke, starts one at its next jailed call.
 `grade` runs in a fresh jail on a fresh copy. Other levels start a fresh jail per call (jailrun.run_jailed).
-Per-tool latency (median of the recent calls) and the open sessions are kept for the heartbeat.
+Per-tool latency (median of the recent calls) and the open sessions are kept for the heartbeat. A new
+host first removes what supervisors killed without cleaning up left under the scratch root
+(`reclaim_orphans`: roots named by a pid that runs no more).
 Does not: talk to NATS (actors/sandbox/supervisor.py), do file or jail work itself (workspace.py,
 jailrun.py).
 """
@@ -40,11 +42,13 @@ from rlbus.actors.sandbox.config import SandboxConfig
 from rlbus.actors.sandbox.jailrun import JailBroken, RunLimits, RunOutcome, SessionJail, run_jailed
 from rlbus.actors.sandbox.pool import SANDBOX_UID, Isolation
 from rlbus.actors.sandbox.tools import TOOLS, ToolArgsError, ToolLimits, check_args, run_tool
-from rlbus.actors.sandbox.workspace import Workspace, WorkspaceError
+from rlbus.actors.sandbox.workspace import Workspace, WorkspaceError, unmount
 from rlbus.messages.schemas import SessionOpen, SessionOpened, ToolCall, ToolResult
 
 log = structlog.get_logger()
 
+ROOT_PREFIX: Final = "rlbus-sessions-"
+"""A supervisor's session root is `<scratch>/rlbus-sessions-<its pid>-<random>`."""
 REAP_INTERVAL_S: Final = 0.25
 """How often leases are checked."""
 LATENCY_WINDOW: Final = 64
@@ -80,7 +84,9 @@ class SessionHost:
         self.limiter = limiter
         self.busy = busy
         self.sessions: dict[str, Session] = {}
-        self.root = Path(tempfile.mkdtemp(prefix="rlbus-sessions-", dir=scratch_root or _scratch_dir()))
+        scratch = scratch_root or _scratch_dir()
+        reclaim_orphans(scratch)
+        self.root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-", dir=scratch))
         self.root.chmod(0o711)
         self.uid = SANDBOX_UID if os.geteuid() == 0 else None
         self.latency: dict[str, deque[float]] = {name: deque(maxlen=LATENCY_WINDOW) for name in TOOLS}
@@ -88,7 +94,7 @@ class SessionHost:
         self.expired = 0
         self.opened = 0
         self.limits = ToolLimits(max_output_bytes=config.max_output_kb << 10, max_timeout_s=config.wall_seconds)
-        self.spares: list[tuple[Path, SessionJail]] = []
+        self.spares: list[tuple[Workspace, SessionJail]] = []
         self._background: list[SessionJail] = []
         self._spare_wanted = anyio.Event()
         self._first_open = anyio.Event()
@@ -114,15 +120,14 @@ class SessionHost:
         lease = min(request.lease_s, self.config.max_lease_s)
         self._first_open.set()
         jail: SessionJail | None = None
-        where = self.root / session_id
         if self.spares:
-            spare, jail = self.spares.pop()
-            spare.rename(where)          # the jail's bind mount follows the directory
+            ws, jail = self.spares.pop()
+            ws.max_file_bytes, ws.max_total_bytes = max_file, max_total
             self._spare_wanted.set()
-        elif self.level == "bwrap" and self.config.session_spares:
-            self.spare_misses += 1
-        ws = Workspace(where, max_file_bytes=max_file, max_total_bytes=max_total, uid=self.uid,
-                       exists=jail is not None)
+        else:
+            if self.level == "bwrap" and self.config.session_spares:
+                self.spare_misses += 1
+            ws = self._workspace(max_file, max_total)
         try:
             ws.seed(dict(request.files))
         except WorkspaceError as err:
@@ -150,6 +155,11 @@ class SessionHost:
                 session.workspace.remove()
         return True
 
+    def _workspace(self, max_file: int, max_total: int) -> Workspace:
+        """A new, empty workspace directory (on a tmpfs of `workspace_mb` when root)."""
+        return Workspace(self.root / f"ws-{uuid.uuid4().hex[:16]}", max_file_bytes=max_file, max_total_bytes=max_total,
+                         uid=self.uid, quota_bytes=self.config.workspace_mb << 20)
+
     def _discard(self, jail: SessionJail) -> None:
         """A jail to kill outside a synchronous path (`maintain_spares` does it)."""
         self._background.append(jail)
@@ -167,17 +177,19 @@ class SessionHost:
             while self._background:
                 await self._background.pop().kill()
             while len(self.spares) < self.config.session_spares:
-                where = self.root / f"spare-{uuid.uuid4().hex[:12]}"
-                Workspace(where, max_file_bytes=0, max_total_bytes=0, uid=self.uid)
+                ws = self._workspace(0, 0)
                 try:
-                    jail = await SessionJail.start(where, tmpfs_mb=self.config.workspace_mb)
+                    jail = await SessionJail.start(ws.root, tmpfs_mb=self.config.workspace_mb)
                 except JailBroken as err:
-                    shutil.rmtree(where, ignore_errors=True)
+                    ws.remove()
                     log.warning("sandbox_session_jail_start_failed", error=str(err))
                     await anyio.sleep(1.0)
                     continue
+                except BaseException:            # stopping mid-start: the jail is killed by start itself
+                    ws.remove()
+                    raise
                 self.jails_started += 1
-                self.spares.append((where, jail))
+                self.spares.append((ws, jail))
             if len(self.spares) >= self.config.session_spares and not self._background:
                 await self._spare_wanted.wait()
 
@@ -188,6 +200,8 @@ class SessionHost:
                 await self.close(sid)
             for jail in [j for _, j in self.spares] + self._background:
                 await jail.kill()
+            for ws, _ in self.spares:
+                ws.remove()
             self.spares.clear()
             self._background.clear()
             shutil.rmtree(self.root, ignore_errors=True)
@@ -278,6 +292,23 @@ class SessionHost:
         return out
 
 
+def reclaim_orphans(scratch: str) -> list[Path]:
+    """Remove the session roots under `scratch` of supervisors that died without cleaning up (SIGKILL): their
+    pid (in the name) runs no more. Their workspaces' tmpfs mounts are detached first. The roots removed."""
+    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    removed = []
+    for root in Path(scratch).glob(f"{ROOT_PREFIX}*-*"):
+        pid = root.name[len(ROOT_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        for mount in mounts:
+            if mount.startswith(f"{root}/"):
+                unmount(Path(mount))
+        shutil.rmtree(root, ignore_errors=True)
+        removed.append(root)
+    return removed
+
+
 def _scratch_dir() -> str:
     """A tmpfs when there is one, else the temp dir (the pool's choice, for the same reasons)."""
     shm = "/dev/shm"
@@ -289,4 +320,4 @@ def too_long(*ids: str) -> str | None:
     return next((i for i in ids if len(i) > MAX_ID), None)
 
 
-__all__ = ["Session", "SessionHost", "too_long"]
+__all__ = ["ROOT_PREFIX", "Session", "SessionHost", "reclaim_orphans", "too_long"]

@@ -51,6 +51,8 @@ TOOLS: Final[dict[str, Spec]] = {
 }
 JAILED: Final = frozenset({"search", "run", "grade"})
 """Tools that run a jailed process: they queue under the supervisor's concurrency quota."""
+GRADE_SLACK_BYTES: Final = 16 << 20
+"""Room a grading copy has beyond the workspace and the hidden files (what the tests write)."""
 MAX_ENTRIES: Final = 5000
 """Entries `list_files` reports at most (then `truncated`)."""
 SEARCH_SOURCE: Final = r"""
@@ -279,12 +281,16 @@ async def _run(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: 
 async def _grade(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: Runner, scratch: Path) -> Reply:
     timeout_s = _timeout(args, limits)
     where = scratch / f"grade-{uuid.uuid4().hex[:12]}"
+    added = sum(len(text.encode()) for text in args["files"].values())
+    fresh: Workspace | None = None
     try:
-        fresh = ws.copy_to(where)
+        fresh = ws.copy_to(where, extra_bytes=added + GRADE_SLACK_BYTES)
         for path, text in sorted(args["files"].items()):
             fresh.write_bytes(path, text.encode())
         out = await runner(where, ["bash", "-c", args["command"]], timeout_s)
     finally:
+        if fresh is not None:
+            fresh.remove()
         shutil.rmtree(where, ignore_errors=True)
     return _outcome(out, limits, timeout_s)
 

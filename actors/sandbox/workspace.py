@@ -6,13 +6,16 @@ grading, removal). Every path is relative to the workspace; `..`, absolute paths
 and every component is opened relative to its parent's directory fd with O_NOFOLLOW, so a symbolic link
 (one a `run` planted, pointing outside or at another session) is refused, never followed. Only regular
 files are read or written (a FIFO or socket a command made is refused without blocking), and a file with
-other hard links is not overwritten. Writes respect a per-file and a whole-workspace size limit.
-Files and directories are owned by the sandbox uid when the supervisor is root.
+other hard links is not overwritten. Writes respect a per-file and a whole-workspace size limit. When the
+supervisor is root the workspace is a tmpfs of its own (`quota_bytes`, `MAX_INODES` files), so what a
+command writes is bounded too (it gets ENOSPC), and files and directories are owned by the sandbox uid;
+without root a command's writes are bounded only by its file-size rlimit and its timeout.
 Does not: run commands (actors/sandbox/jailrun.py), parse tool arguments (actors/sandbox/tools.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import os
@@ -27,6 +30,31 @@ _READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 MAX_DEPTH: Final = 64
 """Deepest directory nesting walked (list, snapshot, copy)."""
+MAX_INODES: Final = 65536
+"""Files and directories a workspace's tmpfs holds (each costs memory even when empty)."""
+_MS_NOSUID: Final = 2
+_MS_NODEV: Final = 4
+_MNT_DETACH: Final = 2
+_LIBC: list[ctypes.CDLL] = []
+
+
+def _libc() -> ctypes.CDLL:
+    if not _LIBC:
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
+
+
+def mount_tmpfs(path: Path, size_bytes: int, uid: int) -> bool:
+    """Mount a tmpfs of `size_bytes` (and MAX_INODES inodes) owned by `uid` on `path`; False when this
+    process may not mount (no root, or a container without the right)."""
+    opts = f"size={max(size_bytes, 1 << 16)},nr_inodes={MAX_INODES},mode=0755,uid={uid},gid={uid}".encode()
+    ok = _libc().mount(b"tmpfs", str(path).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) == 0
+    return ok
+
+
+def unmount(path: Path) -> None:
+    """Detach the tmpfs on `path` (lazily: a process still inside cannot keep it)."""
+    _libc().umount2(str(path).encode(), _MNT_DETACH)
 
 
 class WorkspaceError(Exception):
@@ -54,16 +82,17 @@ class Workspace:
     """One session's directory. Size limits in bytes; `uid` owns what is written (None: this process)."""
 
     def __init__(self, root: Path, *, max_file_bytes: int, max_total_bytes: int, uid: int | None,
-                 exists: bool = False) -> None:
+                 quota_bytes: int | None = None) -> None:
         self.root = root
         self.max_file_bytes = max_file_bytes
         self.max_total_bytes = max_total_bytes
         self.uid = uid
+        self.quota_bytes = quota_bytes
         self.base: dict[str, str] = {}
         """sha256 hex of every seeded file: `changed()` compares against it."""
-        if not exists:                   # else: an empty directory made ahead (a spare session jail's)
-            root.mkdir(mode=0o755)
-            self._own(str(root))
+        root.mkdir(mode=0o755)
+        self._own(str(root))
+        self.mounted = quota_bytes is not None and uid is not None and mount_tmpfs(root, quota_bytes, uid)
 
     def _own(self, path: str, dir_fd: int | None = None) -> None:
         if self.uid is not None:
@@ -251,10 +280,11 @@ class Workspace:
         deleted = sorted(p for p in self.base if p not in seen)
         return files, digests, deleted, skipped
 
-    def copy_to(self, dest: Path) -> Workspace:
-        """A fresh copy of this workspace's directories, files and links (as links) at `dest` (new)."""
-        copy = Workspace(dest, max_file_bytes=self.max_file_bytes, max_total_bytes=self.max_total_bytes,
-                         uid=self.uid)
+    def copy_to(self, dest: Path, *, extra_bytes: int = 0) -> Workspace:
+        """A fresh copy of this workspace's directories, files and links (as links) at `dest` (new), with room
+        for `extra_bytes` more."""
+        copy = Workspace(dest, max_file_bytes=self.max_file_bytes, max_total_bytes=self.max_total_bytes + extra_bytes,
+                         uid=self.uid, quota_bytes=None if self.quota_bytes is None else self.quota_bytes + extra_bytes)
         for rel, kind, _ in self.entries():
             target = dest / rel
             if kind == "dir":
@@ -274,8 +304,12 @@ class Workspace:
         return copy
 
     def remove(self) -> None:
-        """Remove the workspace (shutil.rmtree works by fd here and does not follow links)."""
+        """Remove the workspace: its tmpfs detached, the directory removed (shutil.rmtree works by fd here
+        and does not follow links)."""
+        if self.mounted:
+            unmount(self.root)
+            self.mounted = False
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-__all__ = ["MAX_DEPTH", "Workspace", "WorkspaceError", "parts_of"]
+__all__ = ["MAX_DEPTH", "MAX_INODES", "Workspace", "WorkspaceError", "mount_tmpfs", "parts_of", "unmount"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 
 import anyio
 import nats
@@ -21,7 +22,9 @@ from rlbus.actors.common.sessions import (
     open_session,
     restore_files,
 )
-from rlbus.actors.sandbox.pool import available_levels
+from rlbus.actors.sandbox.pool import SANDBOX_UID, available_levels
+from rlbus.actors.sandbox.sessions import ROOT_PREFIX, reclaim_orphans
+from rlbus.actors.sandbox.workspace import Workspace, unmount
 from rlbus.messages.bus import Bus
 from rlbus.topology.servers import EmbeddedServer
 
@@ -81,15 +84,17 @@ async def test_session_quota_lease_expiry_and_stop(admin_bus: Bus) -> None:
         root = actor.sessions.root
         kept = await open_session(admin_bus, "hub", FILES, lease_s=30)
         short = await open_session(admin_bus, "hub", {}, lease_s=0.5)
+        short_dir = actor.sessions.sessions[short].workspace.root
         with pytest.raises(SessionRefused, match="max_sessions = 2"):
             await open_session(admin_bus, "hub", {})
         await eventually(lambda: short not in actor.sessions.sessions, what="the short lease to expire", timeout_s=10)
         late = await call_tool(admin_bus, "hub", short, "list_files", {})
-        assert (late.ok, late.status) == (False, "no_session") and not (root / short).exists()
+        assert (late.ok, late.status) == (False, "no_session") and not short_dir.exists()
         assert (await call_tool(admin_bus, "hub", kept, "read_file", {"path": "README"})).output == "calc\n"
         gauges = actor.heartbeat().gauges
         assert gauges["sessions_open"] == 1 and gauges["sessions_expired"] == 1 and gauges["tool_read_file_ms"] > 0
-        assert (root / kept / "pkg" / "calc.py").exists()
+        kept_dir = actor.sessions.sessions[kept].workspace.root
+        assert (kept_dir / "pkg" / "calc.py").read_bytes() == FILES["pkg/calc.py"]
     assert not root.exists()
 
 
@@ -127,7 +132,7 @@ async def test_weaker_levels_run_in_the_workspace_as_the_sandbox_uid(admin_bus: 
     async with serving(admin_bus, level=level) as actor, await SandboxSession.open(admin_bus, "hub", FILES) as s:
         assert actor.isolation == level and actor.sessions is not None
         ran = await s.tool("run", {"command": "id -u; pwd; echo made > out.txt"})
-        assert ran.ok and ran.output.split()[1] == str(actor.sessions.root / s.session_id), ran
+        assert ran.ok and ran.output.split()[1] == str(actor.sessions.sessions[s.session_id].workspace.root), ran
         assert ran.output.split()[0] == ("65534" if os.geteuid() == 0 else str(os.geteuid()))
         assert (await s.tool("read_file", {"path": "out.txt"})).output == "made\n"
         slept = await s.tool("run", {"command": f"export {marker}=1; sleep 3600", "timeout_s": 0.5})
@@ -165,3 +170,30 @@ async def test_only_sandboxes_listen_on_session_subjects(nats_server: EmbeddedSe
         async with role_bus(nats_server, "generator", s.run) as gen:
             sid = await open_session(gen, "hub", {})
             assert (await call_tool(gen, "hub", sid, "list_files", {})).ok
+
+
+def test_roots_of_dead_supervisors_are_reclaimed(tmp_path: Path) -> None:
+    """A session root named by a pid that runs no more (its supervisor was SIGKILLed) is removed with its
+    workspaces' tmpfs mounts; one of a live process, and any other directory, is left alone."""
+    dead_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1      # no process has it, ever
+    dead = tmp_path / f"{ROOT_PREFIX}{dead_pid}-abc"
+    live = tmp_path / f"{ROOT_PREFIX}{os.getpid()}-def"
+    other = tmp_path / f"{ROOT_PREFIX}ghi"
+    for root in (dead, live, other):
+        root.mkdir()
+        Workspace(root / "ws-1", max_file_bytes=1 << 20, max_total_bytes=1 << 20,
+                  uid=SANDBOX_UID if os.geteuid() == 0 else None, quota_bytes=1 << 20).write_bytes("f", b"x")
+    mounted = [w for w in (dead / "ws-1", live / "ws-1", other / "ws-1") if _is_mount(w)]
+    try:
+        assert reclaim_orphans(str(tmp_path)) == [dead]
+        assert not dead.exists() and not _is_mount(dead / "ws-1")
+        assert (live / "ws-1" / "f").read_bytes() == b"x" and (other / "ws-1" / "f").exists()
+        assert len(mounted) == (3 if os.geteuid() == 0 else 0)
+    finally:
+        for w in (live / "ws-1", other / "ws-1"):
+            if _is_mount(w):
+                unmount(w)
+
+
+def _is_mount(path: Path) -> bool:
+    return any(line.split()[4] == str(path) for line in Path("/proc/self/mountinfo").read_text().splitlines())

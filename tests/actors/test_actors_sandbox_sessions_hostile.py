@@ -7,6 +7,7 @@ session's workspace is gone, and the canary files outside the workspace are unch
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -42,12 +43,12 @@ class Scene:
     @property
     def workspace(self) -> Path:
         assert self.actor.sessions is not None
-        return self.actor.sessions.root / self.session.session_id
+        return self.actor.sessions.sessions[self.session.session_id].workspace.root
 
     @property
     def neighbour_dir(self) -> Path:
         assert self.actor.sessions is not None
-        return self.actor.sessions.root / self.neighbour.session_id
+        return self.actor.sessions.sessions[self.neighbour.session_id].workspace.root
 
     async def run(self, command: str, **args: object) -> ToolResult:
         return await self.session.tool("run", {"command": f"export {self.marker}=1\n{command}", **args})
@@ -161,7 +162,8 @@ async def test_a_fifo_planted_by_run_is_refused_without_blocking(admin_bus: Bus,
 # ---- sizes -----------------------------------------------------------------------------------------
 async def test_writes_past_the_size_limits_are_refused(admin_bus: Bus, tmp_path: Path) -> None:
     """A write past the file-size limit, or one making the workspace too large, is refused and writes
-    nothing; a command's file stops at the limit (RLIMIT_FSIZE)."""
+    nothing; a command's file stops at the file-size limit (RLIMIT_FSIZE), and its files at the workspace's
+    (a tmpfs of that size, when the supervisor is root)."""
     async with scene(admin_bus, tmp_path) as sc:
         limit = sc.actor.config.max_file_mb << 20
         _refused(await sc.session.tool("write_file", {"path": "big", "content": "x" * (limit + 1)}), "file-size limit")
@@ -169,9 +171,11 @@ async def test_writes_past_the_size_limits_are_refused(admin_bus: Bus, tmp_path:
         grown = await sc.run(f"head -c {2 * limit} /dev/zero > big; echo exit $?")
         assert grown.ok and "exit 0" not in grown.output
         assert (sc.workspace / "big").stat().st_size <= limit
-        for i in range(3):
-            made = await sc.run(f"head -c {limit} /dev/zero > fill{i}")
-            assert made.exit_code == 0, made
+        quota = sc.actor.config.workspace_mb << 20
+        filled = await sc.run(f"for i in $(seq {quota // limit + 2}); do head -c {limit} /dev/zero > fill$i; done")
+        if os.geteuid() == 0:                      # the workspace is a tmpfs of its own: the command gets ENOSPC
+            assert "No space left on device" in filled.output, filled
+            assert sum(f.stat().st_size for f in sc.workspace.iterdir()) <= quota
         _refused(await sc.session.tool("write_file", {"path": "more", "content": "x" * (limit // 2)}), "past its limit")
         assert not (sc.workspace / "more").exists()
         await sc.done()

@@ -74,6 +74,11 @@ def marked(marker: str) -> set[int]:
     return found
 
 
+def _mounted(path: Path) -> bool:
+    """True when something is mounted on `path` (the host's mount table)."""
+    return any(line.split()[4] == str(path) for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
 def _alive(pid: int) -> bool:
     """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
     try:
@@ -102,6 +107,7 @@ async def assert_contained(actor: SandboxSupervisor, bus: Bus, session: SandboxS
     assert (normal.ok, normal.output) == (True, "alive\n"), normal
     assert actor.sessions is not None
     jail = actor.sessions.sessions[session.session_id].jail
+    workspace = actor.sessions.sessions[session.session_id].workspace.root
     jail_pids = [jail.process.pid, *descendants(jail.process.pid)] if jail is not None else []
     assert await session.close()
     await eventually(lambda: [p for p in jail_pids if _alive(p)], lambda alive: not alive,
@@ -109,6 +115,6 @@ async def assert_contained(actor: SandboxSupervisor, bus: Bus, session: SandboxS
     assert marked(marker) == set()
     assert actor.sessions is not None
     assert session.session_id not in actor.sessions.sessions
-    assert not (actor.sessions.root / session.session_id).exists()
+    assert not workspace.exists() and not _mounted(workspace)
     for path, content in canaries.items():
         assert path.read_bytes() == content, path
