@@ -84,7 +84,7 @@ class SessionHost:
         self.limiter = limiter
         self.busy = busy
         self.sessions: dict[str, Session] = {}
-        scratch = scratch_root or _scratch_dir()
+        scratch = scratch_root or scratch_dir()
         reclaim_orphans(scratch)
         self.root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-", dir=scratch))
         self.root.chmod(0o711)
@@ -309,7 +309,7 @@ def reclaim_orphans(scratch: str) -> list[Path]:
     return removed
 
 
-def _scratch_dir() -> str:
+def scratch_dir() -> str:
     """A tmpfs when there is one, else the temp dir (the pool's choice, for the same reasons)."""
     shm = "/dev/shm"
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
@@ -320,4 +320,4 @@ def too_long(*ids: str) -> str | None:
     return next((i for i in ids if len(i) > MAX_ID), None)
 
 
-__all__ = ["ROOT_PREFIX", "Session", "SessionHost", "reclaim_orphans", "too_long"]
+__all__ = ["ROOT_PREFIX", "Session", "SessionHost", "reclaim_orphans", "scratch_dir", "too_long"]

@@ -5,14 +5,18 @@ sessions destroyed when the supervisor stops, and the heartbeat's session gauges
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
 import nats
 import pytest
 from helpers import eventually
-from helpers.sandbox_sessions import BEST, CONFIG, marked, new_marker, role_bus, serving
+from helpers.sandbox_sessions import BEST, CONFIG, marked, new_marker, provision, role_bus, serving
 from msgspec.structs import replace
 
 from rlbus.actors.common.sessions import (
@@ -22,8 +26,8 @@ from rlbus.actors.common.sessions import (
     open_session,
     restore_files,
 )
-from rlbus.actors.sandbox.pool import SANDBOX_UID, available_levels
-from rlbus.actors.sandbox.sessions import ROOT_PREFIX, reclaim_orphans
+from rlbus.actors.sandbox.pool import SANDBOX_UID, available_levels, descendants
+from rlbus.actors.sandbox.sessions import ROOT_PREFIX, reclaim_orphans, scratch_dir
 from rlbus.actors.sandbox.workspace import Workspace, unmount
 from rlbus.messages.bus import Bus
 from rlbus.topology.servers import EmbeddedServer
@@ -197,3 +201,44 @@ def test_roots_of_dead_supervisors_are_reclaimed(tmp_path: Path) -> None:
 
 def _is_mount(path: Path) -> bool:
     return any(line.split()[4] == str(path) for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+async def test_a_sigkilled_supervisor_leaves_no_jail_and_its_root_is_reclaimed(
+        nats_server: EmbeddedServer, admin_bus: Bus, tmp_path: Path) -> None:
+    """A supervisor process (sandbox role) SIGKILLed while a session's command runs leaves no process of its
+    jails; the next supervisor on the machine removes its session root and the workspace mounts in it."""
+    await provision(admin_bus)
+    settings = {"pool_size": 1, "concurrency": 1, "wall_seconds": 30.0, "session_spares": 1}
+    cred = nats_server.credential("sandbox")
+    log = (tmp_path / "actor.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "rlbus.ops.actor", "--kind", "sandbox", "--run", admin_bus.subjects.run,
+                             "--region", "hub", "--id", "sbk", "--url", nats_server.url, "--role", "sandbox",
+                             "--settings", json.dumps(settings), "--heartbeat-s", "0.2", "--drain-s", "2"],
+                            env={**os.environ, "RLBUS_NATS_USER": cred.user, "RLBUS_NATS_PASSWORD": cred.password},
+                            stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        async with role_bus(nats_server, "generator", admin_bus.subjects.run) as gen:
+            sid = await eventually(lambda: open_session(gen, "hub", FILES, timeout_s=2), what="a session opened",
+                                   timeout_s=60, ignoring=(SessionRefused,))
+            assert (await call_tool(gen, "hub", sid, "run", {"command": "echo up"})).output == "up\n"
+            roots = list(Path(scratch_dir()).glob(f"{ROOT_PREFIX}{proc.pid}-*"))
+            jail_pids = set(descendants(proc.pid))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: call_tool(gen, "hub", sid, "run", {"command": "sleep 600"}, timeout_s=5))
+                await eventually(lambda: set(descendants(proc.pid)) - jail_pids, what="the command running")
+                jail_pids = set(descendants(proc.pid))
+                proc.kill()
+                tg.cancel_scope.cancel()
+        assert await anyio.to_thread.run_sync(lambda: proc.wait(timeout=15)) == -signal.SIGKILL
+        await eventually(lambda: [p for p in jail_pids if Path(f"/proc/{p}/stat").exists()
+                                  and b") Z" not in Path(f"/proc/{p}/stat").read_bytes()],
+                         lambda left: not left, what="no process of the killed supervisor's jails", timeout_s=10)
+        assert len(roots) == 1 and roots[0].exists()
+        async with serving(admin_bus, actor_id="sbk2"):
+            assert not roots[0].exists()
+            assert not [m for m in Path("/proc/self/mountinfo").read_text().split() if m.startswith(str(roots[0]))]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
