@@ -14,7 +14,7 @@ import os
 import shutil
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -61,6 +61,8 @@ class Endpoints:
     """Region → credentials JSON file ({role: {user, password}}), None: no auth."""
     tls_ca: Path | None = None
     """PEM file of the CA every connection trusts (`[tls]`), None: plaintext or the system's trust store."""
+    netns: dict[str, str] = field(default_factory=dict)
+    """Region → the network namespace its server runs in (`[regions.link]`); its local actors run there too."""
 
 
 def kind_settings(topology: Topology, kind: str) -> dict[str, Any]:
@@ -98,7 +100,8 @@ def kind_launch(topology: Topology, kind: str, state_dir: Path | None = None,
         case "feeder":
             return feeder_launch(topology)
         case "generator":
-            return GeneratorLaunch(torch_threads=torch_threads, device=topology.policy.device)
+            return GeneratorLaunch(torch_threads=torch_threads, device=topology.policy.device,
+                                   dtype=topology.policy.dtype)
         case "trainer":
             return TrainerLaunch(pretrained=str(policy_dir(topology, state)), state_dir=str(state),
                                  device=topology.policy.device,
@@ -181,7 +184,7 @@ def actor_specs(topology: Topology, endpoints: Endpoints, *, heartbeat_s: float 
             args += ["--tls-ca", str(endpoints.tls_ca)]
         env = {"OMP_NUM_THREADS": str(inst.torch_threads), "RLBUS_TORCH_THREADS": str(inst.torch_threads)}
         specs.append(ProcessSpec(actor_id=inst.actor_id, kind=inst.kind, region=inst.region, args=tuple(args),
-                                 env=env, resource=region.resource))
+                                 env=env, resource=region.resource, netns=endpoints.netns.get(inst.region, "")))
     return specs
 
 
@@ -215,7 +218,8 @@ class Launch:
         """Start (or resume, or join) the run's servers and streams; stop the embedded servers on exit.
 
         `relay`: join each embedded leaf to the hub through a cuttable relay, so `launch.regions.cut(leaf)`
-        partitions it (`rlbus chaos`); ignored when the servers are not embedded."""
+        partitions it (`rlbus chaos`); ignored when the servers are not embedded. Leaves with `[regions.link]`
+        run in network namespaces behind shaped links (`launch.regions.links`), their local actors with them."""
         state = (state_dir or topology.state_path).resolve()
         if fresh and state.exists():
             shutil.rmtree(state)
@@ -227,11 +231,12 @@ class Launch:
             tls = embedded_tls(topology)
             regions = await anyio.to_thread.run_sync(
                 lambda: RegionSet.start(state / "nats", names, topology.hub.name, sync_interval=sync,
-                                        run=topology.run, relay=relay, tls=tls))
+                                        run=topology.run, relay=relay, tls=tls, links=topology.link_shapes()))
             creds_file: Path | None = state / "nats" / CREDENTIALS_NAME
             endpoints = Endpoints(urls={n: (regions.url(n),) for n in names}, domains={n: n for n in names},
                                   hub=topology.hub.name, credentials={n: creds_file for n in names},
-                                  tls_ca=regions.tls.ca if regions.tls is not None else None)
+                                  tls_ca=regions.tls.ca if regions.tls is not None else None,
+                                  netns={n: ns for n in names if (ns := regions.netns(n)) is not None})
         else:
             ca = topology.tls.ca_file if topology.tls.enabled else None
             endpoints = Endpoints(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import anyio
+import torch
 from torch import nn
 
 from rlbus.messages.bus import Bus
@@ -89,9 +90,10 @@ class LocalWeights:
 
 @asynccontextmanager
 async def open_weights(spec: str, bus: Bus, region: str, *, local_version: int = 0,
-                       device: str = "cpu") -> AsyncIterator[WeightSource]:
+                       device: str = "cpu", dtype: str = "bfloat16") -> AsyncIterator[WeightSource]:
     """The weight source named by `spec` (see the module docstring), open for the block, its policy on
-    `device` ("auto": CUDA when present).
+    `device` ("auto": CUDA when present); a synced policy in `dtype` ("bfloat16" or "float32": versions are
+    bf16, held exactly in either).
 
     :raises TopologyError: an unknown spec (the `[generator] weights` setting's pattern allows none).
     """
@@ -103,7 +105,7 @@ async def open_weights(spec: str, bus: Bus, region: str, *, local_version: int =
     if kind == "sync":
         from rlbus.actors.common.weight_sync import WeightSync
 
-        async with WeightSync.open(bus, region, device=device) as sync:
+        async with WeightSync.open(bus, region, device=device, dtype=getattr(torch, dtype)) as sync:
             yield sync
         return
     raise TopologyError(f"generator weights {spec!r}: expected 'sync' or 'local:<path to pretrain.pt>'")

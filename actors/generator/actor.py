@@ -139,7 +139,8 @@ class Generator(Actor):
             await self._serve(self._given_weights)
             return
         async with open_weights(self.config.weights, self.bus, self.ident.region,
-                                local_version=self.config.local_version, device=self.launch.device) as weights:
+                                local_version=self.config.local_version, device=self.launch.device,
+                                dtype=self.launch.dtype) as weights:
             await self._serve(weights)
 
     async def _serve(self, weights: WeightSource) -> None:

@@ -93,6 +93,9 @@ class GeneratorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     torch's default."""
     device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda)$")] = "cpu"
     """Where the policy runs (topology `[policy] device`): 'auto' is CUDA when this machine has it."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """What the policy samples in (topology `[policy] dtype`). Versions are bf16 and held exactly in either; on a
+    CPU without native bf16 matrix units (AVX2 only) float32 samples 2-3x faster."""
 
 
 __all__ = ["AgenticSettings", "GeneratorConfig", "GeneratorLaunch"]
