@@ -7,7 +7,8 @@ task, 8 tasks sampled in one batch, 128 tokens, one attempt; flat groups kept so
 fills; the tiny example's checkpoint and restart settings), the same actor processes and torch threads
 (one each: on 2 cores the generator and the trainer each get one), from the same starting policy
 (`--async-preset`, default the `small` pretrain preset's model, pretrained briefly once at the start and
-copied into each arm's state directory), for the same number of optimizer steps N:
+copied into each arm's state directory), generators sampling in `--async-dtype` ([policy] dtype, default
+float32), for the same number of optimizer steps N:
 - async: the normal pipeline: the feeder keeps a backlog, generators keep generating while the trainer
   trains and swap new weights in flight; stale rollouts are dropped past `trainer.staleness_versions`.
 - sync: the same actors with two knobs: `feeder.lockstep` (one batch of tasks per new policy version,
@@ -15,7 +16,8 @@ copied into each arm's state directory), for the same number of optimizer steps 
   with the current version, train one step, wait for the new version to reach the generators, repeat.
 Wall-clock per arm runs from t0 = the later of the first Task published and version 0's WeightManifest
 (before that, no generator can work in either arm) to the N-th optimizer step's TrainStep (`created_at`);
-`speedup` = sync / async. Does not: assert speed (nothing here fails on a slow machine).
+`speedup` = sync / async; with `--async-repeats N` the pair runs N times (async, sync, async, ...) and `speedup`
+is the median, each run's in `runs`. Does not: assert speed (nothing here fails on a slow machine).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import statistics
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -50,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="async: pretraining steps (batch 8) of the starting policy (default 5, as --quick)")
     p.add_argument("--async-timeout", type=float, default=240.0,
                    help="async: hang guard per arm, seconds (default 240)")
+    p.add_argument("--async-repeats", type=int, default=1,
+                   help="async: run both arms this many times (async, sync, async, sync, ...) and report each run "
+                        "and the median speedup (default 1)")
+    p.add_argument("--async-dtype", choices=["bfloat16", "float32"], default="float32",
+                   help="async: what the generators sample in ([policy] dtype; default float32: on a CPU without "
+                        "native bf16 matrix units it samples 2-3x faster than bfloat16)")
     p.add_argument("--async-state-dir", type=Path, default=None,
                    help="async: keep the arms' state (logs, streams) in this directory (default: a temp "
                         "dir, deleted)")
@@ -86,17 +96,33 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         config = PretrainConfig.preset(preset, eval_n=2, batch_size=8)   # a starting point, not a good policy
         pretrained = await anyio.to_thread.run_sync(
             lambda: pretrain(config, args.async_pretrain_steps, 0, base, 2))
-        arms: dict[str, dict[str, Any]] = {}
-        for arm in ARMS:
-            state = root / arm
-            state.mkdir()
-            shutil.copytree(base, state / PRETRAINED_DIR)
-            topology = _topology(arm, f"b{uuid.uuid4().hex[:8]}", state, settings=settings, tasks=tasks,
-                                 generators=args.async_generators)
-            arms[arm] = await _run_arm(topology, state, steps, args.async_timeout)
+        repeats = max(1, getattr(args, "async_repeats", 1))
+        dtype = getattr(args, "async_dtype", "float32")
+        runs: list[dict[str, dict[str, Any]]] = []
+        for r in range(repeats):
+            arms: dict[str, dict[str, Any]] = {}
+            for arm in ARMS:
+                state = root / (arm if repeats == 1 else f"{arm}-{r + 1}")
+                state.mkdir()
+                shutil.copytree(base, state / PRETRAINED_DIR)
+                topology = _topology(arm, f"b{uuid.uuid4().hex[:8]}", state, settings=settings, tasks=tasks,
+                                     generators=args.async_generators, dtype=dtype)
+                arms[arm] = await _run_arm(topology, state, steps, args.async_timeout)
+            runs.append(arms)
+            if repeats > 1:
+                print(f"bench async: run {r + 1}/{repeats}: speedup {_speedup(arms):.2f} (async "
+                      f"{arms['async']['wall_s']:.1f}s, sync {arms['sync']['wall_s']:.1f}s)", file=sys.stderr,
+                      flush=True)
+    speedups = [_speedup(arms) for arms in runs]
+    arms = runs[sorted(range(len(runs)), key=speedups.__getitem__)[(len(runs) - 1) // 2]]   # the median run
     a, s = arms["async"], arms["sync"]
     return {
-        "speedup": s["wall_s"] / a["wall_s"],
+        "speedup": statistics.median(speedups),
+        "speedups": speedups,
+        "runs": [{"speedup": sp, "async_wall_s": r["async"]["wall_s"], "sync_wall_s": r["sync"]["wall_s"],
+                  "async_step_interval_s": r["async"]["step_interval_s"],
+                  "sync_step_interval_s": r["sync"]["step_interval_s"]} for sp, r in zip(speedups, runs, strict=True)],
+        "dtype": dtype,
         "speedup_from_first_task": s["wall_from_first_task_s"] / a["wall_from_first_task_s"],
         "staleness": a["staleness"],
         "steps": steps,
@@ -113,16 +139,21 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _speedup(arms: dict[str, dict[str, Any]]) -> float:
+    return float(arms["sync"]["wall_s"] / arms["async"]["wall_s"])
+
+
 def _parameters(config: Any) -> int:
     from rlbus.model.transformer import Transformer
 
     return sum(p.numel() for p in Transformer(config).parameters())
 
 
-def _topology(arm: str, run: str, state: Path, *, settings: str, tasks: int, generators: int) -> Any:
+def _topology(arm: str, run: str, state: Path, *, settings: str, tasks: int, generators: int,
+              dtype: str = "float32") -> Any:
     """The tiny example's run settings (checkpoints, restarts, weights) with this bench's actors, the
-    `settings` example's generator, trainer and sandbox, and batches of `tasks` tasks; flat groups are
-    kept (a lockstep batch must fill). The sync arm adds lockstep and staleness 0."""
+    `settings` example's generator, trainer and sandbox, batches of `tasks` tasks and generators sampling in
+    `dtype`; flat groups are kept (a lockstep batch must fill). The sync arm adds lockstep and staleness 0."""
     import msgspec
 
     from rlbus.topology.examples import example_path
@@ -140,7 +171,8 @@ def _topology(arm: str, run: str, state: Path, *, settings: str, tasks: int, gen
         trainer = replace(trainer, staleness_versions=0)
         feeder = replace(feeder, lockstep=True, backlog_per_region=tasks)
     return replace(base, run=run, state_dir=str(state), regions=[Region(name=HUB, role="hub", actors=actors)],
-                   trainer=trainer, generator=work.generator, feeder=feeder, sandbox=work.sandbox)
+                   trainer=trainer, generator=work.generator, feeder=feeder, sandbox=work.sandbox,
+                   policy=replace(base.policy, dtype=dtype))
 
 
 async def _run_arm(topology: Any, state: Path, steps: int, timeout_s: float) -> dict[str, Any]:
@@ -273,7 +305,7 @@ def table(result: dict[str, Any]) -> str:
     width = max(len(label) for label, _, _ in rows)
     head = (f"rlbus bench async: {result['steps']} optimizer steps per arm, {result['generators']} "
             f"generator(s), {result['settings']} settings, batch {result['batch_rollouts']} rollouts, "
-            f"{result['preset']} model "
+            f"{result['preset']} model sampled in {result['dtype']} "
             f"(load {result['load_avg_1m']:.1f}, {result['total_s']:.0f}s in all)")
     lines = [head, f"{'':{width}}  {'async':>10}  {'sync':>10}"]
     for label, key, fmt in rows:
@@ -288,4 +320,7 @@ def table(result: dict[str, Any]) -> str:
     lines.append(f"async staleness (rollouts by versions behind): {histogram}")
     lines.append(f"speedup (sync / async wall-clock): {result['speedup']:.2f}x (target >= 1.6); "
                  f"from the first task: {result['speedup_from_first_task']:.2f}x")
+    if len(result["speedups"]) > 1:
+        lines.append(f"median of {len(result['speedups'])} runs (columns above: the median run); each: "
+                     + ", ".join(f"{sp:.2f}" for sp in result["speedups"]))
     return "\n".join(lines)

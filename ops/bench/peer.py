@@ -4,7 +4,8 @@ Owns the peer benchmark: the shared Hugging Face policy (a recipe Qwen2 built an
 `.rlbus/bench-peer/`), the shared settings, the two arms one after the other (ops/bench/peer_trl.py,
 ops/bench/peer_rlbus.py), then the scoring of every snapshot and of the base v0 by one evaluator
 (`model.evaluate.evaluate_pass_at_1`: greedy pass@1 with 95% Wilson intervals on the same held-out tasks,
-graded by the rlbus sandbox, in bfloat16 as rlbus generators hold a version), not charged to either arm; the
+graded by the rlbus sandbox; the weights rounded to bfloat16 as rlbus publishes a version, computed in float32 as
+both arms sample), not charged to either arm; the
 summary (throughputs, curves, the time rlbus takes to reach TRL's final pass@1), its table and its PNG.
 Both arms' rewards and every score come from one sandbox supervisor (ops/local_sandbox.py) beside the bench
 (the rlbus arm also runs its own, as `rlbus up` does). Does not: assert speed or learning.
@@ -35,7 +36,6 @@ UNMATCHED: Final = (
     "off-policy correction: rlbus's generator runs ahead of the trainer (up to trainer.staleness_versions) and "
     "weighs tokens by the truncated ratio pi/mu (cap trainer.is_cap); TRL samples with the weights it trains "
     "(ratio 1, one iteration, its PPO clip never binds)",
-    "sampling dtype: rlbus generators sample in bfloat16 ([policy] dtype), TRL in float32 (the trained model)",
     "threads: TRL is one process with 2 torch threads; rlbus runs a generator and a trainer of one thread each",
     "clock: TRL's runs from trainer.train() and stops at the end of the first step past the budget; rlbus's from "
     "the first task a generator can start (processes, servers and model loading excluded in both)",
@@ -64,10 +64,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rlbus.model.task_sources import held_out_tasks
     from rlbus.ops.bench.peer_rlbus import rlbus_topology
     from rlbus.ops.local_sandbox import local_sandbox
+    from rlbus.ops.pretrain import _quiet_transformers
     from rlbus.topology.examples import example_path
     from rlbus.topology.schema import Topology
 
     started = time.perf_counter()
+    _quiet_transformers()
     quick = bool(getattr(args, "quick", False))
     minutes = 0.1 if quick else args.peer_minutes
     n_held = 16 if quick else args.peer_held_out
@@ -111,7 +113,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "temperature": shared.temperature, "max_completion_tokens": shared.max_tokens, "lr": shared.lr,
                     "lr_schedule": "constant", "kl_coef": shared.kl_coef, "grad_clip": shared.grad_clip,
                     "adam_betas": [0.9, 0.95], "advantages": "group mean-centred, not std-scaled",
-                    "aggregation": "token mean over the batch", "attempts": 1, "reward": "sandbox pass/fail"},
+                    "aggregation": "token mean over the batch", "attempts": 1, "reward": "sandbox pass/fail",
+                    "sampling_dtype": "float32"},
         "unmatched": list(UNMATCHED), "png": str(plot(curves, work / "peer.png")), "state_dir": str(work),
         "load_avg_1m": os.getloadavg()[0], "total_s": round(time.perf_counter() - started, 1),
     })
@@ -124,7 +127,7 @@ def policy_dir(size: str, steps: int, *, quick: bool, eval_seed: int) -> Path:
     stderr) when missing or unfinished."""
     from rlbus.model.policy import is_hf_dir
     from rlbus.model.pretrain import PretrainConfig, new_hf_policy, pretrain
-    from rlbus.ops.pretrain import PretrainPrinter, _quiet_transformers
+    from rlbus.ops.pretrain import PretrainPrinter
 
     out = CACHE_ROOT / f"hf-{size}-{steps}"
     summary = out / "pretrain.json"
@@ -134,7 +137,6 @@ def policy_dir(size: str, steps: int, *, quick: bool, eval_seed: int) -> Path:
     config = PretrainConfig.preset(size, eval_n=1 if quick else 64, checkpoint_every=10**9 if quick else 50,
                                    stdlib=False, code_fraction=0.0, task_seed=eval_seed, **quick_only)
     _say(f"building {out} (hf qwen2 {size}, {steps} pretraining steps on task documents); later runs reuse it")
-    _quiet_transformers()
     policy = new_hf_policy(config, "qwen2", size, _PRETRAIN_SEED, max_seq_len=config.model.max_seq_len)
     result = pretrain(config, steps, _PRETRAIN_SEED, out, 2, PretrainPrinter(sys.stderr, prefix="bench peer: ",
                                                                              every=20), policy=policy)
@@ -188,8 +190,8 @@ def _score_all(base: Path, tasks: list[Any], arms: dict[str, ArmRun], max_tokens
     from rlbus.model.hf_policy import HFPolicy
 
     torch.set_num_threads(2)
-    policy = HFPolicy.load(base, dtype=torch.bfloat16)
-    start = {k: v.clone() for k, v in policy.named_tensors().items()}
+    policy = HFPolicy.load(base, dtype=torch.float32)
+    start = policy.published_state(torch.bfloat16)          # v0 as version 0 is published
     seen: dict[tuple[str, int], dict[str, Any]] = {}
 
     def score(state: dict[str, Any], key: tuple[str, int], what: str) -> dict[str, Any]:

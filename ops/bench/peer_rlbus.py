@@ -33,7 +33,7 @@ def rlbus_topology(run: str, state: Path, base: Path, shared: Shared, *, generat
     replace = msgspec.structs.replace
     actors = [ActorSpec(kind="feeder"), ActorSpec(kind="generator", count=generators), ActorSpec(kind="sandbox"),
               ActorSpec(kind="trainer"), ActorSpec(kind="publisher"), ActorSpec(kind="checkpointer")]
-    policy = PolicySettings(kind="hf", path=str(base.resolve()), device="cpu")
+    policy = PolicySettings(kind="hf", path=str(base.resolve()), device="cpu", dtype="float32")   # as TRL samples
     generator = replace(hf.generator, group_size=shared.group_size, temperature=shared.temperature,
                         max_tokens=shared.max_tokens, max_attempts=1)
     trainer = replace(hf.trainer, lr=shared.lr, lr_decay_steps=0, kl_coef=shared.kl_coef, drop_flat_groups=False,
