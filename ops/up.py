@@ -306,6 +306,8 @@ async def _up(topology: Any, state: Path, args: argparse.Namespace, rl: bool, ba
     async with Launch.open(topology, state_dir=state) as launch:
         where = ", ".join(f"{r}={u[0]}" for r, u in launch.endpoints.urls.items())
         print(f"rlbus up: bus ready ({where}); state in {launch.state_dir}", flush=True)
+        if (line := links_line(launch.regions, topology)) is not None:
+            print(line, flush=True)
         finish = anyio.Event()
         async with anyio.create_task_group() as recording:
             if args.record is not None:
@@ -329,6 +331,22 @@ async def _up(topology: Any, state: Path, args: argparse.Namespace, rl: bool, ba
             text = view.summary(launch)
     print(text, flush=True)
     return 0
+
+
+def links_line(regions: Any, topology: Any) -> str | None:
+    """One line on the run's shaped links: which regions sit behind which link, or why they run on loopback
+    (this host cannot make network namespaces); None when the topology asks for none."""
+    shaped = {r.name: r.link for r in topology.regions if r.link is not None and r.role != "hub"}
+    if not shaped or regions is None:
+        return None
+    if regions.links_skipped is not None:
+        return (f"rlbus up: [regions.link] of {', '.join(shaped)} ignored: {regions.links_skipped}; "
+                f"running on loopback, unshaped")
+    parts = [f"{name}={link.bandwidth or 'unshaped'}/{link.latency}"
+             + (f"±{link.jitter}" if link.jitter not in ("0ms", "0s", "0us") else "")
+             + (f" loss {link.loss}" if link.loss.rstrip("%").strip("0.") else "")
+             + f" ({regions.netns(name)})" for name, link in shaped.items()]
+    return f"rlbus up: shaped links to {topology.hub.name}: {', '.join(parts)}"
 
 
 async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write_png: Any) -> str:

@@ -37,6 +37,7 @@ def validate(path: str | os.PathLike[str], *, local_cores: int | None = None) ->
 
     Every problem carries `file=str(path)`. Also warns when a region's credentials file is missing, its
     credentials environment variable is unset, or a TLS file is missing (they may exist where the actors run),
+    and names each `[regions.link]` when this host cannot make network namespaces (those regions run on loopback),
     and reports an `[evaluator] tasks` that is neither a source name nor a file here as an error.
     """
     file = str(path)
@@ -125,6 +126,14 @@ def _environment(topology: Topology) -> list[Problem]:
                 out.append(Problem(key=f"tls.{name}", severity="warning",
                                    message=f"no file {value!r} here (relative paths are from the working "
                                            "directory); servers and actors need it where they run"))
+    if any(region.link is not None for region in topology.regions):
+        from rlbus.topology.links import namespaces_unavailable
+
+        if (why := namespaces_unavailable()) is not None:
+            out += [Problem(key=f"regions[{i}].link", severity="warning",
+                            message=f"needs network namespaces, which this host cannot make ({why}); "
+                                    f"rlbus up runs region {region.name!r} on loopback, unshaped")
+                    for i, region in enumerate(topology.regions) if region.link is not None]
     if (problem := task_source_problem(topology.evaluator.tasks)) is not None:
         out.append(Problem(key="evaluator.tasks", message=f"{problem}; the evaluator and the feeder read it"))
     out += policy_problems(topology)

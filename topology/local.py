@@ -55,11 +55,14 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     resource: str = ""
     """Ray custom resource that places it, e.g. `region:eu` (ray backend only)."""
+    netns: str = ""
+    """Network namespace the process runs in (its region's shaped link, topology/links.py); empty: this one."""
 
     @property
     def argv(self) -> tuple[str, ...]:
-        """The command line of the actor's own process (local backend)."""
-        return (sys.executable, "-m", "rlbus.ops.actor", *self.args)
+        """The command line of the actor's own process (local backend); `ip netns exec` execs it, same pid."""
+        prefix = ("ip", "netns", "exec", self.netns) if self.netns else ()
+        return (*prefix, sys.executable, "-m", "rlbus.ops.actor", *self.args)
 
 
 @dataclass(slots=True)

@@ -1,8 +1,10 @@
 """Regions on one machine: a hub plus leaf regions, each its own nats-server and JetStream domain.
 
 Owns: starting the hub then the leaves joined to its leafnode port (optionally through a cuttable
-`Relay` per leaf, for partition tests), the state directory's credentials file, waiting until links
-are up, and stopping/killing/restarting one region by PID.
+`Relay` per leaf, for partition tests; or, for a leaf given a `LinkShape`, from its own network namespace
+over a shaped link through a delaying `Relay`, topology/links.py), the state directory's credentials file,
+waiting until links are up, cutting, degrading and healing them, and stopping/killing/restarting one
+region by PID.
 Does not: create streams (messages/streams.py) or read topology files (topology/load.py).
 """
 
@@ -20,6 +22,7 @@ import structlog
 
 from rlbus.messages.errors import ServerError, TopologyError
 from rlbus.messages.subjects import ROLES, BucketScope, token
+from rlbus.topology.links import CutMode, LinkSet, LinkShape, clean_leftovers, namespaces_unavailable
 from rlbus.topology.relay import Relay
 from rlbus.topology.servers import LEAF_ROLE, Credential, EmbeddedServer, generate_users
 from rlbus.topology.tls import TlsFiles, generate_tls
@@ -60,7 +63,9 @@ class RegionSet:
     name, store directory `base_dir/<region>`, leaves joined to the hub's leafnode port as the `leaf` user.
 
     With `relay=True` each leaf reaches the hub through its own `Relay`, so `cut(region)` partitions that
-    leaf and `heal(region)` rejoins it. Starting on an existing `base_dir` resumes it: same passwords
+    leaf and `heal(region)` rejoins it. A leaf with a link shape (`links=`) runs in its own network namespace
+    and always has a relay (it makes the link's latency): `cut(region)` drops every packet of its link
+    (`mode="down"` takes the link down, `mode="close"` closes the relay's connections as for loopback leaves). Starting on an existing `base_dir` resumes it: same passwords
     (credentials.json), same stores; ports are picked afresh.
     """
 
@@ -72,12 +77,18 @@ class RegionSet:
         self.users: Final = dict(users)
         self.servers: dict[str, EmbeddedServer] = {}
         self.relays: dict[str, Relay] = {}
+        self.links: LinkSet | None = None
+        """The shaped links of the leaves started in namespaces (None: every region on loopback)."""
+        self.links_skipped: str | None = None
+        """Why leaves given link shapes run on loopback instead (this host cannot make namespaces)."""
+        self._cut_modes: dict[str, str] = {}
 
     @classmethod
     def start(cls, base_dir: str | os.PathLike[str], regions: Iterable[str], hub: str, *,
               sync_interval: str | None = None, relay: bool = False, ready_timeout_s: float = 15.0,
               link_timeout_s: float = 15.0, binary: str | os.PathLike[str] | None = None,
-              run: str | None = None, tls: bool | TlsFiles = False) -> RegionSet:
+              run: str | None = None, tls: bool | TlsFiles = False,
+              links: Mapping[str, LinkShape] | None = None) -> RegionSet:
         """Start the hub, then every leaf (in parallel), and wait until every leaf is linked to the hub.
 
         `run`: the run whose KV/object-store buckets the role users may write (NATS cannot wildcard part
@@ -85,6 +96,9 @@ class RegionSet:
         `tls`: True generates a CA and a server certificate into `base_dir/tls` (once; reused on restart);
         `TlsFiles` uses the operator's own CA, certificate and key. Either way every client connection and
         leaf link uses TLS (plaintext clients are refused); `connect_options` carries the client context.
+        `links`: leaf → shape of its link to the hub; those leaves run in namespaces (removing first what a
+        killed run on `base_dir` left). Where namespaces cannot be made they run on loopback and
+        `links_skipped` says why. Not with `tls` (the generated certificate names loopback only).
 
         :raises TopologyError: `hub` is not one of `regions`, or a region name is repeated or invalid.
         :raises ServerError: a server did not start or a leaf did not link in time (nothing is left running).
@@ -92,8 +106,21 @@ class RegionSet:
         names = tuple(token(r, "region") for r in regions)
         if len(set(names)) != len(names) or hub not in names:
             raise TopologyError(f"regions {list(names)} must be distinct and include the hub {hub!r}")
+        shapes = dict(links or {})
+        if unknown := sorted(set(shapes) - set(names) | ({hub} & set(shapes))):
+            raise TopologyError(f"links {unknown}: only leaf regions ({', '.join(r for r in names if r != hub)}) "
+                                f"have a link to the hub")
+        if shapes and tls:
+            raise TopologyError("shaped links and TLS together are not supported: the certificate names loopback "
+                                "only; drop [tls] or the [regions.link] tables")
         base = Path(base_dir).resolve()
         rs = cls(base, names, hub, load_or_create_credentials(base))
+        if not shapes:
+            clean_leftovers(base)        # a killed run on this directory may have made links
+        elif (why := namespaces_unavailable()) is not None:
+            rs.links_skipped, shapes = why, {}
+            clean_leftovers(base)
+            log.warning("links_skipped", reason=why)
         scope = BucketScope(runs=(run,), regions=names) if run is not None else None
         files = tls if isinstance(tls, TlsFiles) else generate_tls(base / TLS_DIR) if tls else None
         common: dict[str, Any] = {"users": rs.users, "sync_interval": sync_interval, "scope": scope,
@@ -104,21 +131,31 @@ class RegionSet:
                                                    **common)
             hub_leaf_port = rs.servers[hub].leaf_port
             assert hub_leaf_port is not None  # leaf_listen=True
+            if shapes:
+                rs.links = LinkSet.create(base, {r: shapes[r] for r in rs.leaves if r in shapes})
             for region in rs.leaves:
-                port = hub_leaf_port
-                if relay:
+                port, host, placed = hub_leaf_port, "127.0.0.1", {}
+                if rs.links is not None and region in rs.links.links:
+                    link, shape = rs.links.links[region], shapes[region]
+                    rs.relays[region] = Relay(("127.0.0.1", hub_leaf_port), host=link.hub_addr,
+                                              name=f"link-{region}", latency_s=shape.latency_s,
+                                              jitter_s=shape.jitter_s).start()
+                    port, host = rs.relays[region].port, link.hub_addr
+                    placed = {"host": link.server_addr, "netns": link.netns}
+                elif relay:
                     rs.relays[region] = Relay(("127.0.0.1", hub_leaf_port), name=f"relay-{region}").start()
                     port = rs.relays[region].port
                 rs.servers[region] = EmbeddedServer.spawn(
                     base / region, name=region, domain=region,
-                    leaf_remote=(f"nats-leaf://127.0.0.1:{port}", leaf.user, leaf.password), **common)
+                    leaf_remote=(f"nats-leaf://{host}:{port}", leaf.user, leaf.password), **common, **placed)
             for region in rs.leaves:
                 rs.servers[region].wait_ready()
             rs.wait_linked(timeout_s=link_timeout_s)
         except BaseException:
             rs.stop()
             raise
-        log.info("regions_started", hub=hub, regions=list(names), base_dir=str(base), relay=relay)
+        log.info("regions_started", hub=hub, regions=list(names), base_dir=str(base), relay=relay,
+                 linked=sorted(rs.links.links) if rs.links is not None else [])
         return rs
 
     # ---- addresses ------------------------------------------------------------------------------
@@ -168,8 +205,7 @@ class RegionSet:
 
         :raises ServerError: not linked within `timeout_s`; names the missing leaves with their log tails.
         """
-        want = set(regions) if regions is not None else {
-            r for r in self.leaves if not (r in self.relays and self.relays[r].is_cut)}
+        want = set(regions) if regions is not None else {r for r in self.leaves if not self.is_cut(r)}
         deadline = time.monotonic() + timeout_s
         while not want <= (have := self.linked()):
             if time.monotonic() > deadline:
@@ -178,15 +214,54 @@ class RegionSet:
                                   f"{timeout_s}s.\n{tails}")
             time.sleep(0.05)
 
-    def cut(self, region: str) -> None:
-        """Partition a leaf from the hub (needs `relay=True`): drop its link and refuse reconnects."""
-        self._relay(region).cut()
+    def netns(self, region: str) -> str | None:
+        """The network namespace `region`'s server (and its actors) run in; None: this one."""
+        return self._server(region).netns
+
+    def is_cut(self, region: str) -> bool:
+        """True while `region` is partitioned from the hub (by any `cut` mode)."""
+        return region in self._cut_modes or (region in self.relays and self.relays[region].is_cut)
+
+    def cut(self, region: str, mode: CutMode | str | None = None) -> None:
+        """Partition a leaf from the hub. `mode`: 'close' closes the relay's connections and refuses reconnects
+        (needs a relay); 'drop' drops every packet of its shaped link (TCP stalls, nothing is reset); 'down'
+        takes the link down. Default: 'drop' for a leaf with a shaped link, else 'close'."""
+        linked = self.links is not None and region in self.links.links
+        chosen = mode if mode is not None else "drop" if linked else "close"
+        if chosen == "close":
+            self._relay(region).cut()
+        elif chosen in ("drop", "down"):
+            if self.links is None:
+                raise ServerError(f"cut mode {chosen!r} needs a shaped link; region {region!r} runs on loopback "
+                                  f"(use mode 'close' with relay=True)")
+            self.links.cut(region, chosen)  # type: ignore[arg-type]  # checked above
+        else:
+            raise ServerError(f"cut mode {chosen!r} is not one of close, drop, down")
+        self._cut_modes[region] = chosen
 
     def heal(self, region: str, *, wait: bool = True, timeout_s: float = 15.0) -> None:
         """End a partition; with `wait`, block until the leaf has linked again."""
-        self._relay(region).heal()
+        mode = self._cut_modes.pop(region, "close")
+        if mode == "close":
+            self._relay(region).heal()
+        else:
+            assert self.links is not None  # a drop/down cut was made on a link
+            self.links.heal(region)
         if wait:
             self.wait_linked([region], timeout_s=timeout_s)
+
+    def degrade(self, region: str, *, loss: float = 0.0, extra_latency_s: float = 0.0) -> None:
+        """Degrade a leaf's shaped link: drop `loss` (a fraction) of its packets on top of its shape, and add
+        `extra_latency_s` to each direction (a latency spike); `degrade(region)` restores it."""
+        if self.links is None or region not in self.links.links:
+            raise ServerError(f"region {region!r} has no shaped link to degrade; linked: "
+                              f"{', '.join(self.links.links) if self.links else 'none'}")
+        self.links.degrade(region, loss)
+        self._relay(region).spike(extra_latency_s)
+
+    def link_counters(self) -> dict[str, dict[str, int]]:
+        """Leaf → bytes and packets its shaped link carried so far (`Link.counters`); empty without links."""
+        return self.links.counters() if self.links is not None else {}
 
     def _relay(self, region: str) -> Relay:
         try:
@@ -206,11 +281,11 @@ class RegionSet:
         if wait:
             if region == self.hub:
                 self.wait_linked(timeout_s=timeout_s)
-            elif not (region in self.relays and self.relays[region].is_cut):
+            elif not self.is_cut(region):
                 self.wait_linked([region], timeout_s=timeout_s)
 
     def stop(self) -> None:
-        """Stop every leaf, then the hub, then the relays; each by its PID. Idempotent."""
+        """Stop every leaf, then the hub, then the relays, then remove the links; each by its PID. Idempotent."""
         errors: list[BaseException] = []
         for region in [*self.leaves, self.hub]:
             if region in self.servers:
@@ -221,6 +296,11 @@ class RegionSet:
         for relay in self.relays.values():
             try:
                 relay.stop()
+            except ServerError as err:
+                errors.append(err)
+        if self.links is not None:
+            try:
+                self.links.stop()
             except ServerError as err:
                 errors.append(err)
         if errors:

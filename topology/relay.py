@@ -2,7 +2,10 @@
 
 Owns: one listening socket on 127.0.0.1 that forwards every accepted connection to a fixed upstream
 address, on its own thread and event loop (so it works under sync fixtures and async tests alike);
-`cut()` closes every forwarded connection and refuses new ones, `heal()` accepts again.
+`cut()` closes every forwarded connection and refuses new ones, `heal()` accepts again. With `latency_s`
+(and `jitter_s`) given, every chunk is held that long in each direction before it is passed on (in order: jitter never
+reorders a stream), which is how a shaped link between regions gets its delay (topology/links.py; this kernel
+has no `netem`); `spike(extra_s)` adds to it for a latency spike.
 Does not: know about NATS (topology/servers.py puts one in front of the hub's leafnode port).
 """
 
@@ -10,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import threading
+import time
 from collections.abc import Coroutine
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -23,6 +28,8 @@ from rlbus.messages.errors import ServerError
 log = structlog.get_logger()
 
 _CHUNK: Final = 64 * 1024
+_DELAY_QUEUE: Final = 1024
+"""Chunks a delayed direction holds at most (64 MiB); past it the relay stops reading (TCP backpressure)."""
 _T = TypeVar("_T")
 
 
@@ -35,8 +42,19 @@ class Relay:
     """
 
     def __init__(self, upstream: tuple[str, int], *, listen_port: int = 0, host: str = "127.0.0.1",
-                 name: str = "relay", timeout_s: float = 5.0) -> None:
+                 name: str = "relay", timeout_s: float = 5.0, latency_s: float | None = None,
+                 jitter_s: float = 0.0) -> None:
+        if (latency_s or 0.0) < 0 or jitter_s < 0:
+            raise ServerError(f"relay {name}: latency {latency_s!r} and jitter {jitter_s!r} must be >= 0 seconds")
         self.upstream: Final = upstream
+        self.delays: Final = latency_s is not None
+        """Whether connections pass through the delaying pipe (`latency_s` given, even 0: `spike()` works)."""
+        self.latency_s = latency_s or 0.0
+        """One-way delay added to each direction, seconds."""
+        self.jitter_s = jitter_s
+        """Each chunk's delay is `latency_s` plus uniform noise in [-jitter_s, +jitter_s] (never below 0)."""
+        self.extra_s = 0.0
+        """A latency spike on top of `latency_s` (`spike()`), seconds."""
         self.host: Final = host
         self.name: Final = name
         self._listen_port = listen_port
@@ -45,6 +63,7 @@ class Relay:
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
         self._cut = False
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
@@ -110,6 +129,20 @@ class Relay:
         self._cut = False
         log.info("relay_healed", relay=self.name, port=self.port)
 
+    def spike(self, extra_s: float) -> None:
+        """Add `extra_s` seconds to each direction's delay from now on (0 ends the spike)."""
+        if extra_s < 0:
+            raise ServerError(f"relay {self.name}: a latency spike of {extra_s!r}s must be >= 0")
+        self.extra_s = extra_s
+        log.info("relay_latency_spike", relay=self.name, extra_s=extra_s)
+
+    def delay_s(self) -> float:
+        """The delay of the next chunk: latency, jitter and spike (0 when the relay adds none)."""
+        base = self.latency_s + self.extra_s
+        if self.jitter_s > 0:
+            base += random.uniform(-self.jitter_s, self.jitter_s)
+        return max(base, 0.0)
+
     # ---- internals ------------------------------------------------------------------------------
     def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
         if self._loop is None or self._thread is None:
@@ -143,6 +176,10 @@ class Relay:
         finally:
             self._server.close()
             await self._do_cut()
+            handlers = list(self._handlers)  # a delayed chunk may still be waiting: end them before the loop
+            for task in handlers:
+                task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
             await self._server.wait_closed()
 
     async def _do_cut(self) -> None:
@@ -167,14 +204,55 @@ class Relay:
             return
         self.connections_total += 1
         self._writers.update((writer, up_writer))
+        if (me := asyncio.current_task()) is not None:
+            self._handlers.add(me)
         try:
             async with asyncio.TaskGroup() as tg:  # each pipe closes the other side when it ends
-                tg.create_task(_pipe(reader, up_writer))
-                tg.create_task(_pipe(up_reader, writer))
+                pipe = self._delayed_pipe if self.delays else _pipe
+                tg.create_task(pipe(reader, up_writer))
+                tg.create_task(pipe(up_reader, writer))
+        except asyncio.CancelledError:
+            pass  # the relay is stopping (`_serve`); the stream server's callback must not see a cancelled task
         finally:
+            if me is not None:
+                self._handlers.discard(me)
             for w in (writer, up_writer):
                 self._writers.discard(w)
                 _abort(w)
+
+    async def _delayed_pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """`_pipe` with each chunk passed on `delay_s()` after it was read, no earlier than the one before it."""
+        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue(_DELAY_QUEUE)
+
+        async def send() -> None:
+            try:
+                while (item := await queue.get()) is not None:
+                    due, chunk = item
+                    if (wait := due - time.monotonic()) > 0:
+                        await asyncio.sleep(wait)
+                    writer.write(chunk)
+                    await writer.drain()
+            except OSError:
+                pass
+            finally:
+                _abort(writer)
+
+        sender = asyncio.create_task(send())
+        last_due = 0.0
+        try:
+            while chunk := await reader.read(_CHUNK):
+                last_due = max(last_due, time.monotonic() + self.delay_s())
+                await queue.put((last_due, chunk))
+            await queue.put(None)
+            await sender
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            if not sender.done():
+                sender.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sender
+            _abort(writer)
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -3,7 +3,8 @@
 Owns: `check(topology) -> list[Problem]`, pure (the only input besides the topology is the local
 core count, passed in), collecting every problem: hub count, unique names, the trainer side in the
 hub, counts that must fit together, references to regions, credentials by reference only, TLS files that
-belong together, and the torch-threads-per-host warning (unless `launch.oversubscribe`).
+belong together, shaped links only on embedded leaves, and the torch-threads-per-host warning (unless
+`launch.oversubscribe`).
 Does not: read files or check key types (topology/_walk.py).
 """
 
@@ -16,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Final
 
+from rlbus.topology.links import parse_percent, parse_time
 from rlbus.topology.problem import Problem, Severity
 from rlbus.topology.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology
 
@@ -61,6 +63,7 @@ def check_sections(topology: Topology, *, local_cores: int | None = None) -> lis
     out += _settings(topology)
     out += _servers(topology)
     out += _tls(topology)
+    out += _links(topology)
     out += _threads(topology, cores)
     return out
 
@@ -303,6 +306,34 @@ def _tls(topology: Topology) -> Iterator[Found]:
             if getattr(tls, name) is not None:
                 yield _p(f"tls.{name}", "ignored: the regions join existing servers (nats_urls), which present "
                          "their own certificates; only ca_file is used", "warning", also=("regions",))
+
+
+def _links(topology: Topology) -> Iterator[Found]:
+    for i, region in enumerate(topology.regions):
+        link = region.link
+        if link is None:
+            continue
+        key = f"regions[{i}].link"
+        if region.role == "hub":
+            yield _p(key, f"region {region.name!r} is the hub: a link joins a leaf region to the hub; move "
+                     "[regions.link] to a leaf")
+        if not region.embedded:
+            yield _p(key, f"region {region.name!r} joins existing servers (nats_urls): a shaped link needs the "
+                     "server that rlbus up starts itself; drop nats_urls or [regions.link]")
+        try:
+            parse_percent(link.loss)
+        except ValueError as err:
+            yield _p(f"{key}.loss", f"{err}: a link that drops every packet is a cut, not a shape")
+        if parse_time(link.jitter) > parse_time(link.latency):
+            yield _p(f"{key}.jitter", f"jitter {link.jitter} exceeds latency {link.latency}: expected at most "
+                     "the latency (a delay cannot go below zero)")
+        if topology.tls.enabled:
+            yield _p(key, "shaped links and TLS together are not supported (the embedded certificate names "
+                     "loopback only); drop [tls] or the [regions.link] tables", also=("tls",))
+        if topology.launch.backend == "ray":
+            yield _p(key, "on the ray backend the region's actors run outside its namespace and reach its server "
+                     "unshaped; only the leaf link is shaped (the local backend runs them inside)", "warning",
+                     also=("launch",))
 
 
 def _threads(topology: Topology, local_cores: int) -> Iterator[Found]:

@@ -29,6 +29,15 @@ from rlbus.actors.common.config import (
 from rlbus.actors.generator.config import GeneratorConfig
 from rlbus.actors.sandbox.config import SandboxConfig
 from rlbus.actors.trainer.config import TrainerConfig
+from rlbus.topology.links import (
+    PERCENT_PATTERN,
+    PERCENT_WORDS,
+    RATE_PATTERN,
+    RATE_WORDS,
+    TIME_PATTERN,
+    TIME_WORDS,
+    LinkShape,
+)
 
 _TOKEN_PATTERN: Final = r"^[A-Za-z0-9_-]+$"
 _DURATION_PATTERN: Final = r"^[1-9][0-9]*(ms|s|m|h|d)$"
@@ -44,6 +53,9 @@ PATTERN_WORDS: Final[dict[str, str]] = {
     _SYNC_PATTERN: "'default', 'always', or a duration like '2m' (units ms, s, m, h)",
     _URL_PATTERN: "a server URL like 'nats://host:4222' (schemes nats, tls, ws, wss)",
     _ENV_PATTERN: "an environment variable name (letters, digits, '_'; not starting with a digit)",
+    RATE_PATTERN: RATE_WORDS,
+    TIME_PATTERN: TIME_WORDS,
+    PERCENT_PATTERN: PERCENT_WORDS,
 }
 """Each string pattern of the schema in words, for messages and the key reference."""
 
@@ -52,6 +64,9 @@ Duration = Annotated[str, msgspec.Meta(pattern=_DURATION_PATTERN)]
 SyncInterval = Annotated[str, msgspec.Meta(pattern=_SYNC_PATTERN)]
 NatsUrl = Annotated[str, msgspec.Meta(pattern=_URL_PATTERN)]
 EnvName = Annotated[str, msgspec.Meta(pattern=_ENV_PATTERN)]
+Rate = Annotated[str, msgspec.Meta(pattern=RATE_PATTERN)]
+LinkTime = Annotated[str, msgspec.Meta(pattern=TIME_PATTERN)]
+Percent = Annotated[str, msgspec.Meta(pattern=PERCENT_PATTERN)]
 
 ActorKind = Literal["feeder", "generator", "trainer", "publisher", "checkpointer", "sandbox", "evaluator",
                     "demo_producer", "demo_consumer"]
@@ -92,6 +107,20 @@ class ActorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
         return self.name if self.name is not None else self.kind
 
 
+class LinkSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[regions.link]` of a leaf region: run its server and actors in their own network namespace, joined to the
+    hub by a shaped link (topology/links.py; needs root, ip, tc and nft, else the region runs on loopback)."""
+
+    bandwidth: Rate | None = None
+    """Link rate each way (tc tbf on both ends), like '100mbit'; none: unshaped."""
+    latency: LinkTime = "0ms"
+    """One-way delay added to each direction (in userspace, by the link's relay), like '30ms'; the round trip is twice it."""
+    jitter: LinkTime = "0ms"
+    """Each chunk's delay varies uniformly by up to this much around `latency` (a stream is never reordered)."""
+    loss: Percent = "0%"
+    """Packets dropped at random in each direction (nftables), like '0.1%'; below 100%."""
+
+
 class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One `[[regions]]` entry: a NATS server (or cluster) with its own JetStream domain, and its actors."""
 
@@ -114,6 +143,8 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """CPU cores of `host`; default: `os.cpu_count()` when the host is this machine, else not checked."""
     actors: list[ActorSpec] = []
     """The actors of this region, one `[[regions.actors]]` table per kind (or per named group)."""
+    link: LinkSettings | None = None
+    """A leaf's shaped link to the hub (`[regions.link]`); none: the region runs on loopback."""
 
     @property
     def resource(self) -> str:
@@ -317,6 +348,12 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             if region.name == name:
                 return region
         raise KeyError(name)
+
+    def link_shapes(self) -> dict[str, LinkShape]:
+        """Leaf region → the shape of its `[regions.link]` (a checked topology's strings parse)."""
+        return {r.name: LinkShape.parse(bandwidth=r.link.bandwidth, latency=r.link.latency, jitter=r.link.jitter,
+                                        loss=r.link.loss)
+                for r in self.regions if r.link is not None and r.role != "hub"}
 
     def instances(self, region: str | None = None) -> list[ActorInstance]:
         """Every actor instance to start, in file order; only those of `region` when given."""

@@ -176,7 +176,7 @@ def render_config(*, name: str, store_dir: Path, port: int, http_port: int, user
 
 
 class EmbeddedServer:
-    """One `nats-server` process on loopback with JetStream, per-role users and its own store directory.
+    """One `nats-server` process on loopback (or in a network namespace) with JetStream, per-role users and its own store directory.
 
     `EmbeddedServer.start(tmp / "js", name="hub", domain="hub")` blocks until the server logs
     `Server is ready`. The first start picks free ports; `restart()` reuses the same ports, store
@@ -187,7 +187,8 @@ class EmbeddedServer:
     def __init__(self, store_dir: Path, *, name: str, users: Mapping[str, Credential], domain: str | None,
                  leaf_listen: bool, leaf_remote: tuple[str, str, str] | None, sync_interval: str | None,
                  port: int, leaf_port: int, http_port: int, binary: Path, ready_timeout_s: float,
-                 scope: BucketScope | None = None, tls: TlsFiles | None = None) -> None:
+                 scope: BucketScope | None = None, tls: TlsFiles | None = None, host: str = "127.0.0.1",
+                 netns: str | None = None) -> None:
         if sync_interval is not None and not _SYNC_INTERVAL.fullmatch(sync_interval):
             raise ServerError(f"server {name}: sync_interval {sync_interval!r} is not 'always' or a duration "
                               f"like '100ms', '1s', '2m'")
@@ -202,6 +203,10 @@ class EmbeddedServer:
         self.ready_timeout_s = ready_timeout_s
         self.scope: Final = scope
         self.tls: Final = tls
+        self.host: Final = host
+        """The address every listener binds (clients, leafnodes, monitoring); loopback unless in a namespace."""
+        self.netns: Final = netns
+        """Network namespace the process runs in (`ip netns exec`, topology/links.py); None: this one."""
         self._port, self._leaf_port, self._http_port = port, leaf_port, http_port
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
@@ -213,19 +218,22 @@ class EmbeddedServer:
               leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
               port: int = -1, leaf_port: int = -1, http_port: int = -1,
               binary: str | os.PathLike[str] | None = None, ready_timeout_s: float = 15.0,
-              scope: BucketScope | None = None, tls: TlsFiles | None = None) -> EmbeddedServer:
+              scope: BucketScope | None = None, tls: TlsFiles | None = None, host: str = "127.0.0.1",
+              netns: str | None = None) -> EmbeddedServer:
         """Launch without waiting for readiness (call `wait_ready()`); lets a caller start several at once.
 
         `users`: role → credential; None generates a random password for every role of `subjects.ROLES`.
         `port`/`leaf_port`/`http_port`: -1 picks a free port. `sync_interval`: JetStream fsync interval
         ("always", "1s", ...); None keeps the server default (2 min: throughput over power-loss safety).
         `tls`: clients and leaf links must use TLS with these files (topology/tls.py `generate_tls`).
+        `netns`/`host`: run inside that network namespace, listening on `host` (an address of the namespace
+        that this one reaches too; topology/links.py `Link.server_addr`).
         """
         server = cls(Path(store_dir), name=token(name, "server name"),
                      users=generate_users() if users is None else users, domain=domain,
                      leaf_listen=leaf_listen, leaf_remote=leaf_remote, sync_interval=sync_interval,
                      port=port, leaf_port=leaf_port, http_port=http_port, binary=find_nats_server(binary),
-                     ready_timeout_s=ready_timeout_s, scope=scope, tls=tls)
+                     ready_timeout_s=ready_timeout_s, scope=scope, tls=tls, host=host, netns=netns)
         server._launch()
         return server
 
@@ -235,7 +243,8 @@ class EmbeddedServer:
               leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
               port: int = -1, leaf_port: int = -1, http_port: int = -1,
               binary: str | os.PathLike[str] | None = None, ready_timeout_s: float = 15.0,
-              scope: BucketScope | None = None, tls: TlsFiles | None = None) -> EmbeddedServer:
+              scope: BucketScope | None = None, tls: TlsFiles | None = None, host: str = "127.0.0.1",
+              netns: str | None = None) -> EmbeddedServer:
         """Launch (as `spawn`, same options) and block until the server is ready.
 
         :raises ServerError: binary missing, port taken, bad config, or not ready in time (log tail included).
@@ -243,7 +252,7 @@ class EmbeddedServer:
         server = cls.spawn(store_dir, name=name, domain=domain, users=users, leaf_listen=leaf_listen,
                            leaf_remote=leaf_remote, sync_interval=sync_interval, port=port,
                            leaf_port=leaf_port, http_port=http_port, binary=binary,
-                           ready_timeout_s=ready_timeout_s, scope=scope, tls=tls)
+                           ready_timeout_s=ready_timeout_s, scope=scope, tls=tls, host=host, netns=netns)
         try:
             server.wait_ready()
         except BaseException:
@@ -267,7 +276,7 @@ class EmbeddedServer:
 
     @property
     def url(self) -> str:
-        return f"{'tls' if self.tls is not None else 'nats'}://127.0.0.1:{self._port}"
+        return f"{'tls' if self.tls is not None else 'nats'}://{self.host}:{self._port}"
 
     @property
     def pid(self) -> int | None:
@@ -314,14 +323,15 @@ class EmbeddedServer:
         text = render_config(scope=self.scope, tls=self.tls, name=self.name, store_dir=self.store_dir, port=self._port,
                              http_port=self._http_port, users=self.users, domain=self.domain,
                              leaf_port=self._leaf_port if self.leaf_listen else None,
-                             leaf_remote=self.leaf_remote, sync_interval=self.sync_interval)
+                             leaf_remote=self.leaf_remote, sync_interval=self.sync_interval, host=self.host)
         fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds passwords
         with os.fdopen(fd, "w") as f:
             f.write(text)
         with open(self.log_path, "ab") as logf:
             self._log_offset = logf.tell()
             # own session: a Ctrl-C meant for `rlbus up` must not kill the bus before the actors drain
-            self._proc = subprocess.Popen([str(self.binary), "-c", str(self.config_path)],
+            prefix = ["ip", "netns", "exec", self.netns] if self.netns is not None else []  # it execs: same pid
+            self._proc = subprocess.Popen([*prefix, str(self.binary), "-c", str(self.config_path)],
                                           stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                           start_new_session=True, close_fds=True)
         (self.store_dir / PID_NAME).write_text(f"{self._proc.pid}\n")
@@ -436,9 +446,9 @@ class EmbeddedServer:
     # ---- monitoring -----------------------------------------------------------------------------
     def monitor(self, endpoint: str, timeout_s: float = 5.0) -> dict[str, Any]:
         """GET a monitoring endpoint (`varz`, `jsz`, `leafz`, `connz`, ...) of the running server."""
-        url = f"http://127.0.0.1:{self._http_port}/{endpoint}"
+        url = f"http://{self.host}:{self._http_port}/{endpoint}"
         try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # loopback only
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # loopback, or a namespace console address (topology/links.py)
                 data: dict[str, Any] = json.loads(resp.read())
                 return data
         except (urllib.error.URLError, OSError, ValueError) as err:
