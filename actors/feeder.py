@@ -1,7 +1,8 @@
 """The task feeder: puts coding tasks on every region's TASKS work queue, each backlog bounded yet full.
 
 Owns: `Feeder` (kind "feeder"; its settings are actors/common/config.py `FeederConfig`), the task sources (the built-in family
-`model.tasks.train_tasks(seed)`, or a JSONL file of tasks), the deterministic weighted region of each
+`model.tasks.train_tasks(seed)`, the built-in repository tasks of `tasks = "repo"` / `"repo:LEVEL"`, or a JSONL
+file of tasks), the deterministic weighted region of each
 task, the verifier spec a generator rebuilds a task from (`verifier_for` / `task_from_verifier`), and
 the feeder's position, kept in the hub's PARTIALS KV under `POSITION_KEY` (`read_position`; which ids its
 cursors have fed: `fed_task_ids`), and the lockstep schedule (`lockstep`: one batch of tasks per new

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -45,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "same state directory resumes the run. `rlbus up demo` runs the 3-region bus demo.")
     p.add_argument("topology", nargs="?", default=DEFAULT_TOPOLOGY,
                    help=f"topology file, or the name of a shipped example (default: {DEFAULT_TOPOLOGY}; also: "
-                        "three_regions, ray, tiny, demo)")
+                        "three_regions, ray, tiny, hf, agentic, demo)")
     p.add_argument("--state-dir", type=Path, default=None, help="run state directory (default ./.rlbus/<run>)")
     p.add_argument("--fresh", action="store_true", help="delete the run's state directory first and start over")
     p.add_argument("--backend", choices=["local", "ray"], default=None, help="override the topology's launch backend")
@@ -198,6 +199,8 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
         assert recipe is not None                   # validate refuses kind 'hf' without a path or a recipe
         overrides["code_fraction"] = HF_CODE_FRACTION
     config = PretrainConfig.preset(recipe.size if recipe is not None else settings.preset, **overrides)
+    if settings.max_seq_len is not None and recipe is None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_seq_len=settings.max_seq_len))
     steps = settings.steps or config.steps
     what = f"hf {recipe.architecture} {recipe.size}" if recipe is not None else settings.preset
     with contextlib.ExitStack() as held:

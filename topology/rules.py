@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Final
 
+from rlbus.actors.common.config import feeder_tasks_problem
 from rlbus.topology.links import parse_percent, parse_time
 from rlbus.topology.problem import Problem, Severity
 from rlbus.topology.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology
@@ -230,6 +231,14 @@ def _settings(topology: Topology) -> Iterator[Found]:
         yield _p("sandbox.concurrency", f"concurrency {sandbox.concurrency} > sandbox.pool_size = "
                  f"{sandbox.pool_size}: requests beyond the pool only queue", "warning")
     feeder = topology.feeder
+    if (problem := feeder_tasks_problem(feeder.tasks)) is not None:
+        yield _p("feeder.tasks", problem)
+    if feeder.tasks != "builtin" and feeder.tasks_file is not None:
+        yield _p("feeder.tasks", f"{feeder.tasks!r} and feeder.tasks_file = {feeder.tasks_file!r} both name the "
+                 "training tasks; remove one of them", also=("feeder.tasks_file",))
+    if feeder.tasks != "builtin" and feeder.levels:
+        yield _p("feeder.levels", f"levels {feeder.levels} select among the function-writing tasks only; the "
+                 f"repository tasks take their level in feeder.tasks ('repo:LEVEL')", also=("feeder.tasks",))
     if feeder.levels and feeder.tasks_file is not None:
         yield _p("feeder.levels", f"levels {feeder.levels} select among the built-in tasks only, but feeder.tasks_file "
                  f"= {feeder.tasks_file!r} is set; remove one of them", also=("feeder.tasks_file",))

@@ -177,6 +177,9 @@ class PretrainSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     """Torch threads while pretraining (nothing else runs yet)."""
     eval_n: PositiveInt | None = None
     """Held-out tasks evaluated at the end of pretraining; default: the preset's."""
+    max_seq_len: Annotated[int, msgspec.Meta(ge=64)] | None = None
+    """The built-in policy's context, in tokens; default: the preset's (512). Pretraining documents are short, so a
+    longer context costs pretraining nothing; agentic episodes (repository tasks) need one of about 2048."""
 
 
 

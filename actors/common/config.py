@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Mapping
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
 
 from rlbus.messages.errors import TopologyError
 
 C = TypeVar("C", bound=msgspec.Struct)
+
+REPO_LEVELS: Final = (1, 2, 3)
+"""Levels of the built-in repository tasks (model/repo_tasks.py `LEVELS`, which a test keeps equal): named here
+so that `rlbus validate` checks `[feeder] tasks = "repo:LEVEL"` without importing torch."""
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -66,6 +70,11 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """A JSONL file of tasks instead of the built-in family: per line an object in the rlbus layout (task_id, prompt,
     entry_point, tests [{args, expected}]), the test-source layout (`test`: Python asserts or a `check(candidate)`
     function, instead of `tests`) or MBPP's (task_id, text, code, test_list, test_setup_code)."""
+    tasks: str = "builtin"
+    """The built-in task source: "builtin" (the seeded function-writing family) or "repo" / "repo:LEVEL" (the built-in
+    repository tasks, all levels in turn or one of 1-3: small packages with a bug to fix or a function to add, run
+    by generators as agentic episodes with tools in a sandbox session). Ignored when `tasks_file` is set (validate
+    refuses both)."""
     poll_interval_s: PositiveFloat = 1.0
     """How often each region's backlog is checked and topped up, seconds."""
     levels: list[Annotated[int, msgspec.Meta(ge=1, le=3)]] = []
@@ -183,6 +192,17 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     or MBPP layout). Training skips every prompt of a listed source (by prompt hash)."""
 
 
+def feeder_tasks_problem(tasks: str) -> str | None:
+    """What is wrong with `[feeder] tasks` (None: nothing)."""
+    if tasks in ("builtin", "repo"):
+        return None
+    level = tasks.partition(":")[2] if tasks.startswith("repo:") else ""
+    if level.isdigit() and int(level) in REPO_LEVELS:
+        return None
+    return (f"{tasks!r} is not a built-in task source: expected 'builtin', 'repo' or 'repo:LEVEL' with LEVEL one of "
+            f"{', '.join(map(str, REPO_LEVELS))}")
+
+
 def task_source_problem(source: str) -> str | None:
     """What is wrong with a task source name (model/task_sources.py: "builtin", "humaneval" or a file's path)
     without reading it (None: nothing): a path that is no file. Here, not in model/, so that `rlbus validate`
@@ -208,6 +228,6 @@ class EvaluatorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Where the policy runs (topology `[policy] device`): 'auto' is CUDA when this machine has it."""
 
 
-__all__ = ["CheckpointerConfig", "CheckpointerLaunch", "EvaluatorConfig", "EvaluatorLaunch", "FeederConfig",
+__all__ = ["REPO_LEVELS", "CheckpointerConfig", "CheckpointerLaunch", "EvaluatorConfig", "EvaluatorLaunch", "FeederConfig",
            "FeederLaunch", "PublisherConfig", "PublisherLaunch", "decode_config", "feed_weights",
-           "task_source_problem"]
+           "feeder_tasks_problem", "task_source_problem"]

@@ -2,7 +2,8 @@
 task codec every consumer of tasks shares.
 
 Owns: the task sources (the built-in family
-`model.tasks.train_tasks(seed)`, or a JSONL file of tasks), `assign_region` (the deterministic weighted
+`model.tasks.train_tasks(seed)`, the built-in repository tasks `model.repo_tasks.repo_tasks(seed, level=)` of
+`[feeder] tasks = "repo"` / `"repo:LEVEL"`, or a JSONL file of tasks), `assign_region` (the deterministic weighted
 region of each task), the verifier spec a generator rebuilds a task from (`verifier_for` /
 `task_from_verifier`), the feeder's saved position in the hub's PARTIALS KV under `POSITION_KEY`
 (`read_position`), and which ids its cursors have fed (`fed_task_ids`).
@@ -31,14 +32,18 @@ import nats.js.errors
 import structlog
 from nats.js.kv import KeyValue
 
-from rlbus.actors.common.config import FeederConfig, FeederLaunch, feed_weights
+from rlbus.actors.common.config import FeederConfig, FeederLaunch, feed_weights, feeder_tasks_problem
 from rlbus.actors.common.errors import TaskError
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model import task_sources
+from rlbus.model.repo_tasks import RepoTask, repo_tasks
 from rlbus.model.tasks import Task as CodingTask
 from rlbus.model.tasks import train_tasks
+
+FedTask = CodingTask | RepoTask
+"""What a feeder puts on the bus: a function to write, or a repository task (an agentic episode)."""
 
 log = structlog.get_logger()
 
@@ -69,8 +74,11 @@ def task_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"task:{seed}:{index}".encode()).digest()[:4], "big") >> 1
 
 
-def verifier_for(task: CodingTask) -> dict[str, str]:
-    """`Task.verifier` of a coding task: {"kind": VERIFIER_KIND, "task": <the task's fields as JSON>}."""
+def verifier_for(task: FedTask) -> dict[str, str]:
+    """`Task.verifier` of a coding task: {"kind": VERIFIER_KIND, "task": <the task's fields as JSON>}; of a
+    repository task its own `verifier_spec()` (kind model/repo_tasks.py `VERIFIER_KIND`)."""
+    if isinstance(task, RepoTask):
+        return task.verifier_spec()
     doc = {"task_id": task.task_id, "family": task.family, "level": task.level, "prompt": task.prompt,
            "entry_point": task.entry_point, "solution": task.solution,
            "tests": [{"args": t.args, "expected": t.expected} for t in task.tests]}
@@ -130,6 +138,8 @@ def task_source(config: FeederConfig, launch: FeederLaunch | None = None) -> str
                  else "")
     if config.tasks_file is not None:
         return f"{config.tasks_file}{excluding}"
+    if config.tasks != task_sources.BUILTIN:
+        return f"{config.tasks}:{config.seed}{excluding}"
     levels = f":levels={','.join(map(str, sorted(set(config.levels))))}" if config.levels else ""
     return f"builtin:{config.seed}{levels}{excluding}"
 
@@ -140,26 +150,30 @@ class TaskSequence:
 
     def __init__(self, seed: int, tasks: list[CodingTask] | None = None, max_tasks: int | None = None,
                  *, eval_seed: int | None = None, levels: Sequence[int] = (),
-                 exclude: frozenset[str] = frozenset()) -> None:
+                 exclude: frozenset[str] = frozenset(), repo: str | None = None) -> None:
         self._exclude = exclude
+        self._repo = repo
         if tasks is not None and exclude:
             tasks = [t for t in tasks if t.prompt_hash not in exclude]
         self._listed = tasks
         self._levels = frozenset(levels)
-        self._stream: Iterator[CodingTask] | None = None
+        self._stream: Iterator[FedTask] | None = None
         self._seed = seed
         self._eval_seed = eval_seed
-        self._cache: list[CodingTask] = []
+        self._cache: list[FedTask] = []
         self._base = 0
         ends = [n for n in (max_tasks, None if tasks is None else len(tasks)) if n is not None]
         self.end: int | None = min(ends) if ends else None
         """First index past the sequence (None: endless)."""
 
-    def get(self, index: int) -> CodingTask:
+    def get(self, index: int) -> FedTask:
         if self._listed is not None:
             return self._listed[index]
         if index < self._base:
             raise IndexError(f"task {index} was dropped from the cache (window starts at {self._base})")
+        if self._stream is None and self._repo is not None:
+            level = int(self._repo.partition(":")[2]) if ":" in self._repo else None
+            self._stream = repo_tasks(self._seed, level=level)
         if self._stream is None:
             stream = train_tasks(self._seed, eval_seed=self._eval_seed)
             if self._exclude:
@@ -190,17 +204,23 @@ class Position(msgspec.Struct, kw_only=True):
 
 def task_sequence(config: FeederConfig, launch: FeederLaunch,
                   listed: list[CodingTask] | None = None) -> TaskSequence:
-    """The sequence the feeder walks: `listed` (the tasks file's tasks) or the built-in family of the config,
-    without the prompts of the evaluator's held-out source (`launch.eval_tasks`, by prompt hash).
+    """The sequence the feeder walks: `listed` (the tasks file's tasks), the repository tasks of `[feeder] tasks`,
+    or the built-in family of the config, without the prompts of the evaluator's held-out source
+    (`launch.eval_tasks`, by prompt hash).
 
-    :raises TaskError: the evaluator's source cannot be read.
+    :raises TaskError: the evaluator's source cannot be read, or `[feeder] tasks` names no source.
     """
     try:
         exclude = task_sources.held_out_hashes(launch.eval_tasks)
     except task_sources.TaskSourceError as err:
         raise TaskError(f"evaluator.tasks = {launch.eval_tasks!r}: {err}") from None
+    repo = None
+    if listed is None and config.tasks != task_sources.BUILTIN:
+        if (problem := feeder_tasks_problem(config.tasks)) is not None:
+            raise TaskError(f"feeder.tasks: {problem}")
+        repo = config.tasks
     return TaskSequence(config.seed, listed, config.max_tasks, eval_seed=launch.eval_seed, levels=config.levels,
-                        exclude=exclude)
+                        exclude=exclude, repo=repo)
 
 
 def position_matches(saved: Position, config: FeederConfig, launch: FeederLaunch, own_region: str) -> bool:

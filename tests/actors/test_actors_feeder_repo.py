@@ -1,0 +1,60 @@
+"""The feeder's repository task source: `[feeder] tasks = "repo"` walks the built-in repository tasks (levels in
+turn, or one level with "repo:LEVEL") and hands each out with its repository verifier; `rlbus validate` refuses
+an unknown source, one beside a tasks file, and levels beside it, each naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlbus.actors.common.config import REPO_LEVELS, FeederConfig, FeederLaunch
+from rlbus.actors.common.feed import task_sequence, task_source, verifier_for
+from rlbus.model.repo_tasks import LEVELS, VERIFIER_KIND, RepoTask, repo_task_of_id
+from rlbus.topology.examples import example_path
+from rlbus.topology.load import validate
+
+BASE = (Path(__file__).resolve().parents[1] / "topology" / "bad" / "levels_with_tasks_file.toml").read_text().split(
+    "[feeder]")[0]
+
+
+def test_levels_named_for_validation_are_the_tasks_levels() -> None:
+    """The levels `rlbus validate` accepts are those of model/repo_tasks.py."""
+    assert REPO_LEVELS == LEVELS
+
+
+@pytest.mark.parametrize(("source", "levels"), [("repo", [1, 2, 3, 1, 2, 3]), ("repo:2", [2] * 6)])
+def test_repo_source_feeds_repository_tasks_with_their_verifier(source: str, levels: list[int]) -> None:
+    """Each task of the sequence is a repository task whose verifier rebuilds it exactly; the saved position names
+    the source and seed, so another source or seed never resumes it."""
+    config = FeederConfig(tasks=source, seed=5)
+    sequence = task_sequence(config, FeederLaunch())
+    tasks = [sequence.get(i) for i in range(6)]
+    assert all(isinstance(t, RepoTask) for t in tasks) and [t.level for t in tasks] == levels  # type: ignore[union-attr]
+    assert len({t.task_id for t in tasks}) == 6
+    for task in tasks:
+        spec = verifier_for(task)
+        assert spec["kind"] == VERIFIER_KIND
+        assert RepoTask.from_spec(spec).files == repo_task_of_id(task.task_id).files == task.files  # type: ignore[union-attr]
+    assert task_source(config) == f"{source}:5" != task_source(FeederConfig(tasks=source, seed=6))
+
+
+@pytest.mark.parametrize(("feeder", "key", "fragment"), [
+    ('tasks = "repo:4"', "feeder.tasks", "expected 'builtin', 'repo' or 'repo:LEVEL' with LEVEL one of 1, 2, 3"),
+    ('tasks = "humaneval"', "feeder.tasks", "is not a built-in task source"),
+    ('tasks = "repo"\ntasks_file = "tasks.jsonl"', "feeder.tasks", "both name the training tasks"),
+    ('tasks = "repo:1"\nlevels = [1]', "feeder.levels", "take their level in feeder.tasks"),
+])
+def test_validate_refuses_a_bad_repo_source(tmp_path: Path, feeder: str, key: str, fragment: str) -> None:
+    """One error, naming the key and what was expected."""
+    path = tmp_path / "t.toml"
+    path.write_text(f"{BASE}[feeder]\n{feeder}\n")
+    topology, problems = validate(path, local_cores=64)
+    errors = [p for p in problems if p.severity == "error"]
+    assert topology is None and [p.key for p in errors] == [key] and fragment in errors[0].message, problems
+
+
+def test_agentic_example_validates_clean() -> None:
+    """The shipped `agentic` topology feeds repository tasks and has no problem."""
+    topology, problems = validate(example_path("agentic"), local_cores=64)
+    assert topology is not None and topology.feeder.tasks == "repo" and problems == []
