@@ -121,7 +121,9 @@ class SandboxSession:
 
     async def tool(self, name: str, args: Mapping[str, Any]) -> ToolResult:
         """Call tool `name`; waits the call's own timeout (if it has one) plus REPLY_GRACE_S."""
-        wait = max(self.call_timeout_s, float(args.get("timeout_s") or 0) + REPLY_GRACE_S)
+        asked = args.get("timeout_s")
+        own = float(asked) if isinstance(asked, (int, float)) and not isinstance(asked, bool) else 0.0
+        wait = max(self.call_timeout_s, own + REPLY_GRACE_S)     # a misshapen timeout is the supervisor's to refuse
         return await call_tool(self.bus, self.region, self.session_id, name, args,
                                call_id=f"{self.session_id}-{next(self._ids)}", timeout_s=wait)
 

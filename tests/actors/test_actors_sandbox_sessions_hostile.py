@@ -278,6 +278,7 @@ async def test_unknown_tool_and_misshapen_args_get_an_error(admin_bus: Bus, tmp_
         _refused(await sc.session.tool("read_file", {"path": ["a.txt"]}), "'path' must be a string")
         _refused(await sc.session.tool("read_file", {"path": "a.txt", "start_line": True}), "must be an integer")
         _refused(await sc.session.tool("run", {"command": "true", "timeout_s": -1}), "timeout_s must be positive")
+        _refused(await sc.session.tool("run", {"command": "true", "timeout_s": "9"}), "'timeout_s' must be a number")
         _refused(await sc.session.tool("grade", {"files": {"t.py": 3}, "command": "true"}), "file texts")
         _refused(await sc.session.tool("search", {"pattern": "(unclosed"}), "not a valid regular expression")
         await sc.done()
