@@ -71,6 +71,7 @@ async def call_tool(bus: Bus, region: str, session_id: str, tool: str, args: Map
     """One tool call; its result (a refused call is a result with ok=False, not a raise).
 
     :raises SandboxCrashed: no reply within `timeout_s` (the supervisor is gone or overloaded).
+    :raises SubjectError: `session_id` is not one `open_session` returned.
     """
     subject = bus.subjects.session_calls(region, bus.subjects.session_host(session_id))
     call = ToolCall(session_id=session_id, call_id=call_id or uuid.uuid4().hex[:16], tool=tool, args=dict(args))
