@@ -26,15 +26,19 @@ import torch
 from helpers import eventually, hosted, new_run
 
 from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.common.errors import PartialGroupError
 from rlbus.actors.common.weight_source import LocalWeights
 from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
 from rlbus.actors.generator.agentic import (
+    AgenticEpisode,
     AgenticPartial,
     WorkspaceSnapshot,
     decode_agentic,
+    encode_agentic,
     episode_state,
 )
 from rlbus.actors.generator.config import AgenticSettings
+from rlbus.actors.generator.group import decode_partial, encode_partial, new_group
 from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
 from rlbus.actors.sandbox.pool import available_levels
 from rlbus.actors.sandbox.supervisor import SandboxSupervisor
@@ -44,8 +48,9 @@ from rlbus.messages.schemas import Rollout
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
 from rlbus.messages.subjects import BucketScope
-from rlbus.model.env import AgenticBudgets
+from rlbus.model.env import AgenticBudgets, AgenticEnvironment, encode_state
 from rlbus.model.repo_tasks import RepoTask, repo_task
+from rlbus.model.tasks import eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
 from rlbus.model.transformer import ModelConfig, Transformer
 from rlbus.topology.servers import EmbeddedServer
@@ -216,6 +221,53 @@ async def test_scripted_policies_solve_or_fail_every_level_through_the_real_sand
         with pytest.raises(nats.js.errors.KeyNotFoundError):
             await kv.get(partial_key(r.task_id))
     assert await workspace_objects(env) == []
+
+
+def test_agentic_and_function_partials_are_never_taken_for_each_other() -> None:
+    """Each decoder refuses the other kind's bytes (so a task's partial of the other kind is discarded)."""
+    task = repo_task(1, 0)
+    state = AgenticEnvironment(TOK).start(task)
+    agentic = encode_agentic(AgenticPartial(task_id=task.task_id, group_size=1,
+                                            episodes=[AgenticEpisode(state=encode_state(state))]))
+    function = encode_partial(new_group(eval_tasks(11, n=1)[0], task.task_id, 1, TOK, now=0.0))
+    with pytest.raises(PartialGroupError):
+        decode_partial(agentic)
+    with pytest.raises(PartialGroupError, match="no agentic tag"):
+        decode_agentic(function)
+    assert decode_agentic(agentic).episodes[0].state == encode_state(state)
+
+
+async def test_unusable_partials_are_discarded_and_a_missing_sandbox_ends_episodes_as_errors(env: Env) -> None:
+    """With no sandbox supervisor in the region, every session open fails (tried three times): each episode ends
+    after its first turn with reward 0 and verdict "error", counted, and the group is still published; the
+    generator lives. A function group's partial under the task's key, and an agentic one whose workspace snapshot
+    is not in the store, are each discarded with an incident rather than resumed."""
+    model = tiny_model()
+    env_ = AgenticEnvironment(TOK)
+    foreign, missing = repo_task(1, 11), repo_task(3, 12)
+    s = env.admin.subjects
+    kv = await env.admin.js.key_value(s.partials_bucket("hub"))
+    await kv.put(partial_key(foreign.task_id), encode_partial(new_group(eval_tasks(11, n=1)[0], foreign.task_id, 2,
+                                                                        TOK, now=0.0)))
+    ghost = "ws-" + "0" * 64
+    await kv.put(partial_key(missing.task_id), encode_agentic(AgenticPartial(
+        task_id=missing.task_id, group_size=2, objects=[ghost],
+        episodes=[AgenticEpisode(state=encode_state(env_.start(missing)), snapshot=ghost,
+                                 snapshot_digest="sha256:" + "0" * 64) for _ in range(2)])))
+    config = GeneratorConfig(group_size=2, script="submit", concurrent_tasks=2, sandbox_timeout_s=5.0)
+    async with generator(env, model, config) as actor:
+        for task in (foreign, missing):
+            await env.admin.publish(s.tasks("hub"), message(task), msg_id=task.task_id)
+
+        async def done() -> bool:
+            return actor.counters.get("tasks", 0) == 2
+        await eventually(done, timeout_s=60, what="both groups published")
+        counters = dict(actor.counters)
+    assert counters["partials_discarded"] == 2 and counters["sandbox_errors"] == 4 and counters["resumed"] == 0
+    group = await rollouts(env)
+    assert len(group) == 4 and all((r.reward, r.verdict.status, r.timings["sandbox_error"]) == (0.0, "error", 1.0)
+                                   for r in group)
+    assert all(r.timings["turns"] == 1 and sum(r.loss_mask.tolist()) > 0 for r in group)
 
 
 # ---- chaos: a generator process SIGKILLed mid-episode ------------------------------------------------------
