@@ -12,7 +12,8 @@ capped by `AgenticEnvironment.room` and `[generator] max_tokens`, weights swappe
 changed, then the partial saved (compare-and-set). A replacement generator reopens each unfinished
 episode's session seeded with the task's files overlaid by the snapshot (`restore_files`), never by
 re-running commands. Once every episode is done the sessions are closed and the G Rollouts published.
-Sandbox failures: opening a session is tried `OPEN_TRIES` times; an episode whose session cannot be opened,
+Leases: the open sessions' leases are renewed while turns are sampled (`_keep_alive`). Sandbox failures: opening a
+session is tried `OPEN_TRIES` times; an episode whose session cannot be opened,
 or whose sandbox stops answering a call, ends with that turn, reward 0 and verdict "error" (counted in
 `sandbox_errors`); the generator goes on.
 Does not: parse tool calls, run budgets or grade (model/env/agentic.py), run tools (actors/sandbox/).
@@ -284,18 +285,37 @@ class AgenticGroups:
             log.info("partial_resumed", task_id=message.task_id, turns=partial.turns, writer=partial.writer,
                      kind="agentic")
         sessions: dict[int, SandboxSession] = {}
+        states = [episode_state(ep) for ep in partial.episodes]
         try:
-            states = [episode_state(ep) for ep in partial.episodes]
-            while not all(s.done for s in states):
-                await self._turn(partial, states, sessions, snapshots, task, env)
-                partial.writer = gen.ident.actor_id
-                revision = await self._save(key, partial, revision)
-        except _TakenOver:
-            return "taken_over"
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._keep_alive, sessions)
+                try:
+                    while not all(s.done for s in states):
+                        await self._turn(partial, states, sessions, snapshots, task, env)
+                        partial.writer = gen.ident.actor_id
+                        revision = await self._save(key, partial, revision)
+                except _TakenOver:
+                    return "taken_over"
+                finally:
+                    tg.cancel_scope.cancel()
         finally:
             await self._close_all(sessions)
         await self._publish(partial, states, message, key, env)
         return "published"
+
+    async def _keep_alive(self, sessions: dict[int, SandboxSession]) -> None:
+        """Renew the open sessions' leases while turns are sampled (a slow policy's turn may outlast a lease):
+        a cheap call on each every third of `session_lease_s`; a failed one is left to the next real call."""
+        every = max(self.gen.config.session_lease_s / 3, 0.5)
+        while True:
+            await anyio.sleep(every)
+            for session in list(sessions.values()):
+                if not session.closed:
+                    with anyio.move_on_after(every):
+                        try:
+                            await session.tool("list_files", {"path": "."})
+                        except (RlbusError, nats.errors.Error, TimeoutError):
+                            pass
 
     async def _turn(self, partial: AgenticPartial, states: list[AgenticState], sessions: dict[int, SandboxSession],
                     snapshots: dict[int, WorkspaceSnapshot], task: RepoTask, env: AgenticEnvironment) -> None:
