@@ -36,6 +36,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="how many of the kills hit a leaf nats-server (default: one per 3 minutes, at least 1)")
     p.add_argument("--partitions", type=int, default=None, metavar="N",
                    help="leaf-to-hub link cuts (default: one per 3 minutes, at least 1)")
+    p.add_argument("--links", default=None, metavar="RATE/LATENCY",
+                   help="put every leaf behind a shaped link, like 100mbit/30ms (one way; needs root, ip, tc and nft), "
+                        "as a [regions.link] in each leaf would; with links, partitions take turns dropping every "
+                        "packet, taking the link down and closing the relay")
+    p.add_argument("--degrades", type=int, default=None, metavar="N",
+                   help="link degradations, loss and a latency spike for --outage-s (default with links: one per 3 "
+                        "minutes; without: 0)")
+    p.add_argument("--degrade-loss", type=float, default=0.05, metavar="FRACTION",
+                   help="packets a degraded link drops (default 0.05)")
+    p.add_argument("--degrade-spike-ms", type=float, default=200.0, metavar="MS",
+                   help="delay a degraded link adds each way (default 200)")
     p.add_argument("--pauses", type=int, default=None, metavar="N",
                    help="actor SIGSTOP/SIGCONT pauses (default: kills / 5, at least 1)")
     p.add_argument("--outage-s", type=float, default=30.0,
@@ -69,13 +80,20 @@ def _handler(args: argparse.Namespace) -> int:
     if not all(r.embedded for r in topology.regions):
         raise TopologyError("rlbus chaos kills and partitions servers it starts itself: use a topology without "
                             "nats_urls")
+    if args.links is not None:
+        topology = with_links(topology, args.links)
+    from rlbus.topology.links import namespaces_unavailable
+
+    links = bool(topology.link_shapes()) and namespaces_unavailable() is None
     per_3min = max(1, round(args.minutes / 3))
     settings = ChaosSettings(
         duration_s=args.minutes * 60, kills=args.kills,
         server_kills=per_3min if args.server_kills is None else args.server_kills,
         partitions=per_3min if args.partitions is None else args.partitions,
         pauses=max(1, args.kills // 5) if args.pauses is None else args.pauses,
-        outage_s=args.outage_s, pause_s=args.pause_s, seed=args.seed)
+        outage_s=args.outage_s, pause_s=args.pause_s, seed=args.seed, links=links,
+        degrades=(per_3min if links else 0) if args.degrades is None else args.degrades,
+        degrade_loss=args.degrade_loss, degrade_spike_s=args.degrade_spike_ms / 1e3)
     if problems := settings.check():
         raise TopologyError("rlbus chaos: " + "; ".join(problems))
     stream = sys.stderr if args.json else sys.stdout
@@ -88,7 +106,8 @@ def _handler(args: argparse.Namespace) -> int:
     ensure_pretrained(topology, state, say)
     say(f"chaos: run {topology.run!r}, {len(topology.regions)} regions, {len(topology.instances())} actors; "
         f"{settings.kills} kills ({settings.server_kills} leaf servers), {settings.partitions} partitions, "
-        f"{settings.pauses} pauses over {settings.duration_s:.0f}s, seed {settings.seed}")
+        f"{settings.pauses} pauses over {settings.duration_s:.0f}s, seed {settings.seed}"
+        + (f"; leaves behind shaped links, {settings.degrades} link degradations" if links else ""))
     result: dict[str, Any] | None = anyio.run(_main, topology, state, settings, args, say, backend="asyncio")
     if result is None:
         say("rlbus chaos: interrupted; actors drained and servers stopped, no ledger")
@@ -99,6 +118,27 @@ def _handler(args: argparse.Namespace) -> int:
     else:
         print(table(result), flush=True)
     return exit_code(result)
+
+
+def with_links(topology: Any, spec: str) -> Any:
+    """`topology` with every leaf behind a link of `spec` ('RATE/LATENCY', like '100mbit/30ms').
+
+    :raises TopologyError: `spec` is not of that form (the text says what was expected)."""
+    import msgspec
+
+    from rlbus.messages.errors import TopologyError
+    from rlbus.topology.links import parse_rate, parse_time
+    from rlbus.topology.schema import LinkSettings
+
+    rate, _, latency = spec.partition("/")
+    try:
+        parse_rate(rate)
+        parse_time(latency)
+    except ValueError as err:
+        raise TopologyError(f"rlbus chaos --links {spec!r}: {err}; expected RATE/LATENCY like 100mbit/30ms") from None
+    link = LinkSettings(bandwidth=rate, latency=latency)
+    return msgspec.structs.replace(topology, regions=[
+        msgspec.structs.replace(r, link=link) if r.role != "hub" else r for r in topology.regions])
 
 
 async def _main(topology: Any, state: Path, settings: Any, args: argparse.Namespace, say: Any) -> dict[str, Any] | None:

@@ -1,7 +1,8 @@
 """The chaos run's schedule and its accounting, as pure functions (no bus, no processes, no clock).
 
 Owns: `ChaosSettings` (what `rlbus chaos` was asked for), `plan_faults` (the seeded schedule of actor
-SIGKILLs, leaf-server SIGKILLs, partitions and pauses over the run), `pick_victim` (which live actor a
+SIGKILLs, leaf-server SIGKILLs, partitions, link degradations and pauses over the run; with shaped links the
+partitions take turns: a drop-all cut, the link taken down, the relay's connections closed), `pick_victim` (which live actor a
 planned fault hits), `FaultRecord` (what happened), `recovery_after` (the first sign of life after a
 fault in a time series) and `summarize` (count, median, max of recovery times per fault kind).
 Does not: run anything (ops/chaos/run.py) or print (ops/chaos/report.py).
@@ -15,8 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, TypeVar
 
-FaultKind = Literal["actor_kill", "server_kill", "partition", "pause"]
-FAULT_KINDS: Final[tuple[FaultKind, ...]] = ("actor_kill", "server_kill", "partition", "pause")
+FaultKind = Literal["actor_kill", "server_kill", "partition", "pause", "link_drop", "link_down", "link_degrade"]
+FAULT_KINDS: Final[tuple[FaultKind, ...]] = ("actor_kill", "server_kill", "partition", "pause", "link_drop",
+                                             "link_down", "link_degrade")
+LINK_CUTS: Final[tuple[FaultKind, ...]] = ("link_drop", "link_down", "partition")
+"""The partition of a leaf behind a shaped link, in turn: every packet dropped, the link down, the relay closed."""
+REGION_KINDS: Final = frozenset({"server_kill", "partition", "link_drop", "link_down", "link_degrade"})
+"""Faults aimed at a leaf region (the others hit an actor)."""
 T = TypeVar("T")
 
 
@@ -39,13 +45,20 @@ class ChaosSettings:
     pause_s: float = 5.0
     """How long a paused actor stays stopped."""
     seed: int = 0
+    links: bool = False
+    """The leaves sit behind shaped links (topology/links.py): partitions cut them in turn (`LINK_CUTS`)."""
+    degrades: int = 0
+    """Link degradations (needs `links`): `degrade_loss` of the packets dropped and `degrade_spike_s` added to each
+    direction for `outage_s`."""
+    degrade_loss: float = 0.05
+    degrade_spike_s: float = 0.2
 
     def check(self) -> list[str]:
         """Every problem with these numbers, in words (empty: fine)."""
         problems = []
         if self.duration_s <= 0:
             problems.append(f"the fault window must be positive, got {self.duration_s:g}s")
-        for name in ("kills", "server_kills", "partitions", "pauses"):
+        for name in ("kills", "server_kills", "partitions", "pauses", "degrades"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.server_kills > self.kills:
@@ -53,9 +66,15 @@ class ChaosSettings:
                             f"ask for at least as many kills")
         if self.outage_s <= 0 or self.pause_s <= 0:
             problems.append(f"outage ({self.outage_s:g}s) and pause ({self.pause_s:g}s) must be positive")
-        region_faults = self.server_kills + self.partitions
+        if self.degrades and not self.links:
+            problems.append(f"{self.degrades} link degradations need shaped links ([regions.link]) on a host that "
+                            f"can make network namespaces")
+        if not (0.0 <= self.degrade_loss < 1.0 and self.degrade_spike_s >= 0):
+            problems.append(f"degrade loss ({self.degrade_loss:g}) must be a fraction in [0, 1) and the latency "
+                            f"spike ({self.degrade_spike_s:g}s) >= 0")
+        region_faults = self.server_kills + self.partitions + self.degrades
         if region_faults and self.duration_s / region_faults < self.outage_s * 1.5:
-            problems.append(f"{region_faults} server kills and partitions of {self.outage_s:g}s each do not fit "
+            problems.append(f"{region_faults} server kills, partitions and degradations of {self.outage_s:g}s each do not fit "
                             f"one after another in {self.duration_s:g}s (each needs {self.outage_s * 1.5:g}s); "
                             f"run longer, ask for fewer, or shorten --outage-s")
         return problems
@@ -78,7 +97,8 @@ class Fault:
 def plan_faults(settings: ChaosSettings, kinds: Sequence[str], leaves: Sequence[str]) -> list[Fault]:
     """The seeded schedule, sorted by time.
 
-    Region faults (server kills and partitions alternating, each kind going round the leaves) get equal slots of the window,
+    Region faults (server kills, partitions and link degradations alternating, each kind going round the leaves; with
+    `links` the partitions take turns over `LINK_CUTS`) get equal slots of the window,
     one after another, each starting at a random point of its slot that lets it end inside the slot, so no
     two overlap. Actor kills and pauses fall uniformly in the window; actor kills cycle through `kinds` in a
     shuffled order per round, so every kind is hit once before any is hit twice.
@@ -90,15 +110,19 @@ def plan_faults(settings: ChaosSettings, kinds: Sequence[str], leaves: Sequence[
     if not kinds and settings.kills > settings.server_kills:
         raise ValueError("actor kills need at least one actor kind to kill")
     region_kinds: list[FaultKind] = []          # alternating: server kill, partition, server kill, ...
-    for i in range(max(settings.server_kills, settings.partitions)):
+    for i in range(max(settings.server_kills, settings.partitions, settings.degrades)):
+        cut: FaultKind = LINK_CUTS[i % len(LINK_CUTS)] if settings.links else "partition"
         region_kinds += (["server_kill"] if i < settings.server_kills else []) + \
-                        (["partition"] if i < settings.partitions else [])
+                        ([cut] if i < settings.partitions else []) + \
+                        (["link_degrade"] if i < settings.degrades else [])
     if region_kinds and not leaves:
         raise ValueError("server kills and partitions need a leaf region; the topology has none")
     rng = random.Random(f"rlbus-chaos:{settings.seed}")
     faults: list[Fault] = []
+    cuts = iter(_rounds(rng, list(leaves), settings.partitions))
     targets = {"server_kill": iter(_rounds(rng, list(leaves), settings.server_kills)),
-               "partition": iter(_rounds(rng, list(leaves), settings.partitions))}
+               **dict.fromkeys(LINK_CUTS, cuts),
+               "link_degrade": iter(_rounds(rng, list(leaves), settings.degrades))}
     slot = settings.duration_s / len(region_kinds) if region_kinds else 0.0
     for i, kind in enumerate(region_kinds):
         start = i * slot + rng.uniform(0.0, max(0.0, slot - settings.outage_s * 1.25))
@@ -152,7 +176,8 @@ class FaultRecord:
     """When the fault was undone: SIGCONT, the server restarted, the link healed (None: a kill, or never)."""
     recovery_s: float | None = None
     """Fault start → the victim heartbeats again (actor kill: a new process; pause: after SIGCONT), or the
-    region's rollouts reach the hub again (server kill, partition). None: not seen before the end."""
+    region's rollouts reach the hub again (server kill, partition, link cut or degradation). None: not seen before
+    the end."""
     pid: int = 0
     """The victim's process id (actor faults)."""
     note: str = ""

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 _KIND_WORDS = {"actor_kill": "actor SIGKILL", "server_kill": "leaf server SIGKILL", "partition": "partition",
-               "pause": "pause (SIGSTOP)"}
+               "pause": "pause (SIGSTOP)", "link_drop": "link drops all", "link_down": "link down",
+               "link_degrade": "link degraded"}
 
 
 def exit_code(result: dict[str, Any]) -> int:
@@ -33,7 +34,8 @@ def table(result: dict[str, Any]) -> str:
         (f"rlbus chaos: {verdict} — run {r['run']!r}, {r['window_s']:.0f}s of faults, {r['wall_s']:.0f}s in all "
          f"(seed {r['seed']})"),
         (f"  faults      kills {r['kills']} (asked {r['kills_requested']}: actors {r['actor_kills']}, leaf servers "
-         f"{r['server_kills']}), partitions {r['partitions']}, pauses {r['pauses']}"),
+         f"{r['server_kills']}), partitions {r['partitions']}, pauses {r['pauses']}"
+         + (f", link cuts {r['link_cuts']}, link degradations {r['link_degrades']}" if r.get("links") else "")),
         f"  killed      {killed}",
         f"  rollouts    produced {r['produced']} ({by_region}), trained {r['trained']} in {r['steps']} steps",
         (f"  ledger      lost {r['lost']}, trained twice {r['duplicated']}, pending {r['pending']}, "

@@ -4,7 +4,8 @@ Owns: `chaos_topology()` (the default: three_regions with tiny settings and a re
 many kills), `prepare_state_dir`, and `ChaosRun`: launch (local backend, leaves behind cuttable relays),
 watch heartbeats and the hub's rollout arrivals, wait for the first optimizer step, inject the planned
 faults (ops/chaos/plan.py) — SIGKILL actors, SIGKILL a leaf nats-server then restart it on its store dir,
-cut a leaf's link, SIGSTOP/SIGCONT actors — then the quiet period (the feeder is stopped; wait until every
+cut a leaf's link (behind shaped links also by dropping all its packets or taking it down, and degrade it),
+SIGSTOP/SIGCONT actors — then the quiet period (the feeder is stopped; wait until every
 task is done, every rollout has reached the hub and the trainer has consumed what it can), a graceful
 drain, and the result: the ledger, restarts, recovery times.
 Does not: print tables (ops/chaos/report.py) or parse the command line (ops/chaos/cli.py).
@@ -54,6 +55,9 @@ RUN_STATE: Final = ("nats", "checkpoints", "logs", "plots", "run.json", "chaos.j
 """What a chaos run clears from its state directory before it starts (the pretrained policy stays)."""
 RESULT_NAME: Final = "chaos.json"
 _API_ERRORS: Final = (nats.errors.Error, nats.js.errors.Error, TimeoutError)
+_CUT_MODES: Final = {"partition": "close", "link_drop": "drop", "link_down": "down"}
+"""How each partition kind cuts (topology/regions.py `RegionSet.cut`)."""
+_CUT_WORDS: Final = {"close": "relay connections closed", "drop": "every packet dropped", "down": "link down"}
 
 
 def chaos_topology() -> Topology:
@@ -233,7 +237,7 @@ class ChaosRun:
         match fault.kind:
             case "actor_kill" | "pause":
                 await self._actor_fault(launch, fault)
-            case "server_kill" | "partition":
+            case "server_kill" | "partition" | "link_drop" | "link_down" | "link_degrade":
                 await self._region_fault(launch, fault)
 
     async def _actor_fault(self, launch: Launch, fault: Fault) -> None:
@@ -269,8 +273,11 @@ class ChaosRun:
         regions = launch.regions
         assert regions is not None  # the chaos run starts embedded servers
         region = fault.target
-        self.down.add(region)
+        degrade = fault.kind == "link_degrade"
+        if not degrade:                 # a degraded region's actors may still be hit
+            self.down.add(region)
         record = FaultRecord(kind=fault.kind, target=region, at_s=self._now())
+        s = self.settings
         try:
             if fault.kind == "server_kill":
                 pid = regions.servers[region].pid or 0
@@ -278,9 +285,16 @@ class ChaosRun:
                 record.pid = pid
                 self.say(f"chaos +{record.at_s:5.0f}s  SIGKILL nats-server of {region} (pid {pid}) for "
                          f"{fault.length_s:.0f}s")
+            elif degrade:
+                await anyio.to_thread.run_sync(lambda: regions.degrade(region, loss=s.degrade_loss,
+                                                                       extra_latency_s=s.degrade_spike_s))
+                self.say(f"chaos +{record.at_s:5.0f}s  degrade {region}'s link ({s.degrade_loss:.0%} loss, "
+                         f"+{s.degrade_spike_s * 1e3:.0f} ms each way) for {fault.length_s:.0f}s")
             else:
-                await anyio.to_thread.run_sync(regions.cut, region)
-                self.say(f"chaos +{record.at_s:5.0f}s  cut {region} from the hub for {fault.length_s:.0f}s")
+                mode = _CUT_MODES[fault.kind]
+                await anyio.to_thread.run_sync(lambda: regions.cut(region, mode))
+                self.say(f"chaos +{record.at_s:5.0f}s  cut {region} from the hub ({_CUT_WORDS[mode]}) for "
+                         f"{fault.length_s:.0f}s")
             self.records.append(record)
             await anyio.sleep(fault.length_s)
         finally:
@@ -288,11 +302,13 @@ class ChaosRun:
                 try:
                     if fault.kind == "server_kill":
                         await anyio.to_thread.run_sync(lambda: regions.restart(region, timeout_s=60.0))
+                    elif degrade:
+                        await anyio.to_thread.run_sync(lambda: regions.degrade(region))
                     else:
                         await anyio.to_thread.run_sync(lambda: regions.heal(region, timeout_s=60.0))
                     record.restored_s = self._now()
-                    self.say(f"chaos +{record.restored_s:5.0f}s  {region} "
-                             f"{'restarted on its store' if fault.kind == 'server_kill' else 'healed'}")
+                    done = {"server_kill": "restarted on its store", "link_degrade": "link restored"}
+                    self.say(f"chaos +{record.restored_s:5.0f}s  {region} {done.get(fault.kind, 'healed')}")
                 except Exception as err:
                     record.note = f"not restored: {err!r}"[:300]
                     log.error("chaos_restore_failed", region=region, fault=fault.kind, error=repr(err))
@@ -401,6 +417,10 @@ class ChaosRun:
             "actor_kills": sum(r.kind == "actor_kill" for r in self.records),
             "server_kills": sum(r.kind == "server_kill" for r in self.records),
             "partitions": sum(r.kind == "partition" for r in self.records),
+            "links": self.settings.links,
+            "link_cuts": sum(r.kind in ("link_drop", "link_down") for r in self.records),
+            "link_degrades": sum(r.kind == "link_degrade" for r in self.records),
+            "link_bytes": launch.regions.link_counters() if launch.regions is not None else {},
             "pauses": sum(r.kind == "pause" for r in self.records),
             "killed_kinds": dict(Counter(sup.actors[r.target].spec.kind for r in self.records
                                          if r.kind == "actor_kill")),
@@ -434,7 +454,7 @@ class ChaosRun:
                 case "pause":
                     after = self.t0 + (record.restored_s if record.restored_s is not None else record.at_s)
                     seen = recovery_after(self.beats.get(record.target, []), after, lambda _pid: True)
-                case "server_kill" | "partition":
+                case "server_kill" | "partition" | "link_drop" | "link_down" | "link_degrade":
                     if record.restored_s is not None:
                         arrivals = [(t, 0) for t in self.flow.get(record.target, [])]
                         seen = recovery_after(arrivals, self.t0 + record.restored_s, lambda _v: True)

@@ -162,6 +162,60 @@ def test_a_killed_runs_links_are_removed_by_rlbus_clean_and_no_other_runs(tmp_pa
     assert leftovers(other) == ([], [])
 
 
+DEMO = """run = "linkdemo"
+[[regions]]
+name = "hub"
+role = "hub"
+  [[regions.actors]]
+  kind = "demo_consumer"
+[[regions]]
+name = "eu"
+  [[regions.actors]]
+  kind = "demo_producer"
+  [regions.link]
+  bandwidth = "100mbit"
+  latency = "5ms"
+"""
+
+
+def test_rlbus_up_runs_a_linked_region_in_its_namespace_and_the_next_run_cleans_after_a_sigkill(
+        tmp_path: Path) -> None:
+    """`rlbus up` puts eu's server and its actor in eu's namespace; SIGKILLed, it leaves them and the links; the
+    next `rlbus up` on the same state directory stops what was left, makes the links afresh, runs and removes
+    everything when it stops."""
+    topology, state = tmp_path / "demo.toml", tmp_path / "state"
+    topology.write_text(DEMO)
+    cmd = [sys.executable, "-m", "rlbus.ops.cli", "up", str(topology), "--state-dir", str(state)]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert first.stdout is not None
+        assert any(line.startswith("rlbus up: shaped links to hub: eu=100mbit/5ms") for line in first.stdout)
+        _, [netns] = leftovers(state / "nats")
+
+        def in_netns() -> set[str]:
+            pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+            return {Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+                    .rsplit("/", 1)[-1] for pid in pids if Path(f"/proc/{pid}").exists()}
+
+        eventually_sync(in_netns, lambda names: {"nats-server"} < names, what="eu's server and actor in its netns",
+                        timeout_s=30)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        assert leftovers(state / "nats")[1] == [netns]
+        second = subprocess.run([*cmd, "--for", "2"], capture_output=True, text=True, timeout=120)
+        assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+        assert "that a killed `rlbus up`" in second.stderr and "shaped links to hub" in second.stdout
+        assert leftovers(state / "nats") == ([], [])
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+        from rlbus.ops.up import stop_leftovers
+
+        stop_leftovers(state)
+        clean_leftovers(state / "nats")
+
+
 async def _msg_ids(js: JetStreamContext, stream: str) -> Counter[str]:
     state = (await js.stream_info(stream)).state
     ids: Counter[str] = Counter()

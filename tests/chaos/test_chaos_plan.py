@@ -47,9 +47,23 @@ def test_region_faults_alternate_take_turns_over_leaves_and_never_overlap() -> N
     assert all(a.at_s + a.length_s < b.at_s for a, b in itertools.pairwise(region))
 
 
+def test_behind_shaped_links_partitions_take_turns_and_degradations_join_the_region_faults() -> None:
+    """With links, 3 partitions of 30 s are a drop-all cut, a link taken down and a relay cut; 2 degradations go
+    round the leaves; with a server kill, every region fault ends before the next begins."""
+    settings = ChaosSettings(duration_s=600, kills=1, server_kills=1, partitions=3, pauses=0, outage_s=30, seed=5,
+                             links=True, degrades=2)
+    region = [f for f in plan_faults(settings, KINDS, ["eu", "us"]) if f.kind != "actor_kill"]
+    assert [f.kind for f in region] == ["server_kill", "link_drop", "link_degrade", "link_down", "link_degrade",
+                                        "partition"]
+    assert sorted(f.target for f in region if f.kind == "link_degrade") == ["eu", "us"]
+    assert all(a.at_s + a.length_s < b.at_s for a, b in itertools.pairwise(region))
+
+
 @pytest.mark.parametrize(("settings", "words"), [
     (ChaosSettings(duration_s=60, kills=2, server_kills=2, partitions=2, pauses=0, outage_s=30),
      "do not fit one after another in 60s"),
+    (ChaosSettings(duration_s=600, kills=0, server_kills=0, partitions=0, pauses=0, degrades=1),
+     "degradations need shaped links"),
     (ChaosSettings(duration_s=60, kills=1, server_kills=2, partitions=0, pauses=0), "ask for at least as many kills"),
 ])
 def test_settings_that_cannot_work_are_refused_with_the_reason(settings: ChaosSettings, words: str) -> None:
