@@ -369,17 +369,23 @@ class AgenticGroups:
             return await anyio.to_thread.run_sync(self._score, contexts, scripted)
         out = {g: _Turn([], [], []) for g, _ in rows}
         stops = set(env.tokenizer.stop_ids)
+        vocab = env.tokenizer.vocab_size
         pending = [g for g, _ in rows if caps[g] > 0]
+        ended: set[int] = set()
 
         async def sample(g: int, seed: int) -> None:
             turn = out[g]
             (sample,) = await gen.sample_rows([contexts[g] + turn.ids], caps[g] - len(turn.ids), seed)
             for t, lp, v in zip(sample.tokens.tolist(), sample.logprobs.tolist(), sample.versions.tolist(),
                                 strict=True):
+                if not 0 <= t < vocab:       # an embedding row the tokenizer has no text for: the turn ends before it
+                    ended.add(g)
+                    break
                 turn.ids.append(int(t))
                 turn.logprobs.append(min(float(lp), 0.0))
                 turn.versions.append(int(v))
                 if t in stops:
+                    ended.add(g)
                     break
 
         chunk = 0
@@ -388,10 +394,10 @@ class AgenticGroups:
                 for g in pending:
                     tg.start_soon(sample, g, _seed(partial.task_id, partial.turns, g, chunk))
             chunk += 1
-            pending = [g for g in pending if len(out[g].ids) < caps[g] and not (out[g].ids and out[g].ids[-1] in stops)]
-        for g, _ in rows:
-            if not out[g].ids:               # no room at all: a lone stop, so the turn exists and the budget ends it
-                out[g] = _Turn([env.tokenizer.stop_id], [0.0], [gen.held_version()])
+            pending = [g for g in pending if len(out[g].ids) < caps[g] and g not in ended]
+        empty = {g: [env.tokenizer.stop_id] for g, _ in rows if not out[g].ids}
+        if empty:                            # the turn is the stop id alone, scored like a scripted one
+            out.update(await anyio.to_thread.run_sync(self._score, contexts, empty))
         kept = sum(len(t.ids) for t in out.values())
         partial.sampled_tokens += kept
         gen.count("tokens", kept)

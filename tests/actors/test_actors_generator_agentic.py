@@ -223,6 +223,35 @@ async def test_scripted_policies_solve_or_fail_every_level_through_the_real_sand
     assert await workspace_objects(env) == []
 
 
+async def test_sampled_turns_are_capped_and_scored_as_sampled(env: Env) -> None:
+    """Sampled (unscripted) turns of a random policy: each at most max_tokens ids, the episode ended by its turn
+    budget with reward 0 and graded once; the rollout's masked ids are exactly the sampled ones, their behaviour
+    logprobs reproduced by a forward pass (bf16 KV cache tolerance); the observations between turns are masked."""
+    model = tiny_model()
+    task = repo_task(1, 21)
+    config = GeneratorConfig(group_size=2, max_tokens=16, sandbox_timeout_s=20.0, agentic=AgenticSettings(max_turns=2))
+    async with supervisor(env) as sandbox, generator(env, model, config) as actor:
+        await env.admin.publish(env.admin.subjects.tasks("hub"), message(task), msg_id=task.task_id)
+
+        async def done() -> bool:
+            return actor.counters.get("tasks", 0) == 1
+        await eventually(done, timeout_s=60, what="the group published")
+        assert actor.counters["tokens"] > 0 and actor.counters.get("sandbox_errors", 0) == 0
+        await eventually(lambda: sessions_open(sandbox), lambda n: n == 0, what="every session closed", timeout_s=10)
+    group = await rollouts(env)
+    assert len(group) == 2
+    for r in group:
+        mask = r.loss_mask.tolist()
+        spans = [len(run) for run in "".join(map(str, mask)).split("0") if run]
+        assert r.timings["turns"] == 2 and r.reward == 0.0 and r.verdict.status == "failed"
+        assert len(spans) == 2 and all(0 < n <= 16 for n in spans) and mask[-1] == 1
+        keep = torch.tensor(mask, dtype=torch.bool)
+        torch.testing.assert_close(teacher_forced(model, r)[keep], torch.tensor(r.behaviour_logprobs.tolist())[keep],
+                                   atol=5e-3, rtol=0)
+        between = r.completion_tokens.tolist()[spans[0]:len(mask) - spans[1]]
+        assert TOK.observation_id in between and "tool call" in TOK.decode(between)
+
+
 def test_agentic_and_function_partials_are_never_taken_for_each_other() -> None:
     """Each decoder refuses the other kind's bytes (so a task's partial of the other kind is discarded)."""
     task = repo_task(1, 0)
