@@ -1,16 +1,19 @@
 """Shaped links, the parts that need no namespace: the `[regions.link]` keys and their errors, the strings a
-shape is parsed from, and the relay's userspace delay (a floor on every round trip, a stream never reordered)."""
+shape is parsed from, the relay's userspace delay (a floor on every round trip, a stream never reordered), and
+what `validate` and the regions do where namespaces cannot be made."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from rlbus.topology.links import LinkShape, parse_percent, parse_rate, parse_time
 from rlbus.topology.load import validate_text
+from rlbus.topology.regions import RegionSet
 from rlbus.topology.relay import Relay
 
 LEAF = '''run = "links"
@@ -98,3 +101,30 @@ def test_relay_delays_each_direction_and_keeps_the_stream_in_order() -> None:
     assert min(rtts) >= 2 * (0.02 - 0.01)
     assert got == sent
     assert spiked >= 2 * (0.02 - 0.01 + 0.05)
+
+
+NO_NAMESPACES = "network namespaces need root (this process runs as uid 1000)"
+
+
+def test_where_namespaces_cannot_be_made_validate_names_each_link_and_up_runs_on_loopback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host that cannot make namespaces (the host check answers as for a non-root user), `validate` warns on
+    each `[regions.link]`, and the regions start on loopback with the reason, which `rlbus up` prints in one line."""
+    import rlbus.topology.links
+    import rlbus.topology.regions
+    from rlbus.ops.up import links_line
+    from rlbus.topology.load import validate
+
+    for module in (rlbus.topology.links, rlbus.topology.regions):
+        monkeypatch.setattr(module, "namespaces_unavailable", lambda: NO_NAMESPACES)
+    path = tmp_path / "links.toml"
+    path.write_text(LEAF + '  [regions.link]\n  latency = "30ms"\n')
+    topology, problems = validate(path, local_cores=2)
+    assert topology is not None
+    assert [(p.key, p.severity) for p in problems] == [("regions[1].link", "warning")]
+    assert NO_NAMESPACES in problems[0].message and "on loopback" in problems[0].message
+    with RegionSet.start(tmp_path / "nats", ["hub", "eu"], "hub", links=topology.link_shapes()) as rs:
+        assert rs.links is None and rs.links_skipped == NO_NAMESPACES and rs.netns("eu") is None
+        assert rs.url("eu").startswith("nats://127.0.0.1:") and rs.linked() == {"eu"}
+        line = links_line(rs, topology)
+    assert line == f"rlbus up: [regions.link] of eu ignored: {NO_NAMESPACES}; running on loopback, unshaped"
