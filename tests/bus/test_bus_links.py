@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -109,6 +110,9 @@ def test_link_is_a_floor_on_round_trips_and_transfers_and_counts_its_bytes(linke
             carried = linked.link_counters()["eu"]["rx_bytes"] - before
             linked.degrade("eu", loss=0.3, extra_latency_s=SPIKE_S)
             spiked = await round_trips(eu, 5)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:  # 200 datagrams into the namespace
+                for _ in range(200):
+                    udp.sendto(b"x", (link.leaf_addr, 9))
             dropped = link.dropped()
             linked.degrade("eu")
             return rtts, took, carried, spiked, dropped
@@ -123,7 +127,7 @@ def test_link_is_a_floor_on_round_trips_and_transfers_and_counts_its_bytes(linke
     assert carried >= 2_000_000                               # the payloads crossed this veth
     assert took >= (2_000_000 - 2 * 64 * 1024) * 8 / RATE_BPS  # tbf: no faster than the rate, less one burst
     assert min(spiked) >= 2 * (LATENCY_S + SPIKE_S)           # degraded: a latency spike each way
-    assert dropped > 0                                        # and 30% loss (P(no drop in ~40 packets) ~ 1e-6)
+    assert dropped > 0                                        # and 30% loss (P(no drop of 200 datagrams) ~ 1e-31)
     assert link.dropped() == 0                                # restored
 
 
