@@ -215,13 +215,12 @@ async def _run_arm(topology: Any, state: Path, steps: int, timeout_s: float) -> 
                 tg.start_soon(first_task_time)
                 await tg.start(lambda task_status: launch.run_actors(heartbeat_s=1.0,
                                                                      task_status=task_status))
-                with anyio.fail_after(timeout_s):
-                    await reached()
+                with anyio.move_on_after(timeout_s) as guard:     # not fail_after: its error would come
+                    await reached()                                # out of the task group as a group
                 tg.cancel_scope.cancel()
-        except TimeoutError:
-            raise TimeoutError(f"bench async: the {_arm_name(topology)} arm did not reach step {steps} "
-                               f"within {timeout_s:.0f}s (logs in {state / 'logs'}; raise --async-timeout)"
-                               ) from None
+            if guard.cancelled_caught:
+                raise TimeoutError(f"bench async: the {_arm_name(topology)} arm did not reach step {steps} "
+                                   f"within {timeout_s:.0f}s (logs in {state / 'logs'}; raise --async-timeout)")
         finally:
             with anyio.move_on_after(2, shield=True):
                 await task_sub.unsubscribe()

@@ -1,8 +1,8 @@
 """`rlbus bench peer`: TRL's GRPOTrainer and `rlbus up` side by side, on the same model, tasks, reward and budget.
 
 Owns the peer benchmark: the shared Hugging Face policy (a recipe Qwen2 built and pretrained once into
-`.rlbus/bench-peer/`), the shared settings, the two arms one after the other (ops/bench/peer_trl.py,
-ops/bench/peer_rlbus.py), then the scoring of every snapshot and of the base v0 by one evaluator
+`.rlbus/bench-peer/`), the shared settings, the two arms one after the other (rlbus first, ops/bench/peer_rlbus.py,
+then TRL, ops/bench/peer_trl.py), then the scoring of every snapshot and of the base v0 by one evaluator
 (`model.evaluate.evaluate_pass_at_1`: greedy pass@1 with 95% Wilson intervals on the same held-out tasks,
 graded by the rlbus sandbox; the weights rounded to bfloat16 as rlbus publishes a version, computed in float32 as
 both arms sample), not charged to either arm; the
@@ -93,16 +93,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with anyio.from_thread.start_blocking_portal("asyncio") as portal, \
             portal.wrap_async_context_manager(local_sandbox("bench-peer", hf.sandbox)) as bus:
         grade = functools.partial(_grade, portal, bus)
-        _say("trl: training")
-        trl = _trl_arm(base, train, shared, budget, marks, work, grade)
-        _say(f"trl: {trl.steps} steps in {trl.wall_s:.0f}s")
         _say("rlbus: launching")
         from rlbus.ops.bench.peer_rlbus import run_rlbus
 
         (work / "rlbus").mkdir(exist_ok=True)
         rl = portal.call(functools.partial(run_rlbus, topology, work / "rlbus", budget_s=budget, marks=marks,
                                            out=work / "snapshots", timeout_s=300.0, progress=_say))
+        rl.extra["load_avg_5m"] = os.getloadavg()[1]       # the arm's own processes and other work on the machine
         _say(f"rlbus: {rl.steps} steps in {rl.wall_s:.0f}s")
+        _say("trl: training")
+        trl = _trl_arm(base, train, shared, budget, marks, work, grade)
+        trl.extra["load_avg_5m"] = os.getloadavg()[1]
+        _say(f"trl: {trl.steps} steps in {trl.wall_s:.0f}s")
         curves = _score_all(base, held, {"trl": trl, "rlbus": rl}, shared.max_tokens,
                             functools.partial(_runner, portal, bus))
     result = summarize(curves, {"trl": trl, "rlbus": rl})
@@ -283,7 +285,8 @@ def table(result: dict[str, Any]) -> str:
     rows = [("wall-clock (s)", "wall_s", "{:.0f}"), ("optimizer steps", "optimizer_steps", "{}"),
             ("rollouts trained/s", "rollouts_per_s", "{:.2f}"), ("rollouts generated/s", "generated_rollouts_per_s",
                                                                   "{:.2f}"),
-            ("generation tokens/s", "gen_tokens_per_s", "{:.0f}"), ("train-time pass rate", "train_pass_rate", "{:.3f}")]
+            ("generation tokens/s", "gen_tokens_per_s", "{:.0f}"), ("train-time pass rate", "train_pass_rate", "{:.3f}"),
+            ("load average (5 min) at end", "load_avg_5m", "{:.1f}")]
     width = 24
     lines = [f"rlbus bench peer: {result['minutes']:g} min per arm, qwen2 {result['size']} "
              f"({result['pretrain_steps']} pretraining steps), {result['held_out_n']} held-out tasks "

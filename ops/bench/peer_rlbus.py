@@ -78,12 +78,13 @@ async def run_rlbus(topology: Any, state: Path, *, budget_s: float, marks: list[
                     return
 
         async def snapshot(mark: float, t0: float, *, trained: bool) -> float:
-            """Copy the newest version; with `trained`, wait for one past v0 first (a budget shorter than the first
-            step, as in --quick). Returns the snapshot's time on the arm's clock."""
+            """Copy the newest version; with `trained`, wait (at most `timeout_s`) for one past v0 first (a budget
+            shorter than the first step, as in --quick). Returns the snapshot's time on the arm's clock."""
             ready = await last_message(bus.js, s.state_stream(), s.version_ready(), VersionReady)
-            while trained and (ready is None or ready.version == 0):
-                await anyio.sleep(0.5)
-                ready = await last_message(bus.js, s.state_stream(), s.version_ready(), VersionReady)
+            with anyio.move_on_after(timeout_s):                # a trainer that never steps: v0 it is
+                while trained and (ready is None or ready.version == 0):
+                    await anyio.sleep(0.5)
+                    ready = await last_message(bus.js, s.state_stream(), s.version_ready(), VersionReady)
             if ready is None:
                 raise RuntimeError("bench peer: the rlbus arm published no version")
             mark = max(mark, round(ready.created_at - t0, 1))
@@ -100,19 +101,20 @@ async def run_rlbus(topology: Any, state: Path, *, budget_s: float, marks: list[
                 tg.start_soon(first, task_sub, Task, first_task, fed)
                 tg.start_soon(first, weights_sub, WeightManifest, v0, published)
                 await tg.start(lambda task_status: launch.run_actors(heartbeat_s=1.0, task_status=task_status))
-                with anyio.fail_after(timeout_s):
-                    await fed.wait()
+                with anyio.move_on_after(timeout_s) as guard:   # not fail_after: its error would leave the
+                    await fed.wait()                            # task group as a group
                     await published.wait()
-                t0 = max(first_task[0], v0[0])
-                progress(f"rlbus: actors up, clock started {t0 - launched:.0f}s after launch")
-                for i, mark in enumerate(marks):
-                    await anyio.sleep(max(0.0, t0 + mark - time.time()))
-                    wall = await snapshot(mark, t0, trained=i == len(marks) - 1)
-                t_end = t0 + wall
+                if not guard.cancelled_caught:
+                    t0 = max(first_task[0], v0[0])
+                    progress(f"rlbus: actors up, clock started {t0 - launched:.0f}s after launch")
+                    for i, mark in enumerate(marks):
+                        await anyio.sleep(max(0.0, t0 + mark - time.time()))
+                        wall = await snapshot(mark, t0, trained=i == len(marks) - 1)
+                    t_end = t0 + wall
                 tg.cancel_scope.cancel()
-        except TimeoutError:
-            raise TimeoutError(f"bench peer: the rlbus arm did not start within {timeout_s:.0f}s (logs in "
-                               f"{state / 'logs'})") from None
+            if guard.cancelled_caught:
+                raise TimeoutError(f"bench peer: the rlbus arm did not start within {timeout_s:.0f}s (logs in "
+                                   f"{state / 'logs'})")
         finally:
             with anyio.move_on_after(2, shield=True):
                 await task_sub.unsubscribe()
