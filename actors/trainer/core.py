@@ -202,8 +202,9 @@ def shared_prompt_logprobs(net: Policy, batch: RolloutBatch, temperature: float 
 
     A group's G rollouts share one prompt, so this skips (G-1)/G of the prompt positions (most of a
     batch's tokens). Returns (B, L-1) with the completion positions filled and 0 elsewhere, or None
-    when no two rows share a prompt, no row has a completion or a row has no prompt (the full forward
-    handles those).
+    when no two rows share a prompt, no row has a completion, a row has no prompt, or the longest prompt
+    and the longest completion together exceed the policy's `max_seq_len` (a segment's long context beside
+    another row's long completion): the full forward handles those.
     """
     P = batch.prompt_lengths.tolist()
     T = batch.lengths.tolist()
@@ -211,8 +212,8 @@ def shared_prompt_logprobs(net: Policy, batch: RolloutBatch, temperature: float 
     width = max(T, default=0)
     prompt_ids = [batch.tokens[b, :P[b]].tolist() for b in range(B)]
     first, copies = distinct_prompts(prompt_ids)
-    if len(first) == B or width == 0 or min(P) == 0:
-        return None
+    if len(first) == B or width == 0 or min(P) == 0 or max(P) + width > net.max_seq_len:
+        return None       # the longest prompt and the longest completion (of other rows) may not fit one cache
     device = batch.tokens.device
     copy_of = torch.tensor(copies, dtype=torch.long, device=device)
     # left-padded: every distinct prompt's last token in the last column

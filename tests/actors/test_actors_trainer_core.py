@@ -356,3 +356,22 @@ def test_segments_are_rows_of_their_own_rollout_and_weigh_it_once() -> None:
     want = float(((per_row[0] + per_row[1]) / (counts[0] + counts[1]) + per_row[2] / counts[2]) / 2)
     stats = core.train_step([first, second], Objective(kl_coef=0.0, grad_clip=0.0, aggregation="sequence_mean"))
     assert stats.loss == pytest.approx(want, abs=1e-4) and stats.reward_mean == 0.5
+
+
+def test_a_long_segment_context_beside_a_long_completion_is_scored_by_the_full_forward() -> None:
+    """Rows fit max_seq_len one by one, but the longest prompt (a segment's) and the longest completion (another
+    row's) together do not fit one shared cache: the logprobs come from the full forward, equal row by row."""
+    core = _core(ModelConfig.tiny(vocab_size=264, max_seq_len=64))
+    long_context = _segment(list(range(3, 53)), [6, 7, 8], [-1.0] * 3, [0] * 3)
+    first = _r("a", 0, [0] * 40, prompt=[3, 4], completion=[9] * 40, reward=1.0)
+    first = msgspec.structs.replace(first, segments=[long_context])
+    second = _r("a", 1, [0] * 40, prompt=[3, 4], completion=[10] * 40)
+    batch = rollout_batch([first, second])
+    with torch.no_grad():
+        logp = core.logprobs(core.policy, batch)
+        for b in range(3):
+            n = int(batch.prompt_lengths[b] + batch.lengths[b])
+            alone = torch.log_softmax(core.policy(batch.tokens[b:b + 1, :n]).logits[0, :-1], -1)
+            want = alone.gather(-1, batch.tokens[b, 1:n, None])[:, 0]
+            torch.testing.assert_close(logp[b, :n - 1][batch.mask[b, :n - 1]], want[batch.mask[b, :n - 1]],
+                                       atol=1e-5, rtol=0)
