@@ -9,11 +9,16 @@ Values of changed elements are coded as the difference of their *ordered keys* (
 bit pattern that sorts like the float), so a +-1 ulp step costs a sign bit whatever carry chain its
 XOR has; bit exactness holds for every pattern (NaN payloads, +-Inf, +-0, subnormals) because the
 arithmetic is modulo 2**bits. Positions are gaps coded with Rice / Exp-Golomb (`kernels/bitcode.py`).
+
+The CPU hot loops (change scan, integer coder, sparse apply) run compiled (`kernels/delta_numba.py`) when
+numba imports, else on the numpy reference here and in `kernels/bitcode.py`; both write the same bytes
+(`codec_backend`, `set_codec_backend`).
 """
 
 from __future__ import annotations
 
 import enum
+import types
 from collections.abc import Callable, Collection, Sequence
 from typing import Final, NamedTuple, TypeAlias
 
@@ -45,6 +50,44 @@ _SCAN_WORDS: Final = 1 << 16
 Finder: TypeAlias = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 Patch: TypeAlias = tuple[np.ndarray, np.ndarray]
 """What a sparse or bitmask payload changed: (K,) int64 ascending positions, (K,) int16/int32 new bits."""
+
+
+BACKENDS: Final = ("numba", "numpy")
+"""CPU codec backends: compiled loops, and the numpy reference (always available)."""
+_backend: list[str | None] = [None]
+_compiled: list[types.ModuleType | None] = [None]
+
+
+def codec_backend() -> str:
+    """The CPU codec backend in use: "numba" when it imports (resolved on first use), else "numpy"."""
+    if _backend[0] is None:
+        try:
+            from rlbus.kernels import delta_numba
+        except ImportError:
+            _backend[0] = "numpy"
+        else:
+            _compiled[0] = delta_numba
+            _backend[0] = "numba"
+    return _backend[0]
+
+
+def set_codec_backend(name: str) -> str:
+    """Use `name` (one of `BACKENDS`) from now on: -> the previous backend.
+
+    :raises ValueError: an unknown name, or "numba" where numba does not import.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"codec backend {name!r} is not one of {', '.join(BACKENDS)}")
+    previous = codec_backend()
+    if name == "numba" and _compiled[0] is None:
+        raise ValueError("codec backend 'numba' is unavailable here: numba does not import")
+    _backend[0] = name
+    return previous
+
+
+def _fast() -> types.ModuleType | None:
+    """The compiled module when it is the backend in use, else None."""
+    return _compiled[0] if codec_backend() == "numba" else None
 
 
 class DeltaCorrupt(ValueError):
@@ -269,7 +312,9 @@ class Changes(NamedTuple):
 def host_changes(new_bits: Tensor, old_bits: Tensor, hasher: blake3.blake3 | None = None) -> Changes:
     """CPU path: numpy word-wise comparison (`changed_elements`), feeding `hasher` on the way."""
     a, b = new_bits.numpy(), old_bits.numpy()
-    pos, new_vals, old_vals = changed_elements(a, b, hasher)
+    fast = _fast()
+    pos, new_vals, old_vals = changed_elements(a, b, hasher) if fast is None else \
+        fast.changed_elements(a, b, hasher, step_words=_SCAN_WORDS)
     return Changes(a.size, pos, new_vals, old_vals, new_bits, old_bits)
 
 
@@ -296,11 +341,12 @@ def _payload(enc: Encoding, new_bits: Tensor, ch: Changes | None, level: int) ->
     assert ch is not None
     if enc is Encoding.DENSE_XOR:
         return _zstd(_shuffle(np.bitwise_xor(ch.new_bits.cpu().numpy(), ch.old_bits.cpu().numpy())), level)
+    fast = _fast()
     out = bytearray()
     put_varint(out, ch.pos.size)
     if enc is Encoding.SPARSE:
         if ch.pos.size:
-            bitcode.encode_ints(bitcode.gaps(ch.pos), out)
+            (bitcode if fast is None else fast).encode_ints(bitcode.gaps(ch.pos), out)
     else:
         mask = np.zeros(ch.n, dtype=np.bool_)
         mask[ch.pos] = True
@@ -308,7 +354,8 @@ def _payload(enc: Encoding, new_bits: Tensor, ch: Changes | None, level: int) ->
         put_varint(out, len(zmask))
         out += zmask
     if ch.pos.size:
-        _encode_diffs(key_diffs(ch.new_vals, ch.old_vals), out)
+        d = key_diffs(ch.new_vals, ch.old_vals)
+        _encode_diffs(d, out) if fast is None else fast.encode_diffs(d, out)
     return bytes(out)
 
 
@@ -450,6 +497,9 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Pat
     count, off = get_varint(payload, 0)
     if count > n or count != header.changed:
         raise ValueError(f"{count} changed elements in a payload for {n} (header: {header.changed})")
+    fast = _fast()
+    if fast is not None and flat.device.type == "cpu":
+        return _decode_sparse_compiled(fast, flat.numpy(), enc, payload, off, count)
     if enc is Encoding.SPARSE:
         pos, off = bitcode.decode_ints(payload, off, count)  # gaps, turned into positions in place
         pos += 1
@@ -478,6 +528,32 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Pat
     d64 = torch.from_numpy(d.astype(np.int64))
     apply_key_diffs_torch_(flat, torch.from_numpy(pos).to(dev), d64.to(dev))
     return None
+
+
+def _decode_sparse_compiled(fast: types.ModuleType, host: np.ndarray, enc: Encoding, payload: memoryview,
+                            off: int, count: int) -> Patch:
+    """The sparse and bitmask CPU decode of `_decode_into` on the compiled loops, `host` patched in place."""
+    n = host.size
+    buf = np.frombuffer(payload, dtype=np.uint8)
+    buf.flags.writeable = False                    # one compiled variant, whatever buffer the payload is in
+    if enc is Encoding.SPARSE:
+        pos, off = fast.decode_ints(buf, off, count)
+        fast.positions_(pos)
+    else:
+        zlen, off = get_varint(payload, off)
+        mask = np.unpackbits(np.frombuffer(_unzstd(payload[off:off + zlen], (n + 7) // 8), dtype=np.uint8),
+                             count=n, bitorder="little")
+        off += zlen
+        pos = np.flatnonzero(mask.view(np.bool_))
+        if pos.size != count:
+            raise ValueError(f"bitmask marks {pos.size} elements, count says {count}")
+    if count and (pos[-1] >= n or pos[0] < 0):
+        raise ValueError(f"position {int(pos[-1])} outside a tensor of {n} elements")
+    itype = np.dtype(f"<i{host.itemsize}")
+    d, off = fast.decode_diffs(buf, off, count, itype) if count else (np.zeros(0, itype), off)
+    if off != len(payload):
+        raise ValueError(f"payload has {len(payload) - off} trailing bytes")
+    return pos, fast.apply_sparse_(host, pos, d)
 
 
 def apply_key_diffs_torch_(flat: Tensor, pos: Tensor, d: Tensor) -> None:

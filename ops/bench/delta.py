@@ -6,7 +6,9 @@ forks model and optimizer state per measured lr, and takes the published version
 the fp32 master weights) around the 1st and 20th step after the warm-up. Per delta it reports the
 blob size against raw bf16, against int32 index + bf16 value (6 B per changed element) and against
 the order-0 entropy bound (N*H2(p) + sum over changed elements of the empirical entropy of their
-16-bit XOR values) / 8, and encode / decode+apply throughput in MB/s of raw bf16 model bytes.
+16-bit XOR values) / 8, and encode / decode+apply throughput in MB/s of raw bf16 model bytes, measured
+`--delta-runs` times in one invocation (each run printed, the median reported), on the CPU codec backend
+named in the output (compiled once before anything is timed; the first-call cost is reported).
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delta-repeats", type=int, default=5,
                    help="delta: timed repeats of each encode/decode; the median is reported (default 5)")
     p.add_argument("--delta-threads", type=int, default=2, help="delta: codec and torch threads (default 2)")
+    p.add_argument("--delta-runs", type=int, default=3,
+                   help="delta: runs of every throughput measurement, each printed; the median is reported "
+                        "(default 3)")
+    p.add_argument("--delta-codec", choices=("numba", "numpy"), default=None,
+                   help="delta: CPU codec backend (default: numba where it imports, else the numpy reference)")
 
 
 def _corpus(tokens: int) -> Any:
@@ -107,9 +114,16 @@ def _median_time(fn: Any, repeats: int, reset: Any = None, budget_s: float = 4.0
     return statistics.median(times), min(times)
 
 
-def _measure(old: dict[str, Any], new: dict[str, Any], base: dict[str, Any], repeats: int, threads: int
-             ) -> dict[str, Any]:
-    """Sizes and throughputs of one delta old -> new (plus the multi-version delta base -> new)."""
+RUN_KEYS = ("encode_mb_s", "encode_codec_mb_s", "decode_mb_s")
+"""Throughputs measured once per run: each gets `<key>_runs` (every run) and `<key>_median`."""
+
+
+def _measure(old: dict[str, Any], new: dict[str, Any], base: dict[str, Any], repeats: int, threads: int,
+             runs: int = 1, label: str = "") -> dict[str, Any]:
+    """Sizes and throughputs of one delta old -> new (plus the multi-version delta base -> new); the
+    throughputs `runs` times (each run the median of its timed repeats), reported as their median."""
+    import statistics
+
     import torch
 
     from rlbus.kernels.delta import Encoding, bits_view
@@ -120,10 +134,6 @@ def _measure(old: dict[str, Any], new: dict[str, Any], base: dict[str, Any], rep
     base_digest = state_digest(tensor_digests(old, threads=threads))  # known: hashed when `old` was published
     digests = tensor_digests(new, threads=threads)
     index, blob = encode_state(new, old, base_digest=base_digest, threads=threads)
-    t_enc = _median_time(lambda: encode_state(new, old, base_digest=base_digest, threads=threads), repeats)
-    t_codec = _median_time(lambda: encode_state(new, old, digests=digests, base_digest=base_digest,
-                                                threads=threads), repeats)
-    t_digest, _ = _median_time(lambda: tensor_digests(new, threads=threads), repeats)
     target = {k: v.clone() for k, v in old.items()}
 
     def reset() -> None:
@@ -133,9 +143,22 @@ def _measure(old: dict[str, Any], new: dict[str, Any], base: dict[str, Any], rep
     def apply(verify: bool) -> None:
         apply_state_(target, blob, expect_base=base_digest, verify=verify, threads=threads)
 
-    t_dec = _median_time(lambda: apply(False), repeats, reset)
-    if not all(torch.equal(bits_view(target[k]), bits_view(new[k])) for k in new):
-        raise AssertionError("decoded weights differ from the published version")
+    per_run: dict[str, list[float]] = {k: [] for k in RUN_KEYS}
+    best = dict.fromkeys(RUN_KEYS, 0.0)
+    for r in range(runs):
+        t_enc = _median_time(lambda: encode_state(new, old, base_digest=base_digest, threads=threads), repeats)
+        t_codec = _median_time(lambda: encode_state(new, old, digests=digests, base_digest=base_digest,
+                                                    threads=threads), repeats)
+        t_dec = _median_time(lambda: apply(False), repeats, reset)
+        if not all(torch.equal(bits_view(target[k]), bits_view(new[k])) for k in new):
+            raise AssertionError("decoded weights differ from the published version")
+        for key, (median, fastest) in zip(RUN_KEYS, (t_enc, t_codec, t_dec), strict=True):
+            per_run[key].append(mb / median)
+            best[key] = max(best[key], mb / fastest)
+        print(f"bench delta: {label} run {r + 1}/{runs}: encode {mb / t_enc[0]:.0f} MB/s (digests given "
+              f"{mb / t_codec[0]:.0f}), decode+apply {mb / t_dec[0]:.0f} MB/s", file=sys.stderr)
+    medians = {k: statistics.median(v) for k, v in per_run.items()}
+    t_digest, _ = _median_time(lambda: tensor_digests(new, threads=threads), repeats)
     t_ver, _ = _median_time(lambda: apply(True), max(1, repeats // 2), reset)
     size = len(blob)
     _, multi = encode_state(new, base, threads=threads)
@@ -145,10 +168,10 @@ def _measure(old: dict[str, Any], new: dict[str, Any], base: dict[str, Any], rep
         "ratio_vs_bf16": 2 * stats["n"] / size, "ratio_vs_index_value": 6 * stats["k"] / size,
         "bound_efficiency": stats["bound_bytes"] / size,
         "bits_per_changed": 8 * size / max(stats["k"], 1),
-        "encode_mb_s": mb / t_enc[0], "encode_codec_mb_s": mb / t_codec[0], "digest_mb_s": mb / t_digest,
-        "decode_mb_s": mb / t_dec[0], "decode_verified_mb_s": mb / t_ver,
-        "encode_mb_s_best": mb / t_enc[1], "encode_codec_mb_s_best": mb / t_codec[1],
-        "decode_mb_s_best": mb / t_dec[1],
+        **medians, "digest_mb_s": mb / t_digest, "decode_verified_mb_s": mb / t_ver,
+        **{f"{k}_best": v for k, v in best.items()},
+        **{f"{k}_runs": [round(x, 1) for x in v] for k, v in per_run.items()},
+        **{f"{k}_median": v for k, v in medians.items()},
         "xor_zstd_efficiency": stats["bound_bytes"] / _xor_zstd_bytes(old, new),
         "multi_version_ratio_vs_bf16": 2 * stats["n"] / len(multi),
         "encodings": {e.name.lower(): index.count(e) for e in Encoding if index.count(e)},
@@ -162,10 +185,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
+    from rlbus.kernels import delta
     from rlbus.kernels.delta_state import encode_state
     from rlbus.model.transformer import ModelConfig, Transformer
 
     t_start = time.perf_counter()
+    backend = delta.codec_backend() if args.delta_codec is None else args.delta_codec
+    delta.set_codec_backend(backend)
+    first_call_s = 0.0
+    if backend == "numba":
+        from rlbus.kernels import delta_numba
+
+        first_call_s = delta_numba.warm_up()        # compile or load from numba's cache, outside every timing
+    print(f"bench delta: codec backend {backend} (first call {first_call_s:.2f} s)", file=sys.stderr)
+    runs = 1 if args.quick else args.delta_runs
     threads = args.delta_threads
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -209,7 +242,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             step(m, o, warmup + s - 1)
             cur = published(m)
             if s in steps:
-                results.append({"lr": lr, "step": s, **_measure(prev, cur, v0, repeats, threads)})
+                results.append({"lr": lr, "step": s, **_measure(prev, cur, v0, repeats, threads, runs,
+                                                                 f"lr {lr:g} step {s}")})
                 print(f"bench delta: lr {lr:g} step {s}: x{results[-1]['ratio_vs_bf16']:.1f} vs bf16 "
                       f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
             prev = cur
@@ -221,6 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warmup_steps": warmup, "warmup_lr": args.delta_warmup_lr, "batch": B, "seq_len": T,
         "warmup_loss_first_last": [round(losses[0], 3), round(losses[-1], 3)],
         "full_snapshot_ratio_vs_bf16": 2 * n_params / len(full), "threads": threads,
+        "codec_backend": backend, "codec_first_call_s": round(first_call_s, 3), "runs": runs,
         "load_avg_1m": os.getloadavg()[0], "warmup_s": round(t_warm, 1),
         "total_s": round(time.perf_counter() - t_start, 1),
     }
@@ -248,8 +283,9 @@ def table(result: dict[str, Any]) -> str:
         f"{r['model']}: {r['parameters'] / 1e6:.1f}M parameters in {r['tensors']} tensors; "
         f"{r['warmup_steps']} AdamW warm-up steps at lr {r['warmup_lr']:g} (batch {r['batch']} x "
         f"{r['seq_len']} tokens of the task corpus); full snapshot x{r['full_snapshot_ratio_vs_bf16']:.2f}.",
-        "MB/s: median/best of the timed repeats, in MB of raw bf16 model bytes. enc: encode including the "
-        "BLAKE3 digests of the new version;",
+        f"Codec backend {r['codec_backend']} (first call {r['codec_first_call_s']:.2f} s, before any timing). "
+        f"MB/s: median of {r['runs']} runs (each the median of its timed repeats) / best repeat, in MB of raw "
+        "bf16 model bytes. enc: encode including the BLAKE3 digests of the new version;",
         "codec: encode given those digests (a version is hashed once); dec: decode+apply checking payload "
         "digests; dec+verify: also re-hashes every tensor.",
         "xor+zstd eff: bound efficiency of the literal gaps+XOR byte-plane zstd-1 format; v0->v: the "
