@@ -84,8 +84,10 @@ class _TakenOver(Exception):
 
 
 class WorkspaceSnapshot(msgspec.Struct, frozen=True, kw_only=True):
-    """A workspace's changes since it opened, as stored in the WORKSPACES bucket (msgpack)."""
+    """A workspace's changes since it opened, as stored in the WORKSPACES bucket (msgpack). The task id is part of
+    the content, so two tasks whose workspaces changed alike never share an object (each group deletes its own)."""
 
+    task_id: str
     files: dict[str, bytes] = {}
     deleted: list[str] = []
 
@@ -455,7 +457,8 @@ class AgenticGroups:
         for path, data in result.files.items():
             if result.digests.get(path) != hashlib.sha256(data).hexdigest():
                 raise DigestMismatch(f"snapshot of session {session.session_id}: {path} does not match its digest")
-        snap = WorkspaceSnapshot(files=dict(sorted(result.files.items())), deleted=sorted(result.deleted))
+        snap = WorkspaceSnapshot(task_id=partial.task_id, files=dict(sorted(result.files.items())),
+                                 deleted=sorted(result.deleted))
         blob = msgspec.msgpack.encode(snap)
         hexdigest = hashlib.sha256(blob).hexdigest()
         name = self.gen.bus.subjects.workspace_object(hexdigest)
@@ -481,6 +484,9 @@ class AgenticGroups:
                 out[g] = msgspec.msgpack.decode(blob, type=WorkspaceSnapshot)
             except (nats.js.errors.NotFoundError, DigestMismatch, msgspec.DecodeError, TimeoutError) as err:
                 raise PartialGroupError(f"episode {g}: workspace snapshot {ep.snapshot}: {err!r}"[:300]) from None
+            if out[g].task_id != partial.task_id:
+                raise PartialGroupError(f"episode {g}: workspace snapshot {ep.snapshot} is task "
+                                        f"{out[g].task_id[:100]!r}'s")
         return out
 
     async def _close(self, session: SandboxSession) -> None:
