@@ -37,6 +37,7 @@ def attacks(s: Subjects) -> dict[str, str]:
         # buckets, plainly and through another domain's API (the old `$JS.*.API.>` hole)
         "kv.partials": f"$KV.{partials_hub}.k", "kv.latest": f"$KV.{latest_eu}.latest",
         "obj.weights": f"$O.{weights_eu}.C.x", "obj.ckpt": f"$O.{ckpt}.C.x",
+        "obj.workspaces": f"$O.{s.workspaces_bucket(LEAF)}.C.x",
         "xd.kv.partials": Subjects.kv_key(partials_hub, "k", domain=HUB),
         "xd.kv.latest": Subjects.kv_key(latest_eu, "latest", domain=LEAF),
         "xd.kv.latest.hub": Subjects.kv_key(latest_hub, "latest", domain=HUB),
@@ -78,7 +79,8 @@ def attacks(s: Subjects) -> dict[str, str]:
 EVERYONE = {"read.info", "read.ephemeral", "health", "events"}
 RIGHTS: dict[str, set[str]] = {
     "feeder": {"tasks", "kv.partials", "xd.kv.partials"},
-    "generator": {"rollouts", "sandbox", "kv.partials", "xd.kv.partials", "xd.next.generator", "xd.ack.generator"},
+    "generator": {"rollouts", "sandbox", "kv.partials", "xd.kv.partials", "xd.next.generator", "xd.ack.generator",
+                  "obj.workspaces"},
     "trainer": {"trainlog", "state.upload", "state.version", "obj.ckpt", "xd.obj.ckpt", "purge.ckpt",
                 "next.trainer", "create.trainer", "ack.trainer"},
     "publisher": {"weights", "kv.latest", "obj.weights", "xd.kv.latest", "xd.kv.latest.hub", "xd.obj.weights",
