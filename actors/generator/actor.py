@@ -26,7 +26,8 @@ Does not: define the partial layout or flatten rollouts (actors/generator/group.
 Heartbeat counters: tasks, rollouts, resumed, sandbox_errors, tokens, graded_repeats (drafts that
 reused the verdict of an identical draft of the same round: each distinct program runs once), groups_grown
 (G episodes added to a group without a pass), grown_unpublished (episodes of grown groups left out by
-`grown_subsample`), summaries, publish_failures, taken_over, rejected; gauges: tokens_per_s, held_version.
+`grown_subsample`), summaries, publish_failures, taken_over, rejected; gauges: tokens_per_s, held_version,
+sessions_held (sandbox sessions of agentic episodes open now).
 """
 
 from __future__ import annotations
@@ -166,9 +167,10 @@ class Generator(Actor):
         try:
             if message.verifier.get("kind") == REPO_KIND:     # an agentic group (actors/generator/agentic.py)
                 task = RepoTask.from_spec(message.verifier)
-                if not fits(task, environment_of(self), self.model.max_seq_len):
+                if not fits(task, env := environment_of(self)):
                     raise TaskError(f"the first context of repository task {message.task_id} leaves no room for a "
-                                    f"turn in max_seq_len {self.model.max_seq_len}")
+                                    f"turn in the episode's {env.budgets.max_tokens} tokens ([generator.agentic] "
+                                    f"max_tokens, capped by max_seq_len {self.model.max_seq_len})")
             else:
                 task = task_from_verifier(message)
                 if prompt_length(task, self.tokenizer) + 2 > self.model.max_seq_len:

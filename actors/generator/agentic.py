@@ -268,6 +268,7 @@ class AgenticGroups:
     def __init__(self, generator: Generator) -> None:
         self.gen = generator
         self.bucket = generator.bus.subjects.workspaces_bucket(generator.ident.region)
+        self._open_by_group: dict[int, int] = {}
 
     # ---- one group ------------------------------------------------------------------------------
     async def run(self, message: TaskMessage, task: RepoTask, key: str) -> Literal["published", "taken_over"]:
@@ -335,6 +336,7 @@ class AgenticGroups:
             try:
                 if g not in sessions:
                     sessions[g] = await self._open(task, snapshots.get(g))
+                    self._held(sessions)
                 calls = len(state.calls)
                 new = (await env.step(state, turn.ids, _Port(sessions[g]), now=time.time())).state
                 if not new.done and any(c.name in CHANGING_TOOLS for c in new.calls[calls:]):
@@ -350,6 +352,7 @@ class AgenticGroups:
             ep.state = encode_state(new)
             if new.done and g in sessions:
                 await self._close(sessions.pop(g))
+                self._held(sessions)
 
         async with anyio.create_task_group() as tg:
             for g in open_:
@@ -500,6 +503,14 @@ class AgenticGroups:
         with anyio.CancelScope(shield=True):
             for g in list(sessions):
                 await self._close(sessions.pop(g))
+                self._held(sessions)
+
+    def _held(self, sessions: dict[int, SandboxSession]) -> None:
+        """The `sessions_held` gauge: sessions this generator holds open, over every group it runs."""
+        self._open_by_group[id(sessions)] = len(sessions)
+        if not sessions:
+            del self._open_by_group[id(sessions)]
+        self.gen.gauges["sessions_held"] = float(sum(self._open_by_group.values()))
 
     # ---- partials -------------------------------------------------------------------------------
     async def _load(self, key: str, task_id: str, group_size: int, task: RepoTask, env: AgenticEnvironment
@@ -615,9 +626,10 @@ def _seed(task_id: str, turn: int, g: int, chunk: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{task_id}:agentic:{turn}:{g}:{chunk}".encode()).digest()[:7], "big")
 
 
-def fits(task: RepoTask, env: AgenticEnvironment, max_seq_len: int) -> bool:
-    """Whether the task's first context leaves room for a turn of `min_turn_tokens` in the policy's context."""
-    return len(state_context(env.start(task), env.tokenizer)) + env.budgets.min_turn_tokens <= max_seq_len
+def fits(task: RepoTask, env: AgenticEnvironment) -> bool:
+    """Whether the task's first context leaves room for a turn of `min_turn_tokens` in the episode's token budget
+    (`[generator.agentic] max_tokens`, capped by the policy's context: `budgets_of`)."""
+    return len(state_context(env.start(task), env.tokenizer)) + env.budgets.min_turn_tokens <= env.budgets.max_tokens
 
 
 __all__ = ["AGENTIC_FORMAT", "AGENTIC_MAGIC", "AgenticEpisode", "AgenticGroups", "AgenticLimits", "AgenticPartial",

@@ -197,7 +197,7 @@ async def test_scripted_policies_solve_or_fail_every_level_through_the_real_sand
                 async def done(actor: Generator = actor) -> bool:
                     return actor.counters.get("tasks", 0) == len(tasks)
                 await eventually(done, timeout_s=120, what=f"{script}: every group published")
-                assert actor.counters.get("sandbox_errors", 0) == 0
+                assert actor.counters.get("sandbox_errors", 0) == 0 and actor.gauges["sessions_held"] == 0.0
             assert await stored(env, s.rollouts_stream("hub")) == before + 2 * len(tasks)
             results[script] = [r for r in await rollouts(env) if r.task_id.startswith(script)]
         await eventually(lambda: sessions_open(sandbox), lambda n: n == 0, what="every session closed", timeout_s=10)
