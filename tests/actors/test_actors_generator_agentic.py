@@ -252,6 +252,31 @@ async def test_sampled_turns_are_capped_and_scored_as_sampled(env: Env) -> None:
         assert TOK.observation_id in between and "tool call" in TOK.decode(between)
 
 
+async def test_unusable_repository_tasks_are_dead_lettered_not_run(env: Env) -> None:
+    """A repository verifier whose task JSON is broken, and a task whose first context leaves no turn in the
+    episode's token budget, are each dead-lettered with the reason (the generator goes on; no rollout)."""
+    model = tiny_model()
+    task = repo_task(2, 31)
+    broken = msgspec.structs.replace(message(task), task_id="broken",
+                                     verifier={**task.verifier_spec(), "task": '{"task_id": 3'})
+    config = GeneratorConfig(group_size=2, script="submit", agentic=AgenticSettings(max_tokens=300))
+    s = env.admin.subjects
+    async with generator(env, model, config) as actor:
+        await env.admin.publish(s.tasks("hub"), broken, msg_id="broken")
+        await env.admin.publish(s.tasks("hub"), message(task), msg_id=task.task_id)
+
+        async def rejected() -> int:
+            return actor.counters.get("rejected", 0)
+        await eventually(rejected, lambda n: n == 2, what="both tasks rejected")
+    assert await stored(env, s.rollouts_stream("hub")) == 0
+    dlq = s.dead_letter_stream()
+    info = await env.admin.js.stream_info(dlq)
+    reasons = [(await env.admin.js.get_msg(dlq, seq)).headers or {}
+               for seq in range(info.state.first_seq, info.state.last_seq + 1)]
+    text = " ".join(str(h) for h in reasons)
+    assert "repository task verifier" in text and "leaves no room for a turn in the episode's 300 tokens" in text
+
+
 def test_agentic_and_function_partials_are_never_taken_for_each_other() -> None:
     """Each decoder refuses the other kind's bytes (so a task's partial of the other kind is discarded)."""
     task = repo_task(1, 0)
