@@ -216,7 +216,7 @@ async def test_provisioning_twice_changes_nothing_and_a_new_setting_updates(regi
     try:
         created = Counter(e["event"] for e in first)
         assert created == {"stream_created": 2 * 3 + 9, "consumer_created": 3 + 1, "kv_bucket_created": 2 * 3,
-                           "object_store_created": 3 + 1}
+                           "object_store_created": 3 + 1 + 3}       # WEIGHTS per region, CKPT, WORKSPACES per region
         assert second == []
         assert sorted((e["event"], e["consumer"]) for e in changed) == sorted(
             ("consumer_updated", s.durable("generator", r)) for r in regions.regions)
