@@ -39,6 +39,8 @@ MAGIC: Final = b"RLWD"
 FORMAT: Final = 2
 _PREFIX: Final = struct.Struct("<4sBI16s")
 _INDEX_LEVEL: Final = 9
+_POOL_FROM: Final = 1 << 16
+"""Payload bytes from which a blob is decoded on the thread pool (the compiled decode releases the GIL)."""
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -192,7 +194,7 @@ def apply_state_(target: MutableMapping[str, Tensor], blob: bytes | memoryview, 
         off += header.size
     jobs.sort(key=lambda j: -j[1].size)
     done = _pool_map(lambda j: decode_payload_(target[j[0]], j[1], j[2], verify=verify, check=False), jobs,
-                     threads if sum(h.size for h in index.headers) > (1 << 20) or verify else 1)
+                     threads if sum(h.size for h in index.headers) > _POOL_FROM or verify else 1)
     if patches is not None:
         patches.update((j[0], patch) for j, patch in zip(jobs, done, strict=True))
     return index
