@@ -22,6 +22,13 @@ from rlbus.topology.links import parse_percent, parse_time
 from rlbus.topology.problem import Problem, Severity
 from rlbus.topology.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology
 
+BUILTIN_CONTEXT: Final = 512
+"""The built-in policy's context when `[pretrain] max_seq_len` is not set (model/pretrain.py presets)."""
+REPO_FIRST_CONTEXT: Final = 750
+"""About the longest first context of a built-in repository task for the byte tokenizer, compact tool list."""
+REPO_CONTEXT: Final = 1024
+"""Context below which the built-in policy cannot take a useful turn of a repository task."""
+
 _INLINE_CREDENTIALS: Final = re.compile(r"^[a-z]+://[^/@]*@")
 _LOCAL_HOSTS: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 _HUB_ONLY: Final = ("trainer", "publisher", "checkpointer")
@@ -236,6 +243,12 @@ def _settings(topology: Topology) -> Iterator[Found]:
     if feeder.tasks != "builtin" and feeder.tasks_file is not None:
         yield _p("feeder.tasks", f"{feeder.tasks!r} and feeder.tasks_file = {feeder.tasks_file!r} both name the "
                  "training tasks; remove one of them", also=("feeder.tasks_file",))
+    context = topology.pretrain.max_seq_len or BUILTIN_CONTEXT
+    if feeder.tasks != "builtin" and topology.policy.kind == "builtin" and context < REPO_CONTEXT:
+        yield _p("feeder.tasks", f"the built-in policy's context is {context} tokens and a repository task's first "
+                 f"context alone takes up to about {REPO_FIRST_CONTEXT} (with the compact tool list): the tasks that "
+                 f"leave no room for a turn are dead-lettered; set [pretrain] max_seq_len = 2048 (topology/examples/agentic.toml does)",
+                 "warning", also=("pretrain.max_seq_len",))
     if feeder.tasks != "builtin" and feeder.levels:
         yield _p("feeder.levels", f"levels {feeder.levels} select among the function-writing tasks only; the "
                  f"repository tasks take their level in feeder.tasks ('repo:LEVEL')", also=("feeder.tasks",))

@@ -54,6 +54,18 @@ def test_validate_refuses_a_bad_repo_source(tmp_path: Path, feeder: str, key: st
     assert topology is None and [p.key for p in errors] == [key] and fragment in errors[0].message, problems
 
 
+def test_validate_warns_when_the_builtin_context_cannot_hold_a_repository_task(tmp_path: Path) -> None:
+    """Repository tasks on the built-in policy's default 512-token context: a warning naming [pretrain] max_seq_len;
+    none with a 2048-token context."""
+    path = tmp_path / "t.toml"
+    path.write_text(f'{BASE}[feeder]\ntasks = "repo"\n')
+    topology, problems = validate(path, local_cores=64)
+    assert topology is not None and [(p.key, p.severity) for p in problems] == [("feeder.tasks", "warning")]
+    assert "max_seq_len = 2048" in problems[0].message
+    path.write_text(f'{BASE}[feeder]\ntasks = "repo"\n[pretrain]\nmax_seq_len = 2048\n')
+    assert validate(path, local_cores=64)[1] == []
+
+
 def test_agentic_example_validates_clean() -> None:
     """The shipped `agentic` topology feeds repository tasks and has no problem."""
     topology, problems = validate(example_path("agentic"), local_cores=64)
