@@ -246,8 +246,9 @@ def _settings(topology: Topology) -> Iterator[Found]:
     context = topology.pretrain.max_seq_len or BUILTIN_CONTEXT
     if feeder.tasks != "builtin" and topology.policy.kind == "builtin" and context < REPO_CONTEXT:
         yield _p("feeder.tasks", f"the built-in policy's context is {context} tokens and a repository task's first "
-                 f"context alone takes up to about {REPO_FIRST_CONTEXT} (with the compact tool list): the tasks that "
-                 f"leave no room for a turn are dead-lettered; set [pretrain] max_seq_len = 2048 (topology/examples/agentic.toml does)",
+                 f"context alone takes up to about {REPO_FIRST_CONTEXT} (with the compact tool list): tasks that "
+                 f"leave no room for a turn are dead-lettered; set [pretrain] max_seq_len = 2048 "
+                 f"(topology/examples/agentic.toml does)",
                  "warning", also=("pretrain.max_seq_len",))
     if feeder.tasks != "builtin" and feeder.levels:
         yield _p("feeder.levels", f"levels {feeder.levels} select among the function-writing tasks only; the "
