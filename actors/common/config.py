@@ -228,6 +228,6 @@ class EvaluatorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Where the policy runs (topology `[policy] device`): 'auto' is CUDA when this machine has it."""
 
 
-__all__ = ["REPO_LEVELS", "CheckpointerConfig", "CheckpointerLaunch", "EvaluatorConfig", "EvaluatorLaunch", "FeederConfig",
-           "FeederLaunch", "PublisherConfig", "PublisherLaunch", "decode_config", "feed_weights",
-           "feeder_tasks_problem", "task_source_problem"]
+__all__ = ["REPO_LEVELS", "CheckpointerConfig", "CheckpointerLaunch", "EvaluatorConfig", "EvaluatorLaunch",
+           "FeederConfig", "FeederLaunch", "PublisherConfig", "PublisherLaunch", "decode_config",
+           "feed_weights", "feeder_tasks_problem", "task_source_problem"]

@@ -30,12 +30,13 @@ def test_repo_source_feeds_repository_tasks_with_their_verifier(source: str, lev
     config = FeederConfig(tasks=source, seed=5)
     sequence = task_sequence(config, FeederLaunch())
     tasks = [sequence.get(i) for i in range(6)]
-    assert all(isinstance(t, RepoTask) for t in tasks) and [t.level for t in tasks] == levels  # type: ignore[union-attr]
+    assert all(isinstance(t, RepoTask) for t in tasks)
+    assert [t.level for t in tasks] == levels
     assert len({t.task_id for t in tasks}) == 6
     for task in tasks:
         spec = verifier_for(task)
         assert spec["kind"] == VERIFIER_KIND
-        assert RepoTask.from_spec(spec).files == repo_task_of_id(task.task_id).files == task.files  # type: ignore[union-attr]
+        assert RepoTask.from_spec(spec).files == repo_task_of_id(task.task_id).files == task.files  # type: ignore
     assert task_source(config) == f"{source}:5" != task_source(FeederConfig(tasks=source, seed=6))
 
 
