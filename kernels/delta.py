@@ -25,6 +25,7 @@ from typing import Final, NamedTuple, TypeAlias
 import blake3
 import msgspec
 import numpy as np
+import numpy.ma  # numba's argument typing reads np.ma: imported here, not lazily in a worker thread
 import torch
 import zstandard
 from torch import Tensor
