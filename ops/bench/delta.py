@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delta-runs", type=int, default=3,
                    help="delta: runs of every throughput measurement, each printed; the median is reported "
                         "(default 3)")
+    p.add_argument("--delta-profile", action="store_true",
+                   help="delta: also time the encode's and decode's stages (CPU ms on one thread, each backend) "
+                        "at lr 1e-6")
     p.add_argument("--delta-codec", choices=("numba", "numpy"), default=None,
                    help="delta: CPU codec backend (default: numba where it imports, else the numpy reference)")
 
@@ -114,12 +117,67 @@ def _median_time(fn: Any, repeats: int, reset: Any = None, budget_s: float = 4.0
     return statistics.median(times), min(times)
 
 
+def _stages(old: dict[str, Any], new: dict[str, Any], repeats: int) -> dict[str, dict[str, float]]:
+    """CPU ms (`process_time`, one thread, best of `repeats`) of each stage of the encode and the decode of
+    old -> new, per available backend: where the time goes."""
+    import time
+
+    import blake3
+    import numpy as np
+
+    from rlbus.kernels import bitcode, delta
+    from rlbus.kernels.delta import bits_view, changed_elements, key_diffs
+    from rlbus.kernels.delta_state import apply_state_, encode_state
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.process_time()
+            fn()
+            times.append(time.process_time() - t0)
+        return round(1e3 * min(times), 2)
+
+    arrays = [(bits_view(new[n]).numpy(), bits_view(old[n]).numpy()) for n in sorted(new)]
+    found = [changed_elements(a, b) for a, b in arrays]
+    gaps = [bitcode.gaps(p) for p, _, _ in found if p.size]
+    diffs = [key_diffs(nv, ov) for p, nv, ov in found if p.size]
+
+    def stages(fast: Any) -> dict[str, float]:
+        scan = changed_elements if fast is None else \
+            (lambda a, b, h=None: fast.changed_elements(a, b, h, step_words=delta._SCAN_WORDS))
+        ints = bitcode.encode_ints if fast is None else fast.encode_ints
+        code_diffs = delta._encode_diffs if fast is None else fast.encode_diffs
+        _, blob = encode_state(new, old, base_digest=bytes(16), threads=1)
+        target = {k: v.clone() for k, v in old.items()}
+        return {
+            "hash": best(lambda: [blake3.blake3(a.view(np.uint8)).digest(16) for a, _ in arrays]),
+            "scan": best(lambda: [scan(a, b) for a, b in arrays]),
+            "scan_and_hash": best(lambda: [scan(a, b, blake3.blake3()) for a, b in arrays]),
+            "key_diffs": best(lambda: [key_diffs(nv, ov) for _, nv, ov in found]),
+            "gap_code": best(lambda: [ints(g, bytearray()) for g in gaps]),
+            "diff_code": best(lambda: [code_diffs(d, bytearray()) for d in diffs]),
+            "encode_state": best(lambda: encode_state(new, old, base_digest=bytes(16), threads=1)),
+            "apply_state": best(lambda: apply_state_(target, blob, threads=1)),
+        }
+
+    previous = delta.codec_backend()
+    out: dict[str, dict[str, float]] = {}
+    for backend in ("numpy", "numba"):
+        try:
+            delta.set_codec_backend(backend)
+        except ValueError:
+            continue
+        out[backend] = stages(delta._fast())
+    delta.set_codec_backend(previous)
+    return out
+
+
 RUN_KEYS = ("encode_mb_s", "encode_codec_mb_s", "decode_mb_s")
 """Throughputs measured once per run: each gets `<key>_runs` (every run) and `<key>_median`."""
 
 
 def _measure(old: dict[str, Any], new: dict[str, Any], base: dict[str, Any], repeats: int, threads: int,
-             runs: int = 1, label: str = "") -> dict[str, Any]:
+             runs: int = 1, label: str = "", profile: bool = False) -> dict[str, Any]:
     """Sizes and throughputs of one delta old -> new (plus the multi-version delta base -> new); the
     throughputs `runs` times (each run the median of its timed repeats), reported as their median."""
     import statistics
@@ -175,6 +233,7 @@ def _measure(old: dict[str, Any], new: dict[str, Any], base: dict[str, Any], rep
         "xor_zstd_efficiency": stats["bound_bytes"] / _xor_zstd_bytes(old, new),
         "multi_version_ratio_vs_bf16": 2 * stats["n"] / len(multi),
         "encodings": {e.name.lower(): index.count(e) for e in Encoding if index.count(e)},
+        **({"stages_cpu_ms": _stages(old, new, repeats)} if profile else {}),
     }
 
 
@@ -243,7 +302,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cur = published(m)
             if s in steps:
                 results.append({"lr": lr, "step": s, **_measure(prev, cur, v0, repeats, threads, runs,
-                                                                 f"lr {lr:g} step {s}")})
+                                                                 f"lr {lr:g} step {s}",
+                                                                 args.delta_profile and lr == LRS[0])})
                 print(f"bench delta: lr {lr:g} step {s}: x{results[-1]['ratio_vs_bf16']:.1f} vs bf16 "
                       f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
             prev = cur
@@ -294,4 +354,8 @@ def table(result: dict[str, Any]) -> str:
         f"dec >= 2000 MB/s on {r['threads']} threads (1-min load average at the end: "
         f"{r['load_avg_1m']:.1f}; the cores are shared).",
     ]
+    for x in result["results"]:
+        for backend, ms in x.get("stages_cpu_ms", {}).items():
+            lines.append(f"stages at lr {x['lr']:g} step {x['step']}, {backend}, CPU ms on one thread: "
+                         + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()))
     return "\n".join(lines)
