@@ -58,7 +58,8 @@ from rlbus.topology.servers import EmbeddedServer
 pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)
 
-RUNS = tuple(new_run() for _ in range(4))
+RUNS = tuple(new_run() for _ in range(8))
+"""Run ids of this module (one per test that takes `env`): the server grants their buckets to the roles."""
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
 TOK = ByteTokenizer()
 SANDBOX = SandboxConfig(pool_size=1, concurrency=2, cpu_seconds=4.0, wall_seconds=8.0, memory_mb=256,
