@@ -1,7 +1,8 @@
 """The task feeder: puts coding tasks on every region's TASKS work queue, each backlog bounded yet full.
 
 Owns: `Feeder` (kind "feeder"; its settings are actors/common/config.py `FeederConfig`), the task sources (the built-in family
-`model.tasks.train_tasks(seed)`, the built-in repository tasks of `tasks = "repo"` / `"repo:LEVEL"`, or a JSONL
+`model.tasks.train_tasks(seed)`, HumanEval's problems of `tasks = "humaneval"`, the built-in repository tasks of
+`tasks = "repo"` / `"repo:LEVEL"`, or a JSONL
 file of tasks), the deterministic weighted region of each
 task, the verifier spec a generator rebuilds a task from (`verifier_for` / `task_from_verifier`), and
 the feeder's position, kept in the hub's PARTIALS KV under `POSITION_KEY` (`read_position`; which ids its
@@ -27,7 +28,6 @@ are optional).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -43,9 +43,9 @@ from rlbus.actors.common.feed import (
     Position,
     TaskSequence,
     assign_region,
+    listed_tasks,
     load_position,
     position_matches,
-    read_tasks_file,
     task_seed,
     task_sequence,
     task_source,
@@ -89,9 +89,7 @@ class Feeder(Actor):
             raise TopologyError(f"feeder: region_weights {self.config.region_weights} give no region of "
                                 f"{self.launch.regions or [self.ident.region]} a share; give at least one a "
                                 f"positive weight")
-        listed = None
-        if self.config.tasks_file is not None:
-            listed = await anyio.to_thread.run_sync(read_tasks_file, Path(self.config.tasks_file))
+        listed = await anyio.to_thread.run_sync(listed_tasks, self.config)
         self.tasks = task_sequence(self.config, self.launch, listed)
         self.kv = await self.bus.js.key_value(self.bus.subjects.partials_bucket(self.ident.region))
         await self._load_position()

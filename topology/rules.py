@@ -244,15 +244,19 @@ def _settings(topology: Topology) -> Iterator[Found]:
         yield _p("feeder.tasks", f"{feeder.tasks!r} and feeder.tasks_file = {feeder.tasks_file!r} both name the "
                  "training tasks; remove one of them", also=("feeder.tasks_file",))
     context = topology.pretrain.max_seq_len or BUILTIN_CONTEXT
-    if feeder.tasks != "builtin" and topology.policy.kind == "builtin" and context < REPO_CONTEXT:
+    repo = feeder.tasks.startswith("repo")
+    if repo and topology.policy.kind == "builtin" and context < REPO_CONTEXT:
         yield _p("feeder.tasks", f"the built-in policy's context is {context} tokens and a repository task's first "
                  f"context alone takes up to about {REPO_FIRST_CONTEXT} (with the compact tool list): tasks that "
                  f"leave no room for a turn are dead-lettered; set [pretrain] max_seq_len = 2048 "
                  f"(topology/examples/agentic.toml does)",
                  "warning", also=("pretrain.max_seq_len",))
-    if feeder.tasks != "builtin" and feeder.levels:
+    if repo and feeder.levels:
         yield _p("feeder.levels", f"levels {feeder.levels} select among the function-writing tasks only; the "
                  f"repository tasks take their level in feeder.tasks ('repo:LEVEL')", also=("feeder.tasks",))
+    if feeder.tasks == "humaneval" and feeder.levels:
+        yield _p("feeder.levels", f"levels {feeder.levels} select among the built-in function-writing family only, "
+                 f"not HumanEval's problems; remove them", also=("feeder.tasks",))
     if feeder.levels and feeder.tasks_file is not None:
         yield _p("feeder.levels", f"levels {feeder.levels} select among the built-in tasks only, but feeder.tasks_file "
                  f"= {feeder.tasks_file!r} is set; remove one of them", also=("feeder.tasks_file",))
@@ -260,6 +264,10 @@ def _settings(topology: Topology) -> Iterator[Found]:
         yield _p("evaluator.tasks", f"the held-out set is feeder.tasks_file {feeder.tasks_file!r} itself: training "
                  f"skips every held-out prompt, so it would draw nothing; give the evaluator another source",
                  also=("feeder.tasks_file",))
+    if feeder.tasks == "humaneval" and topology.evaluator.tasks == "humaneval":
+        yield _p("evaluator.tasks", "the held-out set is HumanEval, which feeder.tasks trains on: training skips "
+                 "every held-out prompt, so it would draw nothing; give the evaluator another source",
+                 also=("feeder.tasks",))
     launch = topology.launch
     if launch.backend == "local" and launch.ray_address is not None:
         yield _p("launch.ray_address", 'ignored: launch.backend is "local"', "warning")

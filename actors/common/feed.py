@@ -129,6 +129,22 @@ def read_tasks_file(path: Path) -> list[CodingTask]:
         raise TaskError(str(err)) from None
 
 
+def listed_tasks(config: FeederConfig) -> list[CodingTask] | None:
+    """The tasks of a listed source the feeder walks in order: `tasks_file`'s, or HumanEval's for `tasks =
+    "humaneval"`; None for a generated sequence (the built-in family, the repository tasks).
+
+    :raises TaskError: the file or the package cannot be read.
+    """
+    if config.tasks_file is not None:
+        return read_tasks_file(Path(config.tasks_file))
+    if config.tasks == task_sources.HUMANEVAL:
+        try:
+            return task_sources.humaneval_tasks()
+        except task_sources.TaskSourceError as err:
+            raise TaskError(f"feeder.tasks = 'humaneval': {err}") from None
+    return None
+
+
 def task_source(config: FeederConfig, launch: FeederLaunch | None = None) -> str:
     """What the feeder's saved position is a position in: the tasks file, or the built-in sequence of a seed
     (and levels), and ":excluding=<source>" when the evaluator's held-out set is a listed source whose
@@ -218,7 +234,10 @@ def task_sequence(config: FeederConfig, launch: FeederLaunch,
     if listed is None and config.tasks != task_sources.BUILTIN:
         if (problem := feeder_tasks_problem(config.tasks)) is not None:
             raise TaskError(f"feeder.tasks: {problem}")
-        repo = config.tasks
+        if config.tasks == task_sources.HUMANEVAL:
+            listed = listed_tasks(config)
+        else:
+            repo = config.tasks
     return TaskSequence(config.seed, listed, config.max_tasks, eval_seed=launch.eval_seed, levels=config.levels,
                         exclude=exclude, repo=repo)
 
@@ -239,8 +258,8 @@ def fed_task_ids(config: FeederConfig, launch: FeederLaunch, cursors: Mapping[st
     `listed`: the tasks file's tasks (None: read `config.tasks_file` when set). Cursors of a position saved
     under another seed, source or weights (`position_matches`) do not mean this."""
     weights = feed_weights(config, launch, own_region)
-    if listed is None and config.tasks_file is not None:
-        listed = read_tasks_file(Path(config.tasks_file))
+    if listed is None:
+        listed = listed_tasks(config)
     tasks = task_sequence(config, launch, listed)
     out: dict[str, list[str]] = {region: [] for region, _ in weights}
     stop = max((cursors.get(region, 0) for region in out), default=0)

@@ -41,8 +41,9 @@ def test_repo_source_feeds_repository_tasks_with_their_verifier(source: str, lev
 
 
 @pytest.mark.parametrize(("feeder", "key", "fragment"), [
-    ('tasks = "repo:4"', "feeder.tasks", "expected 'builtin', 'repo' or 'repo:LEVEL' with LEVEL one of 1, 2, 3"),
-    ('tasks = "humaneval"', "feeder.tasks", "is not a built-in task source"),
+    ('tasks = "repo:4"', "feeder.tasks",
+     "expected 'builtin', 'humaneval', 'repo' or 'repo:LEVEL' with LEVEL one of 1, 2, 3"),
+    ('tasks = "mbpp"', "feeder.tasks", "is not a built-in task source"),
     ('tasks = "repo"\ntasks_file = "tasks.jsonl"', "feeder.tasks", "both name the training tasks"),
     ('tasks = "repo:1"\nlevels = [1]', "feeder.levels", "take their level in feeder.tasks"),
 ])

@@ -120,8 +120,8 @@ def test_rules_on_a_section_with_a_bad_value_wait() -> None:
 
 
 def test_evaluator_tasks_may_name_a_source_or_a_file_but_not_the_feeders_file(tmp_path: Path) -> None:
-    """`[evaluator] tasks` takes "humaneval" and an existing file; the feeder's own tasks file as the held-out
-    set is an error (training would skip every task of it)."""
+    """`[evaluator] tasks` takes "humaneval" and an existing file; the feeder's own tasks file, or HumanEval when
+    the feeder trains on it, as the held-out set is an error (training would skip every task of it)."""
     base = (BAD / "evaluator_tasks_missing.toml").read_text().split("[evaluator]")[0]
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text("")
@@ -138,6 +138,13 @@ def test_evaluator_tasks_may_name_a_source_or_a_file_but_not_the_feeders_file(tm
     assert topology is None
     assert [(p.key, p.severity) for p in problems] == [("evaluator.tasks", "error")]
     assert "is feeder.tasks_file" in problems[0].message
+    path.write_text(base + '[feeder]\ntasks = "humaneval"\n[evaluator]\ntasks = "humaneval"\n')
+    topology, problems = validate(path, local_cores=CORES)
+    assert topology is None and [(p.key, p.severity) for p in problems] == [("evaluator.tasks", "error")]
+    assert "HumanEval, which feeder.tasks trains on" in problems[0].message
+    path.write_text(base + '[feeder]\ntasks = "humaneval"\n')              # trained on; held out: the built-in set
+    topology, problems = validate(path, local_cores=CORES)
+    assert topology is not None and not [p for p in problems if p.severity == "error"]
 
 
 def test_unreadable_files(tmp_path: Path) -> None:
