@@ -18,7 +18,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import nats
@@ -89,36 +88,45 @@ def test_link_is_a_floor_on_round_trips_and_transfers_and_counts_its_bytes(linke
     async def main() -> tuple[list[float], float, int, list[float], int]:
         hub = await _connect(linked, "hub", "admin")
         eu = await _connect(linked, "eu", "admin")
-        try:
-            async def echo(msg: Any) -> None:
+        probes = await hub.subscribe("probe.rtt")
+
+        async def echo() -> None:                # an echo's failure surfaces in the task group, not a callback
+            async for msg in probes.messages:
                 await msg.respond(msg.data)
 
-            await hub.subscribe("probe.rtt", cb=echo)
-            got = await hub.subscribe("probe.bulk")
-            await hub.flush()
-            await eventually(lambda: eu.request("probe.rtt", b"x", timeout=1), what="echo across the link",
-                             timeout_s=15, ignoring=(nats.errors.NoRespondersError, nats.errors.TimeoutError))
-            rtts = await round_trips(eu)
-            before = linked.link_counters()["eu"]["rx_bytes"]
-            chunks = [os.urandom(100_000) for _ in range(20)]  # fresh bytes: the leaf link compresses (s2)
-            start = time.monotonic()
-            for chunk in chunks:
-                await eu.publish("probe.bulk", chunk)
-            for _ in chunks:
-                await got.next_msg(timeout=30)
-            took = time.monotonic() - start
-            carried = linked.link_counters()["eu"]["rx_bytes"] - before
-            linked.degrade("eu", loss=0.3, extra_latency_s=SPIKE_S)
-            spiked = await round_trips(eu, 5)
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:  # 200 datagrams into the namespace
-                for _ in range(200):
-                    udp.sendto(b"x", (link.leaf_addr, 9))
-            dropped = link.dropped()
-            linked.degrade("eu")
-            return rtts, took, carried, spiked, dropped
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(echo)
+                result = await measure(hub, eu)
+                tg.cancel_scope.cancel()
+            return result
         finally:
             await hub.close()
             await eu.close()
+
+    async def measure(hub: NATS, eu: NATS) -> tuple[list[float], float, int, list[float], int]:
+        got = await hub.subscribe("probe.bulk")
+        await hub.flush()
+        await eventually(lambda: eu.request("probe.rtt", b"x", timeout=1), what="echo across the link",
+                         timeout_s=15, ignoring=(nats.errors.NoRespondersError, nats.errors.TimeoutError))
+        rtts = await round_trips(eu)
+        before = linked.link_counters()["eu"]["rx_bytes"]
+        chunks = [os.urandom(100_000) for _ in range(20)]  # fresh bytes: the leaf link compresses (s2)
+        start = time.monotonic()
+        for chunk in chunks:
+            await eu.publish("probe.bulk", chunk)
+        for _ in chunks:
+            await got.next_msg(timeout=30)
+        took = time.monotonic() - start
+        carried = linked.link_counters()["eu"]["rx_bytes"] - before
+        linked.degrade("eu", loss=0.3, extra_latency_s=SPIKE_S)
+        spiked = await round_trips(eu, 5)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:  # 200 datagrams into the namespace
+            for _ in range(200):
+                udp.sendto(b"x", (link.leaf_addr, 9))
+        dropped = link.dropped()
+        linked.degrade("eu")
+        return rtts, took, carried, spiked, dropped
 
     rtts, took, carried, spiked, dropped = anyio.run(main)
     print(f"asked round trip {2 * LATENCY_S * 1e3:.0f} ms, measured median "
