@@ -507,15 +507,8 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Pat
         np.cumsum(pos, out=pos)
         pos -= 1
     else:
-        zlen, off = get_varint(payload, off)
-        mask = np.unpackbits(np.frombuffer(_unzstd(payload[off:off + zlen], (n + 7) // 8), dtype=np.uint8),
-                             count=n, bitorder="little")
-        off += zlen
-        pos = np.flatnonzero(mask.view(np.bool_))
-        if pos.size != count:
-            raise ValueError(f"bitmask marks {pos.size} elements, count says {count}")
-    if count and (pos[-1] >= n or pos[0] < 0):
-        raise ValueError(f"position {int(pos[-1])} outside a tensor of {n} elements")
+        pos, off = _bitmask_positions(payload, off, n, count)
+    _check_positions(pos, n, count)
     itype = np.dtype(f"<i{itemsize}")
     d, off = _decode_diffs(payload, off, count, itype) if count else (np.zeros(0, itype), off)
     if off != len(payload):
@@ -531,6 +524,26 @@ def _decode_into(flat: Tensor, header: TensorHeader, payload: memoryview) -> Pat
     return None
 
 
+def _bitmask_positions(payload: memoryview, off: int, n: int, count: int) -> tuple[np.ndarray, int]:
+    """The changed positions a zstd bitmask of `n` bits at `off` marks, and the offset after it.
+
+    :raises ValueError: the mask marks other than `count` elements.
+    """
+    zlen, off = get_varint(payload, off)
+    mask = np.unpackbits(np.frombuffer(_unzstd(payload[off:off + zlen], (n + 7) // 8), dtype=np.uint8),
+                         count=n, bitorder="little")
+    pos = np.flatnonzero(mask.view(np.bool_))
+    if pos.size != count:
+        raise ValueError(f"bitmask marks {pos.size} elements, count says {count}")
+    return pos, off + zlen
+
+
+def _check_positions(pos: np.ndarray, n: int, count: int) -> None:
+    """:raises ValueError: a decoded position lies outside a tensor of `n` elements."""
+    if count and (pos[-1] >= n or pos[0] < 0):
+        raise ValueError(f"position {int(pos[-1])} outside a tensor of {n} elements")
+
+
 def _decode_sparse_compiled(fast: types.ModuleType, host: np.ndarray, enc: Encoding, payload: memoryview,
                             off: int, count: int) -> Patch:
     """The sparse and bitmask CPU decode of `_decode_into` on the compiled loops, `host` patched in place."""
@@ -541,15 +554,8 @@ def _decode_sparse_compiled(fast: types.ModuleType, host: np.ndarray, enc: Encod
         pos, off = fast.decode_ints(buf, off, count)
         fast.positions_(pos)
     else:
-        zlen, off = get_varint(payload, off)
-        mask = np.unpackbits(np.frombuffer(_unzstd(payload[off:off + zlen], (n + 7) // 8), dtype=np.uint8),
-                             count=n, bitorder="little")
-        off += zlen
-        pos = np.flatnonzero(mask.view(np.bool_))
-        if pos.size != count:
-            raise ValueError(f"bitmask marks {pos.size} elements, count says {count}")
-    if count and (pos[-1] >= n or pos[0] < 0):
-        raise ValueError(f"position {int(pos[-1])} outside a tensor of {n} elements")
+        pos, off = _bitmask_positions(payload, off, n, count)
+    _check_positions(pos, n, count)
     itype = np.dtype(f"<i{host.itemsize}")
     d, off = fast.decode_diffs(buf, off, count, itype) if count else (np.zeros(0, itype), off)
     if off != len(payload):
