@@ -35,7 +35,14 @@ import anyio
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from rlbus.actors.sandbox.pool import SANDBOX_UID, Isolation, _processes_of, descendants, sandbox_python
+from rlbus.actors.sandbox.pool import (
+    SANDBOX_UID,
+    Isolation,
+    _processes_of,
+    descendants,
+    receive_frame,
+    sandbox_python,
+)
 
 JAIL_WORKSPACE: Final = "/workspace"
 """Where the workspace is inside a bwrap jail (other levels run in the host path itself)."""
@@ -213,13 +220,7 @@ class SessionJail:
         return self.process.returncode is None
 
     async def _receive(self) -> dict[str, Any]:
-        try:
-            (n,) = struct.unpack(">I", await self.reader.receive_exactly(4))
-            frame: dict[str, Any] = json.loads(await self.reader.receive_exactly(n))
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                anyio.ClosedResourceError) as err:
-            raise JailBroken(f"session jail pipe closed ({type(err).__name__})") from None
-        return frame
+        return await receive_frame(self.reader, JailBroken, "session jail")
 
     async def run(self, argv: list[str], limits: RunLimits) -> RunOutcome:
         """One call in this jail. Cancellation kills the jail (its state is then unknown).

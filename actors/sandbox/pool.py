@@ -201,6 +201,20 @@ def descendants(pid: int) -> list[int]:
 
 
 # ---- one executor -------------------------------------------------------------------------------
+async def receive_frame(reader: BufferedByteReceiveStream, error: type[Exception], what: str) -> dict[str, Any]:
+    """One frame (4-byte big-endian length + JSON, actors/sandbox/executor.py's framing) from a jailed process.
+
+    :raises error: the pipe closed before a whole frame ("<what> pipe closed").
+    """
+    try:
+        (n,) = struct.unpack(">I", await reader.receive_exactly(4))
+        frame: dict[str, Any] = json.loads(await reader.receive_exactly(n))
+    except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+            anyio.ClosedResourceError) as err:
+        raise error(f"{what} pipe closed ({type(err).__name__})") from None
+    return frame
+
+
 @dataclass(eq=False)
 class ExecutorProcess:
     """One running executor: its process, its protocol stream and its stderr file."""
@@ -240,13 +254,7 @@ class ExecutorProcess:
         return ex
 
     async def _receive(self) -> dict[str, Any]:
-        try:
-            (n,) = struct.unpack(">I", await self.reader.receive_exactly(4))
-            frame: dict[str, Any] = json.loads(await self.reader.receive_exactly(n))
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                anyio.ClosedResourceError) as err:
-            raise ExecutorCrashed(f"executor pipe closed ({type(err).__name__})") from None
-        return frame
+        return await receive_frame(self.reader, ExecutorCrashed, "executor")
 
     async def execute(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Send one execution and wait for its result.
