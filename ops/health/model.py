@@ -2,7 +2,8 @@
 
 Owns: `HealthRules` (deadline, stall window, lag and restart thresholds), `HealthModel` (fed heartbeats
 with the time they were seen, lifecycle events and published versions; no I/O, no clock of its own) and
-`ActorHealth` (one actor's verdict at a given `now`), plus the bus-side records (`RegionHealth`,
+`ActorHealth` (one actor's verdict at a given `now`; a sandbox supervisor's also names its sessions open and each
+tool's median latency, read from its heartbeat gauges), plus the bus-side records (`RegionHealth`,
 `BusHealth`) and the `Snapshot` that `--json` prints and Prometheus exports.
 Does not: read the bus (ops/health/watch.py) or render (ops/health/view.py).
 
@@ -20,6 +21,7 @@ Verdicts, most severe first (an actor shows its worst; `problems` lists all that
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,6 +37,20 @@ _TERMINAL: Final = ("stopped", "failed")
 _GAPS_KEPT: Final = 8
 SCHEDULE_GAUGE: Final = "every_versions"
 """Heartbeat gauge of an actor that works on one version per block of k (the evaluator): its k."""
+SESSIONS_GAUGE: Final = "sessions_open"
+"""Heartbeat gauge of a sandbox supervisor: the sessions it holds open."""
+_TOOL_GAUGE: Final = re.compile(r"tool_(?P<tool>[a-z_]+?)_ms")
+
+
+def tool_latency(gauges: dict[str, float]) -> dict[str, float]:
+    """Each tool's median latency (ms) from a supervisor's `tool_<name>_ms` gauges (`tool_<name>_last_ms` is the
+    latest call, left out)."""
+    out = {}
+    for name, value in gauges.items():
+        match = _TOOL_GAUGE.fullmatch(name)
+        if match and not name.endswith("_last_ms"):
+            out[match["tool"]] = value
+    return dict(sorted(out.items()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +118,11 @@ class ActorHealth:
     gauges: dict[str, float]
     last_error: str
     pid: int
+    sessions_open: int | None = None
+    """Sandbox sessions the actor holds open now (a sandbox supervisor's `sessions_open` gauge); None: it holds none
+    by kind."""
+    tool_ms: dict[str, float] = field(default_factory=dict)
+    """Median latency (ms) of each tool over the actor's recent calls (its `tool_<name>_ms` gauges)."""
 
 
 class HealthModel:
@@ -186,7 +207,9 @@ class HealthModel:
                            deadline_s=round(deadline, 3), policy_version=hb.policy_version, lag=lag,
                            lag_allowed=allowed,
                            restarts=hb.restarts, no_progress_s=round(no_progress, 3), counters=dict(hb.counters),
-                           gauges=dict(hb.gauges), last_error=error, pid=hb.pid)
+                           gauges=dict(hb.gauges), last_error=error, pid=hb.pid,
+                           sessions_open=int(hb.gauges[SESSIONS_GAUGE]) if SESSIONS_GAUGE in hb.gauges else None,
+                           tool_ms=tool_latency(hb.gauges))
 
     def verdicts(self, now: float) -> list[ActorHealth]:
         """Every actor's verdict, problems first (by severity), then by region, kind and id."""

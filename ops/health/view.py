@@ -1,6 +1,7 @@
 """Showing a health `Snapshot`: a rich table, a JSON object, and Prometheus metrics over HTTP.
 
-Owns: `render_table(snapshot)` (rich renderable: actors problems first, then each region's bus),
+Owns: `render_table(snapshot)` (rich renderable: actors problems first, a sandbox supervisor's sessions open and
+tool latencies in a column of their own, then each region's bus),
 `to_json(snapshot)`, `SnapshotCollector` (a prometheus-client custom collector over the latest snapshot)
 and `serve_metrics()` (a small HTTP endpoint on anyio, so scrapes are answered inside the same
 structured task group as the watcher — no thread of our own).
@@ -23,7 +24,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from rlbus.ops.health.model import PROBLEMS, SEVERITY, Snapshot
+from rlbus.ops.health.model import PROBLEMS, SEVERITY, ActorHealth, Snapshot
 
 _STYLE: Final = {"dead": "bold red", "failed": "red", "stalled": "yellow", "lagging": "magenta",
                  "restarting": "cyan", "ok": "green", "stopped": "dim"}
@@ -46,6 +47,15 @@ def _num(value: int | float | None) -> str:
     return "-" if value is None else str(value)
 
 
+def sandbox_cell(a: ActorHealth) -> str:
+    """A sandbox supervisor's sessions open and each tool's median latency ("2 | read_file 0.8 run 4.1");
+    "-" for an actor that holds no sessions."""
+    if a.sessions_open is None and not a.tool_ms:
+        return "-"
+    tools = " ".join(f"{tool} {ms:g}" for tool, ms in a.tool_ms.items())
+    return f"{_num(a.sessions_open)} | {tools}" if tools else _num(a.sessions_open)
+
+
 def render_table(snapshot: Snapshot) -> Group:
     """Two tables: every actor (problems first) and every region's bus."""
     counts = snapshot.counts()
@@ -54,7 +64,7 @@ def render_table(snapshot: Snapshot) -> Group:
                 + (f"  newest version {snapshot.newest_policy_version}" if snapshot.newest_policy_version is not None else ""))
     actors = Table(title="actors", title_justify="left", expand=False)
     for col in ("status", "region", "kind", "actor", "state", "last beat", "version", "lag", "restarts",
-                "counters, gauges", "error"):
+                "sessions, tool ms", "counters, gauges", "error"):
         actors.add_column(col, overflow="fold")
     for a in snapshot.actors:
         status = Text(a.status if len(a.problems) <= 1 else "+".join(a.problems), style=_STYLE[a.status])
@@ -63,7 +73,8 @@ def render_table(snapshot: Snapshot) -> Group:
         if "stalled" in a.problems:
             counters += f" (unchanged {_age(a.no_progress_s)})"
         actors.add_row(status, a.region, a.kind, a.actor_id, a.state, f"{_age(a.age_s)} / {_age(a.deadline_s)}",
-                       _num(a.policy_version), _num(a.lag), str(a.restarts), counters, a.last_error[:60])
+                       _num(a.policy_version), _num(a.lag), str(a.restarts), sandbox_cell(a), counters,
+                       a.last_error[:60])
     bus = Table(title="buses", title_justify="left", expand=False)
     for col in ("region", "server", "rtt ms", "jetstream", "tasks pending", "tasks unacked", "rollouts stored",
                 "error"):

@@ -18,14 +18,15 @@ import anyio
 import pytest
 from helpers.ops import json_in, provision_single, run_cli, target_of, url_args, write_credentials
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.demo import DemoConfig, DemoProducer
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Event, Heartbeat
-from rlbus.ops.health.model import HealthModel, HealthRules
-from rlbus.ops.health.view import registry_for, serve_metrics
+from rlbus.ops.health.model import BusHealth, HealthModel, HealthRules, Snapshot
+from rlbus.ops.health.view import registry_for, render_table, serve_metrics, to_json
 from rlbus.ops.health.watch import HealthWatch
 from rlbus.topology.servers import EmbeddedServer
 
@@ -111,6 +112,29 @@ def test_repeated_and_older_heartbeats_change_nothing() -> None:
     model.observe(_hb(at=11.0), 11.0)
     model.observe(_hb(at=10.5), 12.0)
     assert model.interval("a") == 1.0 and model.tracks["a"].seen_at == 11.0
+
+
+def test_a_supervisors_sessions_open_and_tool_latencies_show_in_the_table_and_json() -> None:
+    """A sandbox supervisor's heartbeat gauges `sessions_open` and `tool_<name>_ms` (not `_last_ms`) become the
+    verdict's `sessions_open` and `tool_ms`, in `--json` and in the table's sessions column; an actor without them
+    shows none."""
+    model = HealthModel()
+    _feed(model, [_hb("sb", at=10.0, kind="sandbox", gauges={"sessions_open": 3.0, "tool_read_file_ms": 0.8,
+                                                             "tool_read_file_last_ms": 2.5, "tool_run_ms": 4.1}),
+                  _hb("g", at=10.0, kind="generator", gauges={"tokens_per_s": 9.0})])
+    sandbox, gen = model.judge("sb", 10.5), model.judge("g", 10.5)
+    assert (sandbox.sessions_open, sandbox.tool_ms) == (3, {"read_file": 0.8, "run": 4.1})
+    assert (gen.sessions_open, gen.tool_ms) == (None, {})
+    snap = Snapshot(run="r", hub="hub", at=10.5, actors=[sandbox, gen], bus=BusHealth(regions=[]),
+                    newest_policy_version=None)
+    doc = json.loads(json.dumps(to_json(snap)))
+    assert [(a["sessions_open"], a["tool_ms"]) for a in doc["actors"]] == [(3, {"read_file": 0.8, "run": 4.1}),
+                                                                          (None, {})]
+    console = Console(width=400, record=True)
+    console.print(render_table(snap))
+    rows = {line.split("│")[4].strip(): line.split("│")[10].strip() for line in console.export_text().splitlines()
+            if line.count("│") > 10}
+    assert rows["sb"] == "3 | read_file 0.8 run 4.1" and rows["g"] == "-"
 
 
 # ---- against a real server ------------------------------------------------------------------------------
