@@ -114,8 +114,10 @@ class Checkpointer(Actor):
             log.warning("checkpoint_rejected", step=upload.step, objects=upload.objects, error=repr(err))
             await self.emit("incident", detail=f"state upload of step {upload.step} rejected: {err}",
                             step=str(upload.step), reason="digest" if isinstance(err, DigestMismatch) else "missing")
+            kept = {name for _, names in self.kept for name in names}
             for name in upload.objects:
-                await delete_object(self.bus.js, bucket, name)
+                if name not in kept:
+                    await delete_object(self.bus.js, bucket, name)
             await self.bus.dead_letter(delivery.raw, reason=f"state upload of step {upload.step} rejected: {err}",
                                        source=self.subjects.state_stream())
             return
@@ -142,8 +144,10 @@ class Checkpointer(Actor):
         self.kept = [(s, o) for s, o in self.kept if s != mark.step] + [(mark.step, list(mark.objects))]
         while len(self.kept) > self.config.keep:
             _, objects = self.kept.pop(0)
+            still = {name for _, names in self.kept for name in names}   # shard objects are named by content
             for name in objects:
-                await delete_object(self.bus.js, self.subjects.checkpoint_bucket(), name)
+                if name not in still:
+                    await delete_object(self.bus.js, self.subjects.checkpoint_bucket(), name)
         if self.state_dir is not None:
             state_dir, keep = self.state_dir, self.config.keep
             await anyio.to_thread.run_sync(lambda: _prune_dirs(state_dir, keep))

@@ -28,10 +28,11 @@ from rlbus.actors.trainer.config import TrainerLaunch
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import TopologyError
 
-ACTOR_KINDS: Final = ("demo_producer", "demo_consumer", "sandbox", "feeder", "generator", "trainer", "checkpointer",
-                      "publisher", "evaluator")
+ACTOR_KINDS: Final = ("demo_producer", "demo_consumer", "sandbox", "feeder", "generator", "trainer", "trainer_rank",
+                      "checkpointer", "publisher", "evaluator")
 LAUNCH_TYPES: Final[dict[str, type[msgspec.Struct]]] = {
     "sandbox": SandboxLaunch, "feeder": FeederLaunch, "generator": GeneratorLaunch, "trainer": TrainerLaunch,
+    "trainer_rank": TrainerLaunch,
     "checkpointer": CheckpointerLaunch, "publisher": PublisherLaunch, "evaluator": EvaluatorLaunch,
 }
 """Kind → what the launcher passes beside its settings (kinds missing here take nothing)."""
@@ -78,6 +79,10 @@ def build_actor(kind: str, ident: ActorId, bus: Bus, settings: Mapping[str, Any]
             from rlbus.actors.trainer.actor import build_trainer  # imports torch: only where needed
 
             return build_trainer(ident, bus, settings, limits, extra)  # type: ignore[arg-type]
+        case "trainer_rank":
+            from rlbus.actors.trainer.rank import build_trainer_rank
+
+            return build_trainer_rank(ident, bus, settings, limits, extra)  # type: ignore[arg-type]
         case "checkpointer":
             from rlbus.actors.checkpointer import build_checkpointer
 

@@ -368,6 +368,8 @@ class TrainStep(Message, tag="train_step"):
     reward_std: float = 0.0
     staleness: dict[str, int] = {}
     """Histogram: versions behind (as a string key) → number of rollouts."""
+    world_size: int = 1
+    """Trainer ranks that computed the step (`[trainer] world_size`); replay-retrain needs the same."""
     created_at: float = msgspec.field(default_factory=time.time)
 
 

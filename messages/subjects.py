@@ -19,12 +19,13 @@ _TOKEN: Final = re.compile(r"[A-Za-z0-9_-]+")
 _KV_KEY: Final = re.compile(r"[-/_=A-Za-z0-9]+(\.[-/_=A-Za-z0-9]+)*")
 """A JetStream KV key (nats-py's rule): tokens of letters, digits, '-', '/', '_' or '=', joined by dots."""
 _ROOT: Final = "rlbus"
+SHARD_PREFIX: Final = "state-shard-"
 _INBOX_ROOT: Final = "_INBOX"
 
-Role = Literal["feeder", "generator", "trainer", "publisher", "checkpointer", "sandbox", "evaluator",
-               "observer", "admin", "leaf"]
-ROLES: Final[tuple[Role, ...]] = ("feeder", "generator", "trainer", "publisher", "checkpointer", "sandbox",
-                                  "evaluator", "observer", "admin", "leaf")
+Role = Literal["feeder", "generator", "trainer", "trainer_rank", "publisher", "checkpointer", "sandbox",
+               "evaluator", "observer", "admin", "leaf"]
+ROLES: Final[tuple[Role, ...]] = ("feeder", "generator", "trainer", "trainer_rank", "publisher", "checkpointer",
+                                  "sandbox", "evaluator", "observer", "admin", "leaf")
 
 
 def token(value: str, what: str) -> str:
@@ -256,6 +257,19 @@ class Subjects:
         """CKPT object holding the trainer's full state after step N, uploaded by one trainer incarnation."""
         return f"state-step-{step}-{token(incarnation, 'incarnation')}"
 
+    @staticmethod
+    def shard_object(sha256_hex: str, filename: str) -> str:
+        """CKPT object of one file of a sharded trainer state (`torch.distributed.checkpoint`, one set per
+        checkpoint across the ranks), named by its content so every rank names its own files untold."""
+        return f"{SHARD_PREFIX}{token(sha256_hex[:32], 'digest')}-{filename}"
+
+    @staticmethod
+    def shard_filename(name: str) -> str | None:
+        """The checkpoint file a `shard_object` name holds; None for any other object."""
+        if not name.startswith(SHARD_PREFIX):
+            return None
+        return name[len(SHARD_PREFIX):].partition("-")[2] or None
+
     def durable(self, role: str, region: str | None = None) -> str:
         """Durable consumer name for a role (one shared per role and region)."""
         return "_".join([token(role, "role")] + ([token(region, "region")] if region else []))
@@ -347,7 +361,7 @@ def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list
     own random prefix in there, `connection_inbox`), and publishes to no inbox at all except as a response
     to a request it received (the servers set `allow_responses`, see `RESPONSE_PERMISSION`). No role but
     admin may create, update, purge or delete a stream, or publish raw to another domain's API. Data subjects are granted by role: only the trainer side (trainer, publisher,
-    checkpointer) writes weights, checkpoints and TRAINLOG; only the feeder writes tasks; only generators
+    checkpointer) writes weights, checkpoints and TRAINLOG (a trainer's other ranks: only their checkpoint shards); only the feeder writes tasks; only generators
     write rollouts and workspace snapshots. Bucket writes (plain and through `$JS.<domain>.API`, plus purging the bucket's stream)
     are granted per bucket for the runs and regions of `scope`.
     """
@@ -363,6 +377,7 @@ def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list
         "generator": [f"{run}.rollouts.*", f"{run}.sandbox.*", f"{run}.session.>",
                       *_bucket_writes(scope.buckets("partials")), *_bucket_writes(scope.buckets("workspaces"))],
         "trainer": [f"{run}.trainlog", f"{run}.state.*", *_bucket_writes(scope.buckets("checkpoint"))],
+        "trainer_rank": _bucket_writes(scope.buckets("checkpoint")),   # its checkpoint shards, nothing else
         "publisher": [f"{run}.weights", *_bucket_writes(scope.buckets("weights")),
                       *_bucket_writes(scope.buckets("latest"))],
         "checkpointer": [f"{run}.checkpoints", *_bucket_writes(scope.buckets("checkpoint"))],

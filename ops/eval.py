@@ -209,11 +209,11 @@ def _checkpoint_policy(path: Path, *, device: torch.device | str, dtype: torch.d
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as err:
         raise RlbusError(f"{path / MARK_FILE}: not a checkpoint mark: {one_line(err)}") from None
     try:
-        blob = read_durable_state(path, mark)
+        state = read_durable_state(path, mark)
     except CheckpointError as err:
         raise CheckpointError(f"{one_line(err)}: the checkpoint is damaged") from None
     try:
-        policy = state_policy(blob, device=device, dtype=dtype)
+        policy = state_policy(state, device=device, dtype=dtype)
     except CheckpointError as err:
         raise CheckpointError(f"{path}: {one_line(err)}") from None
     except (RuntimeError, EOFError, pickle.UnpicklingError) as err:

@@ -14,6 +14,7 @@ Does not: publish on the bus, or evaluate while the run is going (actors/evaluat
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -62,13 +63,14 @@ async def final_evaluation(bus: Bus, state_dir: Path, *, seed: int, n_tasks: int
     mark = await last_message(bus.js, s.checkpoints_stream(), s.checkpoints(), CheckpointMark)
     if mark is None:
         return None
-    blob, _ = await load_state(bus, mark, str(state_dir))
-    result = await anyio.to_thread.run_sync(_evaluate_state, blob, held_out, max_tokens, threads)
+    state, _ = await load_state(bus, mark, str(state_dir))
+    result = await anyio.to_thread.run_sync(_evaluate_state, state, held_out, max_tokens, threads)
     return FinalEval(mark.step, mark.policy_version, result)
 
 
-def policy_from_state(blob: bytes) -> Policy:
-    """The policy of a trainer state blob as a version of it is published: its fp32 master weights rounded
+def policy_from_state(blob: bytes | Mapping[str, bytes]) -> Policy:
+    """The policy of a trainer state (a blob, or a checkpoint's objects by name, sharded or not) as a version
+    of it is published: its fp32 master weights rounded
     to bfloat16 (actors/trainer/core.py `bf16_state`), on the CPU in eval mode (`state_policy`).
 
     :raises CheckpointError: not a trainer state, or one whose policy cannot be built.
@@ -76,7 +78,7 @@ def policy_from_state(blob: bytes) -> Policy:
     return state_policy(blob, device="cpu", dtype=torch.bfloat16)
 
 
-def _evaluate_state(blob: bytes, tasks: list[Task], max_tokens: int, threads: int) -> EvalResult:
+def _evaluate_state(blob: bytes | Mapping[str, bytes], tasks: list[Task], max_tokens: int, threads: int) -> EvalResult:
     policy = policy_from_state(blob)
     previous = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))

@@ -31,7 +31,7 @@ from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.errors import TopologyError
 from rlbus.messages.schemas import Event
 from rlbus.messages.streams import StreamSettings, provision_all, wait_routable
-from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
+from rlbus.topology.local import RANK_ENV, TIMEOUT_ENV, WORLD_ENV, LocalSupervisor, ProcessSpec, RestartPolicy
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
 from rlbus.topology.schema import Topology, parse_duration
 from rlbus.topology.tls import TlsFiles, client_context
@@ -39,7 +39,8 @@ from rlbus.topology.tls import TlsFiles, client_context
 log = structlog.get_logger()
 
 ROLE_OF_KIND: Final[dict[str, str]] = {
-    "feeder": "feeder", "generator": "generator", "trainer": "trainer", "publisher": "publisher",
+    "feeder": "feeder", "generator": "generator", "trainer": "trainer", "trainer_rank": "trainer_rank",
+    "publisher": "publisher",
     "checkpointer": "checkpointer", "sandbox": "sandbox", "evaluator": "evaluator",
     "demo_producer": "generator", "demo_consumer": "trainer",
 }
@@ -161,14 +162,36 @@ async def read_fed_tasks(topology: Topology, bus: Bus, *, settle_s: float = 10.0
         await anyio.sleep(1.0)
 
 
+def rank_id(trainer_id: str, rank: int) -> str:
+    """The actor id of rank `rank` (>= 1) of the trainer `trainer_id` (rank 0 is the trainer itself)."""
+    return f"{trainer_id}-rank{rank}"
+
+
+def _instances(topology: Topology) -> list[tuple[Any, str, str, dict[str, str], str]]:
+    """(instance, actor id, kind, rank environment, group) of every process to start: a trainer of
+    `[trainer] world_size = N` is N processes, rank 0 (the trainer) and `trainer_rank` ranks 1..N-1, one group."""
+    out: list[tuple[Any, str, str, dict[str, str], str]] = []
+    world = topology.trainer.world_size
+    for inst in topology.instances():
+        if inst.kind != "trainer" or world == 1:
+            out.append((inst, inst.actor_id, inst.kind, {}, ""))
+            continue
+        for rank in range(world):
+            env = {RANK_ENV: str(rank), WORLD_ENV: str(world),
+                   TIMEOUT_ENV: str(topology.trainer.collective_timeout_s)}
+            out.append((inst, rank_id(inst.actor_id, rank) if rank else inst.actor_id,
+                        "trainer_rank" if rank else "trainer", env, inst.actor_id))
+    return out
+
+
 def actor_specs(topology: Topology, endpoints: Endpoints, *, heartbeat_s: float = 2.0,
                 drain_s: float = 10.0, state_dir: Path | None = None) -> list[ProcessSpec]:
-    """One ProcessSpec per actor instance of the topology."""
+    """One ProcessSpec per actor process of the topology (a trainer's ranks: one each, in one restart group)."""
     specs = []
-    for inst in topology.instances():
+    for inst, actor_id, kind, rank_env, group in _instances(topology):
         region = topology.region(inst.region)
-        role = ROLE_OF_KIND[inst.kind]
-        args = ["--kind", inst.kind, "--run", topology.run, "--region", inst.region, "--id", inst.actor_id,
+        role = ROLE_OF_KIND[kind]
+        args = ["--kind", kind, "--run", topology.run, "--region", inst.region, "--id", actor_id,
                 "--domain", endpoints.domains[inst.region], "--role", role,
                 "--settings", json.dumps(kind_settings(topology, inst.kind)),
                 "--heartbeat-s", str(heartbeat_s), "--drain-s", str(drain_s)]
@@ -182,9 +205,11 @@ def actor_specs(topology: Topology, endpoints: Endpoints, *, heartbeat_s: float 
             args += ["--credentials", str(creds)]
         if endpoints.tls_ca is not None:
             args += ["--tls-ca", str(endpoints.tls_ca)]
-        env = {"OMP_NUM_THREADS": str(inst.torch_threads), "RLBUS_TORCH_THREADS": str(inst.torch_threads)}
-        specs.append(ProcessSpec(actor_id=inst.actor_id, kind=inst.kind, region=inst.region, args=tuple(args),
-                                 env=env, resource=region.resource, netns=endpoints.netns.get(inst.region, "")))
+        env = {"OMP_NUM_THREADS": str(inst.torch_threads), "RLBUS_TORCH_THREADS": str(inst.torch_threads),
+               **rank_env}
+        specs.append(ProcessSpec(actor_id=actor_id, kind=kind, region=inst.region, args=tuple(args),
+                                 env=env, resource=region.resource, netns=endpoints.netns.get(inst.region, ""),
+                                 group=group))
     return specs
 
 

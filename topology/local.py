@@ -3,7 +3,9 @@
 Owns: starting each actor process (`python -m rlbus.ops.actor ...`), restarting a crashed or killed one
 with exponential backoff within the restart policy (each restart an `Event(restarted)`), declaring it
 `failed` once the policy is exhausted (an `Event(failed)`; the other actors go on — never a restart
-loop), and stopping everything by PID: SIGTERM, a bounded drain, then SIGKILL.
+loop), and stopping everything by PID: SIGTERM, a bounded drain, then SIGKILL. A restart group (the ranks of
+one trainer, `ProcessSpec.group`) lives and dies together: when one member ends, the others are killed, and
+all restart together (one restart count) on a fresh rendezvous port (`RENDEZVOUS_ENV`).
 Does not: decide which actors exist (topology/launch.py) or talk to actors (they use the bus).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,12 +21,19 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Final
 
 import anyio
 import structlog
 
 log = structlog.get_logger()
+
+RANK_ENV: Final = "RLBUS_RANK"
+WORLD_ENV: Final = "RLBUS_WORLD_SIZE"
+TIMEOUT_ENV: Final = "RLBUS_COLLECTIVE_TIMEOUT_S"
+RENDEZVOUS_ENV: Final = "RLBUS_RENDEZVOUS"
+"""`host:port` where a trainer group's ranks meet (rank 0 hosts it); new for every start of the group."""
+GROUP_POLL_S: Final = 0.2
 
 EventSink = Callable[[str, "ProcessSpec", str], Awaitable[None]]
 """Called as `sink(event_kind, spec, detail)` for `started`, `restarted`, `crashed` and `failed`."""
@@ -57,6 +67,8 @@ class ProcessSpec:
     """Ray custom resource that places it, e.g. `region:eu` (ray backend only)."""
     netns: str = ""
     """Network namespace the process runs in (its region's shaped link, topology/links.py); empty: this one."""
+    group: str = ""
+    """Restart group (a trainer's actor id, for each of its ranks): its members stop and start together."""
 
     @property
     def argv(self) -> tuple[str, ...]:
@@ -99,18 +111,35 @@ class LocalSupervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             async with anyio.create_task_group() as tg:
-                for entry in self.actors.values():
-                    self._start(entry)
+                self._start_all()
                 task_status.started()
                 for entry in self.actors.values():
-                    tg.start_soon(self._supervise, entry)
+                    if not entry.spec.group:
+                        tg.start_soon(self._supervise, entry)
+                for members in self._groups().values():
+                    tg.start_soon(self._supervise_group, members)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.stop()
 
-    def _start(self, entry: Supervised) -> None:
+    def _groups(self) -> dict[str, list[Supervised]]:
+        groups: dict[str, list[Supervised]] = {}
+        for entry in self.actors.values():
+            if entry.spec.group:
+                groups.setdefault(entry.spec.group, []).append(entry)
+        return groups
+
+    def _start_all(self) -> None:
+        """Start every actor: a group's members share one fresh rendezvous."""
+        rendezvous = {group: free_rendezvous() for group in self._groups()}
+        for entry in self.actors.values():
+            self._start(entry, rendezvous.get(entry.spec.group, ""))
+
+    def _start(self, entry: Supervised, rendezvous: str = "") -> None:
         spec = entry.spec
         env = {**os.environ, **spec.env, "RLBUS_RESTARTS": str(entry.restarts)}
+        if rendezvous:
+            env[RENDEZVOUS_ENV] = rendezvous
         out: IO[bytes] = (self.log_dir / f"{spec.actor_id}.log").open("ab")
         try:
             entry.process = subprocess.Popen(list(spec.argv), env=env, stdin=subprocess.DEVNULL, stdout=out,
@@ -154,25 +183,89 @@ class LocalSupervisor:
             self._start(entry)
             await self._emit("restarted", entry, f"{how}; restart {entry.restarts}, pid {entry.pid}")
 
+    async def _supervise_group(self, members: list[Supervised]) -> None:
+        """Follow a restart group: the first member to end takes the others down (SIGKILL: a group with a
+        dead rank cannot go on), then all restart together on a fresh rendezvous, within the restart policy
+        (counted on the group's first member, the trainer)."""
+        lead = members[0]
+        for entry in members:
+            await self._emit("started", entry, f"pid {entry.pid}")
+        while True:
+            ended = await self._first_exit(members)
+            if self._stopping:
+                return
+            code = ended.process.returncode if ended.process is not None else None
+            ended.last_exit = code
+            if code == 0 and ended is lead:
+                for entry in members:
+                    _signal(entry, signal.SIGTERM)
+                    entry.state = "exited"
+                log.info("actor_group_exited", group=lead.spec.group)
+                return
+            how = ("exit code 0" if code in (0, None) else
+                   f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
+            log.warning("actor_process_crashed", actor=ended.spec.actor_id, how=how, group=lead.spec.group)
+            await self._emit("crashed", ended, how)
+            for entry in members:                   # the survivors cannot go on without it
+                if entry is not ended and entry.process is not None and entry.process.poll() is None:
+                    _signal(entry, signal.SIGKILL)
+                    await anyio.to_thread.run_sync(entry.process.wait)
+                    await self._emit("crashed", entry, f"group member {ended.spec.actor_id} ended ({how})")
+            now = time.monotonic()
+            while lead.recent and now - lead.recent[0] > self.policy.window_s:
+                lead.recent.popleft()
+            if len(lead.recent) >= self.policy.max_restarts:
+                for entry in members:
+                    entry.state = "failed"
+                    await self._emit("failed", entry, f"{how} in group {lead.spec.group}; {len(lead.recent)} "
+                                                      f"restarts within {self.policy.window_s:.0f}s exhausted "
+                                                      f"the restart policy")
+                return
+            lead.recent.append(now)
+            for entry in members:
+                entry.state = "restarting"
+                entry.restarts += 1
+            await anyio.sleep(self.policy.delay(len(lead.recent)))
+            if self._stopping:
+                return
+            rendezvous = free_rendezvous()
+            for entry in members:
+                self._start(entry, rendezvous)
+                await self._emit("restarted", entry, f"{how} ({ended.spec.actor_id}); group restart "
+                                                     f"{entry.restarts}, pid {entry.pid}")
+
+    async def _first_exit(self, members: list[Supervised]) -> Supervised:
+        """The first member whose process has ended (polled: a group is a handful of processes)."""
+        while True:
+            for entry in members:
+                if entry.process is None or entry.process.poll() is not None:
+                    return entry
+            await anyio.sleep(GROUP_POLL_S)
+
     async def _emit(self, kind: str, entry: Supervised, detail: str) -> None:
         await send_event(self.on_event, kind, entry.spec, detail)
 
     async def stop(self) -> None:
         """SIGTERM every live actor process, wait up to the drain timeout, then SIGKILL survivors."""
         self._stopping = True
-        live = [e for e in self.actors.values() if e.process is not None and e.process.poll() is None]
-        for entry in live:
-            _signal(entry, signal.SIGTERM)
         deadline = time.monotonic() + self.drain_timeout_s
-        for entry in live:
-            assert entry.process is not None
-            remaining = max(0.1, deadline - time.monotonic())
-            try:
-                await anyio.to_thread.run_sync(entry.process.wait, remaining)
-            except subprocess.TimeoutExpired:
-                log.warning("actor_process_drain_timeout", actor=entry.spec.actor_id, pid=entry.pid)
-                _signal(entry, signal.SIGKILL)
-                await anyio.to_thread.run_sync(entry.process.wait)
+        leads = {m[0].spec.actor_id for m in self._groups().values()}
+        # a group's other ranks serve their trainer's drain (its last checkpoint is a collective): they stop
+        # after it, when it tells them (or on SIGTERM once it is gone)
+        first = [e for e in self.actors.values() if not e.spec.group or e.spec.actor_id in leads]
+        for phase in (first, [e for e in self.actors.values() if e not in first]):
+            live = [e for e in phase if e.process is not None and e.process.poll() is None]
+            for entry in live:
+                _signal(entry, signal.SIGTERM)
+            for entry in live:
+                assert entry.process is not None
+                remaining = max(0.1, deadline - time.monotonic())
+                try:
+                    await anyio.to_thread.run_sync(entry.process.wait, remaining)
+                except subprocess.TimeoutExpired:
+                    log.warning("actor_process_drain_timeout", actor=entry.spec.actor_id, pid=entry.pid)
+                    _signal(entry, signal.SIGKILL)
+                    await anyio.to_thread.run_sync(entry.process.wait)
         for entry in self.actors.values():
             if entry.state not in ("failed", "exited"):
                 entry.state = "stopped"
@@ -192,6 +285,13 @@ async def send_event(sink: EventSink | None, kind: str, spec: ProcessSpec, detai
             await sink(kind, spec, detail)
     except Exception as err:
         log.warning("supervisor_event_not_sent", event_kind=kind, error=repr(err))
+
+
+def free_rendezvous(host: str = "127.0.0.1") -> str:
+    """`host:port` with a port free on `host` now (the group's rank 0 binds it a moment later)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return f"{host}:{sock.getsockname()[1]}"
 
 
 def _signal(entry: Supervised, signum: signal.Signals) -> None:

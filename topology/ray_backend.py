@@ -5,7 +5,10 @@ creating one Ray actor per `ProcessSpec` (`resources={spec.resource: 0.001}`, `n
 `max_restarts` from the restart policy), hosting the rlbus actor on the Ray actor's event loop, making
 Ray's restarts visible (`crashed`, then `restarted` once the new incarnation answers, or `failed` when
 Ray gives up), and a graceful stop: the Ray actor's `stop()` cancels the actor, which drains and sends
-its final heartbeat, then the Ray actor is killed. Does not: decide which actors exist (`rlbus up`),
+its final heartbeat, then the Ray actor is killed. A restart group (a trainer's ranks, `ProcessSpec.group`) is
+placed by one placement group (a bundle per rank, `region:` resources, spread over nodes), meets at a fresh
+rendezvous on rank 0's node for every start, and lives and dies together: one member ending kills the others,
+and all restart. Does not: decide which actors exist (`rlbus up`),
 or talk to actors (they use the bus). `import ray` happens inside functions only (it is heavy).
 """
 
@@ -27,7 +30,14 @@ import structlog
 from rlbus.actors.base import State
 from rlbus.actors.process import build_parser, serve_actor
 from rlbus.messages.errors import ActorFailed, TopologyError
-from rlbus.topology.local import EventSink, ProcessSpec, RestartPolicy, send_event
+from rlbus.topology.local import (
+    RENDEZVOUS_ENV,
+    EventSink,
+    ProcessSpec,
+    RestartPolicy,
+    free_rendezvous,
+    send_event,
+)
 
 log = structlog.get_logger()
 
@@ -76,9 +86,17 @@ class RayActorHost:
         return Placement(pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),
                          node_ip=ray.util.get_node_ip_address(), incarnation=self.incarnation)
 
-    async def serve(self, argv: Sequence[str], restarts: int) -> str:
+    async def rendezvous(self) -> str:
+        """`host:port` on this actor's node with a port free now: where its group meets (rank 0's host)."""
+        import ray
+
+        return free_rendezvous(ray.util.get_node_ip_address())
+
+    async def serve(self, argv: Sequence[str], restarts: int, env: Mapping[str, str] | None = None) -> str:
         """Run the actor of `argv` (`actors/process.py` arguments) until it ends or `stop()`; returns
-        its final state's value. A later call in the same incarnation waits for the first one."""
+        its final state's value. A later call in the same incarnation waits for the first one. `env` is set
+        first (a group's rendezvous)."""
+        os.environ.update(env or {})
         if self._done is not None:
             await self._done.wait()
             return (self._final or State.FAILED).value
@@ -176,10 +194,18 @@ class RayBackend:
             actor_class = _actor_class()
             async with anyio.create_task_group() as tg:
                 for entry in self.actors.values():
-                    self._create(entry, actor_class)
+                    if not entry.spec.group:
+                        self._create(entry, actor_class)
                 task_status.started()
                 for entry in self.actors.values():
-                    tg.start_soon(self._supervise, entry)
+                    if not entry.spec.group:
+                        tg.start_soon(self._supervise, entry)
+                groups: dict[str, list[RayEntry]] = {}
+                for entry in self.actors.values():
+                    if entry.spec.group:
+                        groups.setdefault(entry.spec.group, []).append(entry)
+                for members in groups.values():
+                    tg.start_soon(self._supervise_group, members, actor_class)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.stop()
@@ -214,11 +240,11 @@ class RayBackend:
                         hint="no node declares it yet; its actors wait until one does")
         log.info("ray_connected", address=self.address or "local", resources=sorted(have))
 
-    def _create(self, entry: RayEntry, actor_class: Any) -> None:
+    def _create(self, entry: RayEntry, actor_class: Any, placement: Any = None) -> None:
         spec = entry.spec
         entry.handle = actor_class.options(
             num_cpus=0, resources={spec.resource: ACTOR_SHARE}, max_restarts=self.policy.max_restarts,
-            max_task_retries=0, max_concurrency=8,
+            max_task_retries=0, max_concurrency=8, scheduling_strategy=placement,
         ).remote(dict(spec.env), self.worker_setup)
         entry.state = "running"
         log.info("ray_actor_created", actor=spec.actor_id, kind=spec.kind, resource=spec.resource)
@@ -273,6 +299,71 @@ class RayBackend:
             restarted = f"{how}; restart {entry.restarts}, {_where(placement)}"
             log.info("ray_actor_restarted", actor=entry.spec.actor_id, restarts=entry.restarts,
                      pid=placement.pid, node_ip=placement.node_ip)
+
+    async def _supervise_group(self, members: list[RayEntry], actor_class: Any) -> None:
+        """Place a restart group with one placement group, start it on a fresh rendezvous, and when any member
+        ends, kill the rest and start them all again (Ray restarts each; the count is the first member's)."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        lead = members[0]
+        group = placement_group([{m.spec.resource: ACTOR_SHARE} for m in members], strategy="SPREAD",
+                                name=f"rlbus-{lead.spec.group}-{uuid.uuid4().hex[:6]}")
+        await group.ready()
+        for k, entry in enumerate(members):
+            self._create(entry, actor_class, PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=k))
+        for entry in members:
+            placement = await self._placement(entry)
+            if placement is None:
+                await self._fail(entry, "the Ray actor died before it started")
+                return
+            await self._emit("started", entry, _where(placement))
+        restarted = ""
+        while True:
+            rendezvous = await lead.handle.rendezvous.remote()
+            refs = [m.handle.serve.remote(list(m.spec.args), m.restarts, {RENDEZVOUS_ENV: rendezvous})
+                    for m in members]
+            if restarted:
+                for entry in members:
+                    await self._emit("restarted", entry, restarted)
+            ended, how = await _first_to_end(members, refs)
+            if self._stopping:
+                return
+            if ended is lead and how == "":
+                for entry in members:
+                    entry.state = "exited"
+                log.info("ray_group_exited", group=lead.spec.group)
+                return
+            how = how or "the actor ended"
+            log.warning("ray_actor_crashed", actor=ended.spec.actor_id, how=how, group=lead.spec.group)
+            await self._emit("crashed", ended, how)
+            for entry in members:                 # a fresh worker each, counted by Ray's max_restarts
+                entry.state = "restarting"
+                try:
+                    ray.kill(entry.handle, no_restart=False)
+                except Exception as err:          # already dead: Ray restarts it anyway
+                    log.info("ray_actor_kill_skipped", actor=entry.spec.actor_id, error=repr(err))
+            for entry in members:
+                old = entry.placement
+                placement = await self._placement(entry)
+                if placement is None:
+                    for member in members:
+                        await self._fail(member, f"{how} in group {lead.spec.group}; Ray gave up after "
+                                                 f"{entry.restarts} restarts (max_restarts {self.policy.max_restarts})")
+                    return
+                for _ in range(150):               # not restarted yet (ray.kill is asynchronous): wait for it
+                    if placement is None or old is None or placement.incarnation != old.incarnation:
+                        break
+                    await anyio.sleep(0.2)
+                    placement = await self._placement(entry)
+                entry.restarts += 1
+            await anyio.sleep(self.policy.delay(lead.restarts))
+            if self._stopping:
+                return
+            for entry in members:
+                entry.state = "running"
+            restarted = f"{how} ({ended.spec.actor_id}); group restart {lead.restarts}"
 
     async def _placement(self, entry: RayEntry) -> Placement | None:
         """The placement of the live incarnation, waiting while Ray (re)creates it; None once it is dead."""
@@ -339,6 +430,30 @@ class RayBackend:
     def placements(self) -> dict[str, Placement]:
         """The last known placement of every started Ray actor, by actor id."""
         return {a: e.placement for a, e in self.actors.items() if e.placement is not None}
+
+
+async def _first_to_end(members: list[RayEntry], refs: list[Any]) -> tuple[RayEntry, str]:
+    """The first member whose `serve` call returned or raised, with how it ended ("" for a clean stop)."""
+    import ray
+
+    done: list[tuple[RayEntry, str]] = []
+    finished = anyio.Event()
+
+    async def wait(entry: RayEntry, ref: Any) -> None:
+        try:
+            final = await ref
+            how = "" if final != State.FAILED.value else "the actor failed"
+        except ray.exceptions.RayActorError as err:
+            how = f"Ray actor died ({type(err).__name__})"
+        done.append((entry, how))
+        finished.set()
+
+    async with anyio.create_task_group() as tg:
+        for entry, ref in zip(members, refs, strict=True):
+            tg.start_soon(wait, entry, ref)
+        await finished.wait()
+        tg.cancel_scope.cancel()
+    return done[0]
 
 
 def _check_spec(spec: ProcessSpec) -> None:

@@ -155,7 +155,9 @@ def _singletons(topology: Topology) -> Iterator[Found]:
                 yield _p(f"{key}.kind", f"a second {kind} entry (the first is regions[{fi}].actors[{fj}]); expected "
                          f"at most one {kind} per run: {_WHY[kind]}")
             elif spec.count > 1:
-                yield _p(f"{key}.count", f"expected count = 1 for the {kind} ({_WHY[kind]}), found {spec.count}")
+                more = ("; to share each step across processes set [trainer] world_size = N instead"
+                        if kind == "trainer" else "")
+                yield _p(f"{key}.count", f"expected count = 1 for the {kind} ({_WHY[kind]}), found {spec.count}{more}")
             if kind in _HUB_ONLY and hub is not None and region.role != "hub":
                 yield _p(f"{key}.kind", f"the {kind} must run in the hub region {topology.regions[hub].name!r}, "
                          f"found it in leaf region {region.name!r}")

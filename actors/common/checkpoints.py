@@ -47,21 +47,25 @@ def durable_steps(state_dir: Path) -> list[int]:
     return sorted(steps)
 
 
-def read_durable_state(step_dir: Path, mark: CheckpointMark) -> bytes:
-    """The mark's one state object from its durable copy in `step_dir`, checked against the mark's digest.
+def read_durable_state(step_dir: Path, mark: CheckpointMark) -> dict[str, bytes]:
+    """The mark's state objects (object name -> bytes: one trainer state, or a sharded checkpoint's every file)
+    from their durable copy in `step_dir`, each checked against the mark's digest.
 
-    :raises CheckpointError: the mark does not list exactly one object, or the file is missing or differs.
+    :raises CheckpointError: the mark lists no object (or not one digest each), or a file is missing or differs.
     """
-    if len(mark.objects) != 1 or len(mark.digests) != 1:
-        raise CheckpointError(f"the mark of step {mark.step} lists {len(mark.objects)} objects; the trainer "
-                              f"writes exactly one")
-    path = step_dir / mark.objects[0]
-    data = path.read_bytes() if path.is_file() else b""
-    if not data:
-        raise CheckpointError(f"{path}: missing or empty; the mark of step {mark.step} lists it")
-    if digest(data) != mark.digests[0]:
-        raise CheckpointError(f"{path}: digest {digest(data)}; the mark expects {mark.digests[0]}")
-    return data
+    if not mark.objects or len(mark.objects) != len(mark.digests):
+        raise CheckpointError(f"the mark of step {mark.step} lists {len(mark.objects)} objects with "
+                              f"{len(mark.digests)} digests; expected at least one object, each with its digest")
+    out: dict[str, bytes] = {}
+    for name, expected in zip(mark.objects, mark.digests, strict=True):
+        path = step_dir / name
+        data = path.read_bytes() if path.is_file() else b""
+        if not data:
+            raise CheckpointError(f"{path}: missing or empty; the mark of step {mark.step} lists it")
+        if digest(data) != expected:
+            raise CheckpointError(f"{path}: digest {digest(data)}; the mark expects {expected}")
+        out[name] = data
+    return out
 
 
 def durable_marks(state_dir: Path) -> list[tuple[int, list[str]]]:

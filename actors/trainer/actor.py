@@ -46,6 +46,8 @@ from rlbus.actors.trainer.core import (
     TrainerCore,
     build_core,
     plan_step,
+    shard_files,
+    state_payload,
     versions_behind,
 )
 from rlbus.actors.trainer.resume import Resume, resume_point
@@ -102,6 +104,36 @@ def trainer_threads() -> int:
     return max(1, int(os.environ.get("RLBUS_TORCH_THREADS", "1") or 1))
 
 
+def rank_spec(config: TrainerConfig, env: Mapping[str, str] | None = None) -> Any:
+    """This process's place in a multi-rank trainer (`actors/trainer/ranks.py` `RankSpec`, from the launcher's
+    environment), or None for a one-rank trainer.
+
+    :raises RlbusError: `[trainer] world_size` > 1 without the launcher's rank environment, or the two disagree.
+    """
+    if config.world_size == 1 and "RLBUS_WORLD_SIZE" not in (env if env is not None else os.environ):
+        return None
+    from rlbus.actors.trainer.ranks import RankSpec
+
+    spec = RankSpec.from_env(env if env is not None else os.environ)
+    world = 1 if spec is None else spec.world_size
+    if world != config.world_size:
+        raise RlbusError(f"[trainer] world_size = {config.world_size} but this process was launched as one of "
+                         f"{world} ranks (RLBUS_WORLD_SIZE); start trainers through `rlbus up`")
+    return spec
+
+
+def load_into(core: TrainerCore, state: Mapping[str, bytes]) -> dict[str, Any]:
+    """Load a checkpoint's objects (name -> bytes) into `core`, whatever world size saved them: a one-rank
+    core reads one blob or a sharded state gathered (`state_payload`); a sharded core loads shards at its own
+    world size, or a one-rank blob split across its ranks. Returns the state's `meta`."""
+    files = shard_files(state)
+    if not hasattr(core, "load_shards"):
+        return core.load_payload(state_payload(state))
+    if files is not None:
+        return core.load_shards(files)                  # type: ignore[attr-defined, no-any-return]
+    return core.load_full(state_payload(state))         # type: ignore[attr-defined, no-any-return]
+
+
 def build_trainer_core(config: TrainerConfig, *, threads: int, pretrained: str = "",
                        device: str = "cpu") -> TrainerCore:
     """Set torch's thread count and build the core of `config` from `pretrained` (`TrainerLaunch.pretrained`;
@@ -145,6 +177,7 @@ class Trainer(Actor):
         """Step → object name of this incarnation's state uploads not yet covered by a mark."""
         self.last_upload_step = 0
         self.unlogged: list[TrainStep] = []
+        self.world_size = 1
         self.keepalive_s = 1.0
         self.max_buffered = 50_000
         """Rollouts the trainer may hold unacked (its consumer's `max_ack_pending`): JetStream delivers no
@@ -161,10 +194,22 @@ class Trainer(Actor):
             self.max_buffered = int(info.config.max_ack_pending)
         self.gauges["buffer_bound"] = float(self.max_buffered)
         cfg, threads, pretrained, device = self.config, trainer_threads(), self.launch.pretrained, self.launch.device
-        self.core = await anyio.to_thread.run_sync(
-            lambda: build_trainer_core(cfg, threads=threads, pretrained=pretrained, device=device))
+        spec = rank_spec(cfg)
+
+        def build() -> TrainerCore:
+            core = build_trainer_core(cfg, threads=threads, pretrained=pretrained, device=device)
+            if spec is None:
+                return core
+            from rlbus.actors.trainer.ranks import ShardedCore, join
+
+            join(spec, core.policy.device)        # waits for every rank (the rendezvous timeout names the missing)
+            return ShardedCore(core, spec)        # type: ignore[return-value]  # TrainerCore's interface
+
+        self.core = await anyio.to_thread.run_sync(build)
+        self.world_size = 1 if spec is None else spec.world_size
+        self.gauges["world_size"] = float(self.world_size)
         log.info("trainer_model_ready", pretrained=pretrained or None, incarnation=self.incarnation,
-                 policy=self.core.policy.describe())
+                 policy=self.core.policy.describe(), world_size=self.world_size)
 
     async def run(self) -> None:
         core = self._core()
@@ -175,6 +220,8 @@ class Trainer(Actor):
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_marks, point.next_mark_seq)
             tg.start_soon(self._keepalive)
+            if self.world_size > 1:
+                tg.start_soon(self._ping_ranks)
             await self._consume()
 
     async def drain(self) -> None:
@@ -194,6 +241,8 @@ class Trainer(Actor):
                         await self._on_mark(mark)
                     if self.uploads:
                         await anyio.sleep(0.1)
+        if self.world_size > 1 and self.core is not None:
+            await anyio.to_thread.run_sync(self.core.stop)      # type: ignore[attr-defined]  # the other ranks return
         await self.bus.nc.flush(timeout=2)
         log.info("trainer_drained", step=self.step, version=self.version, held=len(self.held),
                  pending=sum(map(len, self.pending.values())))
@@ -211,8 +260,8 @@ class Trainer(Actor):
         return self.core
 
     async def _resume(self, core: TrainerCore, point: Resume) -> None:
-        if point.blob is not None and point.mark is not None:
-            meta = await anyio.to_thread.run_sync(core.load_state_blob, point.blob)
+        if point.state is not None and point.mark is not None:
+            meta = await anyio.to_thread.run_sync(load_into, core, point.state)
             self.step = self.marked_step = self.last_upload_step = int(meta["step"])
             self.parent_checkpoint = self.step
             self.consumed = {rid: self.step for rid in meta["consumed"]}
@@ -329,7 +378,7 @@ class Trainer(Actor):
                 rollout_ids=[r.rollout_id for r in rollouts],
                 dropped=[DroppedRollout(rollout_id=d.message.rollout_id, reason=why) for d, why in dropped],
                 loss=stats.loss, kl=stats.kl, reward_mean=stats.reward_mean, reward_std=stats.reward_std,
-                staleness=dict(staleness)))
+                staleness=dict(staleness), world_size=self.world_size))
         self.count("steps")
         self.count("trained", len(rollouts))
         if not stats.applied:
@@ -441,17 +490,25 @@ class Trainer(Actor):
         consumed = sorted(rid for rid, at in self.consumed.items() if at <= step)
         meta = {"step": step, "version": self.version, "consumed": consumed, "incarnation": self.incarnation,
                 "parent_step": self.parent_checkpoint, "saved_at": time.time()}
-        blob = await anyio.to_thread.run_sync(core.state_blob, meta)
-        name = Subjects.state_object(step, self.incarnation)
-        digest = await self._put(name, blob)
-        self.uploads[step] = name
+        if self.world_size > 1:
+            def upload(filename: str, data: bytes) -> tuple[str, str]:
+                shard = Subjects.shard_object(hashlib.sha256(data).hexdigest(), filename)
+                return shard, anyio.from_thread.run(self._put, shard, data)
+
+            objects, digests = await anyio.to_thread.run_sync(
+                lambda: core.save_shards(meta, upload))     # type: ignore[attr-defined]  # every rank uploads its own
+        else:
+            blob = await anyio.to_thread.run_sync(core.state_blob, meta)
+            name = Subjects.state_object(step, self.incarnation)
+            objects, digests = [name], [await self._put(name, blob)]
+        self.uploads[step] = objects[0]
         await self._publish(self.subjects.state_uploads(), StateUploaded(
-            step=step, policy_version=self.version, objects=[name], digests=[digest],
+            step=step, policy_version=self.version, objects=list(objects), digests=list(digests),
             consumed_rollout_ids=consumed, parent_step=self.parent_checkpoint),
             msg_id=f"upload-{step}-{self.incarnation}")
         self.last_upload_step = step
         self.count("state_uploads")
-        log.info("trainer_state_uploaded", step=step, version=self.version, bytes=len(blob), object=name)
+        log.info("trainer_state_uploaded", step=step, version=self.version, objects=len(objects), first=objects[0])
 
     # ---- marks and acks -------------------------------------------------------------------------
     async def _watch_marks(self, start_seq: int) -> None:
@@ -526,6 +583,15 @@ class Trainer(Actor):
         self.count("acked", len(covered))
         self.gauges["marked_step"] = float(mark.step)
         log.info("trainer_mark_covered", step=mark.step, acked=len(covered), held=len(self.held))
+
+    async def _ping_ranks(self) -> None:
+        """While the trainer waits for rollouts, ping the other ranks now and then: a dead one breaks the ping's
+        collective (the trainer fails, the launcher restarts the group) and the live ones' waits never time out."""
+        core = self._core()
+        every = max(0.5, min(5.0, self.config.collective_timeout_s / 4))
+        while True:
+            await anyio.sleep(every)
+            await anyio.to_thread.run_sync(core.ping)        # type: ignore[attr-defined]  # ShardedCore
 
     async def _keepalive(self) -> None:
         """Reset the ack wait of every rollout held or buffered, so none is redelivered while we keep it."""

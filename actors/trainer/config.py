@@ -58,6 +58,12 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     with reason 'flat') instead of training on them (DAPO dynamic sampling)."""
     seed: int = 0
     """Seed of the trainer's RNG (initialisation, shuffling)."""
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    """Trainer ranks (processes) sharing each step: rank 0 owns the bus work, the others compute their share of
+    the batch; the policy is sharded across them (FSDP2 over `torch.distributed`, gloo on CPU, NCCL on CUDA)."""
+    collective_timeout_s: Annotated[float, msgspec.Meta(ge=1)] = 60.0
+    """Every collective of a multi-rank trainer, and the rendezvous, give up after this long: a dead or stuck
+    rank tears the group down (and the launcher restarts it from the newest mark) instead of hanging it."""
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (1 = the first): `lr` at step 1, falling linearly to

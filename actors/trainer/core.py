@@ -34,6 +34,7 @@ from rlbus.actors.common.errors import CheckpointError
 from rlbus.kernels.delta_state import encode_state
 from rlbus.kernels.logprob import token_logprob_entropy
 from rlbus.messages.schemas import Rollout, Segment
+from rlbus.messages.subjects import Subjects
 from rlbus.model.generate import distinct_prompts, left_pad
 from rlbus.model.loss import Aggregation, group_relative_advantages, rl_loss, shape_rewards
 from rlbus.model.policy import (
@@ -434,7 +435,10 @@ class TrainerCore:
 
         :raises CheckpointError: another layout or architecture than this core's.
         """
-        payload = read_state(blob)
+        return self.load_payload(read_state(blob))
+
+    def load_payload(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """`load_state_blob` of a payload already read (`read_state`, or a sharded checkpoint's `state_payload`)."""
         if payload["model_config"] != self.model_config_dict():
             raise CheckpointError(f"trainer state is for architecture {payload['model_config']}, this trainer "
                                   f"runs {self.model_config_dict()}")
@@ -459,13 +463,42 @@ def read_state(blob: bytes) -> dict[str, Any]:
     return payload
 
 
-def state_policy(blob: bytes, *, device: torch.device | str = "cpu",
+def shard_files(state: Mapping[str, bytes]) -> dict[str, bytes] | None:
+    """A checkpoint's objects (name -> bytes) as the files of a sharded state (`Subjects.shard_object` names),
+    or None when they are one trainer state blob (a one-rank trainer's)."""
+    files = {Subjects.shard_filename(name): data for name, data in state.items()}
+    if None in files:
+        return None
+    return {name: data for name, data in files.items() if name is not None}
+
+
+def state_payload(state: bytes | Mapping[str, bytes]) -> dict[str, Any]:
+    """The `read_state` payload of a checkpoint: one `state_blob`, or the objects of a sharded one (gathered
+    into the same one-rank layout: full tensors, index-keyed optimizer state), so any world size reads it.
+
+    :raises CheckpointError: neither a trainer state nor a complete sharded one.
+    """
+    if isinstance(state, bytes | bytearray | memoryview):
+        return read_state(bytes(state))
+    files = shard_files(state)
+    if files is None:
+        if len(state) != 1:
+            raise CheckpointError(f"{len(state)} checkpoint objects that are not the shards of one state: "
+                                  f"{', '.join(sorted(state))[:200]}")
+        return read_state(next(iter(state.values())))
+    from rlbus.actors.trainer.ranks import shards_to_payload
+
+    return shards_to_payload(files)
+
+
+def state_policy(state: bytes | Mapping[str, bytes], *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.bfloat16) -> Policy:
-    """The policy a `state_blob` holds, in `dtype` (bfloat16: as its version is published), eval mode.
+    """The policy a checkpoint holds (a `state_blob`, or a checkpoint's objects by name: one blob or the shards
+    of a multi-rank trainer), in `dtype` (bfloat16: as its version is published), eval mode.
 
     :raises CheckpointError: not a trainer state, or one whose policy cannot be built.
     """
-    payload = read_state(blob)
+    payload = state_payload(state)
     try:
         policy = policy_from_spec(payload["model_config"], payload.get("policy_files") or {}, device=device,
                                   dtype=torch.float32)

@@ -33,8 +33,8 @@ class Resume:
 
     mark: CheckpointMark | None
     """The newest mark (None: a fresh run)."""
-    blob: bytes | None
-    """The mark's state bytes (digest-checked)."""
+    state: dict[str, bytes] | None
+    """The mark's state objects, name -> bytes (digest-checked)."""
     source: Literal["ckpt", "disk", "fresh"]
     next_version: int
     """The version the held weights are published as: after every VersionReady so far, and the mark's."""
@@ -57,8 +57,8 @@ async def resume_point(bus: Bus, *, state_dir: str = "", wait_s: float = 300.0,
     next_version = max(last_version.version + 1 if last_version else 0, mark.policy_version + 1 if mark else 0)
     if mark is None:
         return Resume(None, None, "fresh", next_version, next_mark_seq)
-    blob, source = await load_state(bus, mark, state_dir)
-    return Resume(mark, blob, source, next_version, next_mark_seq)
+    state, source = await load_state(bus, mark, state_dir)
+    return Resume(mark, state, source, next_version, next_mark_seq)
 
 
 async def wait_for_checkpointer(bus: Bus, *, wait_s: float, gauges: dict[str, float]) -> None:
@@ -89,25 +89,29 @@ async def wait_for_checkpointer(bus: Bus, *, wait_s: float, gauges: dict[str, fl
         gauges.pop("waiting_for_checkpointer", None)
 
 
-async def load_state(bus: Bus, mark: CheckpointMark, state_dir: str) -> tuple[bytes, Literal["ckpt", "disk"]]:
-    """The mark's state bytes from CKPT, else from the checkpointer's durable copy; digest-checked.
+async def load_state(bus: Bus, mark: CheckpointMark, state_dir: str) -> tuple[dict[str, bytes], Literal["ckpt", "disk"]]:
+    """The mark's state objects (name -> bytes) from CKPT, else all from the checkpointer's durable copy;
+    digest-checked. One object for a one-rank trainer, every shard file for a sharded one.
 
-    :raises CheckpointError: the mark does not list one object, or neither copy is there with its digest.
+    :raises CheckpointError: the mark lists no object, or neither copy is complete with its digests.
     """
-    if len(mark.objects) != 1 or len(mark.digests) != 1:
-        raise CheckpointError(f"checkpoint mark of step {mark.step} lists {len(mark.objects)} objects; the "
-                              f"trainer writes exactly one")
-    name, expected = mark.objects[0], mark.digests[0]
+    if not mark.objects or len(mark.objects) != len(mark.digests):
+        raise CheckpointError(f"checkpoint mark of step {mark.step} lists {len(mark.objects)} objects with "
+                              f"{len(mark.digests)} digests; expected at least one object, each with its digest")
+    files: dict[str, bytes] = {}
     try:
-        return await bus.get_object(bus.subjects.checkpoint_bucket(), name, expected_digest=expected), "ckpt"
+        for name, expected in zip(mark.objects, mark.digests, strict=True):
+            files[name] = await bus.get_object(bus.subjects.checkpoint_bucket(), name, expected_digest=expected)
+        return files, "ckpt"
     except (nats.js.errors.NotFoundError, DigestMismatch) as err:
-        log.warning("trainer_state_not_in_ckpt", step=mark.step, object=name, error=repr(err))
+        log.warning("trainer_state_not_in_ckpt", step=mark.step, objects=len(mark.objects), error=repr(err))
     if state_dir:
         try:
             return await anyio.to_thread.run_sync(read_durable_state, checkpoint_dir(Path(state_dir), mark.step),
                                                   mark), "disk"
         except CheckpointError as err:
-            log.warning("trainer_state_not_on_disk", step=mark.step, object=name, error=str(err))
-    raise CheckpointError(f"the state of checkpoint step {mark.step} ({name}) is neither in CKPT nor on disk "
-                          f"under {state_dir or '(no state_dir)'} with digest {expected}; restore the checkpoint "
-                          f"or start a fresh run")
+            log.warning("trainer_state_not_on_disk", step=mark.step, error=str(err))
+    raise CheckpointError(f"the state of checkpoint step {mark.step} ({mark.objects[0]}"
+                          f"{f' and {len(mark.objects) - 1} more' if len(mark.objects) > 1 else ''}) is neither in "
+                          f"CKPT nor on disk under {state_dir or '(no state_dir)'} with its digests; restore the "
+                          f"checkpoint or start a fresh run")

@@ -130,7 +130,8 @@ class ChaosRun:
     async def run(self) -> dict[str, Any]:
         started = time.monotonic()
         leaves = [r.name for r in self.topology.regions if r.role == "leaf"]
-        kinds = sorted({i.kind for i in self.topology.instances()})
+        kinds = sorted({i.kind for i in self.topology.instances()} |
+                       ({"trainer_rank"} if self.topology.trainer.world_size > 1 else set()))  # ranks 1..N-1
         plan = plan_faults(self.settings, kinds, leaves)
         async with Launch.open(self.topology, state_dir=self.state, relay=True) as launch:
             self.say(f"chaos: bus ready ({', '.join(f'{r}={u[0]}' for r, u in launch.endpoints.urls.items())}); "

@@ -101,7 +101,8 @@ async def test_an_unknown_weights_spec_is_a_topology_error() -> None:
 
 
 def test_a_durable_checkpoint_with_its_object_missing_or_changed_is_a_checkpoint_error(tmp_path: Path) -> None:
-    """read_durable_state names the file and the digests; a mark of two objects is refused too."""
+    """read_durable_state names the file and the digests; a mark whose objects and digests differ in number,
+    or that lists none, is refused too; a mark of several objects (a sharded state) reads each."""
     data = b"trainer state"
     mark = CheckpointMark(step=3, policy_version=2, objects=["state.pt"], digests=[digest(data)])
     with pytest.raises(CheckpointError, match=r"state.pt: missing or empty; the mark of step 3 lists it"):
@@ -109,20 +110,26 @@ def test_a_durable_checkpoint_with_its_object_missing_or_changed_is_a_checkpoint
     (tmp_path / "state.pt").write_bytes(b"another state")
     with pytest.raises(CheckpointError, match=rf"digest {digest(b'another state')}; the mark expects"):
         read_durable_state(tmp_path, mark)
-    two = CheckpointMark(step=3, policy_version=2, objects=["a", "b"], digests=["x", "y"])
-    with pytest.raises(CheckpointError, match="lists 2 objects"):
-        read_durable_state(tmp_path, two)
+    uneven = CheckpointMark(step=3, policy_version=2, objects=["a", "b"], digests=["x"])
+    with pytest.raises(CheckpointError, match="lists 2 objects with 1 digests"):
+        read_durable_state(tmp_path, uneven)
+    with pytest.raises(CheckpointError, match="lists 0 objects"):
+        read_durable_state(tmp_path, CheckpointMark(step=3, policy_version=2))
     (tmp_path / "state.pt").write_bytes(data)
-    assert read_durable_state(tmp_path, mark) == data
+    assert read_durable_state(tmp_path, mark) == {"state.pt": data}
+    (tmp_path / "shard").write_bytes(b"shard")
+    two = CheckpointMark(step=3, policy_version=2, objects=["state.pt", "shard"], digests=[digest(data), digest(b"x")])
+    with pytest.raises(CheckpointError, match=r"shard: digest .*; the mark expects"):
+        read_durable_state(tmp_path, two)
 
 
 @pytest.mark.anyio
 async def test_a_mark_or_state_the_trainer_cannot_resume_from_is_a_checkpoint_error() -> None:
-    """`load_state` refuses a mark of two objects before it reads anything; `load_state_blob` a state of
-    another format, naming the format found and the one expected."""
-    two = CheckpointMark(step=4, policy_version=3, objects=["a", "b"], digests=["x", "y"])
-    with pytest.raises(CheckpointError, match="mark of step 4 lists 2 objects"):
-        await load_state(None, two, "")  # type: ignore[arg-type]  # refused before the bus is used
+    """`load_state` refuses a mark without a digest per object before it reads anything; `load_state_blob` a
+    state of another format, naming the format found and the one expected."""
+    uneven = CheckpointMark(step=4, policy_version=3, objects=["a", "b"], digests=["x"])
+    with pytest.raises(CheckpointError, match="mark of step 4 lists 2 objects with 1 digests"):
+        await load_state(None, uneven, "")  # type: ignore[arg-type]  # refused before the bus is used
     buffer = io.BytesIO()
     torch.save({"format": STATE_FORMAT + 1}, buffer)
     with pytest.raises(CheckpointError, match=rf"format {STATE_FORMAT + 1}, expected {STATE_FORMAT}"):

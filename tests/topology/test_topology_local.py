@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -22,8 +23,9 @@ from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Event
 from rlbus.topology.examples import example_path
-from rlbus.topology.launch import Launch
+from rlbus.topology.launch import Launch, actor_specs
 from rlbus.topology.load import load
+from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
 from rlbus.topology.schema import RestartSettings, Topology
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
@@ -83,6 +85,48 @@ async def test_sigkilled_actor_restarts_then_fails_past_policy(tmp_path: Path) -
         assert all(_alive(pid) for pid in others.values())
         tg.cancel_scope.cancel()
     assert not any(_alive(pid) for pid in before.values())
+
+
+def _rendezvous(pid: int) -> str:
+    env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RLBUS_RENDEZVOUS=")), "")
+
+
+async def test_a_restart_group_goes_down_and_up_together_on_a_fresh_rendezvous(tmp_path: Path) -> None:
+    """Two actors in one restart group (how a trainer's ranks run) share a rendezvous address; SIGKILL of one
+    takes the other down too, both restart (new pids, one new shared rendezvous), and the actors outside the
+    group keep their pids."""
+    topology = _demo(tmp_path, max_restarts=2)
+    seen: list[tuple[str, str]] = []
+
+    async def sink(kind: str, spec: ProcessSpec, detail: str) -> None:
+        seen.append((kind, spec.actor_id))
+
+    async with Launch.open(topology) as launch, anyio.create_task_group() as tg:
+        specs = actor_specs(topology, launch.endpoints, heartbeat_s=0.5, state_dir=launch.state_dir)
+        members = [replace(spec, group="g") for spec in specs if spec.kind == "demo_producer"][:2]
+        others = [spec for spec in specs if spec.actor_id not in {m.actor_id for m in members}]
+        sup = LocalSupervisor([*members, *others], policy=RestartPolicy(max_restarts=2, backoff_initial_s=0.1),
+                              log_dir=tmp_path / "logs", on_event=sink)
+        await tg.start(sup.run)
+        before = sup.pids()
+        a, b = (m.actor_id for m in members)
+        shared = {_rendezvous(before[a]), _rendezvous(before[b])}
+        assert len(shared) == 1 and next(iter(shared)).startswith("127.0.0.1:")
+        os.kill(before[b], signal.SIGKILL)
+        with anyio.fail_after(30):
+            while sum(k == "restarted" for k, _ in seen) < 2:
+                await anyio.sleep(0.1)
+        after = sup.pids()
+        assert after[a] != before[a] and after[b] != before[b]
+        assert not _alive(before[a]) and not _alive(before[b])
+        again = {_rendezvous(after[a]), _rendezvous(after[b])}
+        assert len(again) == 1 and again != shared
+        assert {k: v for k, v in after.items() if k not in (a, b)} == {k: v for k, v in before.items() if k not in (a, b)}
+        assert [k for k, x in seen if x == b] == ["started", "crashed", "restarted"]
+        assert [k for k, x in seen if x == a] == ["started", "crashed", "restarted"]
+        tg.cancel_scope.cancel()
+    assert not any(_alive(pid) for pid in after.values())
 
 
 LEAF = '''[[regions]]

@@ -287,6 +287,40 @@ async def test_ray_gives_up_and_the_actor_is_failed(
     assert not _alive(victim.pid)
 
 
+async def test_a_ray_restart_group_is_placed_across_nodes_and_restarts_together(
+        ray_cluster: RayCluster, nats_server: EmbeddedServer, admin_bus: Bus, tmp_path: Path) -> None:
+    """A restart group (how a trainer's ranks are launched) is placed by one placement group, a bundle per
+    member on its region's node, and meets at a rendezvous on the first member's node; SIGKILL of the second
+    member takes the first one down too, and both come back (new pids) and heartbeat again."""
+    credentials = await _provision(admin_bus, nats_server, tmp_path, ["hub", "eu"])
+    specs = [replace(spec, group="g") for spec in
+             _specs(admin_bus, nats_server, credentials, {"hub-g-0": "hub", "eu-g-1": "eu"})]
+    watch = Watch()
+    backend = RayBackend(specs, policy=RestartPolicy(max_restarts=2, backoff_initial_s=0.2),
+                         address=ray_cluster.address, node_ip_address=HUB_IP, on_event=watch.on_event,
+                         drain_timeout_s=10)
+    async with anyio.create_task_group() as outer:
+        await outer.start(watch.heartbeats, admin_bus)
+        async with anyio.create_task_group() as tg:
+            await tg.start(backend.run)
+            placed = backend.placements
+            await _until(lambda: len(placed()) == 2 and all(
+                (hb := watch.last(a)) is not None and hb.pid == p.pid for a, p in placed().items()), "both beat")
+            first, second = placed()["hub-g-0"], placed()["eu-g-1"]
+            assert (first.node_ip, second.node_ip) == (HUB_IP, EU_IP)
+            os.kill(second.pid, signal.SIGKILL)
+            await _until(lambda: sum(k == "restarted" for k, _, _ in watch.events) == 2, "both restarted")
+            await _until(lambda: all((hb := watch.last(a)) is not None and hb.pid not in (first.pid, second.pid)
+                                     for a in ("hub-g-0", "eu-g-1")), "both beat again from new processes")
+            assert [k for k, a, _ in watch.events if a == "eu-g-1"] == ["started", "crashed", "restarted"]
+            assert [k for k, a, _ in watch.events if a == "hub-g-0"] == ["started", "restarted"]
+            assert placed()["hub-g-0"].node_ip == HUB_IP and placed()["eu-g-1"].node_ip == EU_IP
+            pids = {first.pid, second.pid, *(p.pid for p in placed().values())}
+            tg.cancel_scope.cancel()
+        outer.cancel_scope.cancel()
+    await _until(lambda: not any(_alive(p) for p in pids), "Ray workers gone", timeout_s=20)
+
+
 def _children() -> set[int]:
     """Live (non-zombie) child processes of this test process."""
     mine = str(os.getpid())

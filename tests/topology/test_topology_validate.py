@@ -174,10 +174,10 @@ def test_examples_validate_clean(name: str) -> None:
 
 def test_example_names_and_lookup() -> None:
     """example_path finds each shipped example by name, with or without .toml; an unknown name is a TopologyError."""
-    assert example_names() == ["agentic", "demo", "hf", "ray", "single", "three_regions", "tiny"]
+    assert example_names() == ["agentic", "demo", "hf", "ranks", "ray", "single", "three_regions", "tiny"]
     assert example_path("single.toml") == example_path("single")
     assert example_path("single").read_text().startswith("# One region")
-    with pytest.raises(TopologyError, match="examples are: agentic, demo, hf, ray, single, three_regions, tiny"):
+    with pytest.raises(TopologyError, match="examples are: agentic, demo, hf, ranks, ray, single, three_regions, tiny"):
         example_path("five_regions")
 
 

@@ -1,0 +1,109 @@
+"""A trainer of two ranks inside the real RL job: `rlbus up` on the `ranks` example (world_size = 2, FSDP2 over
+gloo) with rank 1 SIGKILLed mid-run. The launcher tears the group down (the trainer too) and restarts both on a fresh
+rendezvous; the run reaches its last step, exits 0, and the ledger shows 0 lost and 0 trained twice. Then the same
+state directory goes on with a one-rank trainer: the sharded checkpoint loads at world size 1 (2 -> 1)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from rlbus.ops.up import stop_leftovers
+from rlbus.topology.examples import example_path
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+
+STEPS = 6
+KILL_AT_STEP = 2
+
+
+def _topology(tmp_path: Path, world_size: int) -> Path:
+    """ranks.toml with a shorter pretraining (the policy only has to produce programs to grade)."""
+    text = example_path("ranks").read_text().replace("steps = 30", "steps = 6").replace("eval_n = 8", "eval_n = 4")
+    text = text.replace("world_size = 2", f"world_size = {world_size}")
+    path = tmp_path / f"ranks{world_size}.toml"
+    path.write_text(text)
+    return path
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _pids(state: Path, kind: str, processes_mentioning: Callable[[str], list[int]]) -> set[int]:
+    return {p for p in processes_mentioning(str(state)) if f"--kind {kind} " in _cmdline(p) + " "}
+
+
+def _run(cmd: list[str], on_line: Callable[[str], None] | None = None) -> tuple[int, str]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line)
+        return proc.wait(timeout=300), "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _clean(out: str, steps: int) -> None:
+    done = int(out.split("optimizer steps ", 1)[1].split(",", 1)[0])
+    assert done >= steps, out[-3000:]
+    assert "ledger (clean)" in out and "lost 0, trained twice 0" in out, out[-3000:]
+
+
+def test_a_two_rank_trainer_survives_a_sigkill_of_rank_1_and_its_checkpoint_loads_at_one_rank(
+        tmp_path: Path, processes_mentioning: Callable[[str], list[int]]) -> None:
+    """SIGKILL rank 1 after step 2: both ranks restart (new pids), the run reaches step 6 with a clean ledger and
+    leaves no process; a one-rank trainer then resumes the same run from the two-rank checkpoint."""
+    state = tmp_path / "state"
+    killed: dict[str, int] = {}
+    before: dict[str, set[int]] = {}
+
+    def on_line(line: str) -> None:
+        if line.startswith(f"v{KILL_AT_STEP} ") and not killed:
+            before["trainer"] = _pids(state, "trainer", processes_mentioning)
+            before["rank"] = _pids(state, "trainer_rank", processes_mentioning)
+            assert len(before["trainer"]) == 1 and len(before["rank"]) == 1, before
+            killed["rank"] = next(iter(before["rank"]))
+            os.kill(killed["rank"], signal.SIGKILL)
+        if line.startswith(f"v{KILL_AT_STEP + 2} ") and killed and "after" not in killed:
+            killed["after"] = 1
+            before["trainer_after"] = _pids(state, "trainer", processes_mentioning)
+            before["rank_after"] = _pids(state, "trainer_rank", processes_mentioning)
+
+    cli = [sys.executable, "-m", "rlbus.ops.cli", "up"]
+    try:
+        code, out = _run([*cli, str(_topology(tmp_path, 2)), "--state-dir", str(state), "--steps", str(STEPS)],
+                         on_line)
+        assert code == 0, out[-4000:]
+        assert killed, "the run ended before step 2:\n" + out[-3000:]
+        _clean(out, STEPS)
+        # the group went down and up together: a new trainer process and a new rank 1
+        assert before["rank_after"] and not before["rank_after"] & before["rank"], before
+        assert before["trainer_after"] and not before["trainer_after"] & before["trainer"], before
+        assert processes_mentioning(str(state)) == []
+        code, out = _run([*cli, str(_topology(tmp_path, 1)), "--state-dir", str(state), "--steps", str(STEPS + 2)])
+        assert code == 0, out[-4000:]
+        _clean(out, STEPS + 2)
+        assert "trainer_rank" not in " ".join(_cmdline(p) for p in processes_mentioning(str(state)))
+    finally:
+        stop_leftovers(state)
+    assert processes_mentioning(str(state)) == []
