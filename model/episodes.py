@@ -77,10 +77,11 @@ def start_episode(task: Task, tokenizer: ChatTokenizer, *, max_attempts: int = M
 
 
 def completion_text(ids: Sequence[int], tokenizer: ChatTokenizer) -> str:
-    """The text of sampled ids, cut at the first stop id (<|end_turn|> or <|eos|> for the byte tokenizer)."""
+    """The text of sampled ids, cut at the first stop id (<|end_turn|> or <|eos|> for the byte tokenizer); ids
+    the tokenizer has no text for (embedding rows past its vocabulary) are skipped."""
     stops = tokenizer.stop_ids
     cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
-    return tokenizer.decode(ids[:cut])
+    return tokenizer.decode([t for t in ids[:cut] if 0 <= t < tokenizer.vocab_size])
 
 
 def add_attempt(episode: Episode, completion_ids: Sequence[int], result: GradeResult,
@@ -100,16 +101,22 @@ def add_summary(episode: Episode, summary_ids: Sequence[int]) -> Episode:
     return replace(episode, turns=(episode.turns[0], Turn("summary", tuple(summary_ids))))
 
 
-def episode_tokens(episode: Episode, tokenizer: ChatTokenizer) -> EpisodeTokens:
-    """Flatten an episode; loss_mask is 1 exactly on the ids the policy sampled (assistant/summary content)."""
+def turns_tokens(turns: Sequence[Turn], tokenizer: ChatTokenizer) -> EpisodeTokens:
+    """Turns flattened (bos, then each turn framed); loss_mask is 1 exactly on the ids the policy sampled
+    (assistant/summary content). Every environment's state is laid out by this (model/env/base.py)."""
     bos = tokenizer.bos()
     ids, mask, turn = list(bos), [0] * len(bos), [-1] * len(bos)
-    for index, t in enumerate(episode.turns):
+    for index, t in enumerate(turns):
         framed, framed_mask = frame_turn(tokenizer, t.role, t.ids)
         ids += framed
         mask += framed_mask
         turn += [index] * len(framed)
     return EpisodeTokens(ids, mask, turn)
+
+
+def episode_tokens(episode: Episode, tokenizer: ChatTokenizer) -> EpisodeTokens:
+    """Flatten an episode (`turns_tokens` of its turns)."""
+    return turns_tokens(episode.turns, tokenizer)
 
 
 def context_ids(episode: Episode, tokenizer: ChatTokenizer) -> list[int]:

@@ -7,9 +7,11 @@ partial from the region's PARTIALS KV (key = task id) and resume it — unless i
 (`check_partial`): then it is discarded with an Event(incident) — or start G episodes; then step
 the group until every episode is done — self-summarise an episode whose context is over budget, sample
 the open drafts together `partial_every_tokens` at a time (`model.generate` in a worker thread, weights
-swapped in flight through `WeightSource.maybe_swap`), and once every draft is complete grade them in
-the region's sandbox (request/reply; a timeout or error is a failed attempt, never a crash) and add
-the feedback as an observation. The partial is saved (compare-and-set) after every chunk and every
+swapped in flight through `WeightSource.maybe_swap`), and once every draft is complete take each as a turn of
+the function-writing environment (model/env/function.py `FunctionEnvironment.step`: the environment extracts the
+program, the generator's port grades it in the region's sandbox — request/reply, each distinct program of the
+round once; a timeout or error is a failed attempt, never a crash — and the environment adds the feedback as an
+observation). The partial is saved (compare-and-set) after every chunk and every
 graded round. With `max_group_size`, a finished group in which no episode passed grows by G fresh episodes
 (saved, then stepped like the rest) until one passes or the cap is reached: a task the policy solves once
 in 30 tries has no pass in most groups of 8, so its groups are all-fail and teach nothing, while a grown
@@ -24,7 +26,7 @@ Does not: define the partial layout or flatten rollouts (actors/generator/group.
 (actors/common/weight_source.py), run code (actors/sandbox/supervisor.py).
 
 Heartbeat counters: tasks, rollouts, resumed, sandbox_errors, tokens, graded_repeats (drafts that
-reused the verdict of an identical draft of the same round: each distinct program runs once), groups_grown
+reused the verdict of a draft of the same round with the same program: each distinct program runs once), groups_grown
 (G episodes added to a group without a pass), grown_unpublished (episodes of grown groups left out by
 `grown_subsample`), summaries, publish_failures, taken_over, rejected; gauges: tokens_per_s, held_version,
 sessions_held (sandbox sessions of agentic episodes open now).
@@ -51,7 +53,7 @@ from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.config import decode_config
 from rlbus.actors.common.errors import PartialGroupError, TaskError
 from rlbus.actors.common.feed import task_from_verifier
-from rlbus.actors.common.sandbox_client import grade_result, request_for, run_in_sandbox
+from rlbus.actors.common.sandbox_client import grade_result, request_for_case, run_in_sandbox
 from rlbus.actors.common.weight_source import WeightSource, open_weights
 from rlbus.actors.generator.agentic import AgenticGroups, environment_of, fits
 from rlbus.actors.generator.batcher import SampleBatcher
@@ -64,17 +66,17 @@ from rlbus.actors.generator.group import (
     SampledSummary,
     add_chunk,
     any_passed,
+    apply_step,
     base_context,
     build_rollout,
     check_partial,
     decode_partial,
     encode_partial,
+    function_state,
     grow_group,
     new_group,
-    policy_text,
     prompt_length,
     published_episodes,
-    record_attempt,
     record_summary,
 )
 from rlbus.messages.bus import Bus, Delivery
@@ -83,7 +85,9 @@ from rlbus.messages.kv import put_at
 from rlbus.messages.retry import retry_policy
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
+from rlbus.model.env import FunctionEnvironment
 from rlbus.model.generate import SampledSequence, generate
+from rlbus.model.grading import GradeCase, GradeResult
 from rlbus.model.policy import ChatTokenizer, Policy
 from rlbus.model.repo_tasks import VERIFIER_KIND as REPO_KIND
 from rlbus.model.repo_tasks import RepoTask
@@ -266,22 +270,19 @@ class Generator(Actor):
         grading = [(g, ep) for g, ep in enumerate(state.episodes)
                    if not ep.done(self.config.max_attempts) and ep.draft_done]
         started = time.monotonic()
-        texts = {g: policy_text(ep.draft_ids, self.tokenizer) for g, ep in grading}
-        first: dict[str, int] = {}
-        for g, _ in grading:
-            first.setdefault(texts[g], g)
-        verdicts: dict[str, Attempt] = {}
+        env = FunctionEnvironment(self.tokenizer, max_attempts=self.config.max_attempts)
+        port = _RoundGrades(self, task, state.task_id)
 
-        async def grade(text: str, g: int) -> None:
-            attempt = len(state.episodes[g].attempts)
-            verdicts[text] = await self._grade(task, state.task_id, g, text, attempt=attempt)
+        async def step(ep: EpisodeState) -> None:
+            episode_port = port.episode(len(ep.attempts))
+            outcome = await env.step(function_state(ep, task, self.config.max_attempts), ep.draft_ids, episode_port)
+            assert episode_port.attempt is not None   # the step graded through it
+            apply_step(ep, outcome.state, episode_port.attempt)
 
         async with anyio.create_task_group() as tg:       # each distinct program of the round runs once
-            for text, g in first.items():
-                tg.start_soon(grade, text, g)
-        for g, ep in grading:
-            record_attempt(ep, task, verdicts[texts[g]], self.tokenizer, self.config.max_attempts)
-        self.count("graded_repeats", len(grading) - len(first))
+            for _, ep in grading:
+                tg.start_soon(step, ep)
+        self.count("graded_repeats", port.repeats)
         state.grade_s += time.monotonic() - started
         state.rounds += 1
 
@@ -301,22 +302,11 @@ class Generator(Actor):
         if summary_tokens < 1:
             ep.ended = "no_room"
             return True
-        weights = self._weights()
-        version = weights.held_version or 0
         seed = _seed(state)
 
         def summarise() -> SampledSummary:
-            with self._model_lock:
-                summary = summarize_if_over_budget(
-                    weights.model, context, budget=budget, keep_prefix=keep,
-                    summary_prompt=tok.header("summary"), max_summary_tokens=summary_tokens,
-                    eos_id=tok.stop_id, temperature=self.config.temperature, version=version,
-                    on_step=weights.maybe_swap, generator=torch.Generator().manual_seed(seed))
-            assert summary is not None  # len(context) > budget
-            sample = summary.sample
-            return SampledSummary(source=list(summary.source), ids=sample.tokens.tolist(),
-                                  logprobs=sample.logprobs.tolist(), versions=sample.versions.tolist(),
-                                  routing=None if sample.routing is None else sample.routing.numpy())
+            return self.write_summary(context, budget=budget, keep=keep, prompt=tok.header("summary"),
+                                      tokens=summary_tokens, seed=seed)
 
         started = time.monotonic()
         written = await anyio.to_thread.run_sync(summarise)
@@ -363,18 +353,18 @@ class Generator(Actor):
                             version=weights.held_version or 0, on_step=weights.maybe_swap,
                             generator=torch.Generator().manual_seed(seed), kv_dtype=torch.bfloat16)
 
-    async def _grade(self, task: Task, task_id: str, g: int, text: str, *, attempt: int) -> Attempt:
-        """Grade episode g's done draft `text` in the region's sandbox; no verdict is a failed attempt,
-        counted. Drafts of the round with the same text share this verdict (`_advance`)."""
-        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-        request = request_for(task, text, request_id=f"{task_id}-{g}-a{attempt}-{digest}",
-                              limits=SandboxLimits())
+    async def grade_case(self, task: Task, task_id: str, case: GradeCase, *, attempt: int) -> Attempt:
+        """Grade `case` (an attempt's program on the task's hidden tests) in the region's sandbox; no verdict is a
+        failed attempt, counted. The attempts of a round with the same program share this verdict
+        (`_RoundGrades`)."""
+        digest = hashlib.sha256(case.code.encode()).hexdigest()[:12]
+        request = request_for_case(case, request_id=f"{task_id}-a{attempt}-{digest}", limits=SandboxLimits())
         try:
             result = await run_in_sandbox(self.bus, self.ident.region, request,
                                           timeout_s=self.config.sandbox_timeout_s)
         except (RlbusError, nats.errors.Error, TimeoutError) as err:
             self.count("sandbox_errors")
-            log.warning("sandbox_unavailable", task_id=task_id, group_index=g, error=repr(err))
+            log.warning("sandbox_unavailable", task_id=task_id, attempt=attempt, error=repr(err))
             return Attempt(status="error", n_passed=0, n_tests=len(task.tests),
                            feedback=f"the sandbox gave no verdict ({type(err).__name__})",
                            verdict=SandboxVerdict(total=len(task.tests), status="error"), sandbox_error=True)
@@ -474,6 +464,30 @@ class Generator(Actor):
         self.gauges["tokens_per_s"] = self.counters["tokens"] / max(self._sampling_s, 1e-9)
         return samples
 
+    def write_summary(self, context: list[int], *, budget: int, keep: int, prompt: list[int], tokens: int,
+                      seed: int) -> SampledSummary:
+        """The policy's summary of `context` (model/summarize.py `summarize_if_over_budget`: it reads the context,
+        its oldest tokens after the first `keep` dropped past what it can read, then `prompt`, and writes at most
+        `tokens`), with what it read and each id's logprob, version and routing. Blocking (a worker thread): the
+        model lock is held, weights swapped in flight.
+
+        :raises ValueError: the context fits `budget` (nothing to summarise) or the summary cannot fit it.
+        """
+        weights = self._weights()
+        tok = self.tokenizer
+        with self._model_lock:
+            summary = summarize_if_over_budget(
+                weights.model, context, budget=budget, keep_prefix=keep, summary_prompt=prompt,
+                max_summary_tokens=tokens, eos_id=tok.stop_id, temperature=self.config.temperature,
+                version=weights.held_version or 0, on_step=weights.maybe_swap,
+                generator=torch.Generator().manual_seed(seed))
+        if summary is None:
+            raise ValueError(f"a context of {len(context)} tokens fits the budget {budget}: nothing to summarise")
+        sample = summary.sample
+        return SampledSummary(source=list(summary.source), ids=sample.tokens.tolist(),
+                              logprobs=sample.logprobs.tolist(), versions=sample.versions.tolist(),
+                              routing=None if sample.routing is None else sample.routing.numpy())
+
     def weights_source(self) -> WeightSource:
         return self._weights()
 
@@ -509,6 +523,46 @@ class Generator(Actor):
         self.policy_version = version
         if version is not None:
             self.gauges["held_version"] = float(version)
+
+
+class _RoundGrades:
+    """The `GradePort` of one graded round of a function group: each distinct case (program and tests) runs in the
+    sandbox once, the round's other attempts with that case reuse its verdict (counted in `repeats`)."""
+
+    def __init__(self, gen: Generator, task: Task, task_id: str) -> None:
+        self.gen, self.task, self.task_id = gen, task, task_id
+        self.repeats = 0
+        self._done: dict[GradeCase, Attempt] = {}
+        self._running: dict[GradeCase, anyio.Event] = {}
+
+    def episode(self, attempt: int) -> _EpisodeGrade:
+        """The port of one episode's attempt (number `attempt`, from 0)."""
+        return _EpisodeGrade(self, attempt)
+
+    async def attempt(self, case: GradeCase, attempt: int) -> Attempt:
+        running = self._running.get(case)
+        if running is not None:
+            await running.wait()
+            self.repeats += 1
+            return self._done[case]
+        self._running[case] = done = anyio.Event()
+        try:
+            self._done[case] = await self.gen.grade_case(self.task, self.task_id, case, attempt=attempt)
+        finally:
+            done.set()
+        return self._done[case]
+
+
+class _EpisodeGrade:
+    """One episode's `GradePort` in a round; keeps the `Attempt` (the grade with the sandbox's verdict)."""
+
+    def __init__(self, round_: _RoundGrades, attempt: int) -> None:
+        self.round, self.number = round_, attempt
+        self.attempt: Attempt | None = None
+
+    async def grade(self, case: GradeCase) -> GradeResult:
+        self.attempt = await self.round.attempt(case, self.number)
+        return self.attempt.grade()
 
 
 def _seed(state: PartialGroup) -> int:

@@ -9,7 +9,10 @@ A turn: one policy turn for every open episode (sampled together through the gen
 capped by `AgenticEnvironment.room` and `[generator] max_tokens`, weights swapped in flight; or, with
 `[generator] script`, the script's turn scored by one forward pass of the live policy), then
 `AgenticEnvironment.step` through the episode's session, then a snapshot of each workspace a turn may have
-changed, then the partial saved (compare-and-set). A replacement generator reopens each unfinished
+changed, then the partial saved (compare-and-set). Before a turn, an episode whose context is due for a summary
+(`AgenticEnvironment.needs_summary`) gets one instead, as a step of its own: the live policy writes it, the turns it
+replaces and the summary become segments under their own contexts (`AgenticEpisode.segments`; the Rollout carries
+them). A replacement generator reopens each unfinished
 episode's session seeded with the task's files overlaid by the snapshot (`restore_files`), never by
 re-running commands. Once every episode is done the sessions are closed and the G Rollouts published.
 Leases: the open sessions' leases are renewed while turns are sampled (`_keep_alive`). Sandbox failures: opening a
@@ -21,6 +24,7 @@ Does not: parse tool calls, run budgets or grade (model/env/agentic.py), run too
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -39,12 +43,12 @@ import zstandard
 
 from rlbus.actors.common.errors import PartialGroupError
 from rlbus.actors.common.sessions import SandboxSession, open_session, restore_files
-from rlbus.actors.generator.group import MAX_PARTIAL_BYTES, fill_versions
+from rlbus.actors.generator.group import MAX_PARTIAL_BYTES, PartialLimits, check_segment, fill_versions
 from rlbus.messages.errors import DigestMismatch, RlbusError, SandboxCrashed
 from rlbus.messages.kv import put_at
 from rlbus.messages.objects import digest
 from rlbus.messages.retry import retry_policy
-from rlbus.messages.schemas import Event, Rollout, SandboxVerdict, TensorBlob, ToolResult
+from rlbus.messages.schemas import Event, Rollout, SandboxVerdict, Segment, TensorBlob, ToolResult
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model.env import (
     SUBMIT_SCRIPT,
@@ -104,6 +108,9 @@ class AgenticEpisode(msgspec.Struct, kw_only=True):
     snapshot_digest: str = ""
     """`sha256:<hex>` of that object."""
     sandbox_error: str = ""
+    segments: list[Segment] = []
+    """What each summary closed, oldest first: the policy turns before it (under the episode's first context) and
+    the summary itself (under what the policy read); the Rollout carries them (`Rollout.segments`)."""
 
 
 class AgenticPartial(msgspec.Struct, kw_only=True):
@@ -191,8 +198,18 @@ def _check_episode(ep: AgenticEpisode, task: RepoTask, first: Turn, env: Agentic
     if state.task != task or not state.turns or state.turns[0] != first:
         raise PartialGroupError("not this task's episode")
     policy = [t for t in state.turns if t.role == "assistant"]
-    if any(t.role in ("user", "summary") for t in state.turns[1:]) or len(policy) != state.policy_turns:
+    summary = 1 if state.summaries else 0        # a summary is the turn after the task, and only that one
+    if (any(t.role == "user" for t in state.turns[1:]) or state.summaries < 0
+            or any(t.role == "summary" for t in state.turns[1 + summary:])
+            or (summary and (len(state.turns) < 2 or state.turns[1].role != "summary"))
+            or (len(policy) != state.policy_turns if not summary else len(policy) > state.policy_turns)):
         raise PartialGroupError("turn roles out of place")
+    if len(ep.segments) > 2 * state.summaries:
+        raise PartialGroupError(f"{len(ep.segments)} segments for {state.summaries} summaries")
+    for k, seg in enumerate(ep.segments):
+        check_segment(seg, PartialLimits(group_size=limits.group_size, max_attempts=1, max_tokens=limits.max_seq_len,
+                                         max_seq_len=limits.max_seq_len, vocab_size=limits.vocab_size,
+                                         held_version=limits.held_version), what=f"segment {k}")
     if len(ep.logprobs) != len(policy) or len(ep.versions) != len(policy):
         raise PartialGroupError(f"{len(ep.logprobs)} logprob and {len(ep.versions)} version lists for "
                                 f"{len(policy)} policy turns")
@@ -220,7 +237,8 @@ def budgets_of(generator: Generator) -> AgenticBudgets:
     return AgenticBudgets(max_turns=a.max_turns, max_tool_calls=a.max_tool_calls,
                           max_tokens=min(a.max_tokens, generator.model.max_seq_len), min_turn_tokens=a.min_turn_tokens,
                           wall_s=a.wall_s, observation_chars=a.observation_chars,
-                          observation_tokens=a.observation_tokens, run_timeout_s=a.run_timeout_s)
+                          observation_tokens=a.observation_tokens, run_timeout_s=a.run_timeout_s,
+                          summary_tokens=a.summary_tokens)
 
 
 def environment_of(generator: Generator) -> AgenticEnvironment:
@@ -294,7 +312,8 @@ class AgenticGroups:
                 tg.start_soon(self._keep_alive, sessions)
                 try:
                     while not all(s.done for s in states):
-                        await self._turn(partial, states, sessions, snapshots, task, env)
+                        if not await self._summarise(partial, states, env):
+                            await self._turn(partial, states, sessions, snapshots, task, env)
                         partial.writer = gen.ident.actor_id
                         revision = await self._save(key, partial, revision)
                 except _TakenOver:
@@ -319,6 +338,37 @@ class AgenticGroups:
                             await session.tool("list_files", {"path": "."})
                         except (RlbusError, nats.errors.Error, TimeoutError):
                             pass
+
+    async def _summarise(self, partial: AgenticPartial, states: list[AgenticState], env: AgenticEnvironment) -> bool:
+        """Summarise every open episode whose context leaves no room for its next turn (`needs_summary`): the policy
+        writes the summary (sampled, scripted policy or not), the turns before it and the summary become segments,
+        the history is replaced. A step of its own, saved before the next turn; False when none was due."""
+        due = [g for g, s in enumerate(states) if env.needs_summary(s)]
+        gen = self.gen
+        for g in due:
+            state, ep = states[g], partial.episodes[g]
+            plan = env.summary_plan(state)
+            assert plan is not None          # needs_summary
+            context = state_context(state, env.tokenizer)
+            seed = int.from_bytes(hashlib.sha256(f"{partial.task_id}:agentic-summary:{partial.turns}:{g}".encode())
+                                  .digest()[:7], "big")
+            started = time.monotonic()
+            written = await anyio.to_thread.run_sync(functools.partial(
+                gen.write_summary, context, budget=plan.budget, keep=plan.keep, prompt=list(plan.prompt),
+                tokens=plan.tokens, seed=seed))
+            partial.generate_s += time.monotonic() - started
+            before = agentic_segment(ep, state, env)
+            if before is not None:
+                ep.segments.append(before)
+            ep.segments.append(written.segment(routing=False))     # agentic rollouts carry no routing
+            states[g] = env.summarize(state, written.ids)
+            ep.state, ep.logprobs, ep.versions = encode_state(states[g]), [], []
+            partial.sampled_tokens += len(written.ids)
+            gen.count("summaries")
+            gen.count("tokens", len(written.ids))
+            log.info("episode_summarised", task_id=partial.task_id, group_index=g, context=len(context),
+                     summary=len(written.ids), kind="agentic")
+        return bool(due)
 
     async def _turn(self, partial: AgenticPartial, states: list[AgenticState], sessions: dict[int, SandboxSession],
                     snapshots: dict[int, WorkspaceSnapshot], task: RepoTask, env: AgenticEnvironment) -> None:
@@ -468,7 +518,8 @@ class AgenticGroups:
         if name != ep.snapshot:
             if name not in partial.objects:
                 await self.gen.bus.put_object(self.bucket, name, blob)
-                partial.objects.append(name)
+                if name not in partial.objects:     # another episode's identical snapshot may have been put meanwhile
+                    partial.objects.append(name)
             ep.snapshot, ep.snapshot_digest = name, digest(blob)
         snapshots[g] = snap
 
@@ -582,27 +633,51 @@ class AgenticGroups:
                  resumes=partial.resumes)
 
 
-def agentic_rollout(ep: AgenticEpisode, state: AgenticState, env: AgenticEnvironment, *, task_id: str,
-                    group_index: int, group_size: int, region: str, generator_id: str,
-                    timings: Mapping[str, float]) -> Rollout:
-    """A finished episode as a Rollout: prompt = the first user turn's context (bos, the user turn, the
-    assistant header); completion = the rest up to the last policy id; loss mask exactly the policy's ids
-    (`state_tokens`), their behaviour logprobs and versions in order (versions of other tokens filled from the
-    nearest policy token); reward and verdict from the final state."""
+def agentic_segment(ep: AgenticEpisode, state: AgenticState, env: AgenticEnvironment) -> Segment | None:
+    """The episode's turns since its last summary as trained tokens: prompt = the first user turn's context (bos,
+    the user turn, the assistant header's length of what follows); completion = the rest up to the last policy id;
+    loss mask exactly the ids of its assistant turns (a summary turn is context here: it is a segment of its own),
+    their behaviour logprobs and versions in order (versions of other tokens filled from the nearest policy
+    token). None when no assistant turn follows the task (or the last summary).
+
+    :raises ValueError: the logprobs kept are not one per policy id.
+    """
     tok = env.tokenizer
     flat = state_tokens(state, tok)
     first = msgspec.structs.replace(state, turns=state.turns[:1])
     n_prompt = len(state_context(first, tok))
-    policy = [i for i, m in enumerate(flat.loss_mask) if m]
+    mask = [m if k >= 0 and state.turns[k].role == "assistant" else 0
+            for m, k in zip(flat.loss_mask, flat.turn, strict=True)]
+    policy = [i for i, m in enumerate(mask) if m]
     lps = [x for turn in ep.logprobs for x in turn]
     vers = [v for turn in ep.versions for v in turn]
-    if not policy or len(policy) != len(lps) or policy[0] < n_prompt:
-        raise ValueError(f"episode {task_id}-{group_index}: {len(policy)} policy ids for {len(lps)} logprobs")
+    if not policy and not lps:
+        return None
+    if len(policy) != len(lps) or policy[0] < n_prompt:
+        raise ValueError(f"{len(policy)} policy ids for {len(lps)} logprobs")
     end = policy[-1] + 1
     logprobs, versions = [0.0] * end, [-1] * end
     for i, lp, v in zip(policy, lps, vers, strict=True):
         logprobs[i], versions[i] = lp, v
     versions = fill_versions(versions)
+    return Segment(prompt_tokens=TensorBlob.of(flat.ids[:n_prompt], "int32"),
+                   completion_tokens=TensorBlob.of(flat.ids[n_prompt:end], "int32"),
+                   behaviour_logprobs=TensorBlob.of(logprobs[n_prompt:end], "float32"),
+                   policy_versions=TensorBlob.of(versions[n_prompt:end], "int32"),
+                   loss_mask=TensorBlob.of(mask[n_prompt:end], "uint8"))
+
+
+def agentic_rollout(ep: AgenticEpisode, state: AgenticState, env: AgenticEnvironment, *, task_id: str,
+                    group_index: int, group_size: int, region: str, generator_id: str,
+                    timings: Mapping[str, float]) -> Rollout:
+    """A finished episode as a Rollout: its turns since the last summary (`agentic_segment`), its earlier segments
+    (`AgenticEpisode.segments`), reward and verdict from the final state."""
+    try:
+        tail = agentic_segment(ep, state, env)
+    except ValueError as err:
+        raise ValueError(f"episode {task_id}-{group_index}: {err}") from None
+    if tail is None:
+        raise ValueError(f"episode {task_id}-{group_index} has no policy id to train on")
     grade = state.grade
     status = "ok" if state.verdict == "passed" else ("timeout" if state.verdict == "timeout" else
                                                    "error" if state.verdict == "error" else "failed")
@@ -610,15 +685,12 @@ def agentic_rollout(ep: AgenticEpisode, state: AgenticState, env: AgenticEnviron
                              status=status)  # type: ignore[arg-type]
     return Rollout(
         rollout_id=f"{task_id}-{group_index}", task_id=task_id, group_index=group_index, group_size=group_size,
-        prompt_tokens=TensorBlob.of(flat.ids[:n_prompt], "int32"),
-        completion_tokens=TensorBlob.of(flat.ids[n_prompt:end], "int32"),
-        behaviour_logprobs=TensorBlob.of(logprobs[n_prompt:end], "float32"),
-        policy_versions=TensorBlob.of(versions[n_prompt:end], "int32"),
-        loss_mask=TensorBlob.of(flat.loss_mask[n_prompt:end], "uint8"), routing=None,
-        reward=float(state.reward), verdict=verdict,
+        prompt_tokens=tail.prompt_tokens, completion_tokens=tail.completion_tokens,
+        behaviour_logprobs=tail.behaviour_logprobs, policy_versions=tail.policy_versions,
+        loss_mask=tail.loss_mask, routing=None, reward=float(state.reward), verdict=verdict,
         timings={**timings, "turns": float(state.policy_turns), "tool_calls": float(state.tool_calls),
-                 "sandbox_error": float(bool(ep.sandbox_error))},
-        region=region, generator_id=generator_id, segments=[])
+                 "sandbox_error": float(bool(ep.sandbox_error)), "summaries": float(state.summaries)},
+        region=region, generator_id=generator_id, segments=list(ep.segments))
 
 
 def _seed(task_id: str, turn: int, g: int, chunk: int) -> int:
@@ -633,5 +705,5 @@ def fits(task: RepoTask, env: AgenticEnvironment) -> bool:
 
 
 __all__ = ["AGENTIC_FORMAT", "AGENTIC_MAGIC", "AgenticEpisode", "AgenticGroups", "AgenticLimits", "AgenticPartial",
-           "WorkspaceSnapshot", "agentic_rollout", "check_agentic_partial", "decode_agentic", "encode_agentic",
+           "WorkspaceSnapshot", "agentic_rollout", "agentic_segment", "check_agentic_partial", "decode_agentic", "encode_agentic",
            "fits"]

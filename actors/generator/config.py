@@ -33,6 +33,10 @@ class AgenticSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Tokens of one observation turn (all the turn's results); longer ones are cut, saying so."""
     run_timeout_s: PositiveFloat = 10.0
     """A `run` call's wall timeout when it names none, and the most it may ask for."""
+    summary_tokens: NonNegativeInt = 256
+    """Tokens of a self-summary, written once the context leaves fewer than `min_turn_tokens` for the next turn:
+    the episode goes on from the task and the summary, in the same workspace, and the summary is trained under
+    the history it was written from; 0: no summaries, the token budget ends the episode."""
     tool_list: Literal["auto", "full", "compact"] = "auto"
     """How the user turn lists the tools: 'full' (JSON signatures, as Qwen2/Qwen3 templates render them),
     'compact' (one paragraph, for short contexts), 'auto' (compact for a policy whose context is under 4096

@@ -2,7 +2,9 @@
 
 Owns: `PartialGroup` (the value saved under the task id in a region's PARTIALS KV: a msgpack map via
 msgspec, zstd-compressed past 64 KiB; `format` = PARTIAL_FORMAT), its pure transitions (start, add a
-sampled chunk, record a graded attempt, replace the history by a summary, grow a group without a pass,
+sampled chunk, take the function-writing environment's state after a graded attempt (`function_state` is an
+episode's state for model/env/function.py, `apply_step` takes the state after its turn back), replace the history
+by a summary, grow a group without a pass,
 pick the G of a grown group to publish), `check_partial` (could this task's group have saved the partial
 read back? hostile or corrupt ones are refused) and `build_rollout`, which flattens an episode into a
 `Rollout`. Pure: no bus, no model, no clock (callers pass `now`).
@@ -12,9 +14,9 @@ Token layout (model/episodes.py): <|bos|> then per turn <|role|> content <|end_t
 content is its sampled ids verbatim and gets no extra <|end_turn|> when it ends with one. A Rollout is
 that sequence up to the last sampled token: `prompt_tokens` = <|bos|><|user|>prompt<|end_turn|> and the
 next role id (<|assistant|>, the context of the first attempt); `completion_tokens` = the rest.
-loss_mask is 1 exactly on assistant tokens. Observations, framing and summaries are 0: a summary was
-sampled while reading the old history, which the Rollout no longer holds, so replaying it after the
-prompt would score it in a context it never saw. behaviour_logprobs are 0.0 where the mask is 0, and
+loss_mask is 1 exactly on assistant tokens. Observations, framing and summaries are 0 there: a summary was
+sampled while reading the old history, which the Rollout no longer holds, so it is trained as a segment of its
+own under what the policy read (`record_summary`; `Rollout.segments`), and is context in the rest. behaviour_logprobs are 0.0 where the mask is 0, and
 policy_versions there repeat the version of the nearest policy token before them (after them for the
 prompt), so min/max over a Rollout's versions are always real versions. The MoE routing record
 covers prompt + completion, (P + T, n_moe_layers, top_k) int64: each token's experts from the forward
@@ -37,7 +39,8 @@ import zstandard
 
 from rlbus.actors.common.errors import PartialGroupError
 from rlbus.messages.schemas import Rollout, SandboxVerdict, Segment, TensorBlob
-from rlbus.model.episodes import Episode, Turn, add_attempt, completion_text, context_ids
+from rlbus.model.env import FunctionEnvironment, FunctionState, state_context, state_of, summarized
+from rlbus.model.episodes import MAX_ATTEMPTS, Episode, Turn, completion_text
 from rlbus.model.grading import GradeResult, Status
 from rlbus.model.policy import ChatTokenizer, frame_turn
 from rlbus.model.tasks import Task
@@ -240,7 +243,7 @@ def _check_episode(ep: EpisodeState, task: Task, prompt: Sequence[int], tokenize
     if len(ep.segments) > 2 * ep.summaries:
         raise PartialGroupError(f"{len(ep.segments)} segments for {ep.summaries} summaries")
     for k, seg in enumerate(ep.segments):
-        _check_segment(seg, limits, what=f"segment {k}")
+        check_segment(seg, limits, what=f"segment {k}")
     length = len(flatten(ep, tokenizer).ids) + len(tokenizer.header("assistant")) + len(ep.draft_ids)
     if length > limits.max_seq_len:
         raise PartialGroupError(f"{length} tokens, past max_seq_len {limits.max_seq_len}")
@@ -256,7 +259,8 @@ def _check_episode(ep: EpisodeState, task: Task, prompt: Sequence[int], tokenize
                                 f"({length}, {layers}, {top_k}) experts < {experts}")
 
 
-def _check_segment(seg: Segment, limits: PartialLimits, *, what: str) -> None:
+def check_segment(seg: Segment, limits: PartialLimits, *, what: str) -> None:
+    """Raise PartialGroupError unless `seg` is a segment a partial within `limits` could hold."""
     prompt, ids = seg.prompt_tokens.tolist(), seg.completion_tokens.tolist()
     mask = seg.loss_mask.tolist()
     if not prompt or len(mask) != len(ids) or len(prompt) + len(ids) > limits.max_seq_len:
@@ -271,10 +275,14 @@ def _check_segment(seg: Segment, limits: PartialLimits, *, what: str) -> None:
 
 def new_group(task: Task, task_id: str, group_size: int, tokenizer: ChatTokenizer, *, now: float) -> PartialGroup:
     """G fresh episodes holding only the prompt."""
-    prompt = tokenizer.encode(task.prompt)
     return PartialGroup(task_id=task_id, group_size=group_size, started_at=now,
-                        episodes=[EpisodeState(turns=[TurnState(role="user", ids=list(prompt))])
-                                  for _ in range(group_size)])
+                        episodes=[_fresh(task, tokenizer) for _ in range(group_size)])
+
+
+def _fresh(task: Task, tokenizer: ChatTokenizer) -> EpisodeState:
+    """An episode as the function-writing environment starts it (the prompt as the user turn)."""
+    return EpisodeState(turns=[TurnState(role=t.role, ids=list(t.ids))
+                               for t in FunctionEnvironment(tokenizer).start(task).turns])
 
 
 def group_sizes(group_size: int, max_group_size: int) -> range:
@@ -291,8 +299,7 @@ def grow_group(state: PartialGroup, task: Task, tokenizer: ChatTokenizer, n: int
     """Add n fresh episodes (the prompt only) to the group; its Rollouts will all carry the new size."""
     if n < 1:
         raise ValueError(f"grow by {n} episodes: expected at least 1")
-    prompt = tokenizer.encode(task.prompt)
-    state.episodes.extend(EpisodeState(turns=[TurnState(role="user", ids=list(prompt))]) for _ in range(n))
+    state.episodes.extend(_fresh(task, tokenizer) for _ in range(n))
     state.group_size += n
 
 
@@ -318,9 +325,14 @@ def episode_of(ep: EpisodeState, task: Task, max_attempts: int) -> Episode:
                    tuple(a.grade() for a in ep.attempts), max_attempts)
 
 
+def function_state(ep: EpisodeState, task: Task, max_attempts: int) -> FunctionState:
+    """The function-writing environment's state of the finished turns (the draft is not part of it)."""
+    return state_of(episode_of(ep, task, max_attempts))
+
+
 def base_context(ep: EpisodeState, task: Task, tokenizer: ChatTokenizer, max_attempts: int) -> list[int]:
     """What the next attempt continues: the episode so far, then the assistant header (draft not included)."""
-    return context_ids(episode_of(ep, task, max_attempts), tokenizer)
+    return state_context(function_state(ep, task, max_attempts), tokenizer)
 
 
 def prompt_length(task: Task, tokenizer: ChatTokenizer) -> int:
@@ -352,12 +364,24 @@ def add_chunk(ep: EpisodeState, tokens: Sequence[int], logprobs: Sequence[float]
 def record_attempt(ep: EpisodeState, task: Task, attempt: Attempt, tokenizer: ChatTokenizer,
                    max_attempts: int) -> None:
     """Turn the done draft into an assistant turn graded by `attempt` (plus an observation when it
-    failed and attempts are left), and clear the draft."""
-    episode = add_attempt(episode_of(ep, task, max_attempts), ep.draft_ids, attempt.grade(), tokenizer)
+    failed and attempts are left: `FunctionEnvironment.record`), and clear the draft."""
+    env = FunctionEnvironment(tokenizer, max_attempts=max_attempts)
+    apply_step(ep, env.record(function_state(ep, task, max_attempts), ep.draft_ids, attempt.grade()).state, attempt)
+
+
+def apply_step(ep: EpisodeState, new: FunctionState, attempt: Attempt) -> None:
+    """Take the environment's state after the done draft's turn (`FunctionEnvironment.step` or `record` from
+    `function_state`): the draft becomes the assistant turn, with its logprobs and versions, the turns the
+    environment added follow it, `attempt` (the grade, with the sandbox's verdict) is kept; the draft is cleared.
+
+    :raises ValueError: `new` is not the state after this draft.
+    """
+    n = len(ep.turns)
+    if len(new.turns) <= n or new.turns[n] != Turn("assistant", tuple(ep.draft_ids)):
+        raise ValueError(f"the state after the turn does not follow the episode's {n} turns and its draft")
     ep.turns.append(TurnState(role="assistant", ids=list(ep.draft_ids), logprobs=list(ep.draft_logprobs),
                               versions=list(ep.draft_versions)))
-    for turn in episode.turns[len(ep.turns):]:
-        ep.turns.append(TurnState(role=turn.role, ids=list(turn.ids)))
+    ep.turns.extend(TurnState(role=turn.role, ids=list(turn.ids)) for turn in new.turns[n + 1:])
     ep.attempts.append(attempt)
     ep.draft_ids, ep.draft_logprobs, ep.draft_versions, ep.draft_done = [], [], [], False
 
@@ -373,6 +397,17 @@ class SampledSummary:
     versions: list[int]
     routing: np.ndarray | None = None
 
+    def segment(self, *, routing: bool = True) -> Segment:
+        """The summary as a trained segment under what the policy read (mask 1 on every id); `routing` False leaves
+        the MoE record out (a rollout that carries none)."""
+        return Segment(
+            prompt_tokens=TensorBlob.of(self.source, "int32"),
+            completion_tokens=TensorBlob.of(self.ids, "int32"),
+            behaviour_logprobs=TensorBlob.of(self.logprobs, "float32"),
+            policy_versions=TensorBlob.of(self.versions, "int32"),
+            loss_mask=TensorBlob.of([1] * len(self.ids), "uint8"),
+            routing=None if self.routing is None or not routing else TensorBlob.of(self.routing, "int64"))
+
 
 def record_summary(ep: EpisodeState, task: Task, summary: SampledSummary, tokenizer: ChatTokenizer) -> None:
     """Close the episode's current segment (its turns since the last summary, when it trained on any) and add
@@ -381,21 +416,17 @@ def record_summary(ep: EpisodeState, task: Task, summary: SampledSummary, tokeni
     before = episode_segment(ep, task, tokenizer)
     if before is not None:
         ep.segments.append(before)
-    ep.segments.append(Segment(
-        prompt_tokens=TensorBlob.of(summary.source, "int32"),
-        completion_tokens=TensorBlob.of(summary.ids, "int32"),
-        behaviour_logprobs=TensorBlob.of(summary.logprobs, "float32"),
-        policy_versions=TensorBlob.of(summary.versions, "int32"),
-        loss_mask=TensorBlob.of([1] * len(summary.ids), "uint8"),
-        routing=None if summary.routing is None else TensorBlob.of(summary.routing, "int64")))
-    ep.turns = [ep.turns[0], TurnState(role="summary", ids=[int(t) for t in summary.ids])]
+    ep.segments.append(summary.segment())
+    new = summarized(function_state(ep, task, MAX_ATTEMPTS), summary.ids)     # the turns are all it changes
+    ep.turns = [ep.turns[0], *(TurnState(role=t.role, ids=list(t.ids)) for t in new.turns[1:])]
     ep.routing = None
     ep.summaries += 1
 
 
 def policy_text(ids: Sequence[int], tokenizer: ChatTokenizer) -> str:
-    """The text of sampled ids up to the first stop; ids the tokenizer does not know are skipped."""
-    return completion_text([t for t in ids if 0 <= t < tokenizer.vocab_size], tokenizer)
+    """The text of sampled ids up to the first stop; ids the tokenizer does not know are skipped
+    (model/episodes.py `completion_text`, what the environment grades)."""
+    return completion_text(ids, tokenizer)
 
 
 @dataclass(frozen=True, slots=True)

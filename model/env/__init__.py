@@ -12,7 +12,14 @@ from typing import TypeAlias
 
 import msgspec
 
-from rlbus.model.env.agentic import COMPACT_TOOLS, AgenticBudgets, AgenticEnvironment, AgenticState, EndReason
+from rlbus.model.env.agentic import (
+    COMPACT_TOOLS,
+    AgenticBudgets,
+    AgenticEnvironment,
+    AgenticState,
+    EndReason,
+    SummaryPlan,
+)
 from rlbus.model.env.base import (
     Environment,
     EnvState,
@@ -24,7 +31,7 @@ from rlbus.model.env.base import (
     state_tokens,
     summarized,
 )
-from rlbus.model.env.function import FunctionEnvironment, FunctionState
+from rlbus.model.env.function import FunctionEnvironment, FunctionState, state_of
 from rlbus.model.env.scripted import SUBMIT_SCRIPT, reference_script, scripted_ids
 from rlbus.model.tool_calls import TOOLS, BadCall, ToolCall, ToolOutcome, check_call, parse_turn
 
@@ -62,6 +69,7 @@ __all__ = [
     "GradePort",
     "SandboxPort",
     "StepOutcome",
+    "SummaryPlan",
     "ToolCall",
     "ToolOutcome",
     "WorkspacePort",
@@ -72,6 +80,7 @@ __all__ = [
     "reference_script",
     "scripted_ids",
     "state_context",
+    "state_of",
     "state_tokens",
     "summarized",
 ]

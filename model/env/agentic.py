@@ -4,8 +4,9 @@ tests on submit.
 Owns: `AgenticBudgets`, `AgenticState` and `AgenticEnvironment`: rendering a `RepoTask` (instruction, file
 list, tool list), taking a policy turn (its tool calls parsed, checked, run through the `WorkspacePort` in
 order, their results as one observation turn, each truncated to the observation budget), the turn, tool-call,
-token and wall budgets, and the reward (the hidden tests on a fresh copy of the final workspace: 1.0 when
-they pass, else 0.0) once `submit` is called or a budget runs out.
+token and wall budgets, the self-summarisation of a history that fills the context (`summary_plan`,
+`needs_summary`, `summarize`: the generator samples the summary), and the reward (the hidden tests on a fresh copy
+of the final workspace: 1.0 when they pass, else 0.0) once `submit` is called or a budget runs out.
 Does not own: the tools themselves or the workspace (the sandbox, behind the port), the tool-call text
 format (model/tool_calls.py), the tasks (model/repo_tasks.py). The wall clock is passed in, never read.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Final, Literal
 
 import msgspec
@@ -25,6 +27,7 @@ from rlbus.model.env.base import (
     refuse_done,
     state_context,
     state_tokens,
+    summarized,
 )
 from rlbus.model.episodes import Turn, completion_text
 from rlbus.model.grading import GradeResult
@@ -68,6 +71,11 @@ class AgenticBudgets(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     """Tokens of one observation turn (all the turn's results); longer ones are cut, saying so."""
     run_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     """A `run` call's wall timeout when it names none, and the most it may ask for."""
+    summary_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256
+    """Tokens of a self-summary: once the context leaves fewer than `min_turn_tokens` for the next turn, the
+    policy summarises its history in at most this many (fewer where `max_tokens` leaves fewer after the task and
+    a turn) and the episode goes on from the task and the summary, in the same workspace; 0: no summaries, the
+    token budget ends the episode."""
 
 
 class AgenticState(EnvState, frozen=True, kw_only=True, tag="agentic"):
@@ -81,6 +89,20 @@ class AgenticState(EnvState, frozen=True, kw_only=True, tag="agentic"):
     calls: tuple[ToolCall, ...] = ()
     ended: EndReason = ""
     grade: GradeResult | None = None
+    summaries: int = 0
+    """Times the history was replaced by a summary (`AgenticEnvironment.summarize`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryPlan:
+    """How a history is summarised (model/summarize.py `summarize_if_over_budget`'s arguments): the policy reads
+    the context (its oldest turns after the task dropped past what it can read) and `prompt`, writes at most
+    `tokens`; the first `keep` tokens (bos and the task) stay, and the new context fits `budget`."""
+
+    keep: int
+    budget: int
+    tokens: int
+    prompt: tuple[int, ...]
 
 
 class AgenticEnvironment:
@@ -115,7 +137,9 @@ class AgenticEnvironment:
     async def step(self, state: AgenticState, policy_ids: Sequence[int], port: WorkspacePort, *,
                    now: float = 0.0) -> StepOutcome[AgenticState]:
         """Run the turn's tool calls in order and answer them in one observation turn; on `submit` or a spent
-        budget, grade the workspace and end (no observation then).
+        budget, grade the workspace and end (no observation then). A context that leaves no room for another turn
+        ends the episode ("tokens") unless a summary would make room (`summary_plan`) and the context is within
+        `max_tokens`: then it goes on, and `needs_summary` says so.
 
         A malformed call or an unknown tool is answered with what is wrong (the port is not called); calls
         after a `submit` are not run; a turn without a call is answered with `NO_CALL`. A raise from the port
@@ -156,14 +180,47 @@ class AgenticEnvironment:
                 ended = "turns"
             elif now - state.started_at >= b.wall_s:
                 ended = "wall"
-            elif len(state_tokens(with_obs, self._tokenizer).ids) + b.min_turn_tokens > b.max_tokens:
-                ended = "tokens"
+            elif (length := len(state_tokens(with_obs, self._tokenizer).ids)) + b.min_turn_tokens > b.max_tokens and (
+                    length > b.max_tokens or self.summary_plan(with_obs) is None):
+                ended = "tokens"          # no room for a turn, and no summary makes any (or the context is past it)
             else:
                 return StepOutcome(with_obs, observation)
         grade = await port.grade_workspace(state.task.hidden_tests, state.task.test_command)
         done = msgspec.structs.replace(new, done=True, reward=grade.reward, verdict=grade.status, ended=ended,
                                        grade=grade)
         return StepOutcome(done, None)
+
+    def summary_plan(self, state: AgenticState) -> SummaryPlan | None:
+        """How this episode's history is summarised; None when summaries are off (`summary_tokens` 0) or the task,
+        a summary of one token and a turn of `min_turn_tokens` would not fit `max_tokens`."""
+        b, tok = self.budgets, self._tokenizer
+        if not b.summary_tokens:
+            return None
+        keep = len(state_tokens(msgspec.structs.replace(state, turns=state.turns[:1]), tok).ids)
+        after = len(tok.closing()) + len(tok.header("assistant")) + b.min_turn_tokens
+        prompt = tuple(tok.header("summary"))
+        budget = b.max_tokens - after
+        tokens = min(b.summary_tokens, budget - keep - len(prompt))
+        return SummaryPlan(keep=keep, budget=budget, tokens=tokens, prompt=prompt) if tokens >= 1 else None
+
+    def needs_summary(self, state: AgenticState) -> bool:
+        """The episode goes on, its context leaves fewer than `min_turn_tokens` for the next turn, it has a history
+        after the task, and a summary fits (`summary_plan`): the generator summarises before the next turn."""
+        return (not state.done and len(state.turns) > 1 and self.room(state) < self.budgets.min_turn_tokens
+                and self.summary_plan(state) is not None)
+
+    def summarize(self, state: AgenticState, summary_ids: Sequence[int]) -> AgenticState:
+        """The state with its history after the task replaced by the policy's summary (`summarized`); the calls,
+        budgets spent and workspace are kept.
+
+        :raises ValueError: the episode is done, or the summary is longer than `summary_plan` allows.
+        """
+        refuse_done(state)
+        plan = self.summary_plan(state)
+        if plan is None or not 0 < len(summary_ids) <= plan.tokens:
+            raise ValueError(f"a summary of {len(summary_ids)} tokens; this episode allows "
+                             f"{plan.tokens if plan else 0}")
+        return msgspec.structs.replace(summarized(state, summary_ids), summaries=state.summaries + 1)
 
     def room(self, state: AgenticState) -> int:
         """Tokens the next policy turn may take: what `max_tokens` leaves after the context (at least 0); the

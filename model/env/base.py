@@ -18,9 +18,9 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
-from rlbus.model.episodes import EpisodeTokens, Turn
+from rlbus.model.episodes import EpisodeTokens, Turn, turns_tokens
 from rlbus.model.grading import GradeCase, GradeResult
-from rlbus.model.policy import ChatTokenizer, frame_turn
+from rlbus.model.policy import ChatTokenizer
 from rlbus.model.tool_calls import ToolOutcome
 
 
@@ -96,14 +96,7 @@ class Environment(Protocol[S]):
 def state_tokens(state: EnvState, tokenizer: ChatTokenizer) -> EpisodeTokens:
     """A state's turns flattened as model/episodes.py lays them out: loss_mask 1 exactly on the ids the policy
     sampled (assistant and summary content); prompts, observations, tool results and framing 0."""
-    bos = tokenizer.bos()
-    ids, mask, turn = list(bos), [0] * len(bos), [-1] * len(bos)
-    for index, t in enumerate(state.turns):
-        framed, framed_mask = frame_turn(tokenizer, t.role, t.ids)
-        ids += framed
-        mask += framed_mask
-        turn += [index] * len(framed)
-    return EpisodeTokens(ids, mask, turn)
+    return turns_tokens(state.turns, tokenizer)
 
 
 def state_context(state: EnvState, tokenizer: ChatTokenizer) -> list[int]:

@@ -1,8 +1,10 @@
 """The function-writing environment: model/episodes.py's episode (prompt, attempt, test feedback, retry) as an
 `Environment`.
 
-Owns: `FunctionState` and `FunctionEnvironment`: the same turns, token layout and rewards as
-model/episodes.py gives (`start_episode`, `add_attempt`), with the grade taken through a `GradePort`.
+Owns: `FunctionState` (and `state_of`, an episode's) and `FunctionEnvironment`: the same turns, token layout and rewards as
+model/episodes.py gives (`start_episode`, `add_attempt`), with the grade taken through a `GradePort`; `step` is
+`case` (what grades an attempt), the port's grade, then `record` (the attempt and its feedback), and the generator
+drives all three (actors/generator/actor.py).
 Does not own: the episode logic itself (model/episodes.py) or grading (the port; model/grading.py builds
 the case it runs).
 """
@@ -14,7 +16,7 @@ from typing import Final
 
 from rlbus.model.env.base import EnvState, GradePort, StepOutcome, refuse_done
 from rlbus.model.episodes import MAX_ATTEMPTS, Episode, add_attempt, completion_text, start_episode
-from rlbus.model.grading import GradeResult, case_for, extract_code
+from rlbus.model.grading import GradeCase, GradeResult, case_for, extract_code
 from rlbus.model.policy import ChatTokenizer
 from rlbus.model.tasks import Task
 
@@ -34,7 +36,8 @@ class FunctionState(EnvState, frozen=True, kw_only=True, tag="function"):
         return Episode(self.task, self.turns, self.results, self.max_attempts)
 
 
-def _state(episode: Episode) -> FunctionState:
+def state_of(episode: Episode) -> FunctionState:
+    """The state of a model/episodes.py episode (the inverse of `FunctionState.episode`)."""
     last = episode.results[-1].status if episode.results else ""
     return FunctionState(turns=episode.turns, done=episode.done, reward=episode.reward, verdict=last,
                          task=episode.task, results=episode.results, max_attempts=episode.max_attempts)
@@ -58,19 +61,33 @@ class FunctionEnvironment:
 
     def start(self, task: Task, *, now: float = 0.0) -> FunctionState:
         """The task's prompt as the user turn (`now` is unused: this environment has no wall budget)."""
-        return _state(start_episode(task, self._tokenizer, max_attempts=self.max_attempts))
+        return state_of(start_episode(task, self._tokenizer, max_attempts=self.max_attempts))
 
     async def step(self, state: FunctionState, policy_ids: Sequence[int], port: GradePort, *,
                    now: float = 0.0) -> StepOutcome[FunctionState]:
-        """Grade the attempt's code (its first fenced block, else all its text up to the stop) on the hidden
-        tests; a failed attempt with attempts left adds the observation.
+        """Grade the attempt (`case`) through the port, then `record` it.
 
         :raises ValueError: the episode is done.
         """
         refuse_done(state)
+        result = await port.grade(self.case(state, policy_ids))
+        return self.record(state, policy_ids, result)
+
+    def case(self, state: FunctionState, policy_ids: Sequence[int]) -> GradeCase:
+        """What grades the attempt `policy_ids`: its code (the first fenced block, else all its text up to the
+        stop) as the task's program, on every hidden test."""
         code = extract_code(completion_text(policy_ids, self._tokenizer))
-        result = await port.grade(case_for(state.task, code, timeout_s=self.timeout_s))
-        new = _state(add_attempt(state.episode(), policy_ids, result, self._tokenizer))
+        return case_for(state.task, code, timeout_s=self.timeout_s)
+
+    def record(self, state: FunctionState, policy_ids: Sequence[int],
+               result: GradeResult) -> StepOutcome[FunctionState]:
+        """The attempt and its grade appended (model/episodes.py `add_attempt`): a failed attempt with attempts
+        left adds its test feedback as the observation. Pure: the generator records a grade it got once for
+        every identical attempt of a round.
+
+        :raises ValueError: the episode is done.
+        """
+        refuse_done(state)
+        new = state_of(add_attempt(state.episode(), policy_ids, result, self._tokenizer))
         added = new.turns[len(state.turns) + 1:]
         return StepOutcome(new, added[0] if added else None)
-

@@ -6,6 +6,7 @@ finishes the group (reward still 1, published once); no session is left open aft
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -42,13 +43,24 @@ from rlbus.actors.generator.group import decode_partial, encode_partial, new_gro
 from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
 from rlbus.actors.sandbox.pool import available_levels
 from rlbus.actors.sandbox.supervisor import SandboxSupervisor
+from rlbus.actors.trainer.core import TrainerCore, rollout_batch
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions
-from rlbus.messages.schemas import Rollout
+from rlbus.messages.schemas import Rollout, Segment, TensorBlob
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
 from rlbus.messages.subjects import BucketScope
-from rlbus.model.env import AgenticBudgets, AgenticEnvironment, encode_state
+from rlbus.model.env import (
+    SUBMIT_SCRIPT,
+    AgenticBudgets,
+    AgenticEnvironment,
+    encode_state,
+    reference_script,
+    scripted_ids,
+    state_context,
+)
+from rlbus.model.episodes import Turn
+from rlbus.model.policy import as_policy
 from rlbus.model.repo_tasks import RepoTask, repo_task
 from rlbus.model.tasks import eval_tasks
 from rlbus.model.tokenizer import ByteTokenizer
@@ -323,6 +335,78 @@ async def test_unusable_partials_are_discarded_and_a_missing_sandbox_ends_episod
     assert len(group) == 4 and all((r.reward, r.verdict.status, r.timings["sandbox_error"]) == (0.0, "error", 1.0)
                                    for r in group)
     assert all(r.timings["turns"] == 1 and sum(r.loss_mask.tolist()) > 0 for r in group)
+
+
+async def test_a_full_context_is_summarised_trained_per_segment_and_kept_across_a_resume(env: Env) -> None:
+    """A context budget the reference edit and its observation fill: before its next turn each episode's history is
+    replaced by the policy's own summary, the submit after it still earns 1.0 (the workspace is kept), and the
+    rollout carries two segments (the edit under the task's context, the summary under what the policy read), whose
+    logprobs the trainer recomputes under the same weights equal the behaviour logprobs. A redelivered task whose
+    partial holds a summarised episode is resumed with those segments as saved."""
+    model = tiny_model()
+    fresh, saved = repo_task(1, 2), repo_task(1, 4)
+    tools = AgenticEnvironment(TOK, tool_list="compact")
+    first = tools.start(fresh)
+    edit = len(scripted_ids(reference_script(fresh), first, TOK))
+    agentic = AgenticSettings(max_turns=4, max_tokens=len(state_context(first, TOK)) + edit + 82, min_turn_tokens=100,
+                              summary_tokens=16)
+    config = GeneratorConfig(group_size=2, script="reference", max_tokens=600, concurrent_tasks=2,
+                             sandbox_timeout_s=20.0, agentic=agentic)
+    env_ = AgenticEnvironment(TOK, AgenticBudgets(**{k: getattr(agentic, k) for k in AgenticBudgets.__struct_fields__}),
+                              tool_list="compact")
+    start = env_.start(RepoTask.from_spec(saved.verifier_spec()))     # the task as the generator rebuilds it
+    turn = Turn("assistant", tuple(scripted_ids(reference_script(saved), start, TOK)))
+    summary = [*TOK.encode("edited the file"), TOK.stop_id]
+    state = env_.summarize(msgspec.structs.replace(start, turns=(*start.turns, turn), policy_turns=1), summary)
+    context = state_context(start, TOK)
+    segments = [_segment(context, list(turn.ids), -0.5), _segment([*context, *turn.ids, TOK.summary_id], summary, -0.25)]
+    s = env.admin.subjects
+    kv = await env.admin.js.key_value(s.partials_bucket("hub"))
+    await kv.put(partial_key(saved.task_id), encode_agentic(AgenticPartial(
+        task_id=saved.task_id, group_size=2, turns=2,
+        episodes=[AgenticEpisode(state=encode_state(state), segments=segments) for _ in range(2)])))
+    async with supervisor(env), generator(env, model, config) as actor:
+        for task in (fresh, saved):
+            await env.admin.publish(s.tasks("hub"), message(task), msg_id=task.task_id)
+
+        async def done() -> bool:
+            return actor.counters.get("tasks", 0) == 2
+        await eventually(done, timeout_s=120, what="both groups published")
+        counters = dict(actor.counters)
+    assert counters["summaries"] == 2 and counters["resumed"] == 1 and counters.get("sandbox_errors", 0) == 0
+    group = await rollouts(env)
+    summarised = [r for r in group if r.task_id == fresh.task_id]
+    for r in summarised:
+        assert (r.reward, r.timings["summaries"], r.timings["turns"]) == (1.0, 1.0, 2.0)
+        closed, written = r.segments
+        assert closed.prompt_tokens.tolist() == context_of(fresh) and sum(closed.loss_mask.tolist()) == edit
+        assert 0 < len(written.completion_tokens) <= 16 and written.prompt_tokens.tolist()[-1] == TOK.summary_id
+        assert written.loss_mask.tolist() == [1] * len(written.completion_tokens)
+        completion = r.completion_tokens.tolist()
+        assert r.prompt_tokens.tolist()[-1] == TOK.summary_id          # the summary follows the task, as context
+        assert completion[:len(written.completion_tokens)] == written.completion_tokens.tolist()
+        assert TOK.decode(completion[-len(SUBMIT_SCRIPT[0]) - 1:-1]) == SUBMIT_SCRIPT[0]
+    core = TrainerCore(as_policy(copy.deepcopy(model)), as_policy(copy.deepcopy(model)), lr=0.0)
+    batch = rollout_batch(summarised)
+    assert batch.tokens.shape[0] == 6 and batch.owner.tolist() == [0, 0, 0, 1, 1, 1]
+    with torch.no_grad():
+        logp = core.logprobs(core.policy, batch)
+    torch.testing.assert_close(logp[batch.mask], batch.behaviour[batch.mask], atol=5e-3, rtol=0)
+    for r in (r for r in group if r.task_id == saved.task_id):
+        assert msgspec.msgpack.encode(r.segments) == msgspec.msgpack.encode(segments)
+        assert r.timings["resumes"] == 1.0 and r.prompt_tokens.tolist()[-1] == TOK.summary_id
+
+
+def context_of(task: RepoTask) -> list[int]:
+    """The first context of a repository task under the built-in policy's (compact) tool list."""
+    return state_context(AgenticEnvironment(TOK, tool_list="compact").start(task), TOK)
+
+
+def _segment(prompt: list[int], ids: list[int], logprob: float) -> Segment:
+    return Segment(prompt_tokens=TensorBlob.of(prompt, "int32"), completion_tokens=TensorBlob.of(ids, "int32"),
+                   behaviour_logprobs=TensorBlob.of([logprob] * len(ids), "float32"),
+                   policy_versions=TensorBlob.of([1] * len(ids), "int32"),
+                   loss_mask=TensorBlob.of([1] * len(ids), "uint8"))
 
 
 # ---- chaos: a generator process SIGKILLed mid-episode ------------------------------------------------------

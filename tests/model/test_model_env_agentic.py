@@ -166,7 +166,7 @@ async def test_thousands_of_calls_end_the_episode_at_the_budget() -> None:
 @pytest.mark.parametrize(("budgets", "ended"), [
     (AgenticBudgets(max_turns=2), "turns"),
     (AgenticBudgets(wall_s=1.5), "wall"),
-    (AgenticBudgets(max_tokens=3000), "tokens"),
+    (AgenticBudgets(max_tokens=3000, summary_tokens=0), "tokens"),
 ])
 async def test_budgets_end_the_episode(budgets: AgenticBudgets, ended: str) -> None:
     """Turns, the wall clock handed in and the context's tokens each end an episode, which is then graded."""
@@ -188,6 +188,41 @@ async def test_budgets_end_the_episode(budgets: AgenticBudgets, ended: str) -> N
         assert env.room(fresh) == 3000 - len(state_context(fresh, TOK)) > 0
     with pytest.raises(ValueError, match="done"):
         await env.step(state, [TOK.stop_id], port)
+
+
+async def test_a_full_context_is_summarised_and_the_episode_goes_on_in_its_workspace() -> None:
+    """With summaries on, the context that would end the episode on tokens leaves it open and `needs_summary`;
+    the summary replaces the history after the task (calls and spent budgets kept, the state round-trips), leaves
+    room for a turn, and the reference edit made before it still earns 1.0. A summary past its plan is refused;
+    with summaries off, or no room for one, the token budget ends the episode as before."""
+    task = TASKS[1]
+    edit, submit = (ids(text) for text in reference_script(task))
+    env, port = AgenticEnvironment(TOK, AgenticBudgets(max_tokens=3000, summary_tokens=16)), FakeWorkspace(task)
+    first = env.start(task)
+    budgets = AgenticBudgets(max_tokens=len(state_context(first, TOK)) + len(edit) + 50, min_turn_tokens=64,
+                             summary_tokens=16)    # the edit and its short observation fill it to under 64 left
+    long = AgenticEnvironment(TOK, budgets)
+    state = (await long.step(first, edit, port)).state
+    assert not state.done and long.needs_summary(state) and not long.needs_summary(first)
+    plan = long.summary_plan(state)
+    assert plan is not None and plan.tokens == 16 and plan.keep == len(state_tokens(first, TOK).ids)
+    with pytest.raises(ValueError, match="17 tokens"):
+        long.summarize(state, ids("x" * 16))
+    summary = ids("edited; submit next")[-16:]
+    after = long.summarize(state, summary)
+    assert [t.role for t in after.turns] == ["user", "summary"] and after.turns[1].ids == tuple(summary)
+    assert (after.summaries, after.policy_turns, after.calls) == (1, 1, state.calls) and not long.needs_summary(after)
+    assert decode_state(encode_state(after)) == after and long.room(after) >= 64
+    done = (await long.step(after, submit, port)).state
+    assert done.done and done.reward == 1.0 and done.ended == "submit"
+    off = AgenticEnvironment(TOK, msgspec.structs.replace(budgets, summary_tokens=0))
+    ended = (await off.step(first, edit, FakeWorkspace(task))).state
+    assert ended.done and ended.ended == "tokens" and off.summary_plan(first) is None
+    assert env.summary_plan(first) is not None
+
+
+def ids(text: str) -> list[int]:
+    return [*TOK.encode(text), TOK.stop_id]
 
 
 async def test_observations_are_cut_to_their_budget_saying_so() -> None:
