@@ -128,6 +128,10 @@ class BuiltinPolicy(Policy):
     def new_cache(self, batch: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         return self.transformer.new_cache(batch, max_len, dtype)
 
+    def shard_units(self) -> list[torch.nn.Module]:
+        """The transformer blocks (the root keeps the embedding, which the tied head shares, and the final norm)."""
+        return list(self.transformer.blocks)
+
     def spec(self) -> dict[str, Any]:
         return config_dict(self.config)
 

@@ -622,6 +622,11 @@ class HFPolicy(Policy):
                               f"attention (set use_sliding_window false)")
         return HFCache(kv, batch, length, self.device)
 
+    def shard_units(self) -> list[nn.Module]:
+        """The decoder layers (`model.layers` of every supported family); the root keeps the embedding, which a
+        tied head shares, the final norm and the head."""
+        return list(getattr(getattr(self.module, "model", None), "layers", None) or [])
+
     # ---- description ----------------------------------------------------------------------------------
     def spec(self) -> dict[str, Any]:
         return {

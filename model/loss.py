@@ -98,6 +98,7 @@ def aggregate(
     *,
     norm: float | None = None,
     sequences: Tensor | None = None,
+    denominator: float | None = None,
 ) -> Tensor:
     """Reduce per-token values (B, T) over mask (B, T) (True/1 = counts) to a scalar.
 
@@ -106,12 +107,16 @@ def aggregate(
     token_sum_norm: sum_bt m v / norm, norm a constant, default B * T (Dr. GRPO, Liu et al. 2025)
     An empty mask gives 0. `sequences` (B,) int64 maps rows to sequences for sequence_mean, when one
     sequence spans several rows (a rollout's segments); None: each row is a sequence.
+    `denominator` replaces the divisor of every mode (`global_denominator`): when `values` are one shard of a
+    batch split across trainer ranks, the shards' results then add up to the whole batch's.
     """
     if values.shape != mask.shape:
         raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} must have one shape")
     m = mask.to(values.dtype)
     total = (values * m).sum()
     match mode:
+        case "token_mean" | "token_sum_norm" if denominator is not None:
+            return total / denominator
         case "token_mean":
             return total / m.sum().clamp_min(1)
         case "sequence_mean":
@@ -123,13 +128,30 @@ def aggregate(
                 sums = sums.new_zeros(n).index_add_(0, sequences, sums)
             per_seq = sums / per_token.clamp_min(1)
             has = per_token > 0
-            return per_seq[has].sum() / has.sum().clamp_min(1)
+            return per_seq[has].sum() / (has.sum().clamp_min(1) if denominator is None else denominator)
         case "token_sum_norm":
             return total / (norm if norm is not None else values.numel())
         case _:
             raise ValueError(
                 f"unknown aggregation {mode!r}; expected token_mean, sequence_mean or token_sum_norm"
             )
+
+
+def global_denominator(mode: Aggregation, *, tokens: int, sequences: int, elements: int) -> float:
+    """What `aggregate` divides by over a whole batch, for `aggregate(..., denominator=)` on its shards.
+
+    tokens: masked tokens of the whole batch; sequences: its sequences with at least one masked token;
+    elements: B * T of its padded (B, T) layout (token_sum_norm's default norm).
+    """
+    match mode:
+        case "token_mean":
+            return float(max(tokens, 1))
+        case "sequence_mean":
+            return float(max(sequences, 1))
+        case "token_sum_norm":
+            return float(elements)
+        case _:
+            raise ValueError(f"unknown aggregation {mode!r}; expected token_mean, sequence_mean or token_sum_norm")
 
 
 class LossTerms(NamedTuple):
@@ -156,6 +178,7 @@ def rl_loss(
     kl_coef: float = 0.0,
     mode: Aggregation = "token_mean",
     sequences: Tensor | None = None,
+    denominator: float | None = None,
 ) -> LossTerms:
     """Off-policy corrected policy gradient with the k1 KL folded into the per-token advantage.
 
@@ -166,7 +189,9 @@ def rl_loss(
         loss_t = -w_t * A'_t * logp_t,   loss = aggregate(loss_t, mask, mode)
     k1 enters as a reward (its gradient, E[k1 grad logp], is grad KL), not as a loss term: the
     gradient of k1 itself has zero mean under pi_theta (Tang & Munos 2025; Zhang et al. 2025).
-    `sequences` (B,): which sequence each row belongs to, for sequence_mean (`aggregate`).
+    `sequences` (B,): which sequence each row belongs to, for sequence_mean (`aggregate`). `denominator`: the
+    whole batch's divisor when these rows are one rank's shard (`aggregate`, `global_denominator`); loss and kl
+    are then that shard's part of the whole batch's (mean_weight and truncated_fraction stay the shard's own).
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
@@ -178,14 +203,14 @@ def rl_loss(
     weights = truncated_importance_weights(logp, logp_behaviour, is_cap)
     kl = k1_kl(logp.detach(), logp_ref)
     per_token = -weights * (advantages - kl_coef * kl) * logp
-    pg = aggregate(per_token, mask, mode, sequences=sequences)
+    pg = aggregate(per_token, mask, mode, sequences=sequences, denominator=denominator)
     m = mask.bool()
     n = m.sum().clamp_min(1)
     ratio = torch.exp(logp.detach() - logp_behaviour)
     return LossTerms(
         loss=pg,
         pg_loss=pg.detach(),
-        kl=aggregate(kl, mask, mode, sequences=sequences).detach(),
+        kl=aggregate(kl, mask, mode, sequences=sequences, denominator=denominator).detach(),
         mean_weight=weights[m].sum() / n,
         truncated_fraction=(ratio[m] > is_cap).sum() / n,
     )

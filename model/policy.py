@@ -226,6 +226,11 @@ class Policy(ABC):
                 raise PolicyError(f"tensor {name}: shape {tuple(t.shape)}, the policy's is {tuple(live[name].shape)}")
             live[name].data.copy_(t)
 
+    def shard_units(self) -> list[nn.Module]:
+        """Submodules a sharded trainer wraps one by one (FSDP2 `fully_shard`, gathered and freed one at a time),
+        in forward order; the root wraps the rest. None by default: the root alone."""
+        return []
+
     # ---- description --------------------------------------------------------------------------
     @abstractmethod
     def spec(self) -> dict[str, Any]:
