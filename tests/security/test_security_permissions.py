@@ -21,7 +21,8 @@ from rlbus.topology.regions import RegionSet
 
 pytestmark = pytest.mark.anyio
 HUB, LEAF = "hub", "eu"
-ROLES = ("feeder", "generator", "trainer", "publisher", "checkpointer", "sandbox", "evaluator", "observer")
+ROLES = ("feeder", "generator", "trainer", "trainer_rank", "publisher", "checkpointer", "sandbox", "evaluator",
+         "observer")
 
 
 def attacks(s: Subjects) -> dict[str, str]:
@@ -83,6 +84,7 @@ RIGHTS: dict[str, set[str]] = {
                   "obj.workspaces"},
     "trainer": {"trainlog", "state.upload", "state.version", "obj.ckpt", "xd.obj.ckpt", "purge.ckpt",
                 "next.trainer", "create.trainer", "ack.trainer"},
+    "trainer_rank": {"obj.ckpt", "xd.obj.ckpt", "purge.ckpt"},     # its checkpoint shards, nothing else
     "publisher": {"weights", "kv.latest", "obj.weights", "xd.kv.latest", "xd.kv.latest.hub", "xd.obj.weights",
                   "xd.purge.weights", "xd.purge.latest", "next.publisher", "durable.create.publisher"},
     "checkpointer": {"checkpoints", "obj.ckpt", "xd.obj.ckpt", "purge.ckpt", "create.checkpointer"},

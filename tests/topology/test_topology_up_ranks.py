@@ -5,6 +5,7 @@ state directory goes on with a one-rank trainer: the sharded checkpoint loads at
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -103,6 +104,12 @@ def test_a_two_rank_trainer_survives_a_sigkill_of_rank_1_and_its_checkpoint_load
         code, out = _run([*cli, str(_topology(tmp_path, 1)), "--state-dir", str(state), "--steps", str(STEPS + 2)])
         assert code == 0, out[-4000:]
         _clean(out, STEPS + 2)
+        log = [json.loads(line) for line in (state / "logs" / "hub-trainer-0.log").read_text().splitlines()
+               if line.startswith("{")]
+        ready = [e.get("world_size") for e in log if e.get("event") == "trainer_model_ready"]
+        assert ready[0] == 2 and ready[-1] == 1, ready          # the last start was a one-rank trainer ...
+        resumed = [e for e in log if e.get("event") == "trainer_resumed"]
+        assert resumed and resumed[-1]["step"] >= STEPS, resumed  # ... that resumed from the two-rank checkpoint
         assert "trainer_rank" not in " ".join(_cmdline(p) for p in processes_mentioning(str(state)))
     finally:
         stop_leftovers(state)
