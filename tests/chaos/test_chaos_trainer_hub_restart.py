@@ -63,6 +63,22 @@ async def _acked_through(admin: Bus, seq: int, timeout_s: float = 90) -> None:
             await anyio.sleep(0.3)
 
 
+async def _settled(admin: Bus, timeout_s: float = 90) -> None:
+    """Wait until the checkpointer has acked every StateUploaded it was given, then for the server to write
+    the consumers' state to its store (within 100 ms of an ack): the hub is killed at a quiet moment. An ack
+    the SIGKILL catches in memory is redelivered only after the 60 s ack wait (and the checkpointer takes
+    one upload at a time), which would test a lost ack, not the restart."""
+    s = admin.subjects
+    with anyio.fail_after(timeout_s):
+        while True:
+            info = await admin.js.consumer_info(s.state_stream(), s.durable("checkpointer"))
+            if info.delivered.stream_seq and info.ack_floor.stream_seq >= info.delivered.stream_seq \
+                    and not info.num_ack_pending:
+                break
+            await anyio.sleep(0.1)
+    await anyio.sleep(0.5)
+
+
 async def _publish(gen: Bus, rollouts: list, timeout_s: float = 30) -> None:  # type: ignore[type-arg]
     """As a generator: publish the batch, again until the (restarted) hub stores it (deduped by id)."""
     with anyio.fail_after(timeout_s):
@@ -90,6 +106,7 @@ async def test_trainer_keeps_its_pid_through_a_hub_restart(tmp_path: Path) -> No
         try:
             await _publish(gen, first)
             await _acked_through(launch.admin, len(first))      # step 1 trained, marked, acked
+            await _settled(launch.admin)
             before = launch.supervisor.pids()
             await anyio.to_thread.run_sync(regions.kill, HUB)
             await anyio.sleep(2.0)
