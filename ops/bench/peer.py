@@ -29,6 +29,8 @@ from rlbus.ops.bench.peer_trl import ArmRun, Shared
 CACHE_ROOT: Final = Path(".rlbus/bench-peer")
 """Where the built policy is kept (relative to the working directory), one folder per size and step count."""
 ARMS: Final = ("trl", "rlbus")
+QUICK: Final = {"group_size": 4, "tasks_per_step": 2, "max_tokens": 32}
+"""--quick's batch (8 rollouts a step) and completion length: a smoke test of both arms, not a comparison."""
 _PRETRAIN_SEED: Final = 0
 UNMATCHED: Final = (
     "KL: rlbus weighs the k1 estimator (-log r) by trainer.kl_coef, TRL the k3 estimator by beta; the same "
@@ -45,13 +47,13 @@ UNMATCHED: Final = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-minutes", type=float, default=10.0,
-                   help="peer: wall-clock budget per arm, minutes (default 10; --quick: 0.1)")
+                   help="peer: wall-clock budget per arm, minutes (default 10; --quick: 0.05)")
     p.add_argument("--peer-held-out", type=int, default=500,
                    help="peer: held-out tasks every snapshot is scored on (default 500; --quick: 16)")
     p.add_argument("--peer-size", choices=("tiny", "small"), default="small",
                    help="peer: recipe size of the shared Qwen2 policy (default small; --quick: tiny)")
     p.add_argument("--peer-pretrain-steps", type=int, default=200,
-                   help="peer: pretraining steps of the built policy (default 200; --quick: 4)")
+                   help="peer: pretraining steps of the built policy (default 200; --quick: 2)")
     p.add_argument("--peer-generators", type=int, default=1, help="peer: rlbus generator processes (default 1)")
     p.add_argument("--peer-dir", type=Path, default=None, metavar="DIR",
                    help="peer: keep snapshots, the arms' state and the PNG here (default: .rlbus/bench-peer/run-*)")
@@ -71,19 +73,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     _quiet_transformers()
     quick = bool(getattr(args, "quick", False))
-    minutes = 0.1 if quick else args.peer_minutes
+    minutes = 0.05 if quick else args.peer_minutes
     n_held = 16 if quick else args.peer_held_out
     size = "tiny" if quick else args.peer_size
-    steps = 4 if quick else args.peer_pretrain_steps
+    steps = 2 if quick else args.peer_pretrain_steps
     budget = minutes * 60.0
     marks = [float(m) for m in range(60, int(budget), 60)] + [budget]
     work = (args.peer_dir or CACHE_ROOT / f"run-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (work / "snapshots").mkdir(parents=True, exist_ok=True)
     hf = msgspec.toml.decode(example_path("hf").read_bytes(), type=Topology)
     base = policy_dir(size, steps, quick=quick, eval_seed=hf.evaluator.seed)
-    shared = Shared(group_size=hf.generator.group_size, tasks_per_step=hf.trainer.batch_rollouts // hf.generator.group_size,
-                    temperature=hf.generator.temperature, max_tokens=hf.generator.max_tokens, lr=hf.trainer.lr,
-                    kl_coef=hf.trainer.kl_coef, grad_clip=1.0, seed=0)
+    batch = QUICK if quick else {"group_size": hf.generator.group_size, "max_tokens": hf.generator.max_tokens,
+                                 "tasks_per_step": hf.trainer.batch_rollouts // hf.generator.group_size}
+    shared = Shared(**batch, temperature=hf.generator.temperature, lr=hf.trainer.lr, kl_coef=hf.trainer.kl_coef,
+                    grad_clip=1.0, seed=0)
     topology = rlbus_topology(f"p{uuid.uuid4().hex[:8]}", work / "rlbus", base, shared,
                               generators=args.peer_generators)
     held = held_out_tasks(hf.evaluator.tasks, hf.evaluator.seed, n_held)
@@ -135,7 +138,7 @@ def policy_dir(size: str, steps: int, *, quick: bool, eval_seed: int) -> Path:
     summary = out / "pretrain.json"
     if is_hf_dir(out) and summary.is_file() and json.loads(summary.read_text()).get("final"):
         return out.resolve()
-    quick_only = {"retry_fraction": 0.0, "warmup_steps": 1, "max_new_tokens": 16} if quick else {}
+    quick_only = {"retry_fraction": 0.0, "warmup_steps": 1, "max_new_tokens": 16, "batch_size": 4} if quick else {}
     config = PretrainConfig.preset(size, eval_n=1 if quick else 64, checkpoint_every=10**9 if quick else 50,
                                    stdlib=False, code_fraction=0.0, task_seed=eval_seed, **quick_only)
     _say(f"building {out} (hf qwen2 {size}, {steps} pretraining steps on task documents); later runs reuse it")

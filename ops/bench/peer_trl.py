@@ -18,11 +18,13 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlbus.model.tasks import Task
+# rlbus.model imports torch, and every `rlbus` command imports this module (ops/bench/peer.py builds its options)
+if TYPE_CHECKING:
+    from rlbus.model.tasks import Task
 
-Grader = Callable[[Sequence[Task], Sequence[str]], list[bool]]
+Grader = Callable[[Sequence["Task"], Sequence[str]], list[bool]]
 """(tasks, completion texts) → passed, one per completion: the sandbox's verdict."""
 
 

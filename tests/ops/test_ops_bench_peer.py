@@ -42,8 +42,10 @@ def test_quick_peer_bench_reports_consistent_keys_for_both_arms(
     result = json.loads(proc.stdout)
     assert set(KEYS) <= set(result)
     trl, rl = result["arms"]["trl"], result["arms"]["rlbus"]
+    batch = result["matched"]["group_size"] * result["matched"]["tasks_per_step"]
+    assert batch == 8 and result["matched"]["max_completion_tokens"] == 32          # --quick's smaller batch
     for arm in (trl, rl):
-        assert arm["optimizer_steps"] >= 1 and arm["rollouts_trained"] == arm["optimizer_steps"] * 32
+        assert arm["optimizer_steps"] >= 1 and arm["rollouts_trained"] == arm["optimizer_steps"] * batch
         assert len(arm["curve"]) >= 2 and arm["curve"][0]["t_s"] == 0.0
         assert all(_holds(p) and p["n"] == result["held_out_n"] == 16 for p in arm["curve"])
         assert [p["t_s"] for p in arm["curve"]] == sorted(p["t_s"] for p in arm["curve"])
