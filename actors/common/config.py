@@ -147,8 +147,9 @@ class PublisherLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Longest backoff between retries of a failing region."""
     download_attempts: PositiveInt = 5
     """Tries of a CKPT object that is missing or fails its digest before the version is given up."""
-    ack_wait_s: PositiveFloat = 30.0
-    """Ack wait of the VersionReady consumer (held with in-progress acks while a version is worked on)."""
+    ack_wait_s: PositiveFloat = 10.0
+    """Ack wait of the VersionReady consumer (held with in-progress acks every third of it while a version is
+    worked on): how long the version a killed publisher held waits before its restarted successor gets it."""
     threads: PositiveInt = 2
     """Codec threads for decoding and encoding."""
 
