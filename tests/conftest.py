@@ -1,4 +1,5 @@
-"""Shared fixtures: one real JetStream server per session, a bus per test isolated by run id.
+"""Shared fixtures: one real JetStream server per session, a bus per test isolated by run id, and one finished
+`rlbus up` run for the tests that only read a stopped run (`finished_run`).
 
 Two session-wide guards keep CI from going red for nothing: `ast_guard` fails any test during which Python
 source was parsed into an AST off the main thread (tests/helpers/ast_guard.py), and a watchdog ends a run that
@@ -17,6 +18,7 @@ import anyio
 import pytest
 from helpers import new_run
 from helpers.ast_guard import AstOffMainThread, import_rewritten_plugin_modules
+from helpers.runs import FinishedRun, finished_tiny_run
 
 from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.topology.regions import RegionSet
@@ -64,6 +66,13 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedSe
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
+    """One `rlbus up` on tiny (an evaluator, 4 steps, recorded) run to its end, shared by the tests that read
+    a stopped run (helpers.runs.finished_tiny_run); each asserts its exit status and output itself."""
+    return finished_tiny_run(tmp_path_factory.mktemp("finished"))
 
 
 @pytest.fixture

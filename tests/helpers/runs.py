@@ -1,10 +1,71 @@
-"""Run ids: every test gets its own, so subjects, streams and buckets of tests never collide."""
+"""Runs for tests: a fresh run id per test (subjects, streams and buckets of tests never collide), and the
+finished `rlbus up` run that the tests reading a stopped run share (`finished_tiny_run`, the session fixture of
+tests/conftest.py). Those tests only read its state directory; one that would change it copies it first."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from rlbus.topology.examples import example_path
+
+FINISHED_STEPS: Final = 4
+"""Optimizer steps of the shared finished run."""
+PRETRAIN_STEPS: Final = 6
+"""Pretraining steps of the tiny policy of the shared finished run (tiny.toml has 30; the policy only has to
+produce programs to grade)."""
+EVALUATOR: Final = '''
+[[regions.actors]]
+kind = "evaluator"
+'''
 
 
 def new_run() -> str:
     """A fresh run id (`t` and 8 hex digits)."""
     return f"t{uuid.uuid4().hex[:8]}"
+
+
+def tiny_topology(path: Path, *, evaluator: bool) -> Path:
+    """tiny.toml with `PRETRAIN_STEPS` of pretraining and 4 held-out tasks, written to `path`; `evaluator`: an
+    evaluator in the hub too. With or without it the pretraining settings are the same (one cached base)."""
+    text = example_path("tiny").read_text()
+    if evaluator:
+        text = text.replace('kind = "checkpointer"\n', 'kind = "checkpointer"\n' + EVALUATOR, 1)
+    text = text.replace("steps = 30", f"steps = {PRETRAIN_STEPS}").replace("eval_n = 8", "eval_n = 4")
+    path.write_text(text)
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRun:
+    """`rlbus up <tiny with an evaluator> --steps 4 --record during.rlrec --backend local`, run to its end."""
+
+    base: Path
+    """The folder it ran in (its working directory): `D/` (the state), `during.rlrec`, `pretrained/` (the
+    cache of pretrained bases beside the state directories)."""
+    topology: Path
+    """The topology file it ran (`base/tiny_finished.toml`)."""
+    proc: subprocess.CompletedProcess[str]
+    """Its exit status and output."""
+
+    @property
+    def state(self) -> Path:
+        return self.base / "D"
+
+    @property
+    def recording(self) -> Path:
+        return self.base / "during.rlrec"
+
+
+def finished_tiny_run(base: Path) -> FinishedRun:
+    """Run the shared finished run in `base` (a fresh folder) and return it, whatever its exit status."""
+    topology = tiny_topology(base / "tiny_finished.toml", evaluator=True)
+    argv = ["up", str(topology), "--steps", str(FINISHED_STEPS), "--state-dir", str(base / "D"),
+            "--record", str(base / "during.rlrec"), "--backend", "local"]
+    proc = subprocess.run([sys.executable, "-m", "rlbus.ops.cli", *argv], capture_output=True, text=True,
+                          timeout=600, cwd=base, check=False)
+    return FinishedRun(base=base, topology=topology, proc=proc)

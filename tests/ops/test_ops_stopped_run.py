@@ -1,7 +1,8 @@
 """A run that has ended, as a researcher meets it afterwards: `rlbus up tiny --record FILE` wrote the recording
 as it went; `rlbus record`, `rlbus events` and `rlbus health --once` on the stopped run open it read-only
 (its stored servers started again, no actor, stopped at the end: no nats-server is left); a second run with
-the same pretraining settings reuses the pretrained base instead of pretraining again."""
+the same pretraining settings reuses the pretrained base instead of pretraining again. The ended run is the
+session's shared finished run (`finished_run`, tests/helpers/runs.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.runs import PRETRAIN_STEPS, FinishedRun, tiny_topology
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +43,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def ended(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """`rlbus up tiny --steps 4 --record during.rlrec` run to its end in a fresh folder; (folder, process)."""
-    base = tmp_path_factory.mktemp("ended")
-    proc = _rlbus("up", "tiny", "--steps", "4", "--state-dir", str(base / "D"), "--record",
-                  str(base / "during.rlrec"), cwd=base)
+@pytest.fixture
+def ended(finished_run: FinishedRun) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The shared finished run, which must have ended well; (its folder, its process)."""
+    proc = finished_run.proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return base, proc
+    return finished_run.base, proc
 
 
 def test_up_records_the_run_as_it_goes(ended: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
@@ -103,8 +103,9 @@ def test_a_second_run_with_the_same_pretraining_settings_reuses_the_base(
     state directory, the same [pretrain] and evaluator seed) copies that base instead of pretraining, and
     says so; --no-pretrained-cache would pretrain afresh."""
     base, first = ended
-    assert f"pretraining (tiny, 30 steps, 2 threads) into {base / 'pretrained'}/" in first.stdout
-    proc = _rlbus("up", "tiny", "--steps", "2", "--state-dir", str(base / "D2"), cwd=base)
+    assert f"pretraining (tiny, {PRETRAIN_STEPS} steps, 2 threads) into {base / 'pretrained'}/" in first.stdout
+    topology = tiny_topology(base / "tiny_second.toml", evaluator=False)   # the same [pretrain], no evaluator
+    proc = _rlbus("up", str(topology), "--steps", "2", "--state-dir", str(base / "D2"), cwd=base)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cached = next(p for p in (base / "pretrained").iterdir() if p.is_dir())
     assert (f"rlbus up: reusing pretrained base {cached} (same settings as run 'tiny' in {base / 'D'})"

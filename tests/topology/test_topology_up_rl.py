@@ -1,6 +1,7 @@
 """`rlbus up` runs the RL job itself on a tiny topology for a few optimizer steps, with the local and the
 Ray backend, on the built-in policy and on a Hugging Face one built by a `[policy.recipe]`: exit 0, a summary,
-a PNG, a clean ledger, a final evaluation, and no process left behind."""
+a PNG, a clean ledger, a final evaluation, and no process left behind. The local run is the session's shared
+finished run (`finished_run`, tests/helpers/runs.py: the same tiny topology with an evaluator, one step more)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers.runs import FinishedRun, tiny_topology
 
 from rlbus.ops.eval import load_policy
-from rlbus.topology.examples import example_path
 
 pytestmark = pytest.mark.slow
-
-EVALUATOR = '''
-[[regions.actors]]
-kind = "evaluator"
-'''
-
 
 HF_POLICY = '''
 [policy]
@@ -37,15 +32,10 @@ device = "cpu"
 """A tiny Qwen2-architecture Hugging Face model that `rlbus up` builds and pretrains (`[pretrain] steps`) first."""
 
 
-def _topology(tmp_path: Path, policy: str) -> Path:
-    """tiny.toml with a shorter pretraining and an evaluator in the hub; `policy` "hf": the `HF_POLICY` recipe."""
-    text = example_path("tiny").read_text()
-    text = text.replace('kind = "checkpointer"\n', 'kind = "checkpointer"\n' + EVALUATOR, 1)
-    text = text.replace("steps = 30", "steps = 6").replace("eval_n = 8", "eval_n = 4")
-    if policy == "hf":
-        text += HF_POLICY
-    path = tmp_path / "tiny_rl.toml"
-    path.write_text(text)
+def _hf_topology(tmp_path: Path) -> Path:
+    """The shared finished run's tiny topology (a shorter pretraining, an evaluator) with the `HF_POLICY` recipe."""
+    path = tiny_topology(tmp_path / "tiny_rl.toml", evaluator=True)
+    path.write_text(path.read_text() + HF_POLICY)
     return path
 
 
@@ -71,23 +61,27 @@ def _ray_daemons() -> set[int]:
 
 @pytest.mark.parametrize(("backend", "policy"), [("local", "builtin"), ("ray", "hf")])
 def test_rlbus_up_trains_a_few_steps_and_stops_clean(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
-                                                     backend: str, policy: str,
+                                                     request: pytest.FixtureRequest, backend: str, policy: str,
                                                      processes_mentioning: Callable[[str], list[int]]) -> None:
-    """`rlbus up --steps 3` pretrains, trains 3+ steps, ends with a summary, a clean ledger and a PNG; the
-    built-in policy on the local backend, or on Ray a Hugging Face model the recipe builds (a model directory,
-    through transformers; the Ray backend's placement is the same for either policy), and
+    """`rlbus up --steps 3` (4 on the local run) pretrains, trains 3+ steps, ends with a summary, a clean ledger
+    and a PNG; the built-in policy on the local backend, or on Ray a Hugging Face model the recipe builds (a
+    model directory, through transformers; the Ray backend's placement is the same for either policy), and
     the final checkpoint is a policy of that kind with the base's spec (for Hugging Face: its config and
     tokenizer files). The two Hugging Face runs share the pretrained-base cache beside their state directories
     (the second reuses what the first pretrained)."""
-    root = tmp_path_factory.getbasetemp() / "up-rl-hf" if policy == "hf" else tmp_path
-    root.mkdir(exist_ok=True)
-    state = root / f"state-{backend}"
     ray_before = _ray_daemons()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlbus.ops.cli", "up", str(_topology(tmp_path, policy)), "--state-dir", str(state),
-         "--steps", "3", "--backend", backend],
-        capture_output=True, text=True, timeout=600, env=env)
+    if backend == "local":                        # `rlbus up --steps 4 --backend local`, shared with other tests
+        finished: FinishedRun = request.getfixturevalue("finished_run")
+        proc, state = finished.proc, finished.state
+    else:
+        root = tmp_path_factory.getbasetemp() / "up-rl-hf"
+        root.mkdir(exist_ok=True)
+        state = root / f"state-{backend}"
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "rlbus.ops.cli", "up", str(_hf_topology(tmp_path)), "--state-dir", str(state),
+             "--steps", "3", "--backend", backend],
+            capture_output=True, text=True, timeout=600, env=env)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "rlbus up: pretrained in" in out or (policy == "hf" and "rlbus up: reusing pretrained base" in out)
