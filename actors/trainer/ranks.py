@@ -312,7 +312,7 @@ class ShardedCore:
 
     # ---- every rank -------------------------------------------------------------------------------------
     def _train(self, rollouts: Sequence[Rollout], objective: Objective, lr: float | None) -> StepStats:
-        with self._group("a train step"):
+        with self._group("running a train step"):
             return sharded.local_step(self.policy, self.reference, self.optimizer, rollouts, objective, lr=lr,
                                       rank=self.spec.rank, world_size=self.spec.world_size)
 
@@ -444,8 +444,10 @@ class ShardedCore:
             yield
 
     def _send(self, op: str, payload: bytes) -> None:
+        """The header goes round as an all-reduce (followers add zeros), not a broadcast: it completes only once
+        every rank has taken part, so even a ping notices a rank that stopped answering."""
         header = torch.tensor([OPS.index(op), len(payload)], dtype=torch.int64)
-        dist.broadcast(header, 0)
+        dist.all_reduce(header)
         if payload:
             dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0)
 
@@ -453,7 +455,7 @@ class ShardedCore:
         """Follower: wait (up to the collective timeout) for the leader's next command -> (op, payload)."""
         header = torch.zeros(2, dtype=torch.int64)
         with self._group("waiting for the leader's next command"):
-            dist.broadcast(header, 0)
+            dist.all_reduce(header)
             code, size = (int(v) for v in header.tolist())
             data = torch.empty(size, dtype=torch.uint8)
             if size:
@@ -484,10 +486,14 @@ class ShardedCore:
     @contextlib.contextmanager
     def _group(self, what: str) -> Iterator[None]:
         """Collective failures (a dead peer, a timeout) as `RankError` naming this rank and the address."""
+        from torch.distributed.checkpoint import CheckpointException
+
         try:
             yield
         except (RankError, CheckpointError):
             raise
+        except CheckpointException as err:      # a BaseException: what failed on which rank, gathered by DCP
+            raise CheckpointError(f"trainer rank {self.spec.rank}: {what} failed: {_line(err)}") from None
         except (RuntimeError, dist.DistError) as err:
             if not _collective_failure(err):
                 raise
@@ -611,10 +617,13 @@ class LocalGroup:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
 
-    def wait(self, timeout_s: float) -> list[RankResult]:
-        """Wait up to `timeout_s` for every process to end; -> each rank's result (in start order)."""
+    def wait(self, timeout_s: float, ranks: Sequence[int] | None = None) -> list[RankResult]:
+        """Wait up to `timeout_s` for every process to end (or those of `ranks`); -> each rank's result, in start
+        order (returncode None: still running)."""
         deadline = time.monotonic() + timeout_s
-        for proc in self.procs:
+        for rank, proc in zip(self.ranks, self.procs, strict=True):
+            if ranks is not None and rank not in ranks:
+                continue
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         return [self._result(rank, proc) for rank, proc in zip(self.ranks, self.procs, strict=True)]

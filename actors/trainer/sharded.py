@@ -273,7 +273,7 @@ def shards_to_payload(files: Mapping[str, bytes]) -> dict[str, Any]:
 
     :raises CheckpointError: files missing, or not a sharded trainer checkpoint.
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import CheckpointException, FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -284,7 +284,7 @@ def shards_to_payload(files: Mapping[str, bytes]) -> dict[str, Any]:
         try:
             _load_state_dict(state, storage_reader=FileSystemReader(tmp), planner=_EmptyStateDictLoadPlanner(),
                              no_dist=True)
-        except Exception as err:  # DCP wraps a missing or corrupt file in CheckpointException
+        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
             raise CheckpointError(f"sharded checkpoint does not load ({type(err).__name__}: "
                                   f"{' '.join(str(err).split())[:300]})") from None
     model = state["model"]

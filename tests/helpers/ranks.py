@@ -2,8 +2,8 @@
 
 `steps_case` builds the same core on every rank (`build`), trains the steps it is given on the leader while the
 followers `follow`, and saves sharded checkpoints along the way into the job's folder (`upload`), so the test
-process can read every state back with `shards_to_payload` and compare it with one `TrainerCore`. `fault_case`
-lets a rank die (SIGKILL of itself) when a chosen command arrives, and reports what the survivors raised.
+process can read every state back with `shards_to_payload` and compare it with one `TrainerCore`; then the
+leader pings until the test kills it. `stall_case` stops a follower (SIGSTOP) as a step starts.
 """
 
 from __future__ import annotations
@@ -73,19 +73,29 @@ def _objective(name: str) -> Objective:
 
 
 def steps_case(spec: RankSpec, job: dict[str, Any]) -> Any:
-    """job: {"cases": [{"policy", "rollouts" (file), "aggregations", "out", "blob0", "blob3"}]}. On the leader,
-    per case: steps 1-3 (stats kept), save "s3"; step 4, save "s4a"; load "s3", step 4 again, save "s4b"; load the
-    one-rank blob0 (the initial state), steps 1-3 again, save "r3"; load the one-rank blob3 (after step 3), step
-    4, save "f4" and publish the version (its digest kept)."""
+    """job: {"cases": [{"policy", "rollouts" (file), "aggregations", "out", "blob0", "blob3"}], "result" (file),
+    "marks" (folder)}. On the leader, per case: steps 1-3 (stats kept), save "s3"; step 4, save "s4a"; load "s3",
+    step 4 again, save "s4b"; load the one-rank blob0 (the initial state), steps 1-3 again, save "r3"; load the
+    one-rank blob3 (after step 3), step 4, save "f4" and publish the version (its digest kept). After the last
+    case the leader writes its results into `result` and pings every 0.1 s until it is killed; a follower
+    writes "pinged-<rank>" into `marks` at the first of those pings and returns what `follow` then raised."""
     join(spec, torch.device("cpu"))
     out: list[Any] = []
+    marks = Path(job["marks"])
     try:
-        for case in job["cases"]:
+        for n, case in enumerate(job["cases"]):
+            last_case = n == len(job["cases"]) - 1
             root = Path(case["out"])
             upload = uploader(root / "store")
             sc = ShardedCore(build(case["policy"]), spec)
             if not spec.leader:
-                follow(sc, upload)
+                def mark(op: str, last_case: bool = last_case) -> None:
+                    if last_case and op == "ping" and not (marks / f"pinged-{spec.rank}").exists():
+                        (marks / f"pinged-{spec.rank}").write_text("1")
+                try:
+                    follow(sc, upload, on_command=mark)
+                except RankError as err:
+                    return {"error": type(err).__name__, "message": str(err)}
                 continue
             steps = read_rollouts(Path(case["rollouts"]))
             objectives = [_objective(a) for a in case["aggregations"]]
@@ -109,38 +119,37 @@ def steps_case(spec: RankSpec, job: dict[str, Any]) -> Any:
             last = asdict(sc.train_step(steps[3], objectives[3]))
             save("f4")
             _, digest, raw = sc.published_version()
-            sc.ping()
-            sc.stop()
             out.append({"stats": stats, "last": last, "digest": digest, "raw": raw})
+            if last_case:
+                Path(job["result"]).write_text(json.dumps(out))
+                while True:          # until the test kills this rank
+                    sc.ping()
+                    time.sleep(0.1)
+            sc.stop()
     finally:
         leave()
     return out
 
 
-def fault_case(spec: RankSpec, job: dict[str, Any]) -> Any:
-    """job: {"rollouts", "die_rank", "die_on"}: rank die_rank SIGKILLs itself when command die_on arrives (a
-    follower) or right before sending it (the leader); the leader pings, then trains step 1. -> what this rank
-    raised: {"error": class name, "message", "after_s": seconds from the death's command to the error}."""
+def stall_case(spec: RankSpec, job: dict[str, Any]) -> Any:
+    """job: {"rollouts", "out"}: rank 1 stops itself (SIGSTOP: alive, silent) when the "train" command arrives,
+    while the leader trains step 1. -> {"error": the class of what this rank raised (None), "message"}."""
     join(spec, torch.device("cpu"))
-    t0 = time.monotonic()
     try:
         sc = ShardedCore(build("builtin"), spec)
 
-        def die(op: str) -> None:
-            if op == job["die_on"] and spec.rank == job["die_rank"]:
-                os.kill(os.getpid(), signal.SIGKILL)
+        def stall(op: str) -> None:
+            if op == "train":
+                os.kill(os.getpid(), signal.SIGSTOP)
 
         if spec.leader:
-            steps = read_rollouts(Path(job["rollouts"]))
             sc.ping()
-            t0 = time.monotonic()
-            sc.train_step(steps[0], Objective())
-            sc.ping()
+            sc.train_step(read_rollouts(Path(job["rollouts"]))[0], Objective())
             sc.stop()
         else:
-            follow(sc, uploader(Path(job["out"])), on_command=die)
+            follow(sc, uploader(Path(job["out"]) / "store"), on_command=stall)
         return {"error": None}
     except RankError as err:
-        return {"error": type(err).__name__, "message": str(err), "after_s": time.monotonic() - t0}
+        return {"error": type(err).__name__, "message": str(err)}
     finally:
         leave()
