@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-minutes", type=float, default=10.0,
                    help="peer: wall-clock budget per arm, minutes (default 10; --quick: 0.05)")
     p.add_argument("--peer-held-out", type=int, default=500,
-                   help="peer: held-out tasks every snapshot is scored on (default 500; --quick: 16)")
+                   help="peer: held-out tasks every snapshot is scored on (default 500; --quick: 8)")
     p.add_argument("--peer-size", choices=("tiny", "small"), default="small",
                    help="peer: recipe size of the shared Qwen2 policy (default small; --quick: tiny)")
     p.add_argument("--peer-pretrain-steps", type=int, default=200,
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _quiet_transformers()
     quick = bool(getattr(args, "quick", False))
     minutes = 0.05 if quick else args.peer_minutes
-    n_held = 16 if quick else args.peer_held_out
+    n_held = 8 if quick else args.peer_held_out
     size = "tiny" if quick else args.peer_size
     steps = 2 if quick else args.peer_pretrain_steps
     budget = minutes * 60.0
