@@ -4,8 +4,8 @@
 `new_run` is a fresh run id (the `run_id` fixture of tests/conftest.py). Modules for groups of tests: `ops` (a
 subcommand in-process, single-server targets), `rl_bus` (a provisioned one-region run for trainer tests),
 `rollouts` (synthetic rollouts sampled from a real model), `samples` (one message of every kind),
-`fuzz_payloads` (hostile payloads), `ast_guard` (the audit hook that fails a test building an AST off the main
-thread).
+`fuzz_payloads` (hostile payloads), `runs` (the finished `rlbus up` run of the `finished_run` fixture),
+`ast_guard` (the audit hook that fails a test building an AST off the main thread).
 """
 
 from __future__ import annotations
