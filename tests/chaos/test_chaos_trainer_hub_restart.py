@@ -65,9 +65,9 @@ async def _acked_through(admin: Bus, seq: int, timeout_s: float = 90) -> None:
 
 async def _settled(admin: Bus, timeout_s: float = 90) -> None:
     """Wait until the checkpointer has acked every StateUploaded it was given, then for the server to write
-    the consumers' state to its store (within 100 ms of an ack): the hub is killed at a quiet moment. An ack
-    the SIGKILL catches in memory is redelivered only after the 60 s ack wait (and the checkpointer takes
-    one upload at a time), which would test a lost ack, not the restart."""
+    the consumers' state to its store (its flusher does, milliseconds after an ack): the hub is killed at a
+    quiet moment. An ack the SIGKILL catches in memory is redelivered only after the 60 s ack wait (and the
+    checkpointer takes one upload at a time), which would test a lost ack, not the restart."""
     s = admin.subjects
     with anyio.fail_after(timeout_s):
         while True:
