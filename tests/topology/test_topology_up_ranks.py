@@ -1,7 +1,8 @@
 """A trainer of two ranks inside the real RL job: `rlbus up` on the `ranks` example (world_size = 2, FSDP2 over
 gloo) with rank 1 SIGKILLed mid-run. The launcher tears the group down (the trainer too) and restarts both on a fresh
-rendezvous; the run reaches its last step, exits 0, and the ledger shows 0 lost and 0 trained twice. Then the same
-state directory goes on with a one-rank trainer: the sharded checkpoint loads at world size 1 (2 -> 1)."""
+rendezvous; the run reaches its last step, exits 0, and the ledger shows 0 lost and 0 trained twice. `rlbus eval`'s
+loader reads the sharded checkpoint; then the same state directory goes on with a one-rank trainer: the sharded
+checkpoint loads at world size 1 (2 -> 1)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from rlbus.actors.common.checkpoints import MARK_FILE, checkpoint_dir, durable_steps
+from rlbus.ops.eval import load_policy
 from rlbus.ops.up import stop_leftovers
 from rlbus.topology.examples import example_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
-STEPS = 6
+STEPS = 4
 KILL_AT_STEP = 2
 
 
@@ -72,7 +75,7 @@ def _clean(out: str, steps: int) -> None:
 
 def test_a_two_rank_trainer_survives_a_sigkill_of_rank_1_and_its_checkpoint_loads_at_one_rank(
         tmp_path: Path, processes_mentioning: Callable[[str], list[int]]) -> None:
-    """SIGKILL rank 1 after step 2: both ranks restart (new pids), the run reaches step 6 with a clean ledger and
+    """SIGKILL rank 1 after step 2: both ranks restart (new pids), the run reaches step 4 with a clean ledger and
     leaves no process; a one-rank trainer then resumes the same run from the two-rank checkpoint."""
     state = tmp_path / "state"
     killed: dict[str, int] = {}
@@ -101,9 +104,15 @@ def test_a_two_rank_trainer_survives_a_sigkill_of_rank_1_and_its_checkpoint_load
         assert before["rank_after"] and not before["rank_after"] & before["rank"], before
         assert before["trainer_after"] and not before["trainer_after"] & before["trainer"], before
         assert processes_mentioning(str(state)) == []
-        code, out = _run([*cli, str(_topology(tmp_path, 1)), "--state-dir", str(state), "--steps", str(STEPS + 2)])
+        # `rlbus eval` and `rlbus export` read the newest durable checkpoint: a sharded one
+        policy, label = load_policy(state)
+        newest = max(durable_steps(state))
+        assert f"checkpoint step {newest}" in label and policy.vocab_size > 0
+        mark = json.loads((checkpoint_dir(state, newest) / MARK_FILE).read_text())
+        assert len(mark["objects"]) > 2 and all(o.startswith("state-shard-") for o in mark["objects"]), mark
+        code, out = _run([*cli, str(_topology(tmp_path, 1)), "--state-dir", str(state), "--steps", str(STEPS + 1)])
         assert code == 0, out[-4000:]
-        _clean(out, STEPS + 2)
+        _clean(out, STEPS + 1)
         log = [json.loads(line) for line in (state / "logs" / "hub-trainer-0.log").read_text().splitlines()
                if line.startswith("{")]
         ready = [e.get("world_size") for e in log if e.get("event") == "trainer_model_ready"]
