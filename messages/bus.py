@@ -102,9 +102,15 @@ class Delivery(Generic[M]):
         """Acknowledge (fire-and-forget: a lost ack means a redelivery, which consumers must tolerate)."""
         await self.raw.ack()
 
-    async def ack_sync(self) -> None:
-        """Acknowledge and wait for the server to confirm it."""
-        await self.raw.ack_sync()
+    async def ack_sync(self, give_up_after_s: float = 30.0) -> None:
+        """Acknowledge and wait for the server to confirm it. A confirmation that does not come (a clustered
+        consumer electing its next leader, the client moving to another server) is asked for again (an ack is
+        idempotent) for up to `give_up_after_s`, then the timeout is raised."""
+        retry = retry_policy("ack_retry", on=(nats.errors.TimeoutError, nats.errors.NoRespondersError),
+                             initial_s=0.2, max_s=2.0, give_up_after_s=give_up_after_s)
+        async for attempt in retry:
+            with attempt:
+                await self.raw.ack_sync()
 
     async def in_progress(self) -> None:
         """Hold the message: resets its ack wait while long work goes on."""
@@ -278,6 +284,9 @@ class Bus:
                     msgs = await psub.fetch(batch, timeout=fetch_timeout_s)
                 except (nats.errors.TimeoutError, TimeoutError):
                     continue                      # idle; the next fetch is the cancel point
+                except nats.js.errors.ServiceUnavailableError:   # 503: a clustered consumer has no leader yet
+                    await anyio.sleep(fetch_timeout_s / 4)
+                    continue
                 for msg in msgs:
                     try:
                         message = codec.decode_as(msg.data, msg.headers, kind)

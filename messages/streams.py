@@ -80,7 +80,8 @@ class StreamSettings:
     events_max_age_s: float = 7 * 86400.0
     """EVENTS keeps lifecycle events and incidents this long."""
     replicas: int = 1
-    """Stream replicas (1 on the embedded single-server regions)."""
+    """Replicas of every stream and bucket: 1 on single servers, up to the number of nodes of a clustered
+    region (an embedded cluster has 3)."""
     weights_keep: int = 3
     """Weight versions kept in each region's WEIGHTS object store (the publisher deletes older ones)."""
     storage: Literal["file", "memory"] = "file"
@@ -283,13 +284,20 @@ async def provision_hub(nc: NATS, subjects: Subjects, hub: str, regions: Mapping
 async def provision_all(connect: Callable[[str], Awaitable[NATS]], subjects: Subjects, *, hub: str,
                         regions: Mapping[str, str | None], settings: StreamSettings) -> None:
     """Provision every region through its own server (`await connect(region)` → an admin connection to
-    that region's server, closed here), then the hub. A cut-off leaf is provisioned where it stands."""
+    that region's server, closed here), then the hub. A cut-off leaf is provisioned where it stands. A region
+    whose streams do not answer yet (a cluster electing their leaders) is retried for up to 30 s."""
     for region in [*sorted(r for r in regions if r != hub), hub]:
         nc = await connect(region)
         try:
-            await provision_region(nc, subjects, region, domain=regions[region], settings=settings)
-            if region == hub:
-                await provision_hub(nc, subjects, hub, regions, settings)
+            # A clustered region restarted on its stores elects each stream's leader a few seconds after its
+            # meta leader; until then that stream's API requests go unanswered: retry (it is idempotent).
+            retry = retry_policy("provision_retry", on=(ServiceUnavailableError, NoRespondersError, NatsTimeoutError),
+                                 initial_s=0.2, max_s=1.0, give_up_after_s=30, region=region)
+            async for attempt in retry:
+                with attempt:
+                    await provision_region(nc, subjects, region, domain=regions[region], settings=settings)
+                    if region == hub:
+                        await provision_hub(nc, subjects, hub, regions, settings)
         finally:
             await nc.close()
 

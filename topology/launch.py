@@ -244,7 +244,9 @@ class Launch:
 
         `relay`: join each embedded leaf to the hub through a cuttable relay, so `launch.regions.cut(leaf)`
         partitions it (`rlbus chaos`); ignored when the servers are not embedded. Leaves with `[regions.link]`
-        run in network namespaces behind shaped links (`launch.regions.links`), their local actors with them."""
+        run in network namespaces behind shaped links (`launch.regions.links`), their local actors with them.
+        `[durability] replicas` above 1 makes every embedded region a JetStream cluster (`RegionSet.nodes_for`);
+        every client is given all of its region's node URLs."""
         state = (state_dir or topology.state_path).resolve()
         if fresh and state.exists():
             shutil.rmtree(state)
@@ -254,11 +256,13 @@ class Launch:
         if all(r.embedded for r in topology.regions):
             sync = None if topology.durability.sync_interval == "default" else topology.durability.sync_interval
             tls = embedded_tls(topology)
+            nodes = RegionSet.nodes_for(topology.durability.replicas)
             regions = await anyio.to_thread.run_sync(
                 lambda: RegionSet.start(state / "nats", names, topology.hub.name, sync_interval=sync,
-                                        run=topology.run, relay=relay, tls=tls, links=topology.link_shapes()))
+                                        run=topology.run, relay=relay, tls=tls, links=topology.link_shapes(),
+                                        nodes=nodes))
             creds_file: Path | None = state / "nats" / CREDENTIALS_NAME
-            endpoints = Endpoints(urls={n: (regions.url(n),) for n in names}, domains={n: n for n in names},
+            endpoints = Endpoints(urls={n: regions.urls(n) for n in names}, domains={n: n for n in names},
                                   hub=topology.hub.name, credentials={n: creds_file for n in names},
                                   tls_ca=regions.tls.ca if regions.tls is not None else None,
                                   netns={n: ns for n in names if (ns := regions.netns(n)) is not None})

@@ -20,6 +20,7 @@ from typing import Final
 from rlbus.actors.common.config import feeder_tasks_problem
 from rlbus.topology.links import parse_percent, parse_time
 from rlbus.topology.problem import Problem, Severity
+from rlbus.topology.regions import CLUSTER_NODES
 from rlbus.topology.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology
 
 BUILTIN_CONTEXT: Final = 512
@@ -299,10 +300,18 @@ def _servers(topology: Topology) -> Iterator[Found]:
             yield _p(f"regions[{i}].nats_urls", f"durability.replicas = {topology.durability.replicas} but only "
                      f"{len(region.nats_urls)} server URL(s) given; the cluster must have at least that many servers",
                      "warning", also=("durability",))
-    if topology.durability.replicas > 1 and any(r.embedded for r in regions):
-        yield _p("durability.replicas", f"expected 1 with embedded servers (single-node), found "
-                 f"{topology.durability.replicas}; use replicas > 1 only with nats_urls of clustered servers",
-                 also=("regions",))
+    replicas = topology.durability.replicas
+    if replicas not in (1, CLUSTER_NODES) and any(r.embedded for r in regions):
+        yield _p("durability.replicas", f"expected 1 (one server per region) or {CLUSTER_NODES} (each region a "
+                 f"{CLUSTER_NODES}-node JetStream cluster) with embedded servers, found {replicas}; other "
+                 "counts need nats_urls of servers clustered elsewhere", also=("regions",))
+    if replicas > 1:
+        for i, region in enumerate(regions):
+            if region.embedded and region.link is not None:
+                yield _p("durability.replicas", f"replicas = {replicas} (clustered regions) and regions[{i}].link "
+                         f"(region {region.name!r} in a network namespace) together are not supported; set "
+                         "replicas = 1 or drop the [regions.link] tables", also=(f"regions[{i}].link",))
+                break
     if topology.launch.backend == "ray":
         seen: dict[str, str] = {}
         for i, region in enumerate(regions):

