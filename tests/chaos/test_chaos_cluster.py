@@ -74,6 +74,7 @@ async def test_sigkilled_stream_leader_loses_nothing_and_rejoins(tmp_path: Path)
         regions, admin = launch.regions, launch.admin
         assert regions is not None and len(regions.nodes[hub]) == 3
         assert all(len(launch.endpoints.urls[r]) == 3 for r in regions.regions)     # every client: all nodes
+        assert all(node.varz()["jetstream"]["config"]["sync_always"] for node in regions.nodes[hub])
         async with anyio.create_task_group() as tg:
             await tg.start(lambda task_status: launch.run_actors(heartbeat_s=0.5, task_status=task_status))
             steps = await _steps(admin, 1, "a step before the kill")

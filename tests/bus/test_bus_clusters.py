@@ -1,0 +1,101 @@
+"""Regions as JetStream clusters on real nats-servers: `RegionSet.start(nodes=3)` makes the hub and a leaf each a
+3-node cluster (routes, one domain, a store per node, `sync_interval` on every node); every stream and bucket is
+provisioned at R3; each leaf node links to the hub (through one relay per hub node, which a cut closes together);
+rollouts published in the leaf are sourced into the hub; a second start on the same directory keeps the nodes'
+ports and stores, and one of the other layout is refused. The chaos proof (a stream leader SIGKILLed under a
+running trainer) is tests/chaos/test_chaos_cluster.py."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+from helpers import eventually, new_run
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from rlbus.messages.errors import ServerError, TopologyError
+from rlbus.messages.streams import StreamSettings, provision_all
+from rlbus.messages.subjects import Subjects
+from rlbus.topology.regions import CLUSTER_PORTS_NAME, RegionSet
+
+pytestmark = pytest.mark.anyio
+REGIONS = ("hub", "eu")
+BUS_DOWN = (nats.errors.Error, nats.js.errors.Error, TimeoutError)
+
+
+async def _connect(rs: RegionSet, region: str, role: str) -> NATS:
+    return await nats.connect(**rs.connect_options(region, role))
+
+
+async def _ids(js: JetStreamContext, stream: str) -> Counter[str]:
+    """How many times each Nats-Msg-Id is stored in `stream`."""
+    state = (await js.stream_info(stream)).state
+    return Counter([(await js.get_msg(stream, seq)).headers["Nats-Msg-Id"]
+                    for seq in range(state.first_seq, state.last_seq + 1)] if state.messages else [])
+
+
+async def _replicas(js: JetStreamContext) -> dict[str, tuple[int, int]]:
+    """Stream name → (configured replicas, peers besides the leader) of every stream of `js`'s domain."""
+    return {info.config.name: (info.config.num_replicas, len(info.cluster.replicas or ()))
+            for info in await js.streams_info()}
+
+
+async def test_clustered_regions_replicate_link_and_reopen_on_their_ports(tmp_path: Path) -> None:
+    """Hub and leaf of 3 nodes each: every node fsyncs always, every stream and bucket of both domains is R3 with 2
+    followers, each leaf node is linked (a cut of its relays unlinks it, a heal links it again), 2 rollouts
+    published in the leaf reach the hub's ROLLOUTS once each; started again, the nodes listen on the same ports
+    and hold both rollouts; a single-server start on that directory is refused, as is an even node count."""
+    base, run = tmp_path / "state", new_run()
+    s = Subjects(run)
+    settings = StreamSettings(replicas=3, duplicate_window_s=120.0)
+    with RegionSet.start(base, REGIONS, "hub", run=run, nodes=3, relay=True, sync_interval="always") as rs:
+        assert {r: len(rs.nodes[r]) for r in REGIONS} == {"hub": 3, "eu": 3} and len(rs.node_relays["eu"]) == 3
+        assert all(n.varz()["jetstream"]["config"]["sync_always"] for r in REGIONS for n in rs.nodes[r])
+        assert rs.linked() == {"eu"}
+        await provision_all(lambda region: _connect(rs, region, "admin"), s, hub="hub", regions=rs.domains,
+                            settings=settings)
+        admin = await _connect(rs, "hub", "admin")
+        gen = await _connect(rs, "eu", "generator")
+        try:
+            for domain in REGIONS:
+                replicas = await _replicas(admin.jetstream(domain=domain))
+                assert replicas and set(replicas.values()) == {(3, 2)}, replicas   # KV_ and OBJ_ buckets too
+                assert any(name.startswith("KV_") for name in replicas) and any(
+                    name.startswith("OBJ_") for name in replicas)
+            for rid in ("r1", "r2"):
+                ack = await gen.jetstream().publish(s.rollouts("eu"), rid.encode(), headers={"Nats-Msg-Id": rid})
+                assert ack.domain == "eu"
+            hub_js = admin.jetstream(domain="hub")
+            await eventually(lambda: _ids(hub_js, s.hub_rollouts_stream()), lambda ids: ids == Counter(["r1", "r2"]),
+                             what="both rollouts sourced into the hub", timeout_s=60)
+            rs.cut("eu")
+            assert rs.is_cut("eu") and "eu" not in rs.linked()
+            rs.heal("eu", timeout_s=30)
+            assert rs.linked() == {"eu"}
+        finally:
+            await gen.close()
+            await admin.close()
+        urls = {r: rs.urls(r) for r in REGIONS}
+    saved = json.loads((base / "hub" / CLUSTER_PORTS_NAME).read_text())
+    assert [f"nats://127.0.0.1:{p['client']}" for p in saved] == list(urls["hub"])
+    with RegionSet.start(base, REGIONS, "hub", run=run, nodes=3, link_timeout_s=60) as again:
+        assert {r: again.urls(r) for r in REGIONS} == urls
+        admin = await _connect(again, "hub", "admin")
+        try:
+            for domain, stream in (("hub", s.hub_rollouts_stream()), ("eu", s.rollouts_stream("eu"))):
+                js = admin.jetstream(domain=domain)      # each stream answers once its leader is elected again
+                await eventually(lambda js=js, stream=stream: _ids(js, stream),
+                                 lambda ids: ids == Counter(["r1", "r2"]), what=f"{stream} after the restart",
+                                 timeout_s=60, ignoring=BUS_DOWN)
+        finally:
+            await admin.close()
+    with pytest.raises(ServerError, match="holds a cluster's JetStream store, but this run asks for a single server"):
+        RegionSet.start(base, REGIONS, "hub", run=run)
+    with pytest.raises(TopologyError, match="1 or odd"):
+        RegionSet.start(base, REGIONS, "hub", run=run, nodes=2)
