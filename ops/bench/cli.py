@@ -18,6 +18,7 @@ BENCHES: Final = {
     "sync": ("sync", "delta vs full-snapshot weight sync to generators on the 3-region embedded bus"),
     "async": ("async_pipeline", "async pipeline vs synchronous generate-then-train schedule"),
     "sandbox": ("sandbox", "per-execution sandbox overhead by isolation level"),
+    "trainer": ("trainer", "the trainer at world size 1 and 2 (FSDP2 ranks): step time, memory per rank, publish"),
     "peer": ("peer", "TRL's GRPOTrainer vs rlbus up on the same Hugging Face model, tasks, reward and budget"),
 }
 """Benchmark name → (its module in `ops/bench/`, what it measures)."""
