@@ -94,6 +94,9 @@ class _Region:
     """`time.perf_counter()` when each version's first stage reached LATEST (benchmarks)."""
     present: dict[str, str] | None = None
     """Object name -> sha256 digest in the region's store; None until listed once."""
+    store: ObjectStore | None = None
+    """The region's WEIGHTS store handle (looked up once: each lookup is a request to the region; dropped
+    when a write fails)."""
     failing: bool = False
     wake: Wakeup = field(default_factory=Wakeup)
     write_s: float = 0.0
@@ -442,7 +445,7 @@ class Publisher(Actor):
                 try:
                     await self._write_region(region, target)
                 except (*_BUS_ERRORS, BadMessage):
-                    region.failing = True
+                    region.failing, region.store = True, None
                     self.count(f"region_failures_{region.name}")
                     await self._notify()
                     raise
@@ -457,7 +460,9 @@ class Publisher(Actor):
         """Objects first (skipping those already there with the same digest), then LATEST, then pruning."""
         js = self._js(region.name)
         bucket = self.subjects.weights_bucket(region.name)
-        store = await js.object_store(bucket)
+        if region.store is None:
+            region.store = await js.object_store(bucket)
+        store = region.store
         if region.present is None:
             region.present = await _list_digests(store)
         m = target.manifest

@@ -1,20 +1,22 @@
 """Object-store transfers: the one uploader and the one downloader of rlbus, both digest-checked.
 
-Owns: `put_object` (chunks of `OBJECT_CHUNK`, returns the `sha256:<hex>` digest an announcing message
-carries), `fetch_object` (every chunk through an ephemeral pull consumer fetched in batches, hashed while the
+Owns: `put_object` (chunks of `OBJECT_CHUNK` published pipelined, at most `PUT_WINDOW` unacked, then the
+object's metadata; returns the `sha256:<hex>` digest an announcing message carries), `fetch_object` (every chunk through an ephemeral pull consumer fetched in batches, hashed while the
 next ones arrive, checked against the store's own digest and the announced one), `stream_object` (the same,
 handing each chunk on as it arrives, so a decoder never holds the object whole), `delete_object` (best effort), and the
 digest forms (`digest`, `store_digest`). Used alike by weight sync, the publisher, the checkpointer and the
 trainer's resume (through `Bus.get_object`). nats-py's plain `ObjectStore.get()` is quadratic in the
 object's size, and its `get(writeinto=)` streams through an ordered push consumer (3-10x slower here than
-the batched pull for 8-64 MiB): neither is used. Does not: create buckets (messages/streams.py) or choose object names (messages/subjects.py).
+the batched pull for 8-64 MiB): neither is used. Nor is its `ObjectStore.put()`, which waits for each chunk's
+ack before sending the next: one round trip per 512 KiB, which on a link with a 60 ms round trip caps an
+upload at ~8.7 MB/s whatever the bandwidth. Does not: create buckets (messages/streams.py) or choose object names (messages/subjects.py).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import io
+import json
 from collections.abc import Awaitable, Callable
 from typing import Final
 
@@ -22,9 +24,18 @@ import anyio
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions
-from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, ObjectInfo, ObjectMetaOptions
+from nats.js.kv import MSG_ROLLUP_SUBJECT
+from nats.js.object_store import (
+    OBJ_CHUNKS_PRE_TEMPLATE,
+    OBJ_DIGEST_TEMPLATE,
+    OBJ_META_PRE_TEMPLATE,
+    OBJ_STREAM_TEMPLATE,
+)
+from nats.nuid import NUID
 
 from rlbus.messages.errors import DigestMismatch
 
@@ -32,8 +43,13 @@ log = structlog.get_logger()
 
 OBJECT_CHUNK: Final = 512 * 1024
 """Object-store chunk size: well under nats-server's default 1 MiB max payload."""
+PUT_WINDOW: Final = 32
+"""Chunks an upload has in flight before it waits for their acks (16 MiB: twice the bandwidth-delay product of
+a 1 Gbit/s link with a 60 ms round trip)."""
 FETCH_BATCH: Final = 64
 """Chunks per pull request (up to 32 MiB in flight)."""
+_NO_MESSAGE: Final = 10037
+"""JetStream's error code for "no message found" (a stream that does not exist is 10059)."""
 STALL_S: Final = 30.0
 """A download with no total limit fails once no chunk has arrived for this long."""
 
@@ -51,12 +67,78 @@ def store_digest(meta_digest: str) -> str:
         return ""
 
 
-async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes | memoryview) -> str:
-    """Upload bytes in `OBJECT_CHUNK` chunks (replacing an object of that name); returns their digest."""
-    store = await js.object_store(bucket)
-    meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK))
-    await store.put(name, io.BytesIO(data), meta=meta)
-    return digest(data)
+async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes | memoryview, *,
+                     window: int = PUT_WINDOW, stall_s: float = STALL_S) -> str:
+    """Upload bytes in `OBJECT_CHUNK` chunks (replacing an object of that name); returns their digest.
+
+    The objects are the ones nats-py's `ObjectStore.put` writes (chunks on a fresh nuid's subject, then the
+    metadata as a rollup, then the replaced object's chunks purged), but the chunks go pipelined: at most
+    `window` unacked, their acks read from one reply inbox. A failed upload purges the chunks it sent.
+
+    :raises nats.js.errors.NotFoundError: no such bucket.
+    :raises nats.js.errors.APIError: the store refused a chunk or the metadata.
+    :raises TimeoutError: no ack arrived for `stall_s`.
+    """
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    meta_subject = OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
+    try:                                   # the object it replaces, if any: one request, no stream info first
+        last = await js.get_last_msg(stream, meta_subject)
+        old: ObjectInfo | None = ObjectInfo.from_response(json.loads(last.data or b"{}"))
+    except nats.js.errors.NotFoundError as err:
+        if err.err_code != _NO_MESSAGE:
+            raise                          # no such bucket
+        old = None
+    nuid = NUID().next().decode()
+    chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
+    nc = js._nc                   # nats-py keeps the context's client private; the acks need its inbox
+    inbox = nc.new_inbox()
+    view = memoryview(data).cast("B")
+    sha = hashlib.sha256()
+    sent = acked = 0
+    sub = await nc.subscribe(inbox)
+    try:
+        for offset in range(0, len(view), OBJECT_CHUNK):
+            chunk = view[offset:offset + OBJECT_CHUNK]
+            sha.update(chunk)
+            await nc.publish(chunk_subject, bytes(chunk), reply=inbox)
+            sent += 1
+            while sent - acked >= window:
+                await _chunk_ack(sub, stall_s, bucket, name)
+                acked += 1
+        while acked < sent:
+            await _chunk_ack(sub, stall_s, bucket, name)
+            acked += 1
+        info = ObjectInfo(name=name, bucket=bucket, nuid=nuid, size=len(view), chunks=sent,
+                          options=ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK),
+                          digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(sha.digest()).decode()))
+        await js.publish(meta_subject, json.dumps(info.as_dict()).encode(), headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
+    except BaseException:
+        with anyio.move_on_after(2.0, shield=True):
+            try:
+                await js.purge_stream(stream, subject=chunk_subject)
+            except (nats.errors.Error, TimeoutError) as err:
+                log.warning("object_put_cleanup_failed", bucket=bucket, object=name, error=repr(err))
+        raise
+    finally:
+        with anyio.move_on_after(2.0, shield=True):
+            await sub.unsubscribe()
+    if old is not None and not old.deleted and old.nuid:
+        await js.purge_stream(stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=old.nuid))
+    return "sha256:" + sha.hexdigest()
+
+
+async def _chunk_ack(sub: Subscription, stall_s: float, bucket: str, name: str) -> None:
+    """Read one chunk's ack from the upload's inbox. :raises nats.js.errors.APIError: a refusal (or no stream)."""
+    msg: Msg = await sub.next_msg(timeout=stall_s)
+    if msg.headers and msg.headers.get("Status") == "503":
+        raise nats.js.errors.ServiceUnavailableError(description=f"no stream stores the chunks of {bucket}/{name}")
+    try:
+        reply = json.loads(msg.data)
+    except ValueError:
+        raise nats.js.errors.APIError(description=f"object {bucket}/{name}: a chunk's ack is not JSON: "
+                                                  f"{msg.data[:80]!r}") from None
+    if isinstance(reply, dict) and "error" in reply:
+        nats.js.errors.APIError.from_error(reply["error"])
 
 
 async def fetch_object(js: JetStreamContext, bucket: str, name: str, *, expected_digest: str | None = None,

@@ -1,0 +1,67 @@
+"""`rlbus bench sync --quick --sync-link RATE/LATENCY` over shaped links: the JSON carries every link key, the
+full snapshots the generators fetched crossed each leaf's link, and nothing is left behind. `--sync-link` is
+parsed as RATE/LATENCY or refused by name. No speed is asserted (benchmarks report numbers; the suite checks
+outcomes). Needs root, ip, tc and nft; skipped with the reason elsewhere."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers.ops import json_in
+
+from rlbus.ops.bench.sync import LEAVES, link_spec
+from rlbus.topology.links import LinkShape, namespaces_unavailable
+
+LINK_KEYS = ("link_seconds_per_version_delta", "link_seconds_per_version_full", "link_speedup_vs_full",
+             "link_bytes_per_version_delta", "link_bytes_per_version_full", "round_trips_per_version_delta",
+             "round_trips_per_version_full", "full_goodput_ratio", "link_speedup_bound", "speedup_vs_full")
+
+
+def test_sync_link_is_rate_slash_latency_or_refused_by_name() -> None:
+    assert link_spec("100mbit/30ms") == LinkShape(bandwidth_bps=100_000_000, latency_s=0.03)
+    assert link_spec("1gbit/5ms") == LinkShape(bandwidth_bps=1_000_000_000, latency_s=0.005)
+    for bad in ("100mbit", "fast/30ms", "100mbit/soon"):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"--sync-link '{bad}'"):
+            link_spec(bad)
+
+
+@pytest.mark.skipif(namespaces_unavailable() is not None,
+                    reason=f"shaped links cannot be made here: {namespaces_unavailable()}")
+def test_quick_bench_over_links_reports_every_link_key_and_leaves_nothing(
+        tmp_path: Path, processes_mentioning: Callable[[str], list[int]]) -> None:
+    cmd = [sys.executable, "-m", "rlbus.ops.cli", "bench", "sync", "--quick", "--sync-link", "100mbit/5ms", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)          # hang guard only
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)                # its own process group: stop by its pid
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, out[-3000:] + err[-5000:]
+    result = json_in(out)
+    assert set(LINK_KEYS) <= set(result), sorted(set(LINK_KEYS) - set(result))
+    assert result["link"]["leaves"] == list(LEAVES) and result["link"]["bandwidth_bps"] == 100_000_000
+    assert set(result["link"]["rtt_measured_s"]) == set(LEAVES)
+    full_object = max(row["bytes_fetched"] for row in result["versions"]["full"])
+    for mode in ("delta", "full"):
+        assert len(result["link_versions"][mode]) == len(result["versions"][mode])
+        for row in result["link_versions"][mode]:
+            for leaf in LEAVES:
+                assert row[leaf]["round_trips"] > 0 and row[leaf]["link_s"] > 0, (mode, leaf, row)
+                if mode == "full":                        # the snapshot each leaf's generators read crossed it
+                    assert row[leaf]["bytes_to_leaf"] >= full_object, (leaf, row, full_object)
+    assert processes_mentioning(str(tmp_path)) == []
+    assert list(tmp_path.glob("rlbus-bench-sync-*")) == []
+    made = result["link"]["made"]
+    assert set(made) == set(LEAVES)
+    for leaf in LEAVES:                                    # its namespaces and veths are gone
+        assert not Path("/run/netns", made[leaf]["netns"]).exists(), made[leaf]
+        assert not set(made[leaf]["interfaces"]) & set(os.listdir("/sys/class/net")), made[leaf]
