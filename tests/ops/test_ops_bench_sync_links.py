@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers.ops import json_in
 
-from rlbus.ops.bench.sync import LEAVES, link_spec
+from rlbus.ops.bench.sync import LEAVES, link_spec, run
 from rlbus.topology.links import LinkShape, namespaces_unavailable
 
 LINK_KEYS = ("link_seconds_per_version_delta", "link_seconds_per_version_full", "link_speedup_vs_full",
@@ -30,6 +30,18 @@ def test_sync_link_is_rate_slash_latency_or_refused_by_name() -> None:
     for bad in ("100mbit", "fast/30ms", "100mbit/soon"):
         with pytest.raises(argparse.ArgumentTypeError, match=rf"--sync-link '{bad}'"):
             link_spec(bad)
+
+
+def test_without_namespaces_the_bench_says_why_and_exits_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Where shaped links cannot be made (here faked: the check itself reads uid and PATH), nothing starts."""
+    import rlbus.topology.links as links
+
+    monkeypatch.setattr(links, "namespaces_unavailable", lambda: "network namespaces need root (uid 1000)")
+    with pytest.raises(SystemExit) as exited:
+        run(argparse.Namespace(sync_link=link_spec("100mbit/5ms"), quick=True))
+    assert exited.value.code == 2
+    assert "--sync-link: shaped links cannot be made here: network namespaces need root" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(namespaces_unavailable() is not None,
