@@ -47,8 +47,8 @@ from rlbus.messages.errors import RlbusError
 from rlbus.messages.schemas import Rollout
 from rlbus.model.policy import Policy
 
-__all__ = ["LocalGroup", "RankError", "RankResult", "RankSpec", "ShardedCore", "follow", "is_sharded", "join",
-           "leave", "shards_to_payload"]
+__all__ = ["LocalGroup", "RankError", "RankResult", "RankSpec", "ShardedCore", "follow", "free_port", "is_sharded",
+           "join", "leave", "shards_to_payload", "state_bytes"]
 
 Upload = Callable[[str, bytes], tuple[str, str]]
 """(file name, bytes) -> (object name, digest): how a rank stores one checkpoint file of its own."""
