@@ -344,13 +344,15 @@ class _RoundTrips:
 
 
 async def _measure_rtt(admin: Any, leaves: Iterable[str], n: int = 5) -> dict[str, float]:
-    """Leaf -> median seconds of a JetStream API request (`$JS.<leaf>.API.INFO`) from the hub across its link."""
+    """Leaf -> median seconds of a JetStream API request (account info) from the hub across its link."""
+    from rlbus.messages.subjects import Subjects
+
     out = {}
     for leaf in leaves:
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
-            await admin.nc.request(f"$JS.{leaf}.API.INFO", b"", timeout=10.0)
+            await admin.nc.request(f"{Subjects.js_api(leaf)}.INFO", b"", timeout=10.0)
             times.append(time.perf_counter() - t0)
         out[leaf] = statistics.median(times)
     return out
