@@ -38,6 +38,8 @@ log = structlog.get_logger()
 M = TypeVar("M", bound=Message)
 
 _INACTIVE_S: Final = 30.0
+_UNAVAILABLE_S: Final = 30.0
+"""How long a reader waits out 503s (a clustered consumer not answering yet) before it raises."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +101,20 @@ async def read_batches(js: JetStreamContext, stream: str, *, subject: str | None
     info = await js.add_consumer(stream, config)
     remaining = int(info.num_pending or 0)
     psub = await js.pull_subscribe_bind(consumer=info.name, stream=stream)
+    unavailable_since: float | None = None
     try:
         while follow or remaining > 0:
             try:
                 msgs = await psub.fetch(batch, timeout=fetch_timeout_s)
+                unavailable_since = None
+            except nats.js.errors.ServiceUnavailableError:
+                # 503: on a clustered stream a new consumer answers once its assignment has reached the
+                # server; given up on after _UNAVAILABLE_S
+                unavailable_since = unavailable_since or anyio.current_time()
+                if anyio.current_time() - unavailable_since > _UNAVAILABLE_S:
+                    raise
+                await anyio.sleep(fetch_timeout_s / 4)
+                continue
             except (nats.errors.TimeoutError, TimeoutError):
                 if not follow:
                     # nothing came: check that nothing is left (the filter may match fewer than counted)

@@ -219,10 +219,11 @@ async def opened(target: Target, args: argparse.Namespace, *, command: str,
         print(f"{command}: run {target.run!r} is stopped: opened read-only from {state} (its stored servers "
               f"started again, no actor; stopped when this command ends)", file=sys.stderr, flush=True)
         regions, hub, tls = stored
+        nodes = len(target.urls[hub])      # run.json names every node of a clustered region
         servers = await anyio.to_thread.run_sync(lambda: RegionSet.start(
-            state / "nats", regions, hub, run=target.run, tls=tls))
+            state / "nats", regions, hub, run=target.run, tls=tls, nodes=nodes))
         try:
-            yield replace(target, urls={r: (servers.url(r),) for r in regions},
+            yield replace(target, urls={r: servers.urls(r) for r in regions},
                           tls_ca=str(servers.tls.ca) if servers.tls is not None else target.tls_ca)
         finally:
             await anyio.to_thread.run_sync(servers.stop)

@@ -334,21 +334,29 @@ class RegionSet:
 
     def wait_clustered(self, region: str, timeout_s: float = 15.0) -> str:
         """Block until every running node of `region` names the same running node as its JetStream meta
-        leader (a single server: at once); returns the leader's name.
+        leader, and every stream those nodes hold (restored from their stores) has a leader (a single server:
+        at once); returns the meta leader's name.
 
-        :raises ServerError: no agreed leader within `timeout_s`; the nodes' views and log tails included.
+        :raises ServerError: not so within `timeout_s`; the nodes' views and log tails included.
         """
         deadline = time.monotonic() + timeout_s
         while True:
             running = [s for s in self.nodes[region] if s.running]
-            views = {s.name: s.meta_leader() for s in running}
+            views: dict[str, Any] = {s.name: s.meta_leader() for s in running}
             leaders = set(views.values())
             if running and len(leaders) == 1 and (leader := leaders.pop()) in {s.name for s in running}:
-                return leader
+                try:
+                    leaderless = sorted({name for s in running for name, at in s.stream_leaders().items()
+                                         if at is None})
+                except ServerError as err:
+                    leaderless = [repr(err)]
+                if not leaderless:
+                    return leader
+                views = {"meta leader": leader, "streams without a leader": leaderless}
             if time.monotonic() > deadline:
                 tails = "\n".join(f"--- {s.name}:\n{s.log_tail(8)}" for s in running)
-                raise ServerError(f"region {region}: its nodes agree on no JetStream meta leader within {timeout_s}s "
-                                  f"(each node's view: {views}).\n{tails}")
+                raise ServerError(f"region {region}: its nodes agree on no JetStream meta leader, or a stream has no "
+                                  f"leader, within {timeout_s}s ({views}).\n{tails}")
             time.sleep(0.05)
 
     def netns(self, region: str) -> str | None:

@@ -522,6 +522,17 @@ class EmbeddedServer:
         """The server's effective settings (`/varz`); JetStream's under `["jetstream"]["config"]`."""
         return self.monitor("varz")
 
+    def stream_leaders(self) -> dict[str, str | None]:
+        """Stream → the server name of its leader, for every stream this node holds a replica of (`/jsz`;
+        None: that stream has no leader now). Empty for a single server, which leads all of its own."""
+        if self.cluster is None:
+            return {}
+        found: dict[str, str | None] = {}
+        for account in self.monitor("jsz?accounts=true&streams=true", timeout_s=2.0).get("account_details") or ():
+            for stream in account.get("stream_detail") or ():
+                found[str(stream.get("name"))] = (stream.get("cluster") or {}).get("leader") or None
+        return found
+
     def meta_leader(self) -> str | None:
         """The server name of its JetStream cluster's meta leader as this node sees it (`/jsz`); None while
         there is none (or the server does not answer). A single server leads itself."""
