@@ -11,6 +11,9 @@ region that fails is retried with backoff and catches up to the newest version. 
 announced on WEIGHTS (msg_id `weights-<N>`) once every reachable region is ready, with `regions_ready`,
 and only then is VersionReady acked. A version no region took is never announced; one whose CKPT object
 is missing or corrupt is dead-lettered with the reason.
+A region started in `relayed` gets one object per version instead (`_write_link`: the delta from the version
+its relay holds, or the version's full blob, named in its LATEST `link` key), and `RegionRelay`, a publisher
+for that one region running on its own server, makes the rest there from what it holds.
 Does not: encode tensors (kernels/), apply weights (actors/common/weight_sync.py) or train (actors/trainer/actor.py).
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
@@ -38,12 +41,12 @@ from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.config import PublisherConfig, PublisherLaunch, decode_config
 from rlbus.actors.common.weight_sync import LATEST_KEY, decode_full
 from rlbus.kernels.delta import DeltaCorrupt, merge_positions, snapshot_due
-from rlbus.kernels.delta_state import StateIndex, encode_state, read_index
-from rlbus.messages import codec
+from rlbus.kernels.delta_state import StateIndex, apply_state_, encode_state, read_index
+from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, Delivery, digest
 from rlbus.messages.errors import BadMessage, DigestMismatch, TopologyError
 from rlbus.messages.history import last_message
-from rlbus.messages.kv import KeyEntry, advance
+from rlbus.messages.kv import KeyEntry, advance, read_key
 from rlbus.messages.objects import fetch_object, store_digest
 from rlbus.messages.retry import GIVE_UP_S, retry_policy
 from rlbus.messages.schemas import VersionReady, WeightManifest
@@ -57,6 +60,9 @@ log = structlog.get_logger()
 _BUS_ERRORS: Final = (nats.errors.Error, TimeoutError, OSError)
 _OBJECT_NAME: Final = re.compile(r"v(\d+)\.(full|from\d+)")
 _UNLIMITED: Final = 1 << 40
+LINK_KEY: Final = "link"
+"""The key of a relayed region's LATEST bucket naming the one object of each version that crossed its link
+(a WeightManifest listing it), written by the hub's publisher and read by the region's `RegionRelay`."""
 _Row = tuple[str, str, int, int | None, int]
 """One object of a manifest: name, digest, size, base version, version it yields."""
 
@@ -97,6 +103,11 @@ class _Region:
     store: ObjectStore | None = None
     """The region's WEIGHTS store handle (looked up once: each lookup is a request to the region; dropped
     when a write fails)."""
+    relayed: bool = False
+    """The region runs a `RegionRelay`: only one object per version crosses to it (`Publisher._write_link`)."""
+    linked: int | None = None
+    """Relayed region: the version of the last link object written there (its relay's version, as far as
+    this publisher knows; read from the region's LATEST once)."""
     failing: bool = False
     wake: Wakeup = field(default_factory=Wakeup)
     write_s: float = 0.0
@@ -108,15 +119,22 @@ class Publisher(Actor):
     kind = "publisher"
 
     def __init__(self, ident: ActorId, bus: Bus, config: PublisherConfig, limits: ActorLimits | None = None,
-                 launch: PublisherLaunch | None = None) -> None:
+                 launch: PublisherLaunch | None = None, *, relayed: Collection[str] = ()) -> None:
         super().__init__(ident, bus, limits)
         launch = launch or PublisherLaunch(regions=[ident.region], hub=ident.region)
         if launch.hub not in launch.regions:
             raise TopologyError(f"publisher: hub {launch.hub!r} is not one of the regions {launch.regions}")
+        if bad := sorted(set(relayed) - (set(launch.regions) - {launch.hub})):
+            raise TopologyError(f"publisher: relayed regions {bad} must be leaf regions of {launch.regions}")
         self.config = config
         self.launch = launch
         self.subjects: Subjects = bus.subjects
-        self.regions = {name: _Region(name) for name in launch.regions}
+        self.regions = {name: _Region(name, relayed=name in relayed) for name in launch.regions}
+        self._ckpt_domain = launch.hub
+        """Where CKPT (the trainer's version blobs) lives: the hub."""
+        self._full: tuple[int, str, bytes] | None = None
+        """(version, digest, blob) of the newest version's own full blob: what a relayed region that holds
+        no base this publisher kept is sent."""
         self._kept: dict[int, dict[str, Tensor]] = {}
         self._changed: dict[int, dict[str, np.ndarray]] = {}
         """Per kept version v, the positions of each tensor that differ from v-1 (from the v-1 delta's full
@@ -277,6 +295,8 @@ class Publisher(Actor):
         the previous version alone as soon as it is encoded (what nearly every generator needs), then
         everything (older bases, the delta from the snapshot, the snapshot). -> the final stage."""
         v = ready.version
+        if blob:
+            self._full = (v, ready.digest, blob)
         if state is not None:
             await self._reload_bases(v)
             self._kept[v], self._digest_of[v] = state, index.version_digest
@@ -395,7 +415,7 @@ class Publisher(Actor):
             async for attempt in retry:
                 with attempt:
                     try:
-                        return await fetch_object(self._js(self.launch.hub), self.subjects.checkpoint_bucket(),
+                        return await fetch_object(self._js(self._ckpt_domain), self.subjects.checkpoint_bucket(),
                                                   name, expected_digest=expected)
                     except unusable as err:
                         bad += 1
@@ -457,7 +477,11 @@ class Publisher(Actor):
             self._progress.notify_all()
 
     async def _write_region(self, region: _Region, target: EncodedVersion) -> None:
-        """Objects first (skipping those already there with the same digest), then LATEST, then pruning."""
+        """Objects first (skipping those already there with the same digest), then LATEST, then pruning; a
+        relayed region gets its one link object instead (`_write_link`)."""
+        if region.relayed:
+            await self._write_link(region, target)
+            return
         js = self._js(region.name)
         bucket = self.subjects.weights_bucket(region.name)
         if region.store is None:
@@ -484,6 +508,36 @@ class Publisher(Actor):
                              domain=None if region.name == self.bus.domain else region.name)
         if target.final:
             await self._prune(region, store, m)
+
+    async def _write_link(self, region: _Region, target: EncodedVersion) -> None:
+        """Into a relayed region, one object per version: the delta from the version its relay holds (the one
+        before, or after a gap a kept older one, from the final stage), else the version's full blob; then
+        its LATEST `link` key names it. The region's `RegionRelay` makes the rest there. A stage that cannot
+        carry it (the early one, when the region is further behind) writes nothing."""
+        m = target.manifest
+        v = m.version
+        js = self._js(region.name)
+        domain = None if region.name == self.bus.domain else region.name
+        if region.linked is None:
+            region.linked = await _held_version(js, self.subjects.latest_bucket(region.name))
+        if region.linked is not None and region.linked >= v:
+            return
+        name = object_name(v, region.linked) if region.linked is not None else None
+        if name is not None and name in target.blobs:
+            base, blob = region.linked, target.blobs[name]
+            digest_ = m.digests[m.objects.index(name)]
+        elif not target.final:
+            return                                       # the final stage may hold a delta from it
+        else:
+            assert self._full is not None and self._full[0] == v    # set by `_encode` for this version
+            name, base, (_, digest_, blob) = object_name(v, None), None, self._full
+        await self.bus.put_object(self.subjects.weights_bucket(region.name), name, blob, domain=domain)
+        self.count("link_objects_written")
+        link = msgspec.structs.replace(
+            m, base_version=base, encoding="full" if base is None else "delta", objects=[name], digests=[digest_],
+            sizes=[len(blob)], bases=[base], yields=[v], regions_ready=[region.name])
+        await advance_latest(js, self.subjects.latest_bucket(region.name), link, domain=domain, key=LINK_KEY)
+        region.linked = v
 
     @staticmethod
     def _policy_file_names(manifest: WeightManifest) -> list[str]:
@@ -534,8 +588,123 @@ class Publisher(Actor):
         self.gauges["announced_version"] = float(self._announced if self._announced is not None else -1)
 
 
+class RegionRelay(Publisher):
+    """Inside a leaf region: that region's weight objects, made from the one object per version that crossed
+    its link.
+
+    The hub's publisher (started with the region in `relayed`) writes into the region's WEIGHTS store, per
+    version, the delta from the version this relay holds (or the version's full blob) and names it in the
+    region's LATEST `link` key. The relay watches that key on its own server, fetches the object there
+    (digest-checked), applies it to the base it keeps (every tensor re-hashed, the version digest compared),
+    and from then on is a publisher for this one region: the same objects (the deltas from the last
+    `delta_depth` versions it kept and from its snapshot, a snapshot every `full_every` versions, encoded
+    here), the same LATEST `latest` advance and pruning; it announces nothing (the hub does). A base it does
+    not hold (after a restart) is read once from the hub's CKPT, across the link.
+    """
+
+    def __init__(self, ident: ActorId, bus: Bus, config: PublisherConfig, limits: ActorLimits | None = None,
+                 *, hub: str, threads: int = 2) -> None:
+        region = ident.region
+        super().__init__(ident, bus, config, limits, PublisherLaunch(regions=[region], hub=region, threads=threads))
+        self.region = region
+        self._ckpt_domain = hub
+        self.relayed_version: int | None = None
+        """The newest version this relay has handed to its region writer."""
+
+    async def setup(self) -> None:
+        log.info("region_relay_ready", region=self.region, hub=self._ckpt_domain)
+
+    async def run(self) -> None:
+        bucket = self.subjects.latest_bucket(self.region)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._region_writer, self.regions[self.region])
+            kv = await self.bus.js.key_value(bucket)
+            watcher = await kv.watch(LINK_KEY)
+            try:
+                async for entry in watcher:
+                    if entry is None or entry.operation in ("DEL", "PURGE") or not entry.value:
+                        continue
+                    try:
+                        link = codec.decode_as(entry.value, None, WeightManifest)
+                        checks.check(link)
+                        if len(link.objects) != 1 or len(link.digests) != 1:
+                            raise BadMessage(f"link manifest v{link.version} lists {len(link.objects)} objects, "
+                                             f"not one")
+                    except BadMessage as err:
+                        self.count("links_unreadable")
+                        log.warning("region_relay_link_unreadable", region=self.region, error=str(err))
+                        continue
+                    if self.relayed_version is not None and link.version <= self.relayed_version:
+                        continue
+                    with self.busy():
+                        await self._relay(link)
+            finally:
+                with anyio.move_on_after(2.0, shield=True):
+                    await watcher.stop()
+
+    async def _reload_bases(self, version: int) -> None:
+        """Nothing: a relay encodes from the bases it holds (a restart holds only what it was sent since)."""
+
+    async def _base(self, version: int) -> dict[str, Tensor] | None:
+        """The kept state of `version`, or read from the hub's CKPT (a restart); None when not there either."""
+        if version not in self._kept:
+            blob = await self._download(Subjects.version_object(version), None, attempts=1)
+            if blob is None:
+                return None
+            state, index = await anyio.to_thread.run_sync(partial(decode_full, blob, threads=self.launch.threads))
+            self._kept[version], self._digest_of[version] = state, index.version_digest
+            self.count("bases_from_hub")
+        return self._kept[version]
+
+    async def _relay(self, link: WeightManifest) -> None:
+        """One version: its link object applied, then everything encoded and handed to the region writer. A
+        bad object or a base that cannot be had is logged and skipped (the hub's next link carries on)."""
+        v, name = link.version, link.objects[0]
+        base = link.bases[0] if link.bases else link.base_version
+        region = self.regions[self.region]
+        t0 = time.perf_counter()
+        self._mark(v, "received")
+        try:
+            blob = await fetch_object(self.bus.js, self.subjects.weights_bucket(self.region), name,
+                                      expected_digest=link.digests[0])
+            self._mark(v, "downloaded")
+            if base is None:
+                state, index = await anyio.to_thread.run_sync(partial(decode_full, blob, threads=self.launch.threads))
+                full: bytes | None = blob
+            else:
+                kept = await self._base(base)
+                if kept is None:
+                    raise DeltaCorrupt(f"base v{base} is neither kept nor in CKPT")
+                state = {k: t.clone() for k, t in kept.items()}
+                index = await anyio.to_thread.run_sync(partial(
+                    apply_state_, state, blob, expect_base=self._digest_of[base], verify=True,
+                    threads=self.launch.threads))
+                full = None
+            if link.version_digest and index.version_digest.hex() != link.version_digest:
+                raise DeltaCorrupt(f"version digest {index.version_digest.hex()} != linked {link.version_digest}")
+        except (DeltaCorrupt, DigestMismatch, ValueError, nats.js.errors.NotFoundError) as err:
+            self.count("links_refused")
+            log.error("region_relay_link_refused", region=self.region, version=v, object=name, error=repr(err))
+            return
+        self._mark(v, "decoded")
+        snap = self._snapshot[0] if self._snapshot is not None else None
+        if full is None and (snapshot_due(v, full_every=self.config.full_every) or snap is None
+                             or snap not in self._kept):
+            _, full = await anyio.to_thread.run_sync(partial(
+                encode_state, state, None, digests=index.digests, threads=self.launch.threads))
+        ready = VersionReady(version=v, step=0, object=name, digest=digest(full) if full else "",
+                             version_digest=link.version_digest, raw_bytes=link.raw_bytes,
+                             model_config=link.model_config)
+        if region.present is None:
+            region.present = await _list_digests(await self.bus.js.object_store(self.subjects.weights_bucket(self.region)))
+        region.present[name] = link.digests[0]             # already here: the writer skips it
+        await self._encode(ready, full or b"", index, state, timings={"receive_s": time.perf_counter() - t0})
+        self.relayed_version = v
+        self.count("versions_relayed")
+
+
 async def advance_latest(js: JetStreamContext, bucket: str, manifest: WeightManifest, *,
-                         domain: str | None = None) -> bool:
+                         domain: str | None = None, key: str = LATEST_KEY) -> bool:
     """Compare-and-set a LATEST bucket's `latest` key to `manifest` unless it already holds a newer version,
     or this version with every object `manifest` lists (a version's final stage lists more than its early
     one). `js` reaches the bucket's domain, `domain` is given when that is not the client's own (the write
@@ -554,7 +723,18 @@ async def advance_latest(js: JetStreamContext, bucket: str, manifest: WeightMani
             return None
         return data
 
-    return await advance(js, bucket, LATEST_KEY, decide, domain=domain) is not None
+    return await advance(js, bucket, key, decide, domain=domain) is not None
+
+
+async def _held_version(js: JetStreamContext, bucket: str) -> int | None:
+    """The version a region's LATEST `latest` key holds (None: none, or unreadable)."""
+    entry = await read_key(js, bucket, LATEST_KEY)
+    if not entry.value:
+        return None
+    try:
+        return codec.decode_as(entry.value, None, WeightManifest).version
+    except BadMessage:
+        return None
 
 
 async def _list_digests(store: ObjectStore) -> dict[str, str]:

@@ -20,7 +20,11 @@ and as for `rlbus up`'s actors inside the namespace, and never cross the link. A
 veth byte counters every `SAMPLE_S`; per version and link, the link seconds run from the first sample that
 moved to the last one that did, the link bytes are all that crossed during the version. The publisher's
 request/response round trips to each leaf are counted on its connection (`_RoundTrips`), plus one per object
-for its chunks (pipelined, `messages/objects.py` `PUT_WINDOW`).
+for its chunks (pipelined, `messages/objects.py` `PUT_WINDOW`). `--sync-relay` runs the delta mode with the
+leaves relayed: the hub's publisher sends each one object per version and a `RegionRelay` per leaf (an
+in-process task on the leaf's server, like its generators) makes the region's objects there;
+`link_bytes_over_one_step_delta` is then what a link carried per version over that version's one-step delta.
+The full mode never relays (it is the baseline).
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-delta-depth", type=int, default=3,
                    help="sync: publisher delta_depth in the delta mode (default 3, the topology default)")
     p.add_argument("--sync-threads", type=int, default=2, help="sync: torch and codec threads (default 2)")
+    p.add_argument("--sync-relay", action="store_true",
+                   help="sync: the delta mode sends each leaf one object per version and a RegionRelay in the leaf "
+                        "(in-process, on the leaf's server) makes the rest there")
     p.add_argument("--sync-link", type=link_spec, default=None, metavar="RATE/LATENCY",
                    help="sync: put eu and us behind shaped links of this rate and one-way latency, e.g. "
                         "100mbit/30ms (needs root, ip, tc, nft; default: every region on loopback)")
@@ -99,7 +106,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     from rlbus.actors.base import ActorId, ActorLimits
     from rlbus.actors.common.config import PublisherConfig, PublisherLaunch
     from rlbus.actors.common.weight_sync import WeightSync
-    from rlbus.actors.publisher import Publisher
+    from rlbus.actors.publisher import Publisher, RegionRelay
     from rlbus.messages.bus import Bus, ConnectOptions, Identity
     from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
     from rlbus.model.transformer import ModelConfig, Transformer
@@ -155,15 +162,20 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                      for region in REGIONS for i in range(GENERATORS_PER_REGION)]
             limits = ActorLimits(heartbeat_interval_s=2.0, drain_timeout_s=5.0)
 
-            async def start_publisher(tg: Any, full_every: int, depth: int) -> Publisher:
+            async def start_publisher(tg: Any, full_every: int, depth: int, *, relay: bool = False) -> Publisher:
                 config = PublisherConfig(full_every=full_every, delta_depth=depth)
                 launch = PublisherLaunch(regions=list(REGIONS), hub="hub", threads=threads)
                 bus = await connect("hub", "publisher", f"hub-publisher-{full_every}")
                 if shape is not None:
                     round_trips.append(_RoundTrips(bus, LEAVES))
                 ident = ActorId(run_id, "hub", "publisher", "hub-publisher-0")
-                publisher = Publisher(ident, bus, config, limits, launch)
+                publisher = Publisher(ident, bus, config, limits, launch, relayed=LEAVES if relay else ())
                 await tg.start(publisher.serve)
+                for leaf in LEAVES if relay else ():      # in-region, on the leaf's own server
+                    relay_bus = await connect(leaf, "publisher", f"{leaf}-relay-{full_every}")
+                    region_relay = RegionRelay(ActorId(run_id, leaf, "publisher", f"{leaf}-relay-0"), relay_bus,
+                                               config, limits, hub="hub", threads=1)
+                    await tg.start(region_relay.serve)
                 return publisher
 
             async def one_version(publisher: Publisher, *, step: bool, mode: str | None = None) -> dict[str, Any]:
@@ -185,8 +197,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     await publisher.wait_announced(ready.version)
                 if sampler is not None and mode is not None:
                     await anyio.sleep(0.05)                  # the last segments' acks
-                    link_rows[mode].append(_link_version(ready.version, sampler, round_trips[-1], t_before,
-                                                         time.perf_counter()))
+                    row = _link_version(ready.version, sampler, round_trips[-1], t_before, time.perf_counter())
+                    if publisher.last is not None:       # the one-step delta's size, the floor of a version
+                        m = publisher.last.manifest
+                        sizes = dict(zip(m.objects, m.sizes, strict=True))
+                        row["one_step_bytes"] = sizes.get(f"v{ready.version}.from{ready.version - 1}")
+                    link_rows[mode].append(row)
                 return _breakdown(ready.version, t_pub, applied, publisher, syncs)
 
             async with anyio.create_task_group() as tg:
@@ -194,7 +210,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     await tg.start(sync.run)
                 results: dict[str, list[dict[str, Any]]] = {}
                 async with anyio.create_task_group() as phase:
-                    publisher = await start_publisher(phase, args.sync_full_every, args.sync_delta_depth)
+                    publisher = await start_publisher(phase, args.sync_full_every, args.sync_delta_depth,
+                                                      relay=bool(getattr(args, "sync_relay", False)))
                     seed = await one_version(publisher, step=False)      # v0: every generator joins
                     results["delta"] = [await one_version(publisher, step=True, mode="delta")
                                         for _ in range(n_versions)]
@@ -238,6 +255,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     if shape is not None:
         out |= _link_summary(link_rows, shape, rtt_measured)
         out["link"]["made"] = made
+        out["relay"] = bool(getattr(args, "sync_relay", False))
     return out
 
 
@@ -399,6 +417,8 @@ def _link_summary(rows: dict[str, list[dict[str, Any]]], shape: Any, rtt_measure
     def bound_s(mode: str) -> float:
         return med[mode, "bytes"] / rate + med[mode, "round_trips"] * rtt
 
+    ratios = [r[leaf]["bytes"] / r["one_step_bytes"] for r in rows["delta"] for leaf in LEAVES
+              if r.get("one_step_bytes")]
     kinds: dict[str, dict[str, float]] = {}
     for mode in ("delta", "full"):
         total: dict[str, int] = {}
@@ -421,6 +441,8 @@ def _link_summary(rows: dict[str, list[dict[str, Any]]], shape: Any, rtt_measure
         "round_trips_by_kind": kinds,
         "full_goodput_ratio": statistics.median(goodput) if goodput else 0.0,
         "link_speedup_bound": bound_s("full") / max(bound_s("delta"), 1e-9),
+        "link_bytes_over_one_step_delta": {
+            "median": statistics.median(ratios) if ratios else None, "max": max(ratios) if ratios else None},
         "link_versions": rows,
     }
 

@@ -1,0 +1,140 @@
+"""One copy of each version per link: a leaf region behind a shaped link runs a `RegionRelay`, the hub's
+publisher sends it one object per version (the one-step delta, or the full blob to join), and the relay makes
+the region's other deltas and its snapshots there. Counted on the link's veth: per version it carries at most
+1.1x the one-step delta, with two generators in the region; every generator of both regions holds the
+trainer's bf16 cast bit-exactly, and one that joins late is served inside the region. Needs root, ip, tc and
+nft; skipped with the reason elsewhere."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from helpers import new_run
+from torch import Tensor
+
+from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.common.config import PublisherConfig, PublisherLaunch
+from rlbus.actors.common.weight_sync import LATEST_KEY, WeightSync
+from rlbus.actors.publisher import LINK_KEY, Publisher, RegionRelay
+from rlbus.kernels.delta import bits_view
+from rlbus.kernels.delta_state import state_digest, tensor_digests
+from rlbus.messages import codec
+from rlbus.messages.bus import Bus, ConnectOptions, Identity
+from rlbus.messages.kv import read_key
+from rlbus.messages.schemas import WeightManifest
+from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
+from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.ops.bench.version_source import VersionSource
+from rlbus.topology.links import LinkShape, namespaces_unavailable
+from rlbus.topology.regions import RegionSet
+
+pytestmark = [pytest.mark.anyio,
+              pytest.mark.skipif(namespaces_unavailable() is not None,
+                                 reason=f"shaped links cannot be made here: {namespaces_unavailable()}")]
+
+FAST = ActorLimits(heartbeat_interval_s=1.0, drain_timeout_s=2.0)
+CONFIG = ModelConfig.tiny(d_model=128, d_ff=256, n_layers=4)
+"""0.72M parameters: at lr 1e-3 a one-step delta is ~0.75 MB, so a version's fixed costs (its link manifest,
+the acks) are small beside it, as they are for real models."""
+VERSIONS = 5
+
+
+def _assert_bit_exact(sync: WeightSync, want: Mapping[str, Tensor]) -> None:
+    live = sync.model.named_tensors()
+    assert set(live) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(bits_view(live[name]), bits_view(tensor)), name
+    assert sync.held_digest == state_digest(tensor_digests(want))
+
+
+async def test_a_relayed_region_gets_one_object_per_version_and_its_generators_hold_every_version_bit_exactly(
+        tmp_path: Path) -> None:
+    run = new_run()
+    rs = await anyio.to_thread.run_sync(lambda: RegionSet.start(
+        tmp_path / "regions", ("hub", "eu"), "hub", run=run,
+        links={"eu": LinkShape(bandwidth_bps=200_000_000, latency_s=0.002)}))
+    buses: list[Bus] = []
+
+    async def bus(region: str, role: str, actor: str) -> Bus:
+        cred = rs.credentials(role)
+        b = await Bus.connect(rs.url(region), run=run, domain=region,
+                              identity=Identity(actor_id=actor, kind=role, region=region),
+                              options=ConnectOptions(user=cred.user, password=cred.password))
+        buses.append(b)
+        return b
+
+    def link_bytes() -> int:
+        counters = rs.link_counters()["eu"]
+        return counters["tx_bytes"] + counters["rx_bytes"]
+
+    try:
+        admin = await bus("hub", "admin", "admin")
+        await provision_run(admin.nc, admin.subjects, hub="hub", domains=rs.domains, settings=StreamSettings.tiny())
+        for region in rs.regions:
+            await wait_routable(admin.nc, admin.subjects.tasks(region))
+        config = PublisherConfig(keep_versions=4, full_every=4, delta_depth=2)
+        async with anyio.create_task_group() as tg:
+            publisher = Publisher(ActorId(run, "hub", "publisher", "hub-publisher-0"), await bus("hub", "publisher", "p"),
+                                  config, FAST, PublisherLaunch(regions=["hub", "eu"], hub="hub", threads=1),
+                                  relayed=["eu"])
+            await tg.start(publisher.serve)
+            relay = RegionRelay(ActorId(run, "eu", "publisher", "eu-relay-0"), await bus("eu", "publisher", "r"),
+                                config, FAST, hub="hub", threads=1)
+            await tg.start(relay.serve)
+            syncs = []
+            for region in ("hub", "eu"):
+                for i in range(2):
+                    sync = WeightSync(await bus(region, "generator", f"{region}-gen-{i}"), region)
+                    await tg.start(sync.run)
+                    syncs.append(sync)
+            trainer = await bus("hub", "trainer", "t")
+            torch.manual_seed(0)
+            source = VersionSource(Transformer(CONFIG), lr=1e-3, batch=2, seq_len=32, seed=0)
+            await source.publish(trainer)                           # v0: eu joins with the full blob
+            with anyio.fail_after(120):
+                for sync in syncs:
+                    await sync.wait_for_version(0)
+            per_version = {}
+            for v in range(1, VERSIONS + 1):
+                await anyio.to_thread.run_sync(source.step)
+                before = link_bytes()
+                await source.publish(trainer)
+                with anyio.fail_after(120):
+                    for sync in syncs:
+                        await sync.wait_for_version(v)
+                    await publisher.wait_announced(v)
+                    while relay.regions["eu"].done != v:         # the relay's final stage and pruning
+                        await anyio.sleep(0.02)
+                await anyio.sleep(0.2)                           # the last acks
+                assert publisher.last is not None
+                sizes = dict(zip(publisher.last.manifest.objects, publisher.last.manifest.sizes, strict=True))
+                per_version[v] = (link_bytes() - before, sizes[f"v{v}.from{v - 1}"])
+                for sync in syncs:
+                    assert sync.held_version == v
+                    _assert_bit_exact(sync, source.history[v])
+            for v, (crossed, one_step) in per_version.items():
+                assert crossed <= 1.1 * one_step, (v, crossed, one_step, per_version)
+            assert publisher.counters["link_objects_written"] == VERSIONS + 1     # v0's full blob, then a delta each
+            eu = await read_key(trainer.jetstream("eu"), trainer.subjects.latest_bucket("eu"), LATEST_KEY)
+            latest = codec.decode_as(eu.value or b"", None, WeightManifest)
+            assert latest.version == VERSIONS and "v4.full" in latest.objects        # made in the region
+            assert f"v{VERSIONS}.from{VERSIONS - 2}" in latest.objects
+            link = await read_key(trainer.jetstream("eu"), trainer.subjects.latest_bucket("eu"), LINK_KEY)
+            assert codec.decode_as(link.value or b"", None, WeightManifest).objects == [
+                f"v{VERSIONS}.from{VERSIONS - 1}"]
+            before = link_bytes()                                 # a generator joining now is served in-region
+            joiner = WeightSync(await bus("eu", "generator", "eu-gen-late"), "eu")
+            await tg.start(joiner.run)
+            with anyio.fail_after(60):
+                await joiner.wait_for_version(VERSIONS)
+            _assert_bit_exact(joiner, source.history[VERSIONS])
+            assert link_bytes() - before < 0.1 * per_version[VERSIONS][1]
+            tg.cancel_scope.cancel()
+    finally:
+        for b in buses:
+            await b.close()
+        await anyio.to_thread.run_sync(rs.stop)
