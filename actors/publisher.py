@@ -594,8 +594,9 @@ class RegionRelay(Publisher):
 
     The hub's publisher (started with the region in `relayed`) writes into the region's WEIGHTS store, per
     version, the delta from the version this relay holds (or the version's full blob) and names it in the
-    region's LATEST `link` key. The relay watches that key on its own server, fetches the object there
-    (digest-checked), applies it to the base it keeps (every tensor re-hashed, the version digest compared),
+    region's LATEST `link` key. The relay watches that key on its own server, points LATEST `latest` at a delta
+    at once (the early stage: what generators holding its base need; they check it themselves), fetches the
+    object there (digest-checked), applies it to the base it keeps (every tensor re-hashed, the version digest compared),
     and from then on is a publisher for this one region: the same objects (the deltas from the last
     `delta_depth` versions it kept and from its snapshot, a snapshot every `full_every` versions, encoded
     here), the same LATEST `latest` advance and pruning; it announces nothing (the hub does). A base it does
@@ -664,6 +665,9 @@ class RegionRelay(Publisher):
         region = self.regions[self.region]
         t0 = time.perf_counter()
         self._mark(v, "received")
+        if base is not None:            # what a generator holding the base needs, at once (as the hub's early stage)
+            await advance_latest(self.bus.js, self.subjects.latest_bucket(self.region),
+                                 msgspec.structs.replace(link, regions_ready=[self.region]))
         try:
             blob = await fetch_object(self.bus.js, self.subjects.weights_bucket(self.region), name,
                                       expected_digest=link.digests[0])

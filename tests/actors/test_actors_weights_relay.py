@@ -2,17 +2,21 @@
 publisher sends it one object per version (the one-step delta, or the full blob to join), and the relay makes
 the region's other deltas and its snapshots there. Counted on the link's veth: per version it carries at most
 1.1x the one-step delta, with two generators in the region; every generator of both regions holds the
-trainer's bf16 cast bit-exactly, and one that joins late is served inside the region. Needs root, ip, tc and
-nft; skipped with the reason elsewhere."""
+trainer's bf16 cast bit-exactly, and one that joins late is served inside the region. A relay restarted after
+missing versions reads the one base it lacks from the hub's CKPT and its region catches up. Needs root, ip, tc
+and nft; skipped with the reason elsewhere."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 import pytest
 import torch
+from anyio.abc import TaskStatus
 from helpers import new_run
 from torch import Tensor
 
@@ -40,7 +44,54 @@ FAST = ActorLimits(heartbeat_interval_s=1.0, drain_timeout_s=2.0)
 CONFIG = ModelConfig.tiny(d_model=128, d_ff=256, n_layers=4)
 """0.72M parameters: at lr 1e-3 a one-step delta is ~0.75 MB, so a version's fixed costs (its link manifest,
 the acks) are small beside it, as they are for real models."""
-VERSIONS = 5
+VERSIONS = 4
+
+
+@dataclass
+class _Linked:
+    """A hub and `eu` behind a shaped link, a fresh run provisioned, and every bus a test opened."""
+
+    rs: RegionSet
+    run: str
+    buses: list[Bus] = field(default_factory=list)
+
+    async def bus(self, region: str, role: str, actor: str) -> Bus:
+        cred = self.rs.credentials(role)
+        b = await Bus.connect(self.rs.url(region), run=self.run, domain=region,
+                              identity=Identity(actor_id=actor, kind=role, region=region),
+                              options=ConnectOptions(user=cred.user, password=cred.password))
+        self.buses.append(b)
+        return b
+
+    def link_bytes(self) -> int:
+        counters = self.rs.link_counters()["eu"]
+        return counters["tx_bytes"] + counters["rx_bytes"]
+
+
+@asynccontextmanager
+async def _linked(tmp_path: Path) -> AsyncIterator[_Linked]:
+    run = new_run()
+    rs = await anyio.to_thread.run_sync(lambda: RegionSet.start(
+        tmp_path / "regions", ("hub", "eu"), "hub", run=run,
+        links={"eu": LinkShape(bandwidth_bps=200_000_000, latency_s=0.002)}))
+    world = _Linked(rs, run)
+    try:
+        admin = await world.bus("hub", "admin", "admin")
+        await provision_run(admin.nc, admin.subjects, hub="hub", domains=rs.domains, settings=StreamSettings.tiny())
+        for region in rs.regions:
+            await wait_routable(admin.nc, admin.subjects.tasks(region))
+        yield world
+    finally:
+        for b in world.buses:
+            await b.close()
+        await anyio.to_thread.run_sync(rs.stop)
+
+
+async def _serve_in(scope: anyio.CancelScope, relay: RegionRelay, *,
+                    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    """Serve `relay` until `scope` is cancelled (a relay stopped on its own, the rest running on)."""
+    with scope:
+        await relay.serve(task_status=task_status)
 
 
 def _assert_bit_exact(sync: WeightSync, want: Mapping[str, Tensor]) -> None:
@@ -53,29 +104,10 @@ def _assert_bit_exact(sync: WeightSync, want: Mapping[str, Tensor]) -> None:
 
 async def test_a_relayed_region_gets_one_object_per_version_and_its_generators_hold_every_version_bit_exactly(
         tmp_path: Path) -> None:
-    run = new_run()
-    rs = await anyio.to_thread.run_sync(lambda: RegionSet.start(
-        tmp_path / "regions", ("hub", "eu"), "hub", run=run,
-        links={"eu": LinkShape(bandwidth_bps=200_000_000, latency_s=0.002)}))
-    buses: list[Bus] = []
-
-    async def bus(region: str, role: str, actor: str) -> Bus:
-        cred = rs.credentials(role)
-        b = await Bus.connect(rs.url(region), run=run, domain=region,
-                              identity=Identity(actor_id=actor, kind=role, region=region),
-                              options=ConnectOptions(user=cred.user, password=cred.password))
-        buses.append(b)
-        return b
-
-    def link_bytes() -> int:
-        counters = rs.link_counters()["eu"]
-        return counters["tx_bytes"] + counters["rx_bytes"]
-
-    try:
-        admin = await bus("hub", "admin", "admin")
-        await provision_run(admin.nc, admin.subjects, hub="hub", domains=rs.domains, settings=StreamSettings.tiny())
-        for region in rs.regions:
-            await wait_routable(admin.nc, admin.subjects.tasks(region))
+    """v0's full blob, then one delta per version cross the link (counted on its veth); eu's relay makes the
+    rest (a snapshot at v4); four generators hold v1-v4 bit-exactly, and a late joiner gets v4 in-region."""
+    async with _linked(tmp_path) as world:
+        run, bus, link_bytes = world.run, world.bus, world.link_bytes
         config = PublisherConfig(keep_versions=4, full_every=4, delta_depth=2)
         async with anyio.create_task_group() as tg:
             publisher = Publisher(ActorId(run, "hub", "publisher", "hub-publisher-0"), await bus("hub", "publisher", "p"),
@@ -134,7 +166,48 @@ async def test_a_relayed_region_gets_one_object_per_version_and_its_generators_h
             _assert_bit_exact(joiner, source.history[VERSIONS])
             assert link_bytes() - before < 0.1 * per_version[VERSIONS][1]
             tg.cancel_scope.cancel()
-    finally:
-        for b in buses:
-            await b.close()
-        await anyio.to_thread.run_sync(rs.stop)
+
+
+async def test_a_restarted_relay_reads_the_one_base_it_lacks_from_the_hub_and_its_region_catches_up(
+        tmp_path: Path) -> None:
+    """The relay stops after v1; v2 and v3 are linked meanwhile (the hub and its generators go on). A new relay
+    sees only the newest link (v3 from v2), reads v2 from CKPT once, and eu's generators reach v3 bit-exactly
+    from the snapshot it encodes in the region."""
+    async with _linked(tmp_path) as world, anyio.create_task_group() as tg:
+        config = PublisherConfig(keep_versions=4, full_every=8, delta_depth=1)
+        publisher = Publisher(ActorId(world.run, "hub", "publisher", "hub-publisher-0"),
+                              await world.bus("hub", "publisher", "p"), config, FAST,
+                              PublisherLaunch(regions=["hub", "eu"], hub="hub", threads=1), relayed=["eu"])
+        await tg.start(publisher.serve)
+        first = anyio.CancelScope()
+        await tg.start(_serve_in, first, RegionRelay(ActorId(world.run, "eu", "publisher", "eu-relay-0"),
+                                                     await world.bus("eu", "publisher", "r0"), config, FAST,
+                                                     hub="hub", threads=1))
+        syncs = {region: WeightSync(await world.bus(region, "generator", f"{region}-gen"), region)
+                 for region in ("hub", "eu")}
+        for sync in syncs.values():
+            await tg.start(sync.run)
+        trainer = await world.bus("hub", "trainer", "t")
+        torch.manual_seed(0)
+        source = VersionSource(Transformer(ModelConfig.tiny()), lr=1e-3, batch=2, seq_len=32, seed=0)
+        await source.publish(trainer)
+        await source.step_and_publish(trainer)
+        with anyio.fail_after(60):
+            for sync in syncs.values():
+                await sync.wait_for_version(1)
+        first.cancel()
+        for _ in range(2):
+            await source.step_and_publish(trainer)
+        with anyio.fail_after(60):
+            await syncs["hub"].wait_for_version(3)
+            await publisher.wait_announced(3)
+        assert syncs["eu"].held_version == 1
+        relay = RegionRelay(ActorId(world.run, "eu", "publisher", "eu-relay-1"),
+                            await world.bus("eu", "publisher", "r1"), config, FAST, hub="hub", threads=1)
+        await tg.start(relay.serve)
+        with anyio.fail_after(60):
+            await syncs["eu"].wait_for_version(3)
+        _assert_bit_exact(syncs["eu"], source.history[3])
+        assert relay.counters.get("bases_from_hub") == 1 and relay.counters.get("versions_relayed") == 1
+        assert publisher.counters["link_objects_written"] == 4                    # v0 full, then one delta each
+        tg.cancel_scope.cancel()
