@@ -162,6 +162,7 @@ def local_step(policy: Policy, reference: Policy, optimizer: torch.optim.Optimiz
                     sequences=batch.owner, denominator=whole.denominator)
     optimizer.zero_grad(set_to_none=True)
     (terms.loss * weight).backward()
+    _reshard(policy, reference)
     m = batch.mask
     with torch.no_grad():
         w = truncated_importance_weights(logp, batch.behaviour, objective.is_cap)
@@ -186,6 +187,16 @@ def local_step(policy: Policy, reference: Policy, optimizer: torch.optim.Optimiz
                      reward_std=float(whole.rewards.std(unbiased=False)), mean_weight=float(sums[2]) / n,
                      truncated_fraction=float(sums[3]) / n, grad_norm=grad_norm, tokens=whole.tokens,
                      replayed=batch.routing is not None, applied=applied)
+
+
+def _reshard(*nets: Policy) -> None:
+    """Free the roots' gathered parameters: FSDP2 keeps a root unsharded from its forward on (the policy's
+    through the backward, the reference's past its no-grad forward), so the embedding would stay whole."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for net in nets:
+        if isinstance(net.module, FSDPModule):
+            net.module.reshard()
 
 
 # ---- checkpoint files ---------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ def test_quick_bench_reports_both_world_sizes_and_halves_the_state_per_rank() ->
         assert len(two["ranks"]) == 2 and one["params"] == two["params"]
         for rank in two["ranks"]:
             for part in ("params", "optimizer"):
-                half = one["ranks"][0]["at_step"][part] / 2
-                assert abs(rank["at_step"][part] - half) <= 0.05 * half, (policy, rank["rank"], part)
+                half = one["ranks"][0]["at_step"][part] / 2   # dim-0 shards of odd sizes round up
+                assert abs(rank["at_step"][part] - half) <= 0.02 * half, (policy, rank["rank"], part)
         assert two["ranks"][1]["at_publish"]["buffers"] == 0      # only the leader holds the published version
     assert "memory_per_rank_ratio" in table(result)
