@@ -2,7 +2,9 @@
 
 Owns: `read_key` (a key's last value and revision; a delete or purge reads as no value), `put_at` (write a
 key only while its revision is still the one the writer read: the one compare-and-set of rlbus, used by
-the feeder's position, the generators' partials and the publisher's LATEST key) and `advance` (read,
+the feeder's position, the generators' partials and the publisher's LATEST key; a write no server answers,
+or one that times out, is tried again for a few seconds, as through a clustered bucket's leader election) and
+`advance` (read,
 decide, compare-and-set, and read again after a lost race). nats-py's `KeyValue` writes only to `$KV.>`,
 which does not cross leaf links; with `domain` these write through `$JS.<domain>.API.$KV.>`.
 Does not: create buckets (messages/streams.py) or decode values (callers do).
@@ -19,10 +21,14 @@ from nats.js import JetStreamContext
 from nats.js.api import Header
 from nats.js.client import KV_STREAM_TEMPLATE
 
+from rlbus.messages.retry import retry_policy
 from rlbus.messages.subjects import Subjects
 
 WRONG_LAST_SEQUENCE: Final = (10071, 10164)
 """JetStream err_codes of a write whose expected last subject sequence is stale."""
+_NO_LEADER_S: Final = 15.0
+"""How long a write that no server answers, or that times out, is tried again before it raises (a clustered
+bucket elects its next leader within seconds)."""
 _OPERATION_HEADER: Final = "KV-Operation"
 _REMOVED: Final = ("DEL", "PURGE")
 
@@ -88,10 +94,27 @@ async def advance(js: JetStreamContext, bucket: str, key: str, decide: Callable[
 async def _put(js: JetStreamContext, bucket: str, key: str, value: bytes, revision: int,
                domain: str | None) -> int:
     subject = Subjects.kv_key(bucket, key, domain=domain)
-    try:
-        ack = await js.publish(subject, value, headers={Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(revision)})
-    except nats.js.errors.APIError as err:
-        if err.err_code in WRONG_LAST_SEQUENCE:
-            raise nats.js.errors.KeyWrongLastSequenceError(description=err.description) from None
-        raise
+    # Through a clustered bucket's leader election: no responders means no server took the write, so it is
+    # sent again; after a timeout it may have been stored, so the key is read first and a write found there
+    # is taken as done (sending it again would fail its own compare-and-set)
+    retry = retry_policy("kv_put_retry", on=(nats.js.errors.NoStreamResponseError, TimeoutError,
+                                             nats.js.errors.ServiceUnavailableError),
+                         initial_s=0.2, max_s=1.0, give_up_after_s=_NO_LEADER_S, bucket=bucket)
+    uncertain = False
+    async for attempt in retry:
+        with attempt:
+            if uncertain:
+                entry = await read_key(js, bucket, key)
+                if entry.value == value and entry.revision > revision:
+                    return entry.revision
+            try:
+                ack = await js.publish(subject, value,
+                                       headers={Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(revision)})
+            except TimeoutError:
+                uncertain = True
+                raise
+            except nats.js.errors.APIError as err:
+                if err.err_code in WRONG_LAST_SEQUENCE:
+                    raise nats.js.errors.KeyWrongLastSequenceError(description=err.description) from None
+                raise
     return int(ack.seq)
