@@ -239,7 +239,9 @@ class EmbeddedServer:
     `EmbeddedServer.start(tmp / "js", name="hub", domain="hub")` blocks until the server logs
     `Server is ready`. The first start picks free ports; `restart()` reuses the same ports, store
     directory, config and users, so clients and leaf links reconnect. Everything it writes (config,
-    log, pid file, JetStream data under `jetstream/`) lives in `store_dir`.
+    log, pid file, JetStream data under `jetstream/`) lives in `store_dir`. Given a `ClusterSpec` it is one
+    node of a JetStream cluster (its ports chosen beforehand, `free_ports`, since its peers' routes name them);
+    `meta_leader` and `stream_leaders` say from its `/jsz` whether the cluster is ready.
     """
 
     def __init__(self, store_dir: Path, *, name: str, users: Mapping[str, Credential], domain: str | None,
