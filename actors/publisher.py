@@ -83,6 +83,9 @@ class EncodedVersion:
     """Seconds: receive (download + decode), encode_first (the delta from v-1), encode (all)."""
     final: bool = True
     staged_at: float = 0.0
+    full: tuple[str, bytes] | None = None
+    """(digest, blob) of the version's own full blob (the trainer's): what a relayed region that holds no base
+    kept here is sent."""
     """`time.perf_counter()` when it was handed to the region writers."""
 
 
@@ -132,9 +135,6 @@ class Publisher(Actor):
         self.regions = {name: _Region(name, relayed=name in relayed) for name in launch.regions}
         self._ckpt_domain = launch.hub
         """Where CKPT (the trainer's version blobs) lives: the hub."""
-        self._full: tuple[int, str, bytes] | None = None
-        """(version, digest, blob) of the newest version's own full blob: what a relayed region that holds
-        no base this publisher kept is sent."""
         self._kept: dict[int, dict[str, Tensor]] = {}
         self._changed: dict[int, dict[str, np.ndarray]] = {}
         """Per kept version v, the positions of each tensor that differ from v-1 (from the v-1 delta's full
@@ -295,8 +295,6 @@ class Publisher(Actor):
         the previous version alone as soon as it is encoded (what nearly every generator needs), then
         everything (older bases, the delta from the snapshot, the snapshot). -> the final stage."""
         v = ready.version
-        if blob:
-            self._full = (v, ready.digest, blob)
         if state is not None:
             await self._reload_bases(v)
             self._kept[v], self._digest_of[v] = state, index.version_digest
@@ -323,14 +321,14 @@ class Publisher(Actor):
             rows.append((name, digest(delta), len(delta), base, v))
             if base == v - 1:
                 timings["encode_first_s"] = time.perf_counter() - t0
-                self._set_targets(self._stage(ready, index, rows, blobs, final=False, timings=timings))
+                self._set_targets(self._stage(ready, index, rows, blobs, final=False, timings=timings, full=blob))
         assert self._snapshot is not None           # set above
         snap_version, snap_digest, snap_blob = self._snapshot
         blobs[object_name(snap_version, None)] = snap_blob
         rows.append((object_name(snap_version, None), snap_digest, len(snap_blob), None, snap_version))
         timings["encode_s"] = time.perf_counter() - t0
         self._evict(v)
-        final = self._stage(ready, index, rows, blobs, final=True, timings=timings)
+        final = self._stage(ready, index, rows, blobs, final=True, timings=timings, full=blob)
         self._set_targets(final)
         return final
 
@@ -344,7 +342,7 @@ class Publisher(Actor):
                 for name in self._changed[version]}
 
     def _stage(self, ready: VersionReady, index: StateIndex, rows: list[_Row], blobs: dict[str, bytes], *,
-               final: bool, timings: dict[str, float]) -> EncodedVersion:
+               final: bool, timings: dict[str, float], full: bytes = b"") -> EncodedVersion:
         names, digests, sizes, bases, yields = (list(col) for col in zip(*rows, strict=True))
         v = ready.version
         manifest = WeightManifest(
@@ -352,7 +350,8 @@ class Publisher(Actor):
             encoding="delta" if v - 1 in bases else "full", objects=names, digests=digests, sizes=sizes,
             version_digest=index.version_digest.hex(), raw_bytes=ready.raw_bytes,
             model_config=ready.model_config, bases=bases, yields=yields)
-        return EncodedVersion(manifest, dict(blobs), timings, final=final, staged_at=time.perf_counter())
+        return EncodedVersion(manifest, dict(blobs), timings, final=final, staged_at=time.perf_counter(),
+                              full=(ready.digest, full) if full else None)
 
     def _mark(self, version: int, what: str) -> None:
         self.trace.setdefault(version, {})[what] = time.perf_counter()
@@ -529,8 +528,9 @@ class Publisher(Actor):
         elif not target.final:
             return                                       # the final stage may hold a delta from it
         else:
-            assert self._full is not None and self._full[0] == v    # set by `_encode` for this version
-            name, base, (_, digest_, blob) = object_name(v, None), None, self._full
+            if target.full is None:
+                raise BadMessage(f"v{v}: no full blob to send region {region.name} (a relay's own stage)")
+            name, base, (digest_, blob) = object_name(v, None), None, target.full
         await self.bus.put_object(self.subjects.weights_bucket(region.name), name, blob, domain=domain)
         self.count("link_objects_written")
         link = msgspec.structs.replace(

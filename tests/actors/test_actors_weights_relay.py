@@ -3,8 +3,9 @@ publisher sends it one object per version (the one-step delta, or the full blob 
 the region's other deltas and its snapshots there. Counted on the link's veth: per version it carries at most
 1.1x the one-step delta, with two generators in the region; every generator of both regions holds the
 trainer's bf16 cast bit-exactly, and one that joins late is served inside the region. A relay restarted after
-missing versions reads the one base it lacks from the hub's CKPT and its region catches up. Needs root, ip, tc
-and nft; skipped with the reason elsewhere."""
+missing versions reads the one base it lacks from the hub's CKPT and its region catches up; a region cut off by
+dropped packets catches up after the heal by deltas. Needs root, ip, tc and nft; skipped with the reason
+elsewhere."""
 
 from __future__ import annotations
 
@@ -210,4 +211,52 @@ async def test_a_restarted_relay_reads_the_one_base_it_lacks_from_the_hub_and_it
         _assert_bit_exact(syncs["eu"], source.history[3])
         assert relay.counters.get("bases_from_hub") == 1 and relay.counters.get("versions_relayed") == 1
         assert publisher.counters["link_objects_written"] == 4                    # v0 full, then one delta each
+        tg.cancel_scope.cancel()
+
+
+async def test_a_relayed_region_cut_off_by_dropped_packets_catches_up_after_the_heal_by_deltas(
+        tmp_path: Path) -> None:
+    """eu's link drops every packet while v2-v4 are published (the hub and its generator go on, announced
+    without eu); after the heal the write stalled by the cut completes (v2, a delta), the hub sends v4 as a
+    delta from what eu then holds, never a full blob, and eu's generators hold v4 bit-exactly."""
+    async with _linked(tmp_path) as world, anyio.create_task_group() as tg:
+        config = PublisherConfig(keep_versions=4, full_every=8, delta_depth=3)
+        publisher = Publisher(ActorId(world.run, "hub", "publisher", "hub-publisher-0"),
+                              await world.bus("hub", "publisher", "p"), config, FAST,
+                              PublisherLaunch(regions=["hub", "eu"], hub="hub", threads=1, region_wait_s=1.0,
+                                              retry_initial_s=0.2, retry_max_s=1.0),
+                              relayed=["eu"])
+        await tg.start(publisher.serve)
+        relay = RegionRelay(ActorId(world.run, "eu", "publisher", "eu-relay-0"),
+                            await world.bus("eu", "publisher", "r"), config, FAST, hub="hub", threads=1)
+        await tg.start(relay.serve)
+        syncs = {region: WeightSync(await world.bus(region, "generator", f"{region}-gen"), region)
+                 for region in ("hub", "eu")}
+        for sync in syncs.values():
+            await tg.start(sync.run)
+        trainer = await world.bus("hub", "trainer", "t")
+        torch.manual_seed(0)
+        source = VersionSource(Transformer(ModelConfig.tiny()), lr=1e-3, batch=2, seq_len=32, seed=0)
+        await source.publish(trainer)
+        await source.step_and_publish(trainer)
+        with anyio.fail_after(60):
+            for sync in syncs.values():
+                await sync.wait_for_version(1)
+            while publisher.regions["eu"].done != 1:
+                await anyio.sleep(0.02)
+        await anyio.to_thread.run_sync(lambda: world.rs.cut("eu", "drop"))
+        for _ in range(3):
+            await source.step_and_publish(trainer)
+        with anyio.fail_after(90):
+            await syncs["hub"].wait_for_version(4)
+            await publisher.wait_announced(4)
+        assert syncs["eu"].held_version == 1 and publisher.regions["eu"].linked in (1, 2)   # v2's may stall
+        written = publisher.counters["link_objects_written"]
+        await anyio.to_thread.run_sync(lambda: world.rs.heal("eu"))
+        with anyio.fail_after(120):
+            await syncs["eu"].wait_for_version(4)
+        _assert_bit_exact(syncs["eu"], source.history[4])
+        assert publisher.counters["link_objects_written"] <= written + 2
+        link = await read_key(trainer.jetstream("eu"), trainer.subjects.latest_bucket("eu"), LINK_KEY)
+        assert codec.decode_as(link.value or b"", None, WeightManifest).objects in (["v4.from1"], ["v4.from2"])
         tg.cancel_scope.cancel()
