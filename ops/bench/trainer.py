@@ -46,9 +46,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         hf_dir = build_hf_dir(Path(tmp) / f"qwen2-{size}", architecture="qwen2", texts=_TEXTS, vocab_size=512,
                               size=size, max_seq_len=256)
-        for key, policy in (("builtin", size), ("hf", str(hf_dir))):
-            runs = {n: _group(n, {"policy": policy, "steps": steps, **shape}, args.trainer_threads)
-                    for n in WORLD_SIZES}
+        policies = {"builtin": size, "hf": str(hf_dir)}
+        together = {n: _groups(n, {"policies": list(policies.values()), "steps": steps, **shape},
+                               args.trainer_threads) for n in WORLD_SIZES} if quick else {}
+        for key, policy in policies.items():
+            runs = {n: together[n][policy] if quick else
+                    _group(n, {"policy": policy, "steps": steps, **shape}, args.trainer_threads) for n in WORLD_SIZES}
             result[key] = {str(n): r for n, r in runs.items()}
             one, two = runs[1], runs[2]
             suffix = "" if key == "builtin" else "_hf"
@@ -62,15 +65,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _group(world_size: int, job: dict[str, Any], threads: int) -> dict[str, Any]:
     """One world size in fresh rank processes -> the leader's timings and the fullest rank's bytes."""
+    return _groups(world_size, {**job, "policies": [job["policy"]]}, threads)[job["policy"]]
+
+
+def _groups(world_size: int, job: dict[str, Any], threads: int) -> dict[str, dict[str, Any]]:
+    """`_group` of each of `job["policies"]`, one after the other in the same rank processes (`rank_jobs`)."""
     from rlbus.actors.trainer.ranks import LocalGroup
 
-    with LocalGroup(world_size, "rlbus.ops.bench.trainer:rank_job", job, timeout_s=300, threads=threads,
+    with LocalGroup(world_size, "rlbus.ops.bench.trainer:rank_jobs", job, timeout_s=300, threads=threads,
                     env={"TOKENIZERS_PARALLELISM": "false"}) as group:
         results = group.wait(1800)
     for r in results:
         if r.returncode != 0 or r.result is None:
             raise RuntimeError(f"bench trainer: rank {r.rank} of {world_size} exited {r.returncode}:\n{r.error}")
-    ranks = [r.result for r in results]
+    return {policy: _summary([r.result[policy] for r in results]) for policy in job["policies"]}
+
+
+def _summary(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     leader = ranks[0]
     fullest = max(ranks, key=lambda r: r["peak_bytes"])
     return {"step_s": leader["step_s"], "publish_s": leader["publish_s"], "params": leader["params"],
@@ -149,63 +160,73 @@ def _core(policy: str) -> Any:
     return TrainerCore(net, net.clone(), lr=1e-5, seed=0)
 
 
-def rank_job(spec: Any, job: dict[str, Any]) -> dict[str, Any]:
-    """One rank of `_group`: build, shard (N > 1), step, publish; measure. Followers `follow` the leader."""
+def rank_jobs(spec: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """One rank of `_groups`, for each of `job["policies"]` in turn: build, shard (N > 1), step, publish; measure
+    (`_measure`; followers `follow` the leader). The quick mode runs both policies in one process (half
+    the process starts; the RSS figures of a later policy then include what the allocator kept of an earlier
+    one, the tensor bytes do not)."""
     import torch
 
+    import rlbus.actors.trainer.ranks as ranks
+
+    if any(p not in ("tiny", "m30") for p in job["policies"]):
+        import transformers  # noqa: F401  (its import is part of the baseline, not of the trainer)
+    sharded = spec.world_size > 1
+    if sharded:
+        ranks.join(spec, torch.device("cpu"))
+    try:
+        return {policy: _measure(spec, {**job, "policy": policy}) for policy in job["policies"]}
+    finally:
+        if sharded:
+            ranks.leave()
+
+
+def _measure(spec: Any, job: dict[str, Any]) -> dict[str, Any]:
     import rlbus.actors.trainer.ranks as ranks
     from rlbus.actors.trainer.core import Objective
     from rlbus.kernels.delta_state import encode_state
 
-    if job["policy"] not in ("tiny", "m30"):
-        import transformers  # noqa: F401  (its import is part of the baseline, not of the trainer)
     sharded = spec.world_size > 1
     baseline = _reset_high_water()
-    if sharded:
-        ranks.join(spec, torch.device("cpu"))
-    try:
-        core = _core(job["policy"])
-        units = [sum(p.numel() * 4 for p in u.parameters()) for u in core.policy.shard_units()]
-        total = sum(p.numel() * 4 for p in core.policy.module.parameters())
-        transient = (total - sum(units) + 4 * max(units, default=0)) if sharded else 0
-        trainer: Any = ranks.ShardedCore(core, spec) if sharded else core
-        built = _reset_high_water()    # the steps' own rise, apart from building (full tensors, then shards)
-        at_step: list[dict[str, int]] = []
-        trainer.optimizer.register_step_pre_hook(
-            lambda opt, *_: at_step.append(_held(trainer.policy, trainer.reference, opt, grads=True)))
-        out: dict[str, Any] = {"rank": spec.rank, "world_size": spec.world_size, "transient_bound_bytes": transient,
-                               "params": total // 4}
-        if spec.rank != 0:
-            ranks.follow(trainer, lambda name, data: (name, ""))
-            publish = {"buffers": 0, **_held(trainer.policy, trainer.reference, trainer.optimizer, grads=False)}
-        else:
-            rollouts = _rollouts(job["tasks"], job["group"], job["prompt"], job["completion"],
-                                 min(core.policy.vocab_size, 512))
-            times = []
-            for i in range(job["steps"] + 1):
-                t0 = time.perf_counter()
-                stats = trainer.train_step(rollouts, Objective())
-                if i:
-                    times.append(time.perf_counter() - t0)
+    core = _core(job["policy"])
+    units = [sum(p.numel() * 4 for p in u.parameters()) for u in core.policy.shard_units()]
+    total = sum(p.numel() * 4 for p in core.policy.module.parameters())
+    transient = (total - sum(units) + 4 * max(units, default=0)) if sharded else 0
+    trainer: Any = ranks.ShardedCore(core, spec) if sharded else core
+    built = _reset_high_water()    # the steps' own rise, apart from building (full tensors, then shards)
+    at_step: list[dict[str, int]] = []
+    trainer.optimizer.register_step_pre_hook(
+        lambda opt, *_: at_step.append(_held(trainer.policy, trainer.reference, opt, grads=True)))
+    out: dict[str, Any] = {"rank": spec.rank, "world_size": spec.world_size, "transient_bound_bytes": transient,
+                           "params": total // 4}
+    if spec.rank != 0:
+        ranks.follow(trainer, lambda name, data: (name, ""))
+        publish = {"buffers": 0, **_held(trainer.policy, trainer.reference, trainer.optimizer, grads=False)}
+    else:
+        rollouts = _rollouts(job["tasks"], job["group"], job["prompt"], job["completion"],
+                             min(core.policy.vocab_size, 512))
+        times = []
+        for i in range(job["steps"] + 1):
             t0 = time.perf_counter()
-            state = trainer.bf16_state()
-            index, blob = encode_state(state, None)
-            out["publish_s"] = time.perf_counter() - t0
-            publish = {"buffers": sum(t.numel() * t.element_size() for t in state.values()) + len(blob),
-                       **_held(trainer.policy, trainer.reference, trainer.optimizer, grads=False)}
-            del state, blob, index
-            if sharded:
-                trainer.stop()
-            out |= {"step_s": statistics.median(times), "tokens": stats.tokens}
-        step = max(at_step, key=lambda h: sum(h.values()))   # steps 2+: AdamW's state exists
-        out |= {"at_step": step, "at_publish": publish,
-                "peak_bytes": max(sum(step.values()) + transient, sum(publish.values())),
-                "rss_rise_bytes": _status_kb("VmHWM") - baseline, "rss_built_bytes": built - baseline,
-                "rss_step_rise_bytes": _status_kb("VmHWM") - built}
-        return out
-    finally:
+            stats = trainer.train_step(rollouts, Objective())
+            if i:
+                times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        state = trainer.bf16_state()
+        index, blob = encode_state(state, None)
+        out["publish_s"] = time.perf_counter() - t0
+        publish = {"buffers": sum(t.numel() * t.element_size() for t in state.values()) + len(blob),
+                   **_held(trainer.policy, trainer.reference, trainer.optimizer, grads=False)}
+        del state, blob, index
         if sharded:
-            ranks.leave()
+            trainer.stop()
+        out |= {"step_s": statistics.median(times), "tokens": stats.tokens}
+    step = max(at_step, key=lambda h: sum(h.values()))   # steps 2+: AdamW's state exists
+    out |= {"at_step": step, "at_publish": publish,
+            "peak_bytes": max(sum(step.values()) + transient, sum(publish.values())),
+            "rss_rise_bytes": _status_kb("VmHWM") - baseline, "rss_built_bytes": built - baseline,
+            "rss_step_rise_bytes": _status_kb("VmHWM") - built}
+    return out
 
 
 def table(result: dict[str, Any]) -> str:
