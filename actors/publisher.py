@@ -46,7 +46,7 @@ from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, Delivery, digest
 from rlbus.messages.errors import BadMessage, DigestMismatch, TopologyError
 from rlbus.messages.history import last_message
-from rlbus.messages.kv import KeyEntry, advance, read_key
+from rlbus.messages.kv import KeyEntry, advance, put_at, read_key
 from rlbus.messages.objects import fetch_object, store_digest
 from rlbus.messages.retry import GIVE_UP_S, retry_policy
 from rlbus.messages.schemas import VersionReady, WeightManifest
@@ -111,6 +111,10 @@ class _Region:
     linked: int | None = None
     """Relayed region: the version of the last link object written there (its relay's version, as far as
     this publisher knows; read from the region's LATEST once)."""
+    link_revision: int | None = None
+    """Revision of the `link` key this publisher last wrote (the next write compare-and-sets on it, no read)."""
+    link_names: set[str] = field(default_factory=set)
+    """Link objects this publisher has started to put there (a name not in it is new in the store)."""
     failing: bool = False
     wake: Wakeup = field(default_factory=Wakeup)
     write_s: float = 0.0
@@ -531,13 +535,20 @@ class Publisher(Actor):
             if target.full is None:
                 raise BadMessage(f"v{v}: no full blob to send region {region.name} (a relay's own stage)")
             name, base, (digest_, blob) = object_name(v, None), None, target.full
-        await self.bus.put_object(self.subjects.weights_bucket(region.name), name, blob, domain=domain)
+        # After this publisher's first link there, names it has not tried are new in the store: one round trip
+        # for the object (`put_object(new=True)`), and one for the key, compare-and-set on the revision it wrote.
+        new = region.link_revision is not None and name not in region.link_names
+        region.link_names.add(name)
+        await self.bus.put_object(self.subjects.weights_bucket(region.name), name, blob, domain=domain, new=new)
         self.count("link_objects_written")
         link = msgspec.structs.replace(
             m, base_version=base, encoding="full" if base is None else "delta", objects=[name], digests=[digest_],
             sizes=[len(blob)], bases=[base], yields=[v], regions_ready=[region.name])
-        await advance_latest(js, self.subjects.latest_bucket(region.name), link, domain=domain, key=LINK_KEY)
+        region.link_revision = await _put_link(js, self.subjects.latest_bucket(region.name), link, domain,
+                                               region.link_revision)
         region.linked = v
+        while len(region.link_names) > 64:
+            region.link_names.discard(min(region.link_names, key=_link_order))
 
     @staticmethod
     def _policy_file_names(manifest: WeightManifest) -> list[str]:
@@ -728,6 +739,33 @@ async def advance_latest(js: JetStreamContext, bucket: str, manifest: WeightMani
         return data
 
     return await advance(js, bucket, key, decide, domain=domain) is not None
+
+
+async def _put_link(js: JetStreamContext, bucket: str, link: WeightManifest, domain: str | None,
+                    revision: int | None) -> int | None:
+    """Write a relayed region's `link` key: on `revision` when this publisher wrote the last one (one request),
+    else (or when another writer came between) as `advance_latest` does. -> the revision written (None:
+    a newer link was there)."""
+    data, _ = codec.encode(link, compress_above=_UNLIMITED)
+    if revision is not None:
+        try:
+            return await put_at(js, bucket, LINK_KEY, data, revision=revision, domain=domain)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+
+    def decide(entry: KeyEntry) -> bytes | None:
+        try:
+            current = codec.decode_as(entry.value, None, WeightManifest) if entry.value else None
+        except BadMessage:
+            current = None
+        return None if current is not None and current.version >= link.version else data
+
+    return await advance(js, bucket, LINK_KEY, decide, domain=domain)
+
+
+def _link_order(name: str) -> int:
+    match = _OBJECT_NAME.fullmatch(name)
+    return int(match.group(1)) if match else -1
 
 
 async def _held_version(js: JetStreamContext, bucket: str) -> int | None:

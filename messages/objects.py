@@ -68,12 +68,17 @@ def store_digest(meta_digest: str) -> str:
 
 
 async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes | memoryview, *,
-                     window: int = PUT_WINDOW, stall_s: float = STALL_S) -> str:
+                     window: int = PUT_WINDOW, stall_s: float = STALL_S, new: bool = False) -> str:
     """Upload bytes in `OBJECT_CHUNK` chunks (replacing an object of that name); returns their digest.
 
     The objects are the ones nats-py's `ObjectStore.put` writes (chunks on a fresh nuid's subject, then the
     metadata as a rollup, then the replaced object's chunks purged), but the chunks go pipelined: at most
     `window` unacked, their acks read from one reply inbox. A failed upload purges the chunks it sent.
+
+    `new`: the caller knows no object of this name is in the bucket. The lookup of the one it replaces is
+    skipped and the metadata goes right behind the chunks, acked with them: one round trip for the whole
+    object. A failure then purges the metadata too. Only for objects nothing reads before the caller names
+    them elsewhere (between the metadata landing and the last chunk's ack, the object reads as corrupt).
 
     :raises nats.js.errors.NotFoundError: no such bucket.
     :raises nats.js.errors.APIError: the store refused a chunk or the metadata.
@@ -81,13 +86,15 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
     """
     stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
     meta_subject = OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
-    try:                                   # the object it replaces, if any: one request, no stream info first
-        last = await js.get_last_msg(stream, meta_subject)
-        old: ObjectInfo | None = ObjectInfo.from_response(json.loads(last.data or b"{}"))
-    except nats.js.errors.NotFoundError as err:
-        if err.err_code != _NO_MESSAGE:
-            raise                          # no such bucket
-        old = None
+    old: ObjectInfo | None = None
+    if not new:
+        try:                               # the object it replaces, if any: one request, no stream info first
+            last = await js.get_last_msg(stream, meta_subject)
+            old = ObjectInfo.from_response(json.loads(last.data or b"{}"))
+        except nats.js.errors.NotFoundError as err:
+            if err.err_code != _NO_MESSAGE:
+                raise                      # no such bucket
+            old = None
     nuid = NUID().next().decode()
     chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
     nc = js._nc                   # nats-py keeps the context's client private; the acks need its inbox
@@ -105,17 +112,24 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
             while sent - acked >= window:
                 await _chunk_ack(sub, stall_s, bucket, name)
                 acked += 1
-        while acked < sent:
-            await _chunk_ack(sub, stall_s, bucket, name)
-            acked += 1
         info = ObjectInfo(name=name, bucket=bucket, nuid=nuid, size=len(view), chunks=sent,
                           options=ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK),
                           digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(sha.digest()).decode()))
-        await js.publish(meta_subject, json.dumps(info.as_dict()).encode(), headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
+        meta = json.dumps(info.as_dict()).encode()
+        if new:                            # behind the chunks, its ack read with theirs
+            await nc.publish(meta_subject, meta, reply=inbox, headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
+            sent += 1
+        while acked < sent:
+            await _chunk_ack(sub, stall_s, bucket, name)
+            acked += 1
+        if not new:
+            await js.publish(meta_subject, meta, headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
     except BaseException:
         with anyio.move_on_after(2.0, shield=True):
             try:
                 await js.purge_stream(stream, subject=chunk_subject)
+                if new:
+                    await js.purge_stream(stream, subject=meta_subject)
             except (nats.errors.Error, TimeoutError) as err:
                 log.warning("object_put_cleanup_failed", bucket=bucket, object=name, error=repr(err))
         raise

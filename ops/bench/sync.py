@@ -294,9 +294,9 @@ class _LinkSampler:
 class _RoundTrips:
     """The publisher connection's request/response round trips to each leaf: every `nc.request` whose subject is
     the leaf's JetStream API (`$JS.<leaf>.API.…`) or one of its buckets (acked publishes of object metadata,
-    KV updates), by kind; and each object put to the leaf: one round trip for its chunks, which stream in a
-    sliding window of `PUT_WINDOW` (wider than the bandwidth-delay product of the links benched here, so the
-    stream waits for the last ack only)."""
+    KV updates), by kind; and each object put to the leaf: one round trip for its chunks (and, for an object
+    put as `new`, its metadata), which stream in a sliding window of `PUT_WINDOW` (wider than the
+    bandwidth-delay product of the links benched here, so the stream waits for the last ack only)."""
 
     def __init__(self, bus: Any, regions: Iterable[str]) -> None:
         self.requests: list[tuple[float, float, str, str]] = []
@@ -318,10 +318,10 @@ class _RoundTrips:
                     self.requests.append((t0, time.perf_counter(), *found))
 
         async def counted_put(bucket: str, name: str, data: bytes | memoryview, *,
-                              domain: str | None = None) -> str:
+                              domain: str | None = None, **kwargs: Any) -> str:
             t0 = time.perf_counter()
             try:
-                return await put(bucket, name, data, domain=domain)
+                return await put(bucket, name, data, domain=domain, **kwargs)
             finally:
                 if domain in self._regions:
                     self.puts.append((t0, time.perf_counter(), domain, len(data)))
