@@ -1,6 +1,7 @@
 """The ray launch backend on a real 2-node Ray cluster on loopback (hub node 127.0.0.2, eu node 127.0.0.3):
 actors land on the node of their region, a SIGKILLed worker's actor is restarted by Ray and heartbeats
-again with a new pid, Ray giving up is reported failed, and a stop drains every actor."""
+again with a new pid, Ray giving up is reported failed, a stop drains every actor, a restart group is placed
+across the nodes and restarts together, and a two-rank trainer trains across them."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
-from helpers import eventually
+from helpers import eventually, new_run
 from nats.js.api import StreamConfig
 
 from rlbus.messages import codec
@@ -319,6 +321,72 @@ async def test_a_ray_restart_group_is_placed_across_nodes_and_restarts_together(
             tg.cancel_scope.cancel()
         outer.cancel_scope.cancel()
     await _until(lambda: not any(_alive(p) for p in pids), "Ray workers gone", timeout_s=20)
+
+
+async def test_a_two_rank_trainer_trains_across_two_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """A trainer of world size 2 launched by the Ray backend, rank 0 on the hub node and rank 1 on the eu node
+    (one placement group, a bundle per rank), meets at a rendezvous on rank 0's node and trains: every TrainStep
+    records world size 2, each rank heartbeats from its own node, and the version published after the steps is
+    the gathered full policy."""
+    from helpers.rl_bus import HUB, connect, credentials_file, provision, publish_rollouts, wait_for
+    from helpers.rollouts import sample_rollouts
+
+    from rlbus.actors.trainer.config import TrainerLaunch
+    from rlbus.actors.trainer.core import build_core
+    from rlbus.messages.schemas import TrainStep, VersionReady
+    from rlbus.topology.launch import rank_id
+    from rlbus.topology.local import RANK_ENV, TIMEOUT_ENV, WORLD_ENV
+    from rlbus.topology.regions import RegionSet
+
+    run = new_run()
+    rs = RegionSet.start(tmp_path / "nats", [HUB], HUB, run=run)
+    try:
+        await provision(rs, run)
+        settings = json.dumps({"lr": 1e-3, "batch_rollouts": 4, "staleness_versions": 8, "world_size": 2,
+                               "collective_timeout_s": 30.0})
+        launch = msgspec.json.encode(TrainerLaunch(checkpoint_interval=100, resume_wait_s=5.0)).decode()
+
+        def spec(rank: int, kind: str, node: str) -> ProcessSpec:
+            actor = rank_id("hub-trainer-0", rank) if rank else "hub-trainer-0"
+            return ProcessSpec(
+                actor_id=actor, kind=kind, region=HUB, resource=f"region:{node}", group="hub-trainer-0",
+                args=("--kind", kind, "--run", run, "--region", HUB, "--id", actor, "--url", rs.url(HUB),
+                      "--domain", HUB, "--role", kind, "--credentials", str(credentials_file(rs)),
+                      "--settings", settings, "--launch", launch, "--heartbeat-s", "0.5", "--drain-s", "10"),
+                env={"RLBUS_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1", RANK_ENV: str(rank), WORLD_ENV: "2",
+                     TIMEOUT_ENV: "30"})
+
+        watch = Watch()
+        backend = RayBackend([spec(0, "trainer", "hub"), spec(1, "trainer_rank", "eu")],
+                             policy=RestartPolicy(max_restarts=1, backoff_initial_s=0.2),
+                             address=ray_cluster.address, node_ip_address=HUB_IP, on_event=watch.on_event,
+                             drain_timeout_s=20)
+        source = build_core("", lr=1e-3, seed=0).model
+        bus = await connect(rs, run, "generator")
+        try:
+            async with anyio.create_task_group() as outer:
+                await outer.start(watch.heartbeats, bus)
+                async with anyio.create_task_group() as tg:
+                    await tg.start(backend.run)
+                    await publish_rollouts(bus, sample_rollouts(source, tasks=4, group_size=2, seed=1, tag="r"))
+                    steps = await wait_for(bus, TrainStep, lambda found: len(found) >= 2, timeout_s=180)
+                    versions = await wait_for(bus, VersionReady, lambda found: len(found) >= 3, timeout_s=60)
+                    placed = backend.placements()
+                    assert placed["hub-trainer-0"].node_ip == HUB_IP
+                    assert placed["hub-trainer-0-rank1"].node_ip == EU_IP
+                    beats = {b.actor_id: b for b in watch.beats}
+                    assert beats["hub-trainer-0-rank1"].gauges.get("rank") == 1.0
+                    assert beats["hub-trainer-0-rank1"].pid == placed["hub-trainer-0-rank1"].pid
+                    assert not any(k in ("crashed", "restarted", "failed") for k, _, _ in watch.events), watch.events
+                    tg.cancel_scope.cancel()
+                outer.cancel_scope.cancel()
+        finally:
+            await bus.close()
+        assert [s.world_size for s in steps] == [2] * len(steps) and len(steps) >= 2
+        assert sorted(v.version for v in versions)[:3] == [0, 1, 2]
+        assert versions[0].model_config == build_core("", lr=1e-3, seed=0).model_config_dict()
+    finally:
+        rs.stop()
 
 
 def _children() -> set[int]:
