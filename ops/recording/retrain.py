@@ -117,6 +117,20 @@ def resolve_setup(recorded: TrainerSetup | None, *, topology: str | Path | None 
     return setup
 
 
+def check_world_size(steps: Sequence[TrainStep], setup: TrainerSetup) -> None:
+    """Replay-retrain runs one rank: refuse steps recorded at another world size, or settings asking for one.
+
+    :raises ReplayInputError: naming the world sizes found (a sum over another number of ranks rounds
+        differently, so the digests could not be reproduced).
+    """
+    worlds = sorted({step.world_size for step in steps} | {setup.config.world_size})
+    if worlds != [1]:
+        raise ReplayInputError(f"the recorded steps were computed by a trainer of world size "
+                               f"{'/'.join(map(str, worlds))} ([trainer] world_size, {setup.source}); replay-retrain "
+                               f"runs one rank, and a sum over another number of ranks rounds differently, so it "
+                               f"cannot reproduce those digests; retrain a recording of a one-rank trainer")
+
+
 def _with(setup: TrainerSetup, **changes: Any) -> TrainerSetup:
     return TrainerSetup(msgspec.structs.replace(setup.config, **changes), setup.threads, setup.source, setup.launch)
 
@@ -330,12 +344,7 @@ def retrain(path: str | Path, *, topology: str | Path | None = None, pretrained:
         inputs = read_inputs(pb)
     if setup is None:
         setup = resolve_setup(inputs.recorded, topology=topology, pretrained=pretrained, seed=seed, threads=threads)
-    worlds = sorted({step.world_size for step in inputs.steps} | {setup.config.world_size})
-    if worlds != [1]:
-        raise ReplayInputError(f"the recorded steps were computed by a trainer of world size "
-                               f"{'/'.join(map(str, worlds))} ([trainer] world_size, {setup.source}); replay-retrain "
-                               f"runs one rank, and a sum over another number of ranks rounds differently, so it "
-                               f"cannot reproduce those digests; retrain a recording of a one-rank trainer")
+    check_world_size(inputs.steps, setup)
     log.info("retrain_start", steps=len(inputs.steps), versions=len(inputs.manifests), settings=setup.source,
              threads=setup.threads, pretrained=setup.launch.pretrained or None)
     before = torch.get_num_threads()

@@ -38,7 +38,14 @@ from rlbus.messages.schemas import (
 )
 from rlbus.ops.cli import main
 from rlbus.ops.recording.format import RecordingWriter
-from rlbus.ops.recording.retrain import ReplayInputError, held_version, restore_points, retrain
+from rlbus.ops.recording.retrain import (
+    ReplayInputError,
+    TrainerSetup,
+    check_world_size,
+    held_version,
+    restore_points,
+    retrain,
+)
 from rlbus.ops.target import resolve
 from rlbus.topology.examples import example_path
 
@@ -150,6 +157,18 @@ def test_walk_restores_where_a_step_repeats_and_drop_records_hold_their_version(
     assert held_version(TrainStep(step=5, policy_version=7, dropped=[DroppedRollout(rollout_id="r", reason="x")])) == 7
     with pytest.raises(ReplayInputError, match="from step 1 to step 3"):
         restore_points([TrainStep(step=1, policy_version=1), TrainStep(step=3, policy_version=2)])
+
+
+def test_steps_or_settings_of_another_world_size_are_refused_naming_it() -> None:
+    """Replay-retrain runs one rank: steps recorded by a two-rank trainer, or settings of world size 2, are
+    refused before anything is trained (the sums of two ranks round differently)."""
+    one = TrainerSetup(TrainerConfig(), 1, "recorded started event")
+    check_world_size([TrainStep(step=1, policy_version=1)], one)
+    with pytest.raises(ReplayInputError, match="world size 1/2"):
+        check_world_size([TrainStep(step=1, policy_version=1, world_size=2)], one)
+    with pytest.raises(ReplayInputError, match=r"world size 1/2 \(\[trainer\] world_size, topology t.toml\)"):
+        check_world_size([TrainStep(step=1, policy_version=1)],
+                         TrainerSetup(TrainerConfig(world_size=2), 1, "topology t.toml"))
 
 
 @pytest.mark.parametrize("kind", ["builtin", "hf"])
