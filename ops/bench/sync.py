@@ -530,6 +530,9 @@ def table(result: dict[str, Any]) -> str:
              f"trips delta {result['round_trips_per_version_delta']:g}, full "
              f"{result['round_trips_per_version_full']:g}."),
             f"full_goodput_ratio = {result['full_goodput_ratio']:.2f} of the shaped rate.",
+            *([(f"relayed leaves: per version a link carried {over['median']:.3f}x the one-step delta "
+                f"(max {over['max']:.3f}).")]
+              if result.get("relay") and (over := result["link_bytes_over_one_step_delta"])["median"] else []),
             "round trips per version per link by kind: " + "; ".join(
                 f"{mode}: " + ", ".join(f"{k} {n:g}" for k, n in kinds.items())
                 for mode, kinds in result["round_trips_by_kind"].items()),
