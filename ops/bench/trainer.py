@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
+from rlbus.ops.bench.hf_model import _reset_high_water, _status_kb  # the same /proc readings
+
 WORLD_SIZES: Final = (1, 2)
 _TEXTS: Final = tuple(f"def f_{i}(x, y):\n    return x * {i} + y  # trainer rank bench\n" for i in range(200))
 
@@ -91,19 +93,6 @@ def _summary(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ---- inside one rank -----------------------------------------------------------------------------------------
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_high_water() -> int:
-    """Reset this process's VmHWM to its current RSS; -> that baseline in bytes."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_kb("VmHWM")
-
-
 def _local_bytes(t: Any) -> int:
     from torch.distributed.tensor import DTensor
 

@@ -5,7 +5,8 @@
 subcommand in-process, single-server targets), `rl_bus` (a provisioned one-region run for trainer tests),
 `rollouts` (synthetic rollouts sampled from a real model), `samples` (one message of every kind),
 `fuzz_payloads` (hostile payloads), `runs` (the finished `rlbus up` run of the `finished_run` fixture),
-`ast_guard` (the audit hook that fails a test building an AST off the main thread).
+`ast_guard` (the audit hook that fails a test building an AST off the main thread), `procs` (a run's actor
+processes in /proc).
 """
 
 from __future__ import annotations

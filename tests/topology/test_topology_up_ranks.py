@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from helpers.procs import kind_pids
 
 from rlbus.actors.common.checkpoints import MARK_FILE, checkpoint_dir, durable_steps, read_durable_state
 from rlbus.actors.trainer.actor import load_into
@@ -37,17 +38,6 @@ def _topology(tmp_path: Path, world_size: int) -> Path:
     path = tmp_path / f"ranks{world_size}.toml"
     path.write_text(text)
     return path
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _pids(state: Path, kind: str, processes_mentioning: Callable[[str], list[int]]) -> set[int]:
-    return {p for p in processes_mentioning(str(state)) if f"--kind {kind} " in _cmdline(p) + " "}
 
 
 def _run(cmd: list[str], on_line: Callable[[str], None] | None = None) -> tuple[int, str]:
@@ -85,8 +75,8 @@ def test_a_two_rank_trainer_survives_a_sigkill_of_rank_1_and_its_checkpoint_load
 
     def on_line(line: str) -> None:
         if line.startswith(f"v{KILL_AT_STEP} ") and not killed:
-            ranks = _pids(state, "trainer_rank", processes_mentioning)
-            assert len(ranks) == 1 and len(_pids(state, "trainer", processes_mentioning)) == 1, ranks
+            ranks = kind_pids(state, "trainer_rank", processes_mentioning)
+            assert len(ranks) == 1 and len(kind_pids(state, "trainer", processes_mentioning)) == 1, ranks
             killed.append(ranks.pop())
             os.kill(killed[0], signal.SIGKILL)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import eventually_sync
+from helpers.procs import cmdline, kind_pids
 
 from rlbus.actors.sandbox.pool import STANDBY_NAME
 from rlbus.ops.up import stop_leftovers
@@ -33,13 +34,6 @@ def _topology(tmp_path: Path) -> Path:
     return path
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _parent(pid: int) -> int:
     try:
         return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -49,7 +43,7 @@ def _parent(pid: int) -> int:
 
 def _live_pids(state: Path, kind: str, processes_mentioning: Callable[[str], list[int]]) -> set[int]:
     """The actor processes of `kind` of the run in `state`."""
-    return {p for p in processes_mentioning(str(state)) if f"--kind {kind} " in _cmdline(p) + " "}
+    return kind_pids(state, kind, processes_mentioning)
 
 
 def _actor_pid(state: Path, kind: str, processes_mentioning: Callable[[str], list[int]]) -> int:
@@ -71,7 +65,7 @@ def _executors(sandbox_pid: int) -> list[int]:
     """The executors of a sandbox supervisor: its child processes running the executor's source (whatever
     jail wraps it: bwrap, setpriv + unshare, or the interpreter itself)."""
     return sorted(int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _parent(int(e.name)) == sandbox_pid
-                  and STANDBY_NAME in _cmdline(int(e.name)))
+                  and STANDBY_NAME in cmdline(int(e.name)))
 
 
 @pytest.mark.parametrize("victim", ["publisher", "sandbox-executor"])
