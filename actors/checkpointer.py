@@ -114,7 +114,7 @@ class Checkpointer(Actor):
             log.warning("checkpoint_rejected", step=upload.step, objects=upload.objects, error=repr(err))
             await self.emit("incident", detail=f"state upload of step {upload.step} rejected: {err}",
                             step=str(upload.step), reason="digest" if isinstance(err, DigestMismatch) else "missing")
-            kept = {name for _, names in self.kept for name in names}
+            kept = self._kept_objects()
             for name in upload.objects:
                 if name not in kept:
                     await delete_object(self.bus.js, bucket, name)
@@ -139,12 +139,17 @@ class Checkpointer(Actor):
                  consumed=len(mark.consumed_rollout_ids))
         await self._prune(mark)
 
+    def _kept_objects(self) -> set[str]:
+        """Every object a kept checkpoint lists: never deleted (shard objects are named by their content, so two
+        checkpoints can list the same one)."""
+        return {name for _, names in self.kept for name in names}
+
     async def _prune(self, mark: CheckpointMark) -> None:
         """Keep the newest `keep` checkpoints: older durable directories and CKPT objects go."""
         self.kept = [(s, o) for s, o in self.kept if s != mark.step] + [(mark.step, list(mark.objects))]
         while len(self.kept) > self.config.keep:
             _, objects = self.kept.pop(0)
-            still = {name for _, names in self.kept for name in names}   # shard objects are named by content
+            still = self._kept_objects()
             for name in objects:
                 if name not in still:
                     await delete_object(self.bus.js, self.subjects.checkpoint_bucket(), name)

@@ -26,13 +26,13 @@ from typing import IO, Final
 import anyio
 import structlog
 
+from rlbus.actors.trainer.config import RANK_ENV, RENDEZVOUS_ENV, TIMEOUT_ENV, WORLD_ENV
+
 log = structlog.get_logger()
 
-RANK_ENV: Final = "RLBUS_RANK"
-WORLD_ENV: Final = "RLBUS_WORLD_SIZE"
-TIMEOUT_ENV: Final = "RLBUS_COLLECTIVE_TIMEOUT_S"
-RENDEZVOUS_ENV: Final = "RLBUS_RENDEZVOUS"
-"""`host:port` where a trainer group's ranks meet (rank 0 hosts it); new for every start of the group."""
+__all__ = ["RANK_ENV", "RENDEZVOUS_ENV", "TIMEOUT_ENV", "WORLD_ENV", "LocalSupervisor", "ProcessSpec",
+           "RestartPolicy", "free_rendezvous", "send_event"]
+
 GROUP_POLL_S: Final = 0.2
 
 EventSink = Callable[[str, "ProcessSpec", str], Awaitable[None]]
@@ -162,20 +162,16 @@ class LocalSupervisor:
                 entry.state = "exited"
                 log.info("actor_process_exited", actor=entry.spec.actor_id)
                 return
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            how = _how(code)
             log.warning("actor_process_crashed", actor=entry.spec.actor_id, how=how)
             await self._emit("crashed", entry, how)
-            now = time.monotonic()
-            while entry.recent and now - entry.recent[0] > self.policy.window_s:
-                entry.recent.popleft()
-            if len(entry.recent) >= self.policy.max_restarts:
+            if not self._may_restart(entry):
                 entry.state = "failed"
                 log.error("actor_process_failed", actor=entry.spec.actor_id, restarts=entry.restarts)
                 await self._emit("failed", entry, f"{how}; {len(entry.recent)} restarts within "
                                                   f"{self.policy.window_s:.0f}s exhausted the restart policy")
                 return
             entry.state = "restarting"
-            entry.recent.append(now)
             entry.restarts += 1
             await anyio.sleep(self.policy.delay(len(entry.recent)))
             if self._stopping:
@@ -202,8 +198,7 @@ class LocalSupervisor:
                     entry.state = "exited"
                 log.info("actor_group_exited", group=lead.spec.group)
                 return
-            how = ("exit code 0" if code in (0, None) else
-                   f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
+            how = _how(code)
             log.warning("actor_process_crashed", actor=ended.spec.actor_id, how=how, group=lead.spec.group)
             await self._emit("crashed", ended, how)
             for entry in members:                   # the survivors cannot go on without it
@@ -211,17 +206,13 @@ class LocalSupervisor:
                     _signal(entry, signal.SIGKILL)
                     await anyio.to_thread.run_sync(entry.process.wait)
                     await self._emit("crashed", entry, f"group member {ended.spec.actor_id} ended ({how})")
-            now = time.monotonic()
-            while lead.recent and now - lead.recent[0] > self.policy.window_s:
-                lead.recent.popleft()
-            if len(lead.recent) >= self.policy.max_restarts:
+            if not self._may_restart(lead):
                 for entry in members:
                     entry.state = "failed"
                     await self._emit("failed", entry, f"{how} in group {lead.spec.group}; {len(lead.recent)} "
                                                       f"restarts within {self.policy.window_s:.0f}s exhausted "
                                                       f"the restart policy")
                 return
-            lead.recent.append(now)
             for entry in members:
                 entry.state = "restarting"
                 entry.restarts += 1
@@ -233,6 +224,17 @@ class LocalSupervisor:
                 self._start(entry, rendezvous)
                 await self._emit("restarted", entry, f"{how} ({ended.spec.actor_id}); group restart "
                                                      f"{entry.restarts}, pid {entry.pid}")
+
+    def _may_restart(self, entry: Supervised) -> bool:
+        """Whether the restart policy allows `entry` (a group: its first member) another restart now; if so, the
+        restart is counted in its window (`recent`), whose length then sets the backoff."""
+        now = time.monotonic()
+        while entry.recent and now - entry.recent[0] > self.policy.window_s:
+            entry.recent.popleft()
+        if len(entry.recent) >= self.policy.max_restarts:
+            return False
+        entry.recent.append(now)
+        return True
 
     async def _first_exit(self, members: list[Supervised]) -> Supervised:
         """The first member whose process has ended (polled: a group is a handful of processes)."""
@@ -292,6 +294,13 @@ def free_rendezvous(host: str = "127.0.0.1") -> str:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return f"{host}:{sock.getsockname()[1]}"
+
+
+def _how(code: int | None) -> str:
+    """How a process ended, from its exit status."""
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {0 if code is None else code}"
 
 
 def _signal(entry: Supervised, signum: signal.Signals) -> None:

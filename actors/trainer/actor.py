@@ -38,7 +38,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.config import decode_config
 from rlbus.actors.common.ledger import reason_category
-from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch, settings_record
+from rlbus.actors.trainer.config import WORLD_ENV, TrainerConfig, TrainerLaunch, settings_record
 from rlbus.actors.trainer.core import (
     Objective,
     Plan,
@@ -110,7 +110,7 @@ def rank_spec(config: TrainerConfig, env: Mapping[str, str] | None = None) -> An
 
     :raises RlbusError: `[trainer] world_size` > 1 without the launcher's rank environment, or the two disagree.
     """
-    if config.world_size == 1 and "RLBUS_WORLD_SIZE" not in (env if env is not None else os.environ):
+    if config.world_size == 1 and WORLD_ENV not in (env if env is not None else os.environ):
         return None
     from rlbus.actors.trainer.ranks import RankSpec
 

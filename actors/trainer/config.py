@@ -3,17 +3,26 @@
 
 Owns: those Structs, the learning-rate schedule (`TrainerConfig.lr_at`) and the flat settings record of a
 trainer's `started` event (`settings_record` / `from_record`, read back by `rlbus replay FILE train`).
-Imports only msgspec, so the topology schema can compose it without torch.
+Also the names of a trainer rank's environment. Imports only msgspec, so the topology schema and the launchers
+can use it without torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
 from rlbus.actors.common.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
+RANK_ENV: Final = "RLBUS_RANK"
+WORLD_ENV: Final = "RLBUS_WORLD_SIZE"
+RENDEZVOUS_ENV: Final = "RLBUS_RENDEZVOUS"
+"""`host:port` where a trainer group's ranks meet (rank 0 hosts it); the launcher picks a new one per start."""
+TIMEOUT_ENV: Final = "RLBUS_COLLECTIVE_TIMEOUT_S"
+"""The environment a trainer rank reads its place from (`actors/trainer/ranks.py` `RankSpec.from_env`), set by
+the launcher (topology/launch.py, topology/local.py, topology/ray_backend.py)."""
 
 
 class LengthPenaltyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -118,4 +127,5 @@ def from_record(record: Mapping[str, Any]) -> tuple[TrainerConfig, TrainerLaunch
     return config, launch
 
 
-__all__ = ["LengthPenaltyConfig", "TrainerConfig", "TrainerLaunch", "from_record", "settings_record"]
+__all__ = ["RANK_ENV", "RENDEZVOUS_ENV", "TIMEOUT_ENV", "WORLD_ENV", "LengthPenaltyConfig", "TrainerConfig",
+           "TrainerLaunch", "from_record", "settings_record"]

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from rlbus.actors.common.errors import CheckpointError
 from rlbus.actors.trainer import sharded
+from rlbus.actors.trainer.config import RANK_ENV, RENDEZVOUS_ENV, TIMEOUT_ENV, WORLD_ENV
 from rlbus.actors.trainer.core import Objective, StepStats, TrainerCore, read_state
 from rlbus.actors.trainer.sharded import is_sharded, shards_to_payload
 from rlbus.kernels.delta_state import encode_state
@@ -88,7 +89,7 @@ class RankSpec:
 
         :raises RankError: a variable missing or not what is expected.
         """
-        raw = env.get("RLBUS_WORLD_SIZE", "").strip()
+        raw = env.get(WORLD_ENV, "").strip()
         if not raw:
             return None
 
@@ -98,26 +99,26 @@ class RankSpec:
             except ValueError:
                 raise RankError(f"environment variable {name}={value!r}: expected a {kind.__name__}") from None
 
-        world = number("RLBUS_WORLD_SIZE", raw, int)
+        world = number(WORLD_ENV, raw, int)
         if world == 1:
             return None
-        rank = number("RLBUS_RANK", env.get("RLBUS_RANK", ""), int)
+        rank = number(RANK_ENV, env.get(RANK_ENV, ""), int)
         if world < 1 or not 0 <= rank < world:
             raise RankError(f"environment variables RLBUS_RANK={rank}, RLBUS_WORLD_SIZE={world}: expected "
                             f"0 <= rank < world size")
-        where = env.get("RLBUS_RENDEZVOUS", "")
+        where = env.get(RENDEZVOUS_ENV, "")
         host, _, port = where.rpartition(":")
         if not host or not port.isdigit():
             raise RankError(f"environment variable RLBUS_RENDEZVOUS={where!r}: expected host:port")
-        timeout = number("RLBUS_COLLECTIVE_TIMEOUT_S", env.get("RLBUS_COLLECTIVE_TIMEOUT_S", "60"), float)
+        timeout = number(TIMEOUT_ENV, env.get(TIMEOUT_ENV, "60"), float)
         if not timeout > 0:
             raise RankError(f"environment variable RLBUS_COLLECTIVE_TIMEOUT_S={timeout}: expected seconds > 0")
         return cls(rank=rank, world_size=world, addr=host.strip("[]"), port=int(port), timeout_s=timeout)
 
     def env(self) -> dict[str, str]:
         """The environment variables `from_env` reads back."""
-        return {"RLBUS_RANK": str(self.rank), "RLBUS_WORLD_SIZE": str(self.world_size),
-                "RLBUS_RENDEZVOUS": self.address, "RLBUS_COLLECTIVE_TIMEOUT_S": repr(self.timeout_s)}
+        return {RANK_ENV: str(self.rank), WORLD_ENV: str(self.world_size), RENDEZVOUS_ENV: self.address,
+                TIMEOUT_ENV: repr(self.timeout_s)}
 
 
 # ---- the process group ------------------------------------------------------------------------------------
