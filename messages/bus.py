@@ -238,8 +238,17 @@ class Bus:
         return acks + await self._collect(pending)
 
     async def _collect(self, futures: list[Any]) -> list[PubAck]:
-        with anyio.fail_after(self.options.publish_timeout_s * 2):
-            return [await future for future in futures]
+        try:
+            with anyio.fail_after(self.options.publish_timeout_s * 2):
+                return [await future for future in futures]
+        finally:
+            # after a refusal or a timeout the later acks are not awaited: cancel those still pending and take
+            # the errors of those already failed, so none is left as an "exception never retrieved"
+            for future in futures:
+                if not future.done():
+                    future.cancel()
+                elif not future.cancelled():
+                    future.exception()
 
     async def publish_core(self, subject: str, message: Message) -> None:
         """Fire-and-forget core NATS publish (heartbeats): no stream ack is awaited."""

@@ -3,6 +3,8 @@ consumer going, acknowledgement verbs, and object-store transfers checked by dig
 
 from __future__ import annotations
 
+import asyncio
+import gc
 from contextlib import aclosing
 
 import anyio
@@ -10,6 +12,7 @@ import msgpack
 import pytest
 from helpers import eventually
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from nats.js.errors import NoStreamResponseError
 
 from rlbus.actors.demo import synthetic_rollout
 from rlbus.messages import codec
@@ -45,6 +48,24 @@ async def test_same_rollout_id_is_stored_once(admin_bus: Bus) -> None:
     acks = await admin_bus.publish_batch([(subject, _rollout("r2"), "r2"), (subject, _rollout("r1"), "r1")])
     assert not first.duplicate and second.duplicate and acks[1].duplicate and not acks[0].duplicate
     assert (await admin_bus.js.stream_info(stream)).state.messages == 2
+
+
+async def test_a_refused_batch_raises_once_and_leaves_no_unretrieved_error(admin_bus: Bus) -> None:
+    """A batch to a subject no stream holds raises NoStreamResponseError; the refusals of the later messages,
+    whose acks are never awaited, are taken too, so the loop reports no "exception never retrieved"."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    before = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        with pytest.raises(NoStreamResponseError):
+            await admin_bus.publish_batch([(admin_bus.subjects.rollouts("nowhere"), _rollout(f"r{i}"), f"r{i}")
+                                           for i in range(4)])
+        await anyio.sleep(0.2)           # let the later refusals arrive
+        gc.collect()                     # an unretrieved future's error is reported when it is collected
+    finally:
+        loop.set_exception_handler(before)
+    assert reported == []
 
 
 async def test_garbage_is_dead_lettered_and_the_consumer_goes_on(admin_bus: Bus) -> None:
