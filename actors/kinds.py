@@ -18,6 +18,7 @@ from rlbus.actors.common.config import (
     EvaluatorLaunch,
     FeederLaunch,
     PublisherLaunch,
+    RelayLaunch,
     decode_config,
 )
 from rlbus.actors.demo import build_demo_consumer, build_demo_producer
@@ -29,11 +30,12 @@ from rlbus.messages.bus import Bus
 from rlbus.messages.errors import TopologyError
 
 ACTOR_KINDS: Final = ("demo_producer", "demo_consumer", "sandbox", "feeder", "generator", "trainer", "trainer_rank",
-                      "checkpointer", "publisher", "evaluator")
+                      "checkpointer", "publisher", "weights_relay", "evaluator")
 LAUNCH_TYPES: Final[dict[str, type[msgspec.Struct]]] = {
     "sandbox": SandboxLaunch, "feeder": FeederLaunch, "generator": GeneratorLaunch, "trainer": TrainerLaunch,
     "trainer_rank": TrainerLaunch,
-    "checkpointer": CheckpointerLaunch, "publisher": PublisherLaunch, "evaluator": EvaluatorLaunch,
+    "checkpointer": CheckpointerLaunch, "publisher": PublisherLaunch, "weights_relay": RelayLaunch,
+    "evaluator": EvaluatorLaunch,
 }
 """Kind → what the launcher passes beside its settings (kinds missing here take nothing)."""
 
@@ -91,6 +93,10 @@ def build_actor(kind: str, ident: ActorId, bus: Bus, settings: Mapping[str, Any]
             from rlbus.actors.publisher import build_publisher  # imports torch: only where needed
 
             return build_publisher(ident, bus, settings, limits, extra)  # type: ignore[arg-type]
+        case "weights_relay":
+            from rlbus.actors.publisher import build_region_relay
+
+            return build_region_relay(ident, bus, settings, limits, extra)  # type: ignore[arg-type]
         case "evaluator":
             from rlbus.actors.evaluator import build_evaluator  # imports torch: only where needed
 

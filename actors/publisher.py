@@ -1,19 +1,20 @@
 """The weight publisher: every trainer version, encoded for the generators, written into every region.
 
-Owns: `Publisher` (actor kind "publisher"). It consumes VersionReady from the hub's
-STATE stream (its own durable, filter `state.version`, one message in flight), downloads the raw bf16
-version from CKPT (digest-checked, every tensor re-hashed), keeps the last `keep_versions` versions
-decoded, and writes per version the deltas from the previous `delta_depth` versions and from the latest
-full snapshot, plus a full snapshot (the trainer's own blob) for version 0 and every `full_every`
-versions. One writer task per region copies the objects into that region's WEIGHTS store, then
-CAS-advances its LATEST `latest` to the manifest and prunes versions older than `keep_versions`; a
-region that fails is retried with backoff and catches up to the newest version. The manifest is
-announced on WEIGHTS (msg_id `weights-<N>`) once every reachable region is ready, with `regions_ready`,
-and only then is VersionReady acked. A version no region took is never announced; one whose CKPT object
+Owns: `Publisher` (actor kind "publisher") and `RegionRelay` (actor kind "weights_relay"). The publisher
+consumes VersionReady from the hub's STATE stream (its own durable, filter `state.version`, one message in
+flight), downloads the raw bf16 version from CKPT (digest-checked, every tensor re-hashed), keeps the last
+`keep_versions` versions decoded, and writes per version the deltas from the previous `delta_depth` versions
+and from the latest full snapshot, plus a full snapshot (the trainer's own blob) for version 0 and every
+`full_every` versions. One writer task per region copies the objects into that region's WEIGHTS store, then
+CAS-advances its LATEST `latest` to the manifest and prunes versions older than `keep_versions`; a region that
+fails is retried with backoff and catches up to the newest version. The manifest is announced on WEIGHTS
+(msg_id `weights-<N>`) once every reachable region is ready, with `regions_ready`, and only then is
+VersionReady acked. A version no region took is never announced; one whose CKPT object
 is missing or corrupt is dead-lettered with the reason.
-A region started in `relayed` gets one object per version instead (`_write_link`: the delta from the version
-its relay holds, or the version's full blob, named in its LATEST `link` key), and `RegionRelay`, a publisher
-for that one region running on its own server, makes the rest there from what it holds.
+A region started in `relayed` (its launch's `relayed`, which `rlbus up` fills with the leaves behind a
+`[regions.link]`) gets one object per version instead (`_write_link`: the delta from the version its relay holds,
+or the version's full blob, named in its LATEST `link` key), and `RegionRelay`, a publisher for that one region
+running on its own server (`rlbus up` starts one in each such leaf), makes the rest there from what it holds.
 Does not: encode tensors (kernels/), apply weights (actors/common/weight_sync.py) or train (actors/trainer/actor.py).
 """
 
@@ -38,7 +39,7 @@ from nats.js.object_store import ObjectStore
 from torch import Tensor
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.actors.common.config import PublisherConfig, PublisherLaunch, decode_config
+from rlbus.actors.common.config import PublisherConfig, PublisherLaunch, RelayLaunch, decode_config
 from rlbus.actors.common.weight_sync import LATEST_KEY, decode_full
 from rlbus.kernels.delta import DeltaCorrupt, merge_positions, snapshot_due
 from rlbus.kernels.delta_state import StateIndex, apply_state_, encode_state, read_index
@@ -131,6 +132,7 @@ class Publisher(Actor):
         launch = launch or PublisherLaunch(regions=[ident.region], hub=ident.region)
         if launch.hub not in launch.regions:
             raise TopologyError(f"publisher: hub {launch.hub!r} is not one of the regions {launch.regions}")
+        relayed = {*relayed, *launch.relayed}
         if bad := sorted(set(relayed) - (set(launch.regions) - {launch.hub})):
             raise TopologyError(f"publisher: relayed regions {bad} must be leaf regions of {launch.regions}")
         self.config = config
@@ -614,6 +616,8 @@ class RegionRelay(Publisher):
     not hold (after a restart) is read once from the hub's CKPT, across the link.
     """
 
+    kind = "weights_relay"
+
     def __init__(self, ident: ActorId, bus: Bus, config: PublisherConfig, limits: ActorLimits | None = None,
                  *, hub: str, threads: int = 2) -> None:
         region = ident.region
@@ -796,3 +800,17 @@ def build_publisher(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limit
     :raises TopologyError: a setting is unknown or out of bounds (the text names it).
     """
     return Publisher(ident, bus, decode_config("weights", settings, PublisherConfig), limits, launch)
+
+
+def build_region_relay(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limits: ActorLimits,
+                       launch: RelayLaunch | None = None) -> RegionRelay:
+    """The weights relay of `ident.region` (a leaf) for a `[weights]` section (plain values) and its hub.
+
+    :raises TopologyError: a setting is unknown or out of bounds, or no launch names the hub.
+    """
+    if launch is None:
+        raise TopologyError("weights_relay: no launch values; it needs the hub region (RelayLaunch hub)")
+    if launch.hub == ident.region:
+        raise TopologyError(f"weights_relay: region {ident.region!r} is the hub; a relay runs in a leaf region")
+    return RegionRelay(ident, bus, decode_config("weights", settings, PublisherConfig), limits, hub=launch.hub,
+                       threads=launch.threads)

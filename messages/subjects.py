@@ -22,10 +22,10 @@ _ROOT: Final = "rlbus"
 SHARD_PREFIX: Final = "state-shard-"
 _INBOX_ROOT: Final = "_INBOX"
 
-Role = Literal["feeder", "generator", "trainer", "trainer_rank", "publisher", "checkpointer", "sandbox",
-               "evaluator", "observer", "admin", "leaf"]
-ROLES: Final[tuple[Role, ...]] = ("feeder", "generator", "trainer", "trainer_rank", "publisher", "checkpointer",
-                                  "sandbox", "evaluator", "observer", "admin", "leaf")
+Role = Literal["feeder", "generator", "trainer", "trainer_rank", "publisher", "weights_relay", "checkpointer",
+               "sandbox", "evaluator", "observer", "admin", "leaf"]
+ROLES: Final[tuple[Role, ...]] = ("feeder", "generator", "trainer", "trainer_rank", "publisher", "weights_relay",
+                                  "checkpointer", "sandbox", "evaluator", "observer", "admin", "leaf")
 
 
 def token(value: str, what: str) -> str:
@@ -361,7 +361,8 @@ def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list
     own random prefix in there, `connection_inbox`), and publishes to no inbox at all except as a response
     to a request it received (the servers set `allow_responses`, see `RESPONSE_PERMISSION`). No role but
     admin may create, update, purge or delete a stream, or publish raw to another domain's API. Data subjects are granted by role: only the trainer side (trainer, publisher,
-    checkpointer) writes weights, checkpoints and TRAINLOG (a trainer's other ranks: only their checkpoint shards); only the feeder writes tasks; only generators
+    checkpointer) writes weights, checkpoints and TRAINLOG (a trainer's other ranks: only their checkpoint shards; a leaf's
+    weights relay: only weight objects and LATEST, announcing nothing); only the feeder writes tasks; only generators
     write rollouts and workspace snapshots. Bucket writes (plain and through `$JS.<domain>.API`, plus purging the bucket's stream)
     are granted per bucket for the runs and regions of `scope`.
     """
@@ -380,6 +381,8 @@ def role_permissions(role: Role, scope: BucketScope | None = None) -> tuple[list
         "trainer_rank": _bucket_writes(scope.buckets("checkpoint")),   # its checkpoint shards, nothing else
         "publisher": [f"{run}.weights", *_bucket_writes(scope.buckets("weights")),
                       *_bucket_writes(scope.buckets("latest"))],
+        # a leaf's weights relay: that region's weight objects and LATEST; no announcement, no durable
+        "weights_relay": [*_bucket_writes(scope.buckets("weights")), *_bucket_writes(scope.buckets("latest"))],
         "checkpointer": [f"{run}.checkpoints", *_bucket_writes(scope.buckets("checkpoint"))],
         "sandbox": [],
         "evaluator": [f"{run}.evals", f"{run}.sandbox.*", f"{run}.session.>"],

@@ -2,8 +2,10 @@
 
 Owns: `Launch`, the run's lifetime as an async context manager — start the embedded region servers
 (or join the `nats_urls` given), provision every stream, connect an admin bus at the hub for events,
-turn the topology's actor instances into `ProcessSpec`s (role, credentials, settings, launch values), and run them
-through the `local` or `ray` backend until cancelled; then stop actors, then servers, by PID.
+turn the topology's actor instances into `ProcessSpec`s (role, credentials, settings, launch values; plus what the
+launcher adds: a trainer's other ranks, and a weights relay in each leaf behind a `[regions.link]` while
+`[weights] relay` is on), and run them through the `local` or `ray` backend until cancelled; then stop actors, then
+servers, by PID.
 Does not: draw progress (ops/up.py) or implement actors (actors/).
 """
 
@@ -23,7 +25,13 @@ import msgspec
 import nats
 import structlog
 
-from rlbus.actors.common.config import CheckpointerLaunch, EvaluatorLaunch, FeederLaunch, PublisherLaunch
+from rlbus.actors.common.config import (
+    CheckpointerLaunch,
+    EvaluatorLaunch,
+    FeederLaunch,
+    PublisherLaunch,
+    RelayLaunch,
+)
 from rlbus.actors.generator.config import GeneratorLaunch
 from rlbus.actors.sandbox.config import SandboxLaunch
 from rlbus.actors.trainer.config import TrainerLaunch
@@ -40,7 +48,7 @@ log = structlog.get_logger()
 
 ROLE_OF_KIND: Final[dict[str, str]] = {
     "feeder": "feeder", "generator": "generator", "trainer": "trainer", "trainer_rank": "trainer_rank",
-    "publisher": "publisher",
+    "publisher": "publisher", "weights_relay": "weights_relay",
     "checkpointer": "checkpointer", "sandbox": "sandbox", "evaluator": "evaluator",
     "demo_producer": "generator", "demo_consumer": "trainer",
 }
@@ -82,7 +90,7 @@ def kind_settings(topology: Topology, kind: str) -> dict[str, Any]:
             section = topology.sandbox
         case "evaluator":
             section = topology.evaluator
-        case "publisher":
+        case "publisher" | "weights_relay":
             section = topology.weights
         case _:
             return {}
@@ -115,8 +123,11 @@ def kind_launch(topology: Topology, kind: str, state_dir: Path | None = None,
             return SandboxLaunch()
         case "evaluator":
             return EvaluatorLaunch(max_tokens=topology.generator.max_tokens, device=topology.policy.device)
-        case "publisher":    # it writes every region's weight bucket: it needs their names and the hub
-            return PublisherLaunch(regions=[r.name for r in topology.regions], hub=topology.hub.name)
+        case "publisher":    # it writes every region's weight bucket: it needs their names, the hub, the relayed
+            return PublisherLaunch(regions=[r.name for r in topology.regions], hub=topology.hub.name,
+                                   relayed=relayed_regions(topology))
+        case "weights_relay":
+            return RelayLaunch(hub=topology.hub.name)
         case _:
             return None
 
@@ -162,6 +173,24 @@ async def read_fed_tasks(topology: Topology, bus: Bus, *, settle_s: float = 10.0
         await anyio.sleep(1.0)
 
 
+def relayed_regions(topology: Topology) -> list[str]:
+    """The leaves that get a weights relay: each with a `[regions.link]`, while `[weights] relay` is on and the run
+    has a publisher (one object per version then crosses each such link; the relay makes the rest in the leaf)."""
+    if not topology.weights.relay or not any(i.kind == "publisher" for i in topology.instances()):
+        return []
+    return [r.name for r in topology.regions if r.link is not None and r.role != "hub"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Added:
+    """An actor instance the launcher adds to the topology's own (a weights relay)."""
+
+    region: str
+    kind: str
+    actor_id: str
+    torch_threads: int = 1
+
+
 def rank_id(trainer_id: str, rank: int) -> str:
     """The actor id of rank `rank` (>= 1) of the trainer `trainer_id` (rank 0 is the trainer itself)."""
     return f"{trainer_id}-rank{rank}"
@@ -169,7 +198,8 @@ def rank_id(trainer_id: str, rank: int) -> str:
 
 def _instances(topology: Topology) -> list[tuple[Any, str, str, dict[str, str], str]]:
     """(instance, actor id, kind, rank environment, group) of every process to start: a trainer of
-    `[trainer] world_size = N` is N processes, rank 0 (the trainer) and `trainer_rank` ranks 1..N-1, one group."""
+    `[trainer] world_size = N` is N processes, rank 0 (the trainer) and `trainer_rank` ranks 1..N-1, one group;
+    then a `weights_relay` in each of `relayed_regions`, `<leaf>-weights_relay-0`."""
     out: list[tuple[Any, str, str, dict[str, str], str]] = []
     world = topology.trainer.world_size
     for inst in topology.instances():
@@ -181,6 +211,9 @@ def _instances(topology: Topology) -> list[tuple[Any, str, str, dict[str, str], 
                    TIMEOUT_ENV: str(topology.trainer.collective_timeout_s)}
             out.append((inst, rank_id(inst.actor_id, rank) if rank else inst.actor_id,
                         "trainer_rank" if rank else "trainer", env, inst.actor_id))
+    for leaf in relayed_regions(topology):
+        relay = _Added(region=leaf, kind="weights_relay", actor_id=f"{leaf}-weights_relay-0")
+        out.append((relay, relay.actor_id, relay.kind, {}, ""))
     return out
 
 

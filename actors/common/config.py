@@ -1,5 +1,5 @@
 """Actor configuration: decoding a kind's settings into its Config, and the Configs of the kinds that are one
-module each (feeder, publisher, checkpointer, evaluator).
+module each (feeder, publisher and its weights relay, checkpointer, evaluator).
 
 Owns: `decode_config` (the one way every builder turns plain settings into a Config: an invalid value is a
 `TopologyError` naming the key and the bound), and per kind a `*Config` (its topology section, declared only
@@ -130,6 +130,10 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     delta_depth: PositiveInt = 3
     """Deltas written per version: from each of the previous this-many kept versions (v-1 ... v-k -> v), so a
     generator that fell behind catches up with one fetch; plus one from the latest full snapshot, for joiners."""
+    relay: bool = True
+    """Run a weights relay in each leaf with a `[regions.link]`: one object per version crosses its link (the delta
+    from the version the leaf holds, or a full snapshot when it holds none) and the relay makes the rest in the leaf;
+    false: the publisher writes every object into that leaf across the link."""
 
 
 class PublisherLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -150,6 +154,18 @@ class PublisherLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     ack_wait_s: PositiveFloat = 10.0
     """Ack wait of the VersionReady consumer (held with in-progress acks every third of it while a version is
     worked on): how long the version a killed publisher held waits before its restarted successor gets it."""
+    threads: PositiveInt = 2
+    """Codec threads for decoding and encoding."""
+    relayed: list[str] = []
+    """Leaf regions that run a weights relay (`[weights] relay` and a `[regions.link]`): each gets one object per
+    version, the relay there makes the rest."""
+
+
+class RelayLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What a weights relay gets beside `[weights]`: the hub (whose CKPT holds every version) and its codec threads."""
+
+    hub: str
+    """The hub region: a base the relay does not hold is read from its CKPT, across the link."""
     threads: PositiveInt = 2
     """Codec threads for decoding and encoding."""
 

@@ -54,7 +54,7 @@ def test_each_section_is_the_actors_own_config_class() -> None:
 
 def test_launch_values_are_not_topology_keys() -> None:
     """What the launcher adds (pretrained path, state dir, regions, ...) is no key of the kind's own section."""
-    own = {"checkpointer": "checkpoint", "publisher": "weights", "trainer_rank": "trainer"}
+    own = {"checkpointer": "checkpoint", "publisher": "weights", "weights_relay": "weights", "trainer_rank": "trainer"}
     for kind, launch in LAUNCH_TYPES.items():
         section = SECTIONS[own.get(kind, kind)]
         assert not set(launch.__struct_fields__) & set(section.__struct_fields__), kind
