@@ -21,8 +21,8 @@ from rlbus.topology.regions import RegionSet
 
 pytestmark = pytest.mark.anyio
 HUB, LEAF = "hub", "eu"
-ROLES = ("feeder", "generator", "trainer", "trainer_rank", "publisher", "checkpointer", "sandbox", "evaluator",
-         "observer")
+ROLES = ("feeder", "generator", "trainer", "trainer_rank", "publisher", "weights_relay", "checkpointer", "sandbox",
+         "evaluator", "observer")
 
 
 def attacks(s: Subjects) -> dict[str, str]:
@@ -87,6 +87,10 @@ RIGHTS: dict[str, set[str]] = {
     "trainer_rank": {"obj.ckpt", "xd.obj.ckpt", "purge.ckpt"},     # its checkpoint shards, nothing else
     "publisher": {"weights", "kv.latest", "obj.weights", "xd.kv.latest", "xd.kv.latest.hub", "xd.obj.weights",
                   "xd.purge.weights", "xd.purge.latest", "next.publisher", "durable.create.publisher"},
+    # a leaf's weights relay: weight objects and LATEST (its region's, reached plainly or through a domain's API),
+    # no announcement and not the publisher's durable
+    "weights_relay": {"kv.latest", "obj.weights", "xd.kv.latest", "xd.kv.latest.hub", "xd.obj.weights",
+                      "xd.purge.weights", "xd.purge.latest"},
     "checkpointer": {"checkpoints", "obj.ckpt", "xd.obj.ckpt", "purge.ckpt", "create.checkpointer"},
     "sandbox": set(),
     "evaluator": {"evals", "sandbox"},
@@ -119,11 +123,14 @@ async def _connect(rs: RegionSet, region: str, role: str, errors: list[str]) -> 
 
 def test_the_table_covers_the_permission_rules() -> None:
     """A generator may publish none of weights, checkpoints, tasks, TRAINLOG; weights come from the trainer
-    side only; destructive stream management belongs to no role (the table under test says so)."""
+    side only (objects and LATEST also from a leaf's weights relay, announcements from the publisher alone);
+    destructive stream management belongs to no role (the table under test says so)."""
     generator = RIGHTS["generator"]
     assert not generator & {"weights", "checkpoints", "tasks", "trainlog", "kv.latest", "xd.kv.latest",
                             "obj.weights", "xd.obj.weights", "state.version"}
-    assert {r for r, rights in RIGHTS.items() if rights & {"weights", "obj.weights", "kv.latest"}} == {"publisher"}
+    assert {r for r, rights in RIGHTS.items() if rights & {"weights", "obj.weights", "kv.latest"}} == {
+        "publisher", "weights_relay"}
+    assert {r for r, rights in RIGHTS.items() if "weights" in rights} == {"publisher"}   # announcements
     destructive = {"stream.delete", "xd.stream.delete", "xd.stream.delete.leaf", "stream.purge", "xd.stream.purge",
                    "stream.update", "stream.create", "msg.delete", "snapshot", "account.purge", "server.remove",
                    "delete.trainer", "xd.delete.generator"}
