@@ -9,11 +9,15 @@ exactly once, and that every namespace and interface is gone after a stop and af
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -25,11 +29,17 @@ import nats.errors
 import nats.js.errors
 import pytest
 from helpers import eventually, eventually_sync, new_run
+from helpers.runs import FinishedRun
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from rlbus.actors.publisher import LINK_KEY
+from rlbus.messages import codec
+from rlbus.messages.schemas import Heartbeat, VersionReady, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
+from rlbus.topology.examples import example_path
 from rlbus.topology.links import LinkSet, LinkShape, clean_leftovers, leftovers, namespaces_unavailable
 from rlbus.topology.regions import RegionSet
 
@@ -188,33 +198,191 @@ name = "eu"
   bandwidth = "100mbit"
   latency = "5ms"
 """
+LINKED_RL = """run = "linkrl"
+[[regions]]
+name = "hub"
+role = "hub"
+  [[regions.actors]]
+  kind = "trainer"
+  [[regions.actors]]
+  kind = "publisher"
+  [[regions.actors]]
+  kind = "checkpointer"
+[[regions]]
+name = "eu"
+  [[regions.actors]]
+  kind = "feeder"
+  [[regions.actors]]
+  kind = "generator"
+  count = 2
+  [[regions.actors]]
+  kind = "sandbox"
+  [regions.link]
+  bandwidth = "100mbit"
+  latency = "5ms"
+"""
+"""The trainer side in the hub; the feeder, two generators and a sandbox in `eu` behind a shaped link (its tasks
+do not cross the link: towards eu it carries the weights and little else); the tiny run's settings with a learning
+rate that changes most weights each step and `LENGTH_REWARD` (a one-step delta of ~100 KB, not a few hundred
+bytes). `rlbus up` starts a weights relay in eu."""
+LENGTH_REWARD = """
+[trainer.length_penalty]
+budget = 1
+coef = 1.0
+power = 1.0
+"""
+"""A reward for short completions: the tiny policy passes no test, and without it every advantage is zero, so no
+step would change a weight."""
+RELAY_VERSIONS = 3
+"""The run is measured until both of eu's generators hold this version."""
+LINK_SLACK = 1.1
+BURST_BYTES = 8_000
+"""Bytes in one 10 ms sample interval above which the link is carrying a transfer (6.4 Mbit/s; its keepalives,
+acks and heartbeats move a few KB per second)."""
+"""Bytes towards eu per version, at most this many times the one object of that version that crossed the link."""
 
 
-def test_rlbus_up_runs_a_linked_region_in_its_namespace_and_the_next_run_cleans_after_a_sigkill(
-        tmp_path: Path) -> None:
-    """`rlbus up` puts eu's server and its actor in eu's namespace; SIGKILLed, it leaves them and the links; the
-    next `rlbus up` on the same state directory stops what was left, makes the links afresh, runs and removes
-    everything when it stops."""
-    topology, state = tmp_path / "demo.toml", tmp_path / "state"
-    topology.write_text(DEMO)
-    cmd = [sys.executable, "-m", "rlbus.ops.cli", "up", str(topology), "--state-dir", str(state)]
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _linked_rl_topology(path: Path) -> Path:
+    tiny = example_path("tiny").read_text()
+    settings = tiny[tiny.index("[feeder]"):].replace("[trainer]\n", "[trainer]\nlr = 0.001\n", 1)
+    path.write_text(LINKED_RL + "\n" + settings + LENGTH_REWARD)
+    return path
+
+
+class _TxSampler:
+    """The bytes a veth has sent (`tx_bytes`: towards the leaf, from its root end) every `SAMPLE_S`, on a thread."""
+
+    SAMPLE_S = 0.01
+
+    def __init__(self, interface: str) -> None:
+        self.path = Path("/sys/class/net") / interface / "statistics" / "tx_bytes"
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="link-tx-sampler", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), int(self.path.read_text())))
+            self._stop.wait(self.SAMPLE_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def transfer(self, t0: float, t1: float) -> int:
+        """Bytes sent from shortly before the first burst after `t0` (a sample interval that moved more than
+        `BURST_BYTES`: a transfer, not the link's keepalives and acks; two intervals earlier, so its first packets
+        count) to the first sample after `t1`; from `t0` when nothing burst."""
+        rows = self.samples
+        burst = next((i for i in range(1, len(rows)) if rows[i][0] > t0 and rows[i][1] - rows[i - 1][1] > BURST_BYTES),
+                     None)
+        start = max(burst - 3, 0) if burst is not None else max((i for i, (at, _) in enumerate(rows) if at < t0),
+                                                                default=0)
+        return next(n for at, n in rows if at > t1) - rows[start][1]
+
+
+async def _watch_run(state: Path, run: str, ready: dict[int, float], links: list[tuple[float, WeightManifest]],
+                     beats: dict[str, Heartbeat]) -> None:
+    """When each VersionReady is published at the hub; through eu's console (its server's unshaped address, not
+    the link) every update of eu's LATEST `link` key after the first read (time seen, manifest) and the last
+    heartbeat of each actor in eu; until both of eu's generators have applied `RELAY_VERSIONS` to their live
+    model (their logs' `weights_applied`) and the relay's heartbeat counts every version it relayed."""
+    doc = json.loads((state / "run.json").read_text())
+    cred = json.loads(Path(doc["credentials"]["eu"]).read_text())["admin"]
+    s = Subjects(run)
+    hub = await nats.connect(doc["urls"]["hub"], user=cred["user"], password=cred["password"], error_cb=_quiet)
+    eu = await nats.connect(doc["urls"]["eu"], user=cred["user"], password=cred["password"], error_cb=_quiet)
     try:
-        assert first.stdout is not None
-        assert any(line.startswith("rlbus up: shaped links to hub: eu=100mbit/5ms") for line in first.stdout)
+        async def version_ready(msg: Msg) -> None:
+            ready.setdefault(codec.decode_as(msg.data, msg.headers, VersionReady).version, time.monotonic())
+
+        async def beat(msg: Msg) -> None:
+            hb = codec.decode_as(msg.data, msg.headers, Heartbeat)
+            if hb.region == "eu":
+                beats[hb.actor_id] = hb
+
+        await hub.subscribe(s.version_ready(), cb=version_ready)
+        await eu.subscribe(s.all_health(), cb=beat)
+        await hub.flush()
+        watcher = await eu.jetstream(domain="eu").key_value(s.latest_bucket("eu"))
+        updates = await watcher.watch(LINK_KEY)
+        try:
+            first = True
+            with anyio.fail_after(240):                              # hang guard
+                async for entry in updates:
+                    if entry is not None and entry.value and not first:
+                        links.append((time.monotonic(), codec.decode_as(entry.value, None, WeightManifest)))
+                    first = False
+                    if links and links[-1][1].version >= RELAY_VERSIONS:
+                        break
+                relay = "eu-weights_relay-0"
+                while (min(map(max, _applied(state).values()), default=-1) < RELAY_VERSIONS or relay not in beats
+                       or beats[relay].counters.get("versions_relayed", 0) < len(links)):
+                    await anyio.sleep(0.1)
+        finally:
+            await updates.stop()
+    finally:
+        await eu.close()
+        await hub.close()
+
+
+def _applied(state: Path) -> dict[str, list[int]]:
+    """eu generator -> the versions it brought its live model to, in order (its log's `weights_applied`)."""
+    out: dict[str, list[int]] = {}
+    for i in range(2):
+        path = state / "logs" / f"eu-generator-{i}.log"
+        lines = path.read_text().splitlines() if path.exists() else []
+        out[path.stem] = [int(e["version"]) for e in map(_json_or_none, lines)
+                          if e is not None and e.get("event") == "weights_applied"]
+    return out
+
+
+def _json_or_none(line: str) -> dict[str, object] | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def test_rlbus_up_relays_each_version_once_to_a_linked_region_in_its_namespace_and_cleans_after_a_sigkill(
+        tmp_path: Path, finished_run: FinishedRun) -> None:
+    """`rlbus up` puts eu's server and its actors, a weights relay among them, in eu's namespace: from the
+    transfer that follows a version's VersionReady to its `link` key in eu, the link towards eu carries at
+    most 1.1x the one object of that version that crossed it (the delta from the version eu held; counted on
+    the veth); both of eu's generators come to hold the newest version from what the relay made there.
+    SIGKILLed, the run leaves its processes and the links; the next `rlbus up` on the same state directory
+    (the bus demo) stops what was left, makes the links afresh, runs and removes everything when it stops.
+    """
+    topology, state = _linked_rl_topology(tmp_path / "linked.toml"), tmp_path / "state"
+    shutil.copytree(finished_run.state / "pretrained", state / "pretrained")     # no pretraining here
+    demo = tmp_path / "demo.toml"
+    demo.write_text(DEMO)
+    cmd = [sys.executable, "-m", "rlbus.ops.cli", "up", str(topology), "--state-dir", str(state)]
+    ready: dict[int, float] = {}
+    links: list[tuple[float, WeightManifest]] = []
+    beats: dict[str, Heartbeat] = {}
+    with (tmp_path / "out").open("w") as out_file:
+        first = subprocess.Popen(cmd, stdout=out_file, stderr=subprocess.STDOUT, text=True)
+    try:
+        eventually_sync(lambda: (tmp_path / "out").read_text(), lambda out: "rlbus up: bus ready" in out,
+                        what="the run's servers and streams", timeout_s=60)     # provisioned before actors start
+        [veth] = [i for i in leftovers(state / "nats")[0] if i.endswith("h")]     # the link's root end
         _, [netns] = leftovers(state / "nats")
-
-        def in_netns() -> set[str]:
-            pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
-            return {Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-                    .rsplit("/", 1)[-1] for pid in pids if Path(f"/proc/{pid}").exists()}
-
-        eventually_sync(in_netns, lambda names: {"nats-server"} < names, what="eu's server and actor in its netns",
-                        timeout_s=30)
+        sampler = _TxSampler(veth)
+        try:
+            anyio.run(_watch_run, state, "linkrl", ready, links, beats)
+        finally:
+            sampler.stop()
+        pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+        in_netns = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    for pid in pids if Path(f"/proc/{pid}").exists()]
         first.send_signal(signal.SIGKILL)
         first.wait()
         assert leftovers(state / "nats")[1] == [netns]
-        second = subprocess.run([*cmd, "--for", "2"], capture_output=True, text=True, timeout=120)
+        second = subprocess.run([sys.executable, "-m", "rlbus.ops.cli", "up", str(demo), "--state-dir", str(state),
+                                 "--for", "2"], capture_output=True, text=True, timeout=120)
         assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
         assert "that a killed `rlbus up`" in second.stderr and "shaped links to hub" in second.stdout
         assert leftovers(state / "nats") == ([], [])
@@ -226,6 +394,25 @@ def test_rlbus_up_runs_a_linked_region_in_its_namespace_and_the_next_run_cleans_
 
         stop_leftovers(state)
         clean_leftovers(state / "nats")
+    assert "rlbus up: shaped links to hub: eu=100mbit/5ms" in (tmp_path / "out").read_text()
+    assert any("nats-server" in c for c in in_netns) and sum("--kind generator" in c for c in in_netns) == 2
+    assert any("--kind weights_relay" in c for c in in_netns), in_netns
+    rows = []
+    for (t_before, before), (t_link, link) in itertools.pairwise(links):
+        if link.version in ready:                 # its VersionReady published while this test listened
+            carried = sampler.transfer(max(ready[link.version], t_before), t_link)
+            rows.append((link.version, before.version, link.objects[0], link.sizes[0], carried))
+    print("version, eu's version before it, its link object, the object's bytes, bytes towards eu:", rows)
+    assert [v for v, *_ in rows] == list(range(rows[0][0], RELAY_VERSIONS + 1)) and len(rows) >= 2, rows
+    for version, before, name, size, carried in rows:
+        assert name == f"v{version}.from{before}", rows          # the delta from what eu holds, nothing else
+        assert 0.9 * size <= carried <= LINK_SLACK * size, rows  # it crossed then (the leaf link compresses, s2)
+    applied = _applied(state)
+    print("versions applied by eu's generators:", applied)
+    assert all(versions and max(versions) >= RELAY_VERSIONS for versions in applied.values()), applied
+    relay = beats["eu-weights_relay-0"]                      # a row of `rlbus health`, like every actor's
+    assert relay.actor_kind == "weights_relay" and relay.state in ("ready", "busy"), relay
+    assert relay.counters.get("versions_relayed", 0) >= len(links) and not relay.counters.get("links_refused"), relay
 
 
 async def _msg_ids(js: JetStreamContext, stream: str) -> Counter[str]:
