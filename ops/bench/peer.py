@@ -218,9 +218,9 @@ def _score_all(base: Path, tasks: list[Any], arms: dict[str, ArmRun], max_tokens
             if arm == "rlbus":          # a version's weights are the same wherever it is taken
                 version = result.extra["versions"][i]
                 state = decode_full(path.read_bytes())[0] if ("version", version) not in seen else {}
-                points.append({"t_s": round(t, 1), "version": version, **score(state, ("version", version), what)})
+                points.append({"t_s": round(t, 3), "version": version, **score(state, ("version", version), what)})
             else:
-                points.append({"t_s": round(t, 1), **score(torch.load(path, weights_only=True), (arm, i), what)})
+                points.append({"t_s": round(t, 3), **score(torch.load(path, weights_only=True), (arm, i), what)})
         curves[arm] = points
     return curves
 
@@ -232,7 +232,7 @@ def summarize(curves: dict[str, list[dict[str, Any]]], arms: dict[str, ArmRun]) 
     reached = next((p for p in curves["rlbus"][1:] if p["pass_at_1"] >= trl["pass_at_1"]), None)
     trl_wall, rl_wall = arms["trl"].wall_s, arms["rlbus"].wall_s
     time_to = None if reached is None else reached["t_s"]
-    per_arm = {name: {"wall_s": round(a.wall_s, 1), "optimizer_steps": a.steps, "rollouts_trained": a.rollouts_trained,
+    per_arm = {name: {"wall_s": round(a.wall_s, 3), "optimizer_steps": a.steps, "rollouts_trained": a.rollouts_trained,
                       "rollouts_per_s": a.rollouts_trained / a.wall_s, "rollouts_generated": a.rollouts_generated,
                       "generated_rollouts_per_s": a.rollouts_generated / a.wall_s,
                       "gen_tokens_per_s": a.completion_tokens / a.wall_s, **a.extra, "curve": curves[name]}
