@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
@@ -52,6 +53,9 @@ _NO_MESSAGE: Final = 10037
 """JetStream's error code for "no message found" (a stream that does not exist is 10059)."""
 STALL_S: Final = 30.0
 """A download with no total limit fails once no chunk has arrived for this long."""
+PULL_S: Final = 5.0
+"""How long one pull request of a download waits before another is sent for the chunks still missing: a request
+the server dropped or answered for an earlier one costs this, not the whole download's limit."""
 
 
 def digest(data: bytes | memoryview) -> str:
@@ -193,15 +197,23 @@ async def stream_object(js: JetStreamContext, bucket: str, name: str, sink: Call
             stream=OBJ_STREAM_TEMPLATE.format(bucket=bucket),
             config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
                                   inactive_threshold=10.0))
-        wait_s = timeout_s if timeout_s is not None else STALL_S
+        stall_s = timeout_s if timeout_s is not None else STALL_S
         chunks, seen = int(info.chunks or 0), 0
+        last_chunk = time.monotonic()
         try:
             with anyio.fail_after(timeout_s):
                 while got < size:
                     # Never ask for more chunks than remain: a pull request the server holds open for a batch
-                    # it cannot fill returns only when its expiry passes (the whole `wait_s`).
+                    # it cannot fill returns only when its expiry passes.
                     want = max(1, min(batch, chunks - seen)) if chunks else batch
-                    for msg in await psub.fetch(want, timeout=wait_s):
+                    try:
+                        msgs = await psub.fetch(want, timeout=min(PULL_S, stall_s))
+                    except TimeoutError:
+                        if time.monotonic() - last_chunk >= stall_s:
+                            raise
+                        continue                  # pull again: chunks already sent stay queued, in order
+                    last_chunk = time.monotonic()
+                    for msg in msgs:
                         seen += 1
                         sha.update(msg.data)
                         got += len(msg.data)

@@ -269,14 +269,15 @@ class _TxSampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self.samples.append((time.monotonic(), int(self.path.read_text())))
 
     def transfer(self, t0: float, t1: float) -> int:
         """Bytes sent from shortly before the first burst after `t0` (a sample interval that moved more than
         `BURST_BYTES`: a transfer, not the link's keepalives and acks; two intervals earlier, so its first packets
         count) to the first sample after `t1`; from `t0` when nothing burst."""
         rows = self.samples
-        burst = next((i for i in range(1, len(rows)) if rows[i][0] > t0 and rows[i][1] - rows[i - 1][1] > BURST_BYTES),
-                     None)
+        burst = next((i for i in range(1, len(rows))
+                      if t0 < rows[i][0] <= t1 and rows[i][1] - rows[i - 1][1] > BURST_BYTES), None)
         start = max(burst - 3, 0) if burst is not None else max((i for i, (at, _) in enumerate(rows) if at < t0),
                                                                 default=0)
         return next(n for at, n in rows if at > t1) - rows[start][1]

@@ -15,8 +15,8 @@ from rlbus.ops.chaos.plan import ChaosSettings, plan_faults
 
 pytestmark = pytest.mark.chaos
 
-MINUTES = 1.25
-KILLS = 6
+MINUTES = 0.8
+KILLS = 5
 KINDS = ["checkpointer", "evaluator", "feeder", "generator", "publisher", "sandbox", "trainer"]
 SETTINGS = {"kills": KILLS, "server_kills": 1, "partitions": 1, "pauses": 2, "outage_s": 8.0, "pause_s": 3.0}
 
@@ -36,7 +36,7 @@ def _seed() -> int:
 @pytest.mark.timeout(600)
 def test_short_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_path: Path,
                                                                 processes_mentioning: Callable[[str], list[int]]) -> None:
-    """`rlbus chaos --json` for 75 s of faults (5 actor kills, a leaf server down 8 s, a partition of 8 s, two
+    """`rlbus chaos --json` for 48 s of faults (4 actor kills, a leaf server down 8 s, a partition of 8 s, two
     pauses): exit 0, lost 0, trained twice 0, every kill done, training happened, no process left."""
     state = tmp_path / "state"
     args = ["--minutes", str(MINUTES), "--kills", str(KILLS), "--server-kills", "1", "--partitions", "1",

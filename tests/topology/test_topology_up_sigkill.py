@@ -22,7 +22,7 @@ from rlbus.topology.examples import example_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
-STEPS = 8
+STEPS = 5
 KILL_AT_STEP = 2
 
 
@@ -71,7 +71,7 @@ def _executors(sandbox_pid: int) -> list[int]:
 @pytest.mark.parametrize("victim", ["publisher", "sandbox-executor"])
 def test_rlbus_up_sigkill_mid_run_loses_nothing(tmp_path: Path, victim: str,
                                                  processes_mentioning: Callable[[str], list[int]]) -> None:
-    """SIGKILL the victim once the trainer has made 2 steps: the job still reaches step 8, exits 0, and the ledger
+    """SIGKILL the victim once the trainer has made 2 steps: the job still reaches step 5, exits 0, and the ledger
     is clean; a killed publisher is restarted by the supervisor (a new pid), a killed executor is replaced
     by its supervisor, which itself lives on (same pid)."""
     state = tmp_path / "state"
