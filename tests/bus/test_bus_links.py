@@ -31,7 +31,6 @@ import pytest
 from helpers import eventually, eventually_sync, new_run
 from helpers.runs import FinishedRun
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from rlbus.actors.publisher import LINK_KEY
@@ -294,36 +293,45 @@ async def _watch_run(state: Path, run: str, ready: dict[int, float], links: list
     s = Subjects(run)
     hub = await nats.connect(doc["urls"]["hub"], user=cred["user"], password=cred["password"], error_cb=_quiet)
     eu = await nats.connect(doc["urls"]["eu"], user=cred["user"], password=cred["password"], error_cb=_quiet)
-    try:
-        async def version_ready(msg: Msg) -> None:
+    ready_sub = await hub.subscribe(s.version_ready())
+    beat_sub = await eu.subscribe(s.all_health())
+    await hub.flush()
+
+    async def take_ready() -> None:
+        async for msg in ready_sub.messages:
             ready.setdefault(codec.decode_as(msg.data, msg.headers, VersionReady).version, time.monotonic())
 
-        async def beat(msg: Msg) -> None:
+    async def take_beats() -> None:
+        async for msg in beat_sub.messages:
             hb = codec.decode_as(msg.data, msg.headers, Heartbeat)
             if hb.region == "eu":
                 beats[hb.actor_id] = hb
 
-        await hub.subscribe(s.version_ready(), cb=version_ready)
-        await eu.subscribe(s.all_health(), cb=beat)
-        await hub.flush()
-        watcher = await eu.jetstream(domain="eu").key_value(s.latest_bucket("eu"))
-        updates = await watcher.watch(LINK_KEY)
-        try:
-            first = True
-            with anyio.fail_after(240):                              # hang guard
-                async for entry in updates:
-                    if entry is not None and entry.value and not first:
-                        links.append((time.monotonic(), codec.decode_as(entry.value, None, WeightManifest)))
-                    first = False
-                    if links and links[-1][1].version >= RELAY_VERSIONS:
-                        break
-                relay = "eu-weights_relay-0"
-                while (min(map(max, _applied(state).values()), default=-1) < RELAY_VERSIONS or relay not in beats
-                       or beats[relay].counters.get("versions_relayed", 0) < len(links)):
-                    await anyio.sleep(0.1)
-        finally:
-            await updates.stop()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(take_ready)
+            tg.start_soon(take_beats)
+            watcher = await eu.jetstream(domain="eu").key_value(s.latest_bucket("eu"))
+            updates = await watcher.watch(LINK_KEY)
+            try:
+                first = True
+                with anyio.fail_after(240):                              # hang guard
+                    async for entry in updates:
+                        if entry is not None and entry.value and not first:
+                            links.append((time.monotonic(), codec.decode_as(entry.value, None, WeightManifest)))
+                        first = False
+                        if links and links[-1][1].version >= RELAY_VERSIONS:
+                            break
+                    relay = "eu-weights_relay-0"
+                    while (min(map(max, _applied(state).values()), default=-1) < RELAY_VERSIONS
+                           or relay not in beats or beats[relay].counters.get("versions_relayed", 0) < len(links)):
+                        await anyio.sleep(0.1)
+            finally:
+                await updates.stop()
+            tg.cancel_scope.cancel()
     finally:
+        await ready_sub.unsubscribe()
+        await beat_sub.unsubscribe()
         await eu.close()
         await hub.close()
 
