@@ -18,6 +18,19 @@ FINISHED_STEPS: Final = 4
 PRETRAIN_STEPS: Final = 6
 """Pretraining steps of the tiny policy of the shared finished run (tiny.toml has 30; the policy only has to
 produce programs to grade)."""
+MOVING_TRAINER: Final = """staleness_versions = 2
+lr = 0.001
+lr_decay_steps = 3
+lr_final_ratio = 0.5
+
+[trainer.length_penalty]
+budget = 64
+coef = 0.5
+power = 1.0
+"""
+"""Trainer settings under which every step moves the bf16 weights and the learning rate falls every step (so a
+replay must follow the schedule): the barely pretrained policy never passes a test (every reward 0, so zero
+advantages and no update), but its completions differ in length, so shaped rewards differ within a group."""
 EVALUATOR: Final = '''
 [[regions.actors]]
 kind = "evaluator"
@@ -30,12 +43,15 @@ def new_run() -> str:
 
 
 def tiny_topology(path: Path, *, evaluator: bool) -> Path:
-    """tiny.toml with `PRETRAIN_STEPS` of pretraining and 4 held-out tasks, written to `path`; `evaluator`: an
+    """tiny.toml with `PRETRAIN_STEPS` of pretraining, 4 held-out tasks and `MOVING_TRAINER`, written to `path`;
+    `evaluator`: an
     evaluator in the hub too. With or without it the pretraining settings are the same (one cached base)."""
     text = example_path("tiny").read_text()
     if evaluator:
         text = text.replace('kind = "checkpointer"\n', 'kind = "checkpointer"\n' + EVALUATOR, 1)
     text = text.replace("steps = 30", f"steps = {PRETRAIN_STEPS}").replace("eval_n = 8", "eval_n = 4")
+    text = text.replace("staleness_versions = 2\n", MOVING_TRAINER, 1)
+    assert "coef = 0.5" in text, "tiny.toml's [trainer] no longer sets staleness_versions = 2"
     path.write_text(text)
     return path
 

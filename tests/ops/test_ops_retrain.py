@@ -2,31 +2,28 @@
 
 Pure tests write recordings from a trainer core stepped the way the live trainer steps it (drop-only
 records, a restart from an older checkpoint that abandons a step; a fresh built-in model or a tiny Hugging Face
-directory) and check the walk and that a tampered reward is caught at the right version; the slow test records a live `rlbus up` on the tiny topology with
-`rlbus record` while it runs and replays it."""
+directory) and check the walk and that a tampered reward is caught at the right version; the slow test
+replays the shared finished `rlbus up` on the tiny topology, recorded with `--record` while it ran."""
 
 from __future__ import annotations
 
-import argparse
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import anyio
 import msgspec
 import numpy as np
 import pytest
 from helpers.hf import build_family
 from helpers.ops import json_in, run_cli
+from helpers.runs import FinishedRun
 
 from rlbus.actors.trainer.actor import SETTINGS_KEY, THREADS_KEY, TrainerConfig, build_trainer_core, objective
 from rlbus.actors.trainer.config import TrainerLaunch, settings_record
 from rlbus.actors.trainer.core import TrainerCore
 from rlbus.messages import codec
-from rlbus.messages.history import stream_count
 from rlbus.messages.schemas import (
     DroppedRollout,
     Event,
@@ -46,7 +43,6 @@ from rlbus.ops.recording.retrain import (
     restore_points,
     retrain,
 )
-from rlbus.ops.target import resolve
 from rlbus.topology.examples import example_path
 
 CONFIG = TrainerConfig(lr=1e-3, batch_rollouts=4, seed=3)
@@ -227,42 +223,15 @@ def test_missing_rollout_settings_or_pretrained_is_exit_2(tmp_path: Path,
     assert "pretrained checkpoint" in capsys.readouterr().err
 
 
-# ---- the live run -------------------------------------------------------------------------------------
-def _topology(tmp_path: Path) -> Path:
-    """tiny.toml with 6 pretraining steps, a learning rate that moves the bf16 weights every step and falls
-    every step (so replay must follow the schedule), and a length penalty: the barely pretrained policy never
-    passes a test (every reward 0, so zero advantages and no update), but its completions differ in length,
-    so shaped rewards differ within a group."""
-    text = example_path("tiny").read_text()
-    text = text.replace("steps = 30", "steps = 6").replace("eval_n = 8", "eval_n = 4")
-    text = text.replace("staleness_versions = 2\n", "staleness_versions = 2\nlr = 0.001\nlr_decay_steps = 3\n"
-                        "lr_final_ratio = 0.5\n\n[trainer.length_penalty]\n"
-                        "budget = 64\ncoef = 0.5\npower = 1.0\n", 1)
-    assert "coef = 0.5" in text
-    path = tmp_path / "tiny_replay.toml"
-    path.write_text(text)
-    return path
-
-
+# ---- a recorded run ----------------------------------------------------------------------------
 @pytest.mark.slow
-def test_live_recording_reproduces_every_weight_manifest(tmp_path: Path) -> None:
-    """`rlbus up` on tiny, recorded with `rlbus record` while it runs (≥ 4 manifests), replays digest for digest."""
-    state = tmp_path / "state"
-    up = subprocess.Popen([sys.executable, "-m", "rlbus.ops.cli", "up", str(_topology(tmp_path)), "--state-dir",
-                           str(state), "--for", "240"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    path = tmp_path / "live.rlrec"
-    try:
-        anyio.run(_wait_for_manifests, state, up, 4, backend="asyncio")   # v0 … v3 published
-        assert run_cli(["record", "--state-dir", str(state), "-o", str(path), "-q"]) == 0
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
-    replay = subprocess.run([sys.executable, "-m", "rlbus.ops.cli", "replay", str(path), "train", "--json"],
-                            capture_output=True, text=True, timeout=120, check=False)
+def test_a_run_recorded_while_it_ran_reproduces_every_weight_manifest(finished_run: FinishedRun) -> None:
+    """The shared finished `rlbus up` (recorded with `--record` as it ran; every step moves the bf16 weights
+    under a falling learning rate) replays digest for digest from the settings it recorded."""
+    assert finished_run.proc.returncode == 0, finished_run.proc.stdout[-3000:] + finished_run.proc.stderr[-3000:]
+    replay = subprocess.run([sys.executable, "-m", "rlbus.ops.cli", "replay", str(finished_run.recording), "train",
+                             "--json"], capture_output=True, text=True, timeout=120, check=False,
+                            cwd=finished_run.base)
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     out = json_in(replay.stdout)
     assert out["versions"] >= 4 and out["matched"] == out["versions"] and out["mismatched"] == 0
@@ -270,17 +239,3 @@ def test_live_recording_reproduces_every_weight_manifest(tmp_path: Path) -> None
     digests = [r["recorded"] for r in out["results"]]
     assert len(set(digests)) == len(digests)          # every step moved the bf16 weights: no version repeats one
     assert out["settings"] == "recorded started event of hub-trainer-0"
-
-
-async def _wait_for_manifests(state: Path, up: subprocess.Popen[bytes], n: int) -> None:
-    """Until the run in `state` has stored `n` WeightManifests (asked as the observer, like `rlbus record`)."""
-    with anyio.fail_after(200):
-        while not (state / "run.json").exists():
-            assert up.poll() is None, "rlbus up ended before starting its servers"
-            await anyio.sleep(0.5)
-        target = resolve(argparse.Namespace(run=None, run_opt=None, state_dir=state, url=None, hub=None, user=None,
-                                            password=None, credentials=None, role="observer"))
-        async with await target.connect(name="test-retrain", retry_for_s=30) as bus:
-            while (count := await stream_count(bus.js, bus.subjects.weights_stream())) is None or count.messages < n:
-                assert up.poll() is None, "rlbus up ended before publishing enough versions"
-                await anyio.sleep(0.5)
