@@ -153,6 +153,8 @@ class Publisher(Actor):
         self._announced: int | None = None
         self._files: dict[str, bytes] = {}
         """Policy files (a Hugging Face config and tokenizer) by object name, as downloaded from CKPT once."""
+        self._file_locks: dict[str, anyio.Lock] = {}
+        """One download of each policy file: the region writers that need it at once wait for the first."""
         self._progress = anyio.Condition()
         self.last: EncodedVersion | None = None
         self.trace: dict[int, dict[str, float]] = {}
@@ -565,15 +567,17 @@ class Publisher(Actor):
         return [Subjects.policy_file_object(sha) for sha in sorted(set(files.values()))]
 
     async def _policy_file(self, name: str) -> bytes:
-        """A policy file from the hub's CKPT (the trainer put it there before its first VersionReady), kept.
+        """A policy file from the hub's CKPT (the trainer put it there before its first VersionReady), kept;
+        downloaded once however many region writers ask for it at the same time.
 
         :raises BadMessage: it is not there (retried by the region writer).
         """
-        if name not in self._files:
-            data = await self._download(name, None)
-            if data is None:
-                raise BadMessage(f"policy file {name} is not in CKPT; the trainer uploads it before version 0")
-            self._files[name] = data
+        async with self._file_locks.setdefault(name, anyio.Lock()):
+            if name not in self._files:
+                data = await self._download(name, None)
+                if data is None:
+                    raise BadMessage(f"policy file {name} is not in CKPT; the trainer uploads it before version 0")
+                self._files[name] = data
         return self._files[name]
 
     async def _prune(self, region: _Region, store: ObjectStore, manifest: WeightManifest) -> None:

@@ -211,6 +211,8 @@ async def stream_object(js: JetStreamContext, bucket: str, name: str, sink: Call
                     except TimeoutError:
                         if time.monotonic() - last_chunk >= stall_s:
                             raise
+                        log.info("object_pull_again", bucket=bucket, object=name, chunks_seen=seen, chunks=chunks,
+                                 stalled_s=round(time.monotonic() - last_chunk, 1))
                         continue                  # pull again: chunks already sent stay queued, in order
                     last_chunk = time.monotonic()
                     for msg in msgs:
