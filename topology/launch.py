@@ -247,8 +247,11 @@ def actor_specs(topology: Topology, endpoints: Endpoints, *, heartbeat_s: float 
 
 
 def stream_settings(topology: Topology) -> StreamSettings:
-    """Stream settings from the topology's durability and retention sections."""
+    """Stream settings from the topology's durability and retention sections (`redeliver_after`: both ack waits)."""
+    redeliver_after_s = parse_duration(topology.durability.redeliver_after)
     return StreamSettings(
+        ack_wait_s=redeliver_after_s,
+        trainer_ack_wait_s=redeliver_after_s,
         rollout_max_age_s=parse_duration(topology.retention.rollouts_max_age),
         health_max_age_s=parse_duration(topology.retention.health_max_age),
         events_max_age_s=parse_duration(topology.retention.events_max_age),

@@ -21,7 +21,7 @@ from rlbus.actors.common.config import feeder_tasks_problem
 from rlbus.topology.links import parse_percent, parse_time
 from rlbus.topology.problem import Problem, Severity
 from rlbus.topology.regions import CLUSTER_NODES
-from rlbus.topology.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology
+from rlbus.topology.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology, parse_duration
 
 BUILTIN_CONTEXT: Final = 512
 """The built-in policy's context when `[pretrain] max_seq_len` is not set (model/pretrain.py presets)."""
@@ -300,6 +300,9 @@ def _servers(topology: Topology) -> Iterator[Found]:
             yield _p(f"regions[{i}].nats_urls", f"durability.replicas = {topology.durability.replicas} but only "
                      f"{len(region.nats_urls)} server URL(s) given; the cluster must have at least that many servers",
                      "warning", also=("durability",))
+    if parse_duration(topology.durability.redeliver_after) < 1.0:
+        yield _p("durability.redeliver_after", f"expected a duration of at least 1s, found "
+                 f"{topology.durability.redeliver_after!r}: holders renew their ack wait every few seconds at most")
     replicas = topology.durability.replicas
     if replicas not in (1, CLUSTER_NODES) and any(r.embedded for r in regions):
         yield _p("durability.replicas", f"expected 1 (one server per region) or {CLUSTER_NODES} (each region a "

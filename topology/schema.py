@@ -228,6 +228,11 @@ class DurabilitySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     """Replicas of every stream and bucket. Embedded servers: 1 (one server per region) or 3 (each region a
     3-node JetStream cluster started by rlbus up; with sync_interval 'always' no acknowledged write is lost
     while 2 of 3 nodes live); not with [regions.link]. With nats_urls: at most the servers of that cluster."""
+    redeliver_after: Duration = "60s"
+    """How long JetStream waits for an ack before it hands a task or a rollout to another consumer (the ack wait
+    of the generators' task consumers and of the trainer's rollout consumer): what a killed generator or trainer
+    held comes back after this. Live holders renew it (a third to a quarter of it), so it bounds recovery, not
+    the length of a task. At least 1s."""
 
 
 class RetentionSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

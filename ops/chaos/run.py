@@ -60,17 +60,24 @@ _CUT_MODES: Final = {"partition": "close", "link_drop": "drop", "link_down": "do
 _CUT_WORDS: Final = {"close": "relay connections closed", "drop": "every packet dropped", "down": "link down"}
 
 
+CHAOS_REDELIVER_AFTER: Final = "20s"
+"""`[durability] redeliver_after` of the default chaos topology: longer than a leaf server's outage plus a
+holder's renewal interval (8 s + 20/3 s by default), so a live holder keeps its work; short enough that the
+quiet period after the last kill is not a minute of waiting."""
+
+
 def chaos_topology() -> Topology:
     """The default of `rlbus chaos`: `three_regions` (hub + eu + us, every actor kind) with `tiny`'s small
     batches and limits (staleness bound 4 versions), a 10-step tiny pretraining, rare evaluations, and room for
-    10 restarts a minute."""
+    10 restarts a minute; what a killed actor held comes back after `CHAOS_REDELIVER_AFTER`."""
     three, tiny = load(example_path("three_regions")), load(example_path("tiny"))
     replace = msgspec.structs.replace
     return replace(
         three, run="chaos", feeder=replace(three.feeder, backlog_per_region=8), generator=tiny.generator,
         trainer=replace(tiny.trainer, staleness_versions=4), checkpoint=tiny.checkpoint, sandbox=tiny.sandbox, weights=tiny.weights,
         evaluator=replace(tiny.evaluator, every_versions=20), pretrain=replace(tiny.pretrain, steps=10, eval_n=4),
-        restart=RestartSettings(max_restarts=10, window_s=60.0, backoff_initial_s=0.2, backoff_max_s=2.0))
+        restart=RestartSettings(max_restarts=10, window_s=60.0, backoff_initial_s=0.2, backoff_max_s=2.0),
+        durability=replace(three.durability, redeliver_after=CHAOS_REDELIVER_AFTER))
 
 
 def prepare_state_dir(state: Path) -> None:

@@ -127,3 +127,24 @@ def test_reference_names_every_key_of_every_table() -> None:
             assert docs[field.name] in text
     assert "| `role` | one of 'hub', 'leaf' | `\"leaf\"` |" in text
     assert "| `run` | a name of letters, digits, '_' or '-'" in text
+
+
+def test_redeliver_after_is_both_ack_waits_of_the_run() -> None:
+    """`[durability] redeliver_after` sets the generators' and the trainer's ack wait (default 60s), and the
+    consumers' configs carry it; `rlbus chaos` shortens it so its quiet period does not wait a minute."""
+    from rlbus.messages.streams import generator_consumer, trainer_consumer
+    from rlbus.messages.subjects import Subjects
+    from rlbus.ops.chaos.run import chaos_topology
+    from rlbus.topology.launch import stream_settings
+
+    topology, problems = validate_text(MINIMAL)
+    assert topology is not None and not [p for p in problems if p.severity == "error"], problems
+    default = stream_settings(topology)
+    assert default.ack_wait_s == default.trainer_ack_wait_s == 60.0
+    topology, problems = validate_text(MINIMAL + '[durability]\nredeliver_after = "15s"\n')
+    assert topology is not None and not [p for p in problems if p.severity == "error"], problems
+    short = stream_settings(topology)
+    assert short.ack_wait_s == short.trainer_ack_wait_s == 15.0
+    s = Subjects("m")
+    assert generator_consumer(s, "hub", short).ack_wait == trainer_consumer(s, short).ack_wait == 15.0
+    assert stream_settings(chaos_topology()).trainer_ack_wait_s == 20.0

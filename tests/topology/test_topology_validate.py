@@ -52,6 +52,7 @@ CASES: dict[str, tuple[str, str]] = {
     "bad_sync_interval.toml": ("durability.sync_interval", "found the string 'sometimes'"),
     "bad_retention_age.toml": ("retention.rollouts_max_age", "a duration: a positive whole number"),
     "replicas_zero.toml": ("durability.replicas", "expected an integer >= 1, found the integer 0"),
+    "redeliver_too_soon.toml": ("durability.redeliver_after", "expected a duration of at least 1s, found '500ms'"),
     "replicas_embedded.toml": ("durability.replicas", "expected 1 (one server per region) or 3 (each region a 3-node"),
     "bad_backend.toml": ("launch.backend", "expected one of 'local', 'ray', found the string 'k8s'"),
     "inline_password.toml": ("regions[0].nats_urls[0]", "credentials inline in the URL"),
