@@ -173,8 +173,16 @@ def join(spec: RankSpec, device: torch.device) -> None:
                         f"({_line(err)}); restart the group") from None
 
 
+_BROKEN: list[bool] = [False]
+"""Set once a collective of this process's group failed (`RankError` from `_group`)."""
+
+
 def leave() -> None:
-    """Destroy this process's trainer group (nothing when there is none); never raises."""
+    """Destroy this process's trainer group (nothing when there is none); never raises. A group broken by a
+    failed collective is left as it is: gloo's teardown of a timed-out collective can abort the process
+    (std::terminate) before it reports the error; such a process ends, and is restarted, with its group."""
+    if _BROKEN[0]:
+        return
     with contextlib.suppress(Exception):
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -498,6 +506,7 @@ class ShardedCore:
         except (RuntimeError, dist.DistError) as err:
             if not _collective_failure(err):
                 raise
+            _BROKEN[0] = True
             raise RankError(f"trainer rank {self.spec.rank}: the group at {self.spec.address} broke while "
                             f"{what} (a rank died, or a collective took over {self.spec.timeout_s:g} s): "
                             f"{_line(err)}; tear the group down and restart it from the newest checkpoint") from err
@@ -651,7 +660,7 @@ class LocalGroup:
 
 def rank_main() -> None:
     """A `LocalGroup` process: read {"target", "job"} from stdin, call target(spec, job) with the `RankSpec` of
-    the environment, print its return value as the last line of stdout (JSON)."""
+    the environment, print its return value as the last line of stdout (JSON), and exit 0 at once."""
     import importlib
 
     request = json.loads(sys.stdin.read())
@@ -665,6 +674,8 @@ def rank_main() -> None:
     sys.stdout.flush()
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)         # no interpreter teardown: a broken group's destructors can abort after the result is out
 
 
 def state_bytes(payload: Mapping[str, Any]) -> bytes:
