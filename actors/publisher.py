@@ -153,8 +153,8 @@ class Publisher(Actor):
         self._announced: int | None = None
         self._files: dict[str, bytes] = {}
         """Policy files (a Hugging Face config and tokenizer) by object name, as downloaded from CKPT once."""
-        self._file_locks: dict[str, anyio.Lock] = {}
-        """One download of each policy file: the region writers that need it at once wait for the first."""
+        self._files_lock = anyio.Lock()
+        """Held while a policy file is looked up or downloaded: region writers asking at once wait for the first."""
         self._progress = anyio.Condition()
         self.last: EncodedVersion | None = None
         self.trace: dict[int, dict[str, float]] = {}
@@ -572,7 +572,7 @@ class Publisher(Actor):
 
         :raises BadMessage: it is not there (retried by the region writer).
         """
-        async with self._file_locks.setdefault(name, anyio.Lock()):
+        async with self._files_lock:
             if name not in self._files:
                 data = await self._download(name, None)
                 if data is None:

@@ -173,7 +173,7 @@ def join(spec: RankSpec, device: torch.device) -> None:
                         f"({_line(err)}); restart the group") from None
 
 
-_BROKEN: list[bool] = [False]
+_broken = False
 """Set once a collective of this process's group failed (`RankError` from `_group`)."""
 
 
@@ -181,7 +181,7 @@ def leave() -> None:
     """Destroy this process's trainer group (nothing when there is none); never raises. A group broken by a
     failed collective is left as it is: gloo's teardown of a timed-out collective can abort the process
     (std::terminate) before it reports the error; such a process ends, and is restarted, with its group."""
-    if _BROKEN[0]:
+    if _broken:
         return
     with contextlib.suppress(Exception):
         if dist.is_initialized():
@@ -506,7 +506,8 @@ class ShardedCore:
         except (RuntimeError, dist.DistError) as err:
             if not _collective_failure(err):
                 raise
-            _BROKEN[0] = True
+            global _broken
+            _broken = True
             raise RankError(f"trainer rank {self.spec.rank}: the group at {self.spec.address} broke while "
                             f"{what} (a rank died, or a collective took over {self.spec.timeout_s:g} s): "
                             f"{_line(err)}; tear the group down and restart it from the newest checkpoint") from err

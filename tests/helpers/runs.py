@@ -44,8 +44,8 @@ def new_run() -> str:
 
 def tiny_topology(path: Path, *, evaluator: bool) -> Path:
     """tiny.toml with `PRETRAIN_STEPS` of pretraining, 4 held-out tasks and `MOVING_TRAINER`, written to `path`;
-    `evaluator`: an
-    evaluator in the hub too. With or without it the pretraining settings are the same (one cached base)."""
+    `evaluator`: an evaluator in the hub too. With or without it the pretraining settings are the same (one
+    cached base)."""
     text = example_path("tiny").read_text()
     if evaluator:
         text = text.replace('kind = "checkpointer"\n', 'kind = "checkpointer"\n' + EVALUATOR, 1)
