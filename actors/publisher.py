@@ -501,7 +501,8 @@ class Publisher(Actor):
             if name in region.present:
                 continue
             data = await self._policy_file(name)
-            region.present[name] = await self.bus.put_object(bucket, name, data, domain=region.name)
+            region.present[name] = await self.bus.put_object(bucket, name, data, domain=region.name,
+                                                             keep_same=True)
             self.count("policy_files_written")
         for name, want in zip(m.objects, m.digests, strict=True):
             if region.present.get(name) == want:

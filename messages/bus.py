@@ -360,10 +360,11 @@ class Bus:
 
     # ---- object store ---------------------------------------------------------------------------
     async def put_object(self, bucket: str, name: str, data: bytes | memoryview, *,
-                         domain: str | None = None, new: bool = False) -> str:
+                         domain: str | None = None, new: bool = False, keep_same: bool = False) -> str:
         """Upload bytes in chunks; returns their `sha256:<hex>` digest for the announcing message. `new`: no
-        object of that name is there (`objects.put_object`: one round trip for the whole object)."""
-        return await objects.put_object(self.jetstream(domain), bucket, name, data, new=new)
+        object of that name is there (`objects.put_object`: one round trip for the whole object). `keep_same`:
+        a content-addressed name, kept as it is when these bytes are already stored under it."""
+        return await objects.put_object(self.jetstream(domain), bucket, name, data, new=new, keep_same=keep_same)
 
     async def get_object(self, bucket: str, name: str, *, expected_digest: str | None = None,
                          domain: str | None = None, timeout_s: float | None = None) -> bytes:

@@ -2,7 +2,8 @@
 
 Owns: `put_object` (chunks of `OBJECT_CHUNK` published pipelined, at most `PUT_WINDOW` unacked, then the
 object's metadata; returns the `sha256:<hex>` digest an announcing message carries), `fetch_object` (every chunk through an ephemeral pull consumer fetched in batches, hashed while the
-next ones arrive, checked against the store's own digest and the announced one), `stream_object` (the same,
+next ones arrive, checked against the store's own digest and the announced one; an object replaced before its
+first chunk arrived is read anew), `stream_object` (the same,
 handing each chunk on as it arrives, so a decoder never holds the object whole), `delete_object` (best effort), and the
 digest forms (`digest`, `store_digest`). Used alike by weight sync, the publisher, the checkpointer and the
 trainer's resume (through `Bus.get_object`). nats-py's plain `ObjectStore.get()` is quadratic in the
@@ -35,6 +36,7 @@ from nats.js.object_store import (
     OBJ_DIGEST_TEMPLATE,
     OBJ_META_PRE_TEMPLATE,
     OBJ_STREAM_TEMPLATE,
+    ObjectStore,
 )
 from nats.nuid import NUID
 
@@ -72,7 +74,8 @@ def store_digest(meta_digest: str) -> str:
 
 
 async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes | memoryview, *,
-                     window: int = PUT_WINDOW, stall_s: float = STALL_S, new: bool = False) -> str:
+                     window: int = PUT_WINDOW, stall_s: float = STALL_S, new: bool = False,
+                     keep_same: bool = False) -> str:
     """Upload bytes in `OBJECT_CHUNK` chunks (replacing an object of that name); returns their digest.
 
     The objects are the ones nats-py's `ObjectStore.put` writes (chunks on a fresh nuid's subject, then the
@@ -83,6 +86,9 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
     skipped and the metadata goes right behind the chunks, acked with them: one round trip for the whole
     object. A failure then purges the metadata too. Only for objects nothing reads before the caller names
     them elsewhere (between the metadata landing and the last chunk's ack, the object reads as corrupt).
+
+    `keep_same`: the name is content-addressed. An object already stored under it with these bytes' size and
+    digest is kept (nothing sent, nothing purged), so a download in the middle of it is not cut off.
 
     :raises nats.js.errors.NotFoundError: no such bucket.
     :raises nats.js.errors.APIError: the store refused a chunk or the metadata.
@@ -99,6 +105,10 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
             if err.err_code != _NO_MESSAGE:
                 raise                      # no such bucket
             old = None
+    if keep_same and old is not None and not old.deleted and old.size == len(data):
+        same = "sha256:" + hashlib.sha256(data).hexdigest()
+        if store_digest(old.digest or "") == same:
+            return same
     nuid = NUID().next().decode()
     chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
     nc = js._nc                   # nats-py keeps the context's client private; the acks need its inbox
@@ -188,43 +198,14 @@ async def stream_object(js: JetStreamContext, bucket: str, name: str, sink: Call
     """
     store = await js.object_store(bucket)
     info = await store.get_info(name)
+    with anyio.fail_after(timeout_s):
+        while True:
+            try:
+                got, sha = await _stream_chunks(js, store, info, sink, stall_s=timeout_s or STALL_S, batch=batch)
+                break
+            except _Replaced as replaced:  # before any chunk was handed on: read the object that replaced it
+                info = replaced.info
     size = int(info.size or 0)
-    got = 0
-    sha = hashlib.sha256()
-    if size:
-        psub = await js.pull_subscribe(
-            OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid),
-            stream=OBJ_STREAM_TEMPLATE.format(bucket=bucket),
-            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
-                                  inactive_threshold=10.0))
-        stall_s = timeout_s if timeout_s is not None else STALL_S
-        chunks, seen = int(info.chunks or 0), 0
-        last_chunk = time.monotonic()
-        try:
-            with anyio.fail_after(timeout_s):
-                while got < size:
-                    # Never ask for more chunks than remain: a pull request the server holds open for a batch
-                    # it cannot fill returns only when its expiry passes.
-                    want = max(1, min(batch, chunks - seen)) if chunks else batch
-                    try:
-                        msgs = await psub.fetch(want, timeout=min(PULL_S, stall_s))
-                    except TimeoutError:
-                        if time.monotonic() - last_chunk >= stall_s:
-                            raise
-                        log.info("object_pull_again", bucket=bucket, object=name, chunks_seen=seen, chunks=chunks,
-                                 stalled_s=round(time.monotonic() - last_chunk, 1))
-                        continue                  # pull again: chunks already sent stay queued, in order
-                    last_chunk = time.monotonic()
-                    for msg in msgs:
-                        seen += 1
-                        sha.update(msg.data)
-                        got += len(msg.data)
-                        done = sink(msg.data)
-                        if done is not None:
-                            await done
-        finally:
-            with anyio.move_on_after(2.0, shield=True):
-                await psub.unsubscribe()
     actual = "sha256:" + sha.hexdigest()
     if got != size or actual != store_digest(info.digest or ""):
         raise DigestMismatch(f"object {bucket}/{name}: {got} bytes with digest {actual}, the store's meta "
@@ -232,6 +213,73 @@ async def stream_object(js: JetStreamContext, bucket: str, name: str, sink: Call
     if expected_digest is not None and actual != expected_digest:
         raise DigestMismatch(f"object {bucket}/{name}: digest {actual} != announced {expected_digest}")
     return size
+
+
+class _Replaced(Exception):
+    """The object was replaced (a new nuid under its name) before a chunk of it was handed on."""
+
+    def __init__(self, info: ObjectInfo) -> None:
+        super().__init__(info.nuid)
+        self.info = info
+
+
+async def _stream_chunks(js: JetStreamContext, store: ObjectStore, info: ObjectInfo,
+                         sink: Callable[[bytes], Awaitable[None] | None], *, stall_s: float,
+                         batch: int) -> tuple[int, hashlib._Hash]:
+    """The chunks of the object `info` names, handed to `sink` in order; -> (bytes, their running sha256).
+
+    A pull that gets nothing looks the object up again: a writer that replaced it (a content-addressed name
+    written again) purged the chunks this consumer waits for.
+
+    :raises _Replaced: it was replaced before any chunk was handed on.
+    :raises DigestMismatch: it was replaced after some were.
+    :raises TimeoutError: no chunk arrived for `stall_s`.
+    """
+    size = int(info.size or 0)
+    got = 0
+    sha = hashlib.sha256()
+    if not size:
+        return got, sha
+    psub = await js.pull_subscribe(
+        OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=info.bucket, obj=info.nuid),
+        stream=OBJ_STREAM_TEMPLATE.format(bucket=info.bucket),
+        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
+                              inactive_threshold=10.0))
+    chunks, seen = int(info.chunks or 0), 0
+    last_chunk = time.monotonic()
+    try:
+        while got < size:
+            # Never ask for more chunks than remain: a pull request the server holds open for a batch
+            # it cannot fill returns only when its expiry passes.
+            want = max(1, min(batch, chunks - seen)) if chunks else batch
+            try:
+                msgs = await psub.fetch(want, timeout=min(PULL_S, stall_s))
+            except TimeoutError:
+                now = await store.get_info(info.name)
+                if now.nuid != info.nuid:
+                    log.info("object_replaced_while_read", bucket=info.bucket, object=info.name,
+                             chunks_seen=seen, chunks=chunks)
+                    if seen:
+                        raise DigestMismatch(f"object {info.bucket}/{info.name} was replaced while it was "
+                                             f"read ({seen} of {chunks} chunks handed on)") from None
+                    raise _Replaced(now) from None
+                if time.monotonic() - last_chunk >= stall_s:
+                    raise
+                log.info("object_pull_again", bucket=info.bucket, object=info.name, chunks_seen=seen,
+                         chunks=chunks, stalled_s=round(time.monotonic() - last_chunk, 1))
+                continue                  # pull again: chunks already sent stay queued, in order
+            last_chunk = time.monotonic()
+            for msg in msgs:
+                seen += 1
+                sha.update(msg.data)
+                got += len(msg.data)
+                done = sink(msg.data)
+                if done is not None:
+                    await done
+    finally:
+        with anyio.move_on_after(2.0, shield=True):
+            await psub.unsubscribe()
+    return got, sha
 
 
 async def delete_object(js: JetStreamContext, bucket: str, name: str) -> bool:

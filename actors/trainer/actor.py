@@ -439,9 +439,11 @@ class Trainer(Actor):
         """Publish with `msg_id` dedupe (a retried publish is stored once)."""
         await self._retrying(msg_id, lambda: self.bus.publish(subject, message, msg_id=msg_id))
 
-    async def _put(self, name: str, blob: bytes) -> str:
-        """Upload to CKPT (a retry overwrites the same name); returns the digest."""
-        return await self._retrying(name, lambda: self.bus.put_object(self.subjects.checkpoint_bucket(), name, blob))
+    async def _put(self, name: str, blob: bytes, *, keep_same: bool = False) -> str:
+        """Upload to CKPT (a retry overwrites the same name); returns the digest. `keep_same`: a content-addressed
+        name, left as it is when already stored (a reader in the middle of it is not cut off)."""
+        return await self._retrying(name, lambda: self.bus.put_object(self.subjects.checkpoint_bucket(), name, blob,
+                                                                      keep_same=keep_same))
 
     async def _flush(self) -> None:
         """Store every TrainStep not yet on TRAINLOG, in order."""
@@ -477,7 +479,7 @@ class Trainer(Actor):
         if self._files_uploaded:
             return
         for data in core.policy_files().values():
-            await self._put(Subjects.policy_file_object(hashlib.sha256(data).hexdigest()), data)
+            await self._put(Subjects.policy_file_object(hashlib.sha256(data).hexdigest()), data, keep_same=True)
         self._files_uploaded = True
 
     async def _checkpoint(self) -> None:

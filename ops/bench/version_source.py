@@ -44,7 +44,8 @@ async def upload_version(bus: Bus, *, version: int, step: int, state: Mapping[st
     hub's, from a leaf."""
     for data in (files or {}).values():
         await bus.put_object(bus.subjects.checkpoint_bucket(),
-                             Subjects.policy_file_object(hashlib.sha256(data).hexdigest()), data, domain=domain)
+                             Subjects.policy_file_object(hashlib.sha256(data).hexdigest()), data, domain=domain,
+                             keep_same=True)
     spec = config_dict(model_config) if isinstance(model_config, ModelConfig) else dict(model_config)
     index, blob = await anyio.to_thread.run_sync(lambda: encode_state(state, None, threads=threads))
     name = Subjects.version_object(version)

@@ -1,14 +1,18 @@
 """`put_object` pipelines its chunks and writes the object nats-py's object store reads: a replaced object's
 old chunks are purged, an upload into a bucket that does not exist is refused, a window smaller than the
-object's chunks still stores them in order, and a `new` object (its metadata behind the chunks) reads back."""
+object's chunks still stores them in order, a `new` object (its metadata behind the chunks) reads back, and a
+content-addressed object written again is kept; a download whose object is replaced under it reads the new one
+or is refused, never hangs."""
 
 from __future__ import annotations
 
 import nats.js.errors
 import pytest
 
+from rlbus.messages import objects
 from rlbus.messages.bus import Bus
-from rlbus.messages.objects import OBJECT_CHUNK, digest, fetch_object, put_object
+from rlbus.messages.errors import DigestMismatch
+from rlbus.messages.objects import OBJECT_CHUNK, digest, fetch_object, put_object, stream_object
 
 pytestmark = pytest.mark.anyio
 
@@ -47,3 +51,64 @@ async def test_a_new_object_goes_with_its_metadata_behind_the_chunks_and_reads_b
         js, bucket, "empty", b"", new=True)) == b""
     with pytest.raises(nats.js.errors.APIError):              # no stream takes its chunks
         await put_object(js, "no_such_bucket", "fresh", blob, new=True)
+
+
+async def test_a_content_addressed_object_written_again_with_the_same_bytes_is_kept(admin_bus: Bus) -> None:
+    """`keep_same`: the same bytes under the same name leave the stored object (its nuid) as it is; other
+    bytes replace it."""
+    js, bucket = admin_bus.js, admin_bus.subjects.checkpoint_bucket()
+    store = await js.create_object_store(bucket)
+    blob, other = b"config" * 1000, b"tokenizer" * 1000
+    assert await put_object(js, bucket, "file", blob, keep_same=True) == digest(blob)
+    first = await store.get_info("file")
+    assert await put_object(js, bucket, "file", blob, keep_same=True) == digest(blob)
+    assert (await store.get_info("file")).nuid == first.nuid
+    assert await put_object(js, bucket, "file", blob) == digest(blob)            # without it: rewritten
+    rewritten = await store.get_info("file")
+    assert rewritten.nuid != first.nuid
+    assert await put_object(js, bucket, "file", other, keep_same=True) == digest(other)
+    assert (await store.get_info("file")).nuid != rewritten.nuid
+    assert await fetch_object(js, bucket, "file", expected_digest=digest(other)) == other
+
+
+async def test_a_download_whose_object_is_replaced_before_its_chunks_arrive_reads_the_new_one(
+        admin_bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer replacing the object between the reader's lookup and its pull purges the chunks the reader's
+    consumer waits for: the reader looks the object up again and reads the new one, well within its limit."""
+    js, bucket = admin_bus.js, admin_bus.subjects.checkpoint_bucket()
+    await js.create_object_store(bucket)
+    await put_object(js, bucket, "file", b"old" * 100)
+    read = objects._stream_chunks
+    nuids: list[str] = []
+
+    async def replaced_first(js_, store, info, sink, **kwargs):
+        nuids.append(info.nuid)
+        if len(nuids) == 1:                                # the object changes under the first reader
+            await put_object(js, bucket, "file", b"new" * 100)
+        return await read(js_, store, info, sink, **kwargs)
+
+    monkeypatch.setattr(objects, "_stream_chunks", replaced_first)
+    monkeypatch.setattr(objects, "PULL_S", 0.5)
+    assert await fetch_object(js, bucket, "file", timeout_s=20) == b"new" * 100
+    assert len(nuids) == 2 and nuids[0] != nuids[1]
+
+
+async def test_a_download_whose_object_is_replaced_midway_is_refused_by_digest(
+        admin_bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replaced after its first chunk was handed on, the rest of the object is gone: the download is refused
+    (DigestMismatch, which every reader treats as an unusable object) instead of hanging until its limit."""
+    js, bucket = admin_bus.js, admin_bus.subjects.checkpoint_bucket()
+    await js.create_object_store(bucket)
+    blob = bytes(range(256)) * (3 * OBJECT_CHUNK // 256)
+    await put_object(js, bucket, "obj", blob)
+    monkeypatch.setattr(objects, "PULL_S", 0.5)
+    handed: list[int] = []
+
+    async def replace_after_first(chunk: bytes) -> None:
+        handed.append(len(chunk))
+        if len(handed) == 1:
+            await put_object(js, bucket, "obj", b"other")
+
+    with pytest.raises(DigestMismatch, match="replaced while it was read"):
+        await stream_object(js, bucket, "obj", replace_after_first, timeout_s=20, batch=1)
+    assert handed == [OBJECT_CHUNK]
