@@ -34,7 +34,7 @@ import nats.js.errors
 import numpy as np
 import structlog
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 from nats.js.object_store import ObjectStore
 from torch import Tensor
 
@@ -48,7 +48,7 @@ from rlbus.messages.bus import Bus, Delivery, digest
 from rlbus.messages.errors import BadMessage, DigestMismatch, TopologyError
 from rlbus.messages.history import last_message
 from rlbus.messages.kv import KeyEntry, advance, put_at, read_key
-from rlbus.messages.objects import fetch_object, store_digest
+from rlbus.messages.objects import Behind, fetch_object, store_digest
 from rlbus.messages.retry import GIVE_UP_S, retry_policy
 from rlbus.messages.schemas import VersionReady, WeightManifest
 from rlbus.messages.streams import ensure_consumer
@@ -64,6 +64,8 @@ _UNLIMITED: Final = 1 << 40
 LINK_KEY: Final = "link"
 """The key of a relayed region's LATEST bucket naming the one object of each version that crossed its link
 (a WeightManifest listing it), written by the hub's publisher and read by the region's `RegionRelay`."""
+LINK_OBJECT_WAIT_S: Final = 10.0
+"""How long a region's relay waits for the object its `link` key names to be stored beside it."""
 _Row = tuple[str, str, int, int | None, int]
 """One object of a manifest: name, digest, size, base version, version it yields."""
 
@@ -540,17 +542,27 @@ class Publisher(Actor):
             if target.full is None:
                 raise BadMessage(f"v{v}: no full blob to send region {region.name} (a relay's own stage)")
             name, base, (digest_, blob) = object_name(v, None), None, target.full
-        # After this publisher's first link there, names it has not tried are new in the store: one round trip
-        # for the object (`put_object(new=True)`), and one for the key, compare-and-set on the revision it wrote.
+        # After this publisher's first link there, names it has not tried are new in the store, and the key is
+        # compare-and-set on the revision it wrote: the object (`put_object(new=True)`) and the key go in one
+        # round trip, the key right behind the object's metadata. The relay waits for that metadata.
         new = region.link_revision is not None and name not in region.link_names
         region.link_names.add(name)
-        await self.bus.put_object(self.subjects.weights_bucket(region.name), name, blob, domain=domain, new=new)
-        self.count("link_objects_written")
         link = msgspec.structs.replace(
             m, base_version=base, encoding="full" if base is None else "delta", objects=[name], digests=[digest_],
             sizes=[len(blob)], bases=[base], yields=[v], regions_ready=[region.name])
-        region.link_revision = await _put_link(js, self.subjects.latest_bucket(region.name), link, domain,
-                                               region.link_revision)
+        bucket = self.subjects.latest_bucket(region.name)
+        data, _ = codec.encode(link, compress_above=_UNLIMITED)
+        behind = Behind(Subjects.kv_key(bucket, LINK_KEY, domain=domain), data,
+                        {Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(region.link_revision)}) if new else None
+        try:
+            await self.bus.put_object(self.subjects.weights_bucket(region.name), name, blob, domain=domain, new=new,
+                                      behind=behind)
+        finally:
+            if behind is not None and behind.seq is not None:
+                region.link_revision = behind.seq      # the key moved, even if the object then failed
+        self.count("link_objects_written")
+        if behind is None or behind.seq is None:       # not sent with it, or refused (another writer came between)
+            region.link_revision = await _put_link(js, bucket, link, domain, region.link_revision)
         region.linked = v
         while len(region.link_names) > 64:
             region.link_names.discard(min(region.link_names, key=_link_order))
@@ -677,6 +689,22 @@ class RegionRelay(Publisher):
             self.count("bases_from_hub")
         return self._kept[version]
 
+    async def _link_object_stored(self, name: str, want: str) -> bool:
+        """Whether the linked object's metadata, with the linked digest, is in the region's WEIGHTS store within
+        `LINK_OBJECT_WAIT_S`: the hub sends the key right behind the object, and the key's stream may store it
+        first (the object's stream stores the metadata behind every chunk)."""
+        store = await self.bus.js.object_store(self.subjects.weights_bucket(self.region))
+        with anyio.move_on_after(LINK_OBJECT_WAIT_S):
+            while True:
+                try:
+                    info = await store.get_info(name)
+                    if store_digest(info.digest or "") == want:
+                        return True
+                except nats.js.errors.NotFoundError:
+                    pass
+                await anyio.sleep(0.01)
+        return False
+
     async def _relay(self, link: WeightManifest) -> None:
         """One version: its link object applied, then everything encoded and handed to the region writer. A
         bad object or a base that cannot be had is logged and skipped (the hub's next link carries on)."""
@@ -685,6 +713,11 @@ class RegionRelay(Publisher):
         region = self.regions[self.region]
         t0 = time.perf_counter()
         self._mark(v, "received")
+        if not await self._link_object_stored(name, link.digests[0]):
+            self.count("links_refused")
+            log.error("region_relay_link_refused", region=self.region, version=v, object=name,
+                      error=f"not stored here {LINK_OBJECT_WAIT_S:g}s after its link key")
+            return
         if base is not None:            # what a generator holding the base needs, at once (as the hub's early stage)
             await advance_latest(self.bus.js, self.subjects.latest_bucket(self.region),
                                  msgspec.structs.replace(link, regions_ready=[self.region]))

@@ -360,11 +360,14 @@ class Bus:
 
     # ---- object store ---------------------------------------------------------------------------
     async def put_object(self, bucket: str, name: str, data: bytes | memoryview, *,
-                         domain: str | None = None, new: bool = False, keep_same: bool = False) -> str:
+                         domain: str | None = None, new: bool = False, keep_same: bool = False,
+                         behind: objects.Behind | None = None) -> str:
         """Upload bytes in chunks; returns their `sha256:<hex>` digest for the announcing message. `new`: no
         object of that name is there (`objects.put_object`: one round trip for the whole object). `keep_same`:
-        a content-addressed name, kept as it is when these bytes are already stored under it."""
-        return await objects.put_object(self.jetstream(domain), bucket, name, data, new=new, keep_same=keep_same)
+        a content-addressed name, kept as it is when these bytes are already stored under it. `behind`: a
+        message sent right behind a new object, in the same round trip (`objects.Behind`)."""
+        return await objects.put_object(self.jetstream(domain), bucket, name, data, new=new, keep_same=keep_same,
+                                        behind=behind)
 
     async def get_object(self, bucket: str, name: str, *, expected_digest: str | None = None,
                          domain: str | None = None, timeout_s: float | None = None) -> bytes:

@@ -20,6 +20,7 @@ import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Final
 
 import anyio
@@ -60,6 +61,21 @@ PULL_S: Final = 5.0
 the server dropped or answered for an earlier one costs this, not the whole download's limit."""
 
 
+@dataclass
+class Behind:
+    """A message `put_object` publishes right behind a new object's metadata, on the same connection, its ack
+    read with the object's: one round trip for both (a key naming the object, say). After the put, `seq` is the
+    stream sequence it was stored at, or None with `error` saying why (a refusal, or its ack not read because
+    the object failed). It may be stored before the object's last chunk is (another stream): whoever it
+    names the object to waits for the object's metadata, which its own stream stores behind every chunk."""
+
+    subject: str
+    payload: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    seq: int | None = None
+    error: Exception | None = None
+
+
 def digest(data: bytes | memoryview) -> str:
     """Content digest used in manifests and checkpoint marks: `sha256:<hex>`."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
@@ -75,7 +91,7 @@ def store_digest(meta_digest: str) -> str:
 
 async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes | memoryview, *,
                      window: int = PUT_WINDOW, stall_s: float = STALL_S, new: bool = False,
-                     keep_same: bool = False) -> str:
+                     keep_same: bool = False, behind: Behind | None = None) -> str:
     """Upload bytes in `OBJECT_CHUNK` chunks (replacing an object of that name); returns their digest.
 
     The objects are the ones nats-py's `ObjectStore.put` writes (chunks on a fresh nuid's subject, then the
@@ -90,10 +106,14 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
     `keep_same`: the name is content-addressed. An object already stored under it with these bytes' size and
     digest is kept (nothing sent, nothing purged), so a download in the middle of it is not cut off.
 
+    `behind` (only with `new`): published after the metadata, its ack read with theirs (see `Behind`).
+
     :raises nats.js.errors.NotFoundError: no such bucket.
     :raises nats.js.errors.APIError: the store refused a chunk or the metadata.
     :raises TimeoutError: no ack arrived for `stall_s`.
     """
+    if behind is not None and not new:
+        raise ValueError("put_object: a message goes behind a new object only (new=True)")
     stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
     meta_subject = OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
     old: ObjectInfo | None = None
@@ -117,6 +137,7 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
     sha = hashlib.sha256()
     sent = acked = 0
     sub = await nc.subscribe(inbox)
+    behind_sub = await nc.subscribe(behind_inbox := nc.new_inbox()) if behind is not None else None
     try:
         for offset in range(0, len(view), OBJECT_CHUNK):
             chunk = view[offset:offset + OBJECT_CHUNK]
@@ -133,9 +154,17 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
         if new:                            # behind the chunks, its ack read with theirs
             await nc.publish(meta_subject, meta, reply=inbox, headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
             sent += 1
+        if behind is not None and behind_sub is not None:
+            await nc.publish(behind.subject, behind.payload, reply=behind_inbox, headers=behind.headers or None)
+            behind.error = TimeoutError(f"its ack was not read: the object {bucket}/{name} failed first")
         while acked < sent:
             await _chunk_ack(sub, stall_s, bucket, name)
             acked += 1
+        if behind is not None and behind_sub is not None:
+            try:
+                behind.seq, behind.error = await _stored_at(behind_sub, stall_s, behind.subject), None
+            except (nats.errors.Error, TimeoutError) as err:
+                behind.error = err
         if not new:
             await js.publish(meta_subject, meta, headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
     except BaseException:
@@ -150,6 +179,8 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
     finally:
         with anyio.move_on_after(2.0, shield=True):
             await sub.unsubscribe()
+            if behind_sub is not None:
+                await behind_sub.unsubscribe()
     if old is not None and not old.deleted and old.nuid:
         await js.purge_stream(stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=old.nuid))
     return "sha256:" + sha.hexdigest()
@@ -157,16 +188,22 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
 
 async def _chunk_ack(sub: Subscription, stall_s: float, bucket: str, name: str) -> None:
     """Read one chunk's ack from the upload's inbox. :raises nats.js.errors.APIError: a refusal (or no stream)."""
+    await _stored_at(sub, stall_s, f"the chunks of {bucket}/{name}")
+
+
+async def _stored_at(sub: Subscription, stall_s: float, what: str) -> int:
+    """Read one publish ack from `sub`; -> the sequence stored at. :raises nats.js.errors.APIError: a refusal
+    (or no stream)."""
     msg: Msg = await sub.next_msg(timeout=stall_s)
     if msg.headers and msg.headers.get("Status") == "503":
-        raise nats.js.errors.ServiceUnavailableError(description=f"no stream stores the chunks of {bucket}/{name}")
+        raise nats.js.errors.ServiceUnavailableError(description=f"no stream stores {what}")
     try:
         reply = json.loads(msg.data)
     except ValueError:
-        raise nats.js.errors.APIError(description=f"object {bucket}/{name}: a chunk's ack is not JSON: "
-                                                  f"{msg.data[:80]!r}") from None
+        raise nats.js.errors.APIError(description=f"{what}: an ack is not JSON: {msg.data[:80]!r}") from None
     if isinstance(reply, dict) and "error" in reply:
         nats.js.errors.APIError.from_error(reply["error"])
+    return int(reply.get("seq", 0)) if isinstance(reply, dict) else 0
 
 
 async def fetch_object(js: JetStreamContext, bucket: str, name: str, *, expected_digest: str | None = None,

@@ -4,7 +4,7 @@ the region's other deltas and its snapshots there. Counted on the link's veth: p
 1.1x the one-step delta, with two generators in the region; every generator of both regions holds the
 trainer's bf16 cast bit-exactly, and one that joins late is served inside the region. A relay restarted after
 missing versions reads the one base it lacks from the hub's CKPT and its region catches up; a region cut off by
-dropped packets catches up after the heal by deltas. Needs root, ip, tc and nft; skipped with the reason
+dropped packets catches up after the heal by deltas. A link key stored before its object waits for it. Needs root, ip, tc and nft; skipped with the reason
 elsewhere."""
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 import torch
 from anyio.abc import TaskStatus
 from helpers import new_run
 from torch import Tensor
 
+from rlbus.actors import publisher as publisher_module
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.config import PublisherConfig, PublisherLaunch
 from rlbus.actors.common.weight_sync import LATEST_KEY, WeightSync
@@ -30,6 +32,7 @@ from rlbus.kernels.delta_state import state_digest, tensor_digests
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.kv import read_key
+from rlbus.messages.objects import delete_object, fetch_object, put_object
 from rlbus.messages.schemas import WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.model.transformer import ModelConfig, Transformer
@@ -260,3 +263,52 @@ async def test_a_relayed_region_cut_off_by_dropped_packets_catches_up_after_the_
         link = await read_key(trainer.jetstream("eu"), trainer.subjects.latest_bucket("eu"), LINK_KEY)
         assert codec.decode_as(link.value or b"", None, WeightManifest).objects in (["v4.from1"], ["v4.from2"])
         tg.cancel_scope.cancel()
+
+
+async def test_a_link_key_stored_before_its_object_waits_for_it_and_one_never_stored_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hub sends the `link` key right behind the object in one round trip, so the key's stream may store it
+    first: the relay waits for the object's metadata, then relays it; a key naming an object that never comes is
+    refused after `LINK_OBJECT_WAIT_S` and the relay goes on serving."""
+    monkeypatch.setattr(publisher_module, "LINK_OBJECT_WAIT_S", 1.0)
+    async with _linked(tmp_path) as world:
+        config = PublisherConfig(keep_versions=4, full_every=4, delta_depth=2)
+        writer = await world.bus("eu", "publisher", "w")
+        weights, latest = writer.subjects.weights_bucket("eu"), writer.subjects.latest_bucket("eu")
+        async with anyio.create_task_group() as tg:
+            hub_scope = anyio.CancelScope()
+            publisher = Publisher(ActorId(world.run, "hub", "publisher", "hub-publisher-0"),
+                                  await world.bus("hub", "publisher", "p"), config, FAST,
+                                  PublisherLaunch(regions=["hub", "eu"], hub="hub", threads=1), relayed=["eu"])
+            await tg.start(_serve_in, hub_scope, publisher)
+            torch.manual_seed(0)
+            source = VersionSource(Transformer(ModelConfig.tiny()), lr=1e-3, batch=2, seq_len=32, seed=0)
+            await source.publish(await world.bus("hub", "trainer", "t"))
+            with anyio.fail_after(60):
+                while publisher.regions["eu"].linked != 0:
+                    await anyio.sleep(0.02)
+            hub_scope.cancel()                                    # from here the test is the hub
+            entry = await read_key(writer.js, latest, LINK_KEY)
+            link = codec.decode_as(entry.value or b"", None, WeightManifest)
+            assert link.objects == ["v0.full"]
+            blob = await fetch_object(writer.js, weights, "v0.full")
+            assert await delete_object(writer.js, weights, "v0.full")     # the key is there, its object not yet
+            relay = RegionRelay(ActorId(world.run, "eu", "publisher", "eu-relay-0"),
+                                await world.bus("eu", "publisher", "r"), config, FAST, hub="hub", threads=1)
+            await tg.start(relay.serve)
+            await anyio.sleep(0.3)
+            assert relay.relayed_version is None
+            await put_object(writer.js, weights, "v0.full", blob)
+            with anyio.fail_after(30):
+                while relay.relayed_version != 0:
+                    await anyio.sleep(0.02)
+            never = msgspec.structs.replace(link, version=1, objects=["v1.full"])
+            kv = await writer.js.key_value(latest)
+            await kv.put(LINK_KEY, codec.encode(never, compress_above=1 << 40)[0])
+            with anyio.fail_after(30):
+                while not relay.counters.get("links_refused"):
+                    await anyio.sleep(0.05)
+            assert relay.relayed_version == 0 and relay.counters.get("versions_relayed") == 1
+            held = await read_key(writer.js, latest, LATEST_KEY)
+            assert codec.decode_as(held.value or b"", None, WeightManifest).version == 0
+            tg.cancel_scope.cancel()

@@ -235,10 +235,10 @@ step would change a weight."""
 RELAY_VERSIONS = 3
 """The run is measured until both of eu's generators hold this version."""
 LINK_SLACK = 1.1
-BURST_BYTES = 8_000
-"""Bytes in one 10 ms sample interval above which the link is carrying a transfer (6.4 Mbit/s; its keepalives,
-acks and heartbeats move a few KB per second)."""
 """Bytes towards eu per version, at most this many times the one object of that version that crossed the link."""
+BURST_BYTES = 2_000
+"""Bytes in one 2 ms sample interval above which the link is carrying a transfer (8 Mbit/s; its keepalives,
+acks and heartbeats move a few KB per second)."""
 
 
 def _linked_rl_topology(path: Path) -> Path:
@@ -251,7 +251,9 @@ def _linked_rl_topology(path: Path) -> Path:
 class _TxSampler:
     """The bytes a veth has sent (`tx_bytes`: towards the leaf, from its root end) every `SAMPLE_S`, on a thread."""
 
-    SAMPLE_S = 0.01
+    SAMPLE_S = 0.002
+    """Well under the link's round trip: a version's transfer starts a round trip after the last one's key is
+    stored (the hub reads that key's ack first), so the two are told apart."""
 
     def __init__(self, interface: str) -> None:
         self.path = Path("/sys/class/net") / interface / "statistics" / "tx_bytes"
@@ -271,14 +273,15 @@ class _TxSampler:
         self.samples.append((time.monotonic(), int(self.path.read_text())))
 
     def transfer(self, t0: float, t1: float) -> int:
-        """Bytes sent from shortly before the first burst after `t0` (a sample interval that moved more than
-        `BURST_BYTES`: a transfer, not the link's keepalives and acks; two intervals earlier, so its first packets
-        count) to the first sample after `t1`; from `t0` when nothing burst."""
+        """Bytes sent from the first sample at or after `t0` (the last transfer's end: its key was stored) or,
+        when later, shortly before the first burst after it (a sample interval that moved more than
+        `BURST_BYTES`: a transfer, not the link's keepalives and acks; two intervals earlier, so its first
+        packets count), to the first sample after `t1`."""
         rows = self.samples
-        burst = next((i for i in range(1, len(rows))
-                      if t0 < rows[i][0] <= t1 and rows[i][1] - rows[i - 1][1] > BURST_BYTES), None)
-        start = max(burst - 3, 0) if burst is not None else max((i for i, (at, _) in enumerate(rows) if at < t0),
-                                                                default=0)
+        first = next((i for i, (at, _) in enumerate(rows) if at >= t0), len(rows) - 1)
+        burst = next((i for i in range(first + 1, len(rows))
+                      if rows[i][0] <= t1 and rows[i][1] - rows[i - 1][1] > BURST_BYTES), None)
+        start = max(burst - 3, first) if burst is not None else first
         return next(n for at, n in rows if at > t1) - rows[start][1]
 
 

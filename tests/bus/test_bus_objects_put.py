@@ -112,3 +112,26 @@ async def test_a_download_whose_object_is_replaced_midway_is_refused_by_digest(
     with pytest.raises(DigestMismatch, match="replaced while it was read"):
         await stream_object(js, bucket, "obj", replace_after_first, timeout_s=20, batch=1)
     assert handed == [OBJECT_CHUNK]
+
+
+async def test_a_message_behind_a_new_object_is_stored_with_it_or_says_why_not(admin_bus: Bus) -> None:
+    """`Behind`: a compare-and-set key write sent behind a new object lands with its revision; sent again on
+    the old revision it is refused and says so, while the object itself is stored either way."""
+    js, bucket = admin_bus.js, admin_bus.subjects.checkpoint_bucket()
+    await js.create_object_store(bucket)
+    kv = await js.create_key_value(bucket="links")
+    first = await kv.put("link", b"v0")
+    blob = bytes(range(256)) * (2 * OBJECT_CHUNK // 256 + 5)
+    cas = {"Nats-Expected-Last-Subject-Sequence": str(first)}
+    behind = objects.Behind("$KV.links.link", b"v1", dict(cas))
+    assert await put_object(js, bucket, "v1.from0", blob, new=True, behind=behind) == digest(blob)
+    assert behind.error is None and behind.seq is not None and behind.seq > first
+    entry = await kv.get("link")
+    assert (entry.value, entry.revision) == (b"v1", behind.seq)
+    stale = objects.Behind("$KV.links.link", b"v2", dict(cas))             # the revision before the last
+    assert await put_object(js, bucket, "v2.from1", b"delta", new=True, behind=stale) == digest(b"delta")
+    assert stale.seq is None and isinstance(stale.error, nats.js.errors.APIError)
+    assert (await kv.get("link")).value == b"v1"
+    assert await fetch_object(js, bucket, "v2.from1") == b"delta"
+    with pytest.raises(ValueError, match="new object only"):
+        await put_object(js, bucket, "v3.from2", b"x", behind=objects.Behind("$KV.links.link", b"v3"))
