@@ -1,6 +1,7 @@
 """Compare-and-set on JetStream KV keys, in the connection's own domain or through another's API.
 
-Owns: `read_key` (a key's last value and revision; a delete or purge reads as no value), `put_at` (write a
+Owns: `read_key` (a key's last value and revision; a delete or purge reads as no value; asked again through a
+leader election like a write), `put_at` (write a
 key only while its revision is still the one the writer read: the one compare-and-set of rlbus, used by
 the feeder's position, the generators' partials and the publisher's LATEST key; a write no server answers,
 or one that times out, is tried again for a few seconds, as through a clustered bucket's leader election) and
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import Header
@@ -29,6 +31,9 @@ WRONG_LAST_SEQUENCE: Final = (10071, 10164)
 _NO_LEADER_S: Final = 15.0
 """How long a write that no server answers, or that times out, is tried again before it raises (a clustered
 bucket elects its next leader within seconds)."""
+_NO_LEADER_ERRORS: Final = (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError, TimeoutError,
+                            nats.js.errors.ServiceUnavailableError)
+"""What a read or write of a clustered bucket without a leader raises (nothing was stored)."""
 _OPERATION_HEADER: Final = "KV-Operation"
 _REMOVED: Final = ("DEL", "PURGE")
 
@@ -44,9 +49,14 @@ class KeyEntry:
 
 
 async def read_key(js: JetStreamContext, bucket: str, key: str) -> KeyEntry:
-    """The last entry of `key` in `bucket` (reached through `js`'s domain)."""
+    """The last entry of `key` in `bucket` (reached through `js`'s domain). A read that times out or that no
+    server answers (a clustered bucket electing its next leader) is asked again for up to `_NO_LEADER_S`."""
+    retry = retry_policy("kv_read_retry", on=_NO_LEADER_ERRORS, initial_s=0.2, max_s=1.0,
+                         give_up_after_s=_NO_LEADER_S, bucket=bucket)
     try:
-        last = await js.get_last_msg(KV_STREAM_TEMPLATE.format(bucket=bucket), Subjects.kv_key(bucket, key))
+        async for attempt in retry:
+            with attempt:
+                last = await js.get_last_msg(KV_STREAM_TEMPLATE.format(bucket=bucket), Subjects.kv_key(bucket, key))
     except nats.js.errors.NotFoundError:
         return KeyEntry(None, 0)
     revision = int(last.seq or 0)
@@ -97,9 +107,8 @@ async def _put(js: JetStreamContext, bucket: str, key: str, value: bytes, revisi
     # Through a clustered bucket's leader election: no responders means no server took the write, so it is
     # sent again; after a timeout it may have been stored, so the key is read first and a write found there
     # is taken as done (sending it again would fail its own compare-and-set)
-    retry = retry_policy("kv_put_retry", on=(nats.js.errors.NoStreamResponseError, TimeoutError,
-                                             nats.js.errors.ServiceUnavailableError),
-                         initial_s=0.2, max_s=1.0, give_up_after_s=_NO_LEADER_S, bucket=bucket)
+    retry = retry_policy("kv_put_retry", on=_NO_LEADER_ERRORS, initial_s=0.2, max_s=1.0,
+                         give_up_after_s=_NO_LEADER_S, bucket=bucket)
     uncertain = False
     async for attempt in retry:
         with attempt:

@@ -81,7 +81,7 @@ from rlbus.actors.generator.group import (
 )
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import RlbusError
-from rlbus.messages.kv import put_at
+from rlbus.messages.kv import put_at, read_key
 from rlbus.messages.retry import retry_policy
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
@@ -419,12 +419,11 @@ class Generator(Actor):
         """The saved partial of the task and its revision; (None, revision) when absent or unusable. An
         unusable one (undecodable, another task's, or failing `check_partial`) is discarded with a warning and
         an `Event(incident)`: the group starts over and overwrites it (compare-and-set on its revision)."""
-        try:
-            entry = await self.kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
+        entry = await read_key(self.bus.js, self.bus.subjects.partials_bucket(self.ident.region), key)
+        if entry.value is None:
             return None, None
         try:
-            state = decode_partial(entry.value or b"")
+            state = decode_partial(entry.value)
             check_partial(state, task, task_id, self.tokenizer, self._partial_limits(group_size))
         except PartialGroupError as err:
             self.count("partials_discarded")

@@ -45,7 +45,7 @@ from rlbus.actors.common.errors import PartialGroupError
 from rlbus.actors.common.sessions import SandboxSession, open_session, restore_files
 from rlbus.actors.generator.group import MAX_PARTIAL_BYTES, PartialLimits, check_segment, fill_versions
 from rlbus.messages.errors import DigestMismatch, RlbusError, SandboxCrashed
-from rlbus.messages.kv import put_at
+from rlbus.messages.kv import put_at, read_key
 from rlbus.messages.objects import digest
 from rlbus.messages.retry import retry_policy
 from rlbus.messages.schemas import Event, Rollout, SandboxVerdict, Segment, TensorBlob, ToolResult
@@ -569,12 +569,11 @@ class AgenticGroups:
         """The saved partial, its revision and its episodes' snapshots; (None, revision, {}) when absent or
         unusable (discarded with an `Event(incident)`, like a function group's)."""
         gen = self.gen
-        try:
-            entry = await gen.kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
+        entry = await read_key(gen.bus.js, gen.bus.subjects.partials_bucket(gen.ident.region), key)
+        if entry.value is None:
             return None, None, {}
         try:
-            partial = decode_agentic(entry.value or b"")
+            partial = decode_agentic(entry.value)
             held = gen.held_version()
             check_agentic_partial(partial, task, task_id, env, AgenticLimits(
                 group_size=group_size, max_seq_len=gen.model.max_seq_len, vocab_size=gen.model.vocab_size,

@@ -2,7 +2,8 @@
 3-node cluster (routes, one domain, a store per node, `sync_interval` on every node); every stream and bucket is
 provisioned at R3; each leaf node links to the hub (through one relay per hub node, which a cut closes together);
 rollouts published in the leaf are sourced into the hub; a second start on the same directory keeps the nodes'
-ports and stores, and one of the other layout is refused. The chaos proof (a stream leader SIGKILLed under a
+ports and stores, and one of the other layout is refused; a bucket whose leader is SIGKILLed is read and written
+through the election without an error reaching the caller. The chaos proof (a stream leader SIGKILLed under a
 running trainer) is tests/chaos/test_chaos_cluster.py."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from rlbus.messages.errors import ServerError, TopologyError
+from rlbus.messages.kv import put_at, read_key
 from rlbus.messages.streams import StreamSettings, provision_all
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.regions import CLUSTER_PORTS_NAME, RegionSet
@@ -99,3 +101,33 @@ async def test_clustered_regions_replicate_link_and_reopen_on_their_ports(tmp_pa
         RegionSet.start(base, REGIONS, "hub", run=run)
     with pytest.raises(TopologyError, match="1 or odd"):
         RegionSet.start(base, REGIONS, "hub", run=run, nodes=2)
+
+
+async def test_a_bucket_whose_leader_is_sigkilled_is_read_and_written_through_the_election(tmp_path: Path) -> None:
+    """A 3-node hub, a partial stored in the PARTIALS bucket (R3); its leader SIGKILLed, the client on a surviving
+    node reads the key (the first read, sent while no node leads, times out and is asked again) and writes it at
+    the revision read: the value and revisions are the ones stored, and the write is the next revision."""
+    run = new_run()
+    s = Subjects(run)
+    with RegionSet.start(tmp_path / "state", ("hub",), "hub", run=run, nodes=3) as rs:
+        await provision_all(lambda region: _connect(rs, region, "admin"), s, hub="hub", regions=rs.domains,
+                            settings=StreamSettings(replicas=3))
+        bucket = s.partials_bucket("hub")
+        admin = await _connect(rs, "hub", "admin")
+        try:
+            js = admin.jetstream()
+            revision = await put_at(js, bucket, "task-1", b"partial", revision=None)
+            leader = (await js.stream_info(f"KV_{bucket}")).cluster.leader
+        finally:
+            await admin.close()
+        survivor = next(n for n in rs.nodes["hub"] if n.name != leader)
+        client = await nats.connect(**rs.connect_options("hub", "admin") | {"servers": [survivor.url]})
+        try:
+            js = client.jetstream()
+            rs.kill_node(leader)
+            entry = await read_key(js, bucket, "task-1")
+            assert (entry.value, entry.revision) == (b"partial", revision)
+            assert await put_at(js, bucket, "task-1", b"next", revision=revision) > revision
+            assert (await read_key(js, bucket, "task-1")).value == b"next"
+        finally:
+            await client.close()
