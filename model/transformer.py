@@ -196,21 +196,9 @@ class Attention(nn.Module):
             k, v = cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T]
         if mask is None and cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
-        elif cache is not None and T == 1:
-            y = decode_attention(q, k, v, mask).to(x.dtype)
         else:
             y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask).to(x.dtype)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
-
-
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """One query per row over the cache: softmax(q k^T / sqrt(Dh)) v, the products in the cache's dtype, the
-    softmax in fp32. q (B, H, 1, Dh); k, v (B, H, S, Dh); mask (B, 1, 1, S) bool, True = may attend, or None.
-    On CPU, SDPA's kernels for a single bf16 query run ~4x slower than these two matmuls (B 64, S 80-230)."""
-    scores = torch.matmul((q * q.shape[-1] ** -0.5).to(k.dtype), k.transpose(-1, -2)).float()
-    if mask is not None:
-        scores = scores.masked_fill(mask.logical_not(), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
 class SwiGLU(nn.Module):
