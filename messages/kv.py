@@ -1,13 +1,12 @@
 """Compare-and-set on JetStream KV keys, in the connection's own domain or through another's API.
 
-Owns: `read_key` (a key's last value and revision; a delete or purge reads as no value; asked again through a
-leader election like a write), `put_at` (write a
+Owns: `read_key` (a key's last value and revision; a delete or purge reads as no value), `put_at` (write a
 key only while its revision is still the one the writer read: the one compare-and-set of rlbus, used by
-the feeder's position, the generators' partials and the publisher's LATEST key; a write no server answers,
-or one that times out, is tried again for a few seconds, as through a clustered bucket's leader election) and
-`advance` (read,
-decide, compare-and-set, and read again after a lost race). nats-py's `KeyValue` writes only to `$KV.>`,
-which does not cross leaf links; with `domain` these write through `$JS.<domain>.API.$KV.>`.
+the feeder's position, the generators' partials and the publisher's LATEST key) and `advance` (read, decide,
+compare-and-set, and read again after a lost race). A read or write that no server answers, or one that times
+out, is tried again for a few seconds, as through a clustered bucket's leader election. nats-py's `KeyValue`
+writes only to `$KV.>`, which does not cross leaf links; with `domain` these write through
+`$JS.<domain>.API.$KV.>`.
 Does not: create buckets (messages/streams.py) or decode values (callers do).
 """
 
@@ -29,11 +28,12 @@ from rlbus.messages.subjects import Subjects
 WRONG_LAST_SEQUENCE: Final = (10071, 10164)
 """JetStream err_codes of a write whose expected last subject sequence is stale."""
 _NO_LEADER_S: Final = 15.0
-"""How long a write that no server answers, or that times out, is tried again before it raises (a clustered
-bucket elects its next leader within seconds)."""
+"""How long a read or write that no server answers, or that times out, is tried again before it raises (a
+clustered bucket elects its next leader within seconds)."""
 _NO_LEADER_ERRORS: Final = (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError, TimeoutError,
                             nats.js.errors.ServiceUnavailableError)
-"""What a read or write of a clustered bucket without a leader raises (nothing was stored)."""
+"""What a read or write of a clustered bucket without a leader raises (a write that timed out may have been
+stored: `_put` looks for it before sending it again)."""
 _OPERATION_HEADER: Final = "KV-Operation"
 _REMOVED: Final = ("DEL", "PURGE")
 
