@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from helpers import eventually_sync
 
 from rlbus.ops.cli import main
 from rlbus.ops.up import hold_state_dir, leftover_processes
@@ -51,7 +51,10 @@ def test_processes_a_killed_up_left_on_its_state_dir_are_stopped_before_the_next
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", str(state / "logs")])
     try:
-        assert _found(state, server.pid)
+        # a child just past `exec` can show an empty command line for a moment (the kernel sets the new image's
+        # arguments after the parent is woken)
+        eventually_sync(lambda: leftover_processes(state), lambda found: found == [server.pid],
+                        what="the server listed as a leftover", timeout_s=10, poll_s=0.05)
         held = hold_state_dir(state)
         held.close()
         assert server.wait(timeout=30) is not None                     # it was stopped (SIGTERM: a clean exit)
@@ -65,11 +68,3 @@ def test_processes_a_killed_up_left_on_its_state_dir_are_stopped_before_the_next
                 proc.kill()
                 proc.wait()
 
-
-def _found(state: Path, pid: int, timeout_s: float = 10.0) -> bool:
-    """Whether `leftover_processes` lists exactly `pid` within `timeout_s`: a child just past `exec` can show an
-    empty command line for a moment (the kernel sets the new image's arguments after the parent is woken)."""
-    deadline = time.monotonic() + timeout_s
-    while (found := leftover_processes(state)) != [pid] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return found == [pid]
