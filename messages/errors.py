@@ -1,12 +1,26 @@
 """Errors rlbus raises on purpose: one root, `RlbusError`, and a named subclass per failure kind.
 
-Owns: the exception hierarchy's root and the errors of the bus, digests, servers and topology. Lives in the
-lowest layer so every other folder can raise these; what actors refuse in their inputs (a task, a partial group,
-weights, a checkpoint) subclasses the root in actors/common/errors.py.
+Owns: the exception hierarchy's root and the errors of the bus, digests, servers and topology, and what the
+NATS client raises while a clustered stream has no leader (`NO_LEADER_ERRORS`, asked again for `NO_LEADER_S`).
+Lives in the lowest layer so every other folder can raise these; what actors refuse in their inputs (a task, a
+partial group, weights, a checkpoint) subclasses the root in actors/common/errors.py.
 Each message says what went wrong, where, the bad value, and what to do.
 """
 
 from __future__ import annotations
+
+from typing import Final
+
+import nats.errors
+import nats.js.errors
+
+NO_LEADER_S: Final = 15.0
+"""How long a read or write that no server answers, or that times out, is tried again before it raises (a
+clustered stream or bucket elects its next leader within seconds)."""
+NO_LEADER_ERRORS: Final = (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError, TimeoutError,
+                           nats.js.errors.ServiceUnavailableError)
+"""What a request to a clustered stream without a leader raises (a write that timed out may have been stored:
+the caller decides whether sending it again is safe)."""
 
 
 class RlbusError(Exception):

@@ -22,18 +22,12 @@ from nats.js import JetStreamContext
 from nats.js.api import Header
 from nats.js.client import KV_STREAM_TEMPLATE
 
+from rlbus.messages.errors import NO_LEADER_ERRORS, NO_LEADER_S
 from rlbus.messages.retry import retry_policy
 from rlbus.messages.subjects import Subjects
 
 WRONG_LAST_SEQUENCE: Final = (10071, 10164)
 """JetStream err_codes of a write whose expected last subject sequence is stale."""
-_NO_LEADER_S: Final = 15.0
-"""How long a read or write that no server answers, or that times out, is tried again before it raises (a
-clustered bucket elects its next leader within seconds)."""
-_NO_LEADER_ERRORS: Final = (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError, TimeoutError,
-                            nats.js.errors.ServiceUnavailableError)
-"""What a read or write of a clustered bucket without a leader raises (a write that timed out may have been
-stored: `_put` looks for it before sending it again)."""
 _OPERATION_HEADER: Final = "KV-Operation"
 _REMOVED: Final = ("DEL", "PURGE")
 
@@ -50,9 +44,9 @@ class KeyEntry:
 
 async def read_key(js: JetStreamContext, bucket: str, key: str) -> KeyEntry:
     """The last entry of `key` in `bucket` (reached through `js`'s domain). A read that times out or that no
-    server answers (a clustered bucket electing its next leader) is asked again for up to `_NO_LEADER_S`."""
-    retry = retry_policy("kv_read_retry", on=_NO_LEADER_ERRORS, initial_s=0.2, max_s=1.0,
-                         give_up_after_s=_NO_LEADER_S, bucket=bucket)
+    server answers (a clustered bucket electing its next leader) is asked again for up to `NO_LEADER_S`."""
+    retry = retry_policy("kv_read_retry", on=NO_LEADER_ERRORS, initial_s=0.2, max_s=1.0,
+                         give_up_after_s=NO_LEADER_S, bucket=bucket)
     try:
         async for attempt in retry:
             with attempt:
@@ -107,8 +101,8 @@ async def _put(js: JetStreamContext, bucket: str, key: str, value: bytes, revisi
     # Through a clustered bucket's leader election: no responders means no server took the write, so it is
     # sent again; after a timeout it may have been stored, so the key is read first and a write found there
     # is taken as done (sending it again would fail its own compare-and-set)
-    retry = retry_policy("kv_put_retry", on=_NO_LEADER_ERRORS, initial_s=0.2, max_s=1.0,
-                         give_up_after_s=_NO_LEADER_S, bucket=bucket)
+    retry = retry_policy("kv_put_retry", on=NO_LEADER_ERRORS, initial_s=0.2, max_s=1.0,
+                         give_up_after_s=NO_LEADER_S, bucket=bucket)
     uncertain = False
     async for attempt in retry:
         with attempt:

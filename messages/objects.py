@@ -41,7 +41,8 @@ from nats.js.object_store import (
 )
 from nats.nuid import NUID
 
-from rlbus.messages.errors import DigestMismatch
+from rlbus.messages.errors import NO_LEADER_ERRORS, NO_LEADER_S, DigestMismatch
+from rlbus.messages.retry import retry_policy
 
 log = structlog.get_logger()
 
@@ -56,6 +57,8 @@ _NO_MESSAGE: Final = 10037
 """JetStream's error code for "no message found" (a stream that does not exist is 10059)."""
 STALL_S: Final = 30.0
 """A download with no total limit fails once no chunk has arrived for this long."""
+_CONSUMER_LOST: Final = (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError)
+"""What a pull from a consumer that no server leads raises."""
 PULL_S: Final = 5.0
 """How long one pull request of a download waits before another is sent for the chunks still missing: a request
 the server dropped or answered for an earlier one costs this, not the whole download's limit."""
@@ -233,8 +236,7 @@ async def stream_object(js: JetStreamContext, bucket: str, name: str, sink: Call
     :raises DigestMismatch: the bytes do not match a digest.
     :raises TimeoutError: the chunks did not arrive in time.
     """
-    store = await js.object_store(bucket)
-    info = await store.get_info(name)
+    store, info = await _lookup(js, bucket, name)
     with anyio.fail_after(timeout_s):
         while True:
             try:
@@ -250,6 +252,44 @@ async def stream_object(js: JetStreamContext, bucket: str, name: str, sink: Call
     if expected_digest is not None and actual != expected_digest:
         raise DigestMismatch(f"object {bucket}/{name}: digest {actual} != announced {expected_digest}")
     return size
+
+
+async def _lookup(js: JetStreamContext, bucket: str, name: str) -> tuple[ObjectStore, ObjectInfo]:
+    """The bucket and the object's current metadata; asked again while a clustered bucket has no leader.
+
+    :raises nats.js.errors.NotFoundError: no such bucket or object.
+    """
+    retry = retry_policy("object_lookup_retry", on=NO_LEADER_ERRORS, initial_s=0.2, max_s=1.0,
+                         give_up_after_s=NO_LEADER_S, bucket=bucket, object=name)
+    async for attempt in retry:
+        with attempt:
+            store = await js.object_store(bucket)
+            return store, await store.get_info(name)
+    raise AssertionError("unreachable")
+
+
+async def _chunk_consumer(js: JetStreamContext, info: ObjectInfo, start_seq: int | None,
+                          give_up_after_s: float) -> JetStreamContext.PullSubscription:
+    """An ephemeral pull consumer of the chunks of `info`, from stream sequence `start_seq` (None: the first);
+    its creation is asked again while the bucket has no leader, for up to `give_up_after_s`."""
+    config = ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=10.0,
+                            deliver_policy=DeliverPolicy.ALL if start_seq is None else DeliverPolicy.BY_START_SEQUENCE,
+                            opt_start_seq=start_seq)
+    retry = retry_policy("object_consumer_retry", on=NO_LEADER_ERRORS, initial_s=0.2, max_s=1.0,
+                         give_up_after_s=max(give_up_after_s, 0.0), bucket=info.bucket, object=info.name)
+    async for attempt in retry:
+        with attempt:
+            return await js.pull_subscribe(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=info.bucket, obj=info.nuid),
+                                           stream=OBJ_STREAM_TEMPLATE.format(bucket=info.bucket), config=config)
+    raise AssertionError("unreachable")
+
+
+async def _unsubscribe(psub: JetStreamContext.PullSubscription) -> None:
+    with anyio.move_on_after(2.0, shield=True):
+        try:
+            await psub.unsubscribe()
+        except nats.errors.Error:        # a connection already closed: nothing left to stop
+            pass
 
 
 class _Replaced(Exception):
@@ -277,12 +317,9 @@ async def _stream_chunks(js: JetStreamContext, store: ObjectStore, info: ObjectI
     sha = hashlib.sha256()
     if not size:
         return got, sha
-    psub = await js.pull_subscribe(
-        OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=info.bucket, obj=info.nuid),
-        stream=OBJ_STREAM_TEMPLATE.format(bucket=info.bucket),
-        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
-                              inactive_threshold=10.0))
+    psub = await _chunk_consumer(js, info, None, stall_s)
     chunks, seen = int(info.chunks or 0), 0
+    next_seq: int | None = None           # stream sequence right after the last chunk handed on
     last_chunk = time.monotonic()
     try:
         while got < size:
@@ -291,8 +328,21 @@ async def _stream_chunks(js: JetStreamContext, store: ObjectStore, info: ObjectI
             want = max(1, min(batch, chunks - seen)) if chunks else batch
             try:
                 msgs = await psub.fetch(want, timeout=min(PULL_S, stall_s))
+            except _CONSUMER_LOST as err:
+                # no leader for this consumer: the bucket electing one, or the node that held this (R1,
+                # ephemeral) consumer gone; a new one goes on from the chunk after the last handed on
+                stalled = time.monotonic() - last_chunk
+                if stalled >= stall_s:
+                    raise TimeoutError(f"object {info.bucket}/{info.name}: no chunk for {stalled:.0f}s, "
+                                       f"its consumer lost ({err!r})") from err
+                log.info("object_consumer_lost", bucket=info.bucket, object=info.name, chunks_seen=seen,
+                         chunks=chunks, error=repr(err))
+                await _unsubscribe(psub)
+                await anyio.sleep(0.2)
+                psub = await _chunk_consumer(js, info, next_seq, stall_s - stalled)
+                continue
             except TimeoutError:
-                now = await store.get_info(info.name)
+                _, now = await _lookup(js, info.bucket, info.name)
                 if now.nuid != info.nuid:
                     log.info("object_replaced_while_read", bucket=info.bucket, object=info.name,
                              chunks_seen=seen, chunks=chunks)
@@ -310,12 +360,12 @@ async def _stream_chunks(js: JetStreamContext, store: ObjectStore, info: ObjectI
                 seen += 1
                 sha.update(msg.data)
                 got += len(msg.data)
+                next_seq = int(msg.metadata.sequence.stream) + 1
                 done = sink(msg.data)
                 if done is not None:
                     await done
     finally:
-        with anyio.move_on_after(2.0, shield=True):
-            await psub.unsubscribe()
+        await _unsubscribe(psub)
     return got, sha
 
 

@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 
 from rlbus.messages.errors import ServerError, TopologyError
 from rlbus.messages.kv import put_at, read_key
+from rlbus.messages.objects import OBJECT_CHUNK, put_object, stream_object
 from rlbus.messages.streams import StreamSettings, provision_all
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.regions import CLUSTER_PORTS_NAME, RegionSet
@@ -131,3 +132,37 @@ async def test_a_bucket_whose_leader_is_sigkilled_is_read_and_written_through_th
             assert (await read_key(js, bucket, "task-1")).value == b"next"
         finally:
             await client.close()
+
+
+async def test_a_download_whose_consumer_node_is_sigkilled_goes_on_from_the_next_chunk(tmp_path: Path) -> None:
+    """A 4-chunk object in the CKPT bucket (R3) of a 3-node hub, downloaded a chunk per pull; after the first
+    chunk is handed on, the node holding the download's ephemeral (R1) consumer is SIGKILLed. The download goes
+    on through a new consumer from the second chunk: every byte once, in order, the digest the upload returned."""
+    run = new_run()
+    s = Subjects(run)
+    data = bytes(range(256)) * (4 * OBJECT_CHUNK // 256 - 10)          # 4 chunks, the last one short
+    with RegionSet.start(tmp_path / "state", ("hub",), "hub", run=run, nodes=3) as rs:
+        await provision_all(lambda region: _connect(rs, region, "admin"), s, hub="hub", regions=rs.domains,
+                            settings=StreamSettings(replicas=3))
+        bucket, stream = s.checkpoint_bucket(), f"OBJ_{s.checkpoint_bucket()}"
+        client = await _connect(rs, "hub", "admin")
+        killed: list[str] = []
+
+        async def sink(chunk: bytes) -> None:
+            parts.append(chunk)
+            if killed:
+                return
+            (consumer,) = [c for c in await js.consumers_info(stream) if not c.config.durable_name]
+            assert consumer.cluster is not None and consumer.cluster.leader
+            killed.append(consumer.cluster.leader)
+            rs.kill_node(consumer.cluster.leader)
+
+        try:
+            js = client.jetstream()
+            digest = await put_object(js, bucket, "state-1", data)
+            parts: list[bytes] = []
+            size = await stream_object(js, bucket, "state-1", sink, expected_digest=digest, timeout_s=60, batch=1)
+        finally:
+            await client.close()
+    assert len(killed) == 1
+    assert size == len(data) and len(parts) == 4 and b"".join(parts) == data
