@@ -127,7 +127,7 @@ class Checkpointer(Actor):
         if self.state_dir is not None:
             state_dir = self.state_dir
             await anyio.to_thread.run_sync(lambda: write_durable(state_dir, mark, blobs))
-        await self.bus.publish(self.subjects.checkpoints(), mark, msg_id=f"ckpt-{mark.step}")
+        await self.bus.publish_once(self.subjects.checkpoints(), mark, msg_id=f"ckpt-{mark.step}")
         await self.emit("checkpoint", detail=f"step {mark.step} (version {mark.policy_version}) is durable",
                         step=str(mark.step), version=str(mark.policy_version),
                         bytes=str(sum(len(b) for b in blobs.values())))

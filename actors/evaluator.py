@@ -116,7 +116,7 @@ class Evaluator(Actor):
         low, high = wilson_interval(passed, n)
         report = EvalReport(policy_version=version, task_seed=self.settings.seed, n=n, pass_at_1=passed / max(1, n),
                             ci_low=low, ci_high=high)
-        await self.bus.publish(self.bus.subjects.evals(), report, msg_id=f"eval-{version}-{self.settings.seed}")
+        await self.bus.publish_once(self.bus.subjects.evals(), report, msg_id=f"eval-{version}-{self.settings.seed}")
         self.last_evaluated = version
         self.policy_version = version
         self.count("evaluations")

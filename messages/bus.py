@@ -220,6 +220,18 @@ class Bus:
         return await self.js.publish(subject, data, timeout=timeout_s or self.options.publish_timeout_s,
                                      headers=headers or None)
 
+    async def publish_once(self, subject: str, message: Message, *, msg_id: str,
+                           give_up_after_s: float = 60.0) -> PubAck:
+        """`publish` with `msg_id`, asked again while the stream does not answer (a clustered stream electing its
+        next leader, the client moving to another server) for up to `give_up_after_s`: a try that was stored
+        but not acked is stored once (the stream's duplicate window is longer)."""
+        retry = retry_policy("publish_retry", on=(nats.errors.Error, TimeoutError), initial_s=0.2, max_s=2.0,
+                             give_up_after_s=give_up_after_s, msg_id=msg_id)
+        async for attempt in retry:
+            with attempt:
+                return await self.publish(subject, message, msg_id=msg_id)
+        raise AssertionError("unreachable")
+
     async def publish_batch(self, items: Sequence[tuple[str, Message, str | None]], *,
                             window: int = 256, compress_above: int = codec.COMPRESS_ABOVE) -> list[PubAck]:
         """Publish many (subject, message, msg_id) pipelined, at most `window` unacked at once, and wait
