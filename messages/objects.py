@@ -3,7 +3,8 @@
 Owns: `put_object` (chunks of `OBJECT_CHUNK` published pipelined, at most `PUT_WINDOW` unacked, then the
 object's metadata; returns the `sha256:<hex>` digest an announcing message carries), `fetch_object` (every chunk through an ephemeral pull consumer fetched in batches, hashed while the
 next ones arrive, checked against the store's own digest and the announced one; an object replaced before its
-first chunk arrived is read anew), `stream_object` (the same,
+first chunk arrived is read anew; a consumer that lost its leader, to an election or a dead node, is replaced by
+one from the next chunk), `stream_object` (the same,
 handing each chunk on as it arrives, so a decoder never holds the object whole), `delete_object` (best effort), and the
 digest forms (`digest`, `store_digest`). Used alike by weight sync, the publisher, the checkpointer and the
 trainer's resume (through `Bus.get_object`). nats-py's plain `ObjectStore.get()` is quadratic in the
@@ -307,6 +308,8 @@ async def _stream_chunks(js: JetStreamContext, store: ObjectStore, info: ObjectI
 
     A pull that gets nothing looks the object up again: a writer that replaced it (a content-addressed name
     written again) purged the chunks this consumer waits for.
+    A pull answered 503 (no server leads the consumer: the bucket electing, or the node holding this R1
+    consumer gone) makes a new consumer that starts at the chunk after the last one handed on.
 
     :raises _Replaced: it was replaced before any chunk was handed on.
     :raises DigestMismatch: it was replaced after some were.
