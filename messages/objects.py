@@ -38,6 +38,7 @@ from nats.js.object_store import (
     OBJ_DIGEST_TEMPLATE,
     OBJ_META_PRE_TEMPLATE,
     OBJ_STREAM_TEMPLATE,
+    ObjectStore,
 )
 from nats.nuid import NUID
 
@@ -236,11 +237,11 @@ async def stream_object(js: JetStreamContext, bucket: str, name: str, sink: Call
     :raises DigestMismatch: the bytes do not match a digest.
     :raises TimeoutError: the chunks did not arrive in time.
     """
-    info = await _lookup(js, bucket, name)
+    store, info = await _lookup(js, bucket, name)
     with anyio.fail_after(timeout_s):
         while True:
             try:
-                got, sha = await _stream_chunks(js, info, sink, stall_s=timeout_s or STALL_S, batch=batch)
+                got, sha = await _stream_chunks(js, store, info, sink, stall_s=timeout_s or STALL_S, batch=batch)
                 break
             except _Replaced as replaced:  # before any chunk was handed on: read the object that replaced it
                 info = replaced.info
@@ -254,8 +255,8 @@ async def stream_object(js: JetStreamContext, bucket: str, name: str, sink: Call
     return size
 
 
-async def _lookup(js: JetStreamContext, bucket: str, name: str) -> ObjectInfo:
-    """The object's current metadata; asked again while a clustered bucket has no leader.
+async def _lookup(js: JetStreamContext, bucket: str, name: str) -> tuple[ObjectStore, ObjectInfo]:
+    """The bucket and the object's current metadata; asked again while a clustered bucket has no leader.
 
     :raises nats.js.errors.NotFoundError: no such bucket or object.
     """
@@ -263,7 +264,8 @@ async def _lookup(js: JetStreamContext, bucket: str, name: str) -> ObjectInfo:
                          give_up_after_s=NO_LEADER_S, bucket=bucket, object=name)
     async for attempt in retry:
         with attempt:
-            return await (await js.object_store(bucket)).get_info(name)
+            store = await js.object_store(bucket)
+            return store, await store.get_info(name)
     raise AssertionError("unreachable")
 
 
@@ -299,7 +301,7 @@ class _Replaced(Exception):
         self.info = info
 
 
-async def _stream_chunks(js: JetStreamContext, info: ObjectInfo,
+async def _stream_chunks(js: JetStreamContext, store: ObjectStore, info: ObjectInfo,
                          sink: Callable[[bytes], Awaitable[None] | None], *, stall_s: float,
                          batch: int) -> tuple[int, hashlib._Hash]:
     """The chunks of the object `info` names, handed to `sink` in order; -> (bytes, their running sha256).
@@ -343,7 +345,7 @@ async def _stream_chunks(js: JetStreamContext, info: ObjectInfo,
                 psub = await _chunk_consumer(js, info, next_seq, stall_s - stalled)
                 continue
             except TimeoutError:
-                now = await _lookup(js, info.bucket, info.name)
+                _, now = await _lookup(js, info.bucket, info.name)
                 if now.nuid != info.nuid:
                     log.info("object_replaced_while_read", bucket=info.bucket, object=info.name,
                              chunks_seen=seen, chunks=chunks)
