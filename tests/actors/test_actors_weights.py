@@ -517,7 +517,8 @@ async def test_cut_off_region_does_not_block_the_others_and_catches_up_after_hea
 
 @pytest.mark.chaos
 async def test_sigkilled_publisher_process_loses_no_announcement(tmp_path: Path) -> None:
-    """A publisher process SIGKILLed while versions stream in is restarted; every version is announced once
+    """A publisher process SIGKILLed while versions wait for it (frozen by SIGSTOP first, so the kill always
+    comes mid-stream, however fast it is) is restarted; every version is announced once
     (a repeat only ever as the same manifest), in order, and the region's LATEST ends at the newest."""
     async with _regions(tmp_path, ("hub", "eu")) as world:
         rs, run = world.rs, world.run
@@ -530,13 +531,15 @@ async def test_sigkilled_publisher_process_loses_no_announcement(tmp_path: Path)
             for _ in range(3):
                 await source.step_and_publish(trainer)
             await _wait_announced(trainer, 1, timeout_s=60)
-            for _ in range(3):
-                await source.step_and_publish(trainer)
+            await source.step_and_publish(trainer)
             await _wait_announced(trainer, 4, timeout_s=60)
+            proc.send_signal(signal.SIGSTOP)      # frozen, so versions 5 and 6 are still waiting when it dies
+            for _ in range(2):
+                await source.step_and_publish(trainer)
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
             at_kill = [m.version for m in await _announcements(trainer)]
-            assert at_kill[-1] < 6                # killed mid-stream: versions were still waiting
+            assert at_kill == list(range(5))
             for _ in range(2):
                 await source.step_and_publish(trainer)
             proc = _spawn_publisher(rs, run, settings, tmp_path / "pub-2.log")
