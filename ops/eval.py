@@ -227,13 +227,13 @@ def sample_passes(policy: Policy, tasks: Sequence[Any], *, samples: int, tempera
                   max_tokens: int, seed: int = 0, progress: Callable[[int], None] | None = None,
                   runner: Any = None) -> list[int]:
     """Per task, how many of `samples` completions at `temperature` pass every test (one batched
-    `generate` call per SAMPLE_TASKS_PER_CALL tasks, bfloat16 KV cache like the generators, prompts and stops
+    `generate` call per SAMPLE_TASKS_PER_CALL tasks, the generators' KV-cache dtype, prompts and stops
     from `policy.tokenizer`; graded by `runner`, a `model.grading` runner: `rlbus eval` hands in a sandbox's,
     None is a plain `model.grading` subprocess). Seeded: the same arguments give the same counts."""
     import torch
 
     from rlbus.model.episodes import completion_text
-    from rlbus.model.generate import generate
+    from rlbus.model.generate import generate, sampling_kv_dtype
     from rlbus.model.grading import grade_many, subprocess_runner
 
     tokenizer = policy.tokenizer
@@ -246,7 +246,7 @@ def sample_passes(policy: Policy, tasks: Sequence[Any], *, samples: int, tempera
         with torch.no_grad():
             out = generate(policy, prompts, max_new_tokens=max_tokens, temperature=temperature,
                            eos_id=tokenizer.stop_id, pad_id=tokenizer.pad_id, generator=sampler,
-                           kv_dtype=torch.bfloat16)
+                           kv_dtype=sampling_kv_dtype(policy.device))
         graded = grade_many([(chunk[j // samples], completion_text(s.tokens.tolist(), tokenizer))
                              for j, s in enumerate(out)], runner=runner or subprocess_runner)
         passes += [sum(graded[k * samples + j].passed for j in range(samples)) for k in range(len(chunk))]

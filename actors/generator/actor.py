@@ -86,7 +86,7 @@ from rlbus.messages.retry import retry_policy
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model.env import FunctionEnvironment
-from rlbus.model.generate import SampledSequence, generate
+from rlbus.model.generate import SampledSequence, generate, sampling_kv_dtype
 from rlbus.model.grading import GradeCase, GradeResult
 from rlbus.model.policy import ChatTokenizer, Policy
 from rlbus.model.repo_tasks import VERIFIER_KIND as REPO_KIND
@@ -343,15 +343,15 @@ class Generator(Actor):
 
     def _sample_rows(self, contexts: list[list[int]], n: int, seed: int) -> list[SampledSequence]:
         """One `generate` call over the open drafts of every task in the batch (SampleBatcher's worker
-        thread); weights are swapped in flight between decoding steps. The KV cache is bfloat16, like the
-        published weights: attention over it, most of a decoding step at 64 rows, runs ~1.9x faster on CPU,
-        and the rollouts' behaviour logprobs are those of that computation (the trainer's IS weights see it)."""
+        thread); weights are swapped in flight between decoding steps. The KV cache's dtype is
+        `sampling_kv_dtype`'s (float32 on CPU); the rollouts' behaviour logprobs are those of that computation."""
         weights = self._weights()
         with self._model_lock:
             return generate(weights.model, contexts, max_new_tokens=n, temperature=self.config.temperature,
                             eos_id=self.tokenizer.stop_id, pad_id=self.tokenizer.pad_id,
                             version=weights.held_version or 0, on_step=weights.maybe_swap,
-                            generator=torch.Generator().manual_seed(seed), kv_dtype=torch.bfloat16)
+                            generator=torch.Generator().manual_seed(seed),
+                            kv_dtype=sampling_kv_dtype(weights.model.device))
 
     async def grade_case(self, task: Task, task_id: str, case: GradeCase, *, attempt: int) -> Attempt:
         """Grade `case` (an attempt's program on the task's hidden tests) in the region's sandbox; no verdict is a

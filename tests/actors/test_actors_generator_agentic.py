@@ -239,7 +239,7 @@ async def test_scripted_policies_solve_or_fail_every_level_through_the_real_sand
 async def test_sampled_turns_are_capped_and_scored_as_sampled(env: Env) -> None:
     """Sampled (unscripted) turns of a random policy: each at most max_tokens ids, the episode ended by its turn
     budget with reward 0 and graded once; the rollout's masked ids are exactly the sampled ones, their behaviour
-    logprobs reproduced by a forward pass (bf16 KV cache tolerance); the observations between turns are masked."""
+    logprobs reproduced by a forward pass (float32 rounding); the observations between turns are masked."""
     model = tiny_model()
     task = repo_task(1, 21)
     config = GeneratorConfig(group_size=2, max_tokens=16, sandbox_timeout_s=20.0, agentic=AgenticSettings(max_turns=2))
@@ -260,7 +260,7 @@ async def test_sampled_turns_are_capped_and_scored_as_sampled(env: Env) -> None:
         assert len(spans) == 2 and all(0 < n <= 16 for n in spans) and mask[-1] == 1
         keep = torch.tensor(mask, dtype=torch.bool)
         torch.testing.assert_close(teacher_forced(model, r)[keep], torch.tensor(r.behaviour_logprobs.tolist())[keep],
-                                   atol=5e-3, rtol=0)
+                                   atol=1e-4, rtol=0)
         between = r.completion_tokens.tolist()[spans[0]:len(mask) - spans[1]]
         assert TOK.observation_id in between and "tool call" in TOK.decode(between)
 
@@ -391,7 +391,7 @@ async def test_a_full_context_is_summarised_trained_per_segment_and_kept_across_
     assert batch.tokens.shape[0] == 6 and batch.owner.tolist() == [0, 0, 0, 1, 1, 1]
     with torch.no_grad():
         logp = core.logprobs(core.policy, batch)
-    torch.testing.assert_close(logp[batch.mask], batch.behaviour[batch.mask], atol=5e-3, rtol=0)
+    torch.testing.assert_close(logp[batch.mask], batch.behaviour[batch.mask], atol=1e-4, rtol=0)
     for r in (r for r in group if r.task_id == saved.task_id):
         assert msgspec.msgpack.encode(r.segments) == msgspec.msgpack.encode(segments)
         assert r.timings["resumes"] == 1.0 and r.prompt_tokens.tolist()[-1] == TOK.summary_id

@@ -282,6 +282,6 @@ async def test_generator_discards_hostile_partials_and_starts_over(tmp_path: Pat
         assert r.prompt_tokens.tolist() == TOK.prompt_ids(by_task[r.task_id].prompt)
         assert set(r.policy_versions.tolist()) == {HELD}
         mask = torch.tensor(r.loss_mask.tolist(), dtype=torch.bool)
-        torch.testing.assert_close(_teacher_forced(model, r)[mask],  # atol: the generator's KV cache is bf16
-                                   torch.tensor(r.behaviour_logprobs.tolist())[mask], atol=5e-3, rtol=0)
+        torch.testing.assert_close(_teacher_forced(model, r)[mask],  # atol: float32 rounding of a batched, cached forward
+                                   torch.tensor(r.behaviour_logprobs.tolist())[mask], atol=1e-4, rtol=0)
     assert msgspec.json.encode(counters)      # the counters are plain numbers (heartbeat-able)
