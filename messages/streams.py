@@ -118,6 +118,28 @@ def _covers(have: Any, want: Any) -> bool:
     return bool(have == want)
 
 
+_NO_PLACEMENT: Final = 10005
+"""JetStream's err_code when a replicated stream finds too few peers online: a cluster still forming."""
+
+PLACEMENT_WAIT_S: Final = 30.0
+"""How long `ensure_stream` asks again while a just-started cluster does not yet see all its peers."""
+
+
+async def _add_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """`add_stream`, asked again every 0.25 s for up to PLACEMENT_WAIT_S while the cluster reports too few peers
+    online (its nodes have started but have not all met yet)."""
+    deadline = time.monotonic() + PLACEMENT_WAIT_S
+    while True:
+        try:
+            await js.add_stream(config)
+            return
+        except BadRequestError as err:
+            if err.err_code != _NO_PLACEMENT or time.monotonic() > deadline:
+                raise
+            log.info("stream_placement_wait", stream=config.name, reason=err.description)
+        await anyio.sleep(0.25)
+
+
 async def ensure_stream(js: JetStreamContext,
                         config: StreamConfig) -> Literal["created", "updated", "unchanged"]:
     """Create `config`'s stream, or update it when a setting we care about differs; else change nothing."""
@@ -126,7 +148,7 @@ async def ensure_stream(js: JetStreamContext,
         info = await js.stream_info(config.name)
     except NotFoundError:
         try:
-            await js.add_stream(config)
+            await _add_stream(js, config)
             log.info("stream_created", stream=config.name, subjects=config.subjects)
             return "created"
         except BadRequestError as err:  # created concurrently by another provisioner
