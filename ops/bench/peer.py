@@ -32,6 +32,9 @@ ARMS: Final = ("trl", "rlbus")
 QUICK: Final = {"group_size": 4, "tasks_per_step": 2, "max_tokens": 32}
 """--quick's batch (8 rollouts a step) and completion length: a smoke test of both arms, not a comparison."""
 _PRETRAIN_SEED: Final = 0
+TASK_STEPS_PER_S: Final = 4
+"""TRL's task list is sized to last its budget at this many optimizer steps a second, well above its pace
+here (about one step a second where completions are short); 10 000 tasks take about 3 s to build."""
 UNMATCHED: Final = (
     "KL: rlbus weighs the k1 estimator (-log r) by trainer.kl_coef, TRL the k3 estimator by beta; the same "
     "coefficient, not the same penalty",
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     topology = rlbus_topology(f"p{uuid.uuid4().hex[:8]}", work / "rlbus", base, shared,
                               generators=args.peer_generators)
     held = held_out_tasks(hf.evaluator.tasks, hf.evaluator.seed, n_held)
-    train = _train_tasks(topology, n=max(64, int(budget) * 4))
+    train = _train_tasks(topology, n=TASK_STEPS_PER_S * shared.tasks_per_step * max(16, int(budget)))
     note = "" if n_held >= 500 else f" (quick: {n_held} held-out tasks, fewer than the 500 of a real run)"
     _say(f"policy {base}; {minutes:g} min per arm; held-out {n_held} tasks{note}; state in {work}")
     with anyio.from_thread.start_blocking_portal("asyncio") as portal, \
