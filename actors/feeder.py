@@ -1,4 +1,5 @@
-"""The task feeder: puts coding tasks on every region's TASKS work queue, each backlog bounded yet full.
+"""The task feeder: puts coding tasks on every region's TASKS work queue, each backlog bounded yet full
+(and, with `max_rollouts_ahead`, the work ahead of the trainer bounded too).
 
 Owns: `Feeder` (kind "feeder"; its settings are actors/common/config.py `FeederConfig`), the task sources (the built-in family
 `model.tasks.train_tasks(seed)`, HumanEval's problems of `tasks = "humaneval"`, the built-in repository tasks of
@@ -102,8 +103,11 @@ class Feeder(Actor):
             return
         while True:
             fed = 0
+            room = await self._room()
             for region, _ in self.weights:
-                fed += await self._top_up(region)
+                n = await self._top_up(region, room)
+                fed += n
+                room = None if room is None else room - n
             self.tasks.forget_below(min(self.cursors.values()))
             self.gauges["position"] = float(min(self.cursors.values()))
             if fed:
@@ -138,6 +142,35 @@ class Feeder(Actor):
             return None
         return int(info.state.messages)
 
+    async def _room(self) -> int | None:
+        """Tasks the regions may still be given under `max_rollouts_ahead` (None: no bound): the bound less the
+        tasks queued in every region that answers (x group size) and the rollouts waiting for the trainer, in
+        tasks; 0 while the trainer's consumer does not answer."""
+        bound = self.config.max_rollouts_ahead
+        if bound is None:
+            return None
+        hub = self.launch.hub or self.ident.region
+        js = self.bus.jetstream(self.launch.domains.get(hub, hub))
+        try:
+            with anyio.fail_after(max(1.0, self.config.poll_interval_s * 2)):
+                info = await js.consumer_info(self.bus.subjects.hub_rollouts_stream(),
+                                              self.bus.subjects.durable("trainer"))
+        except nats.js.errors.NotFoundError:
+            waiting = 0                            # no trainer consumer yet: nothing handed on, nothing waiting
+        except (nats.errors.Error, TimeoutError) as err:
+            self.count("trainer_unreachable")
+            self._trouble(hub, "feeder_trainer_queue_unknown", error=repr(err))
+            return 0
+        else:
+            waiting = int(info.num_pending)
+        queued = 0
+        for region, _ in self.weights:
+            backlog = await self._backlog(region)
+            queued += backlog or 0          # a cut-off region's tasks wait there; the others go on
+        ahead = queued * self.launch.group_size + waiting
+        self.gauges["rollouts_ahead"] = float(ahead)
+        return max(0, (bound - ahead) // self.launch.group_size)
+
     def _trouble(self, region: str, event: str, **fields: str) -> None:
         """Log a region's trouble once per outage (polls repeat it every `poll_interval_s`)."""
         if region not in self._troubled:
@@ -149,8 +182,9 @@ class Feeder(Actor):
             self._troubled.discard(region)
             log.info("feeder_region_back", region=region)
 
-    async def _top_up(self, region: str) -> int:
-        """Publish the region's next tasks until its backlog is at the bound; returns how many."""
+    async def _top_up(self, region: str, room: int | None = None) -> int:
+        """Publish the region's next tasks until its backlog is at the bound, at most `room` of them (None: no
+        limit); returns how many."""
         backlog = await self._backlog(region)
         if backlog is None:
             return 0
@@ -159,7 +193,7 @@ class Feeder(Actor):
         self.gauges[f"backlog_{region}"] = float(backlog)
         fed = 0
         with self.busy():
-            while backlog + fed < self.config.backlog_per_region:
+            while backlog + fed < self.config.backlog_per_region and (room is None or fed < room):
                 if not await self._publish_next(region):
                     break        # the end, or retried next poll (same region, same msg id)
                 fed += 1

@@ -146,6 +146,7 @@ def feeder_launch(topology: Topology) -> FeederLaunch:
     counts = {r.name: float(sum(1 for i in topology.instances(r.name) if i.kind == "generator"))
               for r in topology.regions}
     return FeederLaunch(regions=[r.name for r in topology.regions], group_size=topology.generator.group_size,
+                        hub=topology.hub.name,
                         eval_seed=topology.evaluator.seed,    # training never draws the evaluator's held-out prompts
                         eval_tasks=topology.evaluator.tasks,
                         default_weights=counts if any(counts.values()) else {})

@@ -267,6 +267,15 @@ def _settings(topology: Topology) -> Iterator[Found]:
         yield _p("evaluator.tasks", f"the held-out set is feeder.tasks_file {feeder.tasks_file!r} itself: training "
                  f"skips every held-out prompt, so it would draw nothing; give the evaluator another source",
                  also=("feeder.tasks_file",))
+    ahead, group, batch = feeder.max_rollouts_ahead, topology.generator.group_size, topology.trainer.batch_rollouts
+    if ahead is not None and ahead < group:
+        yield _p("feeder.max_rollouts_ahead", f"{ahead} rollouts is less than one task's group "
+                 f"(generator.group_size = {group}): no task would ever be fed; expected at least "
+                 f"{max(group, 2 * batch)} (about 2 x trainer.batch_rollouts)", also=("generator.group_size",))
+    elif ahead is not None and ahead < batch:
+        yield _p("feeder.max_rollouts_ahead", f"{ahead} rollouts is less than one step's batch "
+                 f"(trainer.batch_rollouts = {batch}): the trainer would wait on the generators every step; "
+                 f"expected about {2 * batch}", "warning", also=("trainer.batch_rollouts",))
     if feeder.tasks == "humaneval" and topology.evaluator.tasks == "humaneval":
         yield _p("evaluator.tasks", "the held-out set is HumanEval, which feeder.tasks trains on: training skips "
                  "every held-out prompt, so it would draw nothing; give the evaluator another source",

@@ -81,6 +81,13 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Built-in tasks only: feed just the tasks of these difficulty levels (1-3 pipeline steps; if/else "branch"
     tasks are level 1), like `[1, 2]`; empty: every level. A curriculum for a weak policy: groups of tasks it
     never solves have equal rewards and teach nothing. The evaluator's held-out set keeps every level."""
+    max_rollouts_ahead: PositiveInt | None = None
+    """Bound the work ahead of the trainer: publish no task while the tasks in the TASKS streams (each worth
+    `generator.group_size` rollouts; a task counts until its generator has published its rollouts) plus the
+    rollouts the trainer has not been handed yet (its durable consumer's pending count on the hub's ROLLOUTS)
+    reach this many rollouts. Generators that outpace the trainer then wait instead of making rollouts that
+    reach it several versions old or only to be dropped as stale; about 2-3 x `trainer.batch_rollouts` keeps the
+    trainer fed. None (the default): only `backlog_per_region` bounds the queues."""
     lockstep: bool = False
     """Benchmark schedule (the synchronous arm of `rlbus bench async`): instead of keeping backlogs full, publish
     exactly `backlog_per_region` tasks to a region each time its LATEST weights key announces a new policy
@@ -98,6 +105,8 @@ class FeederLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Region → JetStream domain (default: the region name)."""
     group_size: PositiveInt = 8
     """`Task.group_size`: completions a generator samples per task (the topology's generator.group_size)."""
+    hub: str | None = None
+    """The hub region, whose ROLLOUTS the trainer consumes (`max_rollouts_ahead`); None: the feeder's own."""
     eval_seed: int | None = None
     """Seed of the evaluator's held-out set, whose prompts the built-in sequence skips (the launcher passes
     the topology's evaluator.seed); None: the held-out set of `seed`."""

@@ -501,3 +501,48 @@ async def test_task_ledger_accounts_for_every_fed_task(two_regions: tuple[Region
     assert book.lost == [deleted] and not book.clean
     assert (book.fed, book.rolled_out, book.dead_lettered, book.pending) == (8, 2, 1, 4)
     assert book.unfed == [] and deleted not in [*rolled, dead]
+
+
+async def test_work_ahead_of_the_trainer_stays_under_the_bound(tmp_path: Path) -> None:
+    """max_rollouts_ahead 10, groups of 2: 5 tasks are queued, no more; 3 settled by a generator (a rollout
+    published, the task acked) leave the trainer 3 rollouts waiting, so one task more is fed (3 x 2 + 3 <= 10);
+    once the trainer is handed the 3, two more are: 8 fed in all and 5 queued."""
+    rs, run = _start(tmp_path, ["hub"])
+    try:
+        env = await _provision(rs, run)
+        config = FeederConfig(seed=4, backlog_per_region=8, poll_interval_s=0.1, max_rollouts_ahead=10)
+        launch = FeederLaunch(regions=["hub"], group_size=2, hub="hub")
+
+        async def queued(n: int) -> bool:
+            return len(await stream_tasks(env, "hub")) == n
+
+        async with feeding(env, config, launch) as feeder:
+            await eventually(functools.partial(queued, 5))
+            await anyio.sleep(0.5)                           # several more polls: still 5
+            assert await queued(5) and feeder.counters["tasks"] == 5
+            settled = [await settle_one(env, "hub", "rollout") for _ in range(3)]
+            await eventually(functools.partial(queued, 3))
+            await anyio.sleep(0.5)
+            assert await queued(3) and feeder.counters["tasks"] == 6
+            assert feeder.gauges["rollouts_ahead"] == 9.0
+            trainer = await env.bus("hub", "trainer")
+            try:
+                s = trainer.subjects
+                handed: list[str] = []
+                async with aclosing(trainer.consume(s.hub_rollouts_stream(), s.durable("trainer"), Rollout,
+                                                    batch=3)) as deliveries:
+                    async for delivery in deliveries:
+                        handed.append(delivery.message.task_id)
+                        await delivery.ack_sync()
+                        if len(handed) == 3:
+                            break
+            finally:
+                await trainer.close()
+            assert handed == settled
+            await eventually(functools.partial(queued, 5))
+            await anyio.sleep(0.5)
+            assert await queued(5) and feeder.counters["tasks"] == 8
+            assert feeder.gauges["rollouts_ahead"] == 10.0
+        assert [t.task_id for t in await stream_tasks(env, "hub")] == expected_ids(4, [("hub", 1.0)], "hub", 8)[3:]
+    finally:
+        rs.stop()

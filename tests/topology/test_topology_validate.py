@@ -46,6 +46,7 @@ CASES: dict[str, tuple[str, str]] = {
     "duplicate_actor_name.toml": ("regions[0].actors[2].kind", "duplicate actor name 'generator' in region 'hub'"),
     "generators_without_sandbox.toml": ("regions[1].actors", "region 'eu' has generators but no sandbox"),
     "batch_smaller_than_group.toml": ("trainer.batch_rollouts", "cannot hold one whole group of generator.group_size = 16"),
+    "rollouts_ahead_below_group.toml": ("feeder.max_rollouts_ahead", "less than one task's group"),
     "max_group_size_not_multiple.toml": ("generator.max_group_size", "20 is not a multiple of group_size = 8"),
     "weights_keep_too_few.toml": ("weights.keep_versions", "expected keep_versions >= weights.full_every = 5, found 2"),
     "backoff_inverted.toml": ("restart.backoff_initial_s", "expected backoff_initial_s <= restart.backoff_max_s = 5.0"),
