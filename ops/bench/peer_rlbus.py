@@ -23,7 +23,8 @@ HUB: Final = "hub"
 
 def rlbus_topology(run: str, state: Path, base: Path, shared: Shared, *, generators: int) -> Any:
     """hf.toml's run on `base`: feeder, generators, sandbox, trainer, publisher, checkpointer (no evaluator: the
-    bench scores off the clock); constant lr, every group trained on (TRL has no flat-group drop)."""
+    bench scores off the clock); constant lr, every group trained on (TRL has no flat-group drop), every version
+    published as a full snapshot."""
     import msgspec
 
     from rlbus.topology.examples import example_path
@@ -39,8 +40,11 @@ def rlbus_topology(run: str, state: Path, base: Path, shared: Shared, *, generat
     trainer = replace(hf.trainer, lr=shared.lr, lr_decay_steps=0, kl_coef=shared.kl_coef, drop_flat_groups=False,
                       scale_by_std=False, aggregation="token_mean", seed=shared.seed,
                       batch_rollouts=shared.group_size * shared.tasks_per_step)
+    # One region on loopback and a model of a few MB: full snapshots cost the publisher a copy, where deltas from
+    # several bases each version cost it a core's share that the generator and trainer need.
+    weights = replace(hf.weights, full_every=1)
     return replace(hf, run=run, state_dir=str(state), policy=policy, generator=generator, trainer=trainer,
-                   regions=[Region(name=HUB, role="hub", actors=actors)])
+                   weights=weights, regions=[Region(name=HUB, role="hub", actors=actors)])
 
 
 async def run_rlbus(topology: Any, state: Path, *, budget_s: float, marks: list[float], out: Path,

@@ -70,3 +70,25 @@ def test_quick_peer_bench_reports_consistent_keys_for_both_arms(
     assert any("KL" in note for note in result["unmatched"])
     assert "throughput ratio" in table(result)
     assert processes_mentioning(str(work)) == []
+
+
+@pytest.mark.parametrize("generators", [1, 2])
+def test_rlbus_arm_topology_carries_the_matched_settings_and_validates(tmp_path: Path, generators: int) -> None:
+    """The rlbus arm's topology trains with exactly the shared settings, publishes full snapshots, and
+    `rlbus validate`'s rules find no error in it."""
+    from rlbus.ops.bench.peer_rlbus import rlbus_topology
+    from rlbus.ops.bench.peer_trl import Shared
+    from rlbus.topology.rules import check
+
+    shared = Shared(group_size=4, tasks_per_step=3, temperature=0.9, max_tokens=48, lr=2e-4, kl_coef=0.02,
+                    grad_clip=1.0, seed=7)
+    topology = rlbus_topology("peer", tmp_path / "state", tmp_path / "base", shared, generators=generators)
+    g, t = topology.generator, topology.trainer
+    assert (g.group_size, g.temperature, g.max_tokens, g.max_attempts) == (4, 0.9, 48, 1)
+    assert (t.lr, t.lr_decay_steps, t.kl_coef, t.batch_rollouts, t.seed) == (2e-4, 0, 0.02, 12, 7)
+    assert (t.drop_flat_groups, t.scale_by_std, t.aggregation) == (False, False, "token_mean")
+    assert topology.weights.full_every == 1
+    assert topology.policy.path == str((tmp_path / "base").resolve()) and topology.policy.dtype == "float32"
+    [hub] = topology.regions
+    assert [a.count for a in hub.actors if a.kind == "generator"] == [generators]
+    assert [p for p in check(topology, local_cores=2) if p.severity == "error"] == []
