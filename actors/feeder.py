@@ -103,9 +103,10 @@ class Feeder(Actor):
             return
         while True:
             fed = 0
-            room = await self._room()
+            backlogs = {region: await self._backlog(region) for region, _ in self.weights}   # one read a poll
+            room = await self._room(backlogs)
             for region, _ in self.weights:
-                n = await self._top_up(region, room)
+                n = await self._top_up(region, backlogs[region], room)
                 fed += n
                 room = None if room is None else room - n
             self.tasks.forget_below(min(self.cursors.values()))
@@ -142,10 +143,10 @@ class Feeder(Actor):
             return None
         return int(info.state.messages)
 
-    async def _room(self) -> int | None:
+    async def _room(self, backlogs: dict[str, int | None]) -> int | None:
         """Tasks the regions may still be given under `max_rollouts_ahead` (None: no bound): the bound less the
-        tasks queued in every region that answers (x group size) and the rollouts waiting for the trainer, in
-        tasks; 0 while the trainer's consumer does not answer."""
+        tasks queued in every region that answers (`backlogs`, x group size) and the rollouts waiting for the
+        trainer, in tasks; 0 while the trainer's consumer does not answer."""
         bound = self.config.max_rollouts_ahead
         if bound is None:
             return None
@@ -163,10 +164,7 @@ class Feeder(Actor):
             return 0
         else:
             waiting = int(info.num_pending)
-        queued = 0
-        for region, _ in self.weights:
-            backlog = await self._backlog(region)
-            queued += backlog or 0          # a cut-off region's tasks wait there; the others go on
+        queued = sum(b or 0 for b in backlogs.values())    # a cut-off region's tasks wait there; the others go on
         ahead = queued * self.launch.group_size + waiting
         self.gauges["rollouts_ahead"] = float(ahead)
         return max(0, (bound - ahead) // self.launch.group_size)
@@ -182,10 +180,9 @@ class Feeder(Actor):
             self._troubled.discard(region)
             log.info("feeder_region_back", region=region)
 
-    async def _top_up(self, region: str, room: int | None = None) -> int:
-        """Publish the region's next tasks until its backlog is at the bound, at most `room` of them (None: no
-        limit); returns how many."""
-        backlog = await self._backlog(region)
+    async def _top_up(self, region: str, backlog: int | None, room: int | None = None) -> int:
+        """Publish the region's next tasks until its `backlog` (None: its server did not answer) is at the bound,
+        at most `room` of them (None: no limit); returns how many."""
         if backlog is None:
             return 0
         if backlog >= self.config.backlog_per_region:
