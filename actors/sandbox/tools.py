@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -227,6 +228,8 @@ def _outcome(out: RunOutcome, limits: ToolLimits, timeout_s: float) -> Reply:
     if out.timed_out:
         return Reply(False, output, f"the command was killed after {timeout_s:g} s (its wall timeout)",
                      truncated, None, "timeout")
+    if out.exit_code == -signal.SIGXCPU:        # its CPU-time limit: a busy command can meet it before the wall's
+        return Reply(False, output, "the command was killed at its CPU-time limit", truncated, None, "timeout")
     if out.truncated:
         return Reply(False, output, f"the command's output passed {limits.max_output_bytes} bytes; it was "
                                     f"killed", True, None, "output_limit")
