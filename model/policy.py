@@ -275,6 +275,38 @@ def resolve_device(name: str) -> torch.device:
     raise PolicyError(f"policy device {name!r}: expected 'auto', 'cpu' or 'cuda'")
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 matrices in hardware: a CUDA device that supports bf16, or a CPU with
+    AMX-BF16 or AVX512-BF16 (Linux `/proc/cpuinfo` flags). Elsewhere bf16 matmuls are emulated and slower than
+    float32."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    try:
+        flags = {f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+                 for f in line.split(":", 1)[1].split()}
+    except OSError:
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def reference_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype the trainer holds its frozen reference in (`[trainer] reference_dtype`): "auto" is bfloat16
+    where `device` has native bf16 matmuls (`native_bf16`), float32 elsewhere.
+
+    :raises PolicyError: an unknown name.
+    """
+    match name:
+        case "auto":
+            return torch.bfloat16 if native_bf16(device) else torch.float32
+        case "bfloat16":
+            return torch.bfloat16
+        case "float32":
+            return torch.float32
+    raise PolicyError(f"reference dtype {name!r}: expected 'auto', 'bfloat16' or 'float32'")
+
+
 def spec_kind(spec: Mapping[str, Any]) -> str:
     """The implementation a spec names ("builtin" when it names none)."""
     return str(spec.get("policy", "builtin"))

@@ -140,7 +140,7 @@ def build_trainer_core(config: TrainerConfig, *, threads: int, pretrained: str =
     empty: a fresh tiny model) on `device` (`TrainerLaunch.device`): the trainer's setup and `rlbus replay FILE
     train` (ops/recording/retrain.py) both start here, so a replay cannot drift from the live trainer."""
     torch.set_num_threads(threads)
-    return build_core(pretrained, lr=config.lr, seed=config.seed, device=device)
+    return build_core(pretrained, lr=config.lr, seed=config.seed, device=device, reference=config.reference_dtype)
 
 
 class Trainer(Actor):

@@ -52,6 +52,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """Drop rollouts whose oldest token is more than this many policy versions old."""
     kl_coef: NonNegativeFloat = 0.001
     """Weight of the k1 KL estimator (-log r) against the reference policy."""
+    reference_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """What the frozen reference's weights and logprob forward run in: 'auto' is bfloat16 where the trainer's
+    device multiplies bf16 in hardware (a CUDA GPU; a CPU with AMX-BF16 or AVX512-BF16), where that forward
+    takes about half the time of float32, and float32 elsewhere (emulated bf16 would be slower). The policy
+    itself always trains in float32."""
     is_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
     """Cap of the truncated importance weight pi/mu for off-policy tokens."""
     length_penalty: LengthPenaltyConfig = LengthPenaltyConfig()

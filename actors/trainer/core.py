@@ -43,6 +43,7 @@ from rlbus.model.policy import (
     fresh_builtin,
     load_policy,
     policy_from_spec,
+    reference_dtype,
     resolve_device,
 )
 
@@ -294,9 +295,10 @@ class TrainerCore:
     """The fp32 master policy, its frozen reference and AdamW, on the policy's device. Not thread-safe: one
     caller at a time."""
 
-    def __init__(self, policy: Policy, reference: Policy, *, lr: float, seed: int = 0) -> None:
+    def __init__(self, policy: Policy, reference: Policy, *, lr: float, seed: int = 0,
+                 reference_dtype: torch.dtype = torch.float32) -> None:
         self.policy = policy.to_(dtype=torch.float32).train()
-        self.reference = reference.to_(device=policy.device, dtype=torch.float32).eval()
+        self.reference = reference.to_(device=policy.device, dtype=reference_dtype).eval()
         self.reference.module.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.policy.module.parameters(), lr=lr, betas=(0.9, 0.95),
                                            weight_decay=0.0)
@@ -508,10 +510,11 @@ def state_policy(state: bytes | Mapping[str, bytes], *, device: torch.device | s
     return policy.to_(dtype=dtype).eval()
 
 
-def build_core(pretrained: str, *, lr: float, seed: int, device: str = "auto") -> TrainerCore:
+def build_core(pretrained: str, *, lr: float, seed: int, device: str = "auto",
+               reference: str = "float32") -> TrainerCore:
     """A core from a `pretrain.pt` (file or folder) or a Hugging Face directory (also the frozen reference),
     or, with `pretrained` empty, from a fresh tiny built-in policy initialised with `seed`; on `device`
-    ("auto": CUDA when present).
+    ("auto": CUDA when present), the reference held in `reference` (`[trainer] reference_dtype`).
 
     :raises FileNotFoundError: `pretrained` names nothing.
     :raises PolicyError: it names something that is not a policy, or `device` cannot be had here.
@@ -527,4 +530,4 @@ def build_core(pretrained: str, *, lr: float, seed: int, device: str = "auto") -
         torch.manual_seed(seed)
         policy = fresh_builtin()
     policy.to_(device=where, dtype=torch.float32)
-    return TrainerCore(policy, policy.clone(), lr=lr, seed=seed)
+    return TrainerCore(policy, policy.clone(), lr=lr, seed=seed, reference_dtype=reference_dtype(reference, where))

@@ -375,3 +375,42 @@ def test_a_long_segment_context_beside_a_long_completion_is_scored_by_the_full_f
             want = alone.gather(-1, batch.tokens[b, 1:n, None])[:, 0]
             torch.testing.assert_close(logp[b, :n - 1][batch.mask[b, :n - 1]], want[batch.mask[b, :n - 1]],
                                        atol=1e-5, rtol=0)
+
+
+def test_reference_dtype_names_resolve_by_device_and_unknown_ones_are_refused() -> None:
+    """'auto' is bfloat16 exactly where the device multiplies bf16 natively; the explicit names are themselves."""
+    from rlbus.model.policy import PolicyError, native_bf16, reference_dtype
+
+    cpu = torch.device("cpu")
+    assert reference_dtype("bfloat16", cpu) is torch.bfloat16 and reference_dtype("float32", cpu) is torch.float32
+    assert reference_dtype("auto", cpu) is (torch.bfloat16 if native_bf16(cpu) else torch.float32)
+    assert not native_bf16(torch.device("meta"))
+    with pytest.raises(PolicyError, match="'auto', 'bfloat16' or 'float32'"):
+        reference_dtype("float16", cpu)
+
+
+def test_a_bfloat16_reference_scores_like_the_float32_one_and_the_step_trains() -> None:
+    """The same batch against the same frozen weights held in bfloat16 and in float32: the reference's logprobs
+    agree to bf16 rounding, and a step with the bf16 reference moves the float32 master with a KL near 0 at
+    version 0 (the policy is the reference, up to that rounding)."""
+    config = ModelConfig.tiny(vocab_size=264)
+    torch.manual_seed(3)
+    model = Transformer(config)
+    cores = {dtype: TrainerCore(BuiltinPolicy(copy.deepcopy(model)), BuiltinPolicy(copy.deepcopy(model)), lr=1e-3,
+                                reference_dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+    low = cores[torch.bfloat16]
+    assert all(p.dtype is torch.bfloat16 for p in low.reference.module.parameters())
+    assert all(p.dtype is torch.float32 for p in low.model.parameters())
+    rollouts = sample_rollouts(model, tasks=2, group_size=4, max_new_tokens=8)
+    batch = rollout_batch(rollouts)
+    with torch.no_grad():
+        want = cores[torch.float32].logprobs(cores[torch.float32].reference, batch, 0.7)
+        got = low.logprobs(low.reference, batch, 0.7)
+    assert got.dtype is torch.float32
+    on = batch.mask.bool()
+    assert (got[on] - want[on]).abs().max() < 0.1 and (got[on] - want[on]).abs().mean() < 0.02
+    assert not torch.equal(got[on], want[on])              # it did run in bfloat16
+    before = [p.detach().clone() for p in low.model.parameters()]
+    stats = low.train_step(rollouts, Objective(kl_coef=0.1, temperature=0.7))
+    assert stats.applied and abs(stats.kl) < 0.02
+    assert any(not torch.equal(a, b) for a, b in zip(before, low.model.parameters(), strict=True))
