@@ -277,6 +277,8 @@ def _summary(topology: Any, steps: int, records: list[Any], manifests: list[Any]
         "staleness_bound": topology.trainer.staleness_versions,
         "batch_rollouts": topology.trainer.batch_rollouts,
         "step_interval_s": sorted(gaps)[len(gaps) // 2] if gaps else None,
+        "first_step_s": done[0].created_at - t0,
+        "step_intervals_s": [round(g, 3) for g in gaps],
         "startup_s": t0 - launched,
         "steps_taken": len([r for r in final_lineage(records) if r.rollout_ids]),
         "ledger": {"clean": book.clean, "produced": book.produced, "trained": book.trained,
