@@ -106,6 +106,24 @@ def partial_key(task_id: str) -> str:
     return "task-" + hashlib.sha256(task_id.encode()).hexdigest()[:32]
 
 
+class _Place:
+    """A task's hold on one of the generator's `concurrent_tasks` sampling places (`tasks_ahead`)."""
+
+    def __init__(self, places: anyio.Semaphore | None) -> None:
+        self._places = places
+        self.held = False
+
+    async def take(self) -> None:
+        if not self.held and self._places is not None:
+            await self._places.acquire()
+            self.held = True
+
+    def give_up(self) -> None:
+        if self.held:
+            self._places.release()
+            self.held = False
+
+
 class _TakenOver(Exception):
     """Another generator saved this task's partial since we read it: it owns the task now."""
 
@@ -126,6 +144,8 @@ class Generator(Actor):
         self._tokenizer = tokenizer
         self._model_lock = threading.Lock()
         self._sampling_s = 0.0
+        self._places: anyio.Semaphore | None = None
+        """`concurrent_tasks` sampling places (set once serving: a semaphore needs the event loop)."""
         self.agentic = AgenticGroups(self)
         self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "partials_discarded", "sandbox_errors",
                                             "tokens", "graded_repeats", "groups_grown", "grown_unpublished"), 0))
@@ -154,8 +174,9 @@ class Generator(Actor):
         self._note_version()
         self._batcher = SampleBatcher(self._sample_rows, max_len=weights.model.max_seq_len)
         log.info("generator_weights_ready", version=weights.held_version, policy=weights.model.describe())
+        self._places = anyio.Semaphore(self.config.concurrent_tasks)
         async with anyio.create_task_group() as tg:
-            for _ in range(self.config.concurrent_tasks):
+            for _ in range(self.config.concurrent_tasks + self.config.tasks_ahead):
                 tg.start_soon(self._worker)
 
     async def _worker(self) -> None:
@@ -240,10 +261,11 @@ class Generator(Actor):
             self.count("resumed")
             log.info("partial_resumed", task_id=message.task_id, rounds=state.rounds, chunks=state.chunks,
                      tokens=state.sampled_tokens, writer=state.writer)
+        place = _Place(self._places)
         try:
             while True:
                 while not state.finished(self.config.max_attempts):
-                    await self._advance(state, task)
+                    await self._advance(state, task, place)
                     state.writer = self.ident.actor_id
                     revision = await self._save(key, state, revision)
                 if any_passed(state) or state.group_size + group_size > self.config.max_group_size:
@@ -253,11 +275,14 @@ class Generator(Actor):
                 revision = await self._save(key, state, revision)
         except _TakenOver:
             return "taken_over"
+        finally:
+            place.give_up()
         await self._publish(state, task, message, key, group_size)
         return "published"
 
-    async def _advance(self, state: PartialGroup, task: Task) -> None:
-        """One step: summaries due, else one sampled chunk of the open drafts, else a graded round."""
+    async def _advance(self, state: PartialGroup, task: Task, place: _Place) -> None:
+        """One step: summaries due, else one sampled chunk of the open drafts (holding a sampling place from the
+        first chunk to the last), else a graded round (the place given up)."""
         starting = [ep for ep in state.episodes
                     if not ep.done(self.config.max_attempts) and not ep.draft_ids and not ep.draft_done]
         for ep in starting:
@@ -265,8 +290,10 @@ class Generator(Actor):
                 return
         sampling = [ep for ep in state.episodes if not ep.done(self.config.max_attempts) and not ep.draft_done]
         if sampling:
+            await place.take()
             await self._sample(state, sampling, task)
             return
+        place.give_up()
         grading = [(g, ep) for g, ep in enumerate(state.episodes)
                    if not ep.done(self.config.max_attempts) and ep.draft_done]
         started = time.monotonic()

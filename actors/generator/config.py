@@ -64,7 +64,11 @@ class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     partial_every_tokens: PositiveInt = 64
     """Save an in-progress rollout to the PARTIALS bucket every this many tokens, so a replacement resumes it."""
     concurrent_tasks: PositiveInt = 1
-    """Tasks one generator works on at once."""
+    """Tasks one generator samples at once (their drafts go into one batched call)."""
+    tasks_ahead: NonNegativeInt = 0
+    """Tasks a generator holds beyond `concurrent_tasks`, each waiting for a sampling place: when a task's drafts
+    are complete it gives its place up for grading and publishing, and a waiting task starts sampling at once,
+    so the sampler does not idle through a group's grading, its publishing and the fetch of the next task."""
     weights: Annotated[str, msgspec.Meta(pattern=r"^(sync|local:.+)$")] = "sync"
     """Where the policy comes from: 'sync' (the versions the publisher announces) or 'local:<path to pretrain.pt>' (fixed)."""
     local_version: NonNegativeInt = 0

@@ -77,6 +77,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     import uuid
 
     import anyio
+    import matplotlib.backends.backend_agg  # noqa: F401  pretrain plots with it: import it here, as torch._dynamo
     import torch._dynamo  # noqa: F401  here, not in pretrain's worker thread (actors/trainer/core.py: why)
 
     from rlbus.model.pretrain import PretrainConfig, pretrain
@@ -166,7 +167,10 @@ def _topology(arm: str, run: str, state: Path, *, settings: str, tasks: int, gen
               ActorSpec(kind="checkpointer")]
     replace = msgspec.structs.replace
     trainer = replace(work.trainer, batch_rollouts=tasks * work.generator.group_size, drop_flat_groups=False)
-    feeder = base.feeder
+    # every task the generators hold queued (tiny's backlog of 8 is one wave of 8 concurrent tasks: each wave
+    # then waited up to the feeder's poll interval for the next)
+    held = generators * (work.generator.concurrent_tasks + work.generator.tasks_ahead)
+    feeder = replace(base.feeder, backlog_per_region=max(base.feeder.backlog_per_region, held))
     if arm == "sync":
         trainer = replace(trainer, staleness_versions=0)
         feeder = replace(feeder, lockstep=True, backlog_per_region=tasks)

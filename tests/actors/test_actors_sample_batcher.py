@@ -69,6 +69,29 @@ async def test_requests_arriving_during_a_call_go_together_into_the_next() -> No
 
 
 @pytest.mark.anyio
+async def test_callers_coming_back_apart_share_one_call_and_a_missing_one_is_not_waited_for_long() -> None:
+    """Three callers of one call come back a few milliseconds apart (as after saving their partials): one call
+    takes all three, not a call for the first back and another for the rest. When only two of the three come
+    back, the call goes ahead without the third (after the linger)."""
+    run = _Recorder()
+    batcher = SampleBatcher(run, max_len=100, linger_s=1.0)
+
+    async def task(row: int, chunks: int, delay: float) -> None:
+        for _ in range(chunks):
+            await batcher.sample([[row]], 2, row)
+            await anyio.sleep(delay)                 # the save between chunks
+
+    async with anyio.create_task_group() as tg:
+        for row, delay in ((1, 0.0), (2, 0.01), (3, 0.02)):
+            tg.start_soon(task, row, 2, delay)
+    assert [rows for rows, _, _ in run.calls] == [3, 3]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(task, 4, 1, 0.0)
+        tg.start_soon(task, 5, 1, 0.0)
+    assert [rows for rows, _, _ in run.calls] == [3, 3, 2]
+
+
+@pytest.mark.anyio
 async def test_merged_call_never_exceeds_max_seq_len_and_rows_are_capped() -> None:
     """A long context limits the merged n to max_len - longest; max_rows splits the queue into calls."""
     run = _Recorder()
