@@ -276,6 +276,14 @@ def _settings(topology: Topology) -> Iterator[Found]:
         yield _p("feeder.max_rollouts_ahead", f"{ahead} rollouts is less than one step's batch "
                  f"(trainer.batch_rollouts = {batch}): the trainer would wait on the generators every step; "
                  f"expected about {2 * batch}", "warning", also=("trainer.batch_rollouts",))
+    gen = topology.generator
+    held = max((sum(spec.count for spec in region.actors if spec.kind == "generator") for region in topology.regions),
+               default=0) * (gen.concurrent_tasks + gen.tasks_ahead)
+    if not feeder.lockstep and feeder.backlog_per_region < held:
+        yield _p("feeder.backlog_per_region", f"{feeder.backlog_per_region} tasks is fewer than a region's generators "
+                 f"hold at once ({held}: generators x (generator.concurrent_tasks + generator.tasks_ahead)): they "
+                 f"wait for the feeder's next poll each time their tasks run out; expected at least {held}",
+                 "warning", also=("generator.concurrent_tasks", "generator.tasks_ahead"))
     if feeder.tasks == "humaneval" and topology.evaluator.tasks == "humaneval":
         yield _p("evaluator.tasks", "the held-out set is HumanEval, which feeder.tasks trains on: training skips "
                  "every held-out prompt, so it would draw nothing; give the evaluator another source",

@@ -42,6 +42,8 @@ UNMATCHED: Final = (
     "weighs tokens by the truncated ratio pi/mu (cap trainer.is_cap); TRL samples with the weights it trains "
     "(ratio 1, one iteration, its PPO clip never binds)",
     "threads: TRL is one process with 2 torch threads; rlbus runs a generator and a trainer of one thread each",
+    "reference precision: rlbus holds the frozen KL reference in trainer.reference_dtype (auto: bfloat16 on a CPU "
+    "with native bf16 matmuls, float32 elsewhere; see reference_dtype in the JSON), TRL in the policy's float32",
     "clock: TRL's runs from trainer.train() and stops at the end of the first step past the budget; rlbus's from "
     "the first task a generator can start (processes, servers and model loading excluded in both)",
 )
@@ -51,8 +53,9 @@ UNMATCHED: Final = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-minutes", type=float, default=10.0,
                    help="peer: wall-clock budget per arm, minutes (default 10; --quick: 0.05)")
-    p.add_argument("--peer-held-out", type=int, default=500,
-                   help="peer: held-out tasks every snapshot is scored on (default 500; --quick: 8)")
+    p.add_argument("--peer-held-out", type=int, default=2000,
+                   help="peer: held-out tasks every snapshot is scored on (default 2000, the whole held-out pool: "
+                        "95%% intervals of about +-0.015 at pass@1 0.15, about 12 s a snapshot; --quick: 8)")
     p.add_argument("--peer-size", choices=("tiny", "small"), default="small",
                    help="peer: recipe size of the shared Qwen2 policy (default small; --quick: tiny)")
     p.add_argument("--peer-pretrain-steps", type=int, default=160,
@@ -69,7 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import anyio
     import msgspec
+    import torch
 
+    from rlbus.model.policy import reference_dtype
     from rlbus.model.task_sources import held_out_tasks
     from rlbus.ops.bench.peer_rlbus import rlbus_topology
     from rlbus.ops.local_sandbox import local_sandbox
@@ -99,7 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               generators=args.peer_generators)
     held = held_out_tasks(hf.evaluator.tasks, hf.evaluator.seed, n_held)
     train = _train_tasks(topology, n=TASK_STEPS_PER_S * shared.tasks_per_step * max(16, int(budget)))
-    note = "" if n_held >= 500 else f" (quick: {n_held} held-out tasks, fewer than the 500 of a real run)"
+    note = "" if n_held >= 500 else f" (quick: {n_held} held-out tasks, fewer than the 2000 of a real run)"
     _say(f"policy {base}; {minutes:g} min per arm; held-out {n_held} tasks{note}; state in {work}")
     with anyio.from_thread.start_blocking_portal("asyncio") as portal, \
             portal.wrap_async_context_manager(local_sandbox("bench-peer", hf.sandbox)) as bus:
@@ -122,6 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result.update({
         "quick": quick, "minutes": minutes, "held_out_n": n_held, "policy_dir": str(base), "size": size,
         "pretrain_steps": steps, "generators": args.peer_generators,
+        "reference_dtype": str(reference_dtype(topology.trainer.reference_dtype, torch.device("cpu"))).split(".")[-1],
         "matched": {"group_size": shared.group_size, "tasks_per_step": shared.tasks_per_step,
                     "temperature": shared.temperature, "max_completion_tokens": shared.max_tokens, "lr": shared.lr,
                     "lr_schedule": "constant", "kl_coef": shared.kl_coef, "grad_clip": shared.grad_clip,

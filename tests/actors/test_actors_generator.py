@@ -319,6 +319,40 @@ async def test_concurrent_tasks_are_sampled_in_merged_batches_with_exact_logprob
                                    atol=LOGPROB_ATOL, rtol=0)
 
 
+async def test_tasks_ahead_wait_for_a_sampling_place_and_every_group_is_published_once(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """concurrent_tasks = 1 with tasks_ahead = 2: the generator holds three tasks, yet every sampling call
+    carries the drafts of one task only (one place), each task's drafts are sampled in consecutive calls
+    (a task keeps its place from its first chunk to its last), and all three groups are published whole."""
+    model = tiny_model()
+    tasks = [coding_task(i) for i in range(3)]
+    prompts = {tuple(TOK.prompt_ids(t.prompt)): t.task_id for t in tasks}
+    calls: list[set[str]] = []
+    sample_rows = Generator._sample_rows
+
+    def recording(self: Generator, contexts: list[list[int]], n: int, seed: int) -> object:
+        calls.append({task_id for prompt, task_id in prompts.items()
+                      for c in contexts if tuple(c[:len(prompt)]) == prompt})
+        return sample_rows(self, contexts, n, seed)
+
+    monkeypatch.setattr(Generator, "_sample_rows", recording)
+    for task in tasks:
+        await env.admin.publish(env.admin.subjects.tasks("hub"), task_message(task), msg_id=task.task_id)
+    config = msgspec.structs.replace(CONFIG, concurrent_tasks=1, tasks_ahead=2, max_attempts=1)
+    async with sandbox(env), generator(env, model, version=1, config=config) as actor:
+        stream = env.admin.subjects.tasks_stream("hub")
+
+        async def done() -> bool:
+            return await stored(env, stream) == 0 and actor.counters.get("tasks", 0) == 3  # type: ignore[attr-defined]
+        await eventually(done)
+    assert calls and all(len(c) == 1 for c in calls)
+    order = [next(iter(c)) for c in calls]
+    runs_of = [task_id for task_id, _ in itertools.groupby(order)]
+    assert sorted(runs_of) == sorted(t.task_id for t in tasks)      # no task's chunks interleave with another's
+    group = await rollouts(env)
+    assert sorted(r.rollout_id for r in group) == sorted(f"{t.task_id}-{g}" for t in tasks for g in range(2))
+
+
 async def test_task_is_acked_only_after_its_group_is_stored(env: Env) -> None:
     """With the region's ROLLOUTS stream gone the finished group cannot be stored: the task stays held (not
     acked), the generator retries; once the stream is back the group lands once and the task is acked.

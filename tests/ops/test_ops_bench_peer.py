@@ -37,7 +37,7 @@ def test_quick_peer_bench_reports_consistent_keys_for_both_arms(
          "bench", "peer", "--quick", "--json", "--peer-dir", str(work)],
         cwd=tmp_path, capture_output=True, text=True, timeout=280, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for line in ("trl: snapshot 1", "rlbus: snapshot 1", "scored v0", "fewer than the 500"):
+    for line in ("trl: snapshot 1", "rlbus: snapshot 1", "scored v0", "fewer than the 2000"):
         assert line in proc.stderr, line                               # progress of each arm and each score
     result = json.loads(proc.stdout)
     assert set(KEYS) <= set(result)
@@ -68,6 +68,8 @@ def test_quick_peer_bench_reports_consistent_keys_for_both_arms(
     assert Path(result["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {"kl_coef", "group_size", "temperature", "max_completion_tokens", "lr"} <= set(result["matched"])
     assert any("KL" in note for note in result["unmatched"])
+    assert result["reference_dtype"] in {"bfloat16", "float32"}
+    assert any(note.startswith("reference precision") for note in result["unmatched"])
     assert "throughput ratio" in table(result)
     assert processes_mentioning(str(work)) == []
 

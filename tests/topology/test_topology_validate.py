@@ -239,3 +239,17 @@ def test_intended_oversubscription_is_not_warned_about(name: str, tmp_path: Path
     copy.write_text(example_path(name).read_text().replace("oversubscribe = true", "oversubscribe = false"))
     _, problems = validate(copy, local_cores=2)
     assert [p.severity for p in problems] == ["warning"] and "torch actors ask for" in problems[0].message
+
+
+def test_a_feeder_backlog_below_what_the_generators_hold_is_warned_about(tmp_path: Path) -> None:
+    """single.toml's generators (2 x (8 + 8) tasks) with a backlog of 16 tasks: a warning naming the backlog and
+    what the generators hold; lockstep (which feeds one batch at a time on purpose) is not warned about."""
+    text = example_path("single").read_text().replace("[feeder]\n", "[feeder]\nbacklog_per_region = 16\n", 1)
+    path = tmp_path / "short.toml"
+    path.write_text(text)
+    _, problems = validate(path, local_cores=CORES)
+    assert [(p.severity, p.key) for p in problems] == [("warning", "feeder.backlog_per_region")]
+    assert "16 tasks is fewer than a region's generators hold at once (32" in problems[0].message
+    path.write_text(text.replace("backlog_per_region = 16\n", "backlog_per_region = 16\nlockstep = true\n"))
+    _, problems = validate(path, local_cores=CORES)
+    assert "feeder.backlog_per_region" not in [p.key for p in problems]
