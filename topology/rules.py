@@ -276,9 +276,8 @@ def _settings(topology: Topology) -> Iterator[Found]:
         yield _p("feeder.max_rollouts_ahead", f"{ahead} rollouts is less than one step's batch "
                  f"(trainer.batch_rollouts = {batch}): the trainer would wait on the generators every step; "
                  f"expected about {2 * batch}", "warning", also=("trainer.batch_rollouts",))
-    gen = topology.generator
     held = max((sum(spec.count for spec in region.actors if spec.kind == "generator") for region in topology.regions),
-               default=0) * (gen.concurrent_tasks + gen.tasks_ahead)
+               default=0) * topology.generator.tasks_held
     if not feeder.lockstep and feeder.backlog_per_region < held:
         yield _p("feeder.backlog_per_region", f"{feeder.backlog_per_region} tasks is fewer than a region's generators "
                  f"hold at once ({held}: generators x (generator.concurrent_tasks + generator.tasks_ahead)): they "

@@ -176,7 +176,7 @@ class Generator(Actor):
         log.info("generator_weights_ready", version=weights.held_version, policy=weights.model.describe())
         self._places = anyio.Semaphore(self.config.concurrent_tasks)
         async with anyio.create_task_group() as tg:
-            for _ in range(self.config.concurrent_tasks + self.config.tasks_ahead):
+            for _ in range(self.config.tasks_held):
                 tg.start_soon(self._worker)
 
     async def _worker(self) -> None:

@@ -169,7 +169,7 @@ def _topology(arm: str, run: str, state: Path, *, settings: str, tasks: int, gen
     trainer = replace(work.trainer, batch_rollouts=tasks * work.generator.group_size, drop_flat_groups=False)
     # every task the generators hold queued (tiny's backlog of 8 is one wave of 8 concurrent tasks: each wave
     # then waited up to the feeder's poll interval for the next)
-    held = generators * (work.generator.concurrent_tasks + work.generator.tasks_ahead)
+    held = generators * work.generator.tasks_held
     feeder = replace(base.feeder, backlog_per_region=max(base.feeder.backlog_per_region, held))
     if arm == "sync":
         trainer = replace(trainer, staleness_versions=0)
