@@ -2,9 +2,10 @@
 
 Owns: the async benchmark. Both arms run one after the other in the same call, on the same topology
 (one region: feeder, `--async-generators` generators (default 1), sandbox, trainer, publisher, checkpointer;
-the generator, trainer and sandbox settings of the default run `single` (`--async-settings`): 8 rollouts per
-task, 8 tasks sampled in one batch, 128 tokens, one attempt; flat groups kept so that a lockstep batch
-fills; the tiny example's checkpoint and restart settings), the same actor processes and torch threads
+the generator, trainer, sandbox, checkpoint and weights settings of the default run `single`
+(`--async-settings`): 8 rollouts per task, 8 tasks sampled in one batch, 128 tokens, one attempt, a checkpoint
+every 10 steps, every version a full snapshot; flat groups kept so that a lockstep batch fills; the tiny
+example's restart settings), the same actor processes and torch threads
 (one each: on 2 cores the generator and the trainer each get one), from the same starting policy
 (`--async-preset`, default the `small` pretrain preset's model, pretrained briefly once at the start and
 copied into each arm's state directory), generators sampling in `--async-dtype` ([policy] dtype, default
@@ -152,8 +153,8 @@ def _parameters(config: Any) -> int:
 
 def _topology(arm: str, run: str, state: Path, *, settings: str, tasks: int, generators: int,
               dtype: str = "float32") -> Any:
-    """The tiny example's run settings (checkpoints, restarts, weights) with this bench's actors, the
-    `settings` example's generator, trainer and sandbox, batches of `tasks` tasks and generators sampling in
+    """The tiny example's run settings (restarts, stream timing) with this bench's actors, the `settings`
+    example's generator, trainer, sandbox, checkpoint and weights settings, batches of `tasks` tasks and generators sampling in
     `dtype`; flat groups are kept (a lockstep batch must fill). The sync arm adds lockstep and staleness 0."""
     import msgspec
 
@@ -176,6 +177,7 @@ def _topology(arm: str, run: str, state: Path, *, settings: str, tasks: int, gen
         feeder = replace(feeder, lockstep=True, backlog_per_region=tasks)
     return replace(base, run=run, state_dir=str(state), regions=[Region(name=HUB, role="hub", actors=actors)],
                    trainer=trainer, generator=work.generator, feeder=feeder, sandbox=work.sandbox,
+                   checkpoint=work.checkpoint, weights=work.weights,
                    policy=replace(base.policy, dtype=dtype))
 
 

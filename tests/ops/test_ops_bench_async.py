@@ -39,3 +39,22 @@ def test_quick_bench_runs_both_arms_to_the_same_step_with_clean_ledgers(
     assert "speedup (sync / async wall-clock)" in table(result)
     assert (state / "sync" / "pretrained" / "pretrain.pt").exists()
     assert processes_mentioning(str(state)) == []
+
+
+@pytest.mark.parametrize("arm", ["async", "sync"])
+def test_both_arms_take_the_settings_examples_checkpoint_and_weights(tmp_path: Path, arm: str) -> None:
+    """The bench runs the default run's checkpoint interval and weight publishing (single.toml: every version a
+    full snapshot), not the tiny example's test settings, in both arms alike."""
+    import msgspec
+
+    from rlbus.ops.bench.async_pipeline import _topology
+    from rlbus.topology.examples import example_path
+    from rlbus.topology.schema import Topology
+
+    single = msgspec.toml.decode(example_path("single").read_bytes(), type=Topology)
+    tiny = msgspec.toml.decode(example_path("tiny").read_bytes(), type=Topology)
+    topology = _topology(arm, "r", tmp_path, settings="single", tasks=4, generators=1)
+    assert topology.checkpoint == single.checkpoint != tiny.checkpoint
+    assert topology.weights == single.weights != tiny.weights
+    assert topology.weights.full_every == 1
+    assert _topology(arm, "r", tmp_path, settings="tiny", tasks=2, generators=1).weights == tiny.weights
