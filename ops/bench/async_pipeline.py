@@ -153,9 +153,9 @@ def _parameters(config: Any) -> int:
 
 def _topology(arm: str, run: str, state: Path, *, settings: str, tasks: int, generators: int,
               dtype: str = "float32") -> Any:
-    """The tiny example's run settings (restarts, stream timing) with this bench's actors, the `settings`
-    example's generator, trainer, sandbox, checkpoint and weights settings, batches of `tasks` tasks and generators sampling in
-    `dtype`; flat groups are kept (a lockstep batch must fill). The sync arm adds lockstep and staleness 0."""
+    """The tiny example's feeder, restart and launch settings with this bench's actors, the `settings` example's
+    generator, trainer, sandbox, checkpoint and weights settings, batches of `tasks` tasks and generators sampling
+    in `dtype`; flat groups are kept (a lockstep batch must fill). The sync arm adds lockstep and staleness 0."""
     import msgspec
 
     from rlbus.topology.examples import example_path
