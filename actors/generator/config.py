@@ -69,6 +69,7 @@ class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Tasks a generator holds beyond `concurrent_tasks`, each waiting for a sampling place: when a task's drafts
     are complete it gives its place up for grading and publishing, and a waiting task starts sampling at once,
     so the sampler does not idle through a group's grading, its publishing and the fetch of the next task."""
+
     @property
     def tasks_held(self) -> int:
         """Tasks one generator holds at once: `concurrent_tasks` sampling, `tasks_ahead` waiting to."""

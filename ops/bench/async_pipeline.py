@@ -5,7 +5,8 @@ Owns: the async benchmark. Both arms run one after the other in the same call, o
 the generator, trainer, sandbox, checkpoint and weights settings of the default run `single`
 (`--async-settings`): 8 rollouts per task, 8 tasks sampled in one batch, 128 tokens, one attempt, a checkpoint
 every 10 steps, every version a full snapshot; flat groups kept so that a lockstep batch fills; the tiny
-example's restart settings), the same actor processes and torch threads
+example's feeder (its backlog raised to every task the generators hold), restart and launch settings), the same
+actor processes and torch threads
 (one each: on 2 cores the generator and the trainer each get one), from the same starting policy
 (`--async-preset`, default the `small` pretrain preset's model, pretrained briefly once at the start and
 copied into each arm's state directory), generators sampling in `--async-dtype` ([policy] dtype, default
