@@ -2,7 +2,9 @@
 
 Owns the Triton kernel (one program per row, online max/sum over vocabulary blocks, so the
 (N, V) log-softmax is never materialised), its plain-torch reference with the same signature,
-and `token_logprob_entropy`, which picks Triton for CUDA tensors and the reference otherwise.
+`token_logprob_entropy`, which picks Triton for CUDA tensors and the reference otherwise, and
+`token_logprob`, the log-probability alone (what the trainer's loss needs: on the CPU it skips the
+entropy's passes over the (N, V) probabilities).
 Triton is imported lazily: CPU-only callers never load it.
 """
 
@@ -94,3 +96,16 @@ def token_logprob_entropy(logits: Tensor, targets: Tensor, temperature: float = 
     if logits.is_cuda:
         return _LogprobEntropy.apply(logits, targets, temperature)  # type: ignore[no-any-return]
     return token_logprob_entropy_torch(logits, targets, temperature)
+
+
+def token_logprob(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """logits (..., V) any float, targets (...) int -> float32 (...) log softmax(logits / temperature)[target],
+    differentiable: `token_logprob_entropy`'s logprob without the entropy (the Triton kernel on CUDA, where both
+    come from one pass; on the CPU a log-softmax and a gather, equal to the reference's logprob)."""
+    if logits.is_cuda:
+        return _LogprobEntropy.apply(logits, targets, temperature)[0]  # type: ignore[no-any-return]
+    flat, tgt = _check(logits, targets)
+    z = flat.float()
+    if temperature != 1.0:
+        z = z / temperature
+    return torch.log_softmax(z, dim=-1).gather(-1, tgt.long()[:, None])[:, 0].view(targets.shape)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from rlbus.actors.common.errors import CheckpointError
 from rlbus.kernels.delta_state import encode_state
-from rlbus.kernels.logprob import token_logprob_entropy
+from rlbus.kernels.logprob import token_logprob
 from rlbus.messages.schemas import Rollout, Segment
 from rlbus.messages.subjects import Subjects
 from rlbus.model.generate import distinct_prompts, left_pad
@@ -228,9 +228,7 @@ def shared_prompt_logprobs(net: Policy, batch: RolloutBatch, temperature: float 
     cache.keep_rows(copy_of, width)
     rest = net(completions, cache=cache).logits[:, :-1]  # right padding: causality hides it
     logits = torch.cat([head.index_select(0, copy_of), rest], dim=1)  # (B, width, V): predicts completion t
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp, _ = token_logprob_entropy(logits, completions)
+    logp = token_logprob(logits, completions, temperature)
     logp = logp.masked_fill(torch.arange(width, device=device)[None] >= batch.lengths[:, None], 0.0)
     # completion token t of row b is position P_b - 1 + t of the (B, L-1) layout; padded rows land past it
     at = batch.prompt_lengths[:, None] - 1 + torch.arange(width, device=device)[None]
@@ -352,10 +350,7 @@ class TrainerCore:
             if shared is not None:
                 return shared
         logits = net(batch.tokens, routing=batch.routing).logits
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp, _ = token_logprob_entropy(logits[:, :-1], batch.tokens[:, 1:])
-        return logp
+        return token_logprob(logits[:, :-1], batch.tokens[:, 1:], temperature)
 
     def train_step(self, rollouts: Sequence[Rollout], objective: Objective, *,
                    lr: float | None = None) -> StepStats:

@@ -34,7 +34,7 @@ from rlbus.actors.trainer.core import (
     rollout_batch,
     shared_prompt_logprobs,
 )
-from rlbus.kernels.logprob import token_logprob_entropy
+from rlbus.kernels.logprob import token_logprob
 from rlbus.messages.schemas import Rollout
 from rlbus.model.generate import distinct_prompts
 from rlbus.model.loss import (
@@ -125,10 +125,7 @@ def logprobs(net: Policy, batch: RolloutBatch, temperature: float, shared: bool)
         assert out is not None, "can_share_prompts said the shared forward applies"
         return out
     logits = net(batch.tokens, routing=batch.routing).logits
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp, _ = token_logprob_entropy(logits[:, :-1], batch.tokens[:, 1:])
-    return logp
+    return token_logprob(logits[:, :-1], batch.tokens[:, 1:], temperature)
 
 
 def local_step(policy: Policy, reference: Policy, optimizer: torch.optim.Optimizer,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlbus.kernels.logprob import token_logprob_entropy, token_logprob_entropy_torch
+from rlbus.kernels.logprob import token_logprob, token_logprob_entropy, token_logprob_entropy_torch
 
 _RUN_TRITON = """
 import sys, torch
@@ -76,6 +76,30 @@ def test_reference_keeps_leading_dims_and_dispatches_on_cpu() -> None:
     assert lp.shape == (2, 3)
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0])
     torch.testing.assert_close(ent, token_logprob_entropy_torch(logits, targets)[1])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprob_alone_equals_the_references_logprob_and_its_gradient(temperature: float,
+                                                                     dtype: torch.dtype) -> None:
+    """`token_logprob` (the trainer's: no entropy) gives the reference's logprob and the same gradient,
+    a banned (-inf) token included; the logits' leading dims are kept."""
+    g = torch.Generator().manual_seed(1)
+    base = (torch.randn(2, 5, 40, generator=g) * 3).to(dtype)
+    base[0, 2, 7] = float("-inf")
+    targets = torch.randint(0, 40, (2, 5), generator=g)
+    targets[0, 2] = 3
+    weights = torch.randn(2, 5, generator=g)
+    alone, ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+    lp = token_logprob(alone, targets, temperature)
+    want, _ = token_logprob_entropy_torch(ref, targets, temperature)
+    assert lp.shape == (2, 5) and lp.dtype == torch.float32
+    assert torch.equal(lp, want)
+    (lp * weights).sum().backward()
+    (want * weights).sum().backward()
+    assert alone.grad is not None and ref.grad is not None
+    assert torch.isfinite(alone.grad.float()).all()
+    torch.testing.assert_close(alone.grad, ref.grad)
 
 
 def test_triton_matches_torch_under_interpreter(
