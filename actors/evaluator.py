@@ -4,7 +4,7 @@ Owns: following the region's published versions (actors/common/weight_sync.py `W
 per block of `every_versions` (the first it holds in each block: 0, k, 2k, ... while it keeps up; a version
 that arrives while it is busy is skipped for the newest, so after a slow evaluation it may be k+1; a
 started or restarted evaluator first evaluates the version it finds) on `n_tasks` held-out tasks
-(`[evaluator] tasks`: the built-in `eval_tasks(seed)`, HumanEval or a tasks file, model/task_sources.py
+(`[evaluator] tasks`: the built-in `eval_tasks(seed)`, HumanEval or a tasks file, model/tasks/sources.py
 `held_out_tasks`; disjoint from training by prompt hash) with greedy decoding, grading each
 completion in the region's sandboxes (actors/common/sandbox_client.py), and publishing an `EvalReport` with
 the 95% Wilson interval on `evals`. A drain cancels an evaluation in progress between two decoding steps
@@ -31,11 +31,11 @@ from rlbus.actors.common.weight_sync import WeightSync
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import SandboxCrashed
 from rlbus.messages.schemas import EvalReport, SandboxLimits
-from rlbus.model.episodes import completion_text
-from rlbus.model.evaluate import greedy_complete, too_long, wilson_interval
-from rlbus.model.grading import case_for, extract_code
-from rlbus.model.task_sources import TaskSourceError, held_out_tasks
-from rlbus.model.tasks import Task
+from rlbus.model.env.episodes import completion_text
+from rlbus.model.sampling.evaluate import greedy_complete, too_long, wilson_interval
+from rlbus.model.tasks.builtin import Task
+from rlbus.model.tasks.grading import case_for, extract_code
+from rlbus.model.tasks.sources import TaskSourceError, held_out_tasks
 
 log = structlog.get_logger()
 

@@ -54,7 +54,7 @@ from rlbus.messages.schemas import VersionReady, WeightManifest
 from rlbus.messages.streams import ensure_consumer
 from rlbus.messages.subjects import Subjects
 from rlbus.messages.wakeup import Wakeup
-from rlbus.model.policy import PolicyError, spec_files
+from rlbus.model.policies.interface import PolicyError, spec_files
 
 log = structlog.get_logger()
 

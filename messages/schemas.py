@@ -176,7 +176,7 @@ class VersionReady(Message, tag="version_ready"):
     raw_bytes: int = 0
     created_at: float = msgspec.field(default_factory=time.time)
     model_config: dict[str, Any] = {}
-    """The architecture (model/transformer.py `ModelConfig` fields), so consumers can build the model."""
+    """The architecture (model/policies/transformer.py `ModelConfig` fields), so consumers can build the model."""
 
 
 class StateUploaded(Message, tag="state_uploaded"):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     import torch
 
-    from rlbus.model.policy import Policy
+    from rlbus.model.policies.interface import Policy
 
 DEFAULT_TASKS: Final = 1000
 """The default run's evaluator (`topology/examples/single.toml` [evaluator] n_tasks)."""
@@ -85,9 +85,9 @@ def _handler(args: argparse.Namespace) -> int:
         raise RlbusError(f"--temperature {args.temperature}: expected a number > 0 for --samples")
     import torch
 
-    from rlbus.model.evaluate import evaluate_pass_at_1
-    from rlbus.model.policy import resolve_device
-    from rlbus.model.task_sources import BUILTIN, TaskSourceError, held_out_tasks
+    from rlbus.model.policies.interface import resolve_device
+    from rlbus.model.sampling.evaluate import evaluate_pass_at_1
+    from rlbus.model.tasks.sources import BUILTIN, TaskSourceError, held_out_tasks
     from rlbus.ops.local_sandbox import sandbox_runner
 
     try:                                  # the tasks first: a bad source is named before any model loads
@@ -142,15 +142,15 @@ def load_policy(path: Path, *, device: torch.device | str = "cpu",
 
     from rlbus.actors.common.checkpoints import MARK_FILE, checkpoint_dir, durable_steps
     from rlbus.messages.errors import RlbusError
-    from rlbus.model.policy import PolicyError, is_hf_dir
-    from rlbus.model.pretrain import CHECKPOINT_NAME
+    from rlbus.model.policies.interface import PolicyError, is_hf_dir
+    from rlbus.model.training.pretrain import CHECKPOINT_NAME
 
     dtype = dtype or torch.bfloat16
     if not path.exists():
         raise RlbusError(f"{path}: no such file or directory; expected a run's state directory, a "
                          f"checkpoints/step-N directory, a {CHECKPOINT_NAME} or a Hugging Face directory")
     if is_hf_dir(path) or path.is_file() or (path / CHECKPOINT_NAME).is_file():
-        from rlbus.model.policy import load_policy as load_weights
+        from rlbus.model.policies.interface import load_policy as load_weights
 
         try:
             policy = load_weights(path, device=device, dtype=dtype)
@@ -232,9 +232,9 @@ def sample_passes(policy: Policy, tasks: Sequence[Any], *, samples: int, tempera
     None is a plain `model.grading` subprocess). Seeded: the same arguments give the same counts."""
     import torch
 
-    from rlbus.model.episodes import completion_text
-    from rlbus.model.generate import generate, sampling_kv_dtype
-    from rlbus.model.grading import grade_many, subprocess_runner
+    from rlbus.model.env.episodes import completion_text
+    from rlbus.model.sampling.generate import generate, sampling_kv_dtype
+    from rlbus.model.tasks.grading import grade_many, subprocess_runner
 
     tokenizer = policy.tokenizer
     sampler = torch.Generator(device=policy.device).manual_seed(seed)
@@ -270,7 +270,7 @@ def summarize(families: Sequence[str], greedy: Sequence[bool], passes: Sequence[
     """The report: greedy pass@1 and its 95% interval overall and per family; with samples, the sampled
     pass@1 (mean passes / K), pass@K (share of tasks with a pass) and, for the tasks greedy decoding passes
     and fails, how many tasks had 0, 1, ..., K passing samples."""
-    from rlbus.model.evaluate import wilson_interval
+    from rlbus.model.sampling.evaluate import wilson_interval
 
     if len(families) != len(greedy) or (passes is not None and len(passes) != len(greedy)):
         raise ValueError("families, greedy and passes must cover the same tasks")

@@ -2,10 +2,10 @@
 
 CHECKPOINT is anything `rlbus eval` scores (ops/eval.py `load_policy`): a run's state directory (its newest
 durable checkpoint), one `checkpoints/step-N` directory, a `pretrain.pt` or a Hugging Face directory. The policy
-is taken in bfloat16, as its version is published, and written by `model/export.py`.
+is taken in bfloat16, as its version is published, and written by `model/policies/export.py`.
 
 Owns: the `export` subcommand (arguments, progress lines on stderr).
-Does not: map weights or build tokenizer files (model/export.py), or find checkpoints (ops/eval.py).
+Does not: map weights or build tokenizer files (model/policies/export.py), or find checkpoints (ops/eval.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from rlbus.model.export import ExportError, export_policy
+    from rlbus.model.policies.export import ExportError, export_policy
     from rlbus.ops.eval import load_policy
 
     out: Path = args.output

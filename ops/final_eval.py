@@ -29,10 +29,10 @@ from rlbus.actors.trainer.resume import load_state
 from rlbus.messages.bus import Bus
 from rlbus.messages.history import last_message
 from rlbus.messages.schemas import CheckpointMark, EvalReport
-from rlbus.model.evaluate import EvalResult, evaluate_pass_at_1
-from rlbus.model.policy import Policy
-from rlbus.model.task_sources import BUILTIN, TaskSourceError, held_out_tasks
-from rlbus.model.tasks import Task
+from rlbus.model.policies.interface import Policy
+from rlbus.model.sampling.evaluate import EvalResult, evaluate_pass_at_1
+from rlbus.model.tasks.builtin import Task
+from rlbus.model.tasks.sources import BUILTIN, TaskSourceError, held_out_tasks
 
 REPORT_NAME: Final = "final_eval.json"
 """In the state directory: the closing evaluation (version, step, pass@1, interval, per family)."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
     from rlbus.messages.bus import Bus
-    from rlbus.model.grading import GradeCase, GradeResult
+    from rlbus.model.tasks.grading import GradeCase, GradeResult
 
 
 @asynccontextmanager

@@ -1,7 +1,7 @@
 """`rlbus pretrain`: continued pretraining of a policy (built-in or Hugging Face), then held-out pass@1.
 
 Owns: the command line and its progress lines (`PretrainPrinter`, shared with `rlbus up`). Does not own the
-training (`model/pretrain.py`) or the corpus (`model/corpus.py`). A built-in run writes DIR/pretrain.pt
+training (`model/training/pretrain.py`) or the corpus (`model/training/corpus.py`). A built-in run writes DIR/pretrain.pt
 (state_dict, model config, tokenizer info, meta), DIR/pretrain.json and DIR/loss.png; a Hugging Face run
 (`--hf ARCH`, or `--from` a model directory) makes DIR a model directory that `transformers` loads, with
 pretrain.json and loss.png inside.
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from rlbus.model.pretrain import PretrainProgress
+    from rlbus.model.training.pretrain import PretrainProgress
 
 PROGRESS_EVERY = 10
 """Off a terminal, a progress line every this many optimizer steps (and at the first and the last)."""
@@ -130,9 +130,15 @@ HF_CODE_FRACTION = 0.5
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from rlbus.model.builtin_policy import BuiltinPolicy
-    from rlbus.model.corpus import CorpusError
-    from rlbus.model.pretrain import PretrainConfig, check_hf_out, load_start, new_hf_policy, pretrain
+    from rlbus.model.policies.builtin import BuiltinPolicy
+    from rlbus.model.training.corpus import CorpusError
+    from rlbus.model.training.pretrain import (
+        PretrainConfig,
+        check_hf_out,
+        load_start,
+        new_hf_policy,
+        pretrain,
+    )
 
     preset = args.config or ("tiny" if args.hf else "small")
     overrides: dict[str, Any] = {"task_seed": args.task_seed, "stdlib": not args.no_stdlib,

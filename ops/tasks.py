@@ -1,7 +1,7 @@
 """`rlbus tasks check SOURCE [--json] [--limit N]`: prove a task source's tests against its reference solutions.
 
 Owns: the command. For every task of the source (`builtin`, `humaneval` or a JSONL file:
-model/task_sources.py) it grades, through a real sandbox supervisor on an embedded nats-server (both
+model/tasks/sources.py) it grades, through a real sandbox supervisor on an embedded nats-server (both
 started here and stopped at the end: ops/local_sandbox.py), the reference solution and a broken
 copy of it (`model.task_sources.broken_program`: the entry point's body replaced by `return None`, its
 signature kept; built with `ast` on the main thread before any request goes out). A sound source has every
@@ -18,7 +18,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from rlbus.model.tasks import Task
+    from rlbus.model.tasks.builtin import Task
 
 DEFAULT_POOL: Final = 4
 """Executors (and requests in flight) of the supervisor the check starts."""
@@ -51,8 +51,8 @@ def _check(args: argparse.Namespace) -> int:
     import anyio
 
     from rlbus.actors.common.errors import TaskError
-    from rlbus.model import task_sources
-    from rlbus.model.tasks import EVAL_POOL, eval_tasks
+    from rlbus.model.tasks import sources as task_sources
+    from rlbus.model.tasks.builtin import EVAL_POOL, eval_tasks
 
     if args.limit is not None and args.limit < 1:
         raise TaskError(f"--limit {args.limit}: expected a positive number of tasks")
@@ -81,8 +81,8 @@ async def check_tasks(tasks: list[Task], pool: int = DEFAULT_POOL) -> dict[str, 
     from rlbus.actors.sandbox.config import SandboxConfig
     from rlbus.messages.errors import SandboxCrashed
     from rlbus.messages.schemas import SandboxLimits
-    from rlbus.model.grading import GradeCase, case_for
-    from rlbus.model.task_sources import TaskSourceError, broken_program
+    from rlbus.model.tasks.grading import GradeCase, case_for
+    from rlbus.model.tasks.sources import TaskSourceError, broken_program
     from rlbus.ops.local_sandbox import local_sandbox
 
     exceptions: list[dict[str, str]] = []

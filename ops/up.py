@@ -30,7 +30,7 @@ LOCK_FILE = "up.lock"
 """In the state directory: flock-ed by the `rlbus up` using it, holding its pid."""
 PRETRAINED_CACHE = "pretrained"
 """Beside the state directories (`<parent of the state dir>/pretrained/<settings key>/`): pretrained bases
-shared by every run whose pretraining settings are identical (model/pretrain.py `settings_key`)."""
+shared by every run whose pretraining settings are identical (model/training/pretrain.py `settings_key`)."""
 ORIGIN_FILE = "origin.json"
 """In a cached base's folder: which run (and state directory) pretrained it."""
 
@@ -175,7 +175,13 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
     Kept when there; else copied from the shared cache when a base with identical settings was pretrained
     before (by any run), else pretrained into the cache, then copied. `cache=False` pretrains straight into
     the state directory and neither reads nor writes the cache."""
-    from rlbus.model.pretrain import CHECKPOINT_NAME, SUMMARY_NAME, PretrainConfig, pretrain, settings_key
+    from rlbus.model.training.pretrain import (
+        CHECKPOINT_NAME,
+        SUMMARY_NAME,
+        PretrainConfig,
+        pretrain,
+        settings_key,
+    )
     from rlbus.ops.pretrain import HF_CODE_FRACTION, PretrainPrinter
     from rlbus.topology.launch import policy_dir
 
@@ -224,7 +230,7 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
                                                           "at": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
         start = None
         if recipe is not None:
-            from rlbus.model.pretrain import new_hf_policy
+            from rlbus.model.training.pretrain import new_hf_policy
             from rlbus.ops.pretrain import _quiet_transformers
 
             _quiet_transformers()

@@ -54,7 +54,7 @@ ROLE_OF_KIND: Final[dict[str, str]] = {
 }
 """The NATS user (and so the publish rights) each actor kind connects as."""
 PRETRAINED_DIR: Final = "pretrained"
-"""`<state_dir>/pretrained/`: where `rlbus up` pretrains once (model/pretrain.py writes `pretrain.pt` there)."""
+"""`<state_dir>/pretrained/`: where `rlbus up` pretrains once (model/training/pretrain.py writes `pretrain.pt` there)."""
 RUN_FILE: Final = "run.json"
 """Written into the state directory by `Launch.open`: where the run's buses are, for `rlbus health` & co."""
 

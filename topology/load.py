@@ -145,7 +145,7 @@ def policy_problems(topology: Topology) -> list[Problem]:
     (config, architecture, weights, tokenizer, chat template), router replay on a dense model, and, as
     warnings, `device = "cuda"` on a machine without CUDA (the actors may run elsewhere) and the older keys
     that named a model (`generator.weights = "local:..."`, `pretrain.preset` beside a Hugging Face policy)."""
-    from rlbus.model.policy import PolicyError, check_policy_dir, is_moe_dir
+    from rlbus.model.policies.interface import PolicyError, check_policy_dir, is_moe_dir
 
     policy = topology.policy
     out: list[Problem] = []

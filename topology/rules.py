@@ -24,7 +24,7 @@ from rlbus.topology.regions import CLUSTER_NODES
 from rlbus.topology.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology, parse_duration
 
 BUILTIN_CONTEXT: Final = 512
-"""The built-in policy's context when `[pretrain] max_seq_len` is not set (model/pretrain.py presets)."""
+"""The built-in policy's context when `[pretrain] max_seq_len` is not set (model/training/pretrain.py presets)."""
 REPO_FIRST_CONTEXT: Final = 750
 """About the longest first context of a built-in repository task for the byte tokenizer, compact tool list."""
 REPO_CONTEXT: Final = 1024

@@ -168,7 +168,7 @@ class PretrainSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     """`[pretrain]`: the first phase, run by `rlbus up` when the state directory has no pretrained policy."""
 
     preset: Literal["small", "tiny"] = "small"
-    """Model size and schedule (model/pretrain.py): 'small' is the real run (minutes), 'tiny' is for tests."""
+    """Model size and schedule (model/training/pretrain.py): 'small' is the real run (minutes), 'tiny' is for tests."""
     steps: PositiveInt | None = None
     """Optimizer steps; default: the preset's."""
     seed: int = 0
@@ -186,7 +186,7 @@ class PretrainSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 class PolicyRecipe(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`[policy.recipe]`: how `rlbus up` builds a Hugging Face policy when `policy.path` is empty or missing: a
     fresh model of this architecture and size, a byte-level BPE tokenizer trained on the pretraining corpus,
-    then `[pretrain]` steps of pretraining (model/hf_recipe.py, model/pretrain.py)."""
+    then `[pretrain]` steps of pretraining (model/policies/hf_recipe.py, model/training/pretrain.py)."""
 
     architecture: Literal["qwen2", "llama"] = "qwen2"
     """The Hugging Face architecture built: 'qwen2' (Qwen2ForCausalLM) or 'llama' (LlamaForCausalLM)."""

@@ -24,7 +24,7 @@ from rlbus.messages.errors import TopologyError
 C = TypeVar("C", bound=msgspec.Struct)
 
 REPO_LEVELS: Final = (1, 2, 3)
-"""Levels of the built-in repository tasks (model/repo_tasks.py `LEVELS`, which a test keeps equal): named here
+"""Levels of the built-in repository tasks (model/tasks/repo.py `LEVELS`, which a test keeps equal): named here
 so that `rlbus validate` checks `[feeder] tasks = "repo:LEVEL"` without importing torch."""
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -231,7 +231,7 @@ def feeder_tasks_problem(tasks: str) -> str | None:
 
 
 def task_source_problem(source: str) -> str | None:
-    """What is wrong with a task source name (model/task_sources.py: "builtin", "humaneval" or a file's path)
+    """What is wrong with a task source name (model/tasks/sources.py: "builtin", "humaneval" or a file's path)
     without reading it (None: nothing): a path that is no file. Here, not in model/, so that `rlbus validate`
     checks it without importing torch (`rlbus.model` imports it)."""
     if source in ("builtin", "humaneval"):

@@ -14,7 +14,7 @@ JSONL task file: one JSON object per line with the `model.tasks.Task` fields, e.
   "tests": [{"args": "(3,)", "expected": "8"}], "family": "int", "level": 1, "solution": ""}`
 (`args` is the repr of the argument tuple, `expected` the repr of the result; family, level and solution
 are optional), or with `"test": "def check(candidate): ..."` (Python source tests) instead of `tests`, or an
-MBPP row; the layouts are model/task_sources.py's.
+MBPP row; the layouts are model/tasks/sources.py's.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from rlbus.actors.common.errors import TaskError
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.model import task_sources
-from rlbus.model.repo_tasks import RepoTask, repo_tasks
-from rlbus.model.tasks import Task as CodingTask
-from rlbus.model.tasks import train_tasks
+from rlbus.model.tasks import sources as task_sources
+from rlbus.model.tasks.builtin import Task as CodingTask
+from rlbus.model.tasks.builtin import train_tasks
+from rlbus.model.tasks.repo import RepoTask, repo_tasks
 
 FedTask = CodingTask | RepoTask
 """What a feeder puts on the bus: a function to write, or a repository task (an agentic episode)."""
@@ -76,7 +76,7 @@ def task_seed(seed: int, index: int) -> int:
 
 def verifier_for(task: FedTask) -> dict[str, str]:
     """`Task.verifier` of a coding task: {"kind": VERIFIER_KIND, "task": <the task's fields as JSON>}; of a
-    repository task its own `verifier_spec()` (kind model/repo_tasks.py `VERIFIER_KIND`)."""
+    repository task its own `verifier_spec()` (kind model/tasks/repo.py `VERIFIER_KIND`)."""
     if isinstance(task, RepoTask):
         return task.verifier_spec()
     doc = {"task_id": task.task_id, "family": task.family, "level": task.level, "prompt": task.prompt,
@@ -89,7 +89,7 @@ def verifier_for(task: FedTask) -> dict[str, str]:
 
 def task_from_json(doc: Mapping[str, Any]) -> CodingTask:
     """A `model.tasks.Task` from its JSON object (a verifier's or a task file line's, rlbus or test-source
-    layout: model/task_sources.py `task_from_json`).
+    layout: model/tasks/sources.py `task_from_json`).
 
     :raises TaskError: a required field is missing or has the wrong type, or there are no tests.
     """
@@ -119,7 +119,7 @@ def task_from_verifier(message: TaskMessage) -> CodingTask:
 
 def read_tasks_file(path: Path) -> list[CodingTask]:
     """Every task of a JSONL file, in file order, each line in the rlbus, test-source or MBPP layout
-    (model/task_sources.py `read_tasks_file`).
+    (model/tasks/sources.py `read_tasks_file`).
 
     :raises TaskError: naming the file and line of the first bad line.
     """

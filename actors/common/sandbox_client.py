@@ -1,7 +1,7 @@
 """How generators and evaluators use the sandbox service: tests as asserts, one request, retries.
 
 Owns: `asserts_for` (a task's (args, expected) pairs as one top-level `assert` each, checked like
-model/task_harness.py: equal and of the same type; a test source follows them as it is), `request_for` (a `SandboxRequest` grading a
+model/tasks/harness.py: equal and of the same type; a test source follows them as it is), `request_for` (a `SandboxRequest` grading a
 completion on a `model.tasks.Task`), `run_in_sandbox` (request/reply on `subjects.sandbox(region)`
 with a timeout and a retry of retryable verdicts) and `grade_result` (a `SandboxResult` as the
 `model.grading.GradeResult` the RL code uses); `grade_cases` grades a batch concurrently. Does not: run anything itself (actors/sandbox/supervisor.py).
@@ -20,8 +20,8 @@ from rlbus.messages.bus import Bus
 from rlbus.messages.errors import SandboxCrashed
 from rlbus.messages.retry import retry_policy
 from rlbus.messages.schemas import SandboxLimits, SandboxRequest, SandboxResult
-from rlbus.model.grading import GradeCase, GradeResult, Status, case_for, extract_code
-from rlbus.model.tasks import Task
+from rlbus.model.tasks.builtin import Task
+from rlbus.model.tasks.grading import GradeCase, GradeResult, Status, case_for, extract_code
 
 REPLY_GRACE_S: Final = 10.0
 """Time beyond the wall limit a requester waits for a reply (queueing, executor start, the bus)."""

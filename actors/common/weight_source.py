@@ -24,7 +24,7 @@ from torch import nn
 
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import TopologyError
-from rlbus.model.policy import ChatTokenizer, Policy, as_policy, load_policy, resolve_device
+from rlbus.model.policies.interface import ChatTokenizer, Policy, as_policy, load_policy, resolve_device
 
 
 @runtime_checkable
@@ -66,7 +66,7 @@ class LocalWeights:
 
     @classmethod
     def from_checkpoint(cls, path: Path, *, version: int = 0, device: str = "cpu") -> LocalWeights:
-        """Load a `pretrain.pt` (model/pretrain.py), the folder holding it, or a Hugging Face directory.
+        """Load a `pretrain.pt` (model/training/pretrain.py), the folder holding it, or a Hugging Face directory.
 
         :raises PolicyError: nothing loadable there.
         """

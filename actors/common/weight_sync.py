@@ -13,8 +13,8 @@ with the files it lists (a Hugging Face policy's config and tokenizer) fetched f
 A corrupt or missing object raises `Event(weights_rejected)` and the next plan avoids it
 (a full snapshot); nothing unverified ever reaches the live model. Also the small helpers the publisher
 shares: architecture dicts and decoding a full blob into fresh tensors.
-Does not: encode or publish versions (actors/publisher.py), sample (model/generate.py), or know any policy
-implementation (model/policy.py picks it from the spec).
+Does not: encode or publish versions (actors/publisher.py), sample (model/sampling/generate.py), or know any policy
+implementation (model/policies/interface.py picks it from the spec).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from rlbus.messages.objects import fetch_object, stream_object
 from rlbus.messages.schemas import Event, WeightManifest
 from rlbus.messages.subjects import Subjects
 from rlbus.messages.wakeup import Wakeup
-from rlbus.model.policy import (
+from rlbus.model.policies.interface import (
     Policy,
     estimate_params,
     policy_from_spec,

@@ -19,7 +19,7 @@ group carries that rare pass (every Rollout of it carries the grown `group_size`
 Rollouts go out with `publish_batch` (msg id = rollout id f"{task_id}-{g}"), the partial is deleted, and
 only then is the task acked; `in_progress()` holds it meanwhile. Another generator that wins the partial's
 compare-and-set owns the task; the loser lets go.
-A task whose verifier is of the repository kind (model/repo_tasks.py) is an agentic group instead: G episodes in
+A task whose verifier is of the repository kind (model/tasks/repo.py) is an agentic group instead: G episodes in
 sandbox sessions, driven turn by turn, its own partial and workspace snapshots (actors/generator/agentic.py);
 the delivery, holding, acking and dead-lettering around it are the same.
 Does not: define the partial layout or flatten rollouts (actors/generator/group.py), fetch weights
@@ -86,13 +86,13 @@ from rlbus.messages.retry import retry_policy
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model.env import FunctionEnvironment
-from rlbus.model.generate import SampledSequence, generate, sampling_kv_dtype
-from rlbus.model.grading import GradeCase, GradeResult
-from rlbus.model.policy import ChatTokenizer, Policy
-from rlbus.model.repo_tasks import VERIFIER_KIND as REPO_KIND
-from rlbus.model.repo_tasks import RepoTask
-from rlbus.model.summarize import summarize_if_over_budget
-from rlbus.model.tasks import Task
+from rlbus.model.policies.interface import ChatTokenizer, Policy
+from rlbus.model.sampling.generate import SampledSequence, generate, sampling_kv_dtype
+from rlbus.model.sampling.summarize import summarize_if_over_budget
+from rlbus.model.tasks.builtin import Task
+from rlbus.model.tasks.grading import GradeCase, GradeResult
+from rlbus.model.tasks.repo import VERIFIER_KIND as REPO_KIND
+from rlbus.model.tasks.repo import RepoTask
 
 log = structlog.get_logger()
 
@@ -492,7 +492,7 @@ class Generator(Actor):
 
     def write_summary(self, context: list[int], *, budget: int, keep: int, prompt: list[int], tokens: int,
                       seed: int) -> SampledSummary:
-        """The policy's summary of `context` (model/summarize.py `summarize_if_over_budget`: it reads the context,
+        """The policy's summary of `context` (model/sampling/summarize.py `summarize_if_over_budget`: it reads the context,
         its oldest tokens after the first `keep` dropped past what it can read, then `prompt`, and writes at most
         `tokens`), with what it read and each id's logprob, version and routing. Blocking (a worker thread): the
         model lock is held, weights swapped in flight.

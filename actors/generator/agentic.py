@@ -1,7 +1,7 @@
 """Agentic groups: a repository task's G episodes, each in its own sandbox session, driven turn by turn.
 
 Owns: `AgenticGroups` (what the generator runs for a Task whose verifier is of the repository kind,
-model/repo_tasks.py `VERIFIER_KIND`), its partial (`AgenticPartial`: a tagged layout of its own behind
+model/tasks/repo.py `VERIFIER_KIND`), its partial (`AgenticPartial`: a tagged layout of its own behind
 `AGENTIC_MAGIC`, so a function group's partial and an agentic one are never taken for each other;
 `check_agentic_partial` refuses a corrupt or foreign one), the workspace snapshots (content-addressed
 objects in the region's WORKSPACES bucket, digest-checked both ways) and the Rollouts of the group.
@@ -63,9 +63,9 @@ from rlbus.model.env import (
     state_context,
     state_tokens,
 )
-from rlbus.model.episodes import Turn
-from rlbus.model.grading import GradeResult
-from rlbus.model.repo_tasks import RepoTask
+from rlbus.model.env.episodes import Turn
+from rlbus.model.tasks.grading import GradeResult
+from rlbus.model.tasks.repo import RepoTask
 
 if TYPE_CHECKING:
     from rlbus.actors.generator.actor import Generator

@@ -19,7 +19,7 @@ from typing import Final
 import anyio
 import anyio.lowlevel
 
-from rlbus.model.generate import SampledSequence
+from rlbus.model.sampling.generate import SampledSequence
 
 LINGER_S: Final = 0.02
 """How long a call waits for the previous call's callers to come back: they save their partials to the bus

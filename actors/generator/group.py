@@ -10,7 +10,7 @@ read back? hostile or corrupt ones are refused) and `build_rollout`, which flatt
 `Rollout`. Pure: no bus, no model, no clock (callers pass `now`).
 Does not: sample, grade or talk to NATS (actors/generator/actor.py drives all three).
 
-Token layout (model/episodes.py): <|bos|> then per turn <|role|> content <|end_turn|>; a policy turn's
+Token layout (model/env/episodes.py): <|bos|> then per turn <|role|> content <|end_turn|>; a policy turn's
 content is its sampled ids verbatim and gets no extra <|end_turn|> when it ends with one. A Rollout is
 that sequence up to the last sampled token: `prompt_tokens` = <|bos|><|user|>prompt<|end_turn|> and the
 next role id (<|assistant|>, the context of the first attempt); `completion_tokens` = the rest.
@@ -40,10 +40,10 @@ import zstandard
 from rlbus.actors.common.errors import PartialGroupError
 from rlbus.messages.schemas import Rollout, SandboxVerdict, Segment, TensorBlob
 from rlbus.model.env import FunctionEnvironment, FunctionState, state_context, state_of, summarized
-from rlbus.model.episodes import MAX_ATTEMPTS, Episode, Turn, completion_text
-from rlbus.model.grading import GradeResult, Status
-from rlbus.model.policy import ChatTokenizer, frame_turn
-from rlbus.model.tasks import Task
+from rlbus.model.env.episodes import MAX_ATTEMPTS, Episode, Turn, completion_text
+from rlbus.model.policies.interface import ChatTokenizer, frame_turn
+from rlbus.model.tasks.builtin import Task
+from rlbus.model.tasks.grading import GradeResult, Status
 
 PARTIAL_FORMAT: Final = 1
 """Version of the PartialGroup layout; a partial of another format is ignored (the group starts over)."""
@@ -320,7 +320,7 @@ def published_episodes(state: PartialGroup, group_size: int) -> list[EpisodeStat
 
 
 def episode_of(ep: EpisodeState, task: Task, max_attempts: int) -> Episode:
-    """The model/episodes.py view of the finished turns (the draft is not part of it)."""
+    """The model/env/episodes.py view of the finished turns (the draft is not part of it)."""
     return Episode(task, tuple(Turn(t.role, tuple(t.ids)) for t in ep.turns),
                    tuple(a.grade() for a in ep.attempts), max_attempts)
 
@@ -412,7 +412,7 @@ class SampledSummary:
 def record_summary(ep: EpisodeState, task: Task, summary: SampledSummary, tokenizer: ChatTokenizer) -> None:
     """Close the episode's current segment (its turns since the last summary, when it trained on any) and add
     the summary as a segment of its own, under the context it was written in; then replace the history after
-    the prompt by the summary turn (model/episodes.py add_summary)."""
+    the prompt by the summary turn (model/env/episodes.py add_summary)."""
     before = episode_segment(ep, task, tokenizer)
     if before is not None:
         ep.segments.append(before)
@@ -425,7 +425,7 @@ def record_summary(ep: EpisodeState, task: Task, summary: SampledSummary, tokeni
 
 def policy_text(ids: Sequence[int], tokenizer: ChatTokenizer) -> str:
     """The text of sampled ids up to the first stop; ids the tokenizer does not know are skipped
-    (model/episodes.py `completion_text`, what the environment grades)."""
+    (model/env/episodes.py `completion_text`, what the environment grades)."""
     return completion_text(ids, tokenizer)
 
 
@@ -441,7 +441,7 @@ class Flat:
 
 
 def flatten(ep: EpisodeState, tokenizer: ChatTokenizer) -> Flat:
-    """The finished turns as laid out by model/episodes.py `episode_tokens`, with per-token arrays; the loss
+    """The finished turns as laid out by model/env/episodes.py `episode_tokens`, with per-token arrays; the loss
     mask covers the assistant turns' sampled ids (a summary's logprobs are not kept: it is context here)."""
     bos = tokenizer.bos()
     ids, mask, lps, vers = list(bos), [0] * len(bos), [0.0] * len(bos), [-1] * len(bos)

@@ -35,9 +35,7 @@ from rlbus.kernels.delta_state import encode_state
 from rlbus.kernels.logprob import token_logprob
 from rlbus.messages.schemas import Rollout, Segment
 from rlbus.messages.subjects import Subjects
-from rlbus.model.generate import distinct_prompts, left_pad
-from rlbus.model.loss import Aggregation, group_relative_advantages, rl_loss, shape_rewards
-from rlbus.model.policy import (
+from rlbus.model.policies.interface import (
     Policy,
     PolicyError,
     fresh_builtin,
@@ -46,6 +44,8 @@ from rlbus.model.policy import (
     reference_dtype,
     resolve_device,
 )
+from rlbus.model.sampling.generate import distinct_prompts, left_pad
+from rlbus.model.training.loss import Aggregation, group_relative_advantages, rl_loss, shape_rewards
 
 STATE_FORMAT: Final = 1
 """Layout version of `TrainerCore.state_blob` (the `policy_files` entry, absent from older blobs, reads as none)."""

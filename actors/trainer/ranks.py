@@ -46,7 +46,7 @@ from rlbus.kernels.delta_state import encode_state
 from rlbus.messages import codec
 from rlbus.messages.errors import RlbusError
 from rlbus.messages.schemas import Rollout
-from rlbus.model.policy import Policy
+from rlbus.model.policies.interface import Policy
 
 __all__ = ["LocalGroup", "RankError", "RankResult", "RankSpec", "ShardedCore", "follow", "free_port", "is_sharded",
            "join", "leave", "shards_to_payload", "state_bytes"]

@@ -36,15 +36,15 @@ from rlbus.actors.trainer.core import (
 )
 from rlbus.kernels.logprob import token_logprob
 from rlbus.messages.schemas import Rollout
-from rlbus.model.generate import distinct_prompts
-from rlbus.model.loss import (
+from rlbus.model.policies.interface import Policy
+from rlbus.model.sampling.generate import distinct_prompts
+from rlbus.model.training.loss import (
     global_denominator,
     group_relative_advantages,
     rl_loss,
     shape_rewards,
     truncated_importance_weights,
 )
-from rlbus.model.policy import Policy
 
 LEADER_FILE: Final = "trainer-state.pt"
 """The leader's small extra file of a sharded checkpoint: format, world size, rng, spec, policy files, meta and

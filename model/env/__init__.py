@@ -1,7 +1,7 @@
 """rlbus.model.env: environments, the pure part between a task and the generator.
 
 Re-exports the interface (model/env/base.py), the function-writing environment (function.py), the agentic
-coding environment (agentic.py) and its tool format (model/tool_calls.py), the scripted policies (scripted.py), and
+coding environment (agentic.py) and its tool format (model/tools/calls.py), the scripted policies (scripted.py), and
 `encode_state` / `decode_state`, which round-trip any environment's state through msgpack (what a partial
 rollout checkpoints after each turn).
 """
@@ -33,7 +33,7 @@ from rlbus.model.env.base import (
 )
 from rlbus.model.env.function import FunctionEnvironment, FunctionState, state_of
 from rlbus.model.env.scripted import SUBMIT_SCRIPT, reference_script, scripted_ids
-from rlbus.model.tool_calls import TOOLS, BadCall, ToolCall, ToolOutcome, check_call, parse_turn
+from rlbus.model.tools.calls import TOOLS, BadCall, ToolCall, ToolOutcome, check_call, parse_turn
 
 AnyState: TypeAlias = FunctionState | AgenticState
 _DECODER = msgspec.msgpack.Decoder(AnyState)

@@ -8,7 +8,7 @@ token and wall budgets, the self-summarisation of a history that fills the conte
 `needs_summary`, `summarize`: the generator samples the summary), and the reward (the hidden tests on a fresh copy
 of the final workspace: 1.0 when they pass, else 0.0) once `submit` is called or a budget runs out.
 Does not own: the tools themselves or the workspace (the sandbox, behind the port), the tool-call text
-format (model/tool_calls.py), the tasks (model/repo_tasks.py). The wall clock is passed in, never read.
+format (model/tools/calls.py), the tasks (model/tasks/repo.py). The wall clock is passed in, never read.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from rlbus.model.env.base import (
     state_tokens,
     summarized,
 )
-from rlbus.model.episodes import Turn, completion_text
-from rlbus.model.grading import GradeResult
-from rlbus.model.policy import ChatTokenizer
-from rlbus.model.repo_tasks import RepoTask
-from rlbus.model.tool_calls import (
+from rlbus.model.env.episodes import Turn, completion_text
+from rlbus.model.policies.interface import ChatTokenizer
+from rlbus.model.tasks.grading import GradeResult
+from rlbus.model.tasks.repo import RepoTask
+from rlbus.model.tools.calls import (
     BadCall,
     ToolCall,
     outcome_text,
@@ -95,7 +95,7 @@ class AgenticState(EnvState, frozen=True, kw_only=True, tag="agentic"):
 
 @dataclass(frozen=True, slots=True)
 class SummaryPlan:
-    """How a history is summarised (model/summarize.py `summarize_if_over_budget`'s arguments): the policy reads
+    """How a history is summarised (model/sampling/summarize.py `summarize_if_over_budget`'s arguments): the policy reads
     the context (its oldest turns after the task dropped past what it can read) and `prompt`, writes at most
     `tokens`; the first `keep` tokens (bos and the task) stay, and the new context fits `budget`."""
 

@@ -5,7 +5,7 @@ Owns: `Environment` (start a task, take one policy turn), the ports an environme
 on a fresh copy of it; `SandboxPort`: both), `EnvState` (the turns so far, done, reward,
 verdict: a msgspec Struct, so the state after every turn round-trips through msgpack or JSON and a partial
 rollout checkpoints it), `StepOutcome`, the flattening of a state into ids and loss mask, and `summarized`. `ToolOutcome`,
-what the port answers to a tool call, lives with the tool format (model/tool_calls.py).
+what the port answers to a tool call, lives with the tool format (model/tools/calls.py).
 Does not own: sampling, sessions or the bus. The generator opens the episode's sandbox session, implements
 the ports over the bus and hands them in; every method here is pure except the port calls it awaits.
 """
@@ -18,10 +18,10 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
-from rlbus.model.episodes import EpisodeTokens, Turn, turns_tokens
-from rlbus.model.grading import GradeCase, GradeResult
-from rlbus.model.policy import ChatTokenizer
-from rlbus.model.tool_calls import ToolOutcome
+from rlbus.model.env.episodes import EpisodeTokens, Turn, turns_tokens
+from rlbus.model.policies.interface import ChatTokenizer
+from rlbus.model.tasks.grading import GradeCase, GradeResult
+from rlbus.model.tools.calls import ToolOutcome
 
 
 class GradePort(Protocol):
@@ -37,7 +37,7 @@ class WorkspacePort(Protocol):
     """Calls into the episode's workspace, a sandbox session the generator opened for it."""
 
     async def tool(self, name: str, args: Mapping[str, Any]) -> ToolOutcome:
-        """One tool call (`model/tool_calls.py` `TOOLS`: name and arguments already checked)."""
+        """One tool call (`model/tools/calls.py` `TOOLS`: name and arguments already checked)."""
         ...
 
     async def grade_workspace(self, files: Mapping[str, str], command: str) -> GradeResult:
@@ -94,7 +94,7 @@ class Environment(Protocol[S]):
 
 
 def state_tokens(state: EnvState, tokenizer: ChatTokenizer) -> EpisodeTokens:
-    """A state's turns flattened as model/episodes.py lays them out: loss_mask 1 exactly on the ids the policy
+    """A state's turns flattened as model/env/episodes.py lays them out: loss_mask 1 exactly on the ids the policy
     sampled (assistant and summary content); prompts, observations, tool results and framing 0."""
     return turns_tokens(state.turns, tokenizer)
 
@@ -106,7 +106,7 @@ def state_context(state: EnvState, tokenizer: ChatTokenizer) -> list[int]:
 
 def summarized(state: S, summary_ids: Sequence[int]) -> S:
     """The state with everything after its first turn replaced by a policy-written summary turn (the
-    self-summarisation of a long history, as model/episodes.py `add_summary`); the rest of the state is kept."""
+    self-summarisation of a long history, as model/env/episodes.py `add_summary`); the rest of the state is kept."""
     return msgspec.structs.replace(state, turns=(state.turns[0], Turn("summary", tuple(summary_ids))))
 
 

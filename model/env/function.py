@@ -1,11 +1,11 @@
-"""The function-writing environment: model/episodes.py's episode (prompt, attempt, test feedback, retry) as an
+"""The function-writing environment: model/env/episodes.py's episode (prompt, attempt, test feedback, retry) as an
 `Environment`.
 
 Owns: `FunctionState` (and `state_of`, an episode's) and `FunctionEnvironment`: the same turns, token layout and rewards as
-model/episodes.py gives (`start_episode`, `add_attempt`), with the grade taken through a `GradePort`; `step` is
+model/env/episodes.py gives (`start_episode`, `add_attempt`), with the grade taken through a `GradePort`; `step` is
 `case` (what grades an attempt), the port's grade, then `record` (the attempt and its feedback), and the generator
 drives all three (actors/generator/actor.py).
-Does not own: the episode logic itself (model/episodes.py) or grading (the port; model/grading.py builds
+Does not own: the episode logic itself (model/env/episodes.py) or grading (the port; model/tasks/grading.py builds
 the case it runs).
 """
 
@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from typing import Final
 
 from rlbus.model.env.base import EnvState, GradePort, StepOutcome, refuse_done
-from rlbus.model.episodes import MAX_ATTEMPTS, Episode, add_attempt, completion_text, start_episode
-from rlbus.model.grading import GradeCase, GradeResult, case_for, extract_code
-from rlbus.model.policy import ChatTokenizer
-from rlbus.model.tasks import Task
+from rlbus.model.env.episodes import MAX_ATTEMPTS, Episode, add_attempt, completion_text, start_episode
+from rlbus.model.policies.interface import ChatTokenizer
+from rlbus.model.tasks.builtin import Task
+from rlbus.model.tasks.grading import GradeCase, GradeResult, case_for, extract_code
 
 GRADE_TIMEOUT_S: Final = 1.0
-"""Per-case time limit of the grade (model/grading.py's default)."""
+"""Per-case time limit of the grade (model/tasks/grading.py's default)."""
 
 
 class FunctionState(EnvState, frozen=True, kw_only=True, tag="function"):
@@ -32,12 +32,12 @@ class FunctionState(EnvState, frozen=True, kw_only=True, tag="function"):
     max_attempts: int = MAX_ATTEMPTS
 
     def episode(self) -> Episode:
-        """The model/episodes.py view of this state."""
+        """The model/env/episodes.py view of this state."""
         return Episode(self.task, self.turns, self.results, self.max_attempts)
 
 
 def state_of(episode: Episode) -> FunctionState:
-    """The state of a model/episodes.py episode (the inverse of `FunctionState.episode`)."""
+    """The state of a model/env/episodes.py episode (the inverse of `FunctionState.episode`)."""
     last = episode.results[-1].status if episode.results else ""
     return FunctionState(turns=episode.turns, done=episode.done, reward=episode.reward, verdict=last,
                          task=episode.task, results=episode.results, max_attempts=episode.max_attempts)
@@ -81,7 +81,7 @@ class FunctionEnvironment:
 
     def record(self, state: FunctionState, policy_ids: Sequence[int],
                result: GradeResult) -> StepOutcome[FunctionState]:
-        """The attempt and its grade appended (model/episodes.py `add_attempt`): a failed attempt with attempts
+        """The attempt and its grade appended (model/env/episodes.py `add_attempt`): a failed attempt with attempts
         left adds its test feedback as the observation. Pure: the generator records a grade it got once for
         every identical attempt of a round.
 

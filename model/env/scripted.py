@@ -3,7 +3,7 @@
 Owns: `reference_script` (the task's reference edit, one call a turn, then `submit`), `SUBMIT_SCRIPT` (submit
 at once) and `scripted_ids` (the ids of a script's next turn for a state, ending with the tokenizer's stop,
 as a sampled turn that closed itself would).
-Does not own: sampling (model/generate.py) or the environment (model/env/agentic.py).
+Does not own: sampling (model/sampling/generate.py) or the environment (model/env/agentic.py).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Final
 
 from rlbus.model.env.agentic import AgenticState
-from rlbus.model.policy import ChatTokenizer
-from rlbus.model.repo_tasks import RepoTask, repo_task_of_id
-from rlbus.model.tool_calls import ToolCall
+from rlbus.model.policies.interface import ChatTokenizer
+from rlbus.model.tasks.repo import RepoTask, repo_task_of_id
+from rlbus.model.tools.calls import ToolCall
 
 SUBMIT: Final = ToolCall("submit", {}).text()
 SUBMIT_SCRIPT: Final = (SUBMIT,)

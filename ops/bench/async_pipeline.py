@@ -82,7 +82,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     import matplotlib.backends.backend_agg  # noqa: F401  pretrain plots with it: import it here, as torch._dynamo
     import torch._dynamo  # noqa: F401  here, not in pretrain's worker thread (actors/trainer/core.py: why)
 
-    from rlbus.model.pretrain import PretrainConfig, pretrain
+    from rlbus.model.training.pretrain import PretrainConfig, pretrain
     from rlbus.topology.launch import PRETRAINED_DIR
 
     started = time.perf_counter()
@@ -147,7 +147,7 @@ def _speedup(arms: dict[str, dict[str, Any]]) -> float:
 
 
 def _parameters(config: Any) -> int:
-    from rlbus.model.transformer import Transformer
+    from rlbus.model.policies.transformer import Transformer
 
     return sum(p.numel() for p in Transformer(config).parameters())
 

@@ -1,7 +1,7 @@
 """`rlbus bench delta`: lossless weight-delta compression of real AdamW updates of the rlbus policy.
 
 Owns: the delta benchmark. Trains `ModelConfig.m30()` (`--quick`: `tiny()`) with AdamW on byte
-tokens of the task corpus (`rlbus.model.tasks`, prompt + canonical solution) for the warm-up steps,
+tokens of the task corpus (`rlbus.model.tasks.builtin`, prompt + canonical solution) for the warm-up steps,
 forks model and optimizer state per measured lr, and takes the published versions (bf16 casts of
 the fp32 master weights) around the 1st and 20th step after the warm-up. Per delta it reports the
 blob size against raw bf16, against int32 index + bf16 value (6 B per changed element) and against
@@ -46,8 +46,8 @@ def _corpus(tokens: int) -> Any:
 
     import torch
 
-    from rlbus.model.tasks import train_tasks
-    from rlbus.model.tokenizer import ByteTokenizer
+    from rlbus.model.policies.tokenizer import ByteTokenizer
+    from rlbus.model.tasks.builtin import train_tasks
 
     tok = ByteTokenizer()
     ids: list[int] = []
@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from rlbus.kernels import delta
     from rlbus.kernels.delta_state import encode_state
-    from rlbus.model.transformer import ModelConfig, Transformer
+    from rlbus.model.policies.transformer import ModelConfig, Transformer
 
     t_start = time.perf_counter()
     backend = delta.codec_backend() if args.delta_codec is None else args.delta_codec

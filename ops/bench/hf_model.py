@@ -27,8 +27,8 @@ def model_dir(size: str, steps: int, *, quick: bool, threads: int) -> Path:
     """The cached pretrained Qwen2 directory of `size` after `steps` steps, built (with progress on stderr)
     when missing or unfinished. Pretrained on task documents only (code fraction 0): prompts, canonical
     solutions closed by the stop id."""
-    from rlbus.model.policy import is_hf_dir
-    from rlbus.model.pretrain import PretrainConfig, new_hf_policy, pretrain
+    from rlbus.model.policies.interface import is_hf_dir
+    from rlbus.model.training.pretrain import PretrainConfig, new_hf_policy, pretrain
     from rlbus.ops.pretrain import PretrainPrinter
 
     out = CACHE_ROOT / f"hf-{size}-{steps}"
@@ -65,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from rlbus.model.hf_policy import HFPolicy
-    from rlbus.model.tasks import eval_tasks
+    from rlbus.model.policies.hf import HFPolicy
+    from rlbus.model.tasks.builtin import eval_tasks
 
     quick = bool(getattr(args, "quick", False))
     steps = 4 if quick else args.model_hf_steps
@@ -122,7 +122,7 @@ def _sampling(policy: Any, prompts: list[list[int]], group: int, new_tokens: int
     -> (the first rlbus round's samples, the numbers)."""
     import torch
 
-    from rlbus.model.generate import generate, left_pad
+    from rlbus.model.sampling.generate import generate, left_pad
 
     tok = policy.tokenizer
     stop, pad = tok.stop_id, tok.pad_id
@@ -169,7 +169,7 @@ def _sampling(policy: Any, prompts: list[list[int]], group: int, new_tokens: int
 
 def _greedy_stops(policy: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     """The share of greedy completions of the prompts that end with the stop id."""
-    from rlbus.model.generate import generate
+    from rlbus.model.sampling.generate import generate
 
     tok = policy.tokenizer
     out = generate(policy, prompts, max_new_tokens=new_tokens, temperature=0, eos_id=tok.stop_id, pad_id=tok.pad_id)
@@ -265,7 +265,7 @@ async def _swap_async(directory: Path) -> dict[str, Any]:
     from rlbus.messages.bus import Bus, ConnectOptions, Identity
     from rlbus.messages.schemas import WeightManifest
     from rlbus.messages.streams import StreamSettings, provision_run
-    from rlbus.model.hf_policy import HFPolicy
+    from rlbus.model.policies.hf import HFPolicy
     from rlbus.topology.regions import RegionSet
 
     policy = HFPolicy.load(directory, dtype=torch.bfloat16)
@@ -351,8 +351,8 @@ async def _child_async(job: dict[str, Any]) -> dict[str, Any]:
     from rlbus.actors.common.weight_sync import WeightSync
     from rlbus.messages.bus import Bus, ConnectOptions, Identity
     from rlbus.messages.objects import fetch_object
-    from rlbus.model.generate import generate
-    from rlbus.model.hf_policy import HFPolicy
+    from rlbus.model.policies.hf import HFPolicy
+    from rlbus.model.sampling.generate import generate
 
     torch.set_num_threads(1)
     bus = await Bus.connect(job["url"], run=job["run"], domain=_HUB,

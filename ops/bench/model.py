@@ -145,8 +145,8 @@ def _kv_cache(device: Any, new_tokens: int, repeats: int = 2, batch: int = 8) ->
     """
     import torch
 
-    from rlbus.model import ModelConfig, Transformer
-    from rlbus.model.generate import generate
+    from rlbus.model.policies.transformer import ModelConfig, Transformer
+    from rlbus.model.sampling.generate import generate
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.small(tie_embeddings=False)).to(device).eval()
@@ -190,8 +190,8 @@ def _train_counting_model(device: Any, steps: int) -> Any:
     """A 2-layer model with 3 MTP heads trained on strided counting (main and MTP losses)."""
     import torch
 
-    from rlbus.model import ModelConfig, Transformer
-    from rlbus.model.loss import lm_loss
+    from rlbus.model.policies.transformer import ModelConfig, Transformer
+    from rlbus.model.training.loss import lm_loss
 
     torch.manual_seed(0)
     model = Transformer(
@@ -212,7 +212,7 @@ def _speculative(model: Any, new_tokens: int) -> dict[str, Any]:
     """Per-prompt (batch 1) greedy vs MTP speculative decoding, best of three timings each."""
     import torch
 
-    from rlbus.model.generate import SpeculativeStats, generate, speculative_generate
+    from rlbus.model.sampling.generate import SpeculativeStats, generate, speculative_generate
 
     torch.manual_seed(1)
     prompts = [_counting_batch(1, 6, model.config.vocab_size, "cpu")[0].tolist() for _ in range(4)]
@@ -253,8 +253,8 @@ def _swap_stall(device: Any, preset: str) -> dict[str, Any]:
 
     import torch
 
-    from rlbus.model import ModelConfig, Transformer
-    from rlbus.model.generate import generate
+    from rlbus.model.policies.transformer import ModelConfig, Transformer
+    from rlbus.model.sampling.generate import generate
 
     config = getattr(ModelConfig, preset)()
     torch.manual_seed(0)
@@ -303,8 +303,8 @@ def _mxfp8_drift(model: Any) -> dict[str, Any]:
 
     import torch
 
-    from rlbus.model.generate import generate
-    from rlbus.model.quant import quantized_copy
+    from rlbus.model.policies.quant import quantized_copy
+    from rlbus.model.sampling.generate import generate
 
     bf16 = copy.deepcopy(model)
     with torch.no_grad():

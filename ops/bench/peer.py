@@ -74,8 +74,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import msgspec
     import torch
 
-    from rlbus.model.policy import reference_dtype
-    from rlbus.model.task_sources import held_out_tasks
+    from rlbus.model.policies.interface import reference_dtype
+    from rlbus.model.tasks.sources import held_out_tasks
     from rlbus.ops.bench.peer_rlbus import rlbus_topology
     from rlbus.ops.local_sandbox import local_sandbox
     from rlbus.ops.pretrain import _quiet_transformers
@@ -144,8 +144,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def policy_dir(size: str, steps: int, *, quick: bool, eval_seed: int) -> Path:
     """The cached pretrained recipe Qwen2 of `size` after `steps` steps on task documents, built (progress on
     stderr) when missing or unfinished."""
-    from rlbus.model.policy import is_hf_dir
-    from rlbus.model.pretrain import PretrainConfig, new_hf_policy, pretrain
+    from rlbus.model.policies.interface import is_hf_dir
+    from rlbus.model.training.pretrain import PretrainConfig, new_hf_policy, pretrain
     from rlbus.ops.pretrain import PretrainPrinter
 
     out = CACHE_ROOT / f"hf-{size}-{steps}"
@@ -185,7 +185,7 @@ def _trl_arm(base: Path, tasks: list[Any], shared: Shared, budget: float, marks:
 
 def _grade(portal: Any, bus: Any, tasks: Sequence[Any], texts: Sequence[str]) -> list[bool]:
     """Pass/fail of each completion, from the sandbox (the rlbus generator's request: `case_for` on its code)."""
-    from rlbus.model.grading import case_for, extract_code
+    from rlbus.model.tasks.grading import case_for, extract_code
 
     cases = [case_for(t, extract_code(x)) for t, x in zip(tasks, texts, strict=True)]
     return [r.passed for r in _runner(portal, bus, cases)]
@@ -205,8 +205,8 @@ def _score_all(base: Path, tasks: list[Any], arms: dict[str, ArmRun], max_tokens
     import torch
 
     from rlbus.actors.common.weight_sync import decode_full
-    from rlbus.model.evaluate import evaluate_pass_at_1
-    from rlbus.model.hf_policy import HFPolicy
+    from rlbus.model.policies.hf import HFPolicy
+    from rlbus.model.sampling.evaluate import evaluate_pass_at_1
 
     torch.set_num_threads(2)
     policy = HFPolicy.load(base, dtype=torch.float32)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 # rlbus.model imports torch, and every `rlbus` command imports this module (ops/bench/peer.py builds its options)
 if TYPE_CHECKING:
-    from rlbus.model.tasks import Task
+    from rlbus.model.tasks.builtin import Task
 
 Grader = Callable[[Sequence["Task"], Sequence[str]], list[bool]]
 """(tasks, completion texts) → passed, one per completion: the sandbox's verdict."""
@@ -82,8 +82,8 @@ def run_trl(base: Path, tasks: Sequence[Task], shared: Shared, *, budget_s: floa
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlbus.model.episodes import completion_text
-    from rlbus.model.hf_policy import HFPolicy
+    from rlbus.model.env.episodes import completion_text
+    from rlbus.model.policies.hf import HFPolicy
 
     torch.set_num_threads(threads)
     policy = HFPolicy.load(base, dtype=torch.float32)

@@ -109,7 +109,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     from rlbus.actors.publisher import Publisher, RegionRelay
     from rlbus.messages.bus import Bus, ConnectOptions, Identity
     from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
-    from rlbus.model.transformer import ModelConfig, Transformer
+    from rlbus.model.policies.transformer import ModelConfig, Transformer
     from rlbus.ops.bench.version_source import VersionSource
     from rlbus.topology.regions import RegionSet
 

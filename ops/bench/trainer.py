@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"size": size, "steps": steps, "threads": args.trainer_threads, "batch": shape,
                               "world_sizes": list(WORLD_SIZES), "clock": "wall"}
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-trainer-") as tmp:
-        from rlbus.model.hf_recipe import build_hf_dir
+        from rlbus.model.policies.hf_recipe import build_hf_dir
 
         hf_dir = build_hf_dir(Path(tmp) / f"qwen2-{size}", architecture="qwen2", texts=_TEXTS, vocab_size=512,
                               size=size, max_seq_len=256)
@@ -135,10 +135,10 @@ def _core(policy: str) -> Any:
     import torch
 
     from rlbus.actors.trainer.core import TrainerCore
-    from rlbus.model.builtin_policy import BuiltinPolicy
-    from rlbus.model.policy import load_policy
-    from rlbus.model.tokenizer import ByteTokenizer
-    from rlbus.model.transformer import ModelConfig, Transformer
+    from rlbus.model.policies.builtin import BuiltinPolicy
+    from rlbus.model.policies.interface import load_policy
+    from rlbus.model.policies.tokenizer import ByteTokenizer
+    from rlbus.model.policies.transformer import ModelConfig, Transformer
 
     torch.manual_seed(0)
     if policy in ("tiny", "m30"):

@@ -24,10 +24,10 @@ from rlbus.kernels.delta_state import encode_state
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import VersionReady
 from rlbus.messages.subjects import Subjects
-from rlbus.model.builtin_policy import config_dict
-from rlbus.model.policy import ChatTokenizer, Policy, as_policy
-from rlbus.model.tasks import make_task
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policies.builtin import config_dict
+from rlbus.model.policies.interface import ChatTokenizer, Policy, as_policy
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.tasks.builtin import make_task
 
 
 def published_state(model: Policy | Transformer) -> dict[str, Tensor]:

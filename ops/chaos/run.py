@@ -93,7 +93,7 @@ def prepare_state_dir(state: Path) -> None:
 
 def ensure_pretrained(topology: Topology, state: Path, say: Say) -> None:
     """Pretrain into `<state>/pretrained/` with the topology's `[pretrain]` unless a policy is there."""
-    from rlbus.model.pretrain import PretrainConfig, pretrain
+    from rlbus.model.training.pretrain import PretrainConfig, pretrain
 
     out = state / PRETRAINED_DIR
     if (out / "pretrain.pt").exists():

@@ -1,5 +1,5 @@
 """The group state of a task in progress, as pure functions: chunks cut at stop tokens with routing kept
-aligned, attempts and feedback in model/episodes.py's layout, summaries, version filling, the Rollout a
+aligned, attempts and feedback in model/env/episodes.py's layout, summaries, version filling, the Rollout a
 finished episode becomes, the partial's encoding (compressed when large), and a group grown after no pass."""
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from rlbus.actors.generator.group import (
 from rlbus.messages import checks
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import SandboxVerdict, TensorBlob
-from rlbus.model.episodes import episode_tokens
-from rlbus.model.tasks import eval_tasks
-from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.env.episodes import episode_tokens
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.tasks.builtin import eval_tasks
 
 TOK = ByteTokenizer()
 TASK = eval_tasks(5, n=1)[0]

@@ -24,11 +24,11 @@ from rlbus.messages.bus import digest
 from rlbus.messages.errors import RlbusError, TopologyError
 from rlbus.messages.schemas import CheckpointMark
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.model.builtin_policy import config_dict, config_from_spec, estimated_params
-from rlbus.model.policy import PolicyError
-from rlbus.model.tasks import eval_tasks
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import ModelConfig
+from rlbus.model.policies.builtin import config_dict, config_from_spec, estimated_params
+from rlbus.model.policies.interface import PolicyError
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.policies.transformer import ModelConfig
+from rlbus.model.tasks.builtin import eval_tasks
 
 TOK = ByteTokenizer()
 TASK = eval_tasks(5, n=1)[0]

@@ -29,8 +29,8 @@ from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import EvalReport, Heartbeat, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run
-from rlbus.model.evaluate import wilson_interval
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.sampling.evaluate import wilson_interval
 from rlbus.ops.bench.version_source import published_state, upload_version
 from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet

@@ -45,7 +45,7 @@ from rlbus.messages.schemas import Rollout, TensorBlob
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
-from rlbus.model.tasks import eval_tasks
+from rlbus.model.tasks.builtin import eval_tasks
 from rlbus.topology.regions import RegionSet
 
 pytestmark = pytest.mark.anyio
@@ -334,7 +334,7 @@ async def test_task_file_is_fed_to_its_end(tmp_path: Path) -> None:
 def test_sequence_skips_the_evaluators_held_out_prompts_and_the_launcher_names_them(tmp_path: Path) -> None:
     """With eval_seed the built-in sequence never yields a prompt of eval_tasks(eval_seed) (the plain sequence
     of the same seed does, for some seeds); the launcher passes the topology's evaluator seed."""
-    from rlbus.model.tasks import EVAL_POOL, eval_tasks
+    from rlbus.model.tasks.builtin import EVAL_POOL, eval_tasks
     from rlbus.topology.examples import example_path
     from rlbus.topology.launch import feeder_launch
     from rlbus.topology.load import load
@@ -353,7 +353,7 @@ def test_sequence_skips_the_evaluators_held_out_prompts_and_the_launcher_names_t
 def test_a_listed_held_out_source_is_skipped_by_prompt_hash_and_named_in_the_saved_source(tmp_path: Path) -> None:
     """With the evaluator's tasks a file, a tasks file sharing two of its prompts feeds only the third task, and
     the ids the cursors account for agree; the saved source names the exclusion; the launcher passes it."""
-    from rlbus.model.task_sources import HUMANEVAL
+    from rlbus.model.tasks.sources import HUMANEVAL
     from rlbus.topology.examples import example_path
     from rlbus.topology.launch import feeder_launch
     from rlbus.topology.load import load

@@ -13,7 +13,7 @@ from rlbus.actors.common.feed import (
     verifier_for,
 )
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.model.task_sources import humaneval_tasks
+from rlbus.model.tasks.sources import humaneval_tasks
 
 
 def test_humaneval_source_feeds_every_problem_once_in_order() -> None:

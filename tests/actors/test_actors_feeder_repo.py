@@ -10,7 +10,7 @@ import pytest
 
 from rlbus.actors.common.config import REPO_LEVELS, FeederConfig, FeederLaunch
 from rlbus.actors.common.feed import task_sequence, task_source, verifier_for
-from rlbus.model.repo_tasks import LEVELS, VERIFIER_KIND, RepoTask, repo_task_of_id
+from rlbus.model.tasks.repo import LEVELS, VERIFIER_KIND, RepoTask, repo_task_of_id
 from rlbus.topology.examples import example_path
 from rlbus.topology.load import validate
 
@@ -19,7 +19,7 @@ BASE = (Path(__file__).resolve().parents[1] / "topology" / "bad" / "levels_with_
 
 
 def test_levels_named_for_validation_are_the_tasks_levels() -> None:
-    """The levels `rlbus validate` accepts are those of model/repo_tasks.py."""
+    """The levels `rlbus validate` accepts are those of model/tasks/repo.py."""
     assert REPO_LEVELS == LEVELS
 
 

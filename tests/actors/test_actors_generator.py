@@ -63,10 +63,10 @@ from rlbus.messages.schemas import Heartbeat, Rollout, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.streams import StreamSettings, provision_hub, provision_region, provision_run
 from rlbus.messages.subjects import BucketScope
-from rlbus.model.policy import as_policy
-from rlbus.model.tasks import Task, eval_tasks
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policies.interface import as_policy
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.tasks.builtin import Task, eval_tasks
 from rlbus.ops.bench.version_source import published_state, upload_version
 from rlbus.topology.regions import RegionSet
 from rlbus.topology.servers import EmbeddedServer

@@ -59,12 +59,12 @@ from rlbus.model.env import (
     scripted_ids,
     state_context,
 )
-from rlbus.model.episodes import Turn
-from rlbus.model.policy import as_policy
-from rlbus.model.repo_tasks import RepoTask, repo_task
-from rlbus.model.tasks import eval_tasks
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.env.episodes import Turn
+from rlbus.model.policies.interface import as_policy
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.tasks.builtin import eval_tasks
+from rlbus.model.tasks.repo import RepoTask, repo_task
 from rlbus.topology.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio

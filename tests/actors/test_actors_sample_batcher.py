@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlbus.actors.generator.batcher import SampleBatcher, cut
-from rlbus.model.generate import SampledSequence
+from rlbus.model.sampling.generate import SampledSequence
 
 
 class _Recorder:

@@ -31,7 +31,7 @@ from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.messages import codec
 from rlbus.messages.bus import REASON_HEADER, Bus, ConnectOptions
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxRequest, SandboxResult
-from rlbus.model.tasks import Task, eval_tasks
+from rlbus.model.tasks.builtin import Task, eval_tasks
 from rlbus.topology.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
@@ -158,7 +158,7 @@ async def test_source_tests_graded_in_the_sandbox_with_passed_and_total(admin_bu
 
 
 def test_asserts_for_one_assert_per_case() -> None:
-    """A task's (args, expected) pairs become one assert each, checking value and type like task_harness."""
+    """A task's (args, expected) pairs become one assert each, checking value and type like model/tasks/harness.py."""
     src = asserts_for("f", [("(3,)", "8"), ("('ab',)", "'ba'")])
     ns: dict[str, object] = {}
     exec("def f(x):\n    return x[::-1] if isinstance(x, str) else x + 5\n", ns)

@@ -22,8 +22,8 @@ from rlbus.actors.trainer.core import (
 from rlbus.kernels.delta_state import apply_state_, encode_state
 from rlbus.kernels.logprob import token_logprob_entropy
 from rlbus.messages.schemas import Rollout, Segment, TensorBlob
-from rlbus.model.builtin_policy import BuiltinPolicy
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policies.builtin import BuiltinPolicy
+from rlbus.model.policies.transformer import ModelConfig, Transformer
 
 
 def _r(task: str, g: int, versions: list[int], *, size: int = 2, prompt: list[int] | None = None,
@@ -308,8 +308,8 @@ def test_build_core_starts_from_a_pretrained_checkpoint_folder_and_freezes_it_as
     import dataclasses
 
     from rlbus.actors.trainer.core import build_core
-    from rlbus.model.pretrain import CHECKPOINT_NAME
-    from rlbus.model.tokenizer import ByteTokenizer
+    from rlbus.model.policies.tokenizer import ByteTokenizer
+    from rlbus.model.training.pretrain import CHECKPOINT_NAME
 
     torch.manual_seed(7)
     model = Transformer(ModelConfig.tiny(vocab_size=264, moe_layers=(1,)))
@@ -379,7 +379,7 @@ def test_a_long_segment_context_beside_a_long_completion_is_scored_by_the_full_f
 
 def test_reference_dtype_names_resolve_by_device_and_unknown_ones_are_refused() -> None:
     """'auto' is bfloat16 exactly where the device multiplies bf16 natively; the explicit names are themselves."""
-    from rlbus.model.policy import PolicyError, native_bf16, reference_dtype
+    from rlbus.model.policies.interface import PolicyError, native_bf16, reference_dtype
 
     cpu = torch.device("cpu")
     assert reference_dtype("bfloat16", cpu) is torch.bfloat16 and reference_dtype("float32", cpu) is torch.float32

@@ -36,11 +36,11 @@ from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import Event, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
-from rlbus.model.builtin_policy import config_dict
-from rlbus.model.generate import generate
-from rlbus.model.hf_policy import HFPolicy
-from rlbus.model.policy import Policy, policy_from_spec
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policies.builtin import config_dict
+from rlbus.model.policies.hf import HFPolicy
+from rlbus.model.policies.interface import Policy, policy_from_spec
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.sampling.generate import generate
 from rlbus.ops.bench.version_source import VersionSource
 from rlbus.topology.examples import example_path
 from rlbus.topology.launch import kind_launch, kind_settings

@@ -35,7 +35,7 @@ from rlbus.messages.kv import read_key
 from rlbus.messages.objects import delete_object, fetch_object, put_object
 from rlbus.messages.schemas import WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.ops.bench.version_source import VersionSource
 from rlbus.topology.links import LinkShape, namespaces_unavailable
 from rlbus.topology.regions import RegionSet

@@ -22,8 +22,8 @@ from rlbus.actors.common.ledger import read_all, read_ledger
 from rlbus.actors.trainer.core import build_core
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Event, TrainStep
-from rlbus.model.pretrain import CHECKPOINT_NAME
-from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.training.pretrain import CHECKPOINT_NAME
 from rlbus.topology.examples import example_path
 from rlbus.topology.launch import PRETRAINED_DIR, Launch, read_fed_tasks
 from rlbus.topology.load import load

@@ -18,8 +18,8 @@ from helpers.rollouts import sample_rollouts
 
 from rlbus.actors.trainer.core import build_core
 from rlbus.messages.bus import Bus
-from rlbus.model.pretrain import CHECKPOINT_NAME
-from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.training.pretrain import CHECKPOINT_NAME
 from rlbus.topology.launch import PRETRAINED_DIR, Launch
 from rlbus.topology.schema import Topology
 

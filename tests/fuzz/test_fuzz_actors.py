@@ -45,8 +45,8 @@ from rlbus.messages.bus import REASON_HEADER, Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import CheckpointMark, Heartbeat, TrainStep
 from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.messages.subjects import Subjects
-from rlbus.model.builtin_policy import fresh_config
-from rlbus.model.transformer import Transformer
+from rlbus.model.policies.builtin import fresh_config
+from rlbus.model.policies.transformer import Transformer
 from rlbus.topology.regions import RegionSet
 
 pytestmark = pytest.mark.anyio

@@ -35,8 +35,8 @@ from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import Heartbeat, Rollout, Task, TensorBlob
 from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.messages.subjects import Subjects
-from rlbus.model.pretrain import PretrainConfig, pretrain
-from rlbus.model.tasks import make_task
+from rlbus.model.tasks.builtin import make_task
+from rlbus.model.training.pretrain import PretrainConfig, pretrain
 from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
 
 pytestmark = pytest.mark.anyio

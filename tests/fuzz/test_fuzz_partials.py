@@ -51,9 +51,9 @@ from rlbus.messages.schemas import Event, Rollout, SandboxVerdict, TensorBlob
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
 from rlbus.messages.subjects import BucketScope
-from rlbus.model.tasks import Task, eval_tasks
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.tasks.builtin import Task, eval_tasks
 from rlbus.topology.servers import EmbeddedServer
 
 torch.set_num_threads(1)

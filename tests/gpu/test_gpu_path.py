@@ -17,11 +17,11 @@ from helpers.hf import build_family
 from helpers.rollouts import sample_rollouts
 
 from rlbus.actors.trainer.core import Objective, TrainerCore
-from rlbus.model.builtin_policy import BuiltinPolicy
-from rlbus.model.generate import generate
-from rlbus.model.hf_policy import HFPolicy
-from rlbus.model.policy import Policy, resolve_device
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policies.builtin import BuiltinPolicy
+from rlbus.model.policies.hf import HFPolicy
+from rlbus.model.policies.interface import Policy, resolve_device
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.sampling.generate import generate
 from rlbus.topology.examples import example_path
 
 pytestmark = [pytest.mark.gpu,

@@ -41,7 +41,7 @@ from rlbus.messages.schemas import (
     VersionReady,
     WeightManifest,
 )
-from rlbus.model.tasks import make_task
+from rlbus.model.tasks.builtin import make_task
 
 Target = Literal["tasks", "rollouts", "version_ready", "state_upload", "checkpoints", "latest", "sandbox"]
 TARGETS: Final[tuple[Target, ...]] = ("tasks", "rollouts", "version_ready", "state_upload", "checkpoints",

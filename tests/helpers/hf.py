@@ -1,4 +1,4 @@
-"""Tiny Hugging Face model directories for tests, built from a config (no downloads) by `rlbus.model.hf_recipe`.
+"""Tiny Hugging Face model directories for tests, built from a config (no downloads) by `rlbus.model.policies.hf_recipe`.
 
 `FAMILIES` names the variants tests parametrize over; `build_family` writes one directory; `TEXTS` is the few KB
 of text the tokenizers are trained on; `random_state` gives a policy weights of more signal than the init (a
@@ -14,8 +14,8 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
-from rlbus.model.hf_recipe import build_hf_dir
-from rlbus.model.policy import Policy
+from rlbus.model.policies.hf_recipe import build_hf_dir
+from rlbus.model.policies.interface import Policy
 
 FAMILIES: Final[dict[str, dict[str, Any]]] = {
     "llama": {"architecture": "llama"},

@@ -25,7 +25,7 @@ from rlbus.actors.trainer.core import Objective, TrainerCore
 from rlbus.actors.trainer.ranks import RankError, RankSpec, ShardedCore, follow, join, leave
 from rlbus.messages import codec
 from rlbus.messages.schemas import Rollout
-from rlbus.model.policy import fresh_builtin, load_policy
+from rlbus.model.policies.interface import fresh_builtin, load_policy
 
 LR = 1e-4
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from rlbus.messages.schemas import Rollout, TensorBlob
-from rlbus.model.generate import generate
-from rlbus.model.policy import Policy, as_policy
-from rlbus.model.transformer import Transformer
+from rlbus.model.policies.interface import Policy, as_policy
+from rlbus.model.policies.transformer import Transformer
+from rlbus.model.sampling.generate import generate
 
 
 def sample_rollouts(model: Policy | Transformer, *, tasks: int, group_size: int, version: int = 0, seed: int = 0,

@@ -120,40 +120,65 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     assert rlbus_imports(sample) == {"ops", "actors"}
 
 
-POLICY_IMPLEMENTATIONS: frozenset[str] = frozenset({"transformer", "tokenizer", "builtin_policy", "hf_policy",
-                                                     "hf_recipe", "pretrain", "export"})
-"""Modules of model/ that are one policy implementation (or build one): actors reach models only through
-model/policy.py."""
+POLICY_INTERFACE = "policies.interface"
+"""The one module of model/policies/ that actors may import: every other one is a policy implementation (or
+builds, exports or quantises one), and pretraining (model/training/pretrain.py) builds policies too."""
+POLICY_BUILDERS: frozenset[str] = frozenset({"training.pretrain"})
 
 
 def model_imports(path: Path) -> set[str]:
-    """The modules of model/ a file imports (`rlbus.model.x`, `from rlbus.model import x`), inside functions too."""
+    """The modules of model/ a file imports, as dotted paths below `rlbus.model` (`policies.hf`, `env`), from
+    `import rlbus.model.x.y`, `from rlbus.model.x import y` and `from rlbus.model import x`, inside functions too."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("rlbus.model.")}
+            found |= {a.name.removeprefix("rlbus.model.") for a in node.names if a.name.startswith("rlbus.model.")}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.startswith("rlbus.model."):
-                found.add(node.module.split(".")[2])
-            elif node.module == "rlbus.model":
-                found |= {a.name for a in node.names}
+            if node.module == "rlbus.model" or node.module.startswith("rlbus.model."):
+                package = node.module.removeprefix("rlbus.model").lstrip(".")
+                found |= {f"{package}.{a.name}".lstrip(".") for a in node.names}
+                if package:
+                    found.add(package)
     return found
 
 
+def reaches_an_implementation(module: str) -> bool:
+    """A model module path that is (or is inside) a policy implementation: anything under `policies` but the
+    interface, `policies` itself only when it names a submodule, and the policy builders."""
+    if module in POLICY_BUILDERS or any(module.startswith(b + ".") for b in POLICY_BUILDERS):
+        return True
+    return module.startswith("policies.") and not (module == POLICY_INTERFACE or module.startswith(POLICY_INTERFACE + "."))
+
+
 def test_no_actor_imports_a_policy_implementation() -> None:
-    """Actors see models only through the policy interface (model/policy.py): never the built-in transformer or
-    tokenizer, the Hugging Face policy, or pretraining, directly."""
+    """Actors see models only through the policy interface (model/policies/interface.py): never the built-in
+    transformer or tokenizer, the Hugging Face policy, export, or pretraining, directly."""
     bad = [f"{path.relative_to(ROOT)} imports rlbus.model.{name}"
-           for path in (ROOT / "actors").rglob("*.py") for name in model_imports(path) & POLICY_IMPLEMENTATIONS]
+           for path in (ROOT / "actors").rglob("*.py") for name in model_imports(path)
+           if reaches_an_implementation(name)]
     assert not bad, "\n".join(bad)
+
+
+def test_the_model_package_re_exports_nothing() -> None:
+    """`rlbus.model` and `rlbus.model.policies` import nothing, so `from rlbus.model import X` cannot reach an
+    implementation past the rule above."""
+    for init in (ROOT / "model" / "__init__.py", ROOT / "model" / "policies" / "__init__.py"):
+        tree = ast.parse(init.read_text())
+        assert not [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)
+                    and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")], init
 
 
 def test_the_model_import_checker_sees_every_form(tmp_path: Path) -> None:
     """Absolute, from-package and function-level imports are all seen (so the rule above can fail)."""
     sample = tmp_path / "x.py"
-    sample.write_text("import rlbus.model.transformer\nfrom rlbus.model import tokenizer, policy\n"
-                      "def f():\n    from rlbus.model.hf_policy import HFPolicy\n")
-    assert model_imports(sample) == {"transformer", "tokenizer", "policy", "hf_policy"}
+    sample.write_text("import rlbus.model.policies.transformer\nfrom rlbus.model.policies import tokenizer, interface\n"
+                      "def f():\n    from rlbus.model.policies.hf import HFPolicy\n"
+                      "from rlbus.model.training import pretrain\n")
+    found = model_imports(sample)
+    assert {"policies.transformer", "policies.tokenizer", "policies.interface", "policies.hf.HFPolicy",
+            "training.pretrain"} <= found
+    assert {m for m in found if reaches_an_implementation(m)} == {
+        "policies.transformer", "policies.tokenizer", "policies.hf", "policies.hf.HFPolicy", "training.pretrain"}
 
 
 _PACKAGES = ("actors", "messages", "model", "kernels", "topology", "ops", "tests")

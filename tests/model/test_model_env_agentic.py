@@ -29,11 +29,11 @@ from rlbus.model.env import (
     state_tokens,
 )
 from rlbus.model.env.agentic import NO_CALL
-from rlbus.model.grading import GradeResult
-from rlbus.model.hf_policy import HFPolicy
-from rlbus.model.policy import ChatTokenizer
-from rlbus.model.repo_tasks import EditError, RepoTask, apply_edit, repo_task
-from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.policies.hf import HFPolicy
+from rlbus.model.policies.interface import ChatTokenizer
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.tasks.grading import GradeResult
+from rlbus.model.tasks.repo import EditError, RepoTask, apply_edit, repo_task
 
 TOK = ByteTokenizer()
 pytestmark = pytest.mark.anyio
@@ -292,8 +292,8 @@ def test_state_decodes_only_from_a_state() -> None:
 def test_hf_rendering_matches_a_qwen_template_tool_turn(qwen2: Any, tmp_path: Path) -> None:
     """Tool results in the observation role are what a Qwen2.5-style template renders for consecutive `tool`
     messages: <|im_start|>user\\n<tool_response>\\n...\\n</tool_response>\\n<tool_response>...<|im_end|>."""
-    from rlbus.model.policy import frame_turn
-    from rlbus.model.tool_calls import response_text
+    from rlbus.model.policies.interface import frame_turn
+    from rlbus.model.tools.calls import response_text
 
     template = ("{%- for message in messages %}{%- if message.role == 'tool' %}"
                 "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}"

@@ -1,4 +1,4 @@
-"""The function-writing environment gives what model/episodes.py gives: the same turns, token layout, rewards and
+"""The function-writing environment gives what model/env/episodes.py gives: the same turns, token layout, rewards and
 end, on several built-in tasks, with the grade taken through the port; its state round-trips after each turn."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from rlbus.model.env import (
     state_tokens,
     summarized,
 )
-from rlbus.model.episodes import add_attempt, add_summary, context_ids, episode_tokens, start_episode
-from rlbus.model.grading import GradeCase, GradeResult, case_for, extract_code
-from rlbus.model.tasks import Task, eval_tasks
-from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.env.episodes import add_attempt, add_summary, context_ids, episode_tokens, start_episode
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.tasks.builtin import Task, eval_tasks
+from rlbus.model.tasks.grading import GradeCase, GradeResult, case_for, extract_code
 
 TOK = ByteTokenizer()
 pytestmark = pytest.mark.anyio
@@ -46,8 +46,8 @@ SCRIPTS = {
 @pytest.mark.parametrize("script", list(SCRIPTS))
 @pytest.mark.parametrize("task", eval_tasks(3, 4), ids=lambda t: t.task_id)
 async def test_same_turns_tokens_and_rewards_as_episodes(task: Task, script: str) -> None:
-    """Driving the environment and model/episodes.py with the same attempts gives equal turns, ids, masks,
-    contexts, done and reward; the port grades the case model/grading.py builds."""
+    """Driving the environment and model/env/episodes.py with the same attempts gives equal turns, ids, masks,
+    contexts, done and reward; the port grades the case model/tasks/grading.py builds."""
     env, port = FunctionEnvironment(TOK), FakeGrader(task)
     state, episode = env.start(task), start_episode(task, TOK)
     assert state.turns == episode.turns

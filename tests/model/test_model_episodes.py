@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlbus.model.episodes import (
+from rlbus.model.env.episodes import (
     add_attempt,
     add_summary,
     completion_text,
@@ -12,9 +12,9 @@ from rlbus.model.episodes import (
     episode_tokens,
     start_episode,
 )
-from rlbus.model.grading import GradeResult
-from rlbus.model.tasks import HiddenTest, Task
-from rlbus.model.tokenizer import ByteTokenizer
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.tasks.builtin import HiddenTest, Task
+from rlbus.model.tasks.grading import GradeResult
 
 TOK = ByteTokenizer()
 TASK = Task("t", "int", 1, "P", "f", "    return x\n", (HiddenTest("(1,)", "1"),))

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from rlbus.model import ModelConfig, Transformer
-from rlbus.model.generate import generate, speculative_generate
-from rlbus.model.loss import lm_loss
-from rlbus.model.quant import quantized_copy
+from rlbus.model.policies.quant import quantized_copy
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.sampling.generate import generate, speculative_generate
+from rlbus.model.training.loss import lm_loss
 
 torch.set_num_threads(1)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]

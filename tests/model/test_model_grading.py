@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from rlbus.model.grading import (
+from rlbus.model.tasks.builtin import HiddenTest, Task
+from rlbus.model.tasks.grading import (
     GradeCase,
     GradeResult,
     extract_code,
@@ -15,7 +16,6 @@ from rlbus.model.grading import (
     source_tests,
     subprocess_runner,
 )
-from rlbus.model.tasks import HiddenTest, Task
 
 ADD2 = Task("t-add2", "int", 1, 'def f(x):\n    """Add 2."""\n', "f", "    x = x + 2\n    return x\n",
             (HiddenTest("(1,)", "3"), HiddenTest("(5,)", "7"), HiddenTest("(-2,)", "0")))

@@ -13,9 +13,15 @@ import pytest
 import torch
 from helpers.hf import DENSE, FAMILIES, build_family, prompts, random_state
 
-from rlbus.model.generate import generate, left_pad
-from rlbus.model.hf_policy import HFCache, HFChatTokenizer, HFPolicy, check_dir
-from rlbus.model.policy import ChatTokenizer, PolicyCache, PolicyError, frame_turn, policy_from_spec
+from rlbus.model.policies.hf import HFCache, HFChatTokenizer, HFPolicy, check_dir
+from rlbus.model.policies.interface import (
+    ChatTokenizer,
+    PolicyCache,
+    PolicyError,
+    frame_turn,
+    policy_from_spec,
+)
+from rlbus.model.sampling.generate import generate, left_pad
 
 torch.set_num_threads(1)
 
@@ -150,8 +156,8 @@ def test_rows_leaving_the_batch_keep_every_row_and_its_routing(policies: dict[st
 
 
 def test_importing_the_policy_modules_does_not_import_transformers() -> None:
-    """transformers loads in seconds: importing rlbus.model.policy, hf_policy and hf_recipe leaves it unloaded."""
-    code = ("import sys, rlbus.model.policy, rlbus.model.hf_policy, rlbus.model.hf_recipe; "
+    """transformers loads in seconds: importing rlbus.model.policies.interface, hf_policy and hf_recipe leaves it unloaded."""
+    code = ("import sys, rlbus.model.policies.interface, rlbus.model.policies.hf, rlbus.model.policies.hf_recipe; "
             "sys.exit('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlbus.model.loss import (
+from rlbus.model.training.loss import (
     aggregate,
     group_relative_advantages,
     k1_kl,

@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from rlbus.model.corpus import (
+from rlbus.model.policies.interface import load_policy
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.sampling.evaluate import greedy_complete, wilson_interval
+from rlbus.model.tasks.builtin import eval_tasks
+from rlbus.model.tasks.grading import grade_many
+from rlbus.model.training.corpus import (
     SKIP_DIRS,
     Decontaminator,
     code_documents,
@@ -21,10 +27,7 @@ from rlbus.model.corpus import (
     split_source,
     stdlib_root,
 )
-from rlbus.model.evaluate import greedy_complete, wilson_interval
-from rlbus.model.grading import grade_many
-from rlbus.model.policy import load_policy
-from rlbus.model.pretrain import (
+from rlbus.model.training.pretrain import (
     PretrainConfig,
     PretrainProgress,
     PretrainResult,
@@ -36,9 +39,6 @@ from rlbus.model.pretrain import (
     pretrain,
     settings_key,
 )
-from rlbus.model.tasks import eval_tasks
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import ModelConfig, Transformer
 from rlbus.ops.cli import main
 
 TOK = ByteTokenizer()

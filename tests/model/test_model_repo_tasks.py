@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from rlbus.model.repo_tasks import (
+from rlbus.model.tasks.repo import (
     HIDDEN_TEST,
     LEVELS,
     EditError,
@@ -17,8 +17,8 @@ from rlbus.model.repo_tasks import (
     repo_task,
     repo_task_of_id,
 )
-from rlbus.model.task_sources import TaskSourceError, load_repo_tasks, load_tasks
-from rlbus.model.tool_calls import ToolCall
+from rlbus.model.tasks.sources import TaskSourceError, load_repo_tasks, load_tasks
+from rlbus.model.tools.calls import ToolCall
 
 TASKS = [repo_task(level, seed) for level in LEVELS for seed in range(8)]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlbus.model import ModelConfig, Transformer
-from rlbus.model.generate import generate
-from rlbus.model.summarize import Trajectory, summarize_if_over_budget
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.sampling.generate import generate
+from rlbus.model.sampling.summarize import Trajectory, summarize_if_over_budget
 
 torch.set_num_threads(1)
 PROMPT = [1, 2, 3, 4]

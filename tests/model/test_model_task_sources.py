@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from rlbus.actors.common.config import task_source_problem
-from rlbus.model.grading import grade_many
-from rlbus.model.task_sources import (
+from rlbus.model.tasks.builtin import eval_tasks
+from rlbus.model.tasks.grading import grade_many
+from rlbus.model.tasks.sources import (
     BUILTIN,
     HUMANEVAL,
     TaskSourceError,
@@ -20,7 +21,6 @@ from rlbus.model.task_sources import (
     load_tasks,
     read_tasks_file,
 )
-from rlbus.model.tasks import eval_tasks
 
 
 def test_humaneval_is_read_from_the_package_data_file_with_its_check_tests() -> None:

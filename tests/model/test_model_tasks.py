@@ -6,8 +6,8 @@ import ast
 import itertools
 import random
 
-from rlbus.model.grading import grade_many
-from rlbus.model.tasks import EVAL_POOL, N_SHOWN, HiddenTest, Task, eval_tasks, make_task, train_tasks
+from rlbus.model.tasks.builtin import EVAL_POOL, N_SHOWN, HiddenTest, Task, eval_tasks, make_task, train_tasks
+from rlbus.model.tasks.grading import grade_many
 
 
 def test_generation_is_deterministic() -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlbus.model.tokenizer import SPECIAL_TOKENS, ByteTokenizer
+from rlbus.model.policies.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlbus.model import KVCache, ModelConfig, Transformer
+from rlbus.model.policies.transformer import KVCache, ModelConfig, Transformer
 
 torch.set_num_threads(1)
 
@@ -37,7 +37,7 @@ def test_config_rejects_inconsistent_shapes() -> None:
 
 def test_rmsnorm_matches_hand_computation() -> None:
     """RMSNorm([3, 4]) = [3, 4] / sqrt((9 + 16) / 2)."""
-    from rlbus.model.transformer import RMSNorm
+    from rlbus.model.policies.transformer import RMSNorm
 
     x = torch.tensor([[3.0, 4.0]])
     norm = RMSNorm(2, eps=0.0)
@@ -46,7 +46,7 @@ def test_rmsnorm_matches_hand_computation() -> None:
 
 def test_rope_scores_depend_only_on_relative_position() -> None:
     """q.k after RoPE at positions (p+s, s) is the same for every shift s."""
-    from rlbus.model.transformer import apply_rope, rope_tables
+    from rlbus.model.policies.transformer import apply_rope, rope_tables
 
     cos, sin = rope_tables(8, 64, 10000.0)
     q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)

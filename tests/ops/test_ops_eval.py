@@ -18,10 +18,10 @@ from rlbus.actors.checkpointer import write_durable
 from rlbus.actors.trainer.core import TrainerCore
 from rlbus.messages.bus import digest
 from rlbus.messages.schemas import CheckpointMark
-from rlbus.model.builtin_policy import BuiltinPolicy
-from rlbus.model.pretrain import CHECKPOINT_NAME
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policies.builtin import BuiltinPolicy
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.training.pretrain import CHECKPOINT_NAME
 from rlbus.ops.cli import main
 from rlbus.ops.eval import summarize
 
@@ -135,7 +135,7 @@ def test_the_policy_is_the_published_bf16_one_on_the_chosen_device(
     """`load_policy` gives a Policy whose tokenizer the scoring uses: a checkpoint's tensors are the bf16 version
     it publishes, a pretrain.pt's the bf16 cast of its weights; `--device cuda` without CUDA is exit 2, one line."""
     from rlbus.actors.trainer.core import read_state
-    from rlbus.model.policy import Policy
+    from rlbus.model.policies.interface import Policy
     from rlbus.ops.eval import load_policy
 
     step = _checkpoint(tmp_path / "run", 4)
@@ -166,7 +166,7 @@ def test_a_hugging_face_directory_is_scored_and_an_export_decodes_as_the_policy_
     Hugging Face policy that frames prompts with the same ids and decodes greedily to the same tokens (float32)."""
     from helpers.hf import build_family
 
-    from rlbus.model.evaluate import greedy_complete
+    from rlbus.model.sampling.evaluate import greedy_complete
     from rlbus.ops.eval import load_policy
 
     code, out, _ = _run(capsys, str(build_family(tmp_path, "qwen2-tied")), "--tasks", "2", "--max-tokens", "4",

@@ -1,4 +1,4 @@
-"""`rlbus export` (ops/export.py, model/export.py): a checkpoint becomes a directory that `transformers` loads
+"""`rlbus export` (ops/export.py, model/policies/export.py): a checkpoint becomes a directory that `transformers` loads
 alone. A built-in policy as a LlamaForCausalLM whose float32 logits match within the stated tolerance, with a
 tokenizer of the same ids and chat layout; a Hugging Face policy bit-exact; a durable checkpoint as its published
 bf16 weights; MoE and MTP refused with the reason; bad paths exit 2 with one line."""
@@ -19,13 +19,13 @@ from rlbus.actors.checkpointer import write_durable
 from rlbus.actors.trainer.core import TrainerCore, state_policy
 from rlbus.messages.bus import digest
 from rlbus.messages.schemas import CheckpointMark
-from rlbus.model.builtin_policy import BuiltinPolicy
-from rlbus.model.export import BYTE_CHAT_TEMPLATE, llama_tensors
-from rlbus.model.generate import generate
-from rlbus.model.policy import Policy, frame_turn, load_policy
-from rlbus.model.pretrain import CHECKPOINT_NAME
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policies.builtin import BuiltinPolicy
+from rlbus.model.policies.export import BYTE_CHAT_TEMPLATE, llama_tensors
+from rlbus.model.policies.interface import Policy, frame_turn, load_policy
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.sampling.generate import generate
+from rlbus.model.training.pretrain import CHECKPOINT_NAME
 from rlbus.ops.cli import main
 
 TOK = ByteTokenizer()

@@ -9,11 +9,11 @@ import torch
 
 from rlbus.actors.trainer.core import TrainerCore
 from rlbus.messages.schemas import EvalReport
-from rlbus.model.builtin_policy import BuiltinPolicy
-from rlbus.model.evaluate import EvalResult, evaluate_pass_at_1
-from rlbus.model.tasks import eval_tasks
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import ModelConfig, Transformer
+from rlbus.model.policies.builtin import BuiltinPolicy
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.sampling.evaluate import EvalResult, evaluate_pass_at_1
+from rlbus.model.tasks.builtin import eval_tasks
 from rlbus.ops.final_eval import FinalEval, _evaluate_state, policy_from_state
 from rlbus.ops.runview import RunView, summary
 
@@ -46,7 +46,7 @@ def test_final_evaluation_scores_the_published_bf16_weights_of_the_state() -> No
 
 
 def _result(passed: int, n: int) -> EvalResult:
-    from rlbus.model.evaluate import wilson_interval
+    from rlbus.model.sampling.evaluate import wilson_interval
 
     low, high = wilson_interval(passed, n)
     return EvalResult(n, passed, passed / n, low, high, {}, [], [])

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlbus.model.pretrain import PretrainProgress
+from rlbus.model.training.pretrain import PretrainProgress
 from rlbus.ops.pretrain import PROGRESS_EVERY, PretrainPrinter
 
 STEP = re.compile(r"^step +(\d+)/(\d+)  loss [\d.]+", re.MULTILINE)
@@ -20,7 +20,7 @@ def test_off_a_tty_pretraining_prints_a_line_every_few_steps_and_none_twice(tmp_
     """25 steps of the tiny preset with checkpoints every 10 steps, stdout a pipe: step lines 1, 10, 20, 25,
     the intermediate checkpoints each named once with their step, the final one once, nothing repeated."""
     script = ("import sys, dataclasses\n"
-              "from rlbus.model import pretrain as m\n"
+              "from rlbus.model.training import pretrain as m\n"
               "original = m.PretrainConfig.preset\n"
               "m.PretrainConfig.preset = classmethod(lambda cls, name, **kw: dataclasses.replace("
               "original(name, **kw), checkpoint_every=10))\n"

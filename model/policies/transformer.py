@@ -2,7 +2,7 @@
 
 Owns the config presets, optional MoE feed-forward layers with router replay, optional
 multi-token-prediction (MTP) heads and left-padded batches. Does not own sampling
-(`model/generate.py`), losses (`model/loss.py`) or tokenisation.
+(`model/sampling/generate.py`), losses (`model/training/loss.py`) or tokenisation.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class Task:
     test_source: str = ""
     """Hidden tests as Python source, run after `tests` (either may be empty, not both): top-level asserts
     (each one a test), or a `check(candidate)` function, called with the entry point as one test
-    (`model/grading.py` `source_tests`)."""
+    (`model/tasks/grading.py` `source_tests`)."""
 
     def program(self, completion: str) -> str:
         """The code to run for a completion: the prompt (header + docstring) followed by the body.

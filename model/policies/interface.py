@@ -5,8 +5,8 @@ with a KV cache, per-token routing record and replay, the named tensors a versio
 placement, a serialisable spec), `PolicyCache`, `PolicyError`, device resolution, and the two entry points
 that pick an implementation: `policy_from_spec` (what a joiner builds from a manifest) and `load_policy`
 (a checkpoint file or a Hugging Face directory).
-Does not own: any implementation (`model/builtin_policy.py`: the project's transformer and byte tokenizer;
-`model/hf_policy.py`: a local Hugging Face directory through `transformers`), sampling (`model/generate.py`)
+Does not own: any implementation (`model/policies/builtin.py`: the project's transformer and byte tokenizer;
+`model/policies/hf.py`: a local Hugging Face directory through `transformers`), sampling (`model/sampling/generate.py`)
 or losses.
 
 A policy's spec is plain values (it travels in VersionReady and WeightManifest as `model_config`): its
@@ -332,7 +332,7 @@ def estimate_params(spec: Mapping[str, Any]) -> int | None:
     """
     kind = spec_kind(spec)
     if kind == "builtin":
-        from rlbus.model.builtin_policy import config_from_spec, estimated_params
+        from rlbus.model.policies.builtin import config_from_spec, estimated_params
 
         return estimated_params(config_from_spec(spec))
     if kind == "hf":
@@ -349,11 +349,11 @@ def policy_from_spec(spec: Mapping[str, Any], files: Mapping[str, bytes] | None 
     """
     kind = spec_kind(spec)
     if kind == "builtin":
-        from rlbus.model.builtin_policy import BuiltinPolicy
+        from rlbus.model.policies.builtin import BuiltinPolicy
 
         return BuiltinPolicy.from_spec(spec).to_(device=device, dtype=dtype).eval()
     if kind == "hf":
-        from rlbus.model.hf_policy import HFPolicy
+        from rlbus.model.policies.hf import HFPolicy
 
         return HFPolicy.from_spec(spec, files or {}, device=device, dtype=dtype).eval()
     raise PolicyError(f"policy spec names kind {kind!r}; expected one of {', '.join(KINDS)}")
@@ -370,10 +370,10 @@ def load_policy(path: Path, *, device: torch.device | str = "cpu", dtype: torch.
     :raises PolicyError: naming the file and what is wrong.
     """
     if is_hf_dir(path):
-        from rlbus.model.hf_policy import HFPolicy
+        from rlbus.model.policies.hf import HFPolicy
 
         return HFPolicy.load(path, device=device, dtype=dtype).eval()
-    from rlbus.model.builtin_policy import BuiltinPolicy
+    from rlbus.model.policies.builtin import BuiltinPolicy
 
     policy = BuiltinPolicy.load(path)
     return policy.to_(device=device, dtype=dtype).eval()
@@ -382,8 +382,8 @@ def load_policy(path: Path, *, device: torch.device | str = "cpu", dtype: torch.
 def fresh_builtin() -> Policy:
     """A freshly initialised tiny built-in policy (a trainer started without a pretrained checkpoint: tests);
     seed torch first for a reproducible one."""
-    from rlbus.model.builtin_policy import BuiltinPolicy, fresh_config
-    from rlbus.model.transformer import Transformer
+    from rlbus.model.policies.builtin import BuiltinPolicy, fresh_config
+    from rlbus.model.policies.transformer import Transformer
 
     return BuiltinPolicy(Transformer(fresh_config()))
 
@@ -392,8 +392,8 @@ def as_policy(model: Policy | nn.Module) -> Policy:
     """A policy as it is; a bare built-in `Transformer` (tests and benchmarks build one) as a `BuiltinPolicy`."""
     if isinstance(model, Policy):
         return model
-    from rlbus.model.builtin_policy import BuiltinPolicy
-    from rlbus.model.transformer import Transformer
+    from rlbus.model.policies.builtin import BuiltinPolicy
+    from rlbus.model.policies.transformer import Transformer
 
     if not isinstance(model, Transformer):
         raise TypeError(f"expected a Policy or the built-in Transformer, got {type(model).__name__}")
@@ -407,12 +407,12 @@ def check_policy_dir(kind: str, path: Path) -> None:
     :raises PolicyError: one line naming the file, the key and what was expected.
     """
     if kind == "hf":
-        from rlbus.model import hf_policy
+        from rlbus.model.policies import hf as hf_policy
 
         hf_policy.check_dir(path)
         return
     if kind == "builtin":
-        from rlbus.model.pretrain import CHECKPOINT_NAME
+        from rlbus.model.training.pretrain import CHECKPOINT_NAME
 
         file = path / CHECKPOINT_NAME if path.is_dir() else path
         if not file.is_file():
@@ -435,7 +435,7 @@ def is_moe_dir(kind: str, path: Path) -> bool:
     if kind == "builtin":
         import torch
 
-        from rlbus.model.pretrain import CHECKPOINT_NAME
+        from rlbus.model.training.pretrain import CHECKPOINT_NAME
 
         file = path / CHECKPOINT_NAME if path.is_dir() else path
         try:

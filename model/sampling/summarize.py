@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rlbus.model.generate import SampledSequence, SwapHook, generate
-from rlbus.model.policy import Policy, as_policy
-from rlbus.model.quant import WeightQuant
-from rlbus.model.transformer import Transformer
+from rlbus.model.policies.interface import Policy, as_policy
+from rlbus.model.policies.quant import WeightQuant
+from rlbus.model.policies.transformer import Transformer
+from rlbus.model.sampling.generate import SampledSequence, SwapHook, generate
 
 
 @dataclass

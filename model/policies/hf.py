@@ -3,8 +3,8 @@
 Owns: `check_dir` (what `rlbus validate` runs; nothing built), `HFChatTokenizer` (turn framing cut out of the
 model's chat template), `HFCache` (a DynamicCache with per-row key masks and positions), `HFPolicy` (load, spec,
 the built-in transformer's forward semantics, Qwen3-MoE router record and replay). Attention: SDPA by default.
-Does not own: sampling (`model/generate.py`), the interface (`model/policy.py`), building directories
-(`model/hf_recipe.py`). `transformers` is imported inside functions, so importing this module stays cheap.
+Does not own: sampling (`model/sampling/generate.py`), the interface (`model/policies/interface.py`), building directories
+(`model/policies/hf_recipe.py`). `transformers` is imported inside functions, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 from torch import Tensor, nn
 
-from rlbus.model.policy import (
+from rlbus.model.policies.interface import (
     Policy,
     PolicyCache,
     PolicyError,

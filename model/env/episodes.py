@@ -4,7 +4,7 @@ Owns: the episode record (immutable; each step returns a new one), the token lay
 and its loss mask (1 on tokens the policy generated, 0 on prompt, observations and framing).
 Does not own: sampling (`generate.py`) or grading (`grading.py`); the generator actor drives both.
 
-Layout (`model/policy.py`, `ChatTokenizer`): bos, then per turn header(role) content closing, where role is
+Layout (`model/policies/interface.py`, `ChatTokenizer`): bos, then per turn header(role) content closing, where role is
 user, assistant, observation or summary. An assistant (or summary) turn's content is exactly the ids the
 policy sampled, normally ending with its own stop id (then only the rest of the closing follows); a truncated
 one gets the whole closing, masked out. The context handed to the policy ends with header("assistant"). With
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
-from rlbus.model.grading import GradeResult
-from rlbus.model.policy import ChatTokenizer, Role, frame_turn
-from rlbus.model.tasks import Task
+from rlbus.model.policies.interface import ChatTokenizer, Role, frame_turn
+from rlbus.model.tasks.builtin import Task
+from rlbus.model.tasks.grading import GradeResult
 
 MAX_ATTEMPTS: Final = 3
 

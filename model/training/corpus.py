@@ -5,7 +5,7 @@ feedback), the code documents (the standard library's own `.py` files and any di
 seeded order and split at line boundaries into plain documents of at most the model's context, each ending with
 the tokenizer's `eos_id`, loss on every token), the decontamination rule (`Decontaminator`), the mix
 (`mixed_documents`) and `tokenizer_texts` (what a new BPE tokenizer learns from).
-Does not own: tokenizers, batching or the training loop (`model/pretrain.py`).
+Does not own: tokenizers, batching or the training loop (`model/training/pretrain.py`).
 
 Decontamination: text is normalised by collapsing every run of whitespace to one space; a source file whose
 normalised text contains the normalised prompt or the normalised canonical solution body of any held-out task is
@@ -24,10 +24,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Final
 
-from rlbus.model.episodes import add_attempt, episode_tokens, start_episode
-from rlbus.model.grading import GradeResult, grade_many
-from rlbus.model.policy import ChatTokenizer
-from rlbus.model.tasks import Task, train_tasks
+from rlbus.model.env.episodes import add_attempt, episode_tokens, start_episode
+from rlbus.model.policies.interface import ChatTokenizer
+from rlbus.model.tasks.builtin import Task, train_tasks
+from rlbus.model.tasks.grading import GradeResult, grade_many
 
 Document = tuple[list[int], list[float]]
 """(ids, loss weight per id)."""

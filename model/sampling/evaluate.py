@@ -11,12 +11,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rlbus.model.episodes import completion_text
-from rlbus.model.generate import generate
-from rlbus.model.grading import GradeResult, Runner, grade_many, subprocess_runner
-from rlbus.model.policy import ChatTokenizer, Policy, as_policy
-from rlbus.model.tasks import Task
-from rlbus.model.transformer import Transformer
+from rlbus.model.env.episodes import completion_text
+from rlbus.model.policies.interface import ChatTokenizer, Policy, as_policy
+from rlbus.model.policies.transformer import Transformer
+from rlbus.model.sampling.generate import generate
+from rlbus.model.tasks.builtin import Task
+from rlbus.model.tasks.grading import GradeResult, Runner, grade_many, subprocess_runner
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:

@@ -4,7 +4,7 @@ Owns: the runner protocol (`GradeCase` in, `GradeResult` out), the tests program
 (`source_tests`: its top-level asserts, or one assert calling its `check(candidate)`), the default
 `subprocess_runner` (one plain child process for a whole batch, per-case time limits, restarted past a
 crash or hang), code extraction from a completion, and `grade` / `grade_many`.
-Does not own: isolation. The sandbox actor supplies a runner that executes `task_harness.py` in a jail.
+Does not own: isolation. The sandbox actor supplies a runner that executes `harness.py` in a jail.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
-from rlbus.model.tasks import Task
+from rlbus.model.tasks.builtin import Task
 
-HARNESS_PATH: Final = Path(__file__).with_name("task_harness.py")
+HARNESS_PATH: Final = Path(__file__).with_name("harness.py")
 """The stdlib-only child script every runner executes (copy it into a sandbox as is)."""
 GRACE_S: Final = 2.0
 STARTUP_S: Final = 10.0
@@ -108,7 +108,7 @@ Runner = Callable[[Sequence[GradeCase]], list[GradeResult]]
 
 
 def subprocess_runner(cases: Sequence[GradeCase], *, memory_mb: int = 1024) -> list[GradeResult]:
-    """Run `cases` in one plain `python -I task_harness.py` child per batch (no isolation beyond a temp cwd).
+    """Run `cases` in one plain `python -I harness.py` child per batch (no isolation beyond a temp cwd).
 
     Each case has its own time limit inside the child. If the child dies or stops answering for
     `timeout_s + GRACE_S`, the current case is `crashed`/`timeout`, the child is killed by its pid and

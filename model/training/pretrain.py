@@ -32,8 +32,13 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from rlbus.model.builtin_policy import BuiltinPolicy
-from rlbus.model.corpus import (
+from rlbus.model.policies.builtin import BuiltinPolicy
+from rlbus.model.policies.interface import ChatTokenizer, Policy, PolicyError, resolve_device
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.sampling.evaluate import EvalResult, evaluate_pass_at_1
+from rlbus.model.tasks.builtin import Task, eval_tasks, train_tasks
+from rlbus.model.training.corpus import (
     Decontaminator,
     Document,
     code_documents,
@@ -43,11 +48,6 @@ from rlbus.model.corpus import (
     task_documents,
     tokenizer_texts,
 )
-from rlbus.model.evaluate import EvalResult, evaluate_pass_at_1
-from rlbus.model.policy import ChatTokenizer, Policy, PolicyError, resolve_device
-from rlbus.model.tasks import Task, eval_tasks, train_tasks
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import ModelConfig, Transformer
 
 __all__ = ["CHECKPOINT_NAME", "LOSS_PLOT", "SUMMARY_NAME", "PretrainConfig", "PretrainProgress", "PretrainResult",
            "check_hf_out", "corrupt", "load_checkpoint", "load_start", "new_hf_policy", "plot_losses", "pretrain",
@@ -90,7 +90,7 @@ class PretrainConfig:
     """Greedy decoding budget per held-out task (the longest canonical body is ~120 tokens)."""
     checkpoint_every: int = 100
     code_fraction: float = 0.0
-    """Share of documents that are real Python source (`model/corpus.py`); 0 trains on task documents only."""
+    """Share of documents that are real Python source (`model/training/corpus.py`); 0 trains on task documents only."""
     code_tokens: int = 256
     """Longest code document, in tokens (at most the model's context): source files are split at line
     boundaries into pieces this long, so a batch of code costs about what a batch of task documents does."""
@@ -426,7 +426,7 @@ def load_start(path: Path, *, device: str = "cpu") -> tuple[Policy, int]:
     if path.is_file() or (path / CHECKPOINT_NAME).is_file():
         policy: Policy = BuiltinPolicy.load(path)
     else:
-        from rlbus.model.hf_policy import HFPolicy
+        from rlbus.model.policies.hf import HFPolicy
 
         policy = HFPolicy.load(path, device=device, dtype=torch.float32)
     step = 0
@@ -447,8 +447,8 @@ def new_hf_policy(config: PretrainConfig, architecture: str, size: str, seed: in
 
     :raises PolicyError: an architecture or size the recipe does not build.
     """
-    from rlbus.model.hf_policy import HFPolicy
-    from rlbus.model.hf_recipe import Architecture, Size, build_hf_dir
+    from rlbus.model.policies.hf import HFPolicy
+    from rlbus.model.policies.hf_recipe import Architecture, Size, build_hf_dir
 
     if architecture not in get_args(Architecture):
         raise PolicyError(f"--hf {architecture!r}: expected an architecture of {', '.join(get_args(Architecture))}")

@@ -1,8 +1,8 @@
-"""The built-in policy: the project's transformer (`model/transformer.py`) and byte tokenizer behind `Policy`.
+"""The built-in policy: the project's transformer (`model/policies/transformer.py`) and byte tokenizer behind `Policy`.
 
 Owns: `BuiltinPolicy` (spec = the `ModelConfig` fields, the shape older manifests carry; loading a
 `pretrain.pt`), and `config_dict` / `config_from_spec`.
-Does not own: the network or the tokenizer themselves, sampling, or MTP speculation (`model/generate.py`
+Does not own: the network or the tokenizer themselves, sampling, or MTP speculation (`model/sampling/generate.py`
 reaches the transformer through `BuiltinPolicy.transformer` for that).
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlbus.model.policy import Policy, PolicyCache, PolicyError, PolicyOutput
-from rlbus.model.tokenizer import ByteTokenizer
-from rlbus.model.transformer import KVCache, ModelConfig, Transformer
+from rlbus.model.policies.interface import Policy, PolicyCache, PolicyError, PolicyOutput
+from rlbus.model.policies.tokenizer import ByteTokenizer
+from rlbus.model.policies.transformer import KVCache, ModelConfig, Transformer
 
 
 def config_dict(config: ModelConfig) -> dict[str, Any]:
@@ -88,7 +88,7 @@ class BuiltinPolicy(Policy):
 
         :raises PolicyError: no such file, or one that is not a pretrain checkpoint.
         """
-        from rlbus.model.pretrain import CHECKPOINT_NAME, load_checkpoint
+        from rlbus.model.training.pretrain import CHECKPOINT_NAME, load_checkpoint
 
         file = path / CHECKPOINT_NAME if path.is_dir() else path
         if not file.is_file():
