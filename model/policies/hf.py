@@ -1,329 +1,50 @@
 """The Hugging Face policy: a local model directory (`config.json`, safetensors, `tokenizer.json`) behind `Policy`.
 
-Owns: `check_dir` (what `rlbus validate` runs; nothing built), `HFChatTokenizer` (turn framing cut out of the
-model's chat template), `HFCache` (a DynamicCache with per-row key masks and positions), `HFPolicy` (load, spec,
-the built-in transformer's forward semantics, Qwen3-MoE router record and replay). Attention: SDPA by default.
-Does not own: sampling (`model/sampling/generate.py`), the interface (`model/policies/interface.py`), building directories
-(`model/policies/hf_recipe.py`). `transformers` is imported inside functions, so importing this module stays cheap.
+- Owns: `HFPolicy` (load, spec, the built-in transformer's forward semantics, Qwen3-MoE router record and
+  replay; SDPA attention by default) and `HFCache` (a DynamicCache with per-row key masks and positions).
+- Does not: check directories (model/policies/hf_checks.py), frame chat turns (model/policies/hf_chat.py),
+  sample (model/sampling/generate.py) or build directories (model/policies/hf_recipe.py).
+- `transformers` is imported inside functions, so importing this module stays cheap.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch import Tensor, nn
 
+from rlbus.model.policies.hf_chat import HFChatTokenizer, one_line
+from rlbus.model.policies.hf_checks import (
+    OPTIONAL,
+    ROUTED,
+    SHIPPED,
+    inspect_dir,
+    load_tokenizer,
+    read_config,
+    read_files,
+)
 from rlbus.model.policies.interface import (
     Policy,
     PolicyCache,
     PolicyError,
     PolicyOutput,
-    Role,
-    default_prompt_ids,
     resolve_device,
 )
 
 if TYPE_CHECKING:
-    from transformers import DynamicCache, PreTrainedTokenizerFast
+    from transformers import DynamicCache
 
-SUPPORTED: Final = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-ROUTED: Final = "Qwen3MoeForCausalLM"
-"""The one routed family: its router's choices are recorded and replayed."""
 DEFAULT_ATTENTION: Final = "sdpa"
-SHIPPED: Final = ("config.json", "tokenizer.json", "tokenizer_config.json")
-"""Files a joiner always gets (`HFPolicy.files`)."""
-OPTIONAL: Final = ("special_tokens_map.json", "generation_config.json", "chat_template.jinja")
-"""Files a joiner gets when the directory has them."""
-DEFAULT_CHAT_TEMPLATE: Final = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-"""ChatML (`<|im_start|>{role}\\n{content}<|im_end|>\\n`): the framing of a tokenizer without a chat template."""
-TEMPLATE_ROLES: Final[dict[Role, str]] = {
-    "user": "user",
-    "assistant": "assistant",
-    "observation": "user",  # test feedback is what the harness tells the policy: a user turn
-    "summary": "assistant",  # the policy's own words about its history
-}
-_SENTINELS: Final = ("rlbusSentinelUserOne", "rlbusSentinelAssistantTwo", "rlbusSentinelUserThree")
-_MOE_KEYS: Final = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
-def _line(err: BaseException | str) -> str:
-    """An exception (or text) as one short line."""
-    text = " ".join(str(err).split())
-    return text if len(text) <= 240 else text[:237] + "..."
 
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-# ---- the directory ----------------------------------------------------------------------------------------
-def _read_config(file: Path) -> dict[str, Any]:
-    """config.json as a dict with a supported architecture, a vocab_size and a max_position_embeddings.
-
-    :raises PolicyError: missing, not JSON, or a key missing or not what rlbus supports.
-    """
-    if not file.is_file():
-        raise PolicyError(f"{file}: no such file; expected the model's transformers config")
-    try:
-        config = json.loads(file.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise PolicyError(f"{file}: not JSON ({_line(err)}); expected the model's transformers config") from None
-    if not isinstance(config, dict):
-        raise PolicyError(f"{file}: holds a {type(config).__name__}; expected a JSON object (the model's config)")
-    names = config.get("architectures")
-    expected = f"expected one of {', '.join(SUPPORTED)}"
-    if not isinstance(names, list) or len(names) != 1 or not isinstance(names[0], str):
-        raise PolicyError(f"{file}: key 'architectures' is {names!r}; {expected} (a list of one name)")
-    if names[0] not in SUPPORTED:
-        if any(config.get(key) for key in _MOE_KEYS):
-            raise PolicyError(f"{file}: key 'architectures' is {names[0]!r}, a mixture of experts whose routing "
-                              f"rlbus cannot record and replay; {expected} ({ROUTED} is the routed one)")
-        raise PolicyError(f"{file}: key 'architectures' is {names[0]!r}; {expected}")
-    for key in ("vocab_size", "max_position_embeddings"):
-        value = config.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise PolicyError(f"{file}: key {key!r} is {value!r}; expected a positive integer")
-    return config
-
-
-def _check_weights(path: Path) -> None:
-    """Every safetensors file readable (its header parses and covers the file); an index's shards present.
-
-    :raises PolicyError: naming the file.
-    """
-    from safetensors import safe_open
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise PolicyError(f"{path}: no *.safetensors weights; expected model.safetensors (or the shards "
-                          f"model.safetensors.index.json lists)")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = set(json.loads(index.read_bytes())["weight_map"].values())
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-            raise PolicyError(f"{index}: not a safetensors index ({_line(err)}); expected key 'weight_map' "
-                              f"mapping tensor names to shard files") from None
-        for shard in sorted(shards):
-            if not (path / str(shard)).is_file():
-                raise PolicyError(f"{index}: key 'weight_map' names shard {shard!r}, which is missing")
-    for file in files:
-        try:
-            with safe_open(str(file), "pt") as handle:
-                handle.keys()
-        except Exception as err:  # safetensors raises its own SafetensorError (and OSError)
-            raise PolicyError(f"{file}: not a readable safetensors file ({_line(err)}); expected the complete "
-                              f"weights (the file is corrupt or truncated)") from None
-
-
-def _template_source(path: Path) -> str:
-    """Where the chat template comes from, for messages."""
-    jinja = path / "chat_template.jinja"
-    return str(jinja) if jinja.is_file() else f"{path / 'tokenizer_config.json'} key 'chat_template'"
-
-
-def _load_tokenizer(path: Path, config: Mapping[str, Any]) -> HFChatTokenizer:
-    """tokenizer.json (and tokenizer_config.json, the chat template) as an `HFChatTokenizer`.
-
-    The tokenizer is tokenizer.json as written, through transformers' generic fast tokenizer (a model-specific
-    class may rebuild parts of the pipeline).
-
-    :raises PolicyError: a file missing or invalid, a vocabulary larger than config.json's `vocab_size`, or a
-        chat template that does not render or frames turns without a special closing token.
-    """
-    from tokenizers import Tokenizer
-
-    file = path / "tokenizer.json"
-    if not file.is_file():
-        raise PolicyError(f"{file}: no such file; expected the tokenizer (tokenizers' JSON format)")
-    try:
-        backend = Tokenizer.from_file(str(file))
-    except Exception as err:  # tokenizers raises a bare Exception on a bad file
-        raise PolicyError(f"{file}: not a tokenizers tokenizer ({_line(err)}); the file is truncated or "
-                          f"invalid") from None
-    vocab = backend.get_vocab(with_added_tokens=True)
-    size = max(len(vocab), max(vocab.values(), default=-1) + 1)
-    if size > config["vocab_size"]:
-        raise PolicyError(f"{file}: {size} token ids (added tokens included) exceed config.json key 'vocab_size' "
-                          f"{config['vocab_size']}; expected at most that many (the embedding's rows)")
-    settings = path / "tokenizer_config.json"
-    if settings.is_file():
-        try:
-            json.loads(settings.read_bytes())
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise PolicyError(f"{settings}: not JSON ({_line(err)}); expected the tokenizer's settings") from None
-    from transformers import PreTrainedTokenizerFast
-
-    try:
-        hf = PreTrainedTokenizerFast.from_pretrained(str(path))
-    except Exception as err:  # transformers raises many kinds on a bad tokenizer_config.json
-        raise PolicyError(f"{settings}: the tokenizer does not load ({type(err).__name__}: {_line(err)})") from None
-    return HFChatTokenizer(hf, name=f"hf:{path.name}", template_source=_template_source(path))
-
-
-def check_dir(path: Path) -> None:
-    """Check a Hugging Face model directory without building the model (what `rlbus validate` runs).
-
-    :raises PolicyError: one line naming the file, the key and what was expected: a missing directory; a missing
-        config.json, *.safetensors or tokenizer.json; a config.json that is not JSON or names an architecture
-        outside `SUPPORTED`; a corrupt or truncated safetensors file; an invalid tokenizer.json; a vocabulary
-        larger than config.json's `vocab_size`; a chat template that does not render or frame turns.
-    """
-    _inspect(path)
-
-
-def _inspect(path: Path) -> tuple[dict[str, Any], HFChatTokenizer]:
-    if not path.is_dir():
-        raise PolicyError(f"{path}: no such directory; expected a Hugging Face model directory (config.json, "
-                          f"*.safetensors weights, tokenizer.json)")
-    config = _read_config(path / "config.json")
-    _check_weights(path)
-    return config, _load_tokenizer(path, config)
-
-
-def _read_files(path: Path) -> dict[str, bytes]:
-    files = {name: (path / name).read_bytes() for name in SHIPPED if (path / name).is_file()}
-    files.update({name: (path / name).read_bytes() for name in OPTIONAL if (path / name).is_file()})
-    return files
-
-
-# ---- the tokenizer ------------------------------------------------------------------------------------------
-class HFChatTokenizer:
-    """A transformers fast tokenizer as a `ChatTokenizer`; turns framed as the model's chat template frames them.
-
-    The framing is cut out of the template once: a one-turn conversation with and without the generation
-    prompt and a user/assistant/user conversation are rendered with sentinel contents, and the fixed text around
-    them gives `bos()` (whatever precedes the first user header, such as a default system turn), each role's
-    header and the closing, each tokenized once. Without a template, ChatML (`DEFAULT_CHAT_TEMPLATE`).
-    Roles map as `TEMPLATE_ROLES` says. The closing must start with one special token, the stop.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, *, name: str, template_source: str) -> None:
-        self.hf = tokenizer
-        self._name = name
-        added = getattr(tokenizer, "added_tokens_decoder", {})
-        self._special = frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
-        template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
-        bos, user, assistant, closing = _framing(tokenizer, template, template_source)
-        self._bos = self._fixed(bos)
-        self._headers = {"user": self._fixed(user), "assistant": self._fixed(assistant)}
-        self._closing = self._fixed(closing)
-        if not self._closing or self._closing[0] not in self._special:
-            first = tokenizer.convert_ids_to_tokens(self._closing[:1])
-            raise PolicyError(f"{template_source}: the chat template closes a turn with {closing!r}, whose first "
-                              f"token {first} is not one special token; expected a closing that starts with a "
-                              f"special token such as <|im_end|> (the stop of a policy turn)")
-        self._stop = self._closing[0]
-        eos = tokenizer.eos_token_id
-        self._eos = self._stop if eos is None else int(eos)
-        pad = tokenizer.pad_token_id
-        self._pad = self._eos if pad is None else int(pad)
-
-    def _fixed(self, text: str) -> list[int]:
-        """Ids of template text: special tokens spelled in it are those tokens."""
-        return list(self.hf(text, add_special_tokens=False).input_ids) if text else []
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.hf)
-
-    @property
-    def pad_id(self) -> int:
-        return self._pad
-
-    @property
-    def eos_id(self) -> int:
-        return self._eos
-
-    @property
-    def stop_id(self) -> int:
-        return self._stop
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return tuple(dict.fromkeys((self._stop, self._eos)))
-
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self._special
-
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text` as data: a special token's spelling is split into ordinary tokens."""
-        return list(self.hf(text, add_special_tokens=False, split_special_tokens=True).input_ids)
-
-    def decode(self, ids: Iterable[int], *, specials: bool = False) -> str:
-        """Text of ids; special ids dropped, or rendered as their text with `specials=True`."""
-        return str(self.hf.decode(list(ids), skip_special_tokens=not specials, clean_up_tokenization_spaces=False))
-
-    def bos(self) -> list[int]:
-        return list(self._bos)
-
-    def header(self, role: Role) -> list[int]:
-        return list(self._headers[TEMPLATE_ROLES[role]])
-
-    def closing(self) -> list[int]:
-        return list(self._closing)
-
-    def prompt_ids(self, prompt: str) -> list[int]:
-        return default_prompt_ids(self, prompt)
-
-
-def _framing(tokenizer: PreTrainedTokenizerFast, template: str, source: str) -> tuple[str, str, str, str]:
-    """(bos, user header, assistant header, closing) text of a chat template.
-
-    :raises PolicyError: the template does not render, or its turns are not header + content + closing.
-    """
-    one, two, three = _SENTINELS
-
-    def render(messages: list[tuple[str, str]], generation: bool) -> str:
-        conversation = [{"role": role, "content": content} for role, content in messages]
-        try:
-            return str(tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                                     add_generation_prompt=generation))
-        except Exception as err:  # jinja2 errors of every kind, the template's raise_exception
-            raise PolicyError(f"{source}: the chat template does not render ({type(err).__name__}: "
-                              f"{_line(err)}); expected one that renders user and assistant turns") from None
-
-    single = render([("user", one)], False)
-    prompt = render([("user", one)], True)
-    full = render([("user", one), ("assistant", two), ("user", three)], False)
-
-    def refuse(what: str) -> PolicyError:
-        return PolicyError(f"{source}: the chat template {what}; expected turns rendered as header + content + "
-                           f"closing (ChatML: <|im_start|>role\\n...<|im_end|>\\n)")
-
-    if not prompt.startswith(single) or len(prompt) == len(single):
-        raise refuse("adds no assistant header after the conversation with add_generation_prompt")
-    assistant = prompt[len(single):]
-    if any(full.count(s) != 1 for s in _SENTINELS):
-        raise refuse("does not render each message's content verbatim once")
-    before, rest = full.split(one)
-    between, rest = rest.split(two)
-    middle, after = rest.split(three)
-    if not between.endswith(assistant):
-        raise refuse(f"renders an assistant turn's header unlike its generation prompt {assistant!r}")
-    closing = between[: len(between) - len(assistant)]
-    if not closing or not middle.startswith(closing) or not after.startswith(closing):
-        raise refuse(f"closes user and assistant turns differently ({closing!r})")
-    user = middle[len(closing):]
-    if not user or not before.endswith(user):
-        raise refuse(f"renders the first user turn's header unlike a later one's ({user!r})")
-    return before[: len(before) - len(user)], user, assistant, closing
 
 
 # ---- the cache ---------------------------------------------------------------------------------------------
@@ -431,7 +152,7 @@ def _device(device: torch.device | str) -> torch.device:
 
 
 class HFPolicy(Policy):
-    """A transformers causal LM of `SUPPORTED` and its `HFChatTokenizer`.
+    """A transformers causal LM of `hf_checks.SUPPORTED` and its `HFChatTokenizer`.
 
     `forward` has the built-in transformer's semantics: left padding with a mask, each row's positions from 0 at
     its first real token (passed as `position_ids`), padded slots never attended (a 2-D mask over past and
@@ -470,7 +191,7 @@ class HFPolicy(Policy):
 
         :raises PolicyError: what `check_dir` refuses, or weights transformers cannot load.
         """
-        config, tokenizer = _inspect(path)
+        config, tokenizer = inspect_dir(path)
         from transformers import AutoModelForCausalLM
 
         try:
@@ -479,8 +200,8 @@ class HFPolicy(Policy):
             )
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
             raise PolicyError(f"{path}: transformers cannot load the model ({type(err).__name__}: "
-                              f"{_line(err)})") from None
-        policy = cls(model, tokenizer, _read_files(path))
+                              f"{one_line(err)})") from None
+        policy = cls(model, tokenizer, read_files(path))
         return policy.to_(device=_device(device)).eval()
 
     @classmethod
@@ -512,11 +233,11 @@ class HFPolicy(Policy):
             root = Path(tmp)
             for name in listed:
                 (root / name).write_bytes(files[name])
-            config = _read_config(root / "config.json")
+            config = read_config(root / "config.json")
             if spec.get("architecture", config["architectures"][0]) != config["architectures"][0]:
                 raise PolicyError(f"policy spec key 'architecture' is {spec.get('architecture')!r}; its config.json "
                                   f"says {config['architectures'][0]!r}")
-            tokenizer = _load_tokenizer(root, config)
+            tokenizer = load_tokenizer(root, config)
             try:
                 hf_config = AutoConfig.from_pretrained(tmp)
                 model = AutoModelForCausalLM.from_config(
@@ -525,7 +246,7 @@ class HFPolicy(Policy):
                 )
             except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
                 raise PolicyError(f"policy spec file config.json: transformers cannot build the model "
-                                  f"({type(err).__name__}: {_line(err)})") from None
+                                  f"({type(err).__name__}: {one_line(err)})") from None
         policy = cls(model, tokenizer, {name: files[name] for name in listed})
         return policy.to_(device=_device(device), dtype=_dtype(config, dtype)).eval()
 

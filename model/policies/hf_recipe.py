@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from rlbus.model.policies.hf import DEFAULT_CHAT_TEMPLATE
+from rlbus.model.policies.hf_chat import DEFAULT_CHAT_TEMPLATE
 
 Architecture = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
 Size = Literal["tiny", "small", "m30"]

@@ -407,9 +407,9 @@ def check_policy_dir(kind: str, path: Path) -> None:
     :raises PolicyError: one line naming the file, the key and what was expected.
     """
     if kind == "hf":
-        from rlbus.model.policies import hf as hf_policy
+        from rlbus.model.policies.hf_checks import check_dir
 
-        hf_policy.check_dir(path)
+        check_dir(path)
         return
     if kind == "builtin":
         from rlbus.model.training.pretrain import CHECKPOINT_NAME

@@ -13,7 +13,9 @@ import pytest
 import torch
 from helpers.hf import DENSE, FAMILIES, build_family, prompts, random_state
 
-from rlbus.model.policies.hf import HFCache, HFChatTokenizer, HFPolicy, check_dir
+from rlbus.model.policies.hf import HFCache, HFPolicy
+from rlbus.model.policies.hf_chat import HFChatTokenizer
+from rlbus.model.policies.hf_checks import check_dir
 from rlbus.model.policies.interface import (
     ChatTokenizer,
     PolicyCache,
