@@ -1,30 +1,20 @@
 """Generator-side weights: follow a region's published versions and swap them in between decoding steps.
 
-Owns: `WeightSync` — watches the region's LATEST KV key `latest`, plans the cheapest
-chain of objects from the version it has staged to the newest manifest (`plan_fetch`: a delta from the
-staged version, a multi-version delta, or a full snapshot [+ the delta from it]), fetches them from its
-own region's WEIGHTS object store with their digests checked, applies them into reused staging buffers
-in a worker thread (every tensor re-hashed against the version's digests for full snapshots and every
-`verify_every`-th delta), and brings the live model to the staged version in place from
-`maybe_swap(step)`, which `model.generate` calls between decoding steps: sparse deltas by writing the
-changed elements the staging recorded (no second decode), anything else by copying the staged tensors.
-The live policy is built from the first manifest's spec (`model_config`, any `model.policy.Policy` kind),
-with the files it lists (a Hugging Face policy's config and tokenizer) fetched from the region's store.
-A corrupt or missing object raises `Event(weights_rejected)` and the next plan avoids it
-(a full snapshot); nothing unverified ever reaches the live model. Also the small helpers the publisher
-shares: architecture dicts and decoding a full blob into fresh tensors.
-Does not: encode or publish versions (actors/publisher.py), sample (model/sampling/generate.py), or know any policy
-implementation (model/policies/interface.py picks it from the spec).
+- Owns: `WeightSync` (watch the region's LATEST `latest` key, fetch the planned objects from the region's
+  WEIGHTS store digest-checked, apply them into staging off the event loop, swap in place from `maybe_swap`);
+  the blob helpers the publisher shares (`decode_full`, `empty_state`).
+- Guarantee: nothing unverified reaches the live model; a corrupt or missing object raises
+  `Event(weights_rejected)` and the next plan avoids it.
+- Does not: choose which objects to fetch (actors/common/fetch_plan.py), encode or publish versions
+  (actors/publisher/), sample (model/sampling/generate.py) or know any policy implementation.
 """
 
 from __future__ import annotations
 
-import heapq
 import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
@@ -36,8 +26,9 @@ from anyio.abc import TaskStatus
 from torch import Tensor
 
 from rlbus.actors.common.errors import WeightsError
-from rlbus.kernels.delta import DTYPES, DeltaCorrupt, Patch, bits_view
-from rlbus.kernels.delta_state import StateIndex, StreamApplier, apply_state_, read_index
+from rlbus.actors.common.fetch_plan import Part, manifest_parts, plan_fetch
+from rlbus.kernels.delta.codec import DTYPES, DeltaCorrupt, Patch, bits_view
+from rlbus.kernels.delta.state import StateIndex, StreamApplier, apply_state_, read_index
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage, DigestMismatch
@@ -90,61 +81,6 @@ def decode_full(blob: bytes | memoryview, *, verify: bool = True, threads: int =
     return state, index
 
 
-# ---- which objects to fetch -------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Part:
-    """One object of a manifest: `base` -> `version` (base None: a full snapshot of `version`)."""
-
-    name: str
-    digest: str
-    size: int
-    base: int | None
-    version: int
-
-
-def manifest_parts(manifest: WeightManifest) -> list[Part]:
-    """The manifest's objects as parts; a manifest without `bases` is read as one object of its encoding."""
-    n = len(manifest.objects)
-    if len(manifest.bases) == n and len(manifest.yields) == n:
-        bases, yields = list(manifest.bases), list(manifest.yields)
-    else:
-        base = manifest.base_version if manifest.encoding == "delta" else None
-        bases, yields = [base] * n, [manifest.version] * n
-    if not len(manifest.digests) == len(manifest.sizes) == n:
-        raise BadMessage(f"manifest v{manifest.version}: {n} objects, {len(manifest.digests)} digests, "
-                         f"{len(manifest.sizes)} sizes")
-    return [Part(name, digest, size, base, version) for name, digest, size, base, version
-            in zip(manifest.objects, manifest.digests, manifest.sizes, bases, yields, strict=True)]
-
-
-def plan_fetch(parts: list[Part], staged: int | None, target: int, *,
-               avoid: frozenset[str] | set[str] = frozenset()) -> list[Part] | None:
-    """The fewest-bytes chain of parts from `staged` (None: nothing usable) to `target`.
-
-    Parts are edges base -> version; a full snapshot is an edge from "nothing", which is always
-    available, so any chain may start with one. -> [] when staged == target; None when no chain
-    avoids the object names in `avoid`. Dijkstra over a handful of edges.
-    """
-    if staged == target:
-        return []
-    start: list[tuple[int, int, int | None, list[Part]]] = [(0, 0, None, [])]
-    if staged is not None:
-        start.append((0, 1, staged, []))
-    heap, tie, done = start, 2, set[int | None]()
-    while heap:
-        cost, _, node, path = heapq.heappop(heap)
-        if node == target:
-            return path
-        if node in done:
-            continue
-        done.add(node)
-        for part in parts:
-            if part.base == node and part.name not in avoid and part.version not in done:
-                heapq.heappush(heap, (cost + part.size, tie, part.version, [*path, part]))
-                tie += 1
-    return None
-
-
 # ---- the sync ---------------------------------------------------------------------------------------
 class _PartFailed(Exception):
     """An object whose blob did not apply or verify (internal: carries which one)."""
@@ -162,6 +98,10 @@ class WeightSync:
     `await sync.wait_for_version(0)`; pass `sync.maybe_swap` as `generate(..., on_step=)`.
     Thread safety: staging and swapping share one lock; `maybe_swap` never waits for it (a decode in
     progress means "not yet"), so generation never stalls on a download or a decode.
+
+    A swap writes the elements the staged sparse deltas changed (no second decode), or else copies every
+    staged tensor. The live policy is built from the first manifest's spec (`model_config`, any policy kind)
+    with the files it lists (a Hugging Face config and tokenizer) fetched from the region's store.
     """
 
     def __init__(self, bus: Bus, region: str | None = None, *, model: Policy | None = None,

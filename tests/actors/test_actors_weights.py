@@ -28,10 +28,11 @@ from torch import Tensor
 
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.config import PublisherConfig, PublisherLaunch
-from rlbus.actors.common.weight_sync import LATEST_KEY, Part, WeightSync, plan_fetch
+from rlbus.actors.common.fetch_plan import Part, plan_fetch
+from rlbus.actors.common.weight_sync import LATEST_KEY, WeightSync
 from rlbus.actors.publisher import Publisher
-from rlbus.kernels.delta import bits_view
-from rlbus.kernels.delta_state import state_digest, tensor_digests
+from rlbus.kernels.delta.codec import bits_view
+from rlbus.kernels.delta.state import state_digest, tensor_digests
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import Event, WeightManifest
@@ -42,10 +43,10 @@ from rlbus.model.policies.interface import Policy, policy_from_spec
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.model.sampling.generate import generate
 from rlbus.ops.bench.version_source import VersionSource
+from rlbus.topology.backends.launch import kind_launch, kind_settings
 from rlbus.topology.examples import example_path
-from rlbus.topology.launch import kind_launch, kind_settings
-from rlbus.topology.load import load
-from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
+from rlbus.topology.file.load import load
+from rlbus.topology.network.regions import CREDENTIALS_NAME, RegionSet
 
 pytestmark = pytest.mark.anyio
 FAST = ActorLimits(heartbeat_interval_s=0.3, drain_timeout_s=2.0)
