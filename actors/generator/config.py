@@ -1,4 +1,4 @@
-"""The generator's settings: `GeneratorConfig` (the topology's `[generator]`, composed by topology/schema.py)
+"""The generator's settings: `GeneratorConfig` (the topology's `[generator]`, composed by topology/file/schema.py)
 and `GeneratorLaunch` (what the launcher passes beside it).
 
 Owns: those two Structs. Imports only msgspec, so the topology schema can compose it without torch.
@@ -26,7 +26,8 @@ class AgenticSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     min_turn_tokens: PositiveInt = 32
     """The episode ends once fewer than this many of `max_tokens` are left for the next turn."""
     wall_s: PositiveFloat = 600.0
-    """Seconds from the episode's start; checked after each turn."""
+    """Seconds from the episode's start; checked before each tool call (a turn that spends it has its remaining
+    calls cut off, and a `run` is given at most what is left) and after each turn."""
     observation_chars: PositiveInt = 4000
     """Characters of one tool result shown; longer ones are cut, saying so."""
     observation_tokens: Annotated[int, msgspec.Meta(ge=16)] = 1024

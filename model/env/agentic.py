@@ -14,7 +14,7 @@ format (model/tools/calls.py), the tasks (model/tasks/repo.py). The wall clock i
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Final, Literal
 
@@ -64,7 +64,8 @@ class AgenticBudgets(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     min_turn_tokens: Annotated[int, msgspec.Meta(ge=1)] = 32
     """The episode ends once fewer than this many of `max_tokens` are left for the next turn."""
     wall_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
-    """Seconds from the start (the clock handed to `start` and `step`); checked after each turn."""
+    """Seconds from the start (the clock handed to `start` and `step`); checked before each tool call (the calls
+    left in a turn that spends it are cut off) and after each turn."""
     observation_chars: Annotated[int, msgspec.Meta(ge=1)] = 4000
     """Characters of one tool result shown; longer ones are cut, saying so."""
     observation_tokens: Annotated[int, msgspec.Meta(ge=16)] = 1024
@@ -135,7 +136,7 @@ class AgenticEnvironment:
                             started_at=now)
 
     async def step(self, state: AgenticState, policy_ids: Sequence[int], port: WorkspacePort, *,
-                   now: float = 0.0) -> StepOutcome[AgenticState]:
+                   now: float = 0.0, clock: Callable[[], float] | None = None) -> StepOutcome[AgenticState]:
         """Run the turn's tool calls in order and answer them in one observation turn; on `submit` or a spent
         budget, grade the workspace and end (no observation then). A context that leaves no room for another turn
         ends the episode ("tokens") unless a summary would make room (`summary_plan`) and the context is within
@@ -146,10 +147,15 @@ class AgenticEnvironment:
         (no sandbox answered) propagates and no state is returned; the calls of this turn that ran before it
         have changed the workspace, so the generator takes the turn again only over a workspace restored to
         the state's (a snapshot), never by running the calls twice.
+
+        The wall budget: `clock` (seconds, on the clock of `started_at`; default: `now` throughout) is read before
+        each call; once `wall_s` is spent the turn's remaining calls are cut off and the episode ends ("wall"), and
+        a `run` call's timeout is capped by what is left of it.
         :raises ValueError: the episode is done.
         """
         refuse_done(state)
         b = self.budgets
+        clock = clock or (lambda: now)
         text = completion_text(policy_ids, self._tokenizer)
         parsed = parse_turn(text)
         results: list[str] = []
@@ -158,6 +164,10 @@ class AgenticEnvironment:
             if spent >= b.max_tool_calls:
                 ended = "tool_calls"
                 break
+            left = b.wall_s - (clock() - state.started_at)
+            if left <= 0:
+                ended = "wall"
+                break
             spent += 1
             if isinstance(item, BadCall):
                 results.append(f"error: {item.problem}")
@@ -165,7 +175,7 @@ class AgenticEnvironment:
             if item.name == "submit":
                 ended = "submit"
                 break
-            call = self._bounded(item)
+            call = self._bounded(item, left)
             outcome = await port.tool(call.name, dict(call.arguments))
             calls.append(call)
             results.append(self._cut(outcome_text(call, outcome)))
@@ -178,7 +188,7 @@ class AgenticEnvironment:
             with_obs = msgspec.structs.replace(new, turns=(*turns, observation)) if observation else new
             if new.policy_turns >= b.max_turns:
                 ended = "turns"
-            elif now - state.started_at >= b.wall_s:
+            elif clock() - state.started_at >= b.wall_s:
                 ended = "wall"
             elif (length := len(state_tokens(with_obs, self._tokenizer).ids)) + b.min_turn_tokens > b.max_tokens and (
                     length > b.max_tokens or self.summary_plan(with_obs) is None):
@@ -227,11 +237,12 @@ class AgenticEnvironment:
         generator caps its sampling there."""
         return max(self.budgets.max_tokens - len(state_context(state, self._tokenizer)), 0)
 
-    def _bounded(self, call: ToolCall) -> ToolCall:
-        """A `run` call with its timeout set and capped by the budget; other calls as they are."""
+    def _bounded(self, call: ToolCall, wall_left: float) -> ToolCall:
+        """A `run` call with its timeout set and capped by the budget and by `wall_left` (seconds of the wall
+        budget left); other calls as they are."""
         if call.name != "run":
             return call
-        cap = self.budgets.run_timeout_s
+        cap = min(self.budgets.run_timeout_s, wall_left)
         asked = float(call.arguments.get("timeout_s", cap))
         if not math.isfinite(asked):  # Python's JSON reads NaN and Infinity
             asked = cap

@@ -190,6 +190,20 @@ async def test_budgets_end_the_episode(budgets: AgenticBudgets, ended: str) -> N
         await env.step(state, [TOK.stop_id], port)
 
 
+async def test_the_wall_budget_cuts_off_a_turn_that_overruns_it() -> None:
+    """One turn of six `run` calls under a 2.5 s wall budget, on a clock each call moves a second: three run
+    (their timeouts capped by what is left of the budget), the other three are cut off, the episode ends "wall"
+    and is graded once."""
+    task = TASKS[1]
+    env, port = AgenticEnvironment(TOK, AgenticBudgets(wall_s=2.5)), FakeWorkspace(task)
+    turn = ToolCall("run", {"command": "sleep 1"}).text() * 6
+    out = await env.step(env.start(task, now=100.0), [*TOK.encode(turn), TOK.stop_id], port, now=100.0,
+                         clock=lambda: 100.0 + len(port.calls))
+    assert out.state.done and out.state.ended == "wall" and out.observation is None
+    assert [args["timeout_s"] for _, args in port.calls] == [2.5, 1.5, 0.5] and len(port.graded) == 1
+    assert out.state.tool_calls == len(out.state.calls) == 3
+
+
 async def test_a_full_context_is_summarised_and_the_episode_goes_on_in_its_workspace() -> None:
     """With summaries on, the context that would end the episode on tokens leaves it open and `needs_summary`;
     the summary replaces the history after the task (calls and spent budgets kept, the state round-trips), leaves
