@@ -38,7 +38,7 @@ class Endpoint:
 
 
 def credentials_from_file(path: Path, role: str) -> tuple[str, str]:
-    """Read (user, password) of `role` from a credentials.json written by topology/servers.py."""
+    """Read (user, password) of `role` from a credentials.json written by topology/network/servers.py."""
     try:
         table = json.loads(path.read_text())
         entry = table[role]

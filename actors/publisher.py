@@ -41,8 +41,8 @@ from torch import Tensor
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.config import PublisherConfig, PublisherLaunch, RelayLaunch, decode_config
 from rlbus.actors.common.weight_sync import LATEST_KEY, decode_full
-from rlbus.kernels.delta import DeltaCorrupt, merge_positions, snapshot_due
-from rlbus.kernels.delta_state import StateIndex, apply_state_, encode_state, read_index
+from rlbus.kernels.delta.codec import DeltaCorrupt, merge_positions, snapshot_due
+from rlbus.kernels.delta.state import StateIndex, apply_state_, encode_state, read_index
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, Delivery, digest
 from rlbus.messages.errors import BadMessage, DigestMismatch, TopologyError

@@ -172,7 +172,7 @@ class VersionReady(Message, tag="version_ready"):
     object: str
     digest: str
     version_digest: str = ""
-    """Digest over every tensor of the version (kernels/delta.py); generators check it after applying."""
+    """Digest over every tensor of the version (kernels/delta/codec.py); generators check it after applying."""
     raw_bytes: int = 0
     created_at: float = msgspec.field(default_factory=time.time)
     model_config: dict[str, Any] = {}

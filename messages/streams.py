@@ -2,7 +2,7 @@
 
 Owns: which stream/bucket lives on which server (per region vs hub), their settings (`StreamSettings`),
 and creating or updating them so that provisioning twice changes nothing.
-Does not: publish or consume (messages/bus.py), start servers (topology/servers.py).
+Does not: publish or consume (messages/bus.py), start servers (topology/network/servers.py).
 
 Where things live (every region's server has its own JetStream domain, normally = region name):
   each region R, hub included — `TASKS_<run>_R` (work queue on tasks.R, durable pull consumer

@@ -2,7 +2,7 @@
 
 Owns: the `clean` subcommand. Refuses to delete anything that does not look like an rlbus state dir,
 or one that a live `rlbus up` holds (ops/up.py `hold_state_dir`). Removes the network namespaces and links a
-killed run on that directory left (topology/links.py `clean_leftovers`).
+killed run on that directory left (topology/network/links.py `clean_leftovers`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _handler(args: argparse.Namespace) -> int:
               f"not deleting it", file=sys.stderr)
         return 2
     from rlbus.ops.up import hold_state_dir
-    from rlbus.topology.links import clean_leftovers
+    from rlbus.topology.network.links import clean_leftovers
 
     lock = hold_state_dir(path)            # refuses (exit 2, naming the pid) while an `rlbus up` holds it
     try:

@@ -35,7 +35,7 @@ async def local_sandbox(name: str, config: SandboxConfig,
     from rlbus.actors.base import ActorId
     from rlbus.actors.sandbox.supervisor import SandboxSupervisor
     from rlbus.messages.bus import Bus, ConnectOptions
-    from rlbus.topology.servers import EmbeddedServer
+    from rlbus.topology.network.servers import EmbeddedServer
 
     with tempfile.TemporaryDirectory(prefix=f"rlbus-{name}-") as tmp:
         server = EmbeddedServer.start(tmp, name=name)

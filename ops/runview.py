@@ -3,7 +3,7 @@
 Owns: following TRAINLOG steps, evaluation reports and heartbeats on the hub while the run goes on
 (`RunView.watch`), one progress line per optimizer step (version, reward, KL, staleness, throughput,
 the latest pass rate), and at the end the summary (with the ledger) and `progress.png` (reward and
-pass rate per version). Does not: launch anything (topology/launch.py) or keep state of its own.
+pass rate per version). Does not: launch anything (topology/backends/launch.py) or keep state of its own.
 """
 
 from __future__ import annotations

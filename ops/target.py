@@ -6,7 +6,7 @@ credentials), `Target.connect()`, `for_state_dir(state)`, `on_signal(act)` (Ctrl
 reading), and `opened(...)`, which lets a command read a
 stopped run: when nothing listens at its hub and its state directory holds the embedded servers `rlbus up`
 started, it starts those servers (no actor, under the state directory's lock) for as long as the command
-reads, then stops them. A run started by `rlbus up` is found through the `run.json` that topology/launch.py
+reads, then stops them. A run started by `rlbus up` is found through the `run.json` that topology/backends/launch.py
 writes into its state directory (default `./.rlbus/<run>`).
 Does not: read streams or render anything (the commands do). Imports only stdlib at module top.
 """
@@ -212,7 +212,7 @@ async def opened(target: Target, args: argparse.Namespace, *, command: str,
         raise RlbusError(f"run {target.run!r} is stopped (nothing listens at {list(target.hub_urls)}); {refuse}, "
                          f"or start it again with `rlbus up`")
     from rlbus.ops.up import hold_state_dir
-    from rlbus.topology.regions import RegionSet
+    from rlbus.topology.network.regions import RegionSet
 
     lock = hold_state_dir(state, holder=f"{command} (read-only)")
     try:
@@ -234,7 +234,7 @@ async def opened(target: Target, args: argparse.Namespace, *, command: str,
 def _stored_servers(state: Path, target: Target) -> tuple[list[str], str, bool] | None:
     """(regions, hub, tls) of the embedded servers whose stores `rlbus up` left under `state/nats`, or None
     when the run did not start its own servers (it joined `nats_urls`) or left nothing to start."""
-    from rlbus.topology.regions import CREDENTIALS_NAME, TLS_DIR
+    from rlbus.topology.network.regions import CREDENTIALS_NAME, TLS_DIR
 
     base = (state / "nats").resolve()
     regions = list(target.urls)
@@ -248,7 +248,7 @@ def _stored_servers(state: Path, target: Target) -> tuple[list[str], str, bool] 
 def read_run_file(state: Path) -> dict[str, Any]:
     """The run.json of a state directory, checked for the keys ops commands need."""
     from rlbus.messages.errors import RlbusError
-    from rlbus.topology.launch import RUN_FILE
+    from rlbus.topology.backends.launch import RUN_FILE
 
     path = state / RUN_FILE
     try:

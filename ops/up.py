@@ -5,7 +5,7 @@ Owns: the command line of `up` (topology file, state dir, --fresh, backend, --fo
 shared cache `<parent>/pretrained/<settings digest>/` when identical settings were pretrained before, or
 pretrained), the live view (RL progress lines from ops/runview.py, or a heartbeat table for the bus demo),
 the recording of the run as it goes (--record), and the closing summary and PNG.
-The work of starting servers, streams and actors is topology/launch.py's.
+The work of starting servers, streams and actors is topology/backends/launch.py's.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _handler(args: argparse.Namespace) -> int:
     import anyio
 
     from rlbus.topology.examples import example_path
-    from rlbus.topology.load import load
+    from rlbus.topology.file.load import load
 
     path = Path(args.topology)
     if not path.exists() and "/" not in args.topology:
@@ -183,7 +183,7 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
         settings_key,
     )
     from rlbus.ops.pretrain import HF_CODE_FRACTION, PretrainPrinter
-    from rlbus.topology.launch import policy_dir
+    from rlbus.topology.backends.launch import policy_dir
 
     policy = topology.policy
     out = policy_dir(topology, state)
@@ -306,7 +306,7 @@ async def _up(topology: Any, state: Path, args: argparse.Namespace, rl: bool, ba
 
     from rlbus.ops.logging import configure_logging
     from rlbus.ops.runview import RunView, summary, write_png
-    from rlbus.topology.launch import Launch
+    from rlbus.topology.backends.launch import Launch
 
     started = time.monotonic()
     print(f"rlbus up: run {topology.run!r}, {len(topology.regions)} region(s), "
@@ -367,7 +367,7 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
     from rlbus.messages.errors import RlbusError
     from rlbus.messages.schemas import EvalReport, TrainStep
     from rlbus.ops.final_eval import REPORT_NAME, final_evaluation, write_report
-    from rlbus.topology.launch import read_fed_tasks
+    from rlbus.topology.backends.launch import read_fed_tasks
 
     bus = launch.admin
     s = bus.subjects

@@ -2,7 +2,7 @@
 
 Owns: the command line and output format (`FILE: KEY: MESSAGE` per problem, warnings marked, or
 `OK: FILE: run R, N regions, M actors`; exit 2 on any error, 0 otherwise; never a traceback for bad
-input). Does not: decide what is a problem (topology/load.py, topology/rules.py).
+input). Does not: decide what is a problem (topology/file/load.py, topology/file/rules.py).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from rlbus.topology.load import validate
+    from rlbus.topology.file.load import validate
 
     if args.reference:
-        from rlbus.topology.reference import reference_markdown
+        from rlbus.topology.file.reference import reference_markdown
 
         print(reference_markdown())
         return 0

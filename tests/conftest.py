@@ -21,8 +21,8 @@ from helpers.ast_guard import AstOffMainThread, import_rewritten_plugin_modules
 from helpers.runs import FinishedRun, finished_tiny_run
 
 from rlbus.messages.bus import Bus, ConnectOptions
-from rlbus.topology.regions import RegionSet
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.network.regions import RegionSet
+from rlbus.topology.network.servers import EmbeddedServer
 
 SESSION_END_TIMEOUT_S = 120.0
 """Longest the session's teardown and the interpreter's exit may take before the watchdog dumps every thread's

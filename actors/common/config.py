@@ -3,7 +3,7 @@ module each (feeder, publisher and its weights relay, checkpointer, evaluator).
 
 Owns: `decode_config` (the one way every builder turns plain settings into a Config: an invalid value is a
 `TopologyError` naming the key and the bound), and per kind a `*Config` (its topology section, declared only
-here: topology/schema.py composes these classes) and a `*Launch` (what the launcher, a benchmark or a test
+here: topology/file/schema.py composes these classes) and a `*Launch` (what the launcher, a benchmark or a test
 passes beside the section: facts of the run such as regions or the state directory, settings of other
 sections the kind must agree with, and timing knobs that are no topology key).
 Lives in the shared layer, not in those kinds' modules, because the topology schema imports these classes

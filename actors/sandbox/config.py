@@ -1,5 +1,5 @@
 """The sandbox supervisor's settings: `SandboxConfig` (the topology's `[sandbox]`, composed by
-topology/schema.py) and `SandboxLaunch` (knobs tests and benchmarks set that are no topology key).
+topology/file/schema.py) and `SandboxLaunch` (knobs tests and benchmarks set that are no topology key).
 
 Owns: those two Structs and `clamp` (a request's limits under the supervisor's ceiling). Imports only
 msgspec, so the topology schema can compose it without the supervisor's dependencies.

@@ -1,4 +1,4 @@
-"""The trainer's settings: `TrainerConfig` (the topology's `[trainer]`, composed by topology/schema.py) and
+"""The trainer's settings: `TrainerConfig` (the topology's `[trainer]`, composed by topology/file/schema.py) and
 `TrainerLaunch` (what the launcher passes beside it).
 
 Owns: those Structs, the learning-rate schedule (`TrainerConfig.lr_at`) and the flat settings record of a
@@ -22,7 +22,7 @@ RENDEZVOUS_ENV: Final = "RLBUS_RENDEZVOUS"
 """`host:port` where a trainer group's ranks meet (rank 0 hosts it); the launcher picks a new one per start."""
 TIMEOUT_ENV: Final = "RLBUS_COLLECTIVE_TIMEOUT_S"
 """The environment a trainer rank reads its place from (`actors/trainer/ranks.py` `RankSpec.from_env`), set by
-the launcher (topology/launch.py, topology/local.py, topology/ray_backend.py)."""
+the launcher (topology/backends/launch.py, topology/backends/local.py, topology/backends/ray_cluster.py)."""
 
 
 class LengthPenaltyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -90,7 +90,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
 class TrainerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """What the trainer gets beside `[trainer]`: where the run's files are, the settings of other sections it
-    must agree with (topology/launch.py derives them), and timing knobs for tests."""
+    must agree with (topology/backends/launch.py derives them), and timing knobs for tests."""
 
     pretrained: str = ""
     """`pretrain.pt` (or its folder), or a Hugging Face directory, to start from and to use as the KL reference;

@@ -1,16 +1,11 @@
 """Trainer ranks: one trainer over N processes (`torch.distributed`, FSDP2), led by rank 0.
 
-Owns: `RankSpec` (a rank's place, from the environment the launcher sets), `join` / `leave` (the process group
-over a TCPStore rank 0 hosts; every collective under the spec's timeout), `ShardedCore` (a `TrainerCore` with
-its policy and reference sharded by `fully_shard`; the leader's methods broadcast a command first, so the
-followers run the same collectives), `follow` (a follower's command loop), sharded checkpoints (each rank
-writes its own `torch.distributed.checkpoint` files) and `LocalGroup` (N ranks as subprocesses on loopback,
-for tests and the bench). The step's math and the checkpoint files' layout are in actors/trainer/sharded.py.
-Does not: talk to the bus, heartbeat, place processes on machines or decide when to step or checkpoint.
-
-Only the leader (rank 0) is given rollouts and metadata; a follower learns everything from its commands. A rank
-that dies, or a collective that outlasts `timeout_s`, raises `RankError` on every survivor: the group is then
-unusable and must be torn down (`leave`) and restarted from the newest checkpoint.
+- Owns: `RankSpec` (a rank's place, from the launcher's environment), `join` / `leave` (the process group over
+  a TCPStore rank 0 hosts), `ShardedCore` (the `Core` over the group), `follow` (a follower's command loop),
+  sharded checkpoints (each rank writes its own `torch.distributed.checkpoint` files).
+- Guarantee: a dead rank or a collective past `timeout_s` raises `RankError` on every survivor.
+- Does not: talk to the bus, place processes (ops/local_ranks.py starts N on loopback) or decide when to
+  step; the step's math and the checkpoint layout are in actors/trainer/sharded.py.
 """
 
 from __future__ import annotations
@@ -18,12 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -42,14 +32,14 @@ from rlbus.actors.trainer import sharded
 from rlbus.actors.trainer.config import RANK_ENV, RENDEZVOUS_ENV, TIMEOUT_ENV, WORLD_ENV
 from rlbus.actors.trainer.core import Objective, StepStats, TrainerCore, read_state
 from rlbus.actors.trainer.sharded import is_sharded, shards_to_payload
-from rlbus.kernels.delta_state import encode_state
+from rlbus.kernels.delta.state import encode_state
 from rlbus.messages import codec
 from rlbus.messages.errors import RlbusError
 from rlbus.messages.schemas import Rollout
 from rlbus.model.policies.interface import Policy
 
-__all__ = ["LocalGroup", "RankError", "RankResult", "RankSpec", "ShardedCore", "follow", "free_port", "is_sharded",
-           "join", "leave", "shards_to_payload", "state_bytes"]
+__all__ = ["RankError", "RankSpec", "ShardedCore", "follow", "is_sharded", "join", "leave", "shards_to_payload",
+           "state_bytes"]
 
 Upload = Callable[[str, bytes], tuple[str, str]]
 """(file name, bytes) -> (object name, digest): how a rank stores one checkpoint file of its own."""
@@ -60,7 +50,8 @@ _JOINED: Final = "rlbus/joined/"
 
 class RankError(RlbusError):
     """The trainer group cannot go on: a rank did not join, died, or a collective timed out. The message names
-    the rank(s) and the rendezvous address, and says what to do."""
+    the rank(s) and the rendezvous address, and says what to do. Raised on every survivor: the group is then
+    unusable and must be torn down (`leave`) and restarted from the newest checkpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -541,7 +532,8 @@ def _shard(net: Policy, mesh: Any) -> None:
 
 
 def follow(core: ShardedCore, upload: Upload, *, on_command: Callable[[str], None] = lambda op: None) -> None:
-    """A follower's loop: wait for the leader's next command and run it; `on_command(op)` is called as each one
+    """A follower's loop (only the leader is given rollouts and metadata; a follower learns everything from its
+    commands): wait for the leader's next command and run it; `on_command(op)` is called as each one
     arrives, before it runs. Returns on "stop".
 
     :raises RankError: the group broke (a rank died, a collective timed out).
@@ -552,131 +544,6 @@ def follow(core: ShardedCore, upload: Upload, *, on_command: Callable[[str], Non
         if op == "stop":
             return
         core.run(op, payload, upload)
-
-
-# ---- N ranks on loopback ----------------------------------------------------------------------------------
-def free_port() -> int:
-    """A TCP port free on loopback just now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass(frozen=True, slots=True)
-class RankResult:
-    """How one rank process of a `LocalGroup` ended."""
-
-    rank: int
-    returncode: int | None
-    """None: still running when `wait` gave up."""
-    result: Any
-    """The target's return value (its JSON), None when it returned none or failed."""
-    error: str
-    """The last lines of its stderr."""
-
-
-_ENTRY: Final = "from rlbus.actors.trainer.ranks import rank_main; rank_main()"
-
-
-class LocalGroup:
-    """`world_size` rank processes on loopback, each running `target` ("module:function", called as
-    fn(spec, job) in the rank's process, its return value JSON) with its `RankSpec` in the environment. Stopped
-    by PID (SIGKILL) on `close`. Used by tests and `rlbus bench trainer`."""
-
-    def __init__(self, world_size: int, target: str, job: Mapping[str, Any], *, timeout_s: float = 60.0,
-                 threads: int = 1, env: Mapping[str, str] | None = None) -> None:
-        self.world_size = world_size
-        self.target = target
-        self.job = dict(job)
-        self.timeout_s = timeout_s
-        self.threads = threads
-        self.env = dict(env or {})
-        self.port = free_port()
-        self._dir = tempfile.TemporaryDirectory(prefix="rlbus-ranks-")
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.ranks: list[int] = []
-        """The rank of each process, in start order."""
-
-    def __enter__(self) -> LocalGroup:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def spec(self, rank: int) -> RankSpec:
-        return RankSpec(rank=rank, world_size=self.world_size, addr="127.0.0.1", port=self.port,
-                        timeout_s=self.timeout_s)
-
-    def start(self, ranks: Sequence[int] | None = None) -> None:
-        """Start the rank processes (`ranks`: only these, to leave others out)."""
-        root = Path(self._dir.name)
-        for rank in range(self.world_size) if ranks is None else ranks:
-            env = {**os.environ, **self.env, **self.spec(rank).env(), "RLBUS_TORCH_THREADS": str(self.threads),
-                   "OMP_NUM_THREADS": str(self.threads)}
-            with (root / f"job-{rank}.json").open("w") as job:
-                json.dump({"target": self.target, "job": self.job}, job)
-            with (root / f"job-{rank}.json").open("rb") as stdin, (root / f"out-{rank}").open("wb") as out, \
-                    (root / f"err-{rank}").open("wb") as err:
-                self.procs.append(subprocess.Popen([sys.executable, "-c", _ENTRY], stdin=stdin, stdout=out,
-                                                   stderr=err, env=env))
-            self.ranks.append(rank)
-
-    def kill(self, rank: int) -> None:
-        """SIGKILL one rank's process (by its PID)."""
-        proc = self.procs[self.ranks.index(rank)]
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-
-    def wait(self, timeout_s: float, ranks: Sequence[int] | None = None) -> list[RankResult]:
-        """Wait up to `timeout_s` for every process to end (or those of `ranks`); -> each rank's result, in start
-        order (returncode None: still running)."""
-        deadline = time.monotonic() + timeout_s
-        for rank, proc in zip(self.ranks, self.procs, strict=True):
-            if ranks is not None and rank not in ranks:
-                continue
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        return [self._result(rank, proc) for rank, proc in zip(self.ranks, self.procs, strict=True)]
-
-    def _result(self, rank: int, proc: subprocess.Popen[bytes]) -> RankResult:
-        root = Path(self._dir.name)
-        out = (root / f"out-{rank}").read_text(errors="replace").strip().splitlines()
-        err = (root / f"err-{rank}").read_text(errors="replace").strip().splitlines()
-        result = None
-        if proc.returncode == 0 and out:
-            with contextlib.suppress(ValueError):
-                result = json.loads(out[-1])
-        return RankResult(rank=rank, returncode=proc.returncode, result=result, error="\n".join(err[-30:]))
-
-    def close(self) -> None:
-        """SIGKILL every rank still running (by PID), reap them, remove the scratch folder."""
-        for rank in self.ranks:
-            self.kill(rank)
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
-        self._dir.cleanup()
-
-
-def rank_main() -> None:
-    """A `LocalGroup` process: read {"target", "job"} from stdin, call target(spec, job) with the `RankSpec` of
-    the environment, print its return value as the last line of stdout (JSON), and exit 0 at once."""
-    import importlib
-
-    request = json.loads(sys.stdin.read())
-    spec = RankSpec.from_env()
-    if spec is None:
-        spec = RankSpec(rank=0, world_size=1, addr="127.0.0.1", port=0)
-    torch.set_num_threads(int(os.environ.get("RLBUS_TORCH_THREADS", "1")))
-    module, _, name = request["target"].partition(":")
-    fn = getattr(importlib.import_module(module), name)
-    result = fn(spec, request["job"])
-    sys.stdout.flush()
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)         # no interpreter teardown: a broken group's destructors can abort after the result is out
 
 
 def state_bytes(payload: Mapping[str, Any]) -> bytes:

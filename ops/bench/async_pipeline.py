@@ -83,7 +83,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch._dynamo  # noqa: F401  here, not in pretrain's worker thread (actors/trainer/core.py: why)
 
     from rlbus.model.training.pretrain import PretrainConfig, pretrain
-    from rlbus.topology.launch import PRETRAINED_DIR
+    from rlbus.topology.backends.launch import PRETRAINED_DIR
 
     started = time.perf_counter()
     quick = bool(getattr(args, "quick", False))
@@ -160,7 +160,7 @@ def _topology(arm: str, run: str, state: Path, *, settings: str, tasks: int, gen
     import msgspec
 
     from rlbus.topology.examples import example_path
-    from rlbus.topology.schema import ActorSpec, Region, Topology
+    from rlbus.topology.file.schema import ActorSpec, Region, Topology
 
     base = msgspec.toml.decode(example_path("tiny").read_bytes(), type=Topology)   # settings; actors: ours
     work = msgspec.toml.decode(example_path(settings).read_bytes(), type=Topology)
@@ -190,7 +190,7 @@ async def _run_arm(topology: Any, state: Path, steps: int, timeout_s: float) -> 
     from rlbus.messages import codec
     from rlbus.messages.errors import BadMessage
     from rlbus.messages.schemas import Rollout, Task, TrainStep, WeightManifest
-    from rlbus.topology.launch import Launch
+    from rlbus.topology.backends.launch import Launch
 
     first_task: list[float] = []
     launched = time.time()

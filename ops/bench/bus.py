@@ -41,7 +41,7 @@ async def _run(n: int, rounds: int, tokens: int) -> dict[str, Any]:
     from rlbus.messages import codec
     from rlbus.messages.bus import MSG_ID_HEADER, Bus, ConnectOptions
     from rlbus.messages.schemas import Rollout
-    from rlbus.topology.servers import EmbeddedServer
+    from rlbus.topology.network.servers import EmbeddedServer
 
     rng = random.Random(0)
     rollouts = [synthetic_rollout(f"r{i}", "hub", "bench", tokens, rng) for i in range(n)]

@@ -64,7 +64,7 @@ def _delta_stats(old: dict[str, Any], new: dict[str, Any]) -> dict[str, float]:
 
     import numpy as np
 
-    from rlbus.kernels.delta import bits_view
+    from rlbus.kernels.delta.codec import bits_view
 
     xors = []
     n = 0
@@ -89,7 +89,7 @@ def _xor_zstd_bytes(old: dict[str, Any], new: dict[str, Any]) -> int:
     import numpy as np
     import zstandard
 
-    from rlbus.kernels.delta import bits_view
+    from rlbus.kernels.delta.codec import bits_view
 
     total = 0
     for name in new:
@@ -125,9 +125,9 @@ def _stages(old: dict[str, Any], new: dict[str, Any], repeats: int) -> dict[str,
     import blake3
     import numpy as np
 
-    from rlbus.kernels import bitcode, delta
-    from rlbus.kernels.delta import bits_view, changed_elements, key_diffs
-    from rlbus.kernels.delta_state import apply_state_, encode_state
+    from rlbus.kernels.delta import bitcode, codec
+    from rlbus.kernels.delta.codec import bits_view, changed_elements, key_diffs
+    from rlbus.kernels.delta.state import apply_state_, encode_state
 
     def best(fn: Any) -> float:
         times = []
@@ -144,9 +144,9 @@ def _stages(old: dict[str, Any], new: dict[str, Any], repeats: int) -> dict[str,
 
     def stages(fast: Any) -> dict[str, float]:
         scan = changed_elements if fast is None else \
-            (lambda a, b, h=None: fast.changed_elements(a, b, h, step_words=delta._SCAN_WORDS))
+            (lambda a, b, h=None: fast.changed_elements(a, b, h, step_words=codec._SCAN_WORDS))
         ints = bitcode.encode_ints if fast is None else fast.encode_ints
-        code_diffs = delta._encode_diffs if fast is None else fast.encode_diffs
+        code_diffs = codec._encode_diffs if fast is None else fast.encode_diffs
         _, blob = encode_state(new, old, base_digest=bytes(16), threads=1)
         target = {k: v.clone() for k, v in old.items()}
         return {
@@ -160,15 +160,15 @@ def _stages(old: dict[str, Any], new: dict[str, Any], repeats: int) -> dict[str,
             "apply_state": best(lambda: apply_state_(target, blob, threads=1)),
         }
 
-    previous = delta.codec_backend()
+    previous = codec.codec_backend()
     out: dict[str, dict[str, float]] = {}
     for backend in ("numpy", "numba"):
         try:
-            delta.set_codec_backend(backend)
+            codec.set_codec_backend(backend)
         except ValueError:
             continue
-        out[backend] = stages(delta._fast())
-    delta.set_codec_backend(previous)
+        out[backend] = stages(codec._fast())
+    codec.set_codec_backend(previous)
     return out
 
 
@@ -184,8 +184,8 @@ def _measure(old: dict[str, Any], new: dict[str, Any], base: dict[str, Any], rep
 
     import torch
 
-    from rlbus.kernels.delta import Encoding, bits_view
-    from rlbus.kernels.delta_state import apply_state_, encode_state, state_digest, tensor_digests
+    from rlbus.kernels.delta.codec import Encoding, bits_view
+    from rlbus.kernels.delta.state import apply_state_, encode_state, state_digest, tensor_digests
 
     stats = _delta_stats(old, new)
     mb = 2 * stats["n"] / 1e6  # raw bf16 model bytes, in MB
@@ -244,18 +244,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from rlbus.kernels import delta
-    from rlbus.kernels.delta_state import encode_state
+    from rlbus.kernels.delta import codec
+    from rlbus.kernels.delta.state import encode_state
     from rlbus.model.policies.transformer import ModelConfig, Transformer
 
     t_start = time.perf_counter()
-    backend = delta.codec_backend() if args.delta_codec is None else args.delta_codec
-    delta.set_codec_backend(backend)
+    backend = codec.codec_backend() if args.delta_codec is None else args.delta_codec
+    codec.set_codec_backend(backend)
     first_call_s = 0.0
     if backend == "numba":
-        from rlbus.kernels import delta_numba
+        from rlbus.kernels.delta import compiled
 
-        first_call_s = delta_numba.warm_up()        # compile or load from numba's cache, outside every timing
+        first_call_s = compiled.warm_up()        # compile or load from numba's cache, outside every timing
     print(f"bench delta: codec backend {backend} (first call {first_call_s:.2f} s)", file=sys.stderr)
     runs = 1 if args.quick else args.delta_runs
     threads = args.delta_threads

@@ -261,12 +261,12 @@ async def _swap_async(directory: Path) -> dict[str, Any]:
     import torch
 
     from rlbus.actors.publisher import advance_latest
-    from rlbus.kernels.delta_state import encode_state
+    from rlbus.kernels.delta.state import encode_state
     from rlbus.messages.bus import Bus, ConnectOptions, Identity
     from rlbus.messages.schemas import WeightManifest
     from rlbus.messages.streams import StreamSettings, provision_run
     from rlbus.model.policies.hf import HFPolicy
-    from rlbus.topology.regions import RegionSet
+    from rlbus.topology.network.regions import RegionSet
 
     policy = HFPolicy.load(directory, dtype=torch.bfloat16)
     state = {name: (t.float() + 1e-3).to(torch.bfloat16) for name, t in policy.published_state().items()}

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rlbus.ops.local_sandbox import local_sandbox
     from rlbus.ops.pretrain import _quiet_transformers
     from rlbus.topology.examples import example_path
-    from rlbus.topology.schema import Topology
+    from rlbus.topology.file.schema import Topology
 
     started = time.perf_counter()
     _quiet_transformers()
@@ -168,7 +168,7 @@ def _train_tasks(topology: Any, *, n: int) -> list[Any]:
     import itertools
 
     from rlbus.actors.common.feed import task_sequence
-    from rlbus.topology.launch import feeder_launch
+    from rlbus.topology.backends.launch import feeder_launch
 
     sequence = task_sequence(topology.feeder, feeder_launch(topology))
     return [sequence.get(i) for i in itertools.takewhile(lambda i: sequence.end is None or i < sequence.end,

@@ -28,7 +28,7 @@ def rlbus_topology(run: str, state: Path, base: Path, shared: Shared, *, generat
     import msgspec
 
     from rlbus.topology.examples import example_path
-    from rlbus.topology.schema import ActorSpec, PolicySettings, Region, Topology
+    from rlbus.topology.file.schema import ActorSpec, PolicySettings, Region, Topology
 
     hf = msgspec.toml.decode(example_path("hf").read_bytes(), type=Topology)
     replace = msgspec.structs.replace
@@ -58,7 +58,7 @@ async def run_rlbus(topology: Any, state: Path, *, budget_s: float, marks: list[
     from rlbus.messages.errors import BadMessage
     from rlbus.messages.history import last_message, read_all
     from rlbus.messages.schemas import Rollout, Task, TrainStep, VersionReady, WeightManifest
-    from rlbus.topology.launch import Launch
+    from rlbus.topology.backends.launch import Launch
 
     first_task: list[float] = []
     v0: list[float] = []

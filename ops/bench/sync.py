@@ -11,7 +11,7 @@ many with only full snapshots (a publisher with `full_every` 1), each from Versi
 every generator holding it. `speedup_vs_full` = median full / median delta of that end-to-end time.
 
 `--sync-link RATE/LATENCY` (e.g. `100mbit/30ms`) puts both leaf regions (eu, us) behind shaped links
-(topology/links.py: each leaf's nats-server in its own network namespace, `tbf` for the rate, the delaying
+(topology/network/links.py: each leaf's nats-server in its own network namespace, `tbf` for the rate, the delaying
 relay for the one-way latency). What crosses a link is what the hub sends a region: the publisher's writes into
 its WEIGHTS store and LATEST key (object-store chunks, their metadata, KV reads and updates, JetStream API
 requests) and their acks. The generators stay in-process tasks, each connected to its own region's server at
@@ -50,7 +50,7 @@ publisher has something open to that leaf)."""
 
 def link_spec(text: str) -> Any:
     """`RATE/LATENCY` (one-way latency), e.g. `100mbit/30ms`, as a `LinkShape`; argparse's error otherwise."""
-    from rlbus.topology.links import LinkShape
+    from rlbus.topology.network.links import LinkShape
 
     rate, sep, latency = text.partition("/")
     try:
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import anyio
 
     if getattr(args, "sync_link", None) is not None:
-        from rlbus.topology.links import namespaces_unavailable
+        from rlbus.topology.network.links import namespaces_unavailable
 
         if (why := namespaces_unavailable()) is not None:
             print(f"rlbus bench sync --sync-link: shaped links cannot be made here: {why}", file=sys.stderr)
@@ -111,7 +111,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
     from rlbus.model.policies.transformer import ModelConfig, Transformer
     from rlbus.ops.bench.version_source import VersionSource
-    from rlbus.topology.regions import RegionSet
+    from rlbus.topology.network.regions import RegionSet
 
     shape = getattr(args, "sync_link", None)
     links = {leaf: shape for leaf in LEAVES} if shape is not None else None

@@ -72,7 +72,7 @@ def _group(world_size: int, job: dict[str, Any], threads: int) -> dict[str, Any]
 
 def _groups(world_size: int, job: dict[str, Any], threads: int) -> dict[str, dict[str, Any]]:
     """`_group` of each of `job["policies"]`, one after the other in the same rank processes (`rank_jobs`)."""
-    from rlbus.actors.trainer.ranks import LocalGroup
+    from rlbus.ops.local_ranks import LocalGroup
 
     with LocalGroup(world_size, "rlbus.ops.bench.trainer:rank_jobs", job, timeout_s=300, threads=threads,
                     env={"TOKENIZERS_PARALLELISM": "false"}) as group:
@@ -173,7 +173,7 @@ def rank_jobs(spec: Any, job: dict[str, Any]) -> dict[str, Any]:
 def _measure(spec: Any, job: dict[str, Any]) -> dict[str, Any]:
     import rlbus.actors.trainer.ranks as ranks
     from rlbus.actors.trainer.core import Objective
-    from rlbus.kernels.delta_state import encode_state
+    from rlbus.kernels.delta.state import encode_state
 
     sharded = spec.world_size > 1
     baseline = _reset_high_water()

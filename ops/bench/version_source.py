@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlbus.kernels.delta_state import encode_state
+from rlbus.kernels.delta.state import encode_state
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import VersionReady
 from rlbus.messages.subjects import Subjects

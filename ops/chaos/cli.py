@@ -70,7 +70,7 @@ def _handler(args: argparse.Namespace) -> int:
     from rlbus.ops.chaos.report import exit_code, table
     from rlbus.ops.chaos.run import RESULT_NAME, chaos_topology, ensure_pretrained, prepare_state_dir
     from rlbus.topology.examples import example_path
-    from rlbus.topology.load import load
+    from rlbus.topology.file.load import load
 
     if args.topology is None:
         topology = chaos_topology()
@@ -82,7 +82,7 @@ def _handler(args: argparse.Namespace) -> int:
                             "nats_urls")
     if args.links is not None:
         topology = with_links(topology, args.links)
-    from rlbus.topology.links import namespaces_unavailable
+    from rlbus.topology.network.links import namespaces_unavailable
 
     links = bool(topology.link_shapes()) and namespaces_unavailable() is None
     per_3min = max(1, round(args.minutes / 3))
@@ -127,8 +127,8 @@ def with_links(topology: Any, spec: str) -> Any:
     import msgspec
 
     from rlbus.messages.errors import TopologyError
-    from rlbus.topology.links import parse_rate, parse_time
-    from rlbus.topology.schema import LinkSettings
+    from rlbus.topology.file.schema import LinkSettings
+    from rlbus.topology.network.links import parse_rate, parse_time
 
     rate, _, latency = spec.partition("/")
     try:

@@ -46,7 +46,7 @@ class ChaosSettings:
     """How long a paused actor stays stopped."""
     seed: int = 0
     links: bool = False
-    """The leaves sit behind shaped links (topology/links.py): partitions cut them in turn (`LINK_CUTS`)."""
+    """The leaves sit behind shaped links (topology/network/links.py): partitions cut them in turn (`LINK_CUTS`)."""
     degrades: int = 0
     """Link degradations (needs `links`): `degrade_loss` of the packets dropped and `degrade_spike_s` added to each
     direction for `outage_s`."""

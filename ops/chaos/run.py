@@ -43,10 +43,10 @@ from rlbus.ops.chaos.plan import (
     recovery_after,
     summarize,
 )
+from rlbus.topology.backends.launch import PRETRAINED_DIR, Launch, read_fed_tasks
 from rlbus.topology.examples import example_path
-from rlbus.topology.launch import PRETRAINED_DIR, Launch, read_fed_tasks
-from rlbus.topology.load import load
-from rlbus.topology.schema import RestartSettings, Topology
+from rlbus.topology.file.load import load
+from rlbus.topology.file.schema import RestartSettings, Topology
 
 log = structlog.get_logger()
 
@@ -56,7 +56,7 @@ RUN_STATE: Final = ("nats", "checkpoints", "logs", "plots", "run.json", "chaos.j
 RESULT_NAME: Final = "chaos.json"
 _API_ERRORS: Final = (nats.errors.Error, nats.js.errors.Error, TimeoutError)
 _CUT_MODES: Final = {"partition": "close", "link_drop": "drop", "link_down": "down"}
-"""How each partition kind cuts (topology/regions.py `RegionSet.cut`)."""
+"""How each partition kind cuts (topology/network/regions.py `RegionSet.cut`)."""
 _CUT_WORDS: Final = {"close": "relay connections closed", "drop": "every packet dropped", "down": "link down"}
 
 

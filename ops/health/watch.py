@@ -30,7 +30,7 @@ from rlbus.messages.history import Start, read_stream, stored_at, stream_count
 from rlbus.messages.schemas import Event, Heartbeat, WeightManifest
 from rlbus.ops.health.model import BusHealth, HealthModel, HealthRules, RegionHealth, Snapshot
 from rlbus.ops.target import Target
-from rlbus.topology.tls import client_context
+from rlbus.topology.network.tls import client_context
 
 log = structlog.get_logger()
 

@@ -69,14 +69,14 @@ def recorded_setup(events: Iterable[Event]) -> TrainerSetup | None:
 
 
 def topology_setup(path: str | Path) -> TrainerSetup:
-    """The trainer settings `rlbus up` would pass for this topology file (topology/launch.py
+    """The trainer settings `rlbus up` would pass for this topology file (topology/backends/launch.py
     `kind_settings` and `kind_launch`, pretrained checkpoint under its state directory) and the trainer's
     `torch_threads`.
 
     :raises ReplayInputError: the topology has no trainer.
     """
-    from rlbus.topology.launch import kind_launch
-    from rlbus.topology.load import load
+    from rlbus.topology.backends.launch import kind_launch
+    from rlbus.topology.file.load import load
 
     topology = load(path)
     trainers = [i for i in topology.instances() if i.kind == "trainer"]

@@ -32,8 +32,8 @@ from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.model.sampling.evaluate import wilson_interval
 from rlbus.ops.bench.version_source import published_state, upload_version
-from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
-from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
+from rlbus.topology.backends.local import LocalSupervisor, ProcessSpec, RestartPolicy
+from rlbus.topology.network.regions import CREDENTIALS_NAME, RegionSet
 
 pytestmark = pytest.mark.anyio
 

@@ -46,7 +46,7 @@ from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
 from rlbus.model.tasks.builtin import eval_tasks
-from rlbus.topology.regions import RegionSet
+from rlbus.topology.network.regions import RegionSet
 
 pytestmark = pytest.mark.anyio
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=2.0)
@@ -335,9 +335,9 @@ def test_sequence_skips_the_evaluators_held_out_prompts_and_the_launcher_names_t
     """With eval_seed the built-in sequence never yields a prompt of eval_tasks(eval_seed) (the plain sequence
     of the same seed does, for some seeds); the launcher passes the topology's evaluator seed."""
     from rlbus.model.tasks.builtin import EVAL_POOL, eval_tasks
+    from rlbus.topology.backends.launch import feeder_launch
     from rlbus.topology.examples import example_path
-    from rlbus.topology.launch import feeder_launch
-    from rlbus.topology.load import load
+    from rlbus.topology.file.load import load
 
     held_out = {t.prompt_hash for t in eval_tasks(1, EVAL_POOL)}
     plain = TaskSequence(0)
@@ -354,9 +354,9 @@ def test_a_listed_held_out_source_is_skipped_by_prompt_hash_and_named_in_the_sav
     """With the evaluator's tasks a file, a tasks file sharing two of its prompts feeds only the third task, and
     the ids the cursors account for agree; the saved source names the exclusion; the launcher passes it."""
     from rlbus.model.tasks.sources import HUMANEVAL
+    from rlbus.topology.backends.launch import feeder_launch
     from rlbus.topology.examples import example_path
-    from rlbus.topology.launch import feeder_launch
-    from rlbus.topology.load import load
+    from rlbus.topology.file.load import load
 
     train = eval_tasks(5, n=3)
     feed_file, held_out_file = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"

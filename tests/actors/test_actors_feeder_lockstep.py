@@ -25,7 +25,7 @@ from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.schemas import WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
-from rlbus.topology.regions import RegionSet
+from rlbus.topology.network.regions import RegionSet
 
 pytestmark = pytest.mark.anyio
 HUB = "hub"

@@ -12,7 +12,7 @@ from rlbus.actors.common.config import REPO_LEVELS, FeederConfig, FeederLaunch
 from rlbus.actors.common.feed import task_sequence, task_source, verifier_for
 from rlbus.model.tasks.repo import LEVELS, VERIFIER_KIND, RepoTask, repo_task_of_id
 from rlbus.topology.examples import example_path
-from rlbus.topology.load import validate
+from rlbus.topology.file.load import validate
 
 BASE = (Path(__file__).resolve().parents[1] / "topology" / "bad" / "levels_with_tasks_file.toml").read_text().split(
     "[feeder]")[0]

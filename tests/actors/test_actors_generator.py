@@ -68,8 +68,8 @@ from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.model.tasks.builtin import Task, eval_tasks
 from rlbus.ops.bench.version_source import published_state, upload_version
-from rlbus.topology.regions import RegionSet
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.network.regions import RegionSet
+from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)

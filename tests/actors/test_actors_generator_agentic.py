@@ -65,7 +65,7 @@ from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.model.tasks.builtin import eval_tasks
 from rlbus.model.tasks.repo import RepoTask, repo_task
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)

@@ -32,7 +32,7 @@ from rlbus.messages import codec
 from rlbus.messages.bus import REASON_HEADER, Bus, ConnectOptions
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxRequest, SandboxResult
 from rlbus.model.tasks.builtin import Task, eval_tasks
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=2.0)

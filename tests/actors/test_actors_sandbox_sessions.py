@@ -30,7 +30,7 @@ from rlbus.actors.sandbox.pool import SANDBOX_UID, available_levels, descendants
 from rlbus.actors.sandbox.sessions import ROOT_PREFIX, reclaim_orphans, scratch_dir
 from rlbus.actors.sandbox.workspace import Workspace, unmount
 from rlbus.messages.bus import Bus
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 FILES = {"pkg/__init__.py": b"", "pkg/calc.py": b"def add(a, b):\n    return a - b\n", "README": b"calc\n"}

@@ -22,10 +22,10 @@ from rlbus.actors.common.ledger import read_all, read_ledger
 from rlbus.actors.trainer.actor import Trainer
 from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
 from rlbus.actors.trainer.core import build_core
-from rlbus.kernels.delta_state import apply_state_
+from rlbus.kernels.delta.state import apply_state_
 from rlbus.messages.bus import Bus, digest
 from rlbus.messages.schemas import CheckpointMark, Event, StateUploaded, TensorBlob, TrainStep, VersionReady
-from rlbus.topology.regions import RegionSet
+from rlbus.topology.network.regions import RegionSet
 
 pytestmark = pytest.mark.anyio
 LIMITS = ActorLimits(heartbeat_interval_s=0.5, drain_timeout_s=20.0)

@@ -34,8 +34,8 @@ from rlbus.actors.trainer.config import TrainerLaunch
 from rlbus.actors.trainer.core import build_core
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import CheckpointMark, TrainStep, VersionReady
-from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
-from rlbus.topology.regions import RegionSet
+from rlbus.topology.backends.local import LocalSupervisor, ProcessSpec, RestartPolicy
+from rlbus.topology.network.regions import RegionSet
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 TRAINER, CHECKPOINTER = "hub-trainer-0", "hub-checkpointer-0"

@@ -19,7 +19,7 @@ from rlbus.actors.trainer.core import (
     shared_prompt_logprobs,
     versions_behind,
 )
-from rlbus.kernels.delta_state import apply_state_, encode_state
+from rlbus.kernels.delta.state import apply_state_, encode_state
 from rlbus.kernels.logprob import token_logprob_entropy
 from rlbus.messages.schemas import Rollout, Segment, TensorBlob
 from rlbus.model.policies.builtin import BuiltinPolicy
@@ -283,15 +283,15 @@ def test_check_names_what_the_model_cannot_train_on() -> None:
 
 
 def test_launcher_settings_decode_into_the_trainer_and_checkpointer_configs(tmp_path: Path) -> None:
-    """What topology/launch.py hands the trainer and checkpointer (tiny example: its section as settings, the
+    """What topology/backends/launch.py hands the trainer and checkpointer (tiny example: its section as settings, the
     state directory, pretrained folder and checkpoint interval as launch values) is what they accept."""
     import msgspec
 
     from rlbus.actors.common.config import CheckpointerConfig, CheckpointerLaunch, decode_config
     from rlbus.actors.trainer.config import TrainerConfig, TrainerLaunch
+    from rlbus.topology.backends.launch import kind_launch, kind_settings
     from rlbus.topology.examples import example_path
-    from rlbus.topology.launch import kind_launch, kind_settings
-    from rlbus.topology.load import load
+    from rlbus.topology.file.load import load
 
     topology = load(example_path("tiny"))
     trainer = decode_config("trainer", kind_settings(topology, "trainer"), TrainerConfig)

@@ -26,16 +26,15 @@ from helpers.rollouts import sample_rollouts
 from rlbus.actors.common.errors import CheckpointError
 from rlbus.actors.trainer.core import Objective
 from rlbus.actors.trainer.ranks import (
-    LocalGroup,
     RankError,
     RankSpec,
-    free_port,
     is_sharded,
     join,
     shards_to_payload,
     state_bytes,
 )
-from rlbus.kernels.delta_state import encode_state
+from rlbus.kernels.delta.state import encode_state
+from rlbus.ops.local_ranks import LocalGroup, free_port
 
 TOLERANCE: Final = 1e-6
 """Largest |w_2 ranks - w_1 rank| allowed after 3 AdamW steps at lr 1e-4 in fp32 (seen: about 1e-8 built-in,

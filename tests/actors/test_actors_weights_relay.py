@@ -27,8 +27,8 @@ from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.config import PublisherConfig, PublisherLaunch
 from rlbus.actors.common.weight_sync import LATEST_KEY, WeightSync
 from rlbus.actors.publisher import LINK_KEY, Publisher, RegionRelay
-from rlbus.kernels.delta import bits_view
-from rlbus.kernels.delta_state import state_digest, tensor_digests
+from rlbus.kernels.delta.codec import bits_view
+from rlbus.kernels.delta.state import state_digest, tensor_digests
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.kv import read_key
@@ -37,8 +37,8 @@ from rlbus.messages.schemas import WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.ops.bench.version_source import VersionSource
-from rlbus.topology.links import LinkShape, namespaces_unavailable
-from rlbus.topology.regions import RegionSet
+from rlbus.topology.network.links import LinkShape, namespaces_unavailable
+from rlbus.topology.network.regions import RegionSet
 
 pytestmark = [pytest.mark.anyio,
               pytest.mark.skipif(namespaces_unavailable() is not None,

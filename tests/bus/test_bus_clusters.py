@@ -25,7 +25,7 @@ from rlbus.messages.kv import put_at, read_key
 from rlbus.messages.objects import OBJECT_CHUNK, put_object, stream_object
 from rlbus.messages.streams import StreamSettings, provision_all
 from rlbus.messages.subjects import Subjects
-from rlbus.topology.regions import CLUSTER_PORTS_NAME, RegionSet
+from rlbus.topology.network.regions import CLUSTER_PORTS_NAME, RegionSet
 
 pytestmark = pytest.mark.anyio
 REGIONS = ("hub", "eu")

@@ -39,8 +39,14 @@ from rlbus.messages.schemas import Heartbeat, VersionReady, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
 from rlbus.topology.examples import example_path
-from rlbus.topology.links import LinkSet, LinkShape, clean_leftovers, leftovers, namespaces_unavailable
-from rlbus.topology.regions import RegionSet
+from rlbus.topology.network.links import (
+    LinkSet,
+    LinkShape,
+    clean_leftovers,
+    leftovers,
+    namespaces_unavailable,
+)
+from rlbus.topology.network.regions import RegionSet
 
 pytestmark = [pytest.mark.anyio,
               pytest.mark.skipif(namespaces_unavailable() is not None,
@@ -155,8 +161,8 @@ def test_a_killed_runs_links_are_removed_by_rlbus_clean_and_no_other_runs(tmp_pa
 
     state, other = tmp_path / "state", tmp_path / "other"
     script = ("import sys, time\n"
-              "from rlbus.topology.regions import RegionSet\n"
-              "from rlbus.topology.links import LinkShape\n"
+              "from rlbus.topology.network.regions import RegionSet\n"
+              "from rlbus.topology.network.links import LinkShape\n"
               f"RegionSet.start({str(state / 'nats')!r}, ['hub', 'eu'], 'hub', links={{'eu': LinkShape()}})\n"
               "print('up', flush=True)\n"
               "time.sleep(600)\n")

@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 
 from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
 from rlbus.messages.subjects import BucketScope, Subjects
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 

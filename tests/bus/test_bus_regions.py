@@ -27,7 +27,7 @@ from structlog.testing import capture_logs
 
 from rlbus.messages.streams import StreamSettings, provision_all, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
-from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
+from rlbus.topology.network.regions import CREDENTIALS_NAME, RegionSet
 
 pytestmark = pytest.mark.anyio
 

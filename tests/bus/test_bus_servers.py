@@ -11,8 +11,14 @@ import nats
 import pytest
 
 from rlbus.messages.errors import ServerError
-from rlbus.topology.relay import Relay
-from rlbus.topology.servers import LEAF_ROLE, EmbeddedServer, find_nats_server, generate_users, render_config
+from rlbus.topology.network.relay import Relay
+from rlbus.topology.network.servers import (
+    LEAF_ROLE,
+    EmbeddedServer,
+    find_nats_server,
+    generate_users,
+    render_config,
+)
 
 
 def _alive(pid: int) -> bool:

@@ -24,9 +24,9 @@ from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Event, TrainStep
 from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.training.pretrain import CHECKPOINT_NAME
+from rlbus.topology.backends.launch import PRETRAINED_DIR, Launch, read_fed_tasks
 from rlbus.topology.examples import example_path
-from rlbus.topology.launch import PRETRAINED_DIR, Launch, read_fed_tasks
-from rlbus.topology.load import load
+from rlbus.topology.file.load import load
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 BUS_DOWN = (nats.errors.Error, nats.js.errors.Error, TimeoutError)

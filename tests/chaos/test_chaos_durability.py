@@ -30,8 +30,8 @@ from rlbus.actors.trainer.core import build_core
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import CheckpointMark, Rollout, TrainStep
 from rlbus.messages.streams import ensure_consumer, trainer_consumer
-from rlbus.topology.launch import Launch, stream_settings
-from rlbus.topology.load import load
+from rlbus.topology.backends.launch import Launch, stream_settings
+from rlbus.topology.file.load import load
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 T = TypeVar("T")

@@ -20,8 +20,8 @@ from rlbus.actors.trainer.core import build_core
 from rlbus.messages.bus import Bus
 from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.training.pretrain import CHECKPOINT_NAME
-from rlbus.topology.launch import PRETRAINED_DIR, Launch
-from rlbus.topology.schema import Topology
+from rlbus.topology.backends.launch import PRETRAINED_DIR, Launch
+from rlbus.topology.file.schema import Topology
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 TRAINER = "hub-trainer-0"

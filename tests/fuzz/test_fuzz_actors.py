@@ -47,7 +47,7 @@ from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.messages.subjects import Subjects
 from rlbus.model.policies.builtin import fresh_config
 from rlbus.model.policies.transformer import Transformer
-from rlbus.topology.regions import RegionSet
+from rlbus.topology.network.regions import RegionSet
 
 pytestmark = pytest.mark.anyio
 HUB = "hub"

@@ -37,7 +37,7 @@ from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.messages.subjects import Subjects
 from rlbus.model.tasks.builtin import make_task
 from rlbus.model.training.pretrain import PretrainConfig, pretrain
-from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
+from rlbus.topology.network.regions import CREDENTIALS_NAME, RegionSet
 
 pytestmark = pytest.mark.anyio
 HUB = "hub"

@@ -54,7 +54,7 @@ from rlbus.messages.subjects import BucketScope
 from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.model.tasks.builtin import Task, eval_tasks
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.network.servers import EmbeddedServer
 
 torch.set_num_threads(1)
 TOK = ByteTokenizer()

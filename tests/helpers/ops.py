@@ -10,7 +10,7 @@ from typing import Any
 from rlbus.messages.bus import Bus
 from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.ops.target import Target
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.network.servers import EmbeddedServer
 
 
 def json_in(out: str) -> Any:

@@ -15,7 +15,7 @@ from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import CheckpointMark, Message, Rollout, TrainStep, VersionReady
 from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.messages.subjects import Subjects
-from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
+from rlbus.topology.network.regions import CREDENTIALS_NAME, RegionSet
 
 M = TypeVar("M", bound=Message)
 HUB = "hub"

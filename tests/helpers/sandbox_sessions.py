@@ -20,7 +20,7 @@ from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
 from rlbus.actors.sandbox.pool import available_levels, descendants
 from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.messages.bus import Bus, ConnectOptions
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.network.servers import EmbeddedServer
 
 BEST = available_levels()[0]
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=2.0)

@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlbus.kernels import bitcode
-from rlbus.kernels.delta import (
+from rlbus.kernels.delta import bitcode
+from rlbus.kernels.delta.codec import (
     DeltaCorrupt,
     EncodedTensor,
     Encoding,

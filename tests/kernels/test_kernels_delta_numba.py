@@ -14,8 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlbus.kernels import bitcode, delta
-from rlbus.kernels.delta import (
+from rlbus.kernels.delta import bitcode
+from rlbus.kernels.delta import codec as delta
+from rlbus.kernels.delta.codec import (
     Encoding,
     _decode_diffs,
     _encode_diffs,
@@ -28,9 +29,9 @@ from rlbus.kernels.delta import (
     key_diffs,
     set_codec_backend,
 )
-from rlbus.kernels.delta_state import apply_state_, encode_state
+from rlbus.kernels.delta.state import apply_state_, encode_state
 
-delta_numba = pytest.importorskip("rlbus.kernels.delta_numba")
+delta_numba = pytest.importorskip("rlbus.kernels.delta.compiled")
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 INT = {torch.bfloat16: np.int16, torch.float16: np.int16, torch.float32: np.int32}
 
@@ -237,7 +238,7 @@ def test_without_numba_the_codec_falls_back_to_the_numpy_path() -> None:
     code = (
         "import sys; sys.modules['numba'] = None\n"
         "import torch\n"
-        "from rlbus.kernels.delta import apply_, bits_view, codec_backend, encode_tensor, set_codec_backend\n"
+        "from rlbus.kernels.delta.codec import apply_, bits_view, codec_backend, encode_tensor, set_codec_backend\n"
         "old = torch.randn(999).bfloat16(); new = old.clone(); bits_view(new)[::7] += 1\n"
         "t = old.clone(); apply_(t, encode_tensor(new, old), verify=True)\n"
         "assert torch.equal(bits_view(t), bits_view(new))\n"

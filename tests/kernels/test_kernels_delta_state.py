@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlbus.kernels.delta import (
+from rlbus.kernels.delta.codec import (
     BaseMismatch,
     DeltaCorrupt,
     Encoding,
@@ -17,7 +17,7 @@ from rlbus.kernels.delta import (
     merge_positions,
     tensor_digest,
 )
-from rlbus.kernels.delta_state import (
+from rlbus.kernels.delta.state import (
     StateIndex,
     StreamApplier,
     apply_state_,

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlbus.kernels.delta import find_changes
+from rlbus.kernels.delta.codec import find_changes
 
 _RUN_TRITON = """
 import sys, torch
-from rlbus.kernels.delta_triton import find_changes
+from rlbus.kernels.delta.device import find_changes
 cases = torch.load(sys.argv[1])
 torch.save([find_changes(new, old) for new, old in cases], sys.argv[2])
 """

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Final
 
-from rlbus.topology.reference import reference_markdown
+from rlbus.topology.file.reference import reference_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS: Final = ("README.md", "docs/design.md", "docs/experiments.md", "docs/topology.md", "docs/recording.md")
@@ -33,7 +33,7 @@ def test_readme_shows_the_ci_command() -> None:
 
 def test_readme_topology_example_is_valid() -> None:
     """The annotated TOML in the README is a topology `rlbus validate` accepts without an error or a warning."""
-    from rlbus.topology.load import validate_text
+    from rlbus.topology.file.load import validate_text
 
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"^```toml\n(.*?)^```$", text, re.M | re.S)

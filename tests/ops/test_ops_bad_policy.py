@@ -73,7 +73,7 @@ def test_a_broken_model_directory_is_one_line_exit_2_from_every_entry_point(
 def test_older_keys_that_named_a_model_still_load_with_a_deprecation_warning(tmp_path: Path) -> None:
     """`generator.weights = "local:..."` and `[pretrain] preset` beside a Hugging Face policy load (warnings, not
     errors), each naming [policy] as where the model is named now; a kind 'hf' without a path or recipe is an error."""
-    from rlbus.topology.load import validate
+    from rlbus.topology.file.load import validate
 
     base = example_path("tiny").read_text()
     old = tmp_path / "old.toml"

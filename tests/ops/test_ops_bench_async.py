@@ -49,7 +49,7 @@ def test_both_arms_take_the_settings_examples_checkpoint_and_weights(tmp_path: P
 
     from rlbus.ops.bench.async_pipeline import _topology
     from rlbus.topology.examples import example_path
-    from rlbus.topology.schema import Topology
+    from rlbus.topology.file.schema import Topology
 
     single = msgspec.toml.decode(example_path("single").read_bytes(), type=Topology)
     tiny = msgspec.toml.decode(example_path("tiny").read_bytes(), type=Topology)

@@ -80,7 +80,7 @@ def test_rlbus_arm_topology_carries_the_matched_settings_and_validates(tmp_path:
     `rlbus validate`'s rules find no error in it."""
     from rlbus.ops.bench.peer_rlbus import rlbus_topology
     from rlbus.ops.bench.peer_trl import Shared
-    from rlbus.topology.rules import check
+    from rlbus.topology.file.rules import check
 
     shared = Shared(group_size=4, tasks_per_step=3, temperature=0.9, max_tokens=48, lr=2e-4, kl_coef=0.02,
                     grad_clip=1.0, seed=7)

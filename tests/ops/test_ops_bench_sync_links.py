@@ -17,7 +17,7 @@ import pytest
 from helpers.ops import json_in
 
 from rlbus.ops.bench.sync import LEAVES, link_spec, run
-from rlbus.topology.links import LinkShape, namespaces_unavailable
+from rlbus.topology.network.links import LinkShape, namespaces_unavailable
 
 LINK_KEYS = ("link_seconds_per_version_delta", "link_seconds_per_version_full", "link_speedup_vs_full",
              "link_bytes_per_version_delta", "link_bytes_per_version_full", "round_trips_per_version_delta",
@@ -35,7 +35,7 @@ def test_sync_link_is_rate_slash_latency_or_refused_by_name() -> None:
 def test_without_namespaces_the_bench_says_why_and_exits_2(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Where shaped links cannot be made (here faked: the check itself reads uid and PATH), nothing starts."""
-    import rlbus.topology.links as links
+    import rlbus.topology.network.links as links
 
     monkeypatch.setattr(links, "namespaces_unavailable", lambda: "network namespaces need root (uid 1000)")
     with pytest.raises(SystemExit) as exited:

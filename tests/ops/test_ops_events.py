@@ -10,7 +10,7 @@ from helpers.ops import json_lines, provision_single, run_cli, target_of, url_ar
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Event
 from rlbus.ops.events import read_events
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 

@@ -28,7 +28,7 @@ from rlbus.messages.schemas import Event, Heartbeat
 from rlbus.ops.health.model import BusHealth, HealthModel, HealthRules, Snapshot
 from rlbus.ops.health.view import registry_for, render_table, serve_metrics, to_json
 from rlbus.ops.health.watch import HealthWatch
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.network.servers import EmbeddedServer
 
 FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=1.0)
 RULES = ["--min-deadline-s", "1", "--stall-s", "1.5", "--settle-s", "0.3"]

@@ -31,8 +31,8 @@ from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.ops.recording import replay
 from rlbus.ops.recording.format import RecordingReader, RecordingWriter
 from rlbus.ops.recording.playback import load_jsonl
-from rlbus.topology.launch import RUN_FILE, Endpoints, write_run_file
-from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
+from rlbus.topology.backends.launch import RUN_FILE, Endpoints, write_run_file
+from rlbus.topology.network.regions import CREDENTIALS_NAME, RegionSet
 
 REGIONS = ("eu", "us", "hub")
 

@@ -13,7 +13,7 @@ from helpers import eventually_sync
 
 from rlbus.ops.cli import main
 from rlbus.ops.up import hold_state_dir, leftover_processes
-from rlbus.topology.servers import find_nats_server
+from rlbus.topology.network.servers import find_nats_server
 
 
 def test_a_second_up_on_a_state_dir_in_use_is_refused_and_deletes_nothing(

@@ -13,7 +13,7 @@ from nats.aio.client import Client as NATS
 
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.subjects import Subjects, inbox_prefix
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 

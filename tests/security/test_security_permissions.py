@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 
 from rlbus.messages.streams import StreamSettings, provision_run
 from rlbus.messages.subjects import Subjects
-from rlbus.topology.regions import RegionSet
+from rlbus.topology.network.regions import RegionSet
 
 pytestmark = pytest.mark.anyio
 HUB, LEAF = "hub", "eu"

@@ -24,9 +24,9 @@ from rlbus.actors.common.ledger import read_all
 from rlbus.messages.schemas import Event, Heartbeat, TrainStep
 from rlbus.messages.subjects import Subjects, connection_inbox
 from rlbus.topology.examples import example_path
-from rlbus.topology.load import validate
-from rlbus.topology.regions import CREDENTIALS_NAME
-from rlbus.topology.servers import CONFIG_NAME
+from rlbus.topology.file.load import validate
+from rlbus.topology.network.regions import CREDENTIALS_NAME
+from rlbus.topology.network.servers import CONFIG_NAME
 
 pytestmark = pytest.mark.anyio
 LEAF = '''

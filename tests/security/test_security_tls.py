@@ -20,8 +20,8 @@ from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.messages.schemas import Event
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
 from rlbus.messages.subjects import Subjects
-from rlbus.topology.regions import TLS_DIR, RegionSet
-from rlbus.topology.tls import TlsFiles
+from rlbus.topology.network.regions import TLS_DIR, RegionSet
+from rlbus.topology.network.tls import TlsFiles
 
 pytestmark = [pytest.mark.anyio,
               pytest.mark.skipif(shutil.which("openssl") is None, reason="TLS certificates need the openssl CLI")]

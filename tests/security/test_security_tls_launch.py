@@ -17,10 +17,10 @@ import pytest
 from helpers import new_run
 
 from rlbus.ops.target import add_target_options, resolve
+from rlbus.topology.backends.launch import Launch, actor_specs
 from rlbus.topology.examples import example_path
-from rlbus.topology.launch import Launch, actor_specs
-from rlbus.topology.load import load, validate_text
-from rlbus.topology.schema import RestartSettings, TlsSettings, Topology
+from rlbus.topology.file.load import load, validate_text
+from rlbus.topology.file.schema import RestartSettings, TlsSettings, Topology
 
 HUB, LEAF = "hub", "eu"
 

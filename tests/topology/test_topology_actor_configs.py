@@ -28,10 +28,10 @@ from rlbus.actors.sandbox.supervisor import build_sandbox
 from rlbus.actors.trainer.config import LengthPenaltyConfig, TrainerConfig, TrainerLaunch
 from rlbus.messages.errors import TopologyError
 from rlbus.ops.validate import register
+from rlbus.topology.backends.launch import kind_launch, kind_settings
 from rlbus.topology.examples import example_path
-from rlbus.topology.launch import kind_launch, kind_settings
-from rlbus.topology.load import load
-from rlbus.topology.schema import Topology
+from rlbus.topology.file.load import load
+from rlbus.topology.file.schema import Topology
 
 SECTIONS: dict[str, type[msgspec.Struct]] = {
     "feeder": FeederConfig, "generator": GeneratorConfig, "trainer": TrainerConfig,

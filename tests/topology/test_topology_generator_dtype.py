@@ -8,9 +8,9 @@ import msgspec
 import pytest
 
 from rlbus.actors.generator.config import GeneratorLaunch
+from rlbus.topology.backends.launch import kind_launch
 from rlbus.topology.examples import example_path
-from rlbus.topology.launch import kind_launch
-from rlbus.topology.load import load
+from rlbus.topology.file.load import load
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.topology.links import LinkShape, parse_percent, parse_rate, parse_time
-from rlbus.topology.load import validate_text
-from rlbus.topology.regions import RegionSet
-from rlbus.topology.relay import Relay
+from rlbus.topology.file.load import validate_text
+from rlbus.topology.network.links import LinkShape, parse_percent, parse_rate, parse_time
+from rlbus.topology.network.regions import RegionSet
+from rlbus.topology.network.relay import Relay
 
 LEAF = '''run = "links"
 [[regions]]
@@ -110,12 +110,12 @@ def test_where_namespaces_cannot_be_made_validate_names_each_link_and_up_runs_on
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a host that cannot make namespaces (the host check answers as for a non-root user), `validate` warns on
     each `[regions.link]`, and the regions start on loopback with the reason, which `rlbus up` prints in one line."""
-    import rlbus.topology.links
-    import rlbus.topology.regions
+    import rlbus.topology.network.links
+    import rlbus.topology.network.regions
     from rlbus.ops.up import links_line
-    from rlbus.topology.load import validate
+    from rlbus.topology.file.load import validate
 
-    for module in (rlbus.topology.links, rlbus.topology.regions):
+    for module in (rlbus.topology.network.links, rlbus.topology.network.regions):
         monkeypatch.setattr(module, "namespaces_unavailable", lambda: NO_NAMESPACES)
     path = tmp_path / "links.toml"
     path.write_text(LEAF + '  [regions.link]\n  latency = "30ms"\n')

@@ -22,11 +22,11 @@ from helpers.hf import build_family
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Event
+from rlbus.topology.backends.launch import Launch, actor_specs
+from rlbus.topology.backends.local import LocalSupervisor, ProcessSpec, RestartPolicy
 from rlbus.topology.examples import example_path
-from rlbus.topology.launch import Launch, actor_specs
-from rlbus.topology.load import load
-from rlbus.topology.local import LocalSupervisor, ProcessSpec, RestartPolicy
-from rlbus.topology.schema import RestartSettings, Topology
+from rlbus.topology.file.load import load
+from rlbus.topology.file.schema import RestartSettings, Topology
 
 pytestmark = [pytest.mark.anyio, pytest.mark.chaos]
 

@@ -27,9 +27,9 @@ from nats.js.api import StreamConfig
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Heartbeat
-from rlbus.topology.local import ProcessSpec, RestartPolicy
-from rlbus.topology.ray_backend import RayBackend
-from rlbus.topology.servers import EmbeddedServer
+from rlbus.topology.backends.local import ProcessSpec, RestartPolicy
+from rlbus.topology.backends.ray_cluster import RayBackend
+from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 
@@ -334,9 +334,9 @@ async def test_a_two_rank_trainer_trains_across_two_ray_nodes(ray_cluster: RayCl
     from rlbus.actors.trainer.config import TrainerLaunch
     from rlbus.actors.trainer.core import build_core
     from rlbus.messages.schemas import TrainStep, VersionReady
-    from rlbus.topology.launch import rank_id
-    from rlbus.topology.local import RANK_ENV, TIMEOUT_ENV, WORLD_ENV
-    from rlbus.topology.regions import RegionSet
+    from rlbus.topology.backends.launch import rank_id
+    from rlbus.topology.backends.local import RANK_ENV, TIMEOUT_ENV, WORLD_ENV
+    from rlbus.topology.network.regions import RegionSet
 
     run = new_run()
     rs = RegionSet.start(tmp_path / "nats", [HUB], HUB, run=run)

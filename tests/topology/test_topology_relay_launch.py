@@ -13,8 +13,8 @@ import pytest
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.kinds import build_actor
 from rlbus.messages.errors import TopologyError
-from rlbus.topology.launch import Endpoints, actor_specs
-from rlbus.topology.load import load
+from rlbus.topology.backends.launch import Endpoints, actor_specs
+from rlbus.topology.file.load import load
 
 TOPOLOGY = """run = "relayed"
 [[regions]]

@@ -4,7 +4,7 @@ is refused naming the key, and replicas 3 beside a shaped link (`[regions.link]`
 from __future__ import annotations
 
 from rlbus.topology.examples import example_path
-from rlbus.topology.load import validate_text
+from rlbus.topology.file.load import validate_text
 
 LINKED_LEAF = """
 [[regions]]

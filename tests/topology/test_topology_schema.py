@@ -8,9 +8,9 @@ import msgspec
 import pytest
 
 from rlbus.actors.common.config import FeederConfig
-from rlbus.topology.load import check, validate_text
-from rlbus.topology.reference import _schema_structs, field_docs, reference_markdown, struct_tables
-from rlbus.topology.schema import ActorSpec, Region, Topology, parse_duration
+from rlbus.topology.file.load import check, validate_text
+from rlbus.topology.file.reference import _schema_structs, field_docs, reference_markdown, struct_tables
+from rlbus.topology.file.schema import ActorSpec, Region, Topology, parse_duration
 
 MINIMAL = """
 run = "m"
@@ -135,7 +135,7 @@ def test_redeliver_after_is_both_ack_waits_of_the_run() -> None:
     from rlbus.messages.streams import generator_consumer, trainer_consumer
     from rlbus.messages.subjects import Subjects
     from rlbus.ops.chaos.run import chaos_topology
-    from rlbus.topology.launch import stream_settings
+    from rlbus.topology.backends.launch import stream_settings
 
     topology, problems = validate_text(MINIMAL)
     assert topology is not None and not [p for p in problems if p.severity == "error"], problems

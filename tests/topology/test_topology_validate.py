@@ -10,7 +10,7 @@ import pytest
 
 from rlbus.messages.errors import TopologyError
 from rlbus.topology.examples import example_names, example_path
-from rlbus.topology.load import load, validate
+from rlbus.topology.file.load import load, validate
 
 HERE = Path(__file__).resolve().parent
 BAD = HERE / "bad"
@@ -114,7 +114,7 @@ def test_several_defects_are_reported_at_once() -> None:
 def test_rules_on_a_section_with_a_bad_value_wait() -> None:
     """A bad value replaced by its default does not make a rule report nonsense about that default."""
     text = (BAD / "no_trainer.toml").read_text() + '\n[generator]\ngroup_size = "many"\n\n[trainer]\nbatch_rollouts = 3\n'
-    from rlbus.topology.load import validate_text
+    from rlbus.topology.file.load import validate_text
 
     _, problems = validate_text(text, local_cores=CORES)
     # group_size is bad, so the batch-vs-group rule is held back; the unrelated "no trainer" still shows

@@ -3,7 +3,7 @@
 Owns: `example_path(name)` and `example_names()`. The files: `single` (one hub region; the default
 of `rlbus up`), `three_regions` (hub plus two leaves), `ray` (Ray backend), `tiny` (small settings
 for tests), `hf` (a Hugging Face policy), `agentic` (agentic coding on the built-in repository tasks), `ranks` (the tiny run with a
-trainer of two ranks). Does not: read or validate them (topology/load.py).
+trainer of two ranks). Does not: read or validate them (topology/file/load.py).
 """
 
 from __future__ import annotations

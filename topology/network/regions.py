@@ -4,10 +4,10 @@ nats-servers) and JetStream domain.
 Owns: starting the hub then the leaves (each region one server, or a cluster of 3 nodes with their ports kept
 across restarts) joined to its leafnode port (optionally through a cuttable
 `Relay` per leaf, for partition tests; or, for a leaf given a `LinkShape`, from its own network namespace
-over a shaped link through a delaying `Relay`, topology/links.py), the state directory's credentials file,
+over a shaped link through a delaying `Relay`, topology/network/links.py), the state directory's credentials file,
 waiting until clusters have a meta leader and links are up, cutting, degrading and healing them, and
 stopping/killing/restarting one region, or one node of a cluster, by PID.
-Does not: create streams (messages/streams.py) or read topology files (topology/load.py).
+Does not: create streams (messages/streams.py) or read topology files (topology/file/load.py).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import structlog
 
 from rlbus.messages.errors import ServerError, TopologyError
 from rlbus.messages.subjects import ROLES, BucketScope, token
-from rlbus.topology.links import CutMode, LinkSet, LinkShape, clean_leftovers, namespaces_unavailable
-from rlbus.topology.relay import Relay
-from rlbus.topology.servers import (
+from rlbus.topology.network.links import CutMode, LinkSet, LinkShape, clean_leftovers, namespaces_unavailable
+from rlbus.topology.network.relay import Relay
+from rlbus.topology.network.servers import (
     LEAF_ROLE,
     ClusterSpec,
     Credential,
@@ -35,7 +35,7 @@ from rlbus.topology.servers import (
     generate_users,
     port_free,
 )
-from rlbus.topology.tls import TlsFiles, generate_tls
+from rlbus.topology.network.tls import TlsFiles, generate_tls
 
 log = structlog.get_logger()
 
@@ -45,7 +45,7 @@ CLUSTER_NODES: Final = 3
 CLUSTER_PORTS_NAME: Final = "cluster.json"
 """Under a clustered region's directory: the ports its nodes listen on, kept for the next start."""
 TLS_DIR: Final = "tls"
-"""Under a region set's base directory: its CA and server certificate (topology/tls.py)."""
+"""Under a region set's base directory: its CA and server certificate (topology/network/tls.py)."""
 
 
 def load_or_create_credentials(base_dir: Path, roles: Iterable[str] = ROLES) -> dict[str, Credential]:

@@ -5,7 +5,7 @@ core count, passed in), collecting every problem: hub count, unique names, the t
 hub, counts that must fit together, references to regions, credentials by reference only, TLS files that
 belong together, shaped links only on embedded leaves, and the torch-threads-per-host warning (unless
 `launch.oversubscribe`).
-Does not: read files or check key types (topology/_walk.py).
+Does not: read files or check key types (topology/file/_walk.py).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from typing import Final
 
 from rlbus.actors.common.config import feeder_tasks_problem
-from rlbus.topology.links import parse_percent, parse_time
-from rlbus.topology.problem import Problem, Severity
-from rlbus.topology.regions import CLUSTER_NODES
-from rlbus.topology.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology, parse_duration
+from rlbus.topology.file.problem import Problem, Severity
+from rlbus.topology.file.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology, parse_duration
+from rlbus.topology.network.links import parse_percent, parse_time
+from rlbus.topology.network.regions import CLUSTER_NODES
 
 BUILTIN_CONTEXT: Final = 512
 """The built-in policy's context when `[pretrain] max_seq_len` is not set (model/training/pretrain.py presets)."""

@@ -2,16 +2,16 @@
 
 Owns: the four encodings (full snapshot, sparse, bitmask, dense XOR) and the per-tensor choice by
 size, per-tensor and per-version digests, the torch reference `find_changes` of the Triton kernel
-in `kernels/delta_triton.py`, and the full-snapshot-or-delta helpers. The one-blob-per-version
-format lives in `kernels/delta_state.py`. Does not own object names, chunking or upload (publisher).
+in `kernels/delta/device.py`, and the full-snapshot-or-delta helpers. The one-blob-per-version
+format lives in `kernels/delta/state.py`. Does not own object names, chunking or upload (publisher).
 
 Values of changed elements are coded as the difference of their *ordered keys* (a bijection of the
 bit pattern that sorts like the float), so a +-1 ulp step costs a sign bit whatever carry chain its
 XOR has; bit exactness holds for every pattern (NaN payloads, +-Inf, +-0, subnormals) because the
-arithmetic is modulo 2**bits. Positions are gaps coded with Rice / Exp-Golomb (`kernels/bitcode.py`).
+arithmetic is modulo 2**bits. Positions are gaps coded with Rice / Exp-Golomb (`kernels/delta/bitcode.py`).
 
-The CPU hot loops (change scan, integer coder, sparse apply) run compiled (`kernels/delta_numba.py`) when
-numba imports, else on the numpy reference here and in `kernels/bitcode.py`; both write the same bytes
+The CPU hot loops (change scan, integer coder, sparse apply) run compiled (`kernels/delta/compiled.py`) when
+numba imports, else on the numpy reference here and in `kernels/delta/bitcode.py`; both write the same bytes
 (`codec_backend`, `set_codec_backend`).
 """
 
@@ -30,8 +30,8 @@ import torch
 import zstandard
 from torch import Tensor
 
-from rlbus.kernels import bitcode
-from rlbus.kernels.bitcode import get_varint, put_varint
+from rlbus.kernels.delta import bitcode
+from rlbus.kernels.delta.bitcode import get_varint, put_varint
 
 DIGEST_SIZE: Final = 16
 """Bytes of a tensor or version digest (BLAKE3, truncated)."""
@@ -63,11 +63,11 @@ def codec_backend() -> str:
     """The CPU codec backend in use: "numba" when it imports (resolved on first use), else "numpy"."""
     if _backend[0] is None:
         try:
-            from rlbus.kernels import delta_numba
+            from rlbus.kernels.delta import compiled
         except ImportError:
             _backend[0] = "numpy"
         else:
-            _compiled[0] = delta_numba
+            _compiled[0] = compiled
             _backend[0] = "numba"
     return _backend[0]
 
@@ -331,7 +331,7 @@ def _find(new_bits: Tensor, old_bits: Tensor, hasher: blake3.blake3 | None) -> C
     if new_bits.device.type == "cpu":
         return host_changes(new_bits, old_bits, hasher)
     if new_bits.is_cuda:
-        from rlbus.kernels.delta_triton import find_changes as find_on_device
+        from rlbus.kernels.delta.device import find_changes as find_on_device
         return device_changes(new_bits, old_bits, find_on_device)
     return device_changes(new_bits, old_bits)
 

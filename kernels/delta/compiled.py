@@ -1,12 +1,12 @@
 """Compiled (numba) hot loops of the weight-delta codec, byte for byte the numpy reference's output.
 
-Owns the compiled twins of the CPU change scan (`kernels/delta.py` `changed_elements`), of the integer coder
-(`kernels/bitcode.py` `encode_ints` / `decode_ints`), of the sign-and-escape coding of value differences
+Owns the compiled twins of the CPU change scan (`kernels/delta/codec.py` `changed_elements`), of the integer coder
+(`kernels/delta/bitcode.py` `encode_ints` / `decode_ints`), of the sign-and-escape coding of value differences
 (`_encode_diffs` / `_decode_diffs`) and of the sparse apply (gather, ordered-key addition, scatter), plus
 `warm_up`, which compiles them (or loads them from numba's on-disk cache) outside any timed region.
 Every loop runs without the GIL, so the codec's thread pool over tensors uses every core.
 Does not own the format, the choice between encodings, digests or zstd (the numpy reference modules do;
-`kernels/delta.py` picks this module when numba imports, the numpy path otherwise).
+`kernels/delta/codec.py` picks this module when numba imports, the numpy path otherwise).
 
 The choice of the integer code stays with the reference: its float formula (`np.log2`) and candidate
 parameters are computed in Python from integer statistics gathered here, and only the exact integer costs
@@ -24,8 +24,8 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
-from rlbus.kernels import bitcode
-from rlbus.kernels.bitcode import _MAX_FIELD, _MAX_K, EXP_GOLOMB, RICE, gaps
+from rlbus.kernels.delta import bitcode
+from rlbus.kernels.delta.bitcode import _MAX_FIELD, _MAX_K, EXP_GOLOMB, RICE, gaps
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 

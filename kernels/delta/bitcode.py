@@ -2,7 +2,7 @@
 
 Owns: LEB128 varints, packing of fixed- and variable-width bit fields, unary streams, and
 Rice / Exp-Golomb coding of non-negative integer sequences with the parameter chosen by exact size.
-Does not own: what the integers mean (`kernels/delta.py`), digests, or tensors.
+Does not own: what the integers mean (`kernels/delta/codec.py`), digests, or tensors.
 Bits are packed least-significant first (`np.packbits(..., bitorder="little")`).
 Malformed input raises `ValueError`; callers turn it into their own corruption error.
 """

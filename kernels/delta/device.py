@@ -1,6 +1,6 @@
 """Triton kernel for the hot part of the weight-delta encoder: find changed elements and pack them.
 
-Owns `find_changes`, the device twin of the torch reference `rlbus.kernels.delta.find_changes`
+Owns `find_changes`, the device twin of the torch reference `rlbus.kernels.delta.codec.find_changes`
 (same signature, same results). Three launches: per-block change counts, per-block stream
 compaction (XOR, mask, in-block exclusive scan, scatter of positions and XOR values), then gaps.
 Does not own the entropy coding (numpy, CPU) or any decoding. On CPU run it under TRITON_INTERPRET=1.
@@ -62,7 +62,7 @@ def _gaps_kernel(pos_ptr, gaps_ptr, k, BLOCK: tl.constexpr):  # type: ignore[no-
 def find_changes(new_bits: Tensor, old_bits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """new_bits, old_bits (N,) int16/int32 -> positions (K,) int64, gaps (K,) int64, xor (K,).
 
-    Same contract as `rlbus.kernels.delta.find_changes`: ascending positions where the bits differ,
+    Same contract as `rlbus.kernels.delta.codec.find_changes`: ascending positions where the bits differ,
     gaps[i] = pos[i] - pos[i-1] - 1 (pos[-1] = -1), xor = new ^ old there.
     """
     if new_bits.shape != old_bits.shape or new_bits.dtype != old_bits.dtype:

@@ -1,11 +1,11 @@
 """The topology file schema: frozen msgspec Structs, one per TOML table, a docstring under every field.
 
 Owns: every key a topology file may hold, its type, range, default and meaning (docs/topology.md
-is generated from this tree by topology/reference.py), and small pure helpers on the decoded tree
+is generated from this tree by topology/file/reference.py), and small pure helpers on the decoded tree
 (`Topology.instances()`, `parse_duration`). The sections an actor kind reads are that kind's own Config,
 composed here and declared only next to the actor (actors/common/config.py, actors/<kind>/config.py).
-Does not: read files or report problems (topology/load.py), check rules that span several keys (`check()`
-in topology/load.py), or start anything.
+Does not: read files or report problems (topology/file/load.py), check rules that span several keys (`check()`
+in topology/file/load.py), or start anything.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from rlbus.actors.common.config import (
 from rlbus.actors.generator.config import GeneratorConfig
 from rlbus.actors.sandbox.config import SandboxConfig
 from rlbus.actors.trainer.config import TrainerConfig
-from rlbus.topology.links import (
+from rlbus.topology.network.links import (
     PERCENT_PATTERN,
     PERCENT_WORDS,
     RATE_PATTERN,
@@ -109,7 +109,7 @@ class ActorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
 class LinkSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`[regions.link]` of a leaf region: run its server and actors in their own network namespace, joined to the
-    hub by a shaped link (topology/links.py; needs root, ip, tc and nft, else the region runs on loopback)."""
+    hub by a shaped link (topology/network/links.py; needs root, ip, tc and nft, else the region runs on loopback)."""
 
     bandwidth: Rate | None = None
     """Link rate each way (tc tbf on both ends), like '100mbit'; none: unshaped."""

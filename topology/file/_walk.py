@@ -17,8 +17,8 @@ from typing import Any, Final
 
 import msgspec.inspect as mi
 
-from rlbus.topology.problem import Problem
-from rlbus.topology.schema import PATTERN_WORDS
+from rlbus.topology.file.problem import Problem
+from rlbus.topology.file.schema import PATTERN_WORDS
 
 PathPart = str | int
 

@@ -4,9 +4,9 @@ Owns: one listening socket on 127.0.0.1 that forwards every accepted connection 
 address, on its own thread and event loop (so it works under sync fixtures and async tests alike);
 `cut()` closes every forwarded connection and refuses new ones, `heal()` accepts again. With `latency_s`
 (and `jitter_s`) given, every chunk is held that long in each direction before it is passed on (in order: jitter never
-reorders a stream), which is how a shaped link between regions gets its delay (topology/links.py; this kernel
+reorders a stream), which is how a shaped link between regions gets its delay (topology/network/links.py; this kernel
 has no `netem`); `spike(extra_s)` adds to it for a latency spike.
-Does not: know about NATS (topology/servers.py puts one in front of the hub's leafnode port).
+Does not: know about NATS (topology/network/servers.py puts one in front of the hub's leafnode port).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One problem found in a topology file: where (file, key path), what, and how bad.
 
-Owns: the `Problem` record shared by the key walker (topology/_walk.py), the cross-field rules and
-`validate()` (topology/load.py) and `rlbus validate` (ops/validate.py). Does not: find problems.
+Owns: the `Problem` record shared by the key walker (topology/file/_walk.py), the cross-field rules and
+`validate()` (topology/file/load.py) and `rlbus validate` (ops/validate.py). Does not: find problems.
 """
 
 from __future__ import annotations

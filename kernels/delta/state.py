@@ -2,7 +2,7 @@
 
 Owns: the blob layout (magic, index digest, zstd-compressed index, payloads concatenated in index
 order), the per-version digest, and the thread pool over tensors. Does not own the per-tensor
-encodings (`kernels/delta.py`), object names or chunking (the publisher chunks the blob as bytes).
+encodings (`kernels/delta/codec.py`), object names or chunking (the publisher chunks the blob as bytes).
 
 Blob: b"RLWD" | u8 format 2 | u32 LE index length | BLAKE3-16 of the index | index | payloads.
 The index is `StateIndex` as a zstd-compressed MessagePack array. Format 1 (blake2b digests) is refused.
@@ -21,7 +21,7 @@ import numpy as np
 import zstandard
 from torch import Tensor
 
-from rlbus.kernels.delta import (
+from rlbus.kernels.delta.codec import (
     DIGEST_SIZE,
     BaseMismatch,
     DeltaCorrupt,

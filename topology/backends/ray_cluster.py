@@ -30,7 +30,7 @@ import structlog
 from rlbus.actors.base import State
 from rlbus.actors.process import build_parser, serve_actor
 from rlbus.messages.errors import ActorFailed, TopologyError
-from rlbus.topology.local import (
+from rlbus.topology.backends.local import (
     RENDEZVOUS_ENV,
     EventSink,
     ProcessSpec,

@@ -1,4 +1,4 @@
-"""The topology key reference (key, type, default, meaning), generated from topology/schema.py.
+"""The topology key reference (key, type, default, meaning), generated from topology/file/schema.py.
 
 Owns: `field_docs(cls)` (the string literal under each field, read from the class source with `ast`)
 and `reference_markdown()` (one Markdown table per TOML table, walked from `Topology`): the text of
@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
-from rlbus.topology import schema
-from rlbus.topology._walk import expectation
-from rlbus.topology.schema import Topology
+from rlbus.topology.file import schema
+from rlbus.topology.file._walk import expectation
+from rlbus.topology.file.schema import Topology
 
 __all__ = ["field_docs", "reference_markdown", "struct_tables"]
 
@@ -93,7 +93,7 @@ def _cell(text: str) -> str:
 
 def reference_markdown() -> str:
     """The whole key reference as Markdown: per table a header line and a key | type | default | meaning table."""
-    intro = ("Generated from the field docstrings of `topology/schema.py` by "
+    intro = ("Generated from the field docstrings of `topology/file/schema.py` by "
              "`rlbus validate --reference > docs/topology.md` (a test keeps this file equal to it): every key, "
              "its type, its default and what it means. Start from a shipped example "
              "(`topology/examples/`); a key left out takes its default.")
@@ -111,7 +111,7 @@ def reference_markdown() -> str:
 
 
 def _schema_structs() -> list[type[msgspec.Struct]]:
-    """Every Struct class of the topology file: those defined in topology/schema.py and the actors' Configs it
+    """Every Struct class of the topology file: those defined in topology/file/schema.py and the actors' Configs it
     composes (used by tests to demand a docstring per field)."""
     own = [obj for obj in vars(schema).values()
            if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == schema.__name__]

@@ -39,10 +39,17 @@ from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.errors import TopologyError
 from rlbus.messages.schemas import Event
 from rlbus.messages.streams import StreamSettings, provision_all, wait_routable
-from rlbus.topology.local import RANK_ENV, TIMEOUT_ENV, WORLD_ENV, LocalSupervisor, ProcessSpec, RestartPolicy
-from rlbus.topology.regions import CREDENTIALS_NAME, RegionSet
-from rlbus.topology.schema import Topology, parse_duration
-from rlbus.topology.tls import TlsFiles, client_context
+from rlbus.topology.backends.local import (
+    RANK_ENV,
+    TIMEOUT_ENV,
+    WORLD_ENV,
+    LocalSupervisor,
+    ProcessSpec,
+    RestartPolicy,
+)
+from rlbus.topology.file.schema import Topology, parse_duration
+from rlbus.topology.network.regions import CREDENTIALS_NAME, RegionSet
+from rlbus.topology.network.tls import TlsFiles, client_context
 
 log = structlog.get_logger()
 
@@ -339,7 +346,7 @@ class Launch:
                                backoff_initial_s=r.backoff_initial_s, backoff_max_s=r.backoff_max_s)
         chosen = backend or self.topology.launch.backend
         if chosen == "ray":
-            from rlbus.topology.ray_backend import RayBackend
+            from rlbus.topology.backends.ray_cluster import RayBackend
 
             self.supervisor = RayBackend(specs, policy=policy, address=self.topology.launch.ray_address,
                                          on_event=self._event, worker_setup=worker_setup)

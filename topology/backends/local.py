@@ -6,7 +6,7 @@ with exponential backoff within the restart policy (each restart an `Event(resta
 loop), and stopping everything by PID: SIGTERM, a bounded drain, then SIGKILL. A restart group (the ranks of
 one trainer, `ProcessSpec.group`) lives and dies together: when one member ends, the others are killed, and
 all restart together (one restart count) on a fresh rendezvous port (`RENDEZVOUS_ENV`).
-Does not: decide which actors exist (topology/launch.py) or talk to actors (they use the bus).
+Does not: decide which actors exist (topology/backends/launch.py) or talk to actors (they use the bus).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class ProcessSpec:
     resource: str = ""
     """Ray custom resource that places it, e.g. `region:eu` (ray backend only)."""
     netns: str = ""
-    """Network namespace the process runs in (its region's shaped link, topology/links.py); empty: this one."""
+    """Network namespace the process runs in (its region's shaped link, topology/network/links.py); empty: this one."""
     group: str = ""
     """Restart group (a trainer's actor id, for each of its ranks): its members stop and start together."""
 

@@ -20,10 +20,10 @@ import structlog
 
 from rlbus.actors.common.config import task_source_problem
 from rlbus.messages.errors import TopologyError
-from rlbus.topology._walk import Walker, key_path
-from rlbus.topology.problem import Problem
-from rlbus.topology.rules import check, check_sections
-from rlbus.topology.schema import Topology
+from rlbus.topology.file._walk import Walker, key_path
+from rlbus.topology.file.problem import Problem
+from rlbus.topology.file.rules import check, check_sections
+from rlbus.topology.file.schema import Topology
 
 __all__ = ["Problem", "check", "load", "validate", "validate_text"]
 
@@ -127,7 +127,7 @@ def _environment(topology: Topology) -> list[Problem]:
                                    message=f"no file {value!r} here (relative paths are from the working "
                                            "directory); servers and actors need it where they run"))
     if any(region.link is not None for region in topology.regions):
-        from rlbus.topology.links import namespaces_unavailable
+        from rlbus.topology.network.links import namespaces_unavailable
 
         if (why := namespaces_unavailable()) is not None:
             out += [Problem(key=f"regions[{i}].link", severity="warning",

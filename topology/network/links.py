@@ -9,9 +9,9 @@ provisioning reach the region's server, like an operator's access to a datacentr
 10.77.0.0/16 (two /30s per leaf, never routed off the machine), faults (`cut` by dropping every packet or by
 taking the link down, `degrade` by loss), per-link byte counters, and removing it all (on stop, and what a
 killed run on the same state directory left: every name carries `<tag>`, a hash of that directory).
-Latency and jitter are not made here (this kernel has no `netem`): topology/relay.py delays each direction of
-the leaf link in userspace, inside the shaped path (topology/regions.py wires it).
-Does not: start servers (topology/servers.py, topology/regions.py) or read topology files.
+Latency and jitter are not made here (this kernel has no `netem`): topology/network/relay.py delays each direction of
+the leaf link in userspace, inside the shaped path (topology/network/regions.py wires it).
+Does not: start servers (topology/network/servers.py, topology/network/regions.py) or read topology files.
 """
 
 from __future__ import annotations

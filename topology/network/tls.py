@@ -3,7 +3,7 @@
 Owns: `TlsFiles` (where the CA, the server certificate and its key live), `generate_tls(dir)` (creates them
 once: EC P-256, the server certificate valid for 127.0.0.1 and localhost, keys mode 0600; an existing set
 is reused) and `client_context(ca)` (an `ssl.SSLContext` trusting only that CA). Does not: write server
-configs (topology/servers.py) or start servers (topology/regions.py).
+configs (topology/network/servers.py) or start servers (topology/network/regions.py).
 The `cryptography` package is not a dependency; the openssl command line is (it ships with every Linux).
 """
 
