@@ -31,7 +31,7 @@ import torch._dynamo
 from torch import Tensor
 
 from rlbus.actors.common.errors import CheckpointError
-from rlbus.kernels.delta_state import encode_state
+from rlbus.kernels.delta.state import encode_state
 from rlbus.kernels.logprob import token_logprob
 from rlbus.messages.schemas import Rollout, Segment
 from rlbus.messages.subjects import Subjects
