@@ -23,7 +23,9 @@ from rlbus.kernels.mxfp8 import mxfp8_dequantize_triton, mxfp8_quantize_triton
 data = torch.load(sys.argv[1])
 q = mxfp8_quantize_triton(data["x"])
 d = mxfp8_dequantize_triton(data["codes"], data["scales"])
-torch.save({"codes": q[0], "scales": q[1], "deq": d}, sys.argv[2])
+r = mxfp8_quantize_triton(data["ragged"])
+rd = mxfp8_dequantize_triton(*r)
+torch.save({"codes": q[0], "scales": q[1], "deq": d, "ragged": r, "ragged_deq": rd}, sys.argv[2])
 """
 
 
@@ -48,6 +50,15 @@ def _inputs() -> torch.Tensor:
     return torch.cat([blocks, blocks * 2.0**-70, blocks * 2.0**50, wild, special])
 
 
+def _ragged() -> torch.Tensor:
+    """(2, 3, 45): a partial second block per row, with a zero row, a subnormal and +-FLT_MAX."""
+    x = torch.randn(2, 3, 45, generator=torch.Generator().manual_seed(1))
+    x[0, 1] = 0
+    x[1, 0, 40] = 1e-40
+    x[1, 2, 33], x[1, 2, 44] = torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max
+    return x
+
+
 @pytest.fixture(scope="module")
 def triton_results(
     tmp_path_factory: pytest.TempPathFactory,
@@ -62,6 +73,7 @@ def triton_results(
         "x": x,
         "codes": codes,
         "scales": torch.tensor([[127], [0], [1], [120], [130], [127], [200], [60]], dtype=torch.uint8),
+        "ragged": _ragged(),
     }
     torch.save(data, tmp / "in.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -95,12 +107,18 @@ def test_reference_rounds_and_saturates() -> None:
 
 
 def test_zero_block_and_shapes() -> None:
-    """An all-zero block gets scale code 0 and decodes to zeros; K must be a multiple of 32."""
+    """An all-zero block gets scale code 0 and decodes to zeros; a ragged K is padded to whole
+    blocks (33 -> 2 scales per row) and the padding cut off again; an empty last dim is refused."""
     _, scales = mxfp8_quantize(torch.zeros(2, 64))
     assert scales.shape == (2, 2) and scales.unique().tolist() == [0]
     assert torch.equal(mxfp8_roundtrip(torch.zeros(2, 64)), torch.zeros(2, 64))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        mxfp8_quantize(torch.zeros(3, 33))
+    x = torch.zeros(3, 33)
+    x[:, 32] = 1.0
+    codes, scales = mxfp8_quantize(x)
+    assert codes.shape == (3, 33) and scales.shape == (3, 2)
+    assert torch.equal(mxfp8_dequantize(codes, scales), x)
+    with pytest.raises(ValueError, match="non-empty last dim"):
+        mxfp8_quantize(torch.zeros(3, 0))
 
 
 def test_roundtrip_error_is_bounded() -> None:
@@ -126,3 +144,13 @@ def test_triton_dequantize_matches_torch_on_every_code(
     """All 254 finite codes under eight scales decode identically."""
     data, out = triton_results
     assert torch.equal(out["deq"], mxfp8_dequantize_torch(data["codes"], data["scales"]))
+
+
+def test_triton_matches_torch_on_ragged_rows(
+    triton_results: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+) -> None:
+    """K = 45 (one whole and one partial block per row): codes, scales and dequantised values equal."""
+    data, out = triton_results
+    codes, scales = mxfp8_quantize_torch(data["ragged"])
+    assert torch.equal(out["ragged"][0], codes) and torch.equal(out["ragged"][1], scales)
+    assert torch.equal(out["ragged_deq"], mxfp8_dequantize_torch(codes, scales))
