@@ -14,8 +14,13 @@ or mistyped argument), and `run_tool`, which runs one checked call on a session 
 - `run` {command, timeout_s?}: `bash -c command` in the workspace, jailed (actors/sandbox/jailrun.py),
   stdout and stderr together; killed past its timeout (`status` timeout) or its output cap
   (`truncated`, `status` output_limit). `ok` is True when the command ran to its end, whatever its exit.
-- `grade` {command, files={}, timeout_s?}: `command` in a fresh copy of the workspace with `files` (path →
-  text) added, never in the workspace itself; exit 0 means pass.
+- `grade` {files={}, stdlib_under_test=[], command="", timeout_s?}: the hidden tests `files` (path → text) in a
+  fresh copy of the workspace, never in the workspace itself: whatever the copy holds at those paths is replaced
+  by them, written last. With no `command`, actors/sandbox/grade_runner.py runs the hidden `test*.py` files
+  (isolated interpreter, outside the copy) and reports each test under a nonce only this side knows; the reply's
+  `output` is a `GradeReport` (model/tasks/repo_grade.py) as JSON, passed only when the one genuine report
+  names every test the hidden files define, each passed, and the framework was left as it was. A `command` runs
+  as `bash -c` in the copy and is judged by its exit code alone (one pseudo-test). `exit_code` 0: passed.
 - `snapshot` {}: the files changed or added since the session opened (`ToolResult.files`, with sha256
   hex in `digests`) and the opening files deleted since (`deleted`); links and special files are not
   captured (named in `output`). Reopening with the opening files overlaid by these restores the workspace.
@@ -25,17 +30,31 @@ Output is capped at `[sandbox] max_output_kb` (`truncated`). Does not: hold sess
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import secrets
 import shutil
 import signal
+import stat
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal, get_args
+
+import msgspec
 
 from rlbus.actors.sandbox.jailrun import JailBroken, RunOutcome, python_in_jail
 from rlbus.actors.sandbox.workspace import Workspace, WorkspaceError, parts_of
+from rlbus.model.tasks.repo_grade import (
+    GradeReport,
+    TestReport,
+    TestStatus,
+    expected_tests,
+    is_test_file,
+    module_of,
+)
 
 REQUIRED: Final = object()
 """Marks an argument without a default."""
@@ -47,11 +66,13 @@ TOOLS: Final[dict[str, Spec]] = {
     "edit_file": {"path": (str, REQUIRED), "old": (str, REQUIRED), "new": (str, REQUIRED)},
     "search": {"pattern": (str, REQUIRED), "path": (str, ".")},
     "run": {"command": (str, REQUIRED), "timeout_s": (float, None)},
-    "grade": {"command": (str, REQUIRED), "files": (dict, {}), "timeout_s": (float, None)},
+    "grade": {"files": (dict, {}), "stdlib_under_test": (list, []), "command": (str, ""), "timeout_s": (float, None)},
     "snapshot": {},
 }
 JAILED: Final = frozenset({"search", "run", "grade"})
 """Tools that run a jailed process: they queue under the supervisor's concurrency quota."""
+GRADE_RUNNER: Final = Path(__file__).with_name("grade_runner.py")
+"""Run as `python -I -c <its text> SPEC` in a grading copy: the hidden tests' grader (stdlib only)."""
 GRADE_SLACK_BYTES: Final = 16 << 20
 """Room a grading copy has beyond the workspace and the hidden files (what the tests write)."""
 MAX_ENTRIES: Final = 5000
@@ -127,11 +148,13 @@ def check_args(tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
             raise ToolArgsError(f"{tool}: argument {name!r} must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
         if kind is dict and not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             raise ToolArgsError(f"{tool}: argument {name!r} must map paths (strings) to file texts (strings)")
+        if kind is list and not all(isinstance(v, str) and v.isidentifier() for v in value):
+            raise ToolArgsError(f"{tool}: argument {name!r} must be a list of module names")
         out[name] = float(value) if kind is float else value
     return out
 
 
-_KIND_NAMES: Final = {str: "a string", int: "an integer", float: "a number", dict: "an object"}
+_KIND_NAMES: Final = {str: "a string", int: "an integer", float: "a number", dict: "an object", list: "a list"}
 
 
 @dataclass
@@ -283,19 +306,100 @@ async def _run(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: 
 
 async def _grade(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: Runner, scratch: Path) -> Reply:
     timeout_s = _timeout(args, limits)
+    hidden, command = args["files"], args["command"]
+    nonce = secrets.token_hex(16)
+    spec_name = f".rlbus-grade-{secrets.token_hex(8)}.json"
+    spec = json.dumps({"nonce": nonce, "stdlib_under_test": list(args["stdlib_under_test"]),
+                       "tests": {p: t for p, t in hidden.items() if is_test_file(p)}})
+    written = sorted(hidden.items()) + ([] if command else [(spec_name, spec)])
     where = scratch / f"grade-{uuid.uuid4().hex[:12]}"
-    added = sum(len(text.encode()) for text in args["files"].values())
+    added = sum(len(text.encode()) for _, text in written)
     fresh: Workspace | None = None
     try:
         fresh = ws.copy_to(where, extra_bytes=added + GRADE_SLACK_BYTES)
-        for path, text in sorted(args["files"].items()):
+        for path, text in written:          # last, over whatever the copy holds there (file, directory or link)
+            _clear(where, parts_of(path))
             fresh.write_bytes(path, text.encode())
-        out = await runner(where, ["bash", "-c", args["command"]], timeout_s)
+        python, _ = python_in_jail()
+        argv = ["bash", "-c", command] if command else [python, "-I", "-c", GRADE_RUNNER.read_text(), spec_name]
+        out = await runner(where, argv, timeout_s)
     finally:
         if fresh is not None:
             fresh.remove()
         shutil.rmtree(where, ignore_errors=True)
-    return _outcome(out, limits, timeout_s)
+    report = judge(out, nonce, hidden, command)
+    status = "timeout" if report.verdict == "timeout" else "output_limit" if out.truncated else "ok"
+    return Reply(status == "ok", msgspec.json.encode(report).decode(), error=report.problems[0] if report.problems
+                 else "", exit_code=0 if report.verdict == "passed" else 1, status=status)
+
+
+def _clear(root: Path, parts: list[str]) -> None:
+    """Make room for a file at `parts` below `root` (a grading copy nothing runs in yet): a link or file where a
+    directory is needed, and whatever is at the path itself, removed."""
+    where = root
+    for i, name in enumerate(parts):
+        where = where / name
+        try:
+            mode = os.lstat(where).st_mode
+        except FileNotFoundError:
+            return
+        last = i == len(parts) - 1
+        if stat.S_ISDIR(mode) and not last:
+            continue
+        if stat.S_ISDIR(mode):
+            shutil.rmtree(where)
+        else:
+            where.unlink()
+        return
+
+
+class _RunnerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The grade runner's line, after its nonce."""
+
+    tests: dict[str, tuple[str, str]]
+    problems: list[str]
+    import_errors: dict[str, str]
+    log: str
+
+
+def judge(out: RunOutcome, nonce: str, hidden: Mapping[str, str], command: str) -> GradeReport:
+    """The verdict of a grading run: a custom `command` by its exit code; the grade runner by its one line that
+    starts with `nonce`, every test the hidden files define (read here) reported, and no problem."""
+    log = out.output[-2000:]
+    judged_by: Literal["report", "exit_code"] = "exit_code" if command else "report"
+    if out.timed_out or out.exit_code == -signal.SIGXCPU:
+        return GradeReport(verdict="timeout", problems=("the tests ran past their time limit",), judged_by=judged_by,
+                           log=log)
+    if command:
+        ok = out.exit_code == 0 and not out.truncated
+        return GradeReport(verdict="passed" if ok else "failed", judged_by="exit_code", log=log,
+                           tests=(TestReport(command, "passed" if ok else "failed", f"exit code {out.exit_code}"),))
+    lines = [line[len(nonce):] for line in out.output.splitlines() if line.startswith(nonce)]
+    if len(lines) != 1:
+        why = "its output passed the cap" if out.truncated else f"exit code {out.exit_code}"
+        return GradeReport(verdict="error", log=log, problems=(
+            f"no genuine report from the grade runner ({len(lines)} lines carry its nonce; {why})",))
+    try:
+        raw = msgspec.json.decode(lines[0], type=_RunnerReport)
+    except msgspec.DecodeError as err:
+        return GradeReport(verdict="error", log=log, problems=(f"the grade runner's report does not decode: {err}",))
+    statuses = set(get_args(TestStatus))
+    tests = [TestReport(name, status if status in statuses else "failed", detail)  # type: ignore[arg-type]
+             for name, (status, detail) in sorted(raw.tests.items())]
+    for path, names in sorted(expected_tests(hidden).items()):
+        module = module_of(path)
+        reported = {t.name.rsplit(".", 1)[-1] for t in tests if t.name.startswith(f"{module}.")}
+        why = raw.import_errors.get(path, "defined by the hidden tests, never reported")
+        tests += [TestReport(f"{module}.{cls}.{name}", "missing", why) for cls, name in sorted(names)
+                  if name not in reported]
+    problems = list(raw.problems)
+    counted = [t for t in tests if t.status != "not_run"]
+    if not counted:
+        problems.append("no hidden test ran" + "".join(f"; {p}: {e.strip().splitlines()[-1]}"
+                                                       for p, e in raw.import_errors.items() if e.strip()))
+    passed = not problems and all(t.status == "passed" for t in counted)
+    return GradeReport(verdict="passed" if passed else "failed", tests=tuple(tests), problems=tuple(problems),
+                       log=raw.log[-2000:])
 
 
 async def _snapshot(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: Runner, scratch: Path) -> Reply:
@@ -312,4 +416,4 @@ _TOOLS_IMPL: Final[dict[str, Callable[[Workspace, dict[str, Any], ToolLimits, Ru
 assert set(_TOOLS_IMPL) == set(TOOLS)
 
 
-__all__ = ["JAILED", "TOOLS", "Reply", "Runner", "ToolArgsError", "ToolLimits", "check_args", "run_tool"]
+__all__ = ["JAILED", "TOOLS", "Reply", "Runner", "ToolArgsError", "ToolLimits", "check_args", "judge", "run_tool"]
