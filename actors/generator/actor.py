@@ -82,7 +82,7 @@ from rlbus.actors.generator.group import (
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import RlbusError
 from rlbus.messages.kv import put_at, read_key
-from rlbus.messages.retry import retry_policy
+from rlbus.messages.retry import GIVE_UP_S, retry_policy
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model.env import FunctionEnvironment
@@ -446,7 +446,8 @@ class Generator(Actor):
         """The saved partial of the task and its revision; (None, revision) when absent or unusable. An
         unusable one (undecodable, another task's, or failing `check_partial`) is discarded with a warning and
         an `Event(incident)`: the group starts over and overwrites it (compare-and-set on its revision)."""
-        entry = await read_key(self.bus.js, self.bus.subjects.partials_bucket(self.ident.region), key)
+        entry = await read_key(self.bus.js, self.bus.subjects.partials_bucket(self.ident.region), key,
+                               give_up_after_s=GIVE_UP_S)
         if entry.value is None:
             return None, None
         try:
@@ -476,7 +477,8 @@ class Generator(Actor):
         """Compare-and-set the partial; raises _TakenOver when another generator wrote it meanwhile."""
         bucket = self.bus.subjects.partials_bucket(self.ident.region)
         try:
-            return await put_at(self.bus.js, bucket, key, encode_partial(state), revision=revision)
+            return await put_at(self.bus.js, bucket, key, encode_partial(state), revision=revision,
+                                give_up_after_s=GIVE_UP_S)
         except nats.js.errors.KeyWrongLastSequenceError:
             raise _TakenOver(state.task_id) from None
 

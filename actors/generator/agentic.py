@@ -14,11 +14,14 @@ changed, then the partial saved (compare-and-set). Before a turn, an episode who
 replaces and the summary become segments under their own contexts (`AgenticEpisode.segments`; the Rollout carries
 them). A replacement generator reopens each unfinished
 episode's session seeded with the task's files overlaid by the snapshot (`restore_files`), never by
-re-running commands. Once every episode is done the sessions are closed and the G Rollouts published.
-Leases: the open sessions' leases are renewed while turns are sampled (`_keep_alive`). Sandbox failures: opening a
-session is tried `OPEN_TRIES` times; an episode whose session cannot be opened,
-or whose sandbox stops answering a call, ends with that turn, reward 0 and verdict "error" (counted in
-`sandbox_errors`); the generator goes on.
+re-running commands; a snapshot always holds every change since the task's own files (`overlay`: a restored
+session's changes laid over the snapshot it was restored from), so any number of resumes keeps every edit.
+Leases: the open sessions' leases are renewed while turns are sampled (`_keep_alive`). Sandbox failures are never
+trained as the policy's: a session lost mid-turn (its supervisor died, its lease ran out, a call went unanswered)
+is reopened from the episode's last snapshot and the turn taken again (`SESSION_LOSSES` times a turn, each reopen
+tried `REOPEN_TRIES` times); an episode whose session cannot be opened (`OPEN_TRIES`) or reopened ends the group:
+every open episode ends with reward 0, verdict "error" and `Rollout.timings["sandbox_error"]` 1 (counted in
+`sandbox_errors`), and the trainer drops the group with the reason `sandbox_error`; the generator goes on.
 Does not: parse tool calls, run budgets or grade (model/env/agentic.py), run tools (actors/sandbox/).
 """
 
@@ -42,12 +45,12 @@ import torch
 import zstandard
 
 from rlbus.actors.common.errors import PartialGroupError
-from rlbus.actors.common.sessions import SandboxSession, open_session, restore_files
+from rlbus.actors.common.sessions import SandboxSession, SessionRefused, open_session, restore_files
 from rlbus.actors.generator.group import MAX_PARTIAL_BYTES, PartialLimits, check_segment, fill_versions
 from rlbus.messages.errors import DigestMismatch, RlbusError, SandboxCrashed
-from rlbus.messages.kv import put_at, read_key
+from rlbus.messages.kv import RETRIED, put_at, read_key
 from rlbus.messages.objects import digest
-from rlbus.messages.retry import retry_policy
+from rlbus.messages.retry import GIVE_UP_S, retry_policy
 from rlbus.messages.schemas import Event, Rollout, SandboxVerdict, Segment, TensorBlob, ToolResult
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model.env import (
@@ -57,6 +60,7 @@ from rlbus.model.env import (
     AgenticState,
     ToolOutcome,
     decode_state,
+    edits_script,
     encode_state,
     reference_script,
     scripted_ids,
@@ -78,6 +82,12 @@ AGENTIC_FORMAT: Final = "agentic-1"
 """`AgenticPartial.format`: a layout of another version is discarded (the group starts over)."""
 OPEN_TRIES: Final = 3
 """Tries to open an episode's session (1 s, then 2 s apart) before the episode ends as a sandbox error."""
+REOPEN_TRIES: Final = 6
+"""Tries to reopen a lost session (1, 2, 4, 8, 16 s apart: long enough for a SIGKILLed supervisor's restart, or
+the region's server to come back)."""
+SESSION_LOSSES: Final = 3
+"""Sessions an episode may lose in one turn (each reopened from its last snapshot and the turn taken again)
+before its group is dropped as a sandbox error."""
 CHANGING_TOOLS: Final = frozenset({"write_file", "edit_file", "run"})
 """Tools after which a workspace is snapshotted (the others only read it)."""
 _OBJECT: Final = re.compile(r"ws-[0-9a-f]{64}")
@@ -249,7 +259,7 @@ def environment_of(generator: Generator) -> AgenticEnvironment:
 
 class _Port:
     """An episode's `WorkspacePort` over its sandbox session. A call the sandbox does not answer, or that finds
-    the session gone, raises SandboxCrashed (the episode then ends as a sandbox error)."""
+    the session gone, raises SandboxCrashed (the session is lost: reopened from the last snapshot)."""
 
     def __init__(self, session: SandboxSession) -> None:
         self.session = session
@@ -287,6 +297,8 @@ class AgenticGroups:
         self.gen = generator
         self.bucket = generator.bus.subjects.workspaces_bucket(generator.ident.region)
         self._open_by_group: dict[int, int] = {}
+        self._bases: dict[int, WorkspaceSnapshot | None] = {}
+        """id of an open session → the snapshot it was restored from (None: the task's own files)."""
 
     # ---- one group ------------------------------------------------------------------------------
     async def run(self, message: TaskMessage, task: RepoTask, key: str) -> Literal["published", "taken_over"]:
@@ -383,21 +395,28 @@ class AgenticGroups:
             ep, state, turn = partial.episodes[g], states[g], turns[g]
             ep.logprobs.append(turn.logprobs)
             ep.versions.append(turn.versions)
-            try:
-                if g not in sessions:
-                    sessions[g] = await self._open(task, snapshots.get(g))
-                    self._held(sessions)
-                calls = len(state.calls)
-                new = (await env.step(state, turn.ids, _Port(sessions[g]), now=time.time())).state
-                if not new.done and any(c.name in CHANGING_TOOLS for c in new.calls[calls:]):
-                    await self._snapshot(partial, ep, sessions[g], snapshots, g)
-            except (RlbusError, nats.errors.Error, TimeoutError, DigestMismatch) as err:
-                self.gen.count("sandbox_errors")
-                log.warning("agentic_sandbox_error", task_id=partial.task_id, group_index=g, error=repr(err)[:300])
-                ep.sandbox_error = f"{type(err).__name__}: {err}"[:300]
-                new = msgspec.structs.replace(state, turns=(*state.turns, Turn("assistant", tuple(turn.ids))),
-                                              policy_turns=state.policy_turns + 1, done=True, reward=0.0,
-                                              verdict="error")
+            losses = 0
+            while True:
+                try:
+                    new = await self._step_in_session(partial, g, state, turn.ids, sessions, snapshots, task, env,
+                                                      tries=REOPEN_TRIES if losses else OPEN_TRIES)
+                    break
+                except (SandboxCrashed, nats.errors.Error, TimeoutError, DigestMismatch) as err:
+                    self.gen.count("sessions_lost")
+                    if g in sessions:           # the session is gone or unusable: its lease ends what is left
+                        with anyio.move_on_after(1.0):
+                            await self._close(sessions.pop(g))
+                        self._held(sessions)
+                    losses += 1
+                    if losses <= SESSION_LOSSES and not isinstance(err, SessionRefused):
+                        log.warning("agentic_session_lost", task_id=partial.task_id, group_index=g, losses=losses,
+                                    error=repr(err)[:300])
+                        continue                # the turn again, in a new session restored from the last snapshot
+                    self.gen.count("sandbox_errors")
+                    log.warning("agentic_sandbox_error", task_id=partial.task_id, group_index=g, error=repr(err)[:300])
+                    ep.sandbox_error = f"{type(err).__name__}: {err}"[:300]
+                    new = _ended_by_sandbox(state, turn.ids)
+                    break
             states[g] = new
             ep.state = encode_state(new)
             if new.done and g in sessions:
@@ -407,8 +426,37 @@ class AgenticGroups:
         async with anyio.create_task_group() as tg:
             for g in open_:
                 tg.start_soon(step, g)
+        lost = [g for g in open_ if partial.episodes[g].sandbox_error]
+        for g in (g for g in open_ if lost and not states[g].done):
+            # the group is dropped (never trained) once one episode's sandbox is beyond reopening: the others end now
+            partial.episodes[g].sandbox_error = f"the group is dropped: episode {lost[0]}'s sandbox failed"
+            states[g] = msgspec.structs.replace(states[g], done=True, reward=0.0, verdict="error")
+            partial.episodes[g].state = encode_state(states[g])
+            if g in sessions:
+                await self._close(sessions.pop(g))
+                self._held(sessions)
         partial.tool_s += time.monotonic() - started
         partial.turns += 1
+
+    async def _step_in_session(self, partial: AgenticPartial, g: int, state: AgenticState, ids: list[int],
+                               sessions: dict[int, SandboxSession], snapshots: dict[int, WorkspaceSnapshot],
+                               task: RepoTask, env: AgenticEnvironment, *, tries: int) -> AgenticState:
+        """Episode `g`'s turn through its session (opened first, restored from its last snapshot, when it has
+        none), then a snapshot if the turn may have changed the workspace.
+
+        :raises SandboxCrashed: the session was lost (or none opens: `SessionRefused`); nothing of the turn is
+            kept, and the workspace it leaves is not the state's.
+        """
+        if g not in sessions:
+            sessions[g] = await self._open(task, snapshots.get(g), tries=tries)
+            self._bases[id(sessions[g])] = snapshots.get(g)
+            self._held(sessions)
+        session = sessions[g]
+        calls = len(state.calls)
+        new = (await env.step(state, ids, _Port(session), now=time.time(), clock=time.time)).state
+        if not new.done and any(c.name in CHANGING_TOOLS for c in new.calls[calls:]):
+            await self._snapshot(partial, partial.episodes[g], session, snapshots, g, task)
+        return new
 
     async def _policy_turns(self, partial: AgenticPartial, rows: list[tuple[int, AgenticState]],
                             env: AgenticEnvironment, task: RepoTask) -> dict[int, _Turn]:
@@ -419,7 +467,8 @@ class AgenticGroups:
         contexts = {g: state_context(s, env.tokenizer) for g, s in rows}
         caps = {g: max(0, min(gen.config.max_tokens, env.room(s), max_len - len(contexts[g]))) for g, s in rows}
         if gen.config.script:
-            script = reference_script(task) if gen.config.script == "reference" else SUBMIT_SCRIPT
+            script = {"reference": reference_script, "edits": edits_script}.get(gen.config.script,
+                                                                                lambda _: SUBMIT_SCRIPT)(task)
             scripted = {g: scripted_ids(script, s, env.tokenizer)[:caps[g]] or [env.tokenizer.stop_id] for g, s in rows}
             return await anyio.to_thread.run_sync(self._score, contexts, scripted)
         out = {g: _Turn([], [], []) for g, _ in rows}
@@ -460,9 +509,11 @@ class AgenticGroups:
         return out
 
     def _score(self, contexts: Mapping[int, list[int]], turns: Mapping[int, list[int]]) -> dict[int, _Turn]:
-        """Behaviour logprobs of scripted turns: one forward pass each of context + ids under the live policy
-        (worker thread, the generator's model lock held)."""
+        """Behaviour logprobs of scripted turns (and of a sampled turn that came back empty: the stop id alone): one
+        forward pass each of context + ids under the live policy, log softmax(logits / temperature) as the trainer
+        scores them (worker thread, the generator's model lock held)."""
         gen = self.gen
+        tau = gen.config.temperature or 1.0
         weights = gen.weights_source()
         out: dict[int, _Turn] = {}
         with gen.model_lock, torch.no_grad():
@@ -473,45 +524,48 @@ class AgenticGroups:
                 context = contexts[g][-(model.max_seq_len - len(ids)):]   # all of it: the cap left room
                 x = torch.tensor([[*context, *ids]], device=model.device)
                 logits = model(x).logits[0, len(context) - 1:-1].float()
-                lps = torch.log_softmax(logits, dim=-1).gather(-1, x[0, len(context):, None])[:, 0]
+                # at the sampling temperature, as a sampled token's logprob (model/sampling/generate.py sample_next)
+                lps = torch.log_softmax(logits / tau, dim=-1).gather(-1, x[0, len(context):, None])[:, 0]
                 out[g] = _Turn(list(ids), [min(float(v), 0.0) for v in lps.tolist()], [version] * len(ids))
         return out
 
     # ---- sessions and snapshots ----------------------------------------------------------------
-    async def _open(self, task: RepoTask, snapshot: WorkspaceSnapshot | None) -> SandboxSession:
-        """A session seeded with the task's files (overlaid by `snapshot`); tried OPEN_TRIES times.
+    async def _open(self, task: RepoTask, snapshot: WorkspaceSnapshot | None, *, tries: int) -> SandboxSession:
+        """A session seeded with the task's files (overlaid by `snapshot`); tried `tries` times (1 s, 2 s, 4 s ...
+        apart).
 
-        :raises SandboxCrashed: none could be opened.
+        :raises SessionRefused: none could be opened.
         """
         gen = self.gen
         files = {path: text.encode() for path, text in task.files.items()}
         if snapshot is not None:
             files = restore_files(files, ToolResult(session_id="", call_id="", ok=True, files=snapshot.files,
                                                     deleted=snapshot.deleted))
-        for attempt in range(OPEN_TRIES):
+        for attempt in range(tries):
             try:
                 session_id = await open_session(gen.bus, gen.ident.region, files, lease_s=gen.config.session_lease_s)
                 return SandboxSession(gen.bus, gen.ident.region, session_id,
                                       call_timeout_s=gen.config.sandbox_timeout_s)
-            except SandboxCrashed as err:
-                if attempt == OPEN_TRIES - 1:
+            except SessionRefused as err:
+                if attempt == tries - 1:
                     raise
                 log.warning("session_open_retry", attempt=attempt + 1, error=str(err)[:300])
                 await anyio.sleep(2.0 ** attempt)
         raise AssertionError("unreachable")
 
     async def _snapshot(self, partial: AgenticPartial, ep: AgenticEpisode, session: SandboxSession,
-                        snapshots: dict[int, WorkspaceSnapshot], g: int) -> None:
-        """Snapshot the workspace's changed files, check each file's digest, store the snapshot under its own
-        content address (unless it is there already) and point the episode at it."""
+                        snapshots: dict[int, WorkspaceSnapshot], g: int, task: RepoTask) -> None:
+        """Snapshot the workspace's changed files, check each file's digest, lay them over the snapshot the
+        session was restored from (`overlay`: the changes since the task's own files, however many resumes ago),
+        store that under its own content address (unless it is there already) and point the episode at it."""
         result = _answered(await session.snapshot())
         if not result.ok:
             raise SandboxCrashed(f"snapshot of session {session.session_id} refused: {result.error[:200]}")
         for path, data in result.files.items():
             if result.digests.get(path) != hashlib.sha256(data).hexdigest():
                 raise DigestMismatch(f"snapshot of session {session.session_id}: {path} does not match its digest")
-        snap = WorkspaceSnapshot(task_id=partial.task_id, files=dict(sorted(result.files.items())),
-                                 deleted=sorted(result.deleted))
+        snap = overlay(self._bases.get(id(session)), result.files, result.deleted, task_id=partial.task_id,
+                       task_files=task.files)
         blob = msgspec.msgpack.encode(snap)
         hexdigest = hashlib.sha256(blob).hexdigest()
         name = self.gen.bus.subjects.workspace_object(hexdigest)
@@ -532,11 +586,17 @@ class AgenticGroups:
         for g, ep in enumerate(partial.episodes):
             if not ep.snapshot or episode_state(ep).done:
                 continue
+            # an outage of the region's server is ridden out (as the partial's own read); a missing or corrupt
+            # object, or one that still does not come after GIVE_UP_S, discards the partial
+            retry = retry_policy("snapshot_fetch_retry", on=RETRIED, initial_s=0.5, max_s=5.0,
+                                 give_up_after_s=GIVE_UP_S, task_id=partial.task_id, object=ep.snapshot)
             try:
-                blob = await self.gen.bus.get_object(self.bucket, ep.snapshot, expected_digest=ep.snapshot_digest,
-                                                     timeout_s=30.0)
+                async for attempt in retry:
+                    with attempt:
+                        blob = await self.gen.bus.get_object(self.bucket, ep.snapshot,
+                                                             expected_digest=ep.snapshot_digest, timeout_s=30.0)
                 out[g] = msgspec.msgpack.decode(blob, type=WorkspaceSnapshot)
-            except (nats.js.errors.NotFoundError, DigestMismatch, msgspec.DecodeError, TimeoutError) as err:
+            except (nats.js.errors.NotFoundError, DigestMismatch, msgspec.DecodeError, *RETRIED) as err:
                 raise PartialGroupError(f"episode {g}: workspace snapshot {ep.snapshot}: {err!r}"[:300]) from None
             if out[g].task_id != partial.task_id:
                 raise PartialGroupError(f"episode {g}: workspace snapshot {ep.snapshot} is task "
@@ -544,6 +604,7 @@ class AgenticGroups:
         return out
 
     async def _close(self, session: SandboxSession) -> None:
+        self._bases.pop(id(session), None)
         with anyio.move_on_after(5.0, shield=True):
             try:
                 await session.close()
@@ -569,7 +630,8 @@ class AgenticGroups:
         """The saved partial, its revision and its episodes' snapshots; (None, revision, {}) when absent or
         unusable (discarded with an `Event(incident)`, like a function group's)."""
         gen = self.gen
-        entry = await read_key(gen.bus.js, gen.bus.subjects.partials_bucket(gen.ident.region), key)
+        entry = await read_key(gen.bus.js, gen.bus.subjects.partials_bucket(gen.ident.region), key,
+                               give_up_after_s=GIVE_UP_S)
         if entry.value is None:
             return None, None, {}
         try:
@@ -591,7 +653,8 @@ class AgenticGroups:
     async def _save(self, key: str, partial: AgenticPartial, revision: int | None) -> int:
         bucket = self.gen.bus.subjects.partials_bucket(self.gen.ident.region)
         try:
-            return await put_at(self.gen.bus.js, bucket, key, encode_agentic(partial), revision=revision)
+            return await put_at(self.gen.bus.js, bucket, key, encode_agentic(partial), revision=revision,
+                                give_up_after_s=GIVE_UP_S)
         except nats.js.errors.KeyWrongLastSequenceError:
             raise _TakenOver(partial.task_id) from None
 
@@ -630,6 +693,31 @@ class AgenticGroups:
         log.info("group_published", task_id=partial.task_id, rollouts=len(rollouts), kind="agentic",
                  rewards=[r.reward for r in rollouts], turns=partial.turns, tokens=partial.sampled_tokens,
                  resumes=partial.resumes)
+
+
+def overlay(base: WorkspaceSnapshot | None, files: Mapping[str, bytes], deleted: list[str], *, task_id: str,
+            task_files: Mapping[str, str]) -> WorkspaceSnapshot:
+    """The workspace's changes since the task's own files: `base` (what its session was restored from; None: the
+    task's files) with a session's changes since it opened laid over it (`files` changed or new, `deleted` paths
+    gone). A path deleted now is dropped from the base's files and, if the task has it, named as deleted."""
+    out = dict(base.files) if base is not None else {}
+    gone = set(base.deleted) if base is not None else set()
+    own = {path.strip("/") for path in task_files}
+    for path in deleted:
+        out.pop(path, None)
+        if path in own:
+            gone.add(path)
+    for path, data in files.items():
+        out[path] = data
+        gone.discard(path)
+    return WorkspaceSnapshot(task_id=task_id, files=dict(sorted(out.items())), deleted=sorted(gone))
+
+
+def _ended_by_sandbox(state: AgenticState, ids: list[int]) -> AgenticState:
+    """The episode ended after its turn `ids` because its sandbox could not be reached: reward 0, verdict error
+    (its group is dropped, never trained: the trainer's `sandbox_error`)."""
+    return msgspec.structs.replace(state, turns=(*state.turns, Turn("assistant", tuple(ids))),
+                                   policy_turns=state.policy_turns + 1, done=True, reward=0.0, verdict="error")
 
 
 def agentic_segment(ep: AgenticEpisode, state: AgenticState, env: AgenticEnvironment) -> Segment | None:
@@ -705,4 +793,4 @@ def fits(task: RepoTask, env: AgenticEnvironment) -> bool:
 
 __all__ = ["AGENTIC_FORMAT", "AGENTIC_MAGIC", "AgenticEpisode", "AgenticGroups", "AgenticLimits", "AgenticPartial",
            "WorkspaceSnapshot", "agentic_rollout", "agentic_segment", "check_agentic_partial", "decode_agentic", "encode_agentic",
-           "fits"]
+           "fits", "overlay"]

@@ -91,9 +91,11 @@ class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     is always 1.0); 0 gives plain pass/fail rewards."""
     agentic: AgenticSettings = AgenticSettings()
     """Budgets of agentic episodes (tasks of the repository kind, such as `[feeder] tasks = "repo"`)."""
-    script: Literal["", "reference", "submit"] = ""
+    script: Literal["", "reference", "submit", "edits"] = ""
     """Testing and harness knob for agentic episodes: '' samples every policy turn; 'reference' takes the task's
-    reference edit, one call a turn, then submits (reward 1); 'submit' submits at once (reward 0). Scripted turns
+    reference edit, one call a turn, then submits (reward 1); 'submit' submits at once (reward 0); 'edits' changes
+    the workspace turn after turn (a new file, a deletion, an edit), makes the reference edit, lists every file's
+    sha256 and submits (reward 1; model/env/scripted.py `edits_script`). Scripted turns
     carry the live policy's logprobs of those ids (one forward pass), so their rollouts stay trainable."""
     session_lease_s: PositiveFloat = 120.0
     """Lease of an agentic episode's sandbox session: destroyed this long after its last call (a generator that

@@ -72,7 +72,9 @@ def plan_step(groups: Mapping[str, Sequence[Rollout]], *, version: int, stalenes
               drop_flat: bool = False) -> Plan:
     """Decide the next step from buffered groups (task id → members so far, in arrival order).
 
-    A group is dropped whole when a member is unusable (`check` returns a reason) or when its oldest
+    A group is dropped whole when a member's sandbox failed (`Rollout.timings["sandbox_error"]`, reason
+    "sandbox_error: ...": an outcome the policy did not cause is never trained), when a member is unusable
+    (`check` returns a reason) or when its oldest
     token is more than `staleness_versions` behind `version` (reason "stale: ..."). A group is ready
     when it holds `group_size` members; with `drop_flat`, a complete group whose rewards are all equal
     is dropped instead (reason "flat: ...": its group-relative advantages are all 0, so it carries no
@@ -85,7 +87,9 @@ def plan_step(groups: Mapping[str, Sequence[Rollout]], *, version: int, stalenes
     for task_id, members in groups.items():
         if not members:
             continue
-        reason = next((r for m in members if (r := check(m)) is not None), None)
+        reason = next((f"sandbox_error: episode {m.group_index}'s sandbox failed, not the policy" for m in members
+                       if m.timings.get("sandbox_error")), None)
+        reason = reason or next((r for m in members if (r := check(m)) is not None), None)
         if reason is None and len({m.group_size for m in members}) > 1:
             reason = "invalid: members disagree on group_size"
         if reason is None:

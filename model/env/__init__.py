@@ -32,7 +32,7 @@ from rlbus.model.env.base import (
     summarized,
 )
 from rlbus.model.env.function import FunctionEnvironment, FunctionState, state_of
-from rlbus.model.env.scripted import SUBMIT_SCRIPT, reference_script, scripted_ids
+from rlbus.model.env.scripted import SUBMIT_SCRIPT, edits_script, reference_script, scripted_ids
 from rlbus.model.tools.calls import TOOLS, BadCall, ToolCall, ToolOutcome, check_call, parse_turn
 
 AnyState: TypeAlias = FunctionState | AgenticState
@@ -75,6 +75,7 @@ __all__ = [
     "WorkspacePort",
     "check_call",
     "decode_state",
+    "edits_script",
     "encode_state",
     "parse_turn",
     "reference_script",

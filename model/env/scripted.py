@@ -1,7 +1,8 @@
 """Scripted policies for the agentic environment: fixed turns instead of sampled ones, for tests and harness runs.
 
-Owns: `reference_script` (the task's reference edit, one call a turn, then `submit`), `SUBMIT_SCRIPT` (submit
-at once) and `scripted_ids` (the ids of a script's next turn for a state, ending with the tokenizer's stop,
+Owns: `reference_script` (the task's reference edit, one call a turn, then `submit`), `edits_script` (turns that
+change the workspace in every way a tool can, the reference edit, a listing of every file's digest, `submit`),
+`SUBMIT_SCRIPT` (submit at once) and `scripted_ids` (the ids of a script's next turn for a state, ending with the tokenizer's stop,
 as a sampled turn that closed itself would).
 Does not own: sampling (model/sampling/generate.py) or the environment (model/env/agentic.py).
 """
@@ -29,6 +30,22 @@ def reference_script(task: RepoTask) -> tuple[str, ...]:
     """
     reference = task.reference or repo_task_of_id(task.task_id).reference
     return (*(f"I will change {c.arguments['path']}.\n{c.text()}" for c in reference), SUBMIT)
+
+
+def edits_script(task: RepoTask) -> tuple[str, ...]:
+    """Turns that each change the workspace in another way (a new file, a `run` that deletes a task file and
+    writes a new folder, an edit of the new file), the reference edit, a `run` that lists every file's sha256
+    (what the workspace holds, in the episode's own tokens), then submit (reward 1): a harness script for resumes.
+
+    :raises ValueError: as `reference_script`.
+    """
+    *reference, submit = reference_script(task)
+    return (ToolCall("write_file", {"path": "notes/plan.md", "content": "plan: edit, then submit\n"}).text(),
+            ToolCall("run", {"command": "rm README.md && mkdir -p notes/more && echo more > notes/more/b.txt"}).text(),
+            ToolCall("edit_file", {"path": "notes/plan.md", "old": "plan:", "new": "done:"}).text(),
+            *reference,
+            ToolCall("run", {"command": "find . -type f | sort | xargs sha256sum"}).text(),
+            submit)
 
 
 def scripted_ids(script: Sequence[str], state: AgenticState, tokenizer: ChatTokenizer) -> list[int]:
