@@ -1,35 +1,11 @@
 """The rollout generator: tasks in, groups of G graded multi-turn rollouts out, resumable at every chunk.
 
-Owns: `Generator` (kind "generator"; its settings are actors/generator/config.py). Per task delivery (durable
-`generator_<region>` on the region's TASKS): rebuild the coding task from `Task.verifier`; wait until the
-live weights are at `Task.min_version` (the lockstep feeder's; 0 for every other task); load its
-partial from the region's PARTIALS KV (key = task id) and resume it — unless it is garbage or hostile
-(`check_partial`): then it is discarded with an Event(incident) — or start G episodes; then step
-the group until every episode is done — self-summarise an episode whose context is over budget, sample
-the open drafts together `partial_every_tokens` at a time (`model.generate` in a worker thread, weights
-swapped in flight through `WeightSource.maybe_swap`), and once every draft is complete take each as a turn of
-the function-writing environment (model/env/function.py `FunctionEnvironment.step`: the environment extracts the
-program, the generator's port grades it in the region's sandbox — request/reply, each distinct program of the
-round once; a timeout or error is a failed attempt, never a crash — and the environment adds the feedback as an
-observation). The partial is saved (compare-and-set) after every chunk and every
-graded round. With `max_group_size`, a finished group in which no episode passed grows by G fresh episodes
-(saved, then stepped like the rest) until one passes or the cap is reached: a task the policy solves once
-in 30 tries has no pass in most groups of 8, so its groups are all-fail and teach nothing, while a grown
-group carries that rare pass (every Rollout of it carries the grown `group_size`). Finally the group's
-Rollouts go out with `publish_batch` (msg id = rollout id f"{task_id}-{g}"), the partial is deleted, and
-only then is the task acked; `in_progress()` holds it meanwhile. Another generator that wins the partial's
-compare-and-set owns the task; the loser lets go.
-A task whose verifier is of the repository kind (model/tasks/repo.py) is an agentic group instead: G episodes in
-sandbox sessions, driven turn by turn, its own partial and workspace snapshots (actors/generator/agentic.py);
-the delivery, holding, acking and dead-lettering around it are the same.
-Does not: define the partial layout or flatten rollouts (actors/generator/group.py), fetch weights
-(actors/common/weight_source.py), run code (actors/sandbox/supervisor.py).
-
-Heartbeat counters: tasks, rollouts, resumed, sandbox_errors, tokens, graded_repeats (drafts that
-reused the verdict of a draft of the same round with the same program: each distinct program runs once), groups_grown
-(G episodes added to a group without a pass), grown_unpublished (episodes of grown groups left out by
-`grown_subsample`), summaries, publish_failures, taken_over, rejected; gauges: tokens_per_s, held_version,
-sessions_held (sandbox sessions of agentic episodes open now).
+- Owns: `Generator` (kind "generator", settings in actors/generator/config.py): per task of the region's TASKS,
+  a group of G episodes sampled, graded in the region's sandbox and published as Rollouts.
+- Guarantee: the group's partial is saved (compare-and-set) after every chunk and graded round, so a
+  replacement resumes it; the task is acked only after its Rollouts are stored.
+- Does not: define the partial layout (actors/generator/group.py), drive agentic groups
+  (actors/generator/agentic.py), fetch weights (actors/common/weight_source.py) or run code (actors/sandbox/).
 """
 
 from __future__ import annotations
@@ -129,7 +105,33 @@ class _TakenOver(Exception):
 
 
 class Generator(Actor):
-    """Samples, grades and publishes groups of rollouts; see the module docstring."""
+    """Samples, grades and publishes groups of rollouts.
+
+    Per task delivery (durable `generator_<region>` on the region's TASKS): rebuild the coding task from
+    `Task.verifier`; wait until the live weights are at `Task.min_version` (the lockstep feeder's; 0 for every
+    other task); load its partial from the region's PARTIALS KV (key = task id) and resume it — unless it is
+    garbage or hostile (`check_partial`): then it is discarded with an Event(incident) — or start G episodes.
+    Then step the group until every episode is done: self-summarise an episode whose context is over budget,
+    sample the open drafts together `partial_every_tokens` at a time (`model.generate` in a worker thread,
+    weights swapped in flight through `WeightSource.maybe_swap`), and once every draft is complete take each as
+    a turn of the function-writing environment (model/env/function.py: the environment extracts the program,
+    the generator's port grades it in the region's sandbox — request/reply, each distinct program of the round
+    once; a timeout or error is a failed attempt, never a crash — and the environment adds the feedback).
+
+    With `max_group_size`, a finished group in which no episode passed grows by G fresh episodes until one
+    passes or the cap is reached: a task the policy solves once in 30 tries has no pass in most groups of 8, so
+    its groups are all-fail and teach nothing, while a grown group carries that rare pass (every Rollout of it
+    carries the grown `group_size`). Finally the group's Rollouts go out with `publish_batch` (msg id = rollout
+    id f"{task_id}-{g}"), the partial is deleted, and only then is the task acked; `in_progress()` holds it
+    meanwhile. Another generator that wins the partial's compare-and-set owns the task; the loser lets go.
+    A task of the repository kind (model/tasks/repo.py) is an agentic group instead (actors/generator/agentic.py);
+    the delivery, holding, acking and dead-lettering around it are the same.
+
+    Heartbeat counters: tasks, rollouts, resumed, sandbox_errors, tokens, graded_repeats (drafts that reused the
+    verdict of a draft of the same round with the same program), groups_grown, grown_unpublished (episodes of
+    grown groups left out by `grown_subsample`), summaries, publish_failures, taken_over, rejected; gauges:
+    tokens_per_s, held_version, sessions_held (sandbox sessions of agentic episodes open now).
+    """
 
     kind = "generator"
 
