@@ -271,6 +271,16 @@ class RestartSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Longest delay between restarts, seconds."""
 
 
+class LoggingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[logging]`: where `rlbus up` writes the run's metrics besides its progress lines and `plots/progress.png`."""
+
+    tensorboard: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """Directory of TensorBoard event files (`events.out.tfevents.*`): each optimizer step's figures, each evaluation,
+    the generators' throughput and every actor's heartbeat counters and gauges (ops/tensorboard.py). Relative: to
+    the state directory. `rlbus up --tensorboard DIR` overrides it. Needs the metrics extra
+    (`pip install 'rlbus[metrics]'`); none: no event files."""
+
+
 class TlsSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`[tls]`: TLS on every client connection and leaf link; off by default (loopback-only embedded servers)."""
 
@@ -339,6 +349,8 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     """Restart policy of crashed actors."""
     tls: TlsSettings = TlsSettings()
     """TLS between regions and for every client connection."""
+    logging: LoggingSettings = LoggingSettings()
+    """Metrics files `rlbus up` writes (TensorBoard)."""
 
     @property
     def state_path(self) -> Path:
