@@ -3,7 +3,8 @@
 Owns: following TRAINLOG steps, evaluation reports and heartbeats on the hub while the run goes on
 (`RunView.watch`), one progress line per optimizer step (version, reward, KL, staleness, throughput,
 the latest pass rate), and at the end the summary (with the ledger) and `progress.png` (reward and
-pass rate per version). Does not: launch anything (topology/backends/launch.py) or keep state of its own.
+pass rate per version); every followed message also goes to the TensorBoard sink when there is one
+(ops/tensorboard.py). Does not: launch anything (topology/backends/launch.py) or keep state of its own.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class RunView:
     target_steps: int | None = None
     final: Any = None
     """The closing evaluation of the final checkpoint (ops/final_eval.py `FinalEval`), once made."""
+    sink: Any = None
+    """Where followed messages are also written (ops/tensorboard.py `TensorBoardSink`); None: nowhere."""
 
     async def watch(self, bus: Bus) -> None:
         """Follow TRAINLOG, EVALS and HEALTH on the hub's core subjects until cancelled."""
@@ -59,6 +62,8 @@ class RunView:
                 message = codec.decode(msg.data, msg.headers)
             except BadMessage:
                 continue
+            if self.sink is not None:
+                self.sink.write(message)
             match message:
                 case TrainStep() as step:
                     self.steps.append(step)

@@ -1,10 +1,11 @@
 """`rlbus up [FILE]`: launch a topology on this machine and show its progress until Ctrl-C.
 
 Owns: the command line of `up` (topology file, state dir, --fresh, backend, --for, --steps, --record,
---no-pretrained-cache), the first phase (a pretrained policy for a run with a trainer: kept, reused from the
+--tensorboard, --no-pretrained-cache), the first phase (a pretrained policy for a run with a trainer: kept, reused from the
 shared cache `<parent>/pretrained/<settings digest>/` when identical settings were pretrained before, or
 pretrained), the live view (RL progress lines from ops/runview.py, or a heartbeat table for the bus demo),
-the recording of the run as it goes (--record), and the closing summary and PNG.
+the recording of the run as it goes (--record), TensorBoard event files of what the view follows (--tensorboard or
+`[logging] tensorboard`, written by ops/tensorboard.py), and the closing summary and PNG.
 The work of starting servers, streams and actors is topology/backends/launch.py's.
 """
 
@@ -61,12 +62,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--record", type=Path, default=None, metavar="FILE",
                    help="record the run's streams into FILE as it goes (what `rlbus record` writes), complete "
                         "once the run has stopped")
+    p.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                   help="write every step's and evaluation's figures, the generators' throughput and every actor's "
+                        "heartbeat counters as TensorBoard event files under DIR (relative: to the working "
+                        "directory); overrides the topology's [logging] tensorboard (relative: to the state "
+                        "directory). Needs the metrics extra: pip install 'rlbus[metrics]'")
     p.set_defaults(handler=_handler)
 
 
 def _handler(args: argparse.Namespace) -> int:
     import anyio
 
+    from rlbus.ops.tensorboard import require_writer, tensorboard_dir
     from rlbus.topology.examples import example_path
     from rlbus.topology.file.load import load
 
@@ -75,6 +82,9 @@ def _handler(args: argparse.Namespace) -> int:
         path = example_path(args.topology)
     topology = load(path)
     state = (args.state_dir or topology.state_path).resolve()
+    args.tensorboard = tensorboard_dir(args.tensorboard, topology.logging.tensorboard, state)
+    if args.tensorboard is not None:
+        require_writer()                            # a missing extra stops the run before anything starts
     lock = hold_state_dir(state)
     try:
         if args.fresh:
@@ -300,18 +310,36 @@ def _pass_summary(path: Path) -> dict[str, Any] | None:
 
 
 async def _up(topology: Any, state: Path, args: argparse.Namespace, rl: bool, base: dict[str, Any] | None) -> int:
-    import functools
-
-    import anyio
-
-    from rlbus.ops.logging import configure_logging
-    from rlbus.ops.runview import RunView, summary, write_png
-    from rlbus.topology.backends.launch import Launch
+    from rlbus.ops.runview import RunView
 
     started = time.monotonic()
     print(f"rlbus up: run {topology.run!r}, {len(topology.regions)} region(s), "
           f"{len(topology.instances())} actor(s), backend {args.backend or topology.launch.backend}", flush=True)
     view: Any = RunView(base_pass=base, target_steps=args.steps) if rl else _HeartbeatTable(sys.stdout.isatty())
+    with contextlib.ExitStack() as closing:
+        if args.tensorboard is not None:
+            from rlbus.ops.tensorboard import TensorBoardSink
+
+            view.sink = TensorBoardSink(args.tensorboard)
+            closing.callback(view.sink.close)
+            print(f"rlbus up: TensorBoard event files in {args.tensorboard} (tensorboard --logdir {args.tensorboard})",
+                  flush=True)
+        text = await _launched(topology, state, args, rl, view, started)
+    print(text, flush=True)
+    return 0
+
+
+async def _launched(topology: Any, state: Path, args: argparse.Namespace, rl: bool, view: Any,
+                    started: float) -> str:
+    """Launch the topology, show `view` until the run is stopped, and return the closing summary."""
+    import functools
+
+    import anyio
+
+    from rlbus.ops.logging import configure_logging
+    from rlbus.ops.runview import summary, write_png
+    from rlbus.topology.backends.launch import Launch
+
     async with Launch.open(topology, state_dir=state) as launch:
         where = ", ".join(f"{r}={u[0]}" for r, u in launch.endpoints.urls.items())
         print(f"rlbus up: bus ready ({where}); state in {launch.state_dir}", flush=True)
@@ -335,11 +363,8 @@ async def _up(topology: Any, state: Path, args: argparse.Namespace, rl: bool, ba
             finish.set()        # the actors are gone: the recording takes what the streams hold and ends
         print(f"rlbus up: stopping: actors drained, servers stopping ({time.monotonic() - started:.0f}s)", flush=True)
         if rl:
-            text = await _rl_summary(view, launch, topology, summary, write_png)
-        else:
-            text = view.summary(launch)
-    print(text, flush=True)
-    return 0
+            return await _rl_summary(view, launch, topology, summary, write_png)
+        return str(view.summary(launch))
 
 
 def links_line(regions: Any, topology: Any) -> str | None:
@@ -441,6 +466,8 @@ class _HeartbeatTable:
     def __init__(self, tty: bool) -> None:
         self.tty = tty
         self.latest: dict[str, Any] = {}
+        self.sink: Any = None
+        """Where heartbeats are also written (ops/tensorboard.py `TensorBoardSink`); None: nowhere."""
 
     async def watch(self, bus: Any) -> None:
         from contextlib import aclosing
@@ -451,6 +478,8 @@ class _HeartbeatTable:
         async with aclosing(bus.follow(bus.subjects.all_health(), Heartbeat)) as beats:
             async for hb in beats:
                 self.latest[hb.actor_id] = hb
+                if self.sink is not None:
+                    self.sink.write(hb)
                 if time.monotonic() - last > (1.0 if self.tty else 5.0):
                     last = time.monotonic()
                     print(self.render(), flush=True)
