@@ -6,13 +6,14 @@ text> SPEC` in a fresh copy of the workspace, so nothing of it lives in the copy
   deletes it, then points fds 1 and 2 at an unlinked temporary file (what the tests print) and keeps a private
   duplicate of the old fd 1 for the report; nothing of the workspace has run yet;
 - copies the framework (every attribute of unittest's classes and modules, this file's result class,
-  builtins, the import machinery, trace and profile hooks) before any workspace or test code is imported;
+  builtins, the import machinery, trace and profile hooks) before any workspace or test code is imported, and
+  each hidden test module's functions and its test classes' methods once it is imported;
 - puts the repository root on the path after the standard library (before site-packages); a module named in
   `stdlib_under_test` is imported from the repository instead of the standard library, and its C accelerator
   (`_heapq` for `heapq`) is refused unless the repository ships one, so the tests exercise the repository's code;
 - compiles each hidden test from the spec's text (never a `.pyc` or the copy's file), collects its tests with
   the framework's loader and runs them; after the imports and after each test the framework is compared with
-  the copy, and the test's own class and instance with theirs; any difference voids the grade;
+  the copies, and the test instance must not shadow a framework method; any difference voids the grade;
 - writes one line `<nonce><json>` to the private fd and ends with `os._exit(0)` (no atexit handler runs).
 The nonce is never in the environment, the argv or a file the tested code can still read.
 Does not: decide the verdict (the supervisor checks the nonce, the names of the tests and the problems:
@@ -187,6 +188,10 @@ def main():
             moved += [f"{a}.{b}" for (a, b) in now if (a, b) not in methods and b in framework_names]
             if moved:
                 problems.append(f"{when}: test class methods changed ({', '.join(moved[:5])})")
+        for module, functions in module_functions.items():
+            moved = [k for k, v in functions.items() if vars(module).get(k) is not v]
+            if moved:
+                problems.append(f"{when}: functions of {module.__name__} changed ({', '.join(moved[:5])})")
         if test is not None:
             shadowed = [k for k in vars(test) if k in framework_names and callable(getattr(unittest.TestCase, k))]
             if shadowed:
@@ -203,6 +208,7 @@ def main():
     loader = unittest.TestLoader()
     before = _framework(_Record)
     classes = {}
+    module_functions = {}
     record = _Record(check)
     import_errors = {}
     tests = []
@@ -216,6 +222,7 @@ def main():
         except BaseException:                     # SystemExit and KeyboardInterrupt at import are failures too
             import_errors[path] = traceback.format_exc()[-DETAIL_CHARS:]
             continue
+        module_functions[module] = {k: v for k, v in vars(module).items() if isinstance(v, types.FunctionType)}
         for cls in _classes_of(module):
             classes.setdefault(cls, _methods(cls))
         tests += list(_flatten(loader.loadTestsFromModule(module)))
