@@ -35,10 +35,11 @@ async def local_sandbox(name: str, config: SandboxConfig,
     from rlbus.actors.base import ActorId
     from rlbus.actors.sandbox.supervisor import SandboxSupervisor
     from rlbus.messages.bus import Bus, ConnectOptions
+    from rlbus.topology.network.server_config import ServerOptions
     from rlbus.topology.network.servers import EmbeddedServer
 
     with tempfile.TemporaryDirectory(prefix=f"rlbus-{name}-") as tmp:
-        server = EmbeddedServer.start(tmp, name=name)
+        server = EmbeddedServer.start(tmp, ServerOptions(name=name))
         try:
             cred = server.credential("admin")
             bus = await Bus.connect(server.url, run=f"l{uuid.uuid4().hex[:8]}",

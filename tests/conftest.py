@@ -22,6 +22,7 @@ from helpers.runs import FinishedRun, finished_tiny_run
 
 from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.topology.network.regions import RegionSet
+from rlbus.topology.network.server_config import ServerOptions
 from rlbus.topology.network.servers import EmbeddedServer
 
 SESSION_END_TIMEOUT_S = 120.0
@@ -61,7 +62,7 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
     """One JetStream server for the session (per-role users); tests that kill servers start their own."""
-    server = EmbeddedServer.start(tmp_path_factory.mktemp("js"), name="session")
+    server = EmbeddedServer.start(tmp_path_factory.mktemp("js"), ServerOptions(name="session"))
     try:
         yield server
     finally:

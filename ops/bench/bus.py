@@ -41,6 +41,7 @@ async def _run(n: int, rounds: int, tokens: int) -> dict[str, Any]:
     from rlbus.messages import codec
     from rlbus.messages.bus import MSG_ID_HEADER, Bus, ConnectOptions
     from rlbus.messages.schemas import Rollout
+    from rlbus.topology.network.server_config import ServerOptions
     from rlbus.topology.network.servers import EmbeddedServer
 
     rng = random.Random(0)
@@ -49,7 +50,7 @@ async def _run(n: int, rounds: int, tokens: int) -> dict[str, Any]:
     variants = {"default": codec.COMPRESS_ABOVE, "zstd": 0}
 
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
-        server = EmbeddedServer.start(tmp, name="bench")
+        server = EmbeddedServer.start(tmp, ServerOptions(name="bench"))
         try:
             cred = server.credential("admin")
             bus = await Bus.connect(server.url, run=f"b{uuid.uuid4().hex[:8]}",

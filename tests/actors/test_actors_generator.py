@@ -69,6 +69,7 @@ from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.model.tasks.builtin import Task, eval_tasks
 from rlbus.ops.bench.version_source import published_state, upload_version
 from rlbus.topology.network.regions import RegionSet
+from rlbus.topology.network.server_config import ServerOptions
 from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
@@ -100,8 +101,8 @@ class Env:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
     """A server whose role users may write the PARTIALS buckets of this module's runs."""
-    srv = EmbeddedServer.start(tmp_path_factory.mktemp("gen-js"), name="gen",
-                               scope=BucketScope(runs=RUNS, regions=("hub",)))
+    srv = EmbeddedServer.start(tmp_path_factory.mktemp("gen-js"), ServerOptions(
+        name="gen", scope=BucketScope(runs=RUNS, regions=("hub",))))
     try:
         yield srv
     finally:

