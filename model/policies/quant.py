@@ -1,7 +1,8 @@
-"""Weight quantisation for sampling: a copy of the policy whose Linear weights hold MXFP8 values.
+"""Numerics of a policy: MXFP8 weight copies for sampling, and the trainer's precision applied to a module.
 
-Owns `quantized_copy` and `refresh_quantized` (re-quantise after an in-place weight swap).
-Does not own the MXFP8 format itself (`rlbus.kernels.mxfp8`).
+Owns `quantized_copy` and `refresh_quantized` (re-quantise after an in-place weight swap), `QuantLinear`,
+and `set_numerics` (forward precision of expert or all Linear layers, router-replay plausibility threshold).
+Does not own the number formats or the quantised product (`rlbus.kernels.mxfp8`, `nvfp4`, `quantmm`).
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import copy
 from typing import Literal, TypeAlias
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from rlbus.kernels.mxfp8 import mxfp8_roundtrip
+from rlbus.kernels.quantmm import Precision, check_precision, quant_linear
 
 WeightQuant: TypeAlias = Literal["none", "mxfp8"]
+PrecisionScope: TypeAlias = Literal["experts", "all"]
 
 
 @torch.no_grad()
@@ -35,3 +38,59 @@ def quantized_copy(model: nn.Module, scheme: WeightQuant = "mxfp8") -> nn.Module
     if scheme == "mxfp8":
         refresh_quantized(clone, model)
     return clone
+
+
+class QuantLinear(nn.Linear):
+    """An nn.Linear whose product is `quant_linear` at `precision` (no bias: none of our layers has one).
+
+    Made by swapping the class of an existing nn.Linear, so parameter objects and names stay: an
+    optimizer holding them and the weight codec naming them see no change.
+    """
+
+    precision: Precision = "bf16"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.bias is not None:
+            raise ValueError("QuantLinear takes bias-free Linear layers only")
+        return quant_linear(x, self.weight, self.precision)
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts." in f".{name}."
+
+
+def _skipped(name: str) -> bool:
+    """Layers that keep full precision under every scope: routers and the output head."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf in ("router", "lm_head")
+
+
+def set_numerics(
+    module: nn.Module, precision: str = "bf16", scope: str = "experts", replay_threshold: float = 0.0
+) -> int:
+    """Apply a forward precision to module's expert Linear layers (scope "experts") or to every Linear
+    but routers and the output head (scope "all"), and the router-replay plausibility threshold to
+    every layer that has one. Returns the number of Linear layers at a quantised precision.
+
+    :raises ValueError: an unknown precision or scope, or a threshold outside [0, 1].
+    """
+    precision = check_precision(precision)
+    if scope not in ("experts", "all"):
+        raise ValueError(f"unknown precision_scope {scope!r}; expected 'experts' or 'all'")
+    if not 0.0 <= replay_threshold <= 1.0:
+        raise ValueError(f"router_replay_threshold {replay_threshold} must be in [0, 1]")
+    quantised = 0
+    for name, mod in module.named_modules():
+        if hasattr(mod, "replay_threshold"):
+            mod.replay_threshold = float(replay_threshold)
+        if not isinstance(mod, nn.Linear):
+            continue
+        chosen = precision != "bf16" and (_is_expert(name) if scope == "experts" else not _skipped(name))
+        if chosen:
+            mod.__class__ = QuantLinear
+            mod.precision = precision  # type: ignore[assignment]
+            quantised += 1
+        elif isinstance(mod, QuantLinear):
+            mod.__class__ = nn.Linear
+            del mod.precision
+    return quantised

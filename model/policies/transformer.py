@@ -1,7 +1,7 @@
 """The policy network: a decoder-only transformer (RoPE, RMSNorm, SwiGLU) with a KV cache.
 
-Owns the config presets, optional MoE feed-forward layers with router replay, optional
-multi-token-prediction (MTP) heads and left-padded batches. Does not own sampling
+Owns the config presets, optional MoE feed-forward layers with router replay (and its plausibility
+check), optional multi-token-prediction (MTP) heads and left-padded batches. Does not own sampling
 (`model/sampling/generate.py`), losses (`model/training/loss.py`) or tokenisation.
 """
 
@@ -214,16 +214,23 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed SwiGLU experts (Shazeer et al. 2017), gates renormalised over the chosen k."""
+    """Top-k routed SwiGLU experts (Shazeer et al. 2017), gates renormalised over the chosen k.
+
+    `replay_threshold` t (0 by default: replay as recorded) makes router replay check plausibility:
+    a replayed expert whose router probability is below t times the k-th largest probability (the
+    weakest expert of this layer's own top-k) is replaced by the best of its own top-k not already
+    chosen, in the same slot. The ids returned are the ones used, so replaced = (returned != forced).
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.top_k = config.top_k
+        self.replay_threshold = 0.0
         self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(config.d_model, config.d_ff) for _ in range(config.n_experts))
 
     def forward(self, x: Tensor, ids: Tensor | None) -> tuple[Tensor, Tensor]:
-        """x (B, T, D), ids (B, T, k) forced experts or None -> (y (B, T, D), ids (B, T, k)).
+        """x (B, T, D), ids (B, T, k) forced experts or None -> (y (B, T, D), ids used (B, T, k)).
 
         gate_i = p_i / sum_{j in chosen} p_j with p = softmax(router(x)); with forced ids the gates
         are recomputed from the router for exactly those experts, so the router still gets gradients.
@@ -233,6 +240,8 @@ class MoE(nn.Module):
         if ids is None:
             gate, ids = probs.topk(self.top_k, dim=-1)
         else:
+            if self.replay_threshold > 0:
+                ids = plausible_replay(probs.detach(), ids, self.top_k, self.replay_threshold)
             gate = probs.gather(-1, ids)
         gate = (gate / gate.sum(-1, keepdim=True)).to(x.dtype)
         flat_x, flat_ids, flat_gate = (
@@ -246,6 +255,25 @@ class MoE(nn.Module):
             if token.numel():
                 y.index_add_(0, token, expert(flat_x[token]) * flat_gate[token, slot, None])
         return y.view(B, T, D), ids
+
+
+def plausible_replay(probs: Tensor, ids: Tensor, top_k: int, threshold: float) -> Tensor:
+    """probs (..., E), replayed ids (..., k) -> ids with every implausible expert replaced.
+
+    Implausible: p[id] < threshold * (k-th largest p). Its slot takes the highest-ranked expert of the
+    row's own top-k that the row does not already use. Rows with nothing implausible are untouched.
+    """
+    own_p, own = probs.topk(top_k, dim=-1)
+    bad = probs.gather(-1, ids) < threshold * own_p[..., -1:]
+    if not bool(bad.any()):
+        return ids
+    flat_ids, flat_bad, flat_own = ids.reshape(-1, top_k).clone(), bad.reshape(-1, top_k), own.reshape(-1, top_k)
+    for row in flat_bad.any(-1).nonzero().flatten().tolist():
+        keep = flat_ids[row][~flat_bad[row]].tolist()
+        spare = [e for e in flat_own[row].tolist() if e not in keep]
+        for slot in flat_bad[row].nonzero().flatten().tolist():
+            flat_ids[row, slot] = spare.pop(0)
+    return flat_ids.view(ids.shape)
 
 
 class Block(nn.Module):
