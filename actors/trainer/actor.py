@@ -1,19 +1,13 @@
-"""The trainer actor: consumes the hub's ROLLOUTS, trains the policy, publishes every version, and makes
-each rollout enter exactly one optimizer step across crashes.
+"""The trainer actor: consumes the hub's ROLLOUTS, trains the policy, announces every version, and makes each
+rollout enter exactly one optimizer step across crashes.
 
-Owns: the consume → plan → step → log → announce loop; the exactly-once bookkeeping (consumed ids with
-the step that consumed them, held deliveries acked only once a CheckpointMark of this trainer's own
-lineage covers them, in-progress acks meanwhile); checkpoint uploads (every `checkpoint_interval` steps
-and on drain); resuming from the newest mark after the checkpointer has caught up.
-Does not: do the math (actors/trainer/core.py), make checkpoints durable (actors/checkpointer.py) or
-encode versions for generators (actors/publisher.py).
-
-Bounded: at most the consumer's `max_ack_pending` rollouts are in memory (held + pending + to drop); near
-that bound it checkpoints early, trains what is ready, or drops the oldest incomplete groups and records
-the drops in a TrainStep of its own (no optimizer step, same policy version), so it cannot wedge.
-
-Order per step: TrainStep on TRAINLOG → bf16 version to CKPT + VersionReady → (every N steps) full state
-to CKPT + StateUploaded. A TrainStep is always stored before any mark can cover its rollouts.
+- Owns: the consume → plan → step → log → announce loop; acks (a rollout only once a CheckpointMark of this
+  trainer's own lineage covers its step: actors/trainer/exactly_once.py keeps the books); state uploads; resume.
+- Order per step: TrainStep on TRAINLOG → bf16 version to CKPT + VersionReady → (every N steps) full state to
+  CKPT + StateUploaded; so a TrainStep is stored before any mark can cover its rollouts.
+- Bounded: at most the consumer's `max_ack_pending` rollouts in memory (`Trainer._relieve`).
+- Does not: do the math (actors/trainer/core.py), make checkpoints durable (actors/checkpointer.py) or encode
+  versions for generators (actors/publisher/).
 """
 
 from __future__ import annotations
@@ -40,16 +34,16 @@ from rlbus.actors.common.config import decode_config
 from rlbus.actors.common.ledger import reason_category
 from rlbus.actors.trainer.config import WORLD_ENV, TrainerConfig, TrainerLaunch, settings_record
 from rlbus.actors.trainer.core import (
+    Core,
     Objective,
     Plan,
     StepStats,
     TrainerCore,
     build_core,
     plan_step,
-    shard_files,
-    state_payload,
     versions_behind,
 )
+from rlbus.actors.trainer.exactly_once import RolloutBook, Seen
 from rlbus.actors.trainer.resume import Resume, resume_point
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, Delivery
@@ -122,16 +116,10 @@ def rank_spec(config: TrainerConfig, env: Mapping[str, str] | None = None) -> An
     return spec
 
 
-def load_into(core: TrainerCore, state: Mapping[str, bytes]) -> dict[str, Any]:
-    """Load a checkpoint's objects (name -> bytes) into `core`, whatever world size saved them: a one-rank
-    core reads one blob or a sharded state gathered (`state_payload`); a sharded core loads shards at its own
-    world size, or a one-rank blob split across its ranks. Returns the state's `meta`."""
-    files = shard_files(state)
-    if not hasattr(core, "load_shards"):
-        return core.load_payload(state_payload(state))
-    if files is not None:
-        return core.load_shards(files)                  # type: ignore[attr-defined, no-any-return]
-    return core.load_full(state_payload(state))         # type: ignore[attr-defined, no-any-return]
+def load_into(core: Core, state: Mapping[str, bytes]) -> dict[str, Any]:
+    """Load a checkpoint's objects (name -> bytes) into `core`, whatever world size saved them (`Core.load`).
+    Returns the state's `meta`."""
+    return core.load(state)
 
 
 def build_trainer_core(config: TrainerConfig, *, threads: int, pretrained: str = "",
@@ -155,7 +143,7 @@ class Trainer(Actor):
         self.launch = launch or TrainerLaunch()
         self.subjects: Subjects = bus.subjects
         self.incarnation = uuid.uuid4().hex[:8]
-        self.core: TrainerCore | None = None
+        self.core: Core | None = None
         self.step = 0
         self.version = 0
         self.announced: int | None = None
@@ -163,18 +151,13 @@ class Trainer(Actor):
         self.resumed = False
         self.resume_source = ""
         """Where the state came from: "ckpt" (the mark's object), "disk" (the durable copy) or "fresh"."""
-        self.consumed: dict[str, int] = {}
-        """Rollout id → the step that trained on or dropped it (ids of a resumed state: the mark's step)."""
-        self.held: dict[str, Delivery[Rollout]] = {}
-        """Consumed rollouts not yet covered by a mark: acked when one is."""
+        self.book: RolloutBook[Delivery[Rollout]] = RolloutBook()
+        """Consumed ids, deliveries held for a mark, uploads awaiting one (actors/trainer/exactly_once.py)."""
         self.pending: dict[str, dict[str, Delivery[Rollout]]] = {}
         """Task id → rollout id → delivery, for groups not yet in a step (arrival order)."""
         self.to_drop: dict[str, tuple[Delivery[Rollout], str]] = {}
         """Rollout id → (delivery, reason) of dropped rollouts waiting for the next TrainStep to record them."""
-        self.marked_step = 0
         self.parent_checkpoint: int | None = None
-        self.uploads: dict[int, str] = {}
-        """Step → object name of this incarnation's state uploads not yet covered by a mark."""
         self.last_upload_step = 0
         self.unlogged: list[TrainStep] = []
         self.world_size = 1
@@ -196,14 +179,14 @@ class Trainer(Actor):
         cfg, threads, pretrained, device = self.config, trainer_threads(), self.launch.pretrained, self.launch.device
         spec = rank_spec(cfg)
 
-        def build() -> TrainerCore:
+        def build() -> Core:
             core = build_trainer_core(cfg, threads=threads, pretrained=pretrained, device=device)
             if spec is None:
                 return core
             from rlbus.actors.trainer.ranks import ShardedCore, join
 
             join(spec, core.policy.device)        # waits for every rank (the rendezvous timeout names the missing)
-            return ShardedCore(core, spec)        # type: ignore[return-value]  # TrainerCore's interface
+            return ShardedCore(core, spec)
 
         self.core = await anyio.to_thread.run_sync(build)
         self.world_size = 1 if spec is None else spec.world_size
@@ -232,19 +215,19 @@ class Trainer(Actor):
         await self._announce()
         if self.step > self.last_upload_step:
             await self._checkpoint()
-        if self.uploads:
+        if self.book.uploads:
             with anyio.move_on_after(self.launch.mark_wait_s):
-                while self.uploads:
+                while self.book.uploads:
                     s = self.subjects
                     mark = await last_message(self.bus.js, s.checkpoints_stream(), s.checkpoints(), CheckpointMark)
                     if mark is not None:
                         await self._on_mark(mark)
-                    if self.uploads:
+                    if self.book.uploads:
                         await anyio.sleep(0.1)
-        if self.world_size > 1 and self.core is not None:
-            await anyio.to_thread.run_sync(self.core.stop)      # type: ignore[attr-defined]  # the other ranks return
+        if self.core is not None:
+            await anyio.to_thread.run_sync(self.core.stop)      # the other ranks return (one process: nothing)
         await self.bus.nc.flush(timeout=2)
-        log.info("trainer_drained", step=self.step, version=self.version, held=len(self.held),
+        log.info("trainer_drained", step=self.step, version=self.version, held=len(self.book.held),
                  pending=sum(map(len, self.pending.values())))
 
     def started_data(self) -> dict[str, str]:
@@ -254,19 +237,19 @@ class Trainer(Actor):
         return {SETTINGS_KEY: msgspec.json.encode(record).decode(), THREADS_KEY: str(trainer_threads())}
 
     # ---- resume ---------------------------------------------------------------------------------
-    def _core(self) -> TrainerCore:
+    def _core(self) -> Core:
         if self.core is None:
             raise RlbusError("trainer used before setup()")
         return self.core
 
-    async def _resume(self, core: TrainerCore, point: Resume) -> None:
+    async def _resume(self, core: Core, point: Resume) -> None:
         if point.state is not None and point.mark is not None:
-            meta = await anyio.to_thread.run_sync(load_into, core, point.state)
-            self.step = self.marked_step = self.last_upload_step = int(meta["step"])
+            meta = await anyio.to_thread.run_sync(core.load, point.state)
+            self.step = self.last_upload_step = int(meta["step"])
             self.parent_checkpoint = self.step
-            self.consumed = {rid: self.step for rid in meta["consumed"]}
+            self.book.resume(self.step, meta["consumed"])
             log.info("trainer_resumed", step=self.step, mark_version=point.mark.policy_version,
-                     consumed=len(self.consumed), source=point.source)
+                     consumed=len(self.book.consumed), source=point.source)
         self.version = point.next_version
         self.policy_version = self.version
         self.resume_source = point.source
@@ -290,17 +273,18 @@ class Trainer(Actor):
             elif self._buffered() >= max(1, int(self.max_buffered * 0.9)):
                 with self.busy():
                     await self._relieve()
-            self.gauges.update(pending=float(sum(map(len, self.pending.values()))), held=float(len(self.held)),
+            self.gauges.update(pending=float(sum(map(len, self.pending.values()))), held=float(len(self.book.held)),
                                buffered=float(self._buffered()))
 
     def _buffered(self) -> int:
         """Deliveries held in memory, not yet acked: held for a mark, pending in groups, waiting to be dropped."""
-        return len(self.held) + sum(map(len, self.pending.values())) + len(self.to_drop)
+        return len(self.book.held) + sum(map(len, self.pending.values())) + len(self.to_drop)
 
     async def _relieve(self) -> None:
         """The buffer is nearly at `max_buffered` (JetStream will deliver nothing more) and no batch is ready:
-        train the ready groups there are, else drop the oldest incomplete groups, and record the drops —
-        so rollouts that can never train (incomplete, stale) cannot wedge the trainer."""
+        train the ready groups there are, else drop the oldest incomplete groups, and record the drops in a
+        TrainStep of their own (no optimizer step, same policy version) — so rollouts that can never train
+        (incomplete, stale) cannot wedge the trainer. Checkpoints come early too (`_maybe_checkpoint`)."""
         plan = plan_step({t: [d.message for d in m.values()] for t, m in self.pending.items()},
                          version=self.version, staleness_versions=self.config.staleness_versions,
                          batch_rollouts=1, check=self._check, drop_flat=self.config.drop_flat_groups)
@@ -326,14 +310,12 @@ class Trainer(Actor):
     async def _accept(self, delivery: Delivery[Rollout]) -> None:
         rollout = delivery.message
         rid = rollout.rollout_id
-        done_at = self.consumed.get(rid)
-        if done_at is not None:                      # redelivered: trained or dropped already
+        seen = self.book.seen(rid, delivery)
+        if seen is not Seen.NEW:                     # redelivered: trained or dropped already
             self.count("redelivered_consumed")
-            if done_at <= self.marked_step:
+            if seen is Seen.ACK:
                 await delivery.ack()                 # a mark covers it: the earlier ack was lost
-            else:
-                self.held[rid] = delivery            # acked once its step's mark arrives
-            return
+            return                                   # else the book holds it until its step's mark arrives
         if rid in self.to_drop:                      # redelivered while its drop waits for the next step
             self.to_drop[rid] = (delivery, self.to_drop[rid][1])
             return
@@ -369,9 +351,9 @@ class Trainer(Actor):
             self.step += 1
             self.version += 1
             self.policy_version = self.version
-            for d in [*used, *(d for d, _ in dropped)]:
-                self.consumed[d.message.rollout_id] = self.step
-                self.held[d.message.rollout_id] = d
+            consumed = [*used, *(d for d, _ in dropped)]
+            self.book.consume(self.step, ((d.message.rollout_id, d) for d in consumed))
+            for d in consumed:
                 self._checked.pop(d.message.rollout_id, None)
             self.unlogged.append(TrainStep(
                 step=self.step, policy_version=self.version, parent_checkpoint=self.parent_checkpoint,
@@ -404,9 +386,7 @@ class Trainer(Actor):
         they can be acked once a mark covers it; for when rollouts pile up that nothing will train."""
         dropped, self.to_drop = list(self.to_drop.values()), {}
         self.step += 1                    # no await until the record is queued: applied together or not at all
-        for d, _ in dropped:
-            self.consumed[d.message.rollout_id] = self.step
-            self.held[d.message.rollout_id] = d
+        self.book.consume(self.step, ((d.message.rollout_id, d) for d, _ in dropped))
         self.unlogged.append(TrainStep(
             step=self.step, policy_version=self.version, parent_checkpoint=self.parent_checkpoint,
             dropped=[DroppedRollout(rollout_id=d.message.rollout_id, reason=why) for d, why in dropped]))
@@ -422,7 +402,7 @@ class Trainer(Actor):
         """Every `checkpoint_interval` steps, and early when the rollouts held for a mark reach half the buffer
         bound (otherwise the unacked ones could fill `max_ack_pending` before the next checkpoint is due)."""
         if self.step % self.launch.checkpoint_interval == 0 or (
-                len(self.held) >= self.max_buffered // 2 and not self.uploads):
+                len(self.book.held) >= self.max_buffered // 2 and not self.book.uploads):
             await self._checkpoint()
 
     # ---- publishing -----------------------------------------------------------------------------
@@ -473,7 +453,7 @@ class Trainer(Actor):
         if old >= 0:
             await delete_object(self.bus.js, bucket, Subjects.version_object(old))
 
-    async def _upload_policy_files(self, core: TrainerCore) -> None:
+    async def _upload_policy_files(self, core: Core) -> None:
         """Put the files the policy's spec lists (a Hugging Face config and tokenizer) in CKPT, by content, once
         per incarnation: the publisher copies them to every region beside the version objects."""
         if self._files_uploaded:
@@ -489,21 +469,19 @@ class Trainer(Actor):
             return
         core = self._core()
         step = self.step
-        consumed = sorted(rid for rid, at in self.consumed.items() if at <= step)
+        consumed = self.book.consumed_by(step)
         meta = {"step": step, "version": self.version, "consumed": consumed, "incarnation": self.incarnation,
                 "parent_step": self.parent_checkpoint, "saved_at": time.time()}
-        if self.world_size > 1:
-            def upload(filename: str, data: bytes) -> tuple[str, str]:
-                shard = Subjects.shard_object(hashlib.sha256(data).hexdigest(), filename)
-                return shard, anyio.from_thread.run(self._put, shard, data)
+        sharded = core.world_size > 1
 
-            objects, digests = await anyio.to_thread.run_sync(
-                lambda: core.save_shards(meta, upload))     # type: ignore[attr-defined]  # every rank uploads its own
-        else:
-            blob = await anyio.to_thread.run_sync(core.state_blob, meta)
-            name = Subjects.state_object(step, self.incarnation)
-            objects, digests = [name], [await self._put(name, blob)]
-        self.uploads[step] = objects[0]
+        def upload(filename: str, data: bytes) -> tuple[str, str]:
+            """A shard by content (every rank uploads its own), a one-process state by step and incarnation."""
+            name = (Subjects.shard_object(hashlib.sha256(data).hexdigest(), filename) if sharded
+                    else Subjects.state_object(step, self.incarnation))
+            return name, anyio.from_thread.run(self._put, name, data)
+
+        objects, digests = await anyio.to_thread.run_sync(core.save, meta, upload)
+        self.book.uploaded(step, objects[0])
         await self._publish(self.subjects.state_uploads(), StateUploaded(
             step=step, policy_version=self.version, objects=list(objects), digests=list(digests),
             consumed_rollout_ids=consumed, parent_step=self.parent_checkpoint),
@@ -573,18 +551,16 @@ class Trainer(Actor):
 
     async def _on_mark(self, mark: CheckpointMark) -> None:
         """A mark of one of this incarnation's uploads: ack every held rollout its step covers."""
-        if self.uploads.get(mark.step) not in mark.objects or mark.step <= self.marked_step:
+        covered = self.book.cover(mark.step, mark.objects)
+        if covered is None:
             return
-        self.marked_step = self.parent_checkpoint = mark.step
-        for step in [s for s in self.uploads if s <= mark.step]:
-            del self.uploads[step]
-        covered = [self.held.pop(rid) for rid in [r for r in self.held if self.consumed[r] <= mark.step]]
+        self.parent_checkpoint = mark.step
         for delivery in covered:
             await delivery.ack()
         self.count("marks")
         self.count("acked", len(covered))
         self.gauges["marked_step"] = float(mark.step)
-        log.info("trainer_mark_covered", step=mark.step, acked=len(covered), held=len(self.held))
+        log.info("trainer_mark_covered", step=mark.step, acked=len(covered), held=len(self.book.held))
 
     async def _ping_ranks(self) -> None:
         """While the trainer waits for rollouts, ping the other ranks now and then: a dead one breaks the ping's
@@ -593,13 +569,13 @@ class Trainer(Actor):
         every = max(0.5, min(5.0, self.config.collective_timeout_s / 4))
         while True:
             await anyio.sleep(every)
-            await anyio.to_thread.run_sync(core.ping)        # type: ignore[attr-defined]  # ShardedCore
+            await anyio.to_thread.run_sync(core.ping)
 
     async def _keepalive(self) -> None:
         """Reset the ack wait of every rollout held or buffered, so none is redelivered while we keep it."""
         while True:
             await anyio.sleep(self.keepalive_s)
-            deliveries = [*self.held.values(), *(d for g in self.pending.values() for d in g.values()),
+            deliveries = [*self.book.held.values(), *(d for g in self.pending.values() for d in g.values()),
                           *(d for d, _ in self.to_drop.values())]
             try:
                 for delivery in deliveries:

@@ -1,13 +1,11 @@
-"""The trainer's math and state, apart from the bus: which rollouts go into a step, the padded batch,
-one RL optimizer step, and the bytes of a checkpoint.
+"""The trainer's math and state, apart from the bus: which rollouts go into a step, one RL optimizer step,
+and the bytes of a checkpoint.
 
-Owns: `plan_step` (whole groups into a batch; stale or unusable groups dropped with a reason),
-`rollout_batch` (Rollouts → right-padded tensors aligned with next-token logits), `TrainerCore` (fp32
-master policy, frozen reference, AdamW: `train_step`, `bf16_state`, `state_blob` / `load_state_blob`),
-`build_core` (from a pretrained checkpoint or Hugging Face directory, or a fresh seeded tiny model) and
-`state_policy` (the policy a `state_blob` holds, for the closing evaluation, `rlbus eval` and `rlbus export`).
-Works on any `model.policy.Policy`; never on an implementation directly.
-Does not: talk to the bus, ack, publish or decide when to checkpoint (actors/trainer/actor.py).
+- Owns: `plan_step` (whole groups into a batch, stale or unusable ones dropped with a reason), `rollout_batch`,
+  `Core` (what the trainer actor drives), `TrainerCore` (the one-process `Core`: fp32 master policy, frozen
+  reference, AdamW), `build_core` and `state_policy` (the policy a checkpoint holds).
+- Works on any `Policy`, never on an implementation directly.
+- Does not: talk to the bus, ack, publish or decide when to checkpoint (actors/trainer/actor.py).
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 import torch
@@ -49,6 +47,11 @@ from rlbus.model.training.loss import Aggregation, group_relative_advantages, rl
 
 STATE_FORMAT: Final = 1
 """Layout version of `TrainerCore.state_blob` (the `policy_files` entry, absent from older blobs, reads as none)."""
+STATE_FILE: Final = "trainer-state.pt"
+"""The file name a one-process `TrainerCore.save` hands its one blob to `upload` under."""
+
+Upload = Callable[[str, bytes], tuple[str, str]]
+"""(file name, bytes) -> (object name, digest): how a core stores one checkpoint file (from a worker thread)."""
 
 
 # ---- which rollouts go into the next step ------------------------------------------------------
@@ -293,6 +296,62 @@ class StepStats:
     """False when the loss or gradient was not finite and the weights were left unchanged."""
 
 
+class Core(Protocol):
+    """What the trainer actor drives, whatever the world size: `TrainerCore` in one process, `ShardedCore`
+    (actors/trainer/ranks.py) as the leader of a group of ranks. Not thread-safe: one caller at a time."""
+
+    policy: Policy
+
+    @property
+    def world_size(self) -> int:
+        """Processes the policy is spread over (1: this one)."""
+        ...
+
+    def check(self, rollout: Rollout) -> str | None:
+        """Why this model cannot train on `rollout` (None: it can)."""
+        ...
+
+    def train_step(self, rollouts: Sequence[Rollout], objective: Objective, *,
+                   lr: float | None = None) -> StepStats:
+        """One optimizer step on `rollouts` (the whole batch's stats)."""
+        ...
+
+    def published_version(self) -> tuple[bytes, str, int]:
+        """(full-snapshot blob of the bf16 version, its version digest as hex, raw tensor bytes)."""
+        ...
+
+    def model_config_dict(self) -> dict[str, Any]:
+        """The policy's spec, as VersionReady and every WeightManifest carry it."""
+        ...
+
+    def policy_files(self) -> dict[str, bytes]:
+        """The files a joiner needs besides the tensors."""
+        ...
+
+    def save(self, meta: Mapping[str, Any], upload: Upload) -> tuple[list[str], list[str]]:
+        """Store the full state with `meta` through `upload`. -> (object names, digests), the first one the
+        object a CheckpointMark names."""
+        ...
+
+    def load(self, state: Mapping[str, bytes]) -> dict[str, Any]:
+        """Load a checkpoint's objects (name -> bytes) saved at any world size. -> its meta.
+
+        :raises CheckpointError: not a trainer state, or one of another architecture.
+        """
+        ...
+
+    def ping(self) -> None:
+        """Check that every rank still answers (nothing to do in one process).
+
+        :raises RlbusError: a rank is gone (`RankError`).
+        """
+        ...
+
+    def stop(self) -> None:
+        """Release the other ranks (nothing to do in one process)."""
+        ...
+
+
 class TrainerCore:
     """The fp32 master policy, its frozen reference and AdamW, on the policy's device. Not thread-safe: one
     caller at a time."""
@@ -430,6 +489,25 @@ class TrainerCore:
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         return buffer.getvalue()
+
+    def save(self, meta: Mapping[str, Any], upload: Upload) -> tuple[list[str], list[str]]:
+        """`Core.save`: the one `state_blob`, handed to `upload` as `STATE_FILE`."""
+        name, digest = upload(STATE_FILE, self.state_blob(meta))
+        return [name], [digest]
+
+    def load(self, state: Mapping[str, bytes]) -> dict[str, Any]:
+        """`Core.load`: one `state_blob`, or the shards of a multi-rank trainer gathered (`state_payload`)."""
+        return self.load_payload(state_payload(state))
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def ping(self) -> None:
+        """Nothing to ping: one process."""
+
+    def stop(self) -> None:
+        """Nothing to stop: one process."""
 
     def load_state_blob(self, blob: bytes) -> dict[str, Any]:
         """Restore weights, optimizer and RNG from `state_blob` bytes; returns its `meta`.

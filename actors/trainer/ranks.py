@@ -30,7 +30,15 @@ from torch import Tensor
 from rlbus.actors.common.errors import CheckpointError
 from rlbus.actors.trainer import sharded
 from rlbus.actors.trainer.config import RANK_ENV, RENDEZVOUS_ENV, TIMEOUT_ENV, WORLD_ENV
-from rlbus.actors.trainer.core import Objective, StepStats, TrainerCore, read_state
+from rlbus.actors.trainer.core import (
+    Objective,
+    StepStats,
+    TrainerCore,
+    Upload,
+    read_state,
+    shard_files,
+    state_payload,
+)
 from rlbus.actors.trainer.sharded import is_sharded, shards_to_payload
 from rlbus.kernels.delta.state import encode_state
 from rlbus.messages import codec
@@ -41,8 +49,6 @@ from rlbus.model.policies.interface import Policy
 __all__ = ["RankError", "RankSpec", "ShardedCore", "follow", "is_sharded", "join", "leave", "shards_to_payload",
            "state_bytes"]
 
-Upload = Callable[[str, bytes], tuple[str, str]]
-"""(file name, bytes) -> (object name, digest): how a rank stores one checkpoint file of its own."""
 OPS: Final = ("stop", "ping", "train", "gather", "save", "load_shards", "load_full")
 """The leader's commands, by their code on the wire (the index)."""
 _JOINED: Final = "rlbus/joined/"
@@ -186,7 +192,7 @@ def _line(err: BaseException) -> str:
 
 # ---- the sharded core -------------------------------------------------------------------------------------
 class ShardedCore:
-    """A `TrainerCore` over the ranks of a joined group: the leader (rank 0) calls it where it would call the
+    """A `TrainerCore` over the ranks (a `Core`) of a joined group: the leader (rank 0) calls it where it would call the
     core; each follower builds the same object and hands it to `follow`.
 
     Every rank must build its core from the same checkpoint; the leader's weights are broadcast anyway before
@@ -227,6 +233,10 @@ class ShardedCore:
         core.optimizer = self.optimizer
 
     # ---- what TrainerCore offers ------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
     @property
     def model(self) -> torch.nn.Module:
         return self.policy.module
@@ -271,6 +281,18 @@ class ShardedCore:
         its `upload`. -> (objects, digests) of every rank's files, rank 0's first, each rank's in name order."""
         with self._command("save"):
             return self._save(meta, upload)
+
+    def save(self, meta: Mapping[str, Any], upload: Upload) -> tuple[list[str], list[str]]:
+        """`Core.save`: `save_shards`."""
+        return self.save_shards(meta, upload)
+
+    def load(self, state: Mapping[str, bytes]) -> dict[str, Any]:
+        """`Core.load`: the shards of a checkpoint at any world size (`load_shards`), or a one-rank state blob
+        split across the ranks (`load_full`)."""
+        files = shard_files(state)
+        if files is not None:
+            return self.load_shards(files)
+        return self.load_full(state_payload(state))
 
     def load_shards(self, files: Mapping[str, bytes]) -> dict[str, Any]:
         """Load a sharded checkpoint (every file, by the names `save_shards` gave `upload`) saved at any world
