@@ -1,7 +1,8 @@
 """`rlbus bench sync --quick --sync-link RATE/LATENCY` over shaped links: the JSON carries every link key, the
-full snapshots the generators fetched crossed each leaf's link, and nothing is left behind. `--sync-link` is
-parsed as RATE/LATENCY or refused by name. No speed is asserted (benchmarks report numbers; the suite checks
-outcomes). Needs root, ip, tc and nft; skipped with the reason elsewhere."""
+full snapshots the generators fetched crossed each leaf's link, the delta mode relayed the leaves (as `rlbus up`
+does behind links), and nothing is left behind. `--sync-link` is parsed as RATE/LATENCY or refused by name;
+`--sync-relay` defaults to relaying behind links only. No speed is asserted (benchmarks report numbers; the suite
+checks outcomes). The run over links needs root, ip, tc and nft; skipped with the reason elsewhere."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 from helpers.ops import json_in
 
-from rlbus.ops.bench.sync import LEAVES, link_spec, run
+from rlbus.ops.bench.sync import LEAVES, add_arguments, relayed, run
+from rlbus.ops.bench.sync_links import link_spec
 from rlbus.topology.network.links import LinkShape, namespaces_unavailable
 
 LINK_KEYS = ("link_seconds_per_version_delta", "link_seconds_per_version_full", "link_speedup_vs_full",
@@ -30,6 +32,22 @@ def test_sync_link_is_rate_slash_latency_or_refused_by_name() -> None:
     for bad in ("100mbit", "fast/30ms", "100mbit/soon"):
         with pytest.raises(argparse.ArgumentTypeError, match=rf"--sync-link '{bad}'"):
             link_spec(bad)
+
+
+def test_the_delta_mode_relays_behind_links_unless_told_not_to() -> None:
+    """As `rlbus up` relays every leaf behind a link: `--sync-link` alone relays, `--no-sync-relay` keeps the
+    publisher writing every leaf's objects across its link, loopback relays only when asked."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def relays(*argv: str) -> bool:
+        args = parser.parse_args(list(argv))
+        return relayed(args.sync_link, args.sync_relay)
+
+    assert relays("--sync-link", "100mbit/30ms")
+    assert not relays("--sync-link", "100mbit/30ms", "--no-sync-relay")
+    assert not relays()
+    assert relays("--sync-relay")
 
 
 def test_without_namespaces_the_bench_says_why_and_exits_2(
@@ -61,6 +79,8 @@ def test_quick_bench_over_links_reports_every_link_key_and_leaves_nothing(
     result = json_in(out)
     assert set(LINK_KEYS) <= set(result), sorted(set(LINK_KEYS) - set(result))
     assert result["link"]["leaves"] == list(LEAVES) and result["link"]["bandwidth_bps"] == 100_000_000
+    assert result["relay"] is True                         # the default behind links, as `rlbus up`
+    assert result["link_bytes_over_one_step_delta"]["median"] is not None
     assert set(result["link"]["rtt_measured_s"]) == set(LEAVES)
     full_object = max(row["bytes_fetched"] for row in result["versions"]["full"])
     for mode in ("delta", "full"):
