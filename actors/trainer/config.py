@@ -78,6 +78,20 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     collective_timeout_s: Annotated[float, msgspec.Meta(ge=1)] = 60.0
     """Every collective of a multi-rank trainer, and the rendezvous, give up after this long: a dead or stuck
     rank tears the group down (and the launcher restarts it from the newest mark) instead of hanging it."""
+    precision: Literal["bf16", "mxfp8", "nvfp4"] = "bf16"
+    """Forward precision of the policy's MoE expert layers: 'nvfp4' (E2M1 values, an E4M3 scale per 16 and an
+    FP32 scale per token, so a token's numbers never depend on its batch-mates), 'mxfp8' (E4M3 values, an E8M0
+    scale per 32), or 'bf16' (the plain product). Under nvfp4/mxfp8 the backward multiplies MXFP8 gradients, and
+    generators sample with the same forward, so behaviour logprobs are those of the quantised forward. Products
+    are emulated (quantise, dequantise, multiply in fp32; kernels/quantmm.py). A dense policy is refused unless
+    `precision_scope = "all"`."""
+    precision_scope: Literal["experts", "all"] = "experts"
+    """Which Linear layers `precision` applies to: 'experts' (the MoE experts only) or 'all' (every Linear layer
+    but the routers and the output head; the only way to quantise a dense policy)."""
+    router_replay_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    """Plausibility check of router replay: a replayed expert whose router probability at the trainer is below
+    this times the k-th largest (the weakest of the trainer's own top-k) is replaced by the trainer's best
+    unused expert; each TrainStep counts the replacements. 0 replays as recorded."""
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (1 = the first): `lr` at step 1, falling linearly to

@@ -142,9 +142,10 @@ def _environment(topology: Topology) -> list[Problem]:
 
 def policy_problems(topology: Topology) -> list[Problem]:
     """What is wrong with `[policy]` here: a model directory that is missing (without a recipe) or unusable
-    (config, architecture, weights, tokenizer, chat template), router replay on a dense model, and, as
-    warnings, `device = "cuda"` on a machine without CUDA (the actors may run elsewhere) and the older keys
-    that named a model (`generator.weights = "local:..."`, `pretrain.preset` beside a Hugging Face policy)."""
+    (config, architecture, weights, tokenizer, chat template), router replay or an expert precision on a dense
+    model, and, as warnings, `device = "cuda"` on a machine without CUDA (the actors may run elsewhere) and the
+    older keys that named a model (`generator.weights = "local:..."`, `pretrain.preset` beside a Hugging Face
+    policy)."""
     from rlbus.model.policies.interface import PolicyError, check_policy_dir, is_moe_dir
 
     policy = topology.policy
@@ -167,6 +168,14 @@ def policy_problems(topology: Topology) -> list[Problem]:
             out.append(Problem(key="policy.router_replay", message="router replay needs a mixture-of-experts model; "
                                                                    "this policy is dense (or not built yet): drop "
                                                                    "the key, replay follows the model"))
+    trainer = topology.trainer
+    if trainer.precision != "bf16" and trainer.precision_scope == "experts":
+        routed = path is not None and path.exists() and is_moe_dir(policy.kind, path)
+        if not routed:
+            out.append(Problem(key="trainer.precision", message=f"{trainer.precision!r} quantises MoE expert layers "
+                                                                "and this policy has none (dense, or not built "
+                                                                "yet): use \"bf16\", or set precision_scope = "
+                                                                "\"all\" to quantise every Linear layer"))
     if topology.generator.weights.startswith("local:"):
         out.append(Problem(key="generator.weights", severity="warning",
                            message="naming a model here is deprecated: [policy] path names the model of every "
