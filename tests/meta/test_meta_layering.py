@@ -181,6 +181,52 @@ def test_the_model_import_checker_sees_every_form(tmp_path: Path) -> None:
         "policies.transformer", "policies.tokenizer", "policies.hf", "policies.hf.HFPolicy", "training.pretrain"}
 
 
+TOPOLOGY_ROOMS: dict[str, set[str]] = {
+    "network": set(),
+    "file": {"network"},
+    "backends": {"file", "network"},
+    "examples": set(),
+}
+"""The rooms of topology/ each may import besides its own: the servers and links know no topology file and no
+launcher; the file's schema reads link shapes and a region's cluster size from network/; only backends/ launches."""
+
+
+def topology_imports(path: Path) -> set[str]:
+    """The rooms of topology/ a module imports (`rlbus.topology.<room>...`, `from rlbus.topology import <room>`),
+    inside functions too."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            modules = [a.name.split(".") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            base = node.module.split(".")
+            modules = [[*base, a.name] for a in node.names] if base == ["rlbus", "topology"] else [base]
+        else:
+            continue
+        found |= {parts[2] for parts in modules if parts[:2] == ["rlbus", "topology"] and len(parts) > 2}
+    return found
+
+
+def test_topology_rooms_point_one_way() -> None:
+    """topology/: backends → file → network; network/ (servers, regions, links) imports neither the file nor
+    the launchers, and nothing but backends/ imports backends/."""
+    bad = []
+    for room, allowed in TOPOLOGY_ROOMS.items():
+        for path in (ROOT / "topology" / room).rglob("*.py"):
+            for imported in topology_imports(path) - allowed - {room}:
+                bad.append(f"{path.relative_to(ROOT)} ({room}/) imports rlbus.topology.{imported}")
+    assert not bad, "\n".join(bad)
+    assert set(TOPOLOGY_ROOMS) == {p.name for p in (ROOT / "topology").iterdir() if (p / "__init__.py").exists()}
+
+
+def test_the_topology_room_checker_sees_every_form(tmp_path: Path) -> None:
+    """Absolute, from-package and function-level imports are all seen (so the rule above can fail)."""
+    sample = tmp_path / "x.py"
+    sample.write_text("import rlbus.topology.backends.launch\nfrom rlbus.topology import file\n"
+                      "def f():\n    from rlbus.topology.network.servers import EmbeddedServer\n")
+    assert topology_imports(sample) == {"backends", "file", "network"}
+
+
 _PACKAGES = ("actors", "messages", "model", "kernels", "topology", "ops", "tests")
 _SUBJECT_START = re.compile(r"(rlbus\.(?!({})\b)|\$KV\.|\$O\.|\$JS\.|\$SRV\.)".format("|".join(_PACKAGES)))
 
