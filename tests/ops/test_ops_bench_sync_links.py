@@ -18,7 +18,7 @@ import pytest
 from helpers.ops import json_in
 
 from rlbus.ops.bench.sync import LEAVES, add_arguments, relayed, run
-from rlbus.ops.bench.sync_links import link_spec
+from rlbus.ops.bench.sync_links import link_lines, link_spec, link_summary
 from rlbus.topology.network.links import LinkShape, namespaces_unavailable
 
 LINK_KEYS = ("link_seconds_per_version_delta", "link_seconds_per_version_full", "link_speedup_vs_full",
@@ -48,6 +48,29 @@ def test_the_delta_mode_relays_behind_links_unless_told_not_to() -> None:
     assert not relays("--sync-link", "100mbit/30ms", "--no-sync-relay")
     assert not relays()
     assert relays("--sync-relay")
+
+
+def test_link_summary_takes_medians_over_leaves_and_versions_and_prints_them() -> None:
+    """The summary keys from per-version rows (as `link_version` makes them), for two leaves and two versions
+    per mode at 8 Mbit/s (1 MB/s) and 10 ms each way, and the table lines naming the leaves and the relay."""
+    def leaf(link_s: float, size: int, trips: int) -> dict[str, object]:
+        return {"link_s": link_s, "bytes": size, "round_trips": trips, "round_trips_by_kind": {"object chunks": trips}}
+
+    rows = {"delta": [{"version": v, "one_step_bytes": 1000, "eu": leaf(0.1, 1000, 1), "us": leaf(0.3, 1100, 1)}
+                      for v in (1, 2)],
+            "full": [{"version": v, "eu": leaf(1.0, 1_000_000, 2), "us": leaf(2.0, 1_000_000, 2)} for v in (3, 4)]}
+    shape = link_spec("8mbit/10ms")
+    out = link_summary(rows, shape, {"eu": 0.021, "us": 0.022}, LEAVES)
+    assert out["link_seconds_per_version_delta"] == pytest.approx(0.2)
+    assert out["link_seconds_per_version_full"] == pytest.approx(1.5)
+    assert out["link_speedup_vs_full"] == pytest.approx(7.5)
+    assert out["link_bytes_ratio"] == pytest.approx(1_000_000 / 1050)
+    assert out["full_goodput_ratio"] == pytest.approx(0.75)          # 1 MB over 1 s and 2 s at 1 MB/s
+    assert out["link_speedup_bound"] == pytest.approx((1.0 + 2 * 0.02) / (1050 / 1e6 + 0.02))
+    assert out["link_bytes_over_one_step_delta"] == {"median": pytest.approx(1.05), "max": pytest.approx(1.1)}
+    assert out["round_trips_by_kind"] == {"delta": {"object chunks": 1.0}, "full": {"object chunks": 2.0}}
+    text = "\n".join(link_lines({**out, "relay": True}))
+    assert text.startswith("links eu, us: 8 Mbit/s, 10 ms each way") and "carried 1.050x the one-step delta" in text
 
 
 def test_without_namespaces_the_bench_says_why_and_exits_2(
