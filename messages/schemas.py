@@ -136,7 +136,7 @@ class Rollout(Message, tag="rollout"):
 
 
 class WeightManifest(Message, tag="weight_manifest"):
-    """A published policy version. Produced by actors/publisher.py; consumed by generators and relays."""
+    """A published policy version. Produced by actors/publisher/; consumed by generators and relays."""
 
     version: int
     base_version: int | None = None
@@ -163,7 +163,7 @@ class WeightManifest(Message, tag="weight_manifest"):
 class VersionReady(Message, tag="version_ready"):
     """A new policy version's bf16 weights are uploaded to the hub's CKPT object store.
 
-    Produced by actors/trainer/actor.py on `state.version` (STATE stream); consumed by actors/publisher.py,
+    Produced by actors/trainer/actor.py on `state.version` (STATE stream); consumed by actors/publisher/actor.py,
     which encodes it for the generators and announces it with a WeightManifest.
     """
 
@@ -371,6 +371,8 @@ class TrainStep(Message, tag="train_step"):
     world_size: int = 1
     """Trainer ranks that computed the step (`[trainer] world_size`); replay-retrain needs the same."""
     created_at: float = msgspec.field(default_factory=time.time)
+    replaced_experts: int = 0
+    """Replayed MoE experts the trainer replaced as implausible (`[trainer] router_replay_threshold`)."""
 
 
 class EvalReport(Message, tag="eval_report"):

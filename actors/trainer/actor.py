@@ -128,7 +128,9 @@ def build_trainer_core(config: TrainerConfig, *, threads: int, pretrained: str =
     empty: a fresh tiny model) on `device` (`TrainerLaunch.device`): the trainer's setup and `rlbus replay FILE
     train` (ops/recording/retrain.py) both start here, so a replay cannot drift from the live trainer."""
     torch.set_num_threads(threads)
-    return build_core(pretrained, lr=config.lr, seed=config.seed, device=device, reference=config.reference_dtype)
+    return build_core(pretrained, lr=config.lr, seed=config.seed, device=device, reference=config.reference_dtype,
+                      precision=config.precision, precision_scope=config.precision_scope,
+                      router_replay_threshold=config.router_replay_threshold)
 
 
 class Trainer(Actor):
@@ -360,7 +362,7 @@ class Trainer(Actor):
                 rollout_ids=[r.rollout_id for r in rollouts],
                 dropped=[DroppedRollout(rollout_id=d.message.rollout_id, reason=why) for d, why in dropped],
                 loss=stats.loss, kl=stats.kl, reward_mean=stats.reward_mean, reward_std=stats.reward_std,
-                staleness=dict(staleness), world_size=self.world_size))
+                staleness=dict(staleness), world_size=self.world_size, replaced_experts=stats.replaced_experts))
         self.count("steps")
         self.count("trained", len(rollouts))
         if not stats.applied:
@@ -371,7 +373,7 @@ class Trainer(Actor):
         log.info("trainer_step", step=self.step, version=self.version, rollouts=len(rollouts), dropped=len(dropped),
                  loss=round(stats.loss, 5), kl=round(stats.kl, 5), reward_mean=round(stats.reward_mean, 4),
                  grad_norm=round(stats.grad_norm, 4), tokens=stats.tokens, replayed=stats.replayed,
-                 applied=stats.applied)
+                 replaced_experts=stats.replaced_experts, applied=stats.applied)
         await self._flush()
         if dropped:
             reasons = Counter(reason_category(why) for _, why in dropped)

@@ -41,6 +41,7 @@ from rlbus.model.policies.interface import (
     policy_from_spec,
     reference_dtype,
     resolve_device,
+    set_policy_numerics,
 )
 from rlbus.model.sampling.generate import distinct_prompts, left_pad
 from rlbus.model.training.loss import Aggregation, group_relative_advantages, rl_loss, shape_rewards
@@ -294,6 +295,8 @@ class StepStats:
     """True when the MoE routing record was replayed."""
     applied: bool
     """False when the loss or gradient was not finite and the weights were left unchanged."""
+    replaced_experts: int = 0
+    """Replayed experts the plausibility check replaced (`[trainer] router_replay_threshold`), over real tokens."""
 
 
 class Core(Protocol):
@@ -357,7 +360,9 @@ class TrainerCore:
     caller at a time."""
 
     def __init__(self, policy: Policy, reference: Policy, *, lr: float, seed: int = 0,
-                 reference_dtype: torch.dtype = torch.float32) -> None:
+                 reference_dtype: torch.dtype = torch.float32, numerics: Mapping[str, Any] | None = None) -> None:
+        self.numerics = dict(numerics or {})
+        """What `model_config_dict` adds to the policy's spec: its forward precision (`numerics_spec`)."""
         self.policy = policy.to_(dtype=torch.float32).train()
         self.reference = reference.to_(device=policy.device, dtype=reference_dtype).eval()
         self.reference.module.requires_grad_(False)
@@ -408,12 +413,22 @@ class TrainerCore:
         Rows that share a prompt (a group) run it once (`shared_prompt_logprobs`) unless routing is
         replayed; off the completions (where `batch.mask` is False) the values are then 0.
         """
+        return self.logprobs_replaced(net, batch, temperature)[0]
+
+    def logprobs_replaced(self, net: Policy, batch: RolloutBatch, temperature: float = 1.0) -> tuple[Tensor, int]:
+        """`logprobs` and how many replayed experts the plausibility check replaced on real tokens (0 when
+        nothing is replayed)."""
         if batch.routing is None:
             shared = shared_prompt_logprobs(net, batch, temperature)
             if shared is not None:
-                return shared
-        logits = net(batch.tokens, routing=batch.routing).logits
-        return token_logprob(logits[:, :-1], batch.tokens[:, 1:], temperature)
+                return shared, 0
+        out = net(batch.tokens, routing=batch.routing)
+        replaced = 0
+        if batch.routing is not None and out.routing is not None:
+            real = torch.arange(batch.tokens.shape[1], device=batch.tokens.device)[None, :] < (
+                batch.prompt_lengths + batch.lengths)[:, None]
+            replaced = int(((out.routing != batch.routing) & real[:, :, None, None]).sum())
+        return token_logprob(out.logits[:, :-1], batch.tokens[:, 1:], temperature), replaced
 
     def train_step(self, rollouts: Sequence[Rollout], objective: Objective, *,
                    lr: float | None = None) -> StepStats:
@@ -426,7 +441,7 @@ class TrainerCore:
         """
         batch = rollout_batch(rollouts, moe=self.moe, device=self.policy.device)
         self.policy.train()
-        logp = self.logprobs(self.policy, batch, objective.temperature)
+        logp, replaced = self.logprobs_replaced(self.policy, batch, objective.temperature)
         with torch.no_grad():
             ref = self.logprobs(self.reference, batch, objective.temperature)
         rewards, lengths, group_ids = per_rollout(batch)
@@ -457,7 +472,8 @@ class TrainerCore:
             loss=loss, kl=float(terms.kl), reward_mean=float(raw.mean()),
             reward_std=float(raw.std(unbiased=False)), mean_weight=float(terms.mean_weight),
             truncated_fraction=float(terms.truncated_fraction), grad_norm=grad_norm,
-            tokens=int(batch.mask.sum()), replayed=batch.routing is not None, applied=applied)
+            tokens=int(batch.mask.sum()), replayed=batch.routing is not None, applied=applied,
+            replaced_experts=replaced)
 
     # ---- versions and checkpoints --------------------------------------------------------------
     def bf16_state(self) -> dict[str, Tensor]:
@@ -472,8 +488,9 @@ class TrainerCore:
         return blob, index.version_digest.hex(), sum(t.numel() * t.element_size() for t in state.values())
 
     def model_config_dict(self) -> dict[str, Any]:
-        """The policy's spec (`Policy.spec`): what VersionReady and every WeightManifest carry as `model_config`."""
-        return self.policy.spec()
+        """The policy's spec (`Policy.spec`) with its forward precision (`numerics`): what VersionReady and every
+        WeightManifest carry as `model_config`, so generators build the same forward."""
+        return {**self.policy.spec(), **self.numerics}
 
     def policy_files(self) -> dict[str, bytes]:
         """The files a joiner needs besides the tensors (`Policy.files`; none for the built-in policy)."""
@@ -588,10 +605,12 @@ def state_policy(state: bytes | Mapping[str, bytes], *, device: torch.device | s
 
 
 def build_core(pretrained: str, *, lr: float, seed: int, device: str = "auto",
-               reference: str = "float32") -> TrainerCore:
+               reference: str = "float32", precision: str = "bf16", precision_scope: str = "experts",
+               router_replay_threshold: float = 0.0) -> TrainerCore:
     """A core from a `pretrain.pt` (file or folder) or a Hugging Face directory (also the frozen reference),
     or, with `pretrained` empty, from a fresh tiny built-in policy initialised with `seed`; on `device`
-    ("auto": CUDA when present), the reference held in `reference` (`[trainer] reference_dtype`).
+    ("auto": CUDA when present), the reference held in `reference` (`[trainer] reference_dtype`); the policy and
+    the reference run the forward `precision` on `precision_scope`, replay checked at `router_replay_threshold`.
 
     :raises FileNotFoundError: `pretrained` names nothing.
     :raises PolicyError: it names something that is not a policy, or `device` cannot be had here.
@@ -607,4 +626,6 @@ def build_core(pretrained: str, *, lr: float, seed: int, device: str = "auto",
         torch.manual_seed(seed)
         policy = fresh_builtin()
     policy.to_(device=where, dtype=torch.float32)
-    return TrainerCore(policy, policy.clone(), lr=lr, seed=seed, reference_dtype=reference_dtype(reference, where))
+    numerics = set_policy_numerics(policy, precision, precision_scope, router_replay_threshold)
+    return TrainerCore(policy, policy.clone(), lr=lr, seed=seed, reference_dtype=reference_dtype(reference, where),
+                       numerics=numerics)

@@ -343,20 +343,49 @@ def estimate_params(spec: Mapping[str, Any]) -> int | None:
 
 def policy_from_spec(spec: Mapping[str, Any], files: Mapping[str, bytes] | None = None, *,
                      device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> Policy:
-    """A policy of the spec's architecture (weights as initialised: a version's tensors follow).
+    """A policy of the spec's architecture (weights as initialised: a version's tensors follow), running the
+    forward precision the spec's "numerics" names (`model/policies/quant.py`; none: the plain forward).
 
     :raises PolicyError: an unknown kind, or a spec (or files) its implementation refuses.
     """
+    from rlbus.model.policies.quant import NUMERICS_KEY, apply_spec_numerics
+
     kind = spec_kind(spec)
+    numerics = spec.get(NUMERICS_KEY)
+    spec = {k: v for k, v in spec.items() if k != NUMERICS_KEY}
+    policy: Policy
     if kind == "builtin":
         from rlbus.model.policies.builtin import BuiltinPolicy
 
-        return BuiltinPolicy.from_spec(spec).to_(device=device, dtype=dtype).eval()
-    if kind == "hf":
+        policy = BuiltinPolicy.from_spec(spec).to_(device=device, dtype=dtype).eval()
+    elif kind == "hf":
         from rlbus.model.policies.hf import HFPolicy
 
-        return HFPolicy.from_spec(spec, files or {}, device=device, dtype=dtype).eval()
-    raise PolicyError(f"policy spec names kind {kind!r}; expected one of {', '.join(KINDS)}")
+        policy = HFPolicy.from_spec(spec, files or {}, device=device, dtype=dtype).eval()
+    else:
+        raise PolicyError(f"policy spec names kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if numerics is not None:
+        try:
+            apply_spec_numerics(policy.module, numerics)
+        except ValueError as err:
+            raise PolicyError(str(err)) from None
+    return policy
+
+
+def set_policy_numerics(policy: Policy, precision: str, scope: str, replay_threshold: float = 0.0) -> dict[str, Any]:
+    """Run `policy`'s forward at `precision` on `scope` (expert or all Linear layers, `model/policies/quant.py`
+    `set_numerics`) with MoE router replay checked at `replay_threshold`; returns what its published spec adds so
+    that every actor building it from the spec runs the same forward (nothing for bf16).
+
+    :raises PolicyError: an unknown precision or scope, or a threshold outside [0, 1].
+    """
+    from rlbus.model.policies.quant import numerics_spec, set_numerics
+
+    try:
+        set_numerics(policy.module, precision, scope, replay_threshold)
+        return numerics_spec(precision, scope)
+    except ValueError as err:
+        raise PolicyError(str(err)) from None
 
 
 def is_hf_dir(path: Path) -> bool:

@@ -94,3 +94,25 @@ def set_numerics(
             mod.__class__ = nn.Linear
             del mod.precision
     return quantised
+
+
+NUMERICS_KEY = "numerics"
+"""The key of a policy spec (`Policy.spec`, as the trainer publishes it) under which its forward precision
+travels, so that every actor that builds the policy from the spec runs the same forward."""
+
+
+def numerics_spec(precision: str, scope: str) -> dict[str, dict[str, str]]:
+    """What the trainer adds to its policy spec: nothing for bf16 (older specs stay equal), else
+    {"numerics": {"precision": ..., "scope": ...}}."""
+    check_precision(precision)
+    return {} if precision == "bf16" else {NUMERICS_KEY: {"precision": precision, "scope": scope}}
+
+
+def apply_spec_numerics(module: nn.Module, numerics: object) -> None:
+    """`set_numerics` from a spec's "numerics" value.
+
+    :raises ValueError: the value is not a {"precision", "scope"} table of known values.
+    """
+    if not isinstance(numerics, dict) or set(numerics) != {"precision", "scope"}:
+        raise ValueError(f"policy spec key {NUMERICS_KEY!r} must be a table of precision and scope, got {numerics!r}")
+    set_numerics(module, str(numerics["precision"]), str(numerics["scope"]))
