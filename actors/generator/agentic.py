@@ -68,8 +68,8 @@ from rlbus.model.env import (
     state_tokens,
 )
 from rlbus.model.env.episodes import Turn
-from rlbus.model.tasks.grading import GradeResult
 from rlbus.model.tasks.repo import RepoTask
+from rlbus.model.tasks.repo_grade import GradeReport, report_of
 
 if TYPE_CHECKING:
     from rlbus.actors.generator.actor import Generator
@@ -248,7 +248,7 @@ def budgets_of(generator: Generator) -> AgenticBudgets:
                           max_tokens=min(a.max_tokens, generator.model.max_seq_len), min_turn_tokens=a.min_turn_tokens,
                           wall_s=a.wall_s, observation_chars=a.observation_chars,
                           observation_tokens=a.observation_tokens, run_timeout_s=a.run_timeout_s,
-                          summary_tokens=a.summary_tokens)
+                          summary_tokens=a.summary_tokens, partial_credit=a.partial_credit)
 
 
 def environment_of(generator: Generator) -> AgenticEnvironment:
@@ -269,12 +269,12 @@ class _Port:
         return ToolOutcome(output=result.output, error=result.error, exit_code=result.exit_code,
                            timed_out=result.status == "timeout")
 
-    async def grade_workspace(self, files: Mapping[str, str], command: str) -> GradeResult:
-        result = _answered(await self.session.grade(files, command))
-        if result.ok and result.exit_code == 0:
-            return GradeResult("passed", 1, 1, "")
-        status = "timeout" if result.status == "timeout" else "failed"
-        return GradeResult(status, 0, 1, (result.error or result.output)[-2000:])
+    async def grade_workspace(self, task: RepoTask) -> GradeReport:
+        args = {"files": task.hidden_tests, "command": task.test_command,
+                "stdlib_under_test": list(task.stdlib_under_test)}
+        result = _answered(await self.session.tool("grade", args if task.timeout_s is None
+                                                   else {**args, "timeout_s": task.timeout_s}))
+        return report_of(result.output, result.error)
 
 
 def _answered(result: ToolResult) -> ToolResult:

@@ -38,6 +38,9 @@ class AgenticSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Tokens of a self-summary, written once the context leaves fewer than `min_turn_tokens` for the next turn:
     the episode goes on from the task and the summary, in the same workspace, and the summary is trained under
     the history it was written from; 0: no summaries, the token budget ends the episode."""
+    partial_credit: bool = False
+    """The reward: false, 1.0 when every hidden test passes, else 0.0; true, the fraction of the hidden tests that
+    passed (0.0 when the grade is void or timed out)."""
     tool_list: Literal["auto", "full", "compact"] = "auto"
     """How the user turn lists the tools: 'full' (JSON signatures, as Qwen2/Qwen3 templates render them),
     'compact' (one paragraph, for short contexts), 'auto' (compact for a policy whose context is under 4096

@@ -6,7 +6,8 @@ list, tool list), taking a policy turn (its tool calls parsed, checked, run thro
 order, their results as one observation turn, each truncated to the observation budget), the turn, tool-call,
 token and wall budgets, the self-summarisation of a history that fills the context (`summary_plan`,
 `needs_summary`, `summarize`: the generator samples the summary), and the reward (the hidden tests on a fresh copy
-of the final workspace: 1.0 when they pass, else 0.0) once `submit` is called or a budget runs out.
+of the final workspace, a per-test report: 1.0 when every test passes, else 0.0, or the fraction passed with
+`partial_credit`) once `submit` is called or a budget runs out.
 Does not own: the tools themselves or the workspace (the sandbox, behind the port), the tool-call text
 format (model/tools/calls.py), the tasks (model/tasks/repo.py). The wall clock is passed in, never read.
 """
@@ -77,6 +78,9 @@ class AgenticBudgets(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     policy summarises its history in at most this many (fewer where `max_tokens` leaves fewer after the task and
     a turn) and the episode goes on from the task and the summary, in the same workspace; 0: no summaries, the
     token budget ends the episode."""
+    partial_credit: bool = False
+    """The reward: false, 1.0 when every hidden test passes, else 0.0; true, the fraction of hidden tests that
+    passed (0.0 when the grade is void or timed out)."""
 
 
 class AgenticState(EnvState, frozen=True, kw_only=True, tag="agentic"):
@@ -195,9 +199,10 @@ class AgenticEnvironment:
                 ended = "tokens"          # no room for a turn, and no summary makes any (or the context is past it)
             else:
                 return StepOutcome(with_obs, observation)
-        grade = await port.grade_workspace(state.task.hidden_tests, state.task.test_command)
-        done = msgspec.structs.replace(new, done=True, reward=grade.reward, verdict=grade.status, ended=ended,
-                                       grade=grade)
+        report = await port.grade_workspace(state.task)
+        grade = report.result()
+        done = msgspec.structs.replace(new, done=True, reward=report.reward(partial_credit=b.partial_credit),
+                                       verdict=grade.status, ended=ended, grade=grade)
         return StepOutcome(done, None)
 
     def summary_plan(self, state: AgenticState) -> SummaryPlan | None:

@@ -21,6 +21,8 @@ import msgspec
 from rlbus.model.env.episodes import EpisodeTokens, Turn, turns_tokens
 from rlbus.model.policies.interface import ChatTokenizer
 from rlbus.model.tasks.grading import GradeCase, GradeResult
+from rlbus.model.tasks.repo import RepoTask
+from rlbus.model.tasks.repo_grade import GradeReport
 from rlbus.model.tools.calls import ToolOutcome
 
 
@@ -40,9 +42,10 @@ class WorkspacePort(Protocol):
         """One tool call (`model/tools/calls.py` `TOOLS`: name and arguments already checked)."""
         ...
 
-    async def grade_workspace(self, files: Mapping[str, str], command: str) -> GradeResult:
-        """Run `command` in a fresh copy of the workspace with `files` (the hidden tests) written into it;
-        passed when it exits 0. The copy is the sandbox's; the workspace itself is left as it is."""
+    async def grade_workspace(self, task: RepoTask) -> GradeReport:
+        """Grade the workspace against `task`'s hidden tests (written last into a fresh copy, run by the sandbox's
+        grade runner with the task's `stdlib_under_test`, `test_command` and `timeout_s`): the per-test report.
+        The copy is the sandbox's; the workspace itself is left as it is."""
         ...
 
 

@@ -1,9 +1,10 @@
 """Built-in repository tasks: small generated Python packages with a bug to fix or a function to add.
 
-Owns: `RepoTask` (files, instruction, hidden tests, the command that runs them, a reference edit as tool
-calls), `repo_task` / `repo_tasks` (deterministic from a seed, in `LEVELS`), `apply_edit` (a write_file or
-edit_file call on a dict of files, as the sandbox would do it) and `flat_program` (a package as one Python
-program that imports its modules from memory, for a sandbox that runs a single program).
+Owns: `RepoTask` (files, instruction, hidden tests, how they are graded, a reference edit as tool calls), the
+built-in tasks `repo_task` / `repo_tasks` (deterministic from a seed, in `LEVELS`), `apply_edit` (a write_file or
+edit_file call on a dict of files, as the sandbox would do it) and `reference_of` (a solution as write_file calls).
+The hidden tests are unittest files run by the sandbox's grade runner; the built-in ones compare each result by
+exact type and value (`exact`: plain built-in types only, so an object whose `__eq__` is always true fails).
 Does not own: running anything (the sandbox), the environment that serves these (model/env/agentic.py).
 
 Levels:
@@ -26,12 +27,12 @@ from typing import Any, Final
 import msgspec
 
 from rlbus.model.tasks.builtin import prompt_hash
+from rlbus.model.tasks.repo_grade import DEFAULT_COMMAND
 from rlbus.model.tools.calls import ToolCall
 
 LEVELS: Final = (1, 2, 3)
 HIDDEN_TEST: Final = "test_hidden.py"
 """The hidden tests' file, written at the workspace root of the grading copy only."""
-TEST_COMMAND: Final = f"python3 -B {HIDDEN_TEST}"
 VERIFIER_KIND: Final = "rlbus-repo-task-v1"
 """`Task.verifier["kind"]` of a repository task; `Task.verifier["task"]` holds it as JSON."""
 _ID: Final = re.compile(r"repo-L([0-9]+)-([0-9]+)")
@@ -40,18 +41,24 @@ _PACKAGES: Final = ("inventory", "ledger", "geometry", "textkit", "stats", "sche
 
 
 class RepoTask(msgspec.Struct, frozen=True, kw_only=True):
-    """One repository task. `files` is the repository (path -> text), `hidden_tests` the files the grade adds to a
-    fresh copy of the final workspace before running `test_command` (exit 0: passed); `reference` is an edit
-    that solves it (write_file / edit_file calls) and `solution` the files after it."""
+    """One repository task. `files` is the repository (path -> text), `hidden_tests` the files the grade writes
+    last into a fresh copy of the final workspace; `test_command` "" (the default) runs their `test*.py` files under
+    the grade runner (a per-test report), another command is judged by its exit code. `stdlib_under_test` names
+    standard-library modules the repository's own files replace while grading; `timeout_s` caps the grade (None:
+    the sandbox's limit). `reference` is an edit that solves it (write_file / edit_file calls), `solution` the
+    changed files after it."""
 
     task_id: str
     level: int
     instruction: str
     files: dict[str, str]
     hidden_tests: dict[str, str]
-    test_command: str = TEST_COMMAND
+    test_command: str = DEFAULT_COMMAND
     reference: tuple[ToolCall, ...] = ()
     solution: dict[str, str] = {}
+    stdlib_under_test: tuple[str, ...] = ()
+    timeout_s: float | None = None
+    tags: tuple[str, ...] = ()
 
     @property
     def prompt(self) -> str:
@@ -179,11 +186,35 @@ def _module(doc: str, parts: list[str], imports: str = "") -> str:
     return head + "\n\n".join(parts)
 
 
-def _asserts(module: str, names: list[str], cases: list[tuple[str, str, Any]]) -> str:
-    head = f"from {module} import {', '.join(sorted(set(names)))}\n\n"
-    body = "".join(f"assert {name}({call}) == {value!r}, {f'{name}({call}) should be {value!r}'!r}\n"
-                   for name, call, value in cases)
-    return head + body
+EXACT: Final = '''def exact(value):
+    """The repr of a value made only of plain built-in types (exactly those, never a subclass)."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return kind.__name__ + "(" + ", ".join(exact(v) for v in value) + ")"
+    if kind is dict:
+        return "{" + ", ".join(exact(k) + ": " + exact(v) for k, v in value.items()) + "}"
+    if kind is int or kind is float or kind is str or kind is bool or value is None:
+        return repr(value)
+    raise AssertionError(f"a {kind.__qualname__} is not a plain built-in value")
+'''
+"""The hidden tests' comparison: results are compared as the repr of exact built-in types."""
+
+
+def exact(value: Any) -> str:
+    """`EXACT`'s function, here (the expected side of a hidden test)."""
+    scope: dict[str, Any] = {}
+    exec(EXACT, scope)
+    return scope["exact"](value)  # type: ignore[no-any-return]
+
+
+def _asserts(*parts: tuple[str, list[str], list[tuple[str, str, Any]]]) -> str:
+    """A unittest file from (module, names imported from it, cases): one test per case, each result compared by
+    exact type and value."""
+    imports = "".join(f"from {module} import {', '.join(sorted(set(names)))}\n" for module, names, _ in parts)
+    cases = [case for _, _, part in parts for case in part]
+    body = "\n".join(f"    def test_{i}_{name}(self):\n        self.assertEqual(exact({name}({call})), {exact(value)!r}, "
+                     f"{f'{name}({call}) should be {value!r}'!r})\n" for i, (name, call, value) in enumerate(cases))
+    return f"import unittest\n\n{imports}\n\n{EXACT}\n\nclass HiddenTests(unittest.TestCase):\n{body}"
 
 
 def _caught(fn: _Fn) -> list[str]:
@@ -229,8 +260,8 @@ def _level_1(d: _Draw, rng: random.Random) -> tuple[str, dict[str, str], tuple[T
              other: _module(f"More {d.pkg} functions.", [o[2].source(), o[3].source()])}
     instruction = (f"`{d.target.name}` in {where} is wrong: it should be the function that {d.target.does}. "
                    "Fix it without changing the other functions.")
-    tests = (_asserts(_dotted(where), [d.target.name, o[0].name, o[1].name], [*d.cases(), d.kept(0), d.kept(1)])
-             + _asserts(_dotted(other), [o[2].name, o[3].name], [d.kept(2), d.kept(3)]))
+    tests = _asserts((_dotted(where), [d.target.name, o[0].name, o[1].name], [*d.cases(), d.kept(0), d.kept(1)]),
+                     (_dotted(other), [o[2].name, o[3].name], [d.kept(2), d.kept(3)]))
     return instruction, files, (_one_line_fix(where, d.target),), tests
 
 
@@ -247,8 +278,8 @@ def _level_2(d: _Draw, rng: random.Random) -> tuple[str, dict[str, str], tuple[T
                    f"`{t.name}({t.params})` to {d.helpers}: the function that {t.does}.")
     call = t.calls[0]
     described = (describe, call, f"{t.name}{eval(f'({call},)')!r} = {_value(t, call)!r}")
-    tests = (_asserts(_dotted(d.helpers), [t.name, o[0].name, o[1].name], [*d.cases(), d.kept(0), d.kept(1)])
-             + _asserts(_dotted(d.core), [describe, o[2].name], [described, d.kept(2)]))
+    tests = _asserts((_dotted(d.helpers), [t.name, o[0].name, o[1].name], [*d.cases(), d.kept(0), d.kept(1)]),
+                     (_dotted(d.core), [describe, o[2].name], [described, d.kept(2)]))
     return instruction, files, (ToolCall("write_file", {"path": d.helpers, "content": added}),), tests
 
 
@@ -264,8 +295,8 @@ def _level_3(d: _Draw, rng: random.Random) -> tuple[str, dict[str, str], tuple[T
     instruction = (f"`{report}({shown})` in {d.core} should give {[_value(t, shown)]!r} (it wraps a function "
                    f"that {t.does}), but it does not. Find the bug and fix it.")
     reports = [(report, c, [_value(t, c)]) for c in t.calls]
-    tests = (_asserts(_dotted(d.helpers), [t.name, o[0].name], [*d.cases(), d.kept(0)])
-             + _asserts(_dotted(d.core), [report, o[1].name], [*reports, d.kept(1)]))
+    tests = _asserts((_dotted(d.helpers), [t.name, o[0].name], [*d.cases(), d.kept(0)]),
+                     (_dotted(d.core), [report, o[1].name], [*reports, d.kept(1)]))
     return instruction, files, (_one_line_fix(d.helpers, t),), tests
 
 
@@ -321,39 +352,7 @@ def repo_tasks(seed: int, *, level: int | None = None) -> Iterator[RepoTask]:
         n += 1
 
 
-_LOADER: Final = '''import importlib.abc, importlib.util, sys
-
-
-class _MemoryFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports the modules of _FILES (path -> source) from memory."""
-
-    def _path(self, name):
-        base = name.replace(".", "/")
-        for path in (base + "/__init__.py", base + ".py"):
-            if path in _FILES:
-                return path
-        return None
-
-    def find_spec(self, name, path=None, target=None):
-        found = self._path(name)
-        if found is None:
-            return None
-        return importlib.util.spec_from_loader(name, self, is_package=found.endswith("/__init__.py"))
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        path = self._path(module.__name__)
-        exec(compile(_FILES[path], path, "exec"), module.__dict__)
-
-
-sys.meta_path.insert(0, _MemoryFinder())
-'''
-
-
-def flat_program(files: Mapping[str, str]) -> str:
-    """One program that makes the `.py` files of a repository importable from memory (other files are left
-    out); the hidden tests run after it as they would at the workspace root."""
-    sources = {path: text for path, text in sorted(files.items()) if path.endswith(".py")}
-    return f"_FILES = {sources!r}\n" + _LOADER
+def reference_of(files: Mapping[str, str], solution: Mapping[str, str]) -> tuple[ToolCall, ...]:
+    """The solution as write_file calls: each of its files that is new or differs from `files`, in path order."""
+    return tuple(ToolCall("write_file", {"path": path, "content": text}) for path, text in sorted(solution.items())
+                 if files.get(path) != text)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import tokenize
 from collections.abc import Mapping
-from typing import Final, Literal
+from typing import ClassVar, Final, Literal
 
 import msgspec
 
@@ -29,6 +29,8 @@ class TestReport(msgspec.Struct, frozen=True):
     """One hidden test: its id (`module.Class.method`, or the command for a custom `test_command`), status, and
     what went wrong (a traceback tail)."""
 
+    __test__: ClassVar[bool] = False
+    """Not a test class (for pytest's collection of modules that import it)."""
     name: str
     status: TestStatus
     detail: str = ""

@@ -32,8 +32,8 @@ from rlbus.model.env.agentic import NO_CALL
 from rlbus.model.policies.hf import HFPolicy
 from rlbus.model.policies.interface import ChatTokenizer
 from rlbus.model.policies.tokenizer import ByteTokenizer
-from rlbus.model.tasks.grading import GradeResult
 from rlbus.model.tasks.repo import EditError, RepoTask, apply_edit, repo_task
+from rlbus.model.tasks.repo_grade import GradeReport, TestReport
 
 TOK = ByteTokenizer()
 pytestmark = pytest.mark.anyio
@@ -46,7 +46,7 @@ class FakeWorkspace:
         self.files = dict(task.files)
         self.solution = task.solution
         self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.graded: list[tuple[dict[str, str], str]] = []
+        self.graded: list[RepoTask] = []
 
     async def tool(self, name: str, args: Mapping[str, Any]) -> ToolOutcome:
         self.calls.append((name, dict(args)))
@@ -72,10 +72,12 @@ class FakeWorkspace:
                 return ToolOutcome(output="x" * 10_000, exit_code=0)
         raise AssertionError(f"the environment passed an unchecked tool {name}")
 
-    async def grade_workspace(self, files: Mapping[str, str], command: str) -> GradeResult:
-        self.graded.append((dict(files), command))
+    async def grade_workspace(self, task: RepoTask) -> GradeReport:
+        self.graded.append(task)
         ok = self.files == self.solution
-        return GradeResult("passed" if ok else "failed", int(ok), 1, "" if ok else "hidden tests failed")
+        return GradeReport(verdict="passed" if ok else "failed", tests=(
+            TestReport("test_hidden.HiddenTests.test_fixed", "passed" if ok else "failed"),
+            TestReport("test_hidden.HiddenTests.test_kept", "passed")))
 
 
 TASKS = [repo_task(level, seed) for level in (1, 2, 3) for seed in range(4)]
@@ -103,12 +105,23 @@ async def test_reference_script_solves_and_submit_at_once_fails(task: RepoTask) 
     env = AgenticEnvironment(TOK)
     solved, port = await _play(env, task, reference_script(task))
     assert (solved.reward, solved.verdict, solved.ended) == (1.0, "passed", "submit")
-    assert port.graded == [(task.hidden_tests, task.test_command)]
+    assert port.graded == [task]
     assert solved.calls == task.reference and solved.policy_turns == len(task.reference) + 1
     assert reference_script(RepoTask.from_spec(task.verifier_spec())) == reference_script(task)
     failed, port = await _play(env, task, SUBMIT_SCRIPT)
     assert (failed.reward, failed.verdict, failed.ended, failed.policy_turns) == (0.0, "failed", "submit", 1)
     assert port.calls == []
+
+
+async def test_partial_credit_rewards_the_fraction_of_tests_passed() -> None:
+    """With `partial_credit` an unsolved repository passing one of its two hidden tests earns 0.5 (its verdict
+    stays failed); without it, 0.0; a solved one earns 1.0 either way."""
+    task = TASKS[0]
+    partial = AgenticEnvironment(TOK, AgenticBudgets(partial_credit=True))
+    half, _ = await _play(partial, task, SUBMIT_SCRIPT)
+    assert (half.reward, half.verdict, half.grade and half.grade.n_passed) == (0.5, "failed", 1)
+    solved, _ = await _play(partial, task, reference_script(task))
+    assert (solved.reward, solved.verdict) == (1.0, "passed")
 
 
 async def test_malformed_calls_are_answered_not_run() -> None:
