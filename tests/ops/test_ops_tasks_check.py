@@ -63,3 +63,57 @@ def test_a_limit_below_one_is_refused(limit: str) -> None:
     """`--limit` must be a positive number of tasks."""
     done = _check("builtin", "--limit", limit)
     assert done.returncode == 2 and "expected a positive number" in done.stderr
+
+
+CALC = {"calc/__init__.py": "", "calc/core.py": "def add(a, b):\n    return a - b\n"}
+CALC_TESTS = {"tests/test_calc.py": "import unittest\n\nfrom calc.core import add\n\n\nclass Calc(unittest.TestCase):\n"
+                                    "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n"
+                                    "    def test_zero(self):\n        self.assertEqual(add(0, 0), 0)\n"}
+
+
+def _repo_row(task_id: str, **over: object) -> dict[str, object]:
+    return {"task_id": task_id, "instruction": "Make add add.", "files": CALC, "hidden_tests": CALC_TESTS,
+            "solution": {"calc/core.py": "def add(a, b):\n    return a + b\n"}, "level": 1, "tags": ["calc"], **over}
+
+
+def test_repository_task_files_are_checked_through_sandbox_sessions(tmp_path: Path) -> None:
+    """A repository task file: the sound task counts for both copies; a solution that does not fix it is listed
+    as a failed reference, a task whose untouched repository already passes as a broken copy not rejected, and
+    a solution adding a module the tests import passes; `rlbus tasks check repo --limit 2` checks built-ins."""
+    rows = [_repo_row("sound"),
+            _repo_row("unfixed", solution={"calc/core.py": "def add(a, b):\n    return a * b\n"}),
+            _repo_row("already", files={**CALC, "calc/core.py": "def add(a, b):\n    return a + b\n"}),
+            _repo_row("added", files={"calc/__init__.py": ""}, stdlib_under_test=[], timeout_s=20,
+                      solution={"calc/core.py": "def add(a, b):\n    return a + b\n"})]
+    path = tmp_path / "repos.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = _check(str(path), "--pool", "2")
+    assert done.returncode == 1, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert set(report) == KEYS and (report["tasks"], report["reference_passed"], report["broken_rejected"]) == (4, 3, 3)
+    assert [(e["task_id"], e["copy"], e["status"]) for e in report["exceptions"]] == [
+        ("unfixed", "reference", "failed"), ("already", "broken", "passed")]
+    assert report["exceptions"][0]["detail"].startswith("1/2 tests passed")
+    built_in = _check("repo", "--limit", "2")
+    assert built_in.returncode == 0, built_in.stderr[-2000:]
+    assert json.loads(built_in.stdout)["reference_passed"] == 2
+
+
+@pytest.mark.parametrize(("row", "key"), [
+    ({"files": {"../outside.py": "x = 1\n"}}, "files"),
+    ({"hidden_tests": {"/abs/test_x.py": ""}}, "hidden_tests"),
+    ({"solution": {"calc/core.py": 12}}, "solution"),
+    ({"instruction": None}, "instruction"),
+    ({"stdlib_under_test": "textwrap"}, "stdlib_under_test"),
+    ({"timeout_s": -1}, "timeout_s"),
+    ({"hidden_test": {}}, "hidden_test"),
+])
+def test_a_bad_repository_row_is_refused_naming_file_line_and_key(tmp_path: Path, row: dict[str, object],
+                                                                  key: str) -> None:
+    """A row with a path outside the repository, non-text, a wrong type or an unknown key is refused in one line
+    naming the file, the line and the key; exit 2, nothing graded."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(_repo_row("ok")) + "\n\n" + json.dumps(_repo_row("bad", **row)) + "\n")
+    done = _check(str(path))
+    assert done.returncode == 2 and f"bad.jsonl:3: key '{key}'" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "graded" not in done.stderr
