@@ -40,7 +40,6 @@ import structlog
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.config import FeederConfig, FeederLaunch, decode_config, feed_weights
 from rlbus.actors.common.feed import (
-    POSITION_KEY,
     Position,
     TaskSequence,
     assign_region,
@@ -52,13 +51,13 @@ from rlbus.actors.common.feed import (
     task_source,
     verifier_for,
 )
-from rlbus.actors.common.weight_sync import LATEST_KEY
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage, TopologyError
 from rlbus.messages.kv import put_at
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.schemas import WeightManifest
+from rlbus.messages.subjects import LATEST_KEY, POSITION_KEY
 
 log = structlog.get_logger()
 

@@ -22,6 +22,15 @@ _ROOT: Final = "rlbus"
 SHARD_PREFIX: Final = "state-shard-"
 _INBOX_ROOT: Final = "_INBOX"
 
+LATEST_KEY: Final = "latest"
+"""Key of each region's LATEST bucket (`Subjects.latest_bucket`) holding the newest WeightManifest: written by
+the publisher (or the region's relay), watched by generators, the feeder and the evaluator."""
+LINK_KEY: Final = "link"
+"""Key of a relayed region's LATEST bucket naming the one object of each version that crossed its link (a
+WeightManifest listing it): written by the hub's publisher, watched by the region's `RegionRelay`."""
+POSITION_KEY: Final = "feeder-position"
+"""Key of the feeder's cursors in the hub region's PARTIALS bucket (generators use task ids as keys)."""
+
 Role = Literal["feeder", "generator", "trainer", "trainer_rank", "publisher", "weights_relay", "checkpointer",
                "sandbox", "evaluator", "observer", "admin", "leaf"]
 ROLES: Final[tuple[Role, ...]] = ("feeder", "generator", "trainer", "trainer_rank", "publisher", "weights_relay",

@@ -37,6 +37,7 @@ from rlbus.actors.common.errors import TaskError
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
 from rlbus.messages.schemas import Task as TaskMessage
+from rlbus.messages.subjects import POSITION_KEY
 from rlbus.model.tasks import sources as task_sources
 from rlbus.model.tasks.builtin import Task as CodingTask
 from rlbus.model.tasks.builtin import train_tasks
@@ -47,8 +48,6 @@ FedTask = CodingTask | RepoTask
 
 log = structlog.get_logger()
 
-POSITION_KEY: Final = "feeder-position"
-"""Key of the feeder's cursors in the hub region's PARTIALS bucket (generators use task ids as keys)."""
 VERIFIER_KIND: Final = "rlbus-task-v1"
 """`Task.verifier["kind"]` of tasks whose `Task.verifier["task"]` is a `model.tasks.Task` as JSON."""
 

@@ -34,7 +34,7 @@ from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage, DigestMismatch
 from rlbus.messages.objects import fetch_object, stream_object
 from rlbus.messages.schemas import Event, WeightManifest
-from rlbus.messages.subjects import Subjects
+from rlbus.messages.subjects import LATEST_KEY, Subjects
 from rlbus.messages.wakeup import Wakeup
 from rlbus.model.policies.interface import (
     Policy,
@@ -46,8 +46,6 @@ from rlbus.model.policies.interface import (
 
 log = structlog.get_logger()
 
-LATEST_KEY: Final = "latest"
-"""The key of each region's LATEST KV bucket that points at the newest WeightManifest."""
 _FETCH_ERRORS: Final = (nats.errors.Error, TimeoutError, OSError)
 STREAM_BATCH: Final = 4
 """Object chunks (512 KiB each) a streamed full snapshot holds in flight."""

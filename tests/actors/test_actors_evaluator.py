@@ -21,7 +21,6 @@ from helpers import eventually, new_run
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.config import EvaluatorConfig, EvaluatorLaunch, PublisherConfig, PublisherLaunch
 from rlbus.actors.common.ledger import read_all
-from rlbus.actors.common.weight_sync import LATEST_KEY
 from rlbus.actors.evaluator import Evaluator
 from rlbus.actors.publisher import Publisher
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
@@ -29,6 +28,7 @@ from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import EvalReport, Heartbeat, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run
+from rlbus.messages.subjects import LATEST_KEY
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.model.sampling.evaluate import wilson_interval
 from rlbus.ops.bench.version_source import published_state, upload_version

@@ -17,14 +17,13 @@ from helpers import eventually, new_run
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.config import FeederConfig, FeederLaunch
 from rlbus.actors.common.feed import POSITION_KEY, Position
-from rlbus.actors.common.weight_sync import LATEST_KEY
 from rlbus.actors.feeder import Feeder
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.schemas import WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
-from rlbus.messages.subjects import Subjects
+from rlbus.messages.subjects import LATEST_KEY, Subjects
 from rlbus.topology.network.regions import RegionSet
 
 pytestmark = pytest.mark.anyio

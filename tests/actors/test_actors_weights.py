@@ -29,7 +29,7 @@ from torch import Tensor
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.config import PublisherConfig, PublisherLaunch
 from rlbus.actors.common.fetch_plan import Part, plan_fetch
-from rlbus.actors.common.weight_sync import LATEST_KEY, WeightSync
+from rlbus.actors.common.weight_sync import WeightSync
 from rlbus.actors.publisher import Publisher
 from rlbus.kernels.delta.codec import bits_view
 from rlbus.kernels.delta.state import state_digest, tensor_digests
@@ -37,6 +37,7 @@ from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import Event, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
+from rlbus.messages.subjects import LATEST_KEY
 from rlbus.model.policies.builtin import config_dict
 from rlbus.model.policies.hf import HFPolicy
 from rlbus.model.policies.interface import Policy, policy_from_spec

@@ -22,11 +22,11 @@ from anyio.abc import TaskStatus
 from helpers import new_run
 from torch import Tensor
 
-from rlbus.actors import publisher as publisher_module
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.config import PublisherConfig, PublisherLaunch
-from rlbus.actors.common.weight_sync import LATEST_KEY, WeightSync
-from rlbus.actors.publisher import LINK_KEY, Publisher, RegionRelay
+from rlbus.actors.common.weight_sync import WeightSync
+from rlbus.actors.publisher import Publisher, RegionRelay
+from rlbus.actors.publisher import relay as publisher_module
 from rlbus.kernels.delta.codec import bits_view
 from rlbus.kernels.delta.state import state_digest, tensor_digests
 from rlbus.messages import codec
@@ -35,6 +35,7 @@ from rlbus.messages.kv import read_key
 from rlbus.messages.objects import delete_object, fetch_object, put_object
 from rlbus.messages.schemas import WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
+from rlbus.messages.subjects import LATEST_KEY, LINK_KEY
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.ops.bench.version_source import VersionSource
 from rlbus.topology.network.links import LinkShape, namespaces_unavailable

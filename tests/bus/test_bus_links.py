@@ -33,11 +33,10 @@ from helpers.runs import FinishedRun
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from rlbus.actors.publisher import LINK_KEY
 from rlbus.messages import codec
 from rlbus.messages.schemas import Heartbeat, VersionReady, WeightManifest
 from rlbus.messages.streams import StreamSettings, provision_run, wait_routable
-from rlbus.messages.subjects import Subjects
+from rlbus.messages.subjects import LINK_KEY, Subjects
 from rlbus.topology.examples import example_path
 from rlbus.topology.network.links import (
     LinkSet,
