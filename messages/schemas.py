@@ -269,7 +269,7 @@ class SessionOpened(Message, tag="session_opened"):
 
 class ToolCall(Message, tag="tool_call"):
     """One tool call in a session (`list_files`, `read_file`, `write_file`, `edit_file`, `search`, `run`,
-    `grade`, `snapshot`; arguments in actors/sandbox/tools.py). Every call renews the session's lease."""
+    `grade`, `snapshot`, `digest`; arguments in actors/sandbox/tools.py). Every call renews the session's lease."""
 
     session_id: str
     call_id: str

@@ -4,7 +4,7 @@ Owns: `open_session` (a workspace seeded with files, in the region's queue group
 supervisor that holds it), `call_tool` (one `ToolCall` → its `ToolResult`), `snapshot_session`,
 `close_session`, `restore_files` (the opening files overlaid by a snapshot: what to reopen with to restore
 a workspace), and `SandboxSession`, the port an environment is handed (`tool`, `grade`, `snapshot`,
-`close`; an async context manager that closes on exit). Every call renews the session's lease; a
+`digest`, `close`; an async context manager that closes on exit). Every call renews the session's lease; a
 session whose holder stops calling is destroyed by its supervisor after `lease_s`.
 Does not: run tools (actors/sandbox/), parse a model's tool calls or render results (model/).
 """
@@ -137,6 +137,16 @@ class SandboxSession:
 
     async def snapshot(self) -> ToolResult:
         return await self.tool("snapshot", {})
+
+    async def digest(self) -> str:
+        """`sha256:<hex>` of the workspace's files (the `digest` tool).
+
+        :raises SandboxCrashed: no reply, or the session refused the call (gone, busy).
+        """
+        result = await self.tool("digest", {})
+        if not result.ok:
+            raise SandboxCrashed(f"digest of session {self.session_id}: {result.status} ({result.error[:200]})")
+        return result.output
 
     async def close(self) -> bool:
         if self.closed:

@@ -24,6 +24,8 @@ or mistyped argument), and `run_tool`, which runs one checked call on a session 
 - `snapshot` {}: the files changed or added since the session opened (`ToolResult.files`, with sha256
   hex in `digests`) and the opening files deleted since (`deleted`); links and special files are not
   captured (named in `output`). Reopening with the opening files overlaid by these restores the workspace.
+- `digest` {}: `output` is `sha256:<hex>` of every regular file's path and content (Workspace.tree_digest): a
+  workspace restored from a snapshot has the digest the snapshotted one had.
 Output is capped at `[sandbox] max_output_kb` (`truncated`). Does not: hold sessions or leases
 (actors/sandbox/sessions.py), or know any file-system trick (actors/sandbox/workspace.py).
 """
@@ -68,6 +70,7 @@ TOOLS: Final[dict[str, Spec]] = {
     "run": {"command": (str, REQUIRED), "timeout_s": (float, None)},
     "grade": {"files": (dict, {}), "stdlib_under_test": (list, []), "command": (str, ""), "timeout_s": (float, None)},
     "snapshot": {},
+    "digest": {},
 }
 JAILED: Final = frozenset({"search", "run", "grade"})
 """Tools that run a jailed process: they queue under the supervisor's concurrency quota."""
@@ -409,9 +412,14 @@ async def _snapshot(ws: Workspace, args: dict[str, Any], limits: ToolLimits, run
     return Reply(True, "\n".join(lines) + "\n", files=files, digests=digests, deleted=deleted)
 
 
+async def _digest(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner: Runner, scratch: Path) -> Reply:
+    return Reply(True, ws.tree_digest())
+
+
 _TOOLS_IMPL: Final[dict[str, Callable[[Workspace, dict[str, Any], ToolLimits, Runner, Path], Awaitable[Reply]]]] = {
     "list_files": _list, "read_file": _read, "write_file": _write, "edit_file": _edit, "search": _search,
     "run": _run, "grade": _grade, "snapshot": _snapshot,
+    "digest": _digest,
 }
 assert set(_TOOLS_IMPL) == set(TOOLS)
 

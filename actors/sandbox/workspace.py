@@ -1,8 +1,8 @@
 """A session's workspace on the host: path-safe file operations that never follow a symbolic link.
 
 Owns: `Workspace`, one directory under the supervisor's scratch root, and what the file tools do in it
-(list, read, write, exact search-and-replace, the changed files since it was seeded, a fresh copy for
-grading, removal). Every path is relative to the workspace; `..`, absolute paths and NUL bytes are refused,
+(list, read, write, exact search-and-replace, the changed files since it was seeded, the digest of its
+files, a fresh copy for grading, removal). Every path is relative to the workspace; `..`, absolute paths and NUL bytes are refused,
 and every component is opened relative to its parent's directory fd with O_NOFOLLOW, so a symbolic link
 (one a `run` planted, pointing outside or at another session) is refused, never followed. Only regular
 files are read or written (a FIFO or socket a command made is refused without blocking), and a file with
@@ -279,6 +279,17 @@ class Workspace:
                 files[rel], digests[rel] = data, digest
         deleted = sorted(p for p in self.base if p not in seen)
         return files, digests, deleted, skipped
+
+    def tree_digest(self) -> str:
+        """`sha256:<hex>` of every regular file's path and content, in path order: what a snapshot captures (links,
+        special files and empty directories are not part of it), so a workspace restored from a snapshot has the
+        digest the snapshotted one had."""
+        tree = hashlib.sha256()
+        for rel, kind, _ in self.entries():
+            if kind == "file":
+                content = hashlib.sha256(self.read_bytes(rel, self.max_total_bytes)).hexdigest()
+                tree.update(f"{len(rel)}:{rel}:{content}\n".encode())
+        return f"sha256:{tree.hexdigest()}"
 
     def copy_to(self, dest: Path, *, extra_bytes: int = 0) -> Workspace:
         """A fresh copy of this workspace's directories, files and links (as links) at `dest` (new), with room

@@ -65,7 +65,8 @@ async def test_tools_work_in_a_persistent_workspace(nats_server: EmbeddedServer,
 
 async def test_snapshot_restores_into_a_new_session(admin_bus: Bus) -> None:
     """A snapshot holds the changed and new files with their sha256 and the deleted ones; a session opened
-    with the opening files overlaid by it holds the same files as the first."""
+    with the opening files overlaid by it holds the same files as the first, and has its digest (links and empty
+    directories are not part of it; a changed byte is)."""
     async with serving(admin_bus):
         async with await SandboxSession.open(admin_bus, "hub", FILES) as first:
             await first.tool("write_file", {"path": "pkg/calc.py", "content": "def add(a, b):\n    return a + b\n"})
@@ -74,9 +75,15 @@ async def test_snapshot_restores_into_a_new_session(admin_bus: Bus) -> None:
             assert snap.ok and sorted(snap.files) == ["out/blob.bin", "pkg/calc.py"] and snap.deleted == ["README"]
             assert all(hashlib.sha256(v).hexdigest() == snap.digests[k] for k, v in snap.files.items())
             want = (await first.tool("run", {"command": "find . -type f | sort | xargs sha256sum"})).output
+            tree = await first.digest()
+            await first.tool("run", {"command": "mkdir -p empty/dir && ln -s pkg/calc.py link"})  # not captured
+            assert await first.digest() == tree
         async with await SandboxSession.open(admin_bus, "hub", restore_files(FILES, snap)) as second:
             got = (await second.tool("run", {"command": "find . -type f | sort | xargs sha256sum"})).output
             assert got == want and "blob.bin" in got
+            assert await second.digest() == tree and tree.startswith("sha256:")
+            await second.tool("write_file", {"path": "out/blob.bin", "content": "x"})
+            assert await second.digest() != tree
 
 
 async def test_session_quota_lease_expiry_and_stop(admin_bus: Bus) -> None:
