@@ -52,20 +52,29 @@ async def test_same_rollout_id_is_stored_once(admin_bus: Bus) -> None:
 
 async def test_a_refused_batch_raises_once_and_leaves_no_unretrieved_error(admin_bus: Bus) -> None:
     """A batch to a subject no stream holds raises NoStreamResponseError; the refusals of the later messages,
-    whose acks are never awaited, are taken too, so the loop reports no "exception never retrieved"."""
+    whose acks are never awaited, are taken too, so the loop reports no "exception never retrieved". A probe
+    published after the batch is refused after every refusal of the batch (one connection, in order); a future
+    failed on purpose and dropped is reported, so the handler does catch what it looks for."""
     loop = asyncio.get_running_loop()
     reported: list[dict[str, object]] = []
     before = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    nowhere = admin_bus.subjects.rollouts("nowhere")
     try:
         with pytest.raises(NoStreamResponseError):
-            await admin_bus.publish_batch([(admin_bus.subjects.rollouts("nowhere"), _rollout(f"r{i}"), f"r{i}")
-                                           for i in range(4)])
-        await anyio.sleep(0.2)           # let the later refusals arrive
+            await admin_bus.publish_batch([(nowhere, _rollout(f"r{i}"), f"r{i}") for i in range(4)])
+        probe = await admin_bus.js.publish_async(nowhere, b"probe")
+        with pytest.raises(NoStreamResponseError):
+            await probe                  # the batch's later refusals were handled before this one
         gc.collect()                     # an unretrieved future's error is reported when it is collected
+        assert reported == []
+        control = loop.create_future()
+        control.set_exception(RuntimeError("dropped on purpose"))
+        del control
+        gc.collect()
     finally:
         loop.set_exception_handler(before)
-    assert reported == []
+    assert [str(c.get("exception")) for c in reported] == ["dropped on purpose"]
 
 
 async def test_garbage_is_dead_lettered_and_the_consumer_goes_on(admin_bus: Bus) -> None:
