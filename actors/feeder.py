@@ -3,7 +3,7 @@
 
 Owns: `Feeder` (kind "feeder"; its settings are actors/common/config.py `FeederConfig`), the task sources (the built-in family
 `model.tasks.train_tasks(seed)`, HumanEval's problems of `tasks = "humaneval"`, the built-in repository tasks of
-`tasks = "repo"` / `"repo:LEVEL"`, or a JSONL
+`tasks = "repo"` / `"repo:LEVEL"`, the repository task file of `tasks = "PATH"`, or a JSONL
 file of tasks), the deterministic weighted region of each
 task, the verifier spec a generator rebuilds a task from (`verifier_for` / `task_from_verifier`), and
 the feeder's position, kept in the hub's PARTIALS KV under `POSITION_KEY` (`read_position`; which ids its
@@ -38,7 +38,13 @@ import nats.js.errors
 import structlog
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
-from rlbus.actors.common.config import FeederConfig, FeederLaunch, decode_config, feed_weights
+from rlbus.actors.common.config import (
+    FeederConfig,
+    FeederLaunch,
+    decode_config,
+    feed_weights,
+    names_task_file,
+)
 from rlbus.actors.common.feed import (
     Position,
     TaskSequence,
@@ -75,6 +81,8 @@ class Feeder(Actor):
         self.launch = launch or FeederLaunch()
         self.weights = feed_weights(config, self.launch, ident.region)
         self.source = task_source(config, self.launch)
+        self._file_source = names_task_file(config.tasks) and config.tasks_file is None
+        """Repository tasks from a file: their verifiers carry the reference edit (`verifier_for`)."""
         self.cursors: dict[str, int] = {r: 0 for r, _ in self.weights}
         self.fed_versions: dict[str, int] = {}
         """Lockstep: per region, the last policy version whose batch it was given."""
@@ -218,8 +226,8 @@ class Feeder(Actor):
 
     def _message(self, index: int, region: str, min_version: int = 0) -> TaskMessage:
         task = self.tasks.get(index)
-        return TaskMessage(task_id=task.task_id, prompt=task.prompt, verifier=verifier_for(task),
-                           group_size=self.launch.group_size, region=region,
+        return TaskMessage(task_id=task.task_id, prompt=task.prompt,
+                           verifier=verifier_for(task, with_reference=self._file_source), group_size=self.launch.group_size, region=region,
                            seed=task_seed(self.config.seed, index), min_version=min_version)
 
     # ---- lockstep -------------------------------------------------------------------------------

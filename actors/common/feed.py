@@ -3,7 +3,8 @@ task codec every consumer of tasks shares.
 
 Owns: the task sources (the built-in family
 `model.tasks.train_tasks(seed)`, the built-in repository tasks `model.repo_tasks.repo_tasks(seed, level=)` of
-`[feeder] tasks = "repo"` / `"repo:LEVEL"`, or a JSONL file of tasks), `assign_region` (the deterministic weighted
+`[feeder] tasks = "repo"` / `"repo:LEVEL"`, the repository task file of `[feeder] tasks = "PATH"`
+(model/tasks/sources.py `read_repo_tasks_file`), or a JSONL file of tasks), `assign_region` (the deterministic weighted
 region of each task), the verifier spec a generator rebuilds a task from (`verifier_for` /
 `task_from_verifier`), the feeder's saved position in the hub's PARTIALS KV under `POSITION_KEY`
 (`read_position`), and which ids its cursors have fed (`fed_task_ids`).
@@ -32,7 +33,14 @@ import nats.js.errors
 import structlog
 from nats.js.kv import KeyValue
 
-from rlbus.actors.common.config import FeederConfig, FeederLaunch, feed_weights, feeder_tasks_problem
+from rlbus.actors.common.config import (
+    FeederConfig,
+    FeederLaunch,
+    feed_weights,
+    feeder_file_problem,
+    feeder_tasks_problem,
+    names_task_file,
+)
 from rlbus.actors.common.errors import TaskError
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
@@ -73,10 +81,15 @@ def task_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"task:{seed}:{index}".encode()).digest()[:4], "big") >> 1
 
 
-def verifier_for(task: FedTask) -> dict[str, str]:
+def verifier_for(task: FedTask, *, with_reference: bool = False) -> dict[str, str]:
     """`Task.verifier` of a coding task: {"kind": VERIFIER_KIND, "task": <the task's fields as JSON>}; of a
-    repository task its own `verifier_spec()` (kind model/tasks/repo.py `VERIFIER_KIND`)."""
+    repository task its own `verifier_spec()` (kind model/tasks/repo.py `VERIFIER_KIND`), which leaves out the
+    reference edit a built-in task's id rebuilds; `with_reference` keeps it (a repository task file's task, whose
+    reference nothing else carries, for `[generator] script = "reference"`; the policy never sees the verifier)."""
     if isinstance(task, RepoTask):
+        if with_reference:
+            shown = msgspec.structs.replace(task, solution={})
+            return {"kind": task.verifier_spec()["kind"], "task": msgspec.json.encode(shown).decode()}
         return task.verifier_spec()
     doc = {"task_id": task.task_id, "family": task.family, "level": task.level, "prompt": task.prompt,
            "entry_point": task.entry_point, "solution": task.solution,
@@ -128,14 +141,22 @@ def read_tasks_file(path: Path) -> list[CodingTask]:
         raise TaskError(str(err)) from None
 
 
-def listed_tasks(config: FeederConfig) -> list[CodingTask] | None:
-    """The tasks of a listed source the feeder walks in order: `tasks_file`'s, or HumanEval's for `tasks =
-    "humaneval"`; None for a generated sequence (the built-in family, the repository tasks).
+def listed_tasks(config: FeederConfig) -> list[FedTask] | None:
+    """The tasks of a listed source the feeder walks in order: `tasks_file`'s, the repository task file's of
+    `tasks = "PATH"`, or HumanEval's for `tasks = "humaneval"`; None for a generated sequence (the built-in
+    family, the built-in repository tasks).
 
-    :raises TaskError: the file or the package cannot be read.
+    :raises TaskError: the file or the package cannot be read; a bad repository task file names its line and key.
     """
     if config.tasks_file is not None:
-        return read_tasks_file(Path(config.tasks_file))
+        return list(read_tasks_file(Path(config.tasks_file)))
+    if names_task_file(config.tasks):
+        if (problem := feeder_file_problem(config.tasks)) is not None:
+            raise TaskError(f"feeder.tasks: {problem}")
+        try:
+            return list(task_sources.read_repo_tasks_file(Path(config.tasks)))
+        except task_sources.TaskSourceError as err:
+            raise TaskError(f"feeder.tasks: {err}") from None
     if config.tasks == task_sources.HUMANEVAL:
         try:
             return task_sources.humaneval_tasks()
@@ -163,7 +184,7 @@ class TaskSequence:
     """Random access to the task sequence (built-in or file), caching the window still needed; tasks whose
     prompt hash is in `exclude` (the evaluator's held-out set of a listed source) are skipped."""
 
-    def __init__(self, seed: int, tasks: list[CodingTask] | None = None, max_tasks: int | None = None,
+    def __init__(self, seed: int, tasks: list[FedTask] | None = None, max_tasks: int | None = None,
                  *, eval_seed: int | None = None, levels: Sequence[int] = (),
                  exclude: frozenset[str] = frozenset(), repo: str | None = None) -> None:
         self._exclude = exclude
@@ -218,8 +239,9 @@ class Position(msgspec.Struct, kw_only=True):
 
 
 def task_sequence(config: FeederConfig, launch: FeederLaunch,
-                  listed: list[CodingTask] | None = None) -> TaskSequence:
-    """The sequence the feeder walks: `listed` (the tasks file's tasks), the repository tasks of `[feeder] tasks`,
+                  listed: list[FedTask] | None = None) -> TaskSequence:
+    """The sequence the feeder walks: `listed` (a listed source's tasks: `listed_tasks`), the built-in repository
+    tasks of `[feeder] tasks`,
     or the built-in family of the config, without the prompts of the evaluator's held-out source
     (`launch.eval_tasks`, by prompt hash).
 
@@ -233,7 +255,7 @@ def task_sequence(config: FeederConfig, launch: FeederLaunch,
     if listed is None and config.tasks != task_sources.BUILTIN:
         if (problem := feeder_tasks_problem(config.tasks)) is not None:
             raise TaskError(f"feeder.tasks: {problem}")
-        if config.tasks == task_sources.HUMANEVAL:
+        if config.tasks == task_sources.HUMANEVAL or names_task_file(config.tasks):
             listed = listed_tasks(config)
         else:
             repo = config.tasks
@@ -249,12 +271,12 @@ def position_matches(saved: Position, config: FeederConfig, launch: FeederLaunch
 
 
 def fed_task_ids(config: FeederConfig, launch: FeederLaunch, cursors: Mapping[str, int], own_region: str,
-                 listed: list[CodingTask] | None = None) -> dict[str, list[str]]:
+                 listed: list[FedTask] | None = None) -> dict[str, list[str]]:
     """Per region of `feed_weights(config, launch, own_region)`, the ids of the tasks a feeder with these cursors has given
     it, in sequence order: every index below the region's cursor that `assign_region` gives the region
     (the feeder walks each region's indices in order and advances the cursor past each one published).
 
-    `listed`: the tasks file's tasks (None: read `config.tasks_file` when set). Cursors of a position saved
+    `listed`: the listed source's tasks (None: read them, `listed_tasks`). Cursors of a position saved
     under another seed, source or weights (`position_matches`) do not mean this."""
     weights = feed_weights(config, launch, own_region)
     if listed is None:

@@ -18,7 +18,7 @@ import msgspec
 import msgspec.inspect as mi
 import structlog
 
-from rlbus.actors.common.config import task_source_problem
+from rlbus.actors.common.config import feeder_file_problem, names_task_file, task_source_problem
 from rlbus.messages.errors import TopologyError
 from rlbus.topology.file._walk import Walker, key_path
 from rlbus.topology.file.problem import Problem
@@ -38,7 +38,8 @@ def validate(path: str | os.PathLike[str], *, local_cores: int | None = None) ->
     Every problem carries `file=str(path)`. Also warns when a region's credentials file is missing, its
     credentials environment variable is unset, or a TLS file is missing (they may exist where the actors run),
     and names each `[regions.link]` when this host cannot make network namespaces (those regions run on loopback),
-    and reports an `[evaluator] tasks` that is neither a source name nor a file here as an error.
+    and reports as errors an `[evaluator] tasks` that is neither a source name nor a file of functions to write
+    here, and a `[feeder] tasks` repository task file that is missing or has a bad row (naming its line and key).
     """
     file = str(path)
     try:
@@ -136,8 +137,34 @@ def _environment(topology: Topology) -> list[Problem]:
                     for i, region in enumerate(topology.regions) if region.link is not None]
     if (problem := task_source_problem(topology.evaluator.tasks)) is not None:
         out.append(Problem(key="evaluator.tasks", message=f"{problem}; the evaluator and the feeder read it"))
+    elif Path(topology.evaluator.tasks).is_file():
+        from rlbus.model.tasks.sources import is_repo_file
+
+        if is_repo_file(Path(topology.evaluator.tasks)):
+            out.append(Problem(key="evaluator.tasks", message=f"{topology.evaluator.tasks!r} holds repository tasks; "
+                               "the evaluator grades functions to write only (held-out agentic episodes are not "
+                               "built): give it 'builtin', 'humaneval' or a file of functions to write"))
+    out += feeder_file_problems(topology.feeder.tasks)
     out += policy_problems(topology)
     return out
+
+
+def feeder_file_problems(tasks: str) -> list[Problem]:
+    """What is wrong with `[feeder] tasks` naming a repository task file here: no such file, or, naming the file,
+    the line and the key, its first bad row (model/tasks/sources.py `read_repo_tasks_file`), or no task in it."""
+    if not names_task_file(tasks):
+        return []
+    if (problem := feeder_file_problem(tasks)) is not None:
+        return [Problem(key="feeder.tasks", message=problem)]
+    from rlbus.model.tasks.sources import TaskSourceError, is_repo_file, read_repo_tasks_file
+
+    try:
+        if not read_repo_tasks_file(Path(tasks)):
+            return [Problem(key="feeder.tasks", message=f"{tasks}: no task in the repository task file")]
+    except TaskSourceError as err:
+        hint = "" if is_repo_file(Path(tasks)) else " (a file of functions to write goes in feeder.tasks_file)"
+        return [Problem(key="feeder.tasks", message=f"{err}{hint}")]
+    return []
 
 
 def policy_problems(topology: Topology) -> list[Problem]:

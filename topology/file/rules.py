@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Final
 
-from rlbus.actors.common.config import feeder_tasks_problem
+from rlbus.actors.common.config import feeder_tasks_problem, names_task_file
 from rlbus.topology.file.problem import Problem, Severity
 from rlbus.topology.file.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology, parse_duration
 from rlbus.topology.network.links import parse_percent, parse_time
@@ -247,7 +247,7 @@ def _settings(topology: Topology) -> Iterator[Found]:
         yield _p("feeder.tasks", f"{feeder.tasks!r} and feeder.tasks_file = {feeder.tasks_file!r} both name the "
                  "training tasks; remove one of them", also=("feeder.tasks_file",))
     context = topology.pretrain.max_seq_len or BUILTIN_CONTEXT
-    repo = feeder.tasks.startswith("repo")
+    repo = feeder.tasks not in ("builtin", "humaneval")      # the built-in repository tasks or a repository task file
     if repo and topology.policy.kind == "builtin" and context < REPO_CONTEXT:
         yield _p("feeder.tasks", f"the built-in policy's context is {context} tokens and a repository task's first "
                  f"context alone takes up to about {REPO_FIRST_CONTEXT} (with the compact tool list): tasks that "
@@ -263,6 +263,9 @@ def _settings(topology: Topology) -> Iterator[Found]:
     if feeder.levels and feeder.tasks_file is not None:
         yield _p("feeder.levels", f"levels {feeder.levels} select among the built-in tasks only, but feeder.tasks_file "
                  f"= {feeder.tasks_file!r} is set; remove one of them", also=("feeder.tasks_file",))
+    if names_task_file(feeder.tasks) and feeder.tasks == topology.evaluator.tasks:
+        yield _p("evaluator.tasks", f"the held-out set is feeder.tasks {feeder.tasks!r} itself; give the evaluator "
+                 f"another source", also=("feeder.tasks",))
     if feeder.tasks_file is not None and feeder.tasks_file == topology.evaluator.tasks:
         yield _p("evaluator.tasks", f"the held-out set is feeder.tasks_file {feeder.tasks_file!r} itself: training "
                  f"skips every held-out prompt, so it would draw nothing; give the evaluator another source",
