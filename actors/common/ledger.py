@@ -1,16 +1,10 @@
-"""The exactly-once ledger: walk TRAINLOG along the final checkpoint lineage and account for every rollout,
-and account for every task the feeder fed.
+"""The exactly-once ledger: every rollout along the final checkpoint lineage, and every task the feeder fed.
 
-Owns: the pure rules — `final_lineage` (in stream order, a TrainStep whose step is ≤ the last kept step
-truncates the lineage back to before it: a trainer restarted from an older checkpoint abandons the steps
-after it), `trained_twice` (an id used in two steps of the final lineage), `lost` (in ROLLOUTS, in no step
-of the final lineage and never dropped there), `ledger` (the summary), `task_ledger` (every fed task is
-rolled out, pending or dead-lettered) — and `read_ledger(bus)` / `read_task_ledger(bus, config, …)`, which
-read TRAINLOG, the hub's ROLLOUTS and DLQ through ephemeral consumers, every region's TASKS by sequence
-and the feeder's saved cursors, and apply them.
-Does not: judge pending work (a rollout not yet consumed counts as lost until it is: read the ledger once
-the trainer has caught up; a task whose rollouts are still on their way from a leaf to the hub's ROLLOUTS
-counts as lost until they arrive), or decide which ids a cursor covers (actors/feeder.py `fed_task_ids`).
+- Owns: the pure rules (`final_lineage`, `trained_twice`, `lost`, `ledger`, `task_ledger`) and
+  `read_ledger(bus)` / `read_task_ledger(bus, config, …)`, which read the streams and apply them.
+- Does not: wait for work in flight (a task whose rollouts are still on their way from a leaf to the hub's
+  ROLLOUTS counts as lost until they arrive), or decide which ids a cursor covers (actors/feeder.py
+  `fed_task_ids`).
 """
 
 from __future__ import annotations
@@ -66,7 +60,8 @@ class Ledger:
 
 
 def final_lineage(steps: Iterable[TrainStep]) -> list[TrainStep]:
-    """The steps that survive, in order: each record drops every kept step with step >= its own first."""
+    """The steps that survive, in order: each record drops every kept step with step >= its own first
+    (a trainer restarted from an older checkpoint abandons the steps after it)."""
     kept: list[TrainStep] = []
     for record in steps:
         while kept and kept[-1].step >= record.step:
@@ -169,7 +164,9 @@ async def read_ledger(bus: Bus, *, domain: str | None = None) -> Ledger:
 async def read_task_ledger(bus: Bus, config: FeederConfig, launch: FeederLaunch, *, feeder_region: str, hub_domain: str | None = None,
                            timeout_s: float = 60.0) -> TaskLedger:
     """Read the feeder's saved cursors, every fed region's TASKS, the hub's DLQ and ROLLOUTS as they are now and
-    return the `TaskLedger`.
+    return the `TaskLedger`. Every region's TASKS is read by sequence and the hub's DLQ and ROLLOUTS through
+    ephemeral consumers. A task whose rollouts are still on their way from a leaf to the hub's ROLLOUTS
+    counts as lost until they arrive.
 
     `config`, `launch`: the feeder's settings and what the launcher passed beside them (regions, domains);
     `feeder_region`: the region the feeder runs in (its cursors are in that region's PARTIALS KV).

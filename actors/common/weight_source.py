@@ -1,13 +1,10 @@
 """Where a generator's (or evaluator's) policy weights come from: the `WeightSource` interface.
 
-Owns: the `WeightSource` protocol the generator samples through (a model, the version it holds, a
-thread-safe `maybe_swap(step)` for `model.generate`'s `on_step`, `wait_for_version`), `LocalWeights` (a
-fixed policy: a pretrain checkpoint or Hugging Face directory, or a policy handed in by a test) and
-`open_weights(spec, ...)`, which turns the `generator.weights` setting into a source.
-Does not: fetch, verify or decode published versions (actors/common/weight_sync.py, `WeightSync`, the real source).
-
-Specs: "sync" — the region's published versions through `WeightSync`; "local:<path>" — a fixed
-`pretrain.pt` checkpoint (or its folder) or Hugging Face directory, reported as version `local_version`.
+- Owns: the `WeightSource` protocol the generator samples through (a model, the version it holds, a
+  thread-safe `maybe_swap(step)`, `wait_for_version`), `LocalWeights` (a fixed policy) and
+  `open_weights(spec, ...)`, which turns the `generator.weights` setting into a source.
+- Does not: fetch, verify or decode published versions (actors/common/weight_sync.py, `WeightSync`,
+  the real source).
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ from rlbus.model.policies.interface import ChatTokenizer, Policy, as_policy, loa
 @runtime_checkable
 class WeightSource(Protocol):
     """What a generator needs from its weights. `maybe_swap` runs on the generation thread between decoding
-    steps; everything else on the event loop."""
+    steps (it is `model.generate`'s `on_step`); everything else on the event loop."""
 
     @property
     def model(self) -> Policy:
@@ -52,7 +49,8 @@ class WeightSource(Protocol):
 
 
 class LocalWeights:
-    """A fixed policy that never changes: `held_version` is always `version`."""
+    """A fixed policy that never changes: `held_version` is always `version`. A pretrain checkpoint or
+    Hugging Face directory, or a policy handed in by a test."""
 
     def __init__(self, model: Policy | nn.Module, *, version: int = 0) -> None:
         self._model = as_policy(model).eval()
@@ -91,9 +89,11 @@ class LocalWeights:
 @asynccontextmanager
 async def open_weights(spec: str, bus: Bus, region: str, *, local_version: int = 0,
                        device: str = "cpu", dtype: str = "bfloat16") -> AsyncIterator[WeightSource]:
-    """The weight source named by `spec` (see the module docstring), open for the block, its policy on
-    `device` ("auto": CUDA when present); a synced policy in `dtype` ("bfloat16" or "float32": versions are
-    bf16, held exactly in either).
+    """The weight source named by `spec`, open for the block, its policy on `device` ("auto": CUDA when
+    present); a synced policy in `dtype` ("bfloat16" or "float32": versions are bf16, held exactly in either).
+
+    Specs: "sync" — the region's published versions through `WeightSync`; "local:<path>" — a fixed
+    `pretrain.pt` checkpoint (or its folder) or Hugging Face directory, reported as version `local_version`.
 
     :raises TopologyError: an unknown spec (the `[generator] weights` setting's pattern allows none).
     """

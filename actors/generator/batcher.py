@@ -1,13 +1,9 @@
 """Cross-task batching of a generator's sampling calls: the open drafts of every task a generator works
 on are sampled in one `model.generate` call instead of one call per task.
 
-Owns: `SampleBatcher` — tasks submit (contexts, n); requests that arrive while a call is running wait and
-go together into the next call; each caller gets back exactly its rows, cut to its own n tokens. On CPU a
-decoding step of a small model costs about the same for 8 rows as for 64, so this multiplies a generator's
-tokens/s by up to the number of concurrent tasks. The callers of one call come back a few milliseconds apart
-(each saves its partial first), so a call waits at most `linger_s` for as many requests as the previous call
-had: without that, the first caller back ran alone and the rest in a second call of about the same cost.
-Does not: know about tasks, partials or weights (the caller's `run` function does the sampling).
+- Owns: `SampleBatcher` — tasks submit (contexts, n); requests that arrive while a call is running go
+  together into the next call; each caller gets back exactly its rows, cut to its own n tokens.
+- Does not: know about tasks, partials or weights (the caller's `run` function does the sampling).
 """
 
 from __future__ import annotations
@@ -53,7 +49,14 @@ def cut(sample: SampledSequence, n: int) -> SampledSequence:
 
 
 class SampleBatcher:
-    """Merges concurrent sampling requests into one call of `run` (see the module docstring).
+    """Merges concurrent sampling requests into one call of `run`.
+
+    Tasks submit (contexts, n); requests that arrive while a call is running wait and go together into the
+    next call; each caller gets back exactly its rows, cut to its own n tokens. On CPU a decoding step of a
+    small model costs about the same for 8 rows as for 64, so this multiplies a generator's tokens/s by up
+    to the number of concurrent tasks. The callers of one call come back a few milliseconds apart (each
+    saves its partial first), so a call waits at most `linger_s` for as many requests as the previous call
+    had: without that, the first caller back ran alone and the rest in a second call of about the same cost.
 
     `max_len` is the model's max_seq_len: a merged call decodes min(max n, max_len - longest context)
     tokens, which is at least 1 because every request fits on its own; a request that asked for more

@@ -1,26 +1,10 @@
 """The state of one task's group of G multi-turn episodes: what a partial checkpoint holds, and the Rollouts.
 
-Owns: `PartialGroup` (the value saved under the task id in a region's PARTIALS KV: a msgpack map via
-msgspec, zstd-compressed past 64 KiB; `format` = PARTIAL_FORMAT), its pure transitions (start, add a
-sampled chunk, take the function-writing environment's state after a graded attempt (`function_state` is an
-episode's state for model/env/function.py, `apply_step` takes the state after its turn back), replace the history
-by a summary, grow a group without a pass,
-pick the G of a grown group to publish), `check_partial` (could this task's group have saved the partial
-read back? hostile or corrupt ones are refused) and `build_rollout`, which flattens an episode into a
-`Rollout`. Pure: no bus, no model, no clock (callers pass `now`).
-Does not: sample, grade or talk to NATS (actors/generator/actor.py drives all three).
-
-Token layout (model/env/episodes.py): <|bos|> then per turn <|role|> content <|end_turn|>; a policy turn's
-content is its sampled ids verbatim and gets no extra <|end_turn|> when it ends with one. A Rollout is
-that sequence up to the last sampled token: `prompt_tokens` = <|bos|><|user|>prompt<|end_turn|> and the
-next role id (<|assistant|>, the context of the first attempt); `completion_tokens` = the rest.
-loss_mask is 1 exactly on assistant tokens. Observations, framing and summaries are 0 there: a summary was
-sampled while reading the old history, which the Rollout no longer holds, so it is trained as a segment of its
-own under what the policy read (`record_summary`; `Rollout.segments`), and is context in the rest. behaviour_logprobs are 0.0 where the mask is 0, and
-policy_versions there repeat the version of the nearest policy token before them (after them for the
-prompt), so min/max over a Rollout's versions are always real versions. The MoE routing record
-covers prompt + completion, (P + T, n_moe_layers, top_k) int64: each token's experts from the forward
-pass that first fed it, which is what `model.generate` reports and the trainer replays.
+- Owns: `PartialGroup` (the value saved under the task id in a region's PARTIALS KV), its pure transitions
+  (start, add a sampled chunk, take a graded attempt's state, summarise, grow, pick the G to publish),
+  `check_partial` (refuses a hostile or corrupt partial) and `build_rollout` (an episode as a `Rollout`).
+- Guarantee: pure: no bus, no model, no clock (callers pass `now`).
+- Does not: sample, grade or talk to NATS (actors/generator/actor.py drives all three).
 """
 
 from __future__ import annotations
@@ -109,7 +93,14 @@ class EpisodeState(msgspec.Struct, kw_only=True):
 
 
 class PartialGroup(msgspec.Struct, kw_only=True):
-    """A task's group in progress, saved after every sampled chunk and every graded round."""
+    """A task's group in progress, saved after every sampled chunk and every graded round: a msgpack map
+    via msgspec (`encode_partial`), zstd-compressed past 64 KiB; `format` = PARTIAL_FORMAT.
+
+    Its transitions: `new_group`, `add_chunk`, `record_attempt` / `apply_step` (`function_state` is an
+    episode's state for model/env/function.py, `apply_step` takes the state after its turn back),
+    `record_summary` (replaces the history by a summary), `grow_group` (a group without a pass) and
+    `published_episodes` (the G of a grown group to publish).
+    """
 
     format: int = PARTIAL_FORMAT
     task_id: str
@@ -484,7 +475,7 @@ def attempt_reward(attempt: Attempt, partial_credit: float = 0.0) -> float:
 
 
 def episode_segment(ep: EpisodeState, task: Task, tokenizer: ChatTokenizer) -> Segment | None:
-    """The episode's finished turns as trained tokens (layout in the module docstring): the prompt, then up to
+    """The episode's finished turns as trained tokens (layout in `build_rollout`): the prompt, then up to
     the last policy-sampled id; None when no turn since the prompt (or the last summary) was sampled."""
     flat = flatten(ep, tokenizer)
     policy_positions = [i for i, m in enumerate(flat.loss_mask) if m]
@@ -510,9 +501,23 @@ def episode_segment(ep: EpisodeState, task: Task, tokenizer: ChatTokenizer) -> S
 def build_rollout(ep: EpisodeState, *, task: Task, task_id: str, group_index: int, group_size: int,
                   tokenizer: ChatTokenizer, region: str, generator_id: str,
                   timings: dict[str, float], partial_credit: float = 0.0) -> Rollout:
-    """The finished episode as a Rollout (layout in the module docstring), its earlier segments included;
-    reward 1.0 when the last attempt passed every hidden test, else partial_credit * (tests passed / tests)
-    of that attempt (0.0 with the default: no partial credit)."""
+    """The finished episode as a Rollout, its earlier segments included; reward 1.0 when the last attempt
+    passed every hidden test, else partial_credit * (tests passed / tests) of that attempt (0.0 with the
+    default: no partial credit).
+
+    Token layout (model/env/episodes.py): <|bos|> then per turn <|role|> content <|end_turn|>; a policy turn's
+    content is its sampled ids verbatim and gets no extra <|end_turn|> when it ends with one. A Rollout is
+    that sequence up to the last sampled token: `prompt_tokens` = <|bos|><|user|>prompt<|end_turn|> and the
+    next role id (<|assistant|>, the context of the first attempt); `completion_tokens` = the rest.
+    loss_mask is 1 exactly on assistant tokens. Observations, framing and summaries are 0 there: a summary
+    was sampled while reading the old history, which the Rollout no longer holds, so it is trained as a
+    segment of its own under what the policy read (`record_summary`; `Rollout.segments`), and is context in
+    the rest. behaviour_logprobs are 0.0 where the mask is 0, and policy_versions there repeat the version
+    of the nearest policy token before them (after them for the prompt), so min/max over a Rollout's
+    versions are always real versions. The MoE routing record covers prompt + completion,
+    (P + T, n_moe_layers, top_k) int64: each token's experts from the forward pass that first fed it, which
+    is what `model.generate` reports and the trainer replays.
+    """
     try:
         tail = episode_segment(ep, task, tokenizer)
     except ValueError as err:
