@@ -1,10 +1,8 @@
 """Triton kernel behind `rlbus.kernels.nvfp4` (imported lazily, on first Triton use).
 
-One program per row: a pass for the row's amax, then a pass that quantises CHUNK blocks of 16 at a
-time, even and odd columns as two (CHUNK, 8) tiles so that each byte's two codes sit side by side.
-Divisions use `div_rn` (IEEE round-to-nearest): on CUDA Triton's `/` on fp32 is an approximate
-division, which would make codes differ from the torch reference. The only a*b+c pattern (a times a
-power of two, plus 2^23) is exact with or without FMA contraction.
+- Owns: `quantize_kernel` (one program per row) and its E4M3 / E2M1 rounding and code helpers.
+- Guarantee: the same codes as the torch reference (divisions round to nearest; the one a*b+c is exact).
+- Does not: choose between Triton and torch, or hold the format (kernels/nvfp4.py).
 
 JIT functions are unannotated: Triton reads parameter annotations as its own type hints.
 Set TRITON_INTERPRET=1 before this module is first imported to run it on CPU tensors.
@@ -56,6 +54,13 @@ def quantize_kernel(
     x_ptr, codes_ptr, bscale_ptr, s_ptr, tensor_amax_ptr, K, n_blocks,
     PER_TENSOR: tl.constexpr, CHUNK: tl.constexpr,
 ):
+    """One program per row: a pass for the row's amax, then a pass that quantises CHUNK blocks of 16 at a
+    time, even and odd columns as two (CHUNK, 8) tiles so that each byte's two codes sit side by side.
+
+    Divisions use `div_rn` (IEEE round-to-nearest): on CUDA Triton's `/` on fp32 is an approximate
+    division, which would make codes differ from the torch reference. The only a*b+c pattern (a times a
+    power of two, plus 2^23) is exact with or without FMA contraction.
+    """
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * K
     blk = tl.arange(0, CHUNK)

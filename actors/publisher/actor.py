@@ -1,10 +1,8 @@
 """The weight publisher: every trainer version, encoded for the generators, written into every region and
 announced once.
 
-- Owns: `Publisher` (actor kind "publisher"): consumes VersionReady from the hub's STATE stream (its own durable,
-  one in flight), downloads the raw bf16 version from CKPT (digest-checked, every tensor re-hashed), hands it to
-  the encoder and the region writers, announces the manifest on WEIGHTS (msg id `weights-<N>`) with
-  `regions_ready`, and only then acks the VersionReady.
+- Owns: `Publisher` (actor kind "publisher"): VersionReady in, the version written into every region and
+  announced as a manifest on WEIGHTS, then the VersionReady acked.
 - Guarantee: a version no region took is never announced; one whose CKPT object is missing or corrupt is
   dead-lettered with the reason.
 - Does not: encode (actors/publisher/encoder.py), write regions (actors/publisher/regions.py), apply weights
@@ -49,6 +47,10 @@ log = structlog.get_logger()
 class Publisher(Actor):
     """Turns every VersionReady into weight objects in every region and one WeightManifest announcement.
 
+    Consumes VersionReady from the hub's STATE stream (its own durable, one in flight), downloads the raw
+    bf16 version from CKPT (digest-checked, every tensor re-hashed), hands it to the encoder and the region
+    writers, announces the manifest on WEIGHTS (msg id `weights-<N>`) with `regions_ready`, and only then
+    acks the VersionReady.
     A region in `relayed` (its launch's `relayed`, which `rlbus up` fills with the leaves behind a
     `[regions.link]`) gets one object per version instead, and its `RegionRelay` makes the rest there.
     """

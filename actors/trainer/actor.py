@@ -1,11 +1,9 @@
 """The trainer actor: consumes the hub's ROLLOUTS, trains the policy, announces every version, and makes each
 rollout enter exactly one optimizer step across crashes.
 
-- Owns: the consume → plan → step → log → announce loop; acks (a rollout only once a CheckpointMark of this
-  trainer's own lineage covers its step: actors/trainer/exactly_once.py keeps the books); state uploads; resume.
-- Order per step: TrainStep on TRAINLOG → bf16 version to CKPT + VersionReady → (every N steps) full state to
-  CKPT + StateUploaded; so a TrainStep is stored before any mark can cover its rollouts.
-- Bounded: at most the consumer's `max_ack_pending` rollouts in memory (`Trainer._relieve`).
+- Owns: `Trainer`, the consume → plan → step → log → announce loop; acks; state uploads; resume.
+- Guarantee: a rollout is acked only once a CheckpointMark of this trainer's own lineage covers its step
+  (actors/trainer/exactly_once.py keeps the books); at most `max_ack_pending` rollouts in memory.
 - Does not: do the math (actors/trainer/core.py), make checkpoints durable (actors/checkpointer.py) or encode
   versions for generators (actors/publisher/).
 """
@@ -134,7 +132,12 @@ def build_trainer_core(config: TrainerConfig, *, threads: int, pretrained: str =
 
 
 class Trainer(Actor):
-    """Trains on the hub's ROLLOUTS (durable `trainer`); see the module docstring for the guarantees."""
+    """Trains on the hub's ROLLOUTS (durable `trainer`); the guarantees are in the module docstring.
+
+    Order per step: TrainStep on TRAINLOG → bf16 version to CKPT + VersionReady → (every N steps) full state
+    to CKPT + StateUploaded; so a TrainStep is stored before any mark can cover its rollouts. At most the
+    consumer's `max_ack_pending` rollouts are held in memory (`Trainer._relieve`).
+    """
 
     kind = "trainer"
 

@@ -1,18 +1,12 @@
 """Lossless weight-delta codec: encode a tensor against a base of the same shape and dtype, apply in place.
 
-Owns: the four encodings (full snapshot, sparse, bitmask, dense XOR) and the per-tensor choice by
-size, per-tensor and per-version digests, the torch reference `find_changes` of the Triton kernel
-in `kernels/delta/device.py`, and the full-snapshot-or-delta helpers. The one-blob-per-version
-format lives in `kernels/delta/state.py`. Does not own object names, chunking or upload (publisher).
-
-Values of changed elements are coded as the difference of their *ordered keys* (a bijection of the
-bit pattern that sorts like the float), so a +-1 ulp step costs a sign bit whatever carry chain its
-XOR has; bit exactness holds for every pattern (NaN payloads, +-Inf, +-0, subnormals) because the
-arithmetic is modulo 2**bits. Positions are gaps coded with Rice / Exp-Golomb (`kernels/delta/bitcode.py`).
-
-The CPU hot loops (change scan, integer coder, sparse apply) run compiled (`kernels/delta/compiled.py`) when
-numba imports, else on the numpy reference here and in `kernels/delta/bitcode.py`; both write the same bytes
-(`codec_backend`, `set_codec_backend`).
+- Owns: the four encodings (full snapshot, sparse, bitmask, dense XOR) and `encode_tensor`'s choice by size,
+  per-tensor and per-version digests, `find_changes` (the torch reference of kernels/delta/device.py's
+  Triton kernel), `apply_` and the full-snapshot-or-delta helpers (`snapshot_due`, `delta_base`).
+- Guarantee: bit exact for every pattern (NaN payloads, +-Inf, +-0, subnormals); both CPU backends
+  (`codec_backend`) write the same bytes.
+- Does not: hold the one-blob-per-version format (kernels/delta/state.py) or own object names, chunking or
+  upload (actors/publisher/).
 """
 
 from __future__ import annotations
@@ -60,7 +54,12 @@ _compiled: list[types.ModuleType | None] = [None]
 
 
 def codec_backend() -> str:
-    """The CPU codec backend in use: "numba" when it imports (resolved on first use), else "numpy"."""
+    """The CPU codec backend in use: "numba" when it imports (resolved on first use), else "numpy".
+
+    The CPU hot loops (change scan, integer coder, sparse apply) run compiled (`kernels/delta/compiled.py`)
+    under "numba", else on the numpy reference here and in `kernels/delta/bitcode.py`; both write the same
+    bytes.
+    """
     if _backend[0] is None:
         try:
             from rlbus.kernels.delta import compiled
@@ -232,7 +231,11 @@ def _unsigned(dtype: np.dtype) -> np.dtype:
 def key_diffs(new_vals: np.ndarray, old_vals: np.ndarray) -> np.ndarray:
     """(K,) int16/int32 bits -> (K,) same dtype d = key(new) - key(old) modulo 2**w as a signed value.
 
-    d == 0 iff the bits are equal; one ulp up or down is +1 / -1 for every sign and exponent.
+    d == 0 iff the bits are equal; one ulp up or down is +1 / -1 for every sign and exponent. Values of
+    changed elements are coded as these differences of their *ordered keys* (a bijection of the bit pattern
+    that sorts like the float), so a +-1 ulp step costs a sign bit whatever carry chain its XOR has; bit
+    exactness holds for every pattern (NaN payloads, +-Inf, +-0, subnormals) because the arithmetic is
+    modulo 2**bits. Positions are gaps coded with Rice / Exp-Golomb (`kernels/delta/bitcode.py`).
     """
     u = _unsigned(new_vals.dtype)
     return (ordered_key(new_vals).view(u) - ordered_key(old_vals).view(u)).view(new_vals.dtype)

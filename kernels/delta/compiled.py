@@ -1,18 +1,12 @@
 """Compiled (numba) hot loops of the weight-delta codec, byte for byte the numpy reference's output.
 
-Owns the compiled twins of the CPU change scan (`kernels/delta/codec.py` `changed_elements`), of the integer coder
-(`kernels/delta/bitcode.py` `encode_ints` / `decode_ints`), of the sign-and-escape coding of value differences
-(`_encode_diffs` / `_decode_diffs`) and of the sparse apply (gather, ordered-key addition, scatter), plus
-`warm_up`, which compiles them (or loads them from numba's on-disk cache) outside any timed region.
-Every loop runs without the GIL, so the codec's thread pool over tensors uses every core.
-Does not own the format, the choice between encodings, digests or zstd (the numpy reference modules do;
-`kernels/delta/codec.py` picks this module when numba imports, the numpy path otherwise).
-
-The choice of the integer code stays with the reference: its float formula (`np.log2`) and candidate
-parameters are computed in Python from integer statistics gathered here, and only the exact integer costs
-of the candidates are compared in compiled code, so the chosen (mode, k) is the reference's.
-Malformed input raises `ValueError` with the reference's messages (a decode that fails is handed to the
-reference, which says why); no compiled loop reads or writes out of bounds.
+- Owns: the compiled twins of the change scan (`changed_elements`), the integer coder (`encode_ints` /
+  `decode_ints`), the value-difference coding (`encode_diffs` / `decode_diffs`) and the sparse apply
+  (`apply_sparse_`), plus `warm_up` (compiles them outside any timed region).
+- Guarantee: the reference's bytes and `ValueError` messages; no loop reads or writes out of bounds; every
+  loop runs without the GIL, so the codec's thread pool over tensors uses every core.
+- Does not: own the format, the choice between encodings, digests or zstd (kernels/delta/codec.py and
+  kernels/delta/bitcode.py, which pick this module when numba imports).
 """
 
 from __future__ import annotations
@@ -248,7 +242,12 @@ def _encode_body(x, modes, ks):  # type: ignore[no-untyped-def]
 
 
 def encode_ints(x: np.ndarray, out: bytearray) -> None:
-    """`bitcode.encode_ints`, compiled: append the (K,) int64 >= 0 sequence `x` to `out`, same bytes."""
+    """`bitcode.encode_ints`, compiled: append the (K,) int64 >= 0 sequence `x` to `out`, same bytes.
+
+    The choice of the integer code stays with the reference: its float formula (`np.log2`) and candidate
+    parameters are computed in Python from integer statistics gathered here, and only the exact integer
+    costs of the candidates are compared in compiled code, so the chosen (mode, k) is the reference's.
+    """
     if x.size == 0:
         return
     x = np.ascontiguousarray(x, dtype=np.int64)
@@ -378,7 +377,9 @@ def _decode_ints(buf, off, count):  # type: ignore[no-untyped-def]
 
 
 def decode_ints(buf: np.ndarray, offset: int, count: int) -> tuple[np.ndarray, int]:
-    """`bitcode.decode_ints`, compiled, on a uint8 array: -> ((count,) int64, offset past the code)."""
+    """`bitcode.decode_ints`, compiled, on a uint8 array: -> ((count,) int64, offset past the code).
+    Malformed input raises `ValueError` with the reference's messages (a decode that fails is handed to the
+    reference, which says why)."""
     if count == 0:
         return np.zeros(0, dtype=np.int64), offset
     values, off, err, _, _ = _decode_ints(buf, offset, count)
