@@ -150,7 +150,8 @@ class Generator(Actor):
         """`concurrent_tasks` sampling places (set once serving: a semaphore needs the event loop)."""
         self.agentic = AgenticGroups(self)
         self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "partials_discarded", "sandbox_errors",
-                                            "tokens", "graded_repeats", "groups_grown", "grown_unpublished"), 0))
+                                            "tokens", "graded_repeats", "groups_grown", "grown_unpublished",
+                                            "restores_checked", "restores_equal"), 0))
 
     async def setup(self) -> None:
         if self.launch.torch_threads:

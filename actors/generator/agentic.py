@@ -15,7 +15,9 @@ replaces and the summary become segments under their own contexts (`AgenticEpiso
 them). A replacement generator reopens each unfinished
 episode's session seeded with the task's files overlaid by the snapshot (`restore_files`), never by
 re-running commands; a snapshot always holds every change since the task's own files (`overlay`: a restored
-session's changes laid over the snapshot it was restored from), so any number of resumes keeps every edit.
+session's changes laid over the snapshot it was restored from), so any number of resumes keeps every edit. The
+sandbox's digest of the workspace is kept with each snapshot, and a restored session's must equal it
+(`_check_restored`: counted, told as an event; a mismatch loses the session like a crash).
 Leases: the open sessions' leases are renewed while turns are sampled (`_keep_alive`). Sandbox failures are never
 trained as the policy's: a session lost mid-turn (its supervisor died, its lease ran out, a call went unanswered)
 is reopened from the episode's last snapshot and the turn taken again (`SESSION_LOSSES` times a turn, each reopen
@@ -91,6 +93,7 @@ before its group is dropped as a sandbox error."""
 CHANGING_TOOLS: Final = frozenset({"write_file", "edit_file", "run"})
 """Tools after which a workspace is snapshotted (the others only read it)."""
 _OBJECT: Final = re.compile(r"ws-[0-9a-f]{64}")
+_DIGEST: Final = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 class _TakenOver(Exception):
@@ -117,6 +120,9 @@ class AgenticEpisode(msgspec.Struct, kw_only=True):
     """WORKSPACES object of the workspace after the last turn that may have changed it; "": as opened."""
     snapshot_digest: str = ""
     """`sha256:<hex>` of that object."""
+    workspace_digest: str = ""
+    """The sandbox's `digest` of the snapshotted workspace (its files' paths and contents) when the snapshot was
+    taken; a session restored from the snapshot must have it ("": no snapshot, or one taken before digests)."""
     sandbox_error: str = ""
     segments: list[Segment] = []
     """What each summary closed, oldest first: the policy turns before it (under the episode's first context) and
@@ -239,6 +245,8 @@ def _check_episode(ep: AgenticEpisode, task: RepoTask, first: Turn, env: Agentic
             _OBJECT.fullmatch(ep.snapshot) and ep.snapshot_digest == f"sha256:{ep.snapshot[3:]}"):
         raise PartialGroupError(f"snapshot {ep.snapshot[:80]!r} ({ep.snapshot_digest[:80]!r}) is not a content "
                                 f"address")
+    if ep.workspace_digest and not (ep.snapshot and _DIGEST.fullmatch(ep.workspace_digest)):
+        raise PartialGroupError(f"workspace digest {ep.workspace_digest[:80]!r} without a snapshot, or not a sha256")
 
 
 def budgets_of(generator: Generator) -> AgenticBudgets:
@@ -451,6 +459,8 @@ class AgenticGroups:
             sessions[g] = await self._open(task, snapshots.get(g), tries=tries)
             self._bases[id(sessions[g])] = snapshots.get(g)
             self._held(sessions)
+            if snapshots.get(g) is not None and partial.episodes[g].workspace_digest:
+                await self._check_restored(partial, g, sessions[g])
         session = sessions[g]
         calls = len(state.calls)
         new = (await env.step(state, ids, _Port(session), now=time.time(), clock=time.time)).state
@@ -553,6 +563,29 @@ class AgenticGroups:
                 await anyio.sleep(2.0 ** attempt)
         raise AssertionError("unreachable")
 
+    async def _check_restored(self, partial: AgenticPartial, g: int, session: SandboxSession) -> None:
+        """Compare a session restored from episode `g`'s snapshot with the workspace the snapshot was taken of (the
+        sandbox's `digest` of both); counted (`restores_checked`, `restores_equal`) and told as an
+        `Event(incident)` with `what` workspace_restored.
+
+        :raises DigestMismatch: they differ (the session is lost: the turn is taken again in another one).
+        """
+        gen = self.gen
+        want = partial.episodes[g].workspace_digest
+        got = await session.digest()
+        equal = got == want
+        gen.count("restores_checked")
+        gen.count("restores_equal", int(equal))
+        log.info("workspace_restored", task_id=partial.task_id, group_index=g, equal=equal, session_id=session.session_id)
+        await gen.bus.event(Event(event="incident", actor_id=gen.ident.actor_id, actor_kind=gen.kind,
+                                  region=gen.ident.region,
+                                  detail=f"workspace restored from its snapshot: digest {'equal' if equal else 'differs'}",
+                                  data={"what": "workspace_restored", "equal": str(equal).lower(),
+                                        "task_id": partial.task_id[:200], "group_index": str(g)}))
+        if not equal:
+            raise DigestMismatch(f"session {session.session_id} restored from {partial.episodes[g].snapshot}: its "
+                                 f"digest {got[:80]} is not the snapshotted workspace's {want}")
+
     async def _snapshot(self, partial: AgenticPartial, ep: AgenticEpisode, session: SandboxSession,
                         snapshots: dict[int, WorkspaceSnapshot], g: int, task: RepoTask) -> None:
         """Snapshot the workspace's changed files, check each file's digest, lay them over the snapshot the
@@ -575,6 +608,7 @@ class AgenticGroups:
                 if name not in partial.objects:     # another episode's identical snapshot may have been put meanwhile
                     partial.objects.append(name)
             ep.snapshot, ep.snapshot_digest = name, digest(blob)
+        ep.workspace_digest = await session.digest()
         snapshots[g] = snap
 
     async def _restore(self, partial: AgenticPartial) -> dict[int, WorkspaceSnapshot]:

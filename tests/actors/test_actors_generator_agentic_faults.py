@@ -324,7 +324,8 @@ async def test_three_generator_sigkills_in_one_episode_keep_every_edit(env: Env,
 @pytest.mark.chaos
 async def test_a_sigkilled_sandbox_supervisor_costs_a_session_not_the_episode(env: Env, tmp_path: Path) -> None:
     """The supervisor holding the episode's session is SIGKILLed after its first turn and a second one started:
-    the episode's session is reopened there from its last snapshot, the episode finishes with every edit (its
+    the episode's session is reopened there from its last snapshot (the sandbox's digest of it equal to the
+    snapshotted workspace's), the episode finishes with every edit (its
     listing is the script's) and reward 1, no sandbox error; the group is published once and planned for training,
     not dropped."""
     task = repo_task(3, 9)
@@ -352,6 +353,7 @@ async def test_a_sigkilled_sandbox_supervisor_costs_a_session_not_the_episode(en
     finally:
         _reap(first, second)
     assert counters["sessions_lost"] >= 1 and counters.get("sandbox_errors", 0) == 0
+    assert counters["restores_checked"] == counters["restores_equal"] >= 1, counters  # the reopened workspace's digest
     assert (rollout.reward, rollout.timings["sandbox_error"]) == (1.0, 0.0)
     assert listing(rollout) == expected_listing(task), TOK.decode(rollout.completion_tokens.tolist())[-3000:]
     plan = plan_step({"crash": [rollout]}, version=2, staleness_versions=4, batch_rollouts=1)
