@@ -36,6 +36,7 @@ from rlbus.model.policies.interface import (
     PolicyOutput,
     resolve_device,
 )
+from rlbus.model.policies.transformer import plausible_replay
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -101,7 +102,9 @@ class HFCache:
 class _RouterTap:
     """Forward hook on one Qwen3-MoE router (`Qwen3MoeTopKRouter`, output (logits, gates, experts) over the
     block's B*T rows): records the experts chosen, or forces `forced` (B*T, k) with the gates recomputed from the
-    router's softmax for exactly those experts, renormalised when the config's `norm_topk_prob` says so."""
+    router's softmax for exactly those experts, renormalised when the config's `norm_topk_prob` says so. The
+    router's `replay_threshold` (set by `set_numerics`; 0: replay as recorded) checks plausibility first, as the
+    built-in MoE does (`transformer.plausible_replay`); `chosen` holds the experts used."""
 
     def __init__(self, norm_topk_prob: bool) -> None:
         self.norm_topk_prob = norm_topk_prob
@@ -115,6 +118,9 @@ class _RouterTap:
             return None
         experts = self.forced.to(experts.device)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        threshold = float(getattr(module, "replay_threshold", 0.0))
+        if threshold > 0:
+            experts = plausible_replay(probs.detach(), experts, experts.shape[-1], threshold)
         top = probs.gather(-1, experts)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
@@ -132,6 +138,7 @@ def _router_taps(model: nn.Module) -> list[_RouterTap]:
     for module in model.modules():
         if isinstance(module, Qwen3MoeSparseMoeBlock):
             tap = _RouterTap(bool(model.config.norm_topk_prob))
+            module.gate.replay_threshold = 0.0
             module.gate.register_forward_hook(tap)
             taps.append(tap)
     return taps

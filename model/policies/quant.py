@@ -1,14 +1,16 @@
 """Numerics of a policy: MXFP8 weight copies for sampling, and the trainer's precision applied to a module.
 
 Owns `quantized_copy` and `refresh_quantized` (re-quantise after an in-place weight swap), `QuantLinear`,
-and `set_numerics` (forward precision of expert or all Linear layers, router-replay plausibility threshold).
+the quantised forward of fused experts (transformers' Qwen3-MoE keeps each layer's experts as two 3-D
+parameters, not Linear layers), and `set_numerics` (forward precision of expert or all Linear layers,
+router-replay plausibility threshold).
 Does not own the number formats or the quantised product (`rlbus.kernels.mxfp8`, `nvfp4`, `quantmm`).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Literal, TypeAlias
+from typing import Any, Final, Literal, TypeAlias
 
 import torch
 from torch import Tensor, nn
@@ -55,6 +57,45 @@ class QuantLinear(nn.Linear):
         return quant_linear(x, self.weight, self.precision)
 
 
+def _fused_experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """transformers' eager forward of fused experts (`gate_up_proj` (E, 2I, H), `down_proj` (E, H, I)), each
+    expert's two products through `quant_linear` at `self.precision`: hidden_states (N, H), top_k_index and
+    top_k_weights (N, k) -> (N, H)."""
+    out = torch.zeros_like(hidden_states)
+    for e in top_k_index.unique().tolist():
+        if not 0 <= e < self.num_experts:
+            continue
+        token, slot = torch.nonzero(top_k_index == e, as_tuple=True)
+        gate, up = quant_linear(hidden_states[token], self.gate_up_proj[e], self.precision).chunk(2, dim=-1)
+        y = quant_linear(self.act_fn(gate) * up, self.down_proj[e], self.precision)
+        out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+    return out
+
+
+_FUSED: Final[dict[type, type]] = {}
+"""Fused-experts class -> its quantised subclass (made once per class)."""
+
+
+def _is_fused_experts(mod: nn.Module) -> bool:
+    w = getattr(mod, "gate_up_proj", None)
+    return isinstance(w, nn.Parameter) and w.dim() == 3 and hasattr(mod, "down_proj") and hasattr(mod, "act_fn")
+
+
+def _quantise_fused(mod: nn.Module, precision: Precision) -> int:
+    """Class-swap fused experts to their quantised subclass at `precision` (back, for bf16); returns the Linear
+    layers that makes quantised (two per expert)."""
+    base = next(c for c in type(mod).__mro__ if c not in _FUSED.values())
+    if precision == "bf16":
+        mod.__class__ = base
+        mod.__dict__.pop("precision", None)
+        return 0
+    if base not in _FUSED:
+        _FUSED[base] = type(f"Quant{base.__name__}", (base,), {"forward": _fused_experts_forward})
+    mod.__class__ = _FUSED[base]
+    mod.precision = precision
+    return 2 * int(mod.gate_up_proj.shape[0])
+
+
 def _is_expert(name: str) -> bool:
     return ".experts." in f".{name}."
 
@@ -70,7 +111,8 @@ def set_numerics(
 ) -> int:
     """Apply a forward precision to module's expert Linear layers (scope "experts") or to every Linear
     but routers and the output head (scope "all"), and the router-replay plausibility threshold to
-    every layer that has one. Returns the number of Linear layers at a quantised precision.
+    every layer that has one. Fused experts are expert layers under either scope. Returns the number of
+    Linear layers at a quantised precision (a fused expert counts two: gate-up and down).
 
     :raises ValueError: an unknown precision or scope, or a threshold outside [0, 1].
     """
@@ -83,6 +125,9 @@ def set_numerics(
     for name, mod in module.named_modules():
         if hasattr(mod, "replay_threshold"):
             mod.replay_threshold = float(replay_threshold)
+        if _is_fused_experts(mod):
+            quantised += _quantise_fused(mod, precision)
+            continue
         if not isinstance(mod, nn.Linear):
             continue
         chosen = precision != "bf16" and (_is_expert(name) if scope == "experts" else not _skipped(name))
