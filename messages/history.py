@@ -1,16 +1,11 @@
 """Reading a JetStream stream's history (and optionally following it) through an ephemeral consumer.
 
-Owns: `read_stream()` / `read_batches()`, async iterators of raw stored messages from a start point (all, a
-start time, or the last message per subject) until the reader has read what was stored when it started
-(or forever with `follow=True`); the decoding readers built on them — `read_raw()` (a list, time-boxed),
-`read_messages()` / `read_all()` (decoded as one kind, undecodable ones skipped and logged) and
-`last_message()` (the last good message of a subject: the last one, else read back for the last that
-decodes and passes messages/checks.py) — and `stream_count()` for quick stream/consumer numbers.
-Does not: decide what to read (the ledger, the actors' resume and the ops commands do).
-
-The consumer is an ephemeral pull consumer with `AckPolicy.NONE`, in memory, deleted when the reader
-ends (and by the server after `inactive_threshold` if the reader dies): reading history never moves any
-durable consumer and needs only the observer role's JetStream API rights.
+- Owns: `read_stream()` / `read_batches()` (raw stored messages from a `Start`, until what was stored at the
+  start is read, or forever with `follow=True`), the decoding readers `read_raw()`, `read_messages()`,
+  `read_all()` and `last_message()`, and `stream_count()` for quick stream/consumer numbers.
+- Guarantee: reading history never moves any durable consumer and needs only the observer role's JetStream
+  API rights.
+- Does not: decide what to read (the ledger, the actors' resume and the ops commands do).
 """
 
 from __future__ import annotations
@@ -60,6 +55,10 @@ async def read_stream(js: JetStreamContext, stream: str, *, subject: str | None 
 
     Without `follow` the iteration ends once every message that matched when it began has been yielded;
     with `follow` it goes on with new messages until cancelled.
+
+    The consumer is an ephemeral pull consumer with `AckPolicy.NONE`, in memory, deleted when the reader
+    ends (and by the server after `inactive_threshold` if the reader dies): reading history never moves any
+    durable consumer and needs only the observer role's JetStream API rights.
 
     :raises nats.js.errors.NotFoundError: the stream does not exist.
     """

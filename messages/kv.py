@@ -1,14 +1,11 @@
 """Compare-and-set on JetStream KV keys, in the connection's own domain or through another's API.
 
-Owns: `read_key` (a key's last value and revision; a delete or purge reads as no value), `put_at` (write a
-key only while its revision is still the one the writer read: the one compare-and-set of rlbus, used by
-the feeder's position, the generators' partials and the publisher's LATEST key) and `advance` (read, decide,
-compare-and-set, and read again after a lost race). A read or write that no server answers, one that times
-out, or one made while the connection reconnects is tried again for `NO_LEADER_S` (a clustered bucket's leader
-election), or as long as the caller says (`give_up_after_s`: a generator rides out its region's outage). nats-py's `KeyValue`
-writes only to `$KV.>`, which does not cross leaf links; with `domain` these write through
-`$JS.<domain>.API.$KV.>`.
-Does not: create buckets (messages/streams.py) or decode values (callers do).
+- Owns: `read_key` (a key's last value and revision), `put_at` (the one compare-and-set of rlbus: the
+  feeder's position, the generators' partials, the publisher's LATEST key) and `advance` (read, decide,
+  compare-and-set, and read again after a lost race).
+- Guarantee: a read or write that no server answers or that times out is tried again for `NO_LEADER_S`,
+  or as long as the caller says (`give_up_after_s`); a write stored before its ack was lost counts as done.
+- Does not: create buckets (messages/streams.py) or decode values (callers do).
 """
 
 from __future__ import annotations
@@ -71,7 +68,8 @@ async def put_at(js: JetStreamContext, bucket: str, key: str, value: bytes, *, r
     (never written, deleted or purged, as nats-py's `KeyValue.create`). -> the new revision.
 
     `domain`: the bucket's domain when it is not `js`'s connection's own (the write then goes through
-    `$JS.<domain>.API`; `js` must reach that domain for the reads). `give_up_after_s`: as `read_key`'s; a write
+    `$JS.<domain>.API.$KV.>`: nats-py's `KeyValue` writes only to `$KV.>`, which does not cross leaf links;
+    `js` must reach that domain for the reads). `give_up_after_s`: as `read_key`'s; a write
     that timed out is read back before it is sent again, so a write stored before its ack was lost is taken as
     done rather than refused by its own compare-and-set.
 

@@ -1,17 +1,11 @@
 """Object-store transfers: the one uploader and the one downloader of rlbus, both digest-checked.
 
-Owns: `put_object` (chunks of `OBJECT_CHUNK` published pipelined, at most `PUT_WINDOW` unacked, then the
-object's metadata; returns the `sha256:<hex>` digest an announcing message carries), `fetch_object` (every chunk through an ephemeral pull consumer fetched in batches, hashed while the
-next ones arrive, checked against the store's own digest and the announced one; an object replaced before its
-first chunk arrived is read anew; a consumer that lost its leader, to an election or a dead node, is replaced by
-one from the next chunk), `stream_object` (the same,
-handing each chunk on as it arrives, so a decoder never holds the object whole), `delete_object` (best effort), and the
-digest forms (`digest`, `store_digest`). Used alike by weight sync, the publisher, the checkpointer and the
-trainer's resume (through `Bus.get_object`). nats-py's plain `ObjectStore.get()` is quadratic in the
-object's size, and its `get(writeinto=)` streams through an ordered push consumer (3-10x slower here than
-the batched pull for 8-64 MiB): neither is used. Nor is its `ObjectStore.put()`, which waits for each chunk's
-ack before sending the next: one round trip per 512 KiB, which on a link with a 60 ms round trip caps an
-upload at ~8.7 MB/s whatever the bandwidth. Does not: create buckets (messages/streams.py) or choose object names (messages/subjects.py).
+- Owns: `put_object` (pipelined chunks, then the metadata; returns the `sha256:<hex>` digest an announcing
+  message carries), `fetch_object` / `stream_object` (batched pull, hashed on the way), `delete_object`
+  (best effort) and the digest forms (`digest`, `store_digest`); used by weight sync, the publisher, the
+  checkpointer and the trainer's resume (through `Bus.get_object`).
+- Guarantee: every download is checked against the store's digest and the announced one.
+- Does not: create buckets (messages/streams.py) or choose object names (messages/subjects.py).
 """
 
 from __future__ import annotations
@@ -101,6 +95,8 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
     The objects are the ones nats-py's `ObjectStore.put` writes (chunks on a fresh nuid's subject, then the
     metadata as a rollup, then the replaced object's chunks purged), but the chunks go pipelined: at most
     `window` unacked, their acks read from one reply inbox. A failed upload purges the chunks it sent.
+    nats-py's `ObjectStore.put()` waits for each chunk's ack before sending the next: one round trip per
+    512 KiB, which on a link with a 60 ms round trip caps an upload at ~8.7 MB/s whatever the bandwidth.
 
     `new`: the caller knows no object of this name is in the bucket. The lookup of the one it replaces is
     skipped and the metadata goes right behind the chunks, acked with them: one round trip for the whole
@@ -232,6 +228,12 @@ async def stream_object(js: JetStreamContext, bucket: str, name: str, sink: Call
     check the whole against the store's sha256 and `expected_digest`; -> its size. At most `batch` chunks are
     held at once: a consumer that decodes as it goes never holds the object whole. The digests are known only
     at the end: a sink must not use what it built before this returns.
+
+    Every chunk comes through an ephemeral pull consumer fetched in batches, hashed while the next ones
+    arrive; an object replaced before its first chunk arrived is read anew; a consumer that lost its leader,
+    to an election or a dead node, is replaced by one from the next chunk. nats-py's plain
+    `ObjectStore.get()` is quadratic in the object's size, and its `get(writeinto=)` streams through an
+    ordered push consumer (3-10x slower here than the batched pull for 8-64 MiB): neither is used.
 
     :raises nats.js.errors.NotFoundError: no such bucket or object.
     :raises DigestMismatch: the bytes do not match a digest.

@@ -1,21 +1,9 @@
 """Idempotent provisioning of a run's JetStream streams, durable consumers, KV and object-store buckets.
 
-Owns: which stream/bucket lives on which server (per region vs hub), their settings (`StreamSettings`),
-and creating or updating them so that provisioning twice changes nothing.
-Does not: publish or consume (messages/bus.py), start servers (topology/network/servers.py).
-
-Where things live (every region's server has its own JetStream domain, normally = region name):
-  each region R, hub included — `TASKS_<run>_R` (work queue on tasks.R, durable pull consumer
-  `generator_R`), `ROLLOUTS_<run>_R` (limits on rollouts.R, dedupe by Nats-Msg-Id), KV
-  `PARTIALS_<run>_R`, object stores `WEIGHTS_<run>_R` and `WORKSPACES_<run>_R` (snapshots of agentic
-  episodes' workspaces, written by generators), KV `LATEST_<run>_R`;
-  hub only — `ROLLOUTS_<run>` (no subjects: sources every region's ROLLOUTS stream, leaves through
-  `$JS.<domain>.API`; durable `trainer`), `TRAINLOG`, `WEIGHTS` (manifests), `CHECKPOINTS`, `STATE`,
-  `EVALS`, `HEALTH`, `EVENTS`, `DLQ` streams and object store `CKPT`.
-How a client reaches them: it connects to its own region's server; `nc.jetstream()` is that server's
-domain (the leaf link does not carry `$JS.API`), `nc.jetstream(domain=hub)` manages/consumes hub
-streams from a leaf. Plain publishes (core or `js.publish`) need no domain: a stream's subjects
-attract messages across the leaf link (hub → leaf TASKS, leaf → hub HEALTH/EVENTS/DLQ) while it is up.
+- Owns: which stream/bucket lives on which server (per region vs hub: `provision_region`, `provision_hub`),
+  their settings (`StreamSettings`), and creating or updating them (`provision_all`, `provision_run`).
+- Guarantee: provisioning twice changes nothing.
+- Does not: publish or consume (messages/bus.py), start servers (topology/network/servers.py).
 """
 
 from __future__ import annotations
@@ -273,7 +261,14 @@ def _api(region: str, domain: str | None) -> str:
 async def provision_region(nc: NATS, subjects: Subjects, region: str, *, domain: str | None,
                            settings: StreamSettings) -> None:
     """Create (or leave as is) one region's streams, consumer and buckets on the server of `domain`
-    (None: the server `nc` is connected to). Needs the admin role; safe to call any number of times."""
+    (None: the server `nc` is connected to). Needs the admin role; safe to call any number of times.
+
+    Every region's server has its own JetStream domain, normally = region name. Each region R, hub
+    included, holds `TASKS_<run>_R` (work queue on tasks.R, durable pull consumer `generator_R`),
+    `ROLLOUTS_<run>_R` (limits on rollouts.R, dedupe by Nats-Msg-Id), KV `PARTIALS_<run>_R`, object stores
+    `WEIGHTS_<run>_R` and `WORKSPACES_<run>_R` (snapshots of agentic episodes' workspaces, written by
+    generators), KV `LATEST_<run>_R`.
+    """
     js = nc.jetstream(domain=domain)
     for config in region_streams(subjects, region, settings):
         await ensure_stream(js, config)
@@ -292,7 +287,12 @@ async def provision_hub(nc: NATS, subjects: Subjects, hub: str, regions: Mapping
                         settings: StreamSettings) -> None:
     """Create (or leave as is) the hub-only streams, the trainer consumer and the CKPT bucket, on the
     hub's domain `regions[hub]` (None: the server `nc` is connected to). Regions' own streams may be
-    missing yet: a source retries until its stream appears."""
+    missing yet: a source retries until its stream appears.
+
+    Hub only: `ROLLOUTS_<run>` (no subjects: sources every region's ROLLOUTS stream, leaves through
+    `$JS.<domain>.API`; durable `trainer`), `TRAINLOG`, `WEIGHTS` (manifests), `CHECKPOINTS`, `STATE`,
+    `EVALS`, `HEALTH`, `EVENTS`, `DLQ` streams and object store `CKPT`.
+    """
     if hub not in regions:
         raise TopologyError(f"hub {hub!r} is not one of the regions {sorted(regions)}")
     js = nc.jetstream(domain=regions[hub])
@@ -343,6 +343,11 @@ async def provision_run(nc: NATS, subjects: Subjects, *, hub: str, domains: Mapp
 
 async def wait_routable(nc: NATS, subject: str, *, timeout_s: float = 10.0) -> None:
     """Block until a stream captures `subject` as seen from `nc`'s server.
+
+    A client connects to its own region's server; `nc.jetstream()` is that server's domain (the leaf link
+    does not carry `$JS.API`), `nc.jetstream(domain=hub)` manages/consumes hub streams from a leaf. Plain
+    publishes (core or `js.publish`) need no domain: a stream's subjects attract messages across the leaf
+    link (hub → leaf TASKS, leaf → hub HEALTH/EVENTS/DLQ) while it is up.
 
     A stream's interest crosses a leaf link a few ms after the stream is created (or the link comes
     up); a publish in that gap gets "no responders". The probe publishes an empty message that
