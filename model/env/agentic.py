@@ -1,15 +1,11 @@
 """The agentic coding environment: a small repository, an instruction, tools in a sandboxed workspace, hidden
 tests on submit.
 
-Owns: `AgenticBudgets`, `AgenticState` and `AgenticEnvironment`: rendering a `RepoTask` (instruction, file
-list, tool list), taking a policy turn (its tool calls parsed, checked, run through the `WorkspacePort` in
-order, their results as one observation turn, each truncated to the observation budget), the turn, tool-call,
-token and wall budgets, the self-summarisation of a history that fills the context (`summary_plan`,
-`needs_summary`, `summarize`: the generator samples the summary), and the reward (the hidden tests on a fresh copy
-of the final workspace, a per-test report: 1.0 when every test passes, else 0.0, or the fraction passed with
-`partial_credit`) once `submit` is called or a budget runs out.
-Does not own: the tools themselves or the workspace (the sandbox, behind the port), the tool-call text
-format (model/tools/calls.py), the tasks (model/tasks/repo.py). The wall clock is passed in, never read.
+- Owns: `AgenticBudgets`, `AgenticState` and `AgenticEnvironment`: rendering a `RepoTask`, taking a policy
+  turn (its tool calls run through the `WorkspacePort`), the budgets, self-summarisation and the reward.
+- Guarantee: the wall clock is passed in, never read.
+- Does not: own the tools or the workspace (the sandbox, behind the port), the tool-call text format
+  (model/tools/calls.py) or the tasks (model/tasks/repo.py).
 """
 
 from __future__ import annotations
@@ -36,12 +32,14 @@ from rlbus.model.tasks.grading import GradeResult
 from rlbus.model.tasks.repo import RepoTask
 from rlbus.model.tools.calls import (
     BadCall,
+    CallStyle,
     ToolCall,
     outcome_text,
     parse_turn,
     response_text,
     tools_text,
 )
+from rlbus.model.tools.template import TemplateTools, template_tools
 
 EndReason = Literal["", "submit", "turns", "tool_calls", "tokens", "wall"]
 NO_CALL: Final = ("error: no tool call in this turn. Call a tool as <tool_call>\n"
@@ -51,6 +49,14 @@ COMPACT_TOOLS: Final = (
     "edit_file{path, old, new}, search{pattern, path=\".\"}, run{command, timeout_s?}, submit{}. Call one as "
     '<tool_call>\n{"name": "read_file", "arguments": {"path": "..."}}\n</tool_call>.')
 """The tool list in one paragraph, for a policy whose context is short (the built-in byte policy)."""
+
+
+def no_call_text(style: CallStyle) -> str:
+    """The answer to a turn without a tool call: `NO_CALL`, or its Llama-3.1 wording."""
+    if style == "hermes":
+        return NO_CALL
+    return ('error: no tool call in this turn. Call a tool by answering with only its JSON, '
+            '{"name": ..., "parameters": {...}}, and submit when the change is done.')
 
 
 class AgenticBudgets(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -113,25 +119,43 @@ class SummaryPlan:
 class AgenticEnvironment:
     """Fix or extend a small repository with tools; graded by its hidden tests (`RepoTask`).
 
-    `tool_list` "full" renders the tool signatures as Qwen2/Qwen3 templates do (`tools_text`); "compact"
-    renders `COMPACT_TOOLS`, a paragraph for short contexts. The call format is the same either way.
+    It renders a `RepoTask` (instruction, file list, tool list); takes a policy turn (its tool calls parsed,
+    checked, run through the `WorkspacePort` in order, their results as one observation turn, each truncated
+    to the observation budget); enforces the turn, tool-call, token and wall budgets; plans the
+    self-summarisation of a history that fills the context (`summary_plan`, `needs_summary`, `summarize`:
+    the generator samples the summary); and, once `submit` is called or a budget runs out, computes the
+    reward (the hidden tests on a fresh copy of the final workspace, a per-test report: 1.0 when every test
+    passes, else 0.0, or the fraction passed with `partial_credit`).
+
+    `tool_list` "full" gives the tools in the policy's own chat-template format where its template renders
+    tools (model/tools/template.py: the schemas in the system turn, calls parsed in the template's style, results
+    in its tool role; `tokenizer` is then that view of the policy's tokenizer), else the tool signatures in the
+    user turn as Qwen2/Qwen3 templates word them (`tools_text`), Hermes calls, results in the observation role;
+    "compact" gives `COMPACT_TOOLS`, a paragraph for short contexts, in the user turn, Hermes calls. `templated`
+    says which way "full" went, or why not.
     """
 
     def __init__(self, tokenizer: ChatTokenizer, budgets: AgenticBudgets | None = None, *,
                  tool_list: Literal["full", "compact"] = "full") -> None:
-        self._tokenizer = tokenizer
         self.budgets = budgets or AgenticBudgets()
         self.tool_list = tool_list
+        framed = template_tools(tokenizer) if tool_list == "full" else "the tool list is compact"
+        self._tools = framed if isinstance(framed, TemplateTools) else None
+        self.templated: str = "" if self._tools else framed
+        """Empty when the chat template renders the tools; else why it does not (one line)."""
+        self._tokenizer: ChatTokenizer = self._tools or tokenizer
+        self.call_style: CallStyle = self._tools.style if self._tools else "hermes"
 
     @property
     def tokenizer(self) -> ChatTokenizer:
         return self._tokenizer
 
     def render(self, task: RepoTask) -> str:
-        """The user turn: the instruction, the repository's files, the tools and how to finish."""
-        tools = tools_text() if self.tool_list == "full" else COMPACT_TOOLS
+        """The user turn: the instruction, the repository's files, the tools (unless the template's system turn
+        holds them) and how to finish."""
+        tools = "" if self._tools else f"{tools_text() if self.tool_list == 'full' else COMPACT_TOOLS}\n\n"
         files = "\n".join(sorted(task.files))
-        return (f"{task.instruction}\n\nThe repository (your working directory):\n{files}\n\n{tools}\n\n"
+        return (f"{task.instruction}\n\nThe repository (your working directory):\n{files}\n\n{tools}"
                 "Call submit when the change is done: the hidden tests then run on the repository as you leave it.")
 
     def start(self, task: RepoTask, *, now: float = 0.0) -> AgenticState:
@@ -147,7 +171,7 @@ class AgenticEnvironment:
         `max_tokens`: then it goes on, and `needs_summary` says so.
 
         A malformed call or an unknown tool is answered with what is wrong (the port is not called); calls
-        after a `submit` are not run; a turn without a call is answered with `NO_CALL`. A raise from the port
+        after a `submit` are not run; a turn without a call is answered with `no_call_text`. A raise from the port
         (no sandbox answered) propagates and no state is returned; the calls of this turn that ran before it
         have changed the workspace, so the generator takes the turn again only over a workspace restored to
         the state's (a snapshot), never by running the calls twice.
@@ -161,7 +185,7 @@ class AgenticEnvironment:
         b = self.budgets
         clock = clock or (lambda: now)
         text = completion_text(policy_ids, self._tokenizer)
-        parsed = parse_turn(text)
+        parsed = parse_turn(text, self.call_style)
         results: list[str] = []
         calls, spent, ended = list(state.calls), state.tool_calls, ""
         for item in parsed:
@@ -184,8 +208,7 @@ class AgenticEnvironment:
             calls.append(call)
             results.append(self._cut(outcome_text(call, outcome)))
         turns = (*state.turns, Turn("assistant", tuple(policy_ids)))
-        shown = response_text(results) if parsed else NO_CALL
-        observation = Turn("observation", self._observation_ids(shown)) if shown else None
+        observation = Turn("observation", self._observation_ids(results)) if results or not parsed else None
         new = msgspec.structs.replace(state, turns=turns, policy_turns=state.policy_turns + 1, tool_calls=spent,
                                       calls=tuple(calls))
         if not ended:
@@ -259,9 +282,13 @@ class AgenticEnvironment:
             return text
         return f"{text[:limit]}\n[output truncated: {len(text)} characters, the first {limit} shown]"
 
-    def _observation_ids(self, text: str) -> tuple[int, ...]:
-        ids = self._tokenizer.encode(text)
+    def _observation_ids(self, results: list[str]) -> tuple[int, ...]:
+        """The observation answering a turn with `results` (none: the turn had no call, `no_call_text`): in the
+        template's tool role, or as `response_text` (`NO_CALL` bare); cut to `observation_tokens`, saying so."""
         limit = self.budgets.observation_tokens
+        if self._tools:
+            return tuple(self._tools.results_ids(results or [no_call_text(self.call_style)], limit))
+        ids = self._tokenizer.encode(response_text(results) if results else NO_CALL)
         if len(ids) <= limit:
             return tuple(ids)
         notice = self._tokenizer.encode(f"\n[observation truncated to {limit} tokens]")

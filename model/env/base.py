@@ -1,13 +1,11 @@
 """What every environment shares: the interface the generator drives, the sandbox ports, the per-turn state.
 
-Owns: `Environment` (start a task, take one policy turn), the ports an environment calls the sandbox through
-(`GradePort`: grade code on tests; `WorkspacePort`: a tool call in the episode's workspace, the hidden tests
-on a fresh copy of it; `SandboxPort`: both), `EnvState` (the turns so far, done, reward,
-verdict: a msgspec Struct, so the state after every turn round-trips through msgpack or JSON and a partial
-rollout checkpoints it), `StepOutcome`, the flattening of a state into ids and loss mask, and `summarized`. `ToolOutcome`,
-what the port answers to a tool call, lives with the tool format (model/tools/calls.py).
-Does not own: sampling, sessions or the bus. The generator opens the episode's sandbox session, implements
-the ports over the bus and hands them in; every method here is pure except the port calls it awaits.
+- Owns: `Environment` (start a task, take one policy turn), the ports an environment calls the sandbox through
+  (`GradePort`, `WorkspacePort`, `SandboxPort`: both), `EnvState`, `StepOutcome`, the flattening of a state
+  into ids and loss mask (`state_tokens`) and `summarized`.
+- Guarantee: every method here is pure except the port calls it awaits.
+- Does not: sample, open sessions or touch the bus (the generator opens the episode's sandbox session,
+  implements the ports over the bus and hands them in); `ToolOutcome` lives in model/tools/calls.py.
 """
 
 from __future__ import annotations
@@ -57,7 +55,8 @@ class EnvState(msgspec.Struct, frozen=True, kw_only=True, tag_field="env"):
     """An episode after some turns: the base of each environment's state (its `tag` names the environment).
 
     `turns` are rendered for the tokenizer the environment was built with: a policy turn's ids verbatim,
-    the others the encoded text. `reward` and `verdict` are final once `done`.
+    the others the encoded text. `reward` and `verdict` are final once `done`. A msgspec Struct, so the state
+    after every turn round-trips through msgpack or JSON and a partial rollout checkpoints it.
     """
 
     turns: tuple[Turn, ...]

@@ -1,14 +1,10 @@
 """Multi-turn coding episodes: prompt, attempt, test feedback as an observation, retry (up to 3 attempts).
 
-Owns: the episode record (immutable; each step returns a new one), the token layout of an episode,
-and its loss mask (1 on tokens the policy generated, 0 on prompt, observations and framing).
-Does not own: sampling (`generate.py`) or grading (`grading.py`); the generator actor drives both.
-
-Layout (`model/policies/interface.py`, `ChatTokenizer`): bos, then per turn header(role) content closing, where role is
-user, assistant, observation or summary. An assistant (or summary) turn's content is exactly the ids the
-policy sampled, normally ending with its own stop id (then only the rest of the closing follows); a truncated
-one gets the whole closing, masked out. The context handed to the policy ends with header("assistant"). With
-the byte tokenizer: <|bos|> then per turn <|role|> content <|end_turn|>.
+- Owns: the episode record (`Episode`: immutable; each step returns a new one), the token layout of an
+  episode (`turns_tokens`) and its loss mask (1 on tokens the policy generated, 0 on prompt, observations
+  and framing).
+- Does not: sample (model/sampling/generate.py) or grade (model/tasks/grading.py); the generator actor
+  drives both.
 """
 
 from __future__ import annotations
@@ -103,7 +99,15 @@ def add_summary(episode: Episode, summary_ids: Sequence[int]) -> Episode:
 
 def turns_tokens(turns: Sequence[Turn], tokenizer: ChatTokenizer) -> EpisodeTokens:
     """Turns flattened (bos, then each turn framed); loss_mask is 1 exactly on the ids the policy sampled
-    (assistant/summary content). Every environment's state is laid out by this (model/env/base.py)."""
+    (assistant/summary content). Every environment's state is laid out by this (model/env/base.py).
+
+    Layout (`model/policies/interface.py`, `ChatTokenizer`): bos, then per turn header(role) content
+    closing, where role is user, assistant, observation or summary. An assistant (or summary) turn's content
+    is exactly the ids the policy sampled, normally ending with its own stop id (then only the rest of the
+    closing follows); a truncated one gets the whole closing, masked out. The context handed to the policy
+    ends with header("assistant"). With the byte tokenizer: <|bos|> then per turn <|role|> content
+    <|end_turn|>.
+    """
     bos = tokenizer.bos()
     ids, mask, turn = list(bos), [0] * len(bos), [-1] * len(bos)
     for index, t in enumerate(turns):

@@ -1,18 +1,11 @@
-"""The policy interface: all that actors, the evaluator, `rlbus eval`, replay-retrain and the benchmarks see of a model.
+"""The policy interface: all that the actors, `rlbus eval`, replay-retrain and the benchmarks see of a model.
 
-Owns: `ChatTokenizer` (text <-> ids and the framing of conversation turns as fixed id runs), `Policy` (forward
-with a KV cache, per-token routing record and replay, the named tensors a version publishes, in-place loads,
-placement, a serialisable spec), `PolicyCache`, `PolicyError`, device resolution, and the two entry points
-that pick an implementation: `policy_from_spec` (what a joiner builds from a manifest) and `load_policy`
-(a checkpoint file or a Hugging Face directory).
-Does not own: any implementation (`model/policies/builtin.py`: the project's transformer and byte tokenizer;
-`model/policies/hf.py`: a local Hugging Face directory through `transformers`), sampling (`model/sampling/generate.py`)
-or losses.
-
-A policy's spec is plain values (it travels in VersionReady and WeightManifest as `model_config`): its
-`"policy"` key names the implementation ("builtin" when absent, as older manifests are), the rest is the
-implementation's own. `files()` are the few small files (config, tokenizer) a joiner needs besides the
-tensors, by name; the trainer uploads them beside version 0 and the spec lists them.
+- Owns: `ChatTokenizer` (text <-> ids and the framing of turns), `Policy` (forward with a KV cache, routing
+  record and replay, the named tensors a version publishes, in-place loads, placement, a serialisable spec),
+  `PolicyCache`, `PolicyError`, device resolution, and the two entry points that pick an implementation:
+  `policy_from_spec` (what a joiner builds from a manifest) and `load_policy` (a file or a Hugging Face dir).
+- Does not: implement a policy (model/policies/builtin.py, model/policies/hf.py), sample
+  (model/sampling/generate.py) or compute losses.
 """
 
 from __future__ import annotations
@@ -345,6 +338,11 @@ def policy_from_spec(spec: Mapping[str, Any], files: Mapping[str, bytes] | None 
                      device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> Policy:
     """A policy of the spec's architecture (weights as initialised: a version's tensors follow), running the
     forward precision the spec's "numerics" names (`model/policies/quant.py`; none: the plain forward).
+
+    A policy's spec is plain values (it travels in VersionReady and WeightManifest as `model_config`): its
+    `"policy"` key names the implementation ("builtin" when absent, as older manifests are), the rest is the
+    implementation's own. `files` are the few small files (config, tokenizer) a joiner needs besides the
+    tensors, by name (`Policy.files()`); the trainer uploads them beside version 0 and the spec lists them.
 
     :raises PolicyError: an unknown kind, or a spec (or files) its implementation refuses.
     """

@@ -1,19 +1,11 @@
 """Built-in repository tasks: small generated Python packages with a bug to fix or a function to add.
 
-Owns: `RepoTask` (files, instruction, hidden tests, how they are graded, a reference edit as tool calls), the
-built-in tasks `repo_task` / `repo_tasks` (deterministic from a seed, in `LEVELS`), `apply_edit` (a write_file or
-edit_file call on a dict of files, as the sandbox would do it) and `reference_of` (a solution as write_file calls).
-The hidden tests are unittest files run by the sandbox's grade runner; the built-in ones compare each result by
-exact type and value (`exact`: plain built-in types only, so an object whose `__eq__` is always true fails).
-Does not own: running anything (the sandbox), the environment that serves these (model/env/agentic.py).
-
-Levels:
-1. a one-line bug in the function the instruction names (one file);
-2. a function to add to one module that another module already imports and calls;
-3. a one-line bug in a helper of one module, reported only through its caller in another module.
-Every task's hidden tests pass on its reference solution and fail on its repository as given, by construction
-(a bug is kept only with a test call whose result it changes; a function not added yet fails the import;
-the tests check a set of tasks through the real sandbox); `task_id` is `repo-L<level>-<seed>`, so the id rebuilds the task.
+- Owns: `RepoTask` (files, instruction, hidden tests, how they are graded, a reference edit as tool calls),
+  the built-in tasks `repo_task` / `repo_tasks` (deterministic from a seed, in `LEVELS`), `apply_edit` (a
+  write_file or edit_file call on a dict of files, as the sandbox would do it) and `reference_of`.
+- Guarantee: every built-in task's hidden tests pass on its reference solution and fail on its repository as
+  given; `task_id` `repo-L<level>-<seed>` rebuilds the task.
+- Does not: run anything (the sandbox) or serve these tasks (model/env/agentic.py).
 """
 
 from __future__ import annotations
@@ -310,6 +302,17 @@ def _dotted(path: str) -> str:
 
 def repo_task(level: int, seed: int) -> RepoTask:
     """The task of `level` drawn from `seed` (the same every time).
+
+    Levels:
+    1. a one-line bug in the function the instruction names (one file);
+    2. a function to add to one module that another module already imports and calls;
+    3. a one-line bug in a helper of one module, reported only through its caller in another module.
+    Every task's hidden tests pass on its reference solution and fail on its repository as given, by
+    construction (a bug is kept only with a test call whose result it changes; a function not added yet fails
+    the import; the tests check a set of tasks through the real sandbox); `task_id` is `repo-L<level>-<seed>`,
+    so the id rebuilds the task. The hidden tests are unittest files run by the sandbox's grade runner; they
+    compare each result by exact type and value (`exact`: plain built-in types only, so an object whose
+    `__eq__` is always true fails).
 
     :raises ValueError: `level` is not one of `LEVELS`.
     """
