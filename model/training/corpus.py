@@ -1,16 +1,10 @@
 """The pretraining corpus: built-in task documents mixed with real Python source, decontaminated.
 
-Owns: the task documents (prompt + canonical solution, some retrying a corrupted first attempt after its test
-feedback), the code documents (the standard library's own `.py` files and any directory given, read lazily in a
-seeded order and split at line boundaries into plain documents of at most the model's context, each ending with
-the tokenizer's `eos_id`, loss on every token), the decontamination rule (`Decontaminator`), the mix
-(`mixed_documents`) and `tokenizer_texts` (what a new BPE tokenizer learns from).
-Does not own: tokenizers, batching or the training loop (`model/training/pretrain.py`).
-
-Decontamination: text is normalised by collapsing every run of whitespace to one space; a source file whose
-normalised text contains the normalised prompt or the normalised canonical solution body of any held-out task is
-dropped whole (so no split can cut a copy in two and let both halves through). Every code document is a slice
-of a file that passed, so no document contains a held-out prompt or solution.
+- Owns: the task documents (`task_documents`), the code documents (`code_documents`: the standard library's
+  `.py` files and any directory given), the decontamination rule (`Decontaminator`), the mix
+  (`mixed_documents`) and `tokenizer_texts` (what a new BPE tokenizer learns from).
+- Guarantee: no document contains a held-out task's prompt or canonical solution.
+- Does not: own tokenizers, batching or the training loop (model/training/pretrain.py).
 """
 
 from __future__ import annotations
@@ -51,7 +45,13 @@ def normalise(text: str) -> str:
 
 
 class Decontaminator:
-    """Refuses text holding a held-out task's prompt or canonical solution body (after `normalise`)."""
+    """Refuses text holding a held-out task's prompt or canonical solution body (after `normalise`).
+
+    Text is normalised by collapsing every run of whitespace to one space; a source file whose normalised
+    text contains the normalised prompt or the normalised canonical solution body of any held-out task is
+    dropped whole (so no split can cut a copy in two and let both halves through). Every code document is a
+    slice of a file that passed, so no document contains a held-out prompt or solution.
+    """
 
     def __init__(self, held_out: Iterable[Task]) -> None:
         needles = {normalise(part) for task in held_out for part in (task.prompt, task.solution)}
@@ -190,7 +190,8 @@ def split_source(text: str, tokenizer: ChatTokenizer, max_tokens: int) -> list[l
 def code_documents(files: Sequence[Path], tokenizer: ChatTokenizer, max_tokens: int, rng: random.Random,
                    decontaminator: Decontaminator) -> Iterator[Document]:
     """Endless plain documents from `files`, weight 1 on every id: the files in an `rng` order (reshuffled each
-    pass), each read only when reached, dropped whole unless `decontaminator.clean`, split by `split_source`.
+    pass), each read only when reached, dropped whole unless `decontaminator.clean`, split by `split_source`
+    at line boundaries into documents of at most the model's context, each ending with the tokenizer's `eos_id`.
 
     :raises CorpusError: a whole pass over `files` gives no document.
     """

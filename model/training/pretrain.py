@@ -1,13 +1,12 @@
 """Continued pretraining of a policy (built-in or Hugging Face) on solved coding tasks and real Python source.
 
-Owns: the training loop over any `Policy` (loss from `policy.forward(inputs).logits`), its schedule, checkpoints
-(built-in: `pretrain.pt` + `pretrain.json`; Hugging Face: the output folder itself is a model directory that
-`transformers` loads, with `pretrain.json` inside, replaced atomically), `loss.png`, `load_checkpoint`, the
-final held-out greedy pass@1, the start of a run (`new_hf_policy`, `load_start`) and `settings_key` (the digest
-under which `rlbus up` caches a pretrained base).
-Does not own: the corpus and its decontamination (`corpus.py`), the networks (`transformer.py`,
-`hf_policy.py`, `hf_recipe.py`), tasks and grading, or the CLI (`ops/pretrain.py`).
-Deterministic given the seed and thread count.
+- Owns: the training loop over any `Policy` (`pretrain`), its schedule, checkpoints, `loss.png`,
+  `load_checkpoint`, the final held-out greedy pass@1, the start of a run (`new_hf_policy`, `load_start`) and
+  `settings_key` (the digest under which `rlbus up` caches a pretrained base).
+- Guarantee: deterministic given the seed and thread count.
+- Does not: own the corpus and its decontamination (model/training/corpus.py), the networks
+  (model/policies/transformer.py, model/policies/hf.py, model/policies/hf_recipe.py), tasks and grading, or
+  the CLI (ops/pretrain.py).
 """
 
 from __future__ import annotations
@@ -216,7 +215,9 @@ def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path
     """Train `policy` (default: a fresh `Transformer(config.model)` seeded by `seed`) for `steps`, checkpoint to
     `out_dir`, evaluate pass@1 on `eval_tasks(config.task_seed, config.eval_n)`.
 
-    A built-in policy checkpoints to `out_dir/pretrain.pt`; a Hugging Face one makes `out_dir` a model directory.
+    A built-in policy checkpoints to `out_dir/pretrain.pt` + `pretrain.json`; a Hugging Face one makes `out_dir`
+    a model directory that `transformers` loads, with `pretrain.json` inside, replaced atomically. The loss
+    comes from `policy.forward(inputs).logits`.
     `start_step` (the steps of the run `policy` comes from, named by `origin`) continues the step count and
     varies the data; the schedule spans this run's `steps`.
 

@@ -1,25 +1,9 @@
 """`rlbus bench async`: the async RL pipeline against a synchronous generate-then-train schedule.
 
-Owns: the async benchmark. Both arms run one after the other in the same call, on the same topology
-(one region: feeder, `--async-generators` generators (default 1), sandbox, trainer, publisher, checkpointer;
-the generator, trainer, sandbox, checkpoint and weights settings of the default run `single`
-(`--async-settings`): 8 rollouts per task, 8 tasks sampled in one batch, 128 tokens, one attempt, a checkpoint
-every 10 steps, every version a full snapshot; flat groups kept so that a lockstep batch fills; the tiny
-example's feeder (its backlog raised to every task the generators hold), restart and launch settings), the same
-actor processes and torch threads
-(one each: on 2 cores the generator and the trainer each get one), from the same starting policy
-(`--async-preset`, default the `small` pretrain preset's model, pretrained briefly once at the start and
-copied into each arm's state directory), generators sampling in `--async-dtype` ([policy] dtype, default
-float32), for the same number of optimizer steps N:
-- async: the normal pipeline: the feeder keeps a backlog, generators keep generating while the trainer
-  trains and swap new weights in flight; stale rollouts are dropped past `trainer.staleness_versions`.
-- sync: the same actors with two knobs: `feeder.lockstep` (one batch of tasks per new policy version,
-  generators start them only with that version) and `trainer.staleness_versions = 0`: generate one batch
-  with the current version, train one step, wait for the new version to reach the generators, repeat.
-Wall-clock per arm runs from t0 = the later of the first Task published and version 0's WeightManifest
-(before that, no generator can work in either arm) to the N-th optimizer step's TrainStep (`created_at`);
-`speedup` = sync / async; with `--async-repeats N` the pair runs N times (async, sync, async, ...) and `speedup`
-is the median, each run's in `runs`. Does not: assert speed (nothing here fails on a slow machine).
+- Owns: the async benchmark (`run`): both arms, one after the other in the same call, on the same topology,
+  actor processes, threads and starting policy, for the same number of optimizer steps;
+  `speedup` = sync / async.
+- Does not: assert speed (nothing here fails on a slow machine).
 """
 
 from __future__ import annotations
@@ -68,6 +52,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run both arms and return their numbers.
+
+    Both arms run one after the other in the same call, on the same topology (one region: feeder,
+    `--async-generators` generators (default 1), sandbox, trainer, publisher, checkpointer; the generator,
+    trainer, sandbox, checkpoint and weights settings of the default run `single` (`--async-settings`):
+    8 rollouts per task, 8 tasks sampled in one batch, 128 tokens, one attempt, a checkpoint every 10 steps,
+    every version a full snapshot; flat groups kept so that a lockstep batch fills; the tiny example's feeder
+    (its backlog raised to every task the generators hold), restart and launch settings), the same actor
+    processes and torch threads (one each: on 2 cores the generator and the trainer each get one), from the
+    same starting policy (`--async-preset`, default the `small` pretrain preset's model, pretrained briefly
+    once at the start and copied into each arm's state directory), generators sampling in `--async-dtype`
+    ([policy] dtype, default float32), for the same number of optimizer steps N:
+    - async: the normal pipeline: the feeder keeps a backlog, generators keep generating while the trainer
+      trains and swap new weights in flight; stale rollouts are dropped past `trainer.staleness_versions`.
+    - sync: the same actors with two knobs: `feeder.lockstep` (one batch of tasks per new policy version,
+      generators start them only with that version) and `trainer.staleness_versions = 0`: generate one batch
+      with the current version, train one step, wait for the new version to reach the generators, repeat.
+    Wall-clock per arm runs from t0 = the later of the first Task published and version 0's WeightManifest
+    (before that, no generator can work in either arm) to the N-th optimizer step's TrainStep (`created_at`);
+    `speedup` = sync / async; with `--async-repeats N` the pair runs N times (async, sync, async, ...) and
+    `speedup` is the median, each run's in `runs`.
+    """
     import anyio
 
     return anyio.run(_run, args, backend="asyncio")

@@ -1,14 +1,9 @@
 """`rlbus bench delta`: lossless weight-delta compression of real AdamW updates of the rlbus policy.
 
-Owns: the delta benchmark. Trains `ModelConfig.m30()` (`--quick`: `tiny()`) with AdamW on byte
-tokens of the task corpus (`rlbus.model.tasks.builtin`, prompt + canonical solution) for the warm-up steps,
-forks model and optimizer state per measured lr, and takes the published versions (bf16 casts of
-the fp32 master weights) around the 1st and 20th step after the warm-up. Per delta it reports the
-blob size against raw bf16, against int32 index + bf16 value (6 B per changed element) and against
-the order-0 entropy bound (N*H2(p) + sum over changed elements of the empirical entropy of their
-16-bit XOR values) / 8, and encode / decode+apply throughput in MB/s of raw bf16 model bytes, measured
-`--delta-runs` times in one invocation (each run printed, the median reported), on the CPU codec backend
-named in the output (compiled once before anything is timed; the first-call cost is reported).
+- Owns: the delta benchmark (`run`): trains the policy with AdamW, takes published versions around the
+  1st and 20th step after a warm-up, and reports each delta's size against raw bf16, index + value
+  and the order-0 entropy bound, and its encode / decode+apply throughput on the CPU codec backend.
+- Does not: implement the codec (kernels/delta/).
 """
 
 from __future__ import annotations
@@ -238,6 +233,18 @@ def _measure(old: dict[str, Any], new: dict[str, Any], base: dict[str, Any], rep
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure the deltas and return their numbers.
+
+    Trains `ModelConfig.m30()` (`--quick`: `tiny()`) with AdamW on byte tokens of the task corpus
+    (`rlbus.model.tasks.builtin`, prompt + canonical solution) for the warm-up steps, forks model and
+    optimizer state per measured lr, and takes the published versions (bf16 casts of the fp32 master
+    weights) around the 1st and 20th step after the warm-up. Per delta it reports the blob size against raw
+    bf16, against int32 index + bf16 value (6 B per changed element) and against the order-0 entropy bound
+    (N*H2(p) + sum over changed elements of the empirical entropy of their 16-bit XOR values) / 8, and
+    encode / decode+apply throughput in MB/s of raw bf16 model bytes, measured `--delta-runs` times in one
+    invocation (each run printed, the median reported), on the CPU codec backend named in the output
+    (compiled once before anything is timed; the first-call cost is reported).
+    """
     import copy
     import time
 
