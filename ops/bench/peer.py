@@ -1,14 +1,9 @@
-"""`rlbus bench peer`: TRL's GRPOTrainer and `rlbus up` side by side, on the same model, tasks, reward and budget.
+"""`rlbus bench peer`: TRL's GRPOTrainer and `rlbus up` side by side: same model, tasks, reward and budget.
 
-Owns the peer benchmark: the shared Hugging Face policy (a recipe Qwen2 built and pretrained once into
-`.rlbus/bench-peer/`), the shared settings, the two arms one after the other (rlbus first, ops/bench/peer_rlbus.py,
-then TRL, ops/bench/peer_trl.py), then the scoring of every snapshot and of the base v0 by one evaluator
-(`model.evaluate.evaluate_pass_at_1`: greedy pass@1 with 95% Wilson intervals on the same held-out tasks,
-graded by the rlbus sandbox; the weights rounded to bfloat16 as rlbus publishes a version, computed in float32 as
-both arms sample), not charged to either arm; the
-summary (throughputs, curves, the time rlbus takes to reach TRL's final pass@1), its table and its PNG.
-Both arms' rewards and every score come from one sandbox supervisor (ops/local_sandbox.py) beside the bench
-(the rlbus arm also runs its own, as `rlbus up` does). Does not: assert speed or learning.
+- Owns: the peer benchmark (`run`): the shared Hugging Face policy (`policy_dir`), the two arms one after the
+  other (ops/bench/peer_rlbus.py, then ops/bench/peer_trl.py), the scoring of every snapshot by one evaluator
+  (not charged to either arm), and the summary, its table and its PNG.
+- Does not: assert speed or learning.
 """
 
 from __future__ import annotations
@@ -70,6 +65,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run both arms, score them and return the summary.
+
+    The shared Hugging Face policy is a recipe Qwen2 built and pretrained once into `.rlbus/bench-peer/`;
+    with the shared settings the two arms run one after the other (rlbus first, ops/bench/peer_rlbus.py,
+    then TRL, ops/bench/peer_trl.py), then every snapshot and the base v0 are scored by one evaluator
+    (`model.evaluate.evaluate_pass_at_1`: greedy pass@1 with 95% Wilson intervals on the same held-out tasks,
+    graded by the rlbus sandbox; the weights rounded to bfloat16 as rlbus publishes a version, computed in
+    float32 as both arms sample), not charged to either arm; then the summary (throughputs, curves, the time
+    rlbus takes to reach TRL's final pass@1), its table and its PNG. Both arms' rewards and every score come
+    from one sandbox supervisor (ops/local_sandbox.py) beside the bench (the rlbus arm also runs its own, as
+    `rlbus up` does).
+    """
     import anyio
     import msgspec
     import torch

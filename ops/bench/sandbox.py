@@ -1,20 +1,9 @@
 """`rlbus bench sandbox`: per-execution overhead of the sandbox by isolation level.
 
-Owns: the sandbox benchmark. One trivial snippet (`pass` plus one assert) is run many times at each
-isolation level this machine offers: a pre-forked executor in bubblewrap (the supervisor's default:
-per execution a fresh child with a non-root uid, no network, a private working directory, the
-rlimits, and every process of it killed before the next), a fresh bubblewrap jail per execution,
-a pre-forked executor under unshare + setpriv, and one with rlimits only. Times are the supervisor's
-round trip to the executor (`ExecutorPool.execute`); `service_median_ms` adds the NATS request/reply
-through a real `SandboxSupervisor` on an embedded server. The CPU time per execution (the jail's
-processes plus the supervisor's side) is reported too: on a shared, loaded machine the wall time is
-mostly waiting for a core. Sessions, through NATS and a supervisor at the best level with the default
-`[sandbox]` quota: `session_open_median_ms` (open of a small workspace, over back-to-back open → run →
-close cycles, so the spare jails are used up faster than they are replenished), `session_first_run_median_ms`
-(that first `run`, which starts the session's jail when no spare was left), `tool_read_median_ms` (read_file
-of a small file), `tool_run_median_ms` (`run` of `true` in a session's own jail), and `sessions_sustained` (sessions one supervisor holds open, up to its
-`max_sessions`, while every one's `run` call queues under the quota and is answered). Nothing here
-asserts speed.
+- Owns: the sandbox benchmark (`run`): one trivial snippet run many times at each isolation level this
+  machine offers, its wall and CPU time, the NATS round trip through a real supervisor, and session
+  latencies (`sessions_bench`).
+- Does not: assert speed.
 """
 
 from __future__ import annotations
@@ -33,6 +22,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure every isolation level this machine offers, then sessions, and return the numbers.
+
+    One trivial snippet (`pass` plus one assert) is run many times at each isolation level: a pre-forked
+    executor in bubblewrap (the supervisor's default: per execution a fresh child with a non-root uid, no
+    network, a private working directory, the rlimits, and every process of it killed before the next), a
+    fresh bubblewrap jail per execution, a pre-forked executor under unshare + setpriv, and one with rlimits
+    only. Times are the supervisor's round trip to the executor (`ExecutorPool.execute`); `service_median_ms`
+    adds the NATS request/reply through a real `SandboxSupervisor` on an embedded server. The CPU time per
+    execution (the jail's processes plus the supervisor's side) is reported too: on a shared, loaded machine
+    the wall time is mostly waiting for a core. Sessions, through NATS and a supervisor at the best level
+    with the default `[sandbox]` quota: `session_open_median_ms` (open of a small workspace, over
+    back-to-back open → run → close cycles, so the spare jails are used up faster than they are
+    replenished), `session_first_run_median_ms` (that first `run`, which starts the session's jail when no
+    spare was left), `tool_read_median_ms` (read_file of a small file), `tool_run_median_ms` (`run` of
+    `true` in a session's own jail), and `sessions_sustained` (sessions one supervisor holds open, up to its
+    `max_sessions`, while every one's `run` call queues under the quota and is answered).
+    """
     import anyio
 
     runs = 60 if getattr(args, "quick", False) else getattr(args, "sandbox_runs", 300)

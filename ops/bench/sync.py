@@ -1,29 +1,9 @@
 """`rlbus bench sync`: delta vs full-snapshot weight sync from the trainer to generators in three regions.
 
-Owns: the sync benchmark. On the embedded 3-region bus (hub, eu, us; `RegionSet`) it runs the real path:
-a trainer stand-in (`ModelConfig.m30()` fp32 master weights, AdamW on the task corpus; `--quick`: `tiny()`)
-uploads each version to CKPT and publishes VersionReady; the publisher actor writes it into every
-region's WEIGHTS store and LATEST key; two `WeightSync` generators per region (each its own bus
-connection to its region) fetch, verify, stage it and bring their bf16 model to it in place (sparse deltas
-patched, anything else copied). The same run first times
-`--sync-versions` versions with deltas (the topology defaults `full_every` 4, `delta_depth` 3), then as
-many with only full snapshots (a publisher with `full_every` 1), each from VersionReady published to
-every generator holding it. `speedup_vs_full` = median full / median delta of that end-to-end time.
-
-`--sync-link RATE/LATENCY` (e.g. `100mbit/30ms`) puts both leaf regions (eu, us) behind shaped links
-(topology/network/links.py: each leaf's nats-server in its own network namespace, `tbf` for the rate, the delaying
-relay for the one-way latency). What crosses a link is what the hub sends a region: the publisher's writes into
-its WEIGHTS store and LATEST key (object-store chunks, their metadata, KV reads and updates, JetStream API
-requests) and their acks. The generators stay in-process tasks, each connected to its own region's server at
-the address that region's clients use (`RegionSet.url`): their fetches are region-local, as in a deployment
-and as for `rlbus up`'s actors inside the namespace, and never cross the link. What is measured on the links
-(bytes, link seconds, round trips) and how: ops/bench/sync_links.py.
-Behind links the delta mode relays the leaves, as `rlbus up` does: the hub's publisher sends each one object per
-version and a `RegionRelay` per leaf (an in-process task on the leaf's server, like its generators) makes the
-region's objects there; `link_bytes_over_one_step_delta` is then what a link carried per version over that
-version's one-step delta. `--no-sync-relay` measures the path without relays (the publisher writes every
-leaf's objects across its link); `--sync-relay` relays on loopback too. The full mode never relays (it is the
-baseline).
+- Owns: the sync benchmark (`run`): on the embedded 3-region bus, the real path from a trainer stand-in
+  through the publisher to two `WeightSync` generators per region, timed with deltas then with full
+  snapshots only (`speedup_vs_full`), optionally behind shaped links (`--sync-link`) with relays (`relayed`).
+- Does not: measure the links themselves (ops/bench/sync_links.py) or assert speed.
 """
 
 from __future__ import annotations
@@ -79,6 +59,35 @@ def relayed(shape: Any, sync_relay: bool | None) -> bool:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Time weight sync with deltas, then with full snapshots only, and return the numbers.
+
+    On the embedded 3-region bus (hub, eu, us; `RegionSet`) it runs the real path: a trainer stand-in
+    (`ModelConfig.m30()` fp32 master weights, AdamW on the task corpus; `--quick`: `tiny()`) uploads each
+    version to CKPT and publishes VersionReady; the publisher actor writes it into every region's WEIGHTS
+    store and LATEST key; two `WeightSync` generators per region (each its own bus connection to its region)
+    fetch, verify, stage it and bring their bf16 model to it in place (sparse deltas patched, anything else
+    copied). The same run first times `--sync-versions` versions with deltas (the topology defaults
+    `full_every` 4, `delta_depth` 3), then as many with only full snapshots (a publisher with `full_every`
+    1), each from VersionReady published to every generator holding it. `speedup_vs_full` = median full /
+    median delta of that end-to-end time.
+
+    `--sync-link RATE/LATENCY` (e.g. `100mbit/30ms`) puts both leaf regions (eu, us) behind shaped links
+    (topology/network/links.py: each leaf's nats-server in its own network namespace, `tbf` for the rate, the
+    delaying relay for the one-way latency). What crosses a link is what the hub sends a region: the
+    publisher's writes into its WEIGHTS store and LATEST key (object-store chunks, their metadata, KV reads
+    and updates, JetStream API requests) and their acks. The generators stay in-process tasks, each
+    connected to its own region's server at the address that region's clients use (`RegionSet.url`): their
+    fetches are region-local, as in a deployment and as for `rlbus up`'s actors inside the namespace, and
+    never cross the link. What is measured on the links (bytes, link seconds, round trips) and how:
+    ops/bench/sync_links.py.
+
+    Behind links the delta mode relays the leaves, as `rlbus up` does: the hub's publisher sends each one
+    object per version and a `RegionRelay` per leaf (an in-process task on the leaf's server, like its
+    generators) makes the region's objects there; `link_bytes_over_one_step_delta` is then what a link
+    carried per version over that version's one-step delta. `--no-sync-relay` measures the path without
+    relays (the publisher writes every leaf's objects across its link); `--sync-relay` relays on loopback
+    too. The full mode never relays (it is the baseline).
+    """
     import anyio
 
     if getattr(args, "sync_link", None) is not None:

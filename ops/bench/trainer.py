@@ -1,15 +1,10 @@
 """`rlbus bench trainer`: the trainer at world size 1 and 2 (FSDP2 ranks on loopback), on the built-in m30
 policy and a Qwen2 of similar size (built offline, randomly initialised).
 
-Owns the trainer-ranks benchmark. Per world size and policy, every rank is a fresh process (`LocalGroup`):
-step time (median of `--trainer-steps` steps after one warm-up), the rise of each rank's RSS high-water mark
-above its post-import baseline (and, apart, during the steps only, from just after building and sharding), the time to gather and publish a version, and the tensor bytes the fullest
-rank holds at its peak, counted (not RSS, whose interpreter and gloo share would hide a small model's
-sharding): at AdamW's step (a pre-step hook) the local bytes of the policy's and reference's parameters, the
-gradients and the optimizer state, plus, with N > 1, a bound on FSDP2's transient buffers (root unit + 4 x the
-largest unit in fp32: the units being all-gathered and prefetched, and one unit's unsharded gradients with
-their reduce-scatter input); at publication the parameters, optimizer state, bf16 tensors and encoded blob.
-`memory_per_rank_ratio` (m30) and `memory_per_rank_ratio_hf` are that peak at N = 2 over N = 1.
+- Owns: the trainer-ranks benchmark (`run`, `rank_jobs`): per world size and policy, in fresh rank processes,
+  step time, RSS rise, the time to publish a version and the tensor bytes of the fullest rank;
+  `memory_per_rank_ratio` (m30) and `memory_per_rank_ratio_hf` are that peak at N = 2 over N = 1.
+- Does not: use real rollouts (`_rollouts` makes seeded synthetic groups).
 """
 
 from __future__ import annotations
@@ -36,6 +31,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure each world size and policy and return the numbers.
+
+    Per world size and policy, every rank is a fresh process (`LocalGroup`): step time (median of
+    `--trainer-steps` steps after one warm-up), the rise of each rank's RSS high-water mark above its
+    post-import baseline (and, apart, during the steps only, from just after building and sharding), the
+    time to gather and publish a version, and the tensor bytes the fullest rank holds at its peak, counted
+    (not RSS, whose interpreter and gloo share would hide a small model's sharding): at AdamW's step (a
+    pre-step hook) the local bytes of the policy's and reference's parameters, the gradients and the
+    optimizer state, plus, with N > 1, a bound on FSDP2's transient buffers (root unit + 4 x the largest
+    unit in fp32: the units being all-gathered and prefetched, and one unit's unsharded gradients with their
+    reduce-scatter input); at publication the parameters, optimizer state, bf16 tensors and encoded blob.
+    """
     quick = bool(getattr(args, "quick", False))
     steps = 1 if quick else max(1, args.trainer_steps)
     size = "tiny" if quick else "m30"

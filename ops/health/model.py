@@ -1,22 +1,10 @@
 """The health model behind `rlbus health`: what heartbeats, events and manifests say about each actor.
 
-Owns: `HealthRules` (deadline, stall window, lag and restart thresholds), `HealthModel` (fed heartbeats
-with the time they were seen, lifecycle events and published versions; no I/O, no clock of its own) and
-`ActorHealth` (one actor's verdict at a given `now`; a sandbox supervisor's also names its sessions open and each
-tool's median latency, read from its heartbeat gauges), plus the bus-side records (`RegionHealth`,
-`BusHealth`) and the `Snapshot` that `--json` prints and Prometheus exports.
-Does not: read the bus (ops/health/watch.py) or render (ops/health/view.py).
-
-Verdicts, most severe first (an actor shows its worst; `problems` lists all that apply):
-  dead       not stopped/failed, and no heartbeat for longer than its deadline
-             (deadline = max(k × interval, min_deadline_s); interval = median gap of its recent heartbeats)
-  failed     last heartbeat says failed, or the launcher reported it failed after its last heartbeat
-  stalled    alive but no counter changed for `stall_s` (observed for at least that long)
-  lagging    policy_version more than `lag_versions` behind the newest version seen (actors, manifests);
-             an actor on a schedule (a heartbeat gauge `every_versions` = k, the evaluator: it reports the
-             version it last scored, one per block of k) lags only more than k + `lag_versions` behind
-  restarting its restart count or pid changed, or a `restarted` event came, within `restart_window_s`
-  ok / stopped
+- Owns: `HealthRules` (the thresholds), `HealthModel` (fed heartbeats with the time they were seen, lifecycle
+  events and published versions), `ActorHealth` (one actor's verdict at a given `now`), the bus-side records
+  (`RegionHealth`, `BusHealth`) and the `Snapshot` that `--json` prints and Prometheus exports.
+- Guarantee: no I/O and no clock of its own: a verdict depends only on what was fed and `now`.
+- Does not: read the bus (ops/health/watch.py) or render (ops/health/view.py).
 """
 
 from __future__ import annotations
@@ -94,7 +82,20 @@ class _Track:
 
 @dataclass(frozen=True, slots=True)
 class ActorHealth:
-    """One actor's verdict at a moment."""
+    """One actor's verdict at a moment. A sandbox supervisor's also names its sessions open and each tool's
+    median latency, read from its heartbeat gauges.
+
+    Verdicts, most severe first (an actor shows its worst; `problems` lists all that apply):
+      dead       not stopped/failed, and no heartbeat for longer than its deadline
+                 (deadline = max(k × interval, min_deadline_s); interval = median gap of its recent heartbeats)
+      failed     last heartbeat says failed, or the launcher reported it failed after its last heartbeat
+      stalled    alive but no counter changed for `stall_s` (observed for at least that long)
+      lagging    policy_version more than `lag_versions` behind the newest version seen (actors, manifests);
+                 an actor on a schedule (a heartbeat gauge `every_versions` = k, the evaluator: it reports the
+                 version it last scored, one per block of k) lags only more than k + `lag_versions` behind
+      restarting its restart count or pid changed, or a `restarted` event came, within `restart_window_s`
+      ok / stopped
+    """
 
     actor_id: str
     kind: str
