@@ -1,13 +1,10 @@
 """A sandbox supervisor on its own embedded nats-server, for commands that grade code outside any run.
 
-Owns: `local_sandbox(...)`, an async context manager that starts a JetStream server in a temporary
-directory, connects as admin on a fresh run id, provisions the streams a supervisor writes to (EVENTS,
-DLQ), serves one `SandboxSupervisor` in region `hub`, and yields the bus to send `SandboxRequest`s on;
-on exit it cancels the supervisor, closes the bus and stops the server. Used by `rlbus tasks check`
-(ops/tasks.py) and `rlbus bench sandbox` (ops/bench/sandbox.py). `sandbox_runner(...)`, a plain context
-manager around it on a thread of its own, yields a `model.grading` runner for synchronous code that grades
-many cases at once (`rlbus eval`).
-Does not: build requests or grade results (actors/common/sandbox_client.py).
+- Owns: `local_sandbox(...)` (a server of its own serving one `SandboxSupervisor`; yields the admin bus) and
+  `sandbox_runner(...)` (the same on a thread of its own, as a `model.grading` runner for synchronous code),
+  used by `rlbus tasks check`, `rlbus bench sandbox` and `rlbus eval`.
+- Guarantee: on exit the supervisor is cancelled, the bus closed and the server stopped.
+- Does not: build requests or grade results (actors/common/sandbox_client.py).
 """
 
 from __future__ import annotations
@@ -28,7 +25,13 @@ if TYPE_CHECKING:
 @asynccontextmanager
 async def local_sandbox(name: str, config: SandboxConfig,
                         launch: SandboxLaunch | None = None) -> AsyncIterator[Bus]:
-    """Serve a supervisor with `config` (and `launch`) on a server of its own; yield the admin bus."""
+    """Serve a supervisor with `config` (and `launch`) on a server of its own; yield the admin bus.
+
+    Starts a JetStream server in a temporary directory, connects as admin on a fresh run id, provisions the
+    streams a supervisor writes to (EVENTS, DLQ), serves one `SandboxSupervisor` in region `hub`, and yields
+    the bus to send `SandboxRequest`s on; on exit it cancels the supervisor, closes the bus and stops the
+    server. Used by `rlbus tasks check` (ops/tasks.py) and `rlbus bench sandbox` (ops/bench/sandbox.py).
+    """
     import anyio
     from nats.js.api import StreamConfig
 

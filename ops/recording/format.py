@@ -1,19 +1,9 @@
 """The recording file: one self-describing file of a run's messages, readable with msgpack + zstandard.
 
-Owns: the on-disk format (`FORMAT` below, also in docs/recording.md), `RecordingWriter` (header, segments,
-index, trailer) and `RecordingReader` (index-driven reads that skip segments by stream, time and policy
-version; a sequential scan when the trailer is missing, e.g. after a crash). Records are plain tuples
-`Record(stream, seq, time, subject, data)`; `data` is the message's MessagePack map with the transport
-compression removed. Does not: talk to a bus (ops/recording/recorder.py) or decode typed messages (ops/recording/playback.py).
-
-Layout (integers little-endian):
-  magic     8 bytes  b"RLBUSREC"
-  header    u32 length H, then H bytes: a MessagePack map (format, format_version, run, created, ...)
-  segments  each: u32 length L, then L bytes: one zstd frame whose content is a MessagePack array of
-            records [stream, seq, time, subject, data] (str, int, float, str, bin), all of one stream
-  index     a MessagePack map {"segments": [{offset, length, count, stream, kinds, min_time, max_time,
-            min_seq, max_seq, min_version, max_version}, ...]}; offset/length locate the zstd frame
-  trailer   16 bytes: u64 offset of the index, then b"RLBUSEND"
+- Owns: the on-disk format (layout in `RecordingWriter`, also in docs/recording.md), `RecordingWriter`
+  (header, segments, index, trailer) and `RecordingReader` (index-driven reads that skip segments by stream,
+  time and policy version; a sequential scan when the trailer is missing, e.g. after a crash).
+- Does not: talk to a bus (ops/recording/recorder.py) or decode typed messages (ops/recording/playback.py).
 """
 
 from __future__ import annotations
@@ -93,7 +83,18 @@ class _Pending:
 class RecordingWriter:
     """Appends records to a new recording; `close()` writes the index and trailer (use it as a context manager).
 
-    Not thread-safe: feed it from one task or thread.
+    Not thread-safe: feed it from one task or thread. Records are plain tuples
+    `Record(stream, seq, time, subject, data)`; `data` is the message's MessagePack map with the transport
+    compression removed.
+
+    Layout (integers little-endian):
+      magic     8 bytes  b"RLBUSREC"
+      header    u32 length H, then H bytes: a MessagePack map (format, format_version, run, created, ...)
+      segments  each: u32 length L, then L bytes: one zstd frame whose content is a MessagePack array of
+                records [stream, seq, time, subject, data] (str, int, float, str, bin), all of one stream
+      index     a MessagePack map {"segments": [{offset, length, count, stream, kinds, min_time, max_time,
+                min_seq, max_seq, min_version, max_version}, ...]}; offset/length locate the zstd frame
+      trailer   16 bytes: u64 offset of the index, then b"RLBUSEND"
     """
 
     def __init__(self, path: str | os.PathLike[str], *, run: str, header: dict[str, Any] | None = None) -> None:

@@ -1,16 +1,10 @@
 """Typed access to a recording: filtered, time-ordered messages, a summary, and JSONL export/import.
 
-Owns: `Filters` (kind, policy-version range, reward range, region, task id, time window) and their
-meaning, `Playback` (iterate `Entry`s / typed messages / `Rollout`s in recorded-time order across
-streams, skipping segments through the index), `summarize()` (what `rlbus replay inspect` prints) and
-`export_jsonl()` / `load_jsonl()`. `rlbus.ops.recording.replay.open(path)` returns a `Playback`.
-Does not: publish (ops/recording/republish.py) or know the byte layout (ops/recording/format.py).
-
-Filter semantics: every filter given must hold; a filter on a field a message kind does not have
-excludes that message (e.g. `task_ids` keeps only rollouts). Versions: a rollout matches when the span
-[min, max] of its per-token policy versions overlaps the range; TrainStep, EvalReport and CheckpointMark
-use `policy_version`, WeightManifest `version`. Ranges are inclusive; None leaves that end open.
-Region: a rollout's `region` (else the last token of its subject), an Event's `region`.
+- Owns: `Filters` and their meaning, `Playback` (iterate `Entry`s / typed messages / `Rollout`s in
+  recorded-time order across streams, skipping segments through the index), `summarize()` (what
+  `rlbus replay inspect` prints) and `export_jsonl()` / `load_jsonl()`;
+  `rlbus.ops.recording.replay.open(path)` returns a `Playback`.
+- Does not: publish (ops/recording/republish.py) or know the byte layout (ops/recording/format.py).
 """
 
 from __future__ import annotations
@@ -39,7 +33,14 @@ _STREAM_OF_KIND: Final = {"rollout": "ROLLOUTS", "train_step": "TRAINLOG", "weig
 
 @dataclass(frozen=True, slots=True)
 class Filters:
-    """Which recorded messages to keep (see the module docstring for the exact meaning)."""
+    """Which recorded messages to keep: kind, policy-version range, reward range, region, task id, time window.
+
+    Every filter given must hold; a filter on a field a message kind does not have excludes that message
+    (e.g. `task_ids` keeps only rollouts). Versions: a rollout matches when the span [min, max] of its
+    per-token policy versions overlaps the range; TrainStep, EvalReport and CheckpointMark use
+    `policy_version`, WeightManifest `version`. Ranges are inclusive; None leaves that end open. Region: a
+    rollout's `region` (else the last token of its subject), an Event's `region`.
+    """
 
     kinds: frozenset[str] | None = None
     """Message kind tags: rollout, train_step, weight_manifest, checkpoint_mark, eval_report, event."""

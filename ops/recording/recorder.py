@@ -1,13 +1,10 @@
 """Recording a run: its hub streams, read through ephemeral consumers, into one recording file.
 
-Owns: `RECORDED` (which hub streams a recording holds, under which label), `record()` — read every
-recorded stream from its start (concurrently), unwrap transport compression, note each message's kind
-and policy versions for the index, and append it through one writer task (compression and file I/O in
-a worker thread) — and `Progress`. Without `follow` it stops once every stream is caught up with what
-was stored when it began; with `follow` it goes on until cancelled (or `duration_s`, or `stop`; or, after
-`finish`, until it holds everything stored by then: how `rlbus up --record` ends), flushing segments
-every few seconds so an interrupted recording loses little (the reader rebuilds a missing index).
-Does not: define the file format (ops/recording/format.py) or parse arguments (ops/recording/record.py).
+- Owns: `RECORDED` (which hub streams a recording holds, under which label), `record()` (every recorded
+  stream from its start into the file, until caught up or, with `follow`, until told to end) and `Progress`.
+- Guarantee: segments are flushed every few seconds, so an interrupted recording loses little (the reader
+  rebuilds a missing index).
+- Does not: define the file format (ops/recording/format.py) or parse arguments (ops/recording/record.py).
 """
 
 from __future__ import annotations
@@ -106,7 +103,14 @@ async def record(bus: Bus, path: Path, *, follow: bool = False, duration_s: floa
                  labels: list[str] | None = None, stop: anyio.Event | None = None,
                  finish: anyio.Event | None = None,
                  on_progress: Callable[[Progress], None] | None = None, progress_every_s: float = 2.0) -> Progress:
-    """Record the run's hub streams into `path` (see the module docstring); returns the final counts.
+    """Record the run's hub streams into `path`; returns the final counts.
+
+    Reads every recorded stream from its start (concurrently), unwraps transport compression, notes each
+    message's kind and policy versions for the index, and appends it through one writer task (compression
+    and file I/O in a worker thread). Without `follow` it stops once every stream is caught up with what was
+    stored when it began; with `follow` it goes on until cancelled (or `duration_s`, or `stop`; or, after
+    `finish`, until it holds everything stored by then: how `rlbus up --record` ends), flushing segments
+    every few seconds so an interrupted recording loses little (the reader rebuilds a missing index).
 
     `stop` ends the reading (as `duration_s` does) and lets everything read so far reach the file. `finish`
     ends it once everything the streams hold when it is set has been read (within `CATCH_UP_S`).

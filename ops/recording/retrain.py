@@ -1,14 +1,11 @@
 """`rlbus replay FILE train`: feed a recording to a fresh trainer and check that it reproduces every
 WeightManifest digest the live run published (CPU, same seed, settings and thread count).
 
-Owns: `retrain(path, ...)` → `RetrainResult` (the Python API), `restore_points` (pure: TRAINLOG in stream
-order with the ledger's truncation rule, actors/common/ledger.py `final_lineage` — a step at or below the last
-kept step restarts from the state after step - 1, so abandoned branches are replayed from where they
-began), `held_version` (which version a trainer held before a record), where the settings come from
-(`recorded_setup`: the trainer's `started` event; `topology_setup`: a topology file), and the command's
-output (one line per version, a summary, `--json`, exit 0 / 1 mismatch / 2 recording lacks inputs).
-Does not: build or step the model differently from the trainer (actors/trainer/actor.py `build_trainer_core`,
-`objective`, `TrainerCore.train_step` and `published_version`) or read the file format.
+- Owns: `retrain(path, ...)` → `RetrainResult` (the Python API), `restore_points` (pure: where abandoned
+  branches restart), `held_version`, where the settings come from (`recorded_setup`, `topology_setup`) and
+  the command's output (`handle`: one line per version, a summary, `--json`, exit 0 / 1 / 2).
+- Does not: build or step the model differently from the trainer (actors/trainer/actor.py
+  `build_trainer_core`, `objective`) or read the file format (ops/recording/format.py).
 """
 
 from __future__ import annotations
@@ -277,7 +274,8 @@ def replay_steps(core: TrainerCore, inputs: Inputs, config: TrainerConfig, launc
                  on_check: Callable[[VersionCheck], None] | None = None,
                  on_step: Callable[[int, int, TrainStep], None] | None = None,
                  fail_fast: bool = False) -> RetrainResult:
-    """Walk the TrainSteps on `core` (fresh, as the trainer built it) and compare every manifest digest."""
+    """Walk the TrainSteps on `core` (fresh, as the trainer built it) and compare every manifest digest;
+    the steps and versions are the trainer's own (`TrainerCore.train_step`, `published_version`)."""
     result = RetrainResult()
     points = restore_points(inputs.steps)
     snapshot_at = {p for p in points if p is not None}
@@ -360,7 +358,10 @@ def retrain(path: str | Path, *, topology: str | Path | None = None, pretrained:
 
 # ---- the command --------------------------------------------------------------------------------------
 def handle(args: argparse.Namespace) -> int:
-    """Run the replay for the command line: 0 every digest reproduced, 1 a mismatch, 2 (raised) missing inputs."""
+    """Run the replay for the command line: 0 every digest reproduced, 1 a mismatch, 2 (raised) missing inputs.
+
+    Prints one line per version and a summary, or the result as JSON with `--json`.
+    """
     started = time.monotonic()
     quiet = bool(args.json)
 
