@@ -1,14 +1,10 @@
 """How an ops command finds a run: shared options and their resolution into a `Target`.
 
-Owns: `add_target_options(parser)` (RUN, --state-dir, --url, --run, --hub, --user/--password,
---credentials/--role), `resolve(args)` → `Target` (run id, hub, region URLs and JetStream domains,
-credentials), `Target.connect()`, `for_state_dir(state)`, `on_signal(act)` (Ctrl-C ends a command's
-reading), and `opened(...)`, which lets a command read a
-stopped run: when nothing listens at its hub and its state directory holds the embedded servers `rlbus up`
-started, it starts those servers (no actor, under the state directory's lock) for as long as the command
-reads, then stops them. A run started by `rlbus up` is found through the `run.json` that topology/backends/launch.py
-writes into its state directory (default `./.rlbus/<run>`).
-Does not: read streams or render anything (the commands do). Imports only stdlib at module top.
+- Owns: `add_target_options(parser)`, `resolve(args)` → `Target` (run id, hub, region URLs and JetStream
+  domains, credentials), `Target.connect()`, `for_state_dir(state)`, `on_signal(act)` (Ctrl-C ends a
+  command's reading), and `opened(...)`, which lets a command read a stopped run.
+- Guarantee: imports only stdlib at module top.
+- Does not: read streams or render anything (the commands do).
 """
 
 from __future__ import annotations
@@ -31,7 +27,8 @@ DEFAULT_ROLE = "observer"
 
 
 def add_target_options(p: argparse.ArgumentParser, *, run_positional: bool = True, role: str = DEFAULT_ROLE) -> None:
-    """The options every command that talks to a run's bus shares."""
+    """The options every command that talks to a run's bus shares: RUN, --state-dir, --url, --run, --hub,
+    --user/--password, --credentials/--role."""
     if run_positional:
         p.add_argument("run", nargs="?", default=None, metavar="RUN",
                        help="run id (its state directory ./.rlbus/RUN holds run.json, written by `rlbus up`)")
@@ -126,6 +123,9 @@ async def any_listening(urls: tuple[str, ...], timeout_s: float = 1.0) -> bool:
 
 def resolve(args: argparse.Namespace) -> Target:
     """Turn the shared options into a `Target`.
+
+    A run started by `rlbus up` is found through the `run.json` that topology/backends/launch.py writes into
+    its state directory (default `./.rlbus/<run>`).
 
     :raises RlbusError: when the run cannot be found (no run id, no run.json, unreadable credentials).
     """

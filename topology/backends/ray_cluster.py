@@ -1,15 +1,10 @@
 """The `ray` launch backend: one Ray actor per actor instance, placed by `region:<name>` resources.
 
-Owns: joining a Ray cluster (`address`) or starting a local one with one custom resource per region,
-creating one Ray actor per `ProcessSpec` (`resources={spec.resource: 0.001}`, `num_cpus=0`, Ray's
-`max_restarts` from the restart policy), hosting the rlbus actor on the Ray actor's event loop, making
-Ray's restarts visible (`crashed`, then `restarted` once the new incarnation answers, or `failed` when
-Ray gives up), and a graceful stop: the Ray actor's `stop()` cancels the actor, which drains and sends
-its final heartbeat, then the Ray actor is killed. A restart group (a trainer's ranks, `ProcessSpec.group`) is
-placed by one placement group (a bundle per rank, `region:` resources, spread over nodes), meets at a fresh
-rendezvous on rank 0's node for every start, and lives and dies together: one member ending kills the others,
-and all restart. Does not: decide which actors exist (`rlbus up`),
-or talk to actors (they use the bus). `import ray` happens inside functions only (it is heavy).
+- Owns: `RayBackend` (joining or starting a Ray cluster, one Ray actor per `ProcessSpec`, Ray's restarts made
+  visible as events, restart groups, a graceful stop) and `RayActorHost` (the rlbus actor on the Ray actor's
+  event loop).
+- Guarantee: `import ray` happens inside functions only (it is heavy).
+- Does not: decide which actors exist (`rlbus up`) or talk to actors (they use the bus).
 """
 
 from __future__ import annotations
@@ -152,7 +147,18 @@ class RayEntry:
 
 
 class RayBackend:
-    """Runs one Ray actor per spec and follows Ray's restarts until cancelled; then stops them all."""
+    """Runs one Ray actor per spec and follows Ray's restarts until cancelled; then stops them all.
+
+    It joins a Ray cluster (`address`) or starts a local one with one custom resource per region, creates one
+    Ray actor per `ProcessSpec` (`resources={spec.resource: 0.001}`, `num_cpus=0`, Ray's `max_restarts` from
+    the restart policy), hosting the rlbus actor on the Ray actor's event loop, makes Ray's restarts visible
+    (`crashed`, then `restarted` once the new incarnation answers, or `failed` when Ray gives up), and stops
+    gracefully: the Ray actor's `stop()` cancels the actor, which drains and sends its final heartbeat, then
+    the Ray actor is killed. A restart group (a trainer's ranks, `ProcessSpec.group`) is placed by one
+    placement group (a bundle per rank, `region:` resources, spread over nodes), meets at a fresh rendezvous
+    on rank 0's node for every start, and lives and dies together: one member ending kills the others, and
+    all restart.
+    """
 
     def __init__(self, specs: Sequence[ProcessSpec], *, policy: RestartPolicy, address: str | None = None,
                  num_cpus: int | None = None, on_event: EventSink | None = None, drain_timeout_s: float = 15.0,

@@ -1,17 +1,11 @@
 """Shaped links between regions on one machine: a network namespace per leaf region, joined to the root one.
 
-Owns: `LinkShape` (bandwidth, one-way latency, jitter, loss, parsed from the topology's `[regions.link]`
-strings), `namespaces_unavailable()` (why this host cannot make namespaces, or None), and `LinkSet`: per leaf
-a network namespace `rlbus-<tag>-<region>` holding that region's nats-server and actors, two veth pairs to
-the root namespace (the *link*, shaped: `tbf` on both ends for bandwidth, an nftables table in the namespace
-for loss and drop-all cuts; and the *console*, unshaped: how this machine's own clients, monitoring and
-provisioning reach the region's server, like an operator's access to a datacentre), addresses assigned from
-10.77.0.0/16 (two /30s per leaf, never routed off the machine), faults (`cut` by dropping every packet or by
-taking the link down, `degrade` by loss), per-link byte counters, and removing it all (on stop, and what a
-killed run on the same state directory left: every name carries `<tag>`, a hash of that directory).
-Latency and jitter are not made here (this kernel has no `netem`): topology/network/relay.py delays each direction of
-the leaf link in userspace, inside the shaped path (topology/network/regions.py wires it).
-Does not: start servers (topology/network/servers.py, topology/network/regions.py) or read topology files.
+- Owns: `LinkShape` (parsed from the topology's `[regions.link]` strings), `namespaces_unavailable()`, and
+  `LinkSet`: per leaf a namespace with a shaped *link* and an unshaped *console* to the root namespace,
+  faults (`cut`, `degrade`), per-link byte counters, and removing it all (`clean_leftovers`).
+- Guarantee: every name carries a hash of the state directory, so what a killed run left is found and removed.
+- Does not: make latency or jitter (topology/network/relay.py, wired by topology/network/regions.py), start
+  servers (topology/network/servers.py) or read topology files.
 """
 
 from __future__ import annotations
@@ -380,7 +374,18 @@ def _pool_lock() -> Iterator[None]:
 class LinkSet:
     """The links of one run: `LinkSet.create(base_dir, {"eu": shape, ...})` makes a namespace and its links per
     leaf (removing first what a killed run on `base_dir` left), writes `base_dir/links.json`, and `stop()`
-    removes everything. `cut`/`heal`/`degrade`/`counters` per region."""
+    removes everything. `cut`/`heal`/`degrade`/`counters` per region.
+
+    Per leaf a network namespace `rlbus-<tag>-<region>` holds that region's nats-server and actors, with two
+    veth pairs to the root namespace: the *link*, shaped (`tbf` on both ends for bandwidth, an nftables table
+    in the namespace for loss and drop-all cuts), and the *console*, unshaped (how this machine's own
+    clients, monitoring and provisioning reach the region's server, like an operator's access to a
+    datacentre). Addresses come from 10.77.0.0/16 (two /30s per leaf, never routed off the machine). Faults:
+    `cut` by dropping every packet or by taking the link down, `degrade` by loss. Everything is removed on
+    stop, and so is what a killed run on the same state directory left: every name carries `<tag>`, a hash
+    of that directory. Latency and jitter are not made here (this kernel has no `netem`):
+    topology/network/relay.py delays each direction of the leaf link in userspace, inside the shaped path.
+    """
 
     def __init__(self, base_dir: Path, links: dict[str, Link]) -> None:
         self.base_dir: Final = base_dir

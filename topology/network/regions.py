@@ -1,13 +1,11 @@
 """Regions on one machine: a hub plus leaf regions, each its own nats-server (or JetStream cluster of
 nats-servers) and JetStream domain.
 
-Owns: starting the hub then the leaves (each region one server, or a cluster of 3 nodes with their ports kept
-across restarts) joined to its leafnode port (optionally through a cuttable
-`Relay` per leaf, for partition tests; or, for a leaf given a `LinkShape`, from its own network namespace
-over a shaped link through a delaying `Relay`, topology/network/links.py), the state directory's credentials file,
-waiting until clusters have a meta leader and links are up, cutting, degrading and healing them, and
-stopping/killing/restarting one region, or one node of a cluster, by PID.
-Does not: create streams (messages/streams.py) or read topology files (topology/file/load.py).
+- Owns: `RegionSet`: starting the hub then the leaves joined to its leafnode port (through a cuttable `Relay`,
+  or a shaped link, topology/network/links.py), waiting until clusters have a meta leader and links are up,
+  cutting, degrading and healing them, stopping/killing/restarting one region or node by PID; and the state
+  directory's credentials file (`load_or_create_credentials`).
+- Does not: create streams (messages/streams.py) or read topology files (topology/file/load.py).
 """
 
 from __future__ import annotations
