@@ -1,7 +1,7 @@
 """`rlbus chaos [FILE]`: run the 3-region RL topology under a seeded storm of faults, then prove the ledger.
 
 Owns: the command line of `chaos` (window length, kills, server kills, partitions, pauses and their
-lengths, seed, state dir, --json) and the process-level flow: pretrain once, run (ops/chaos/run.py),
+lengths, seed, state dir, --agentic, --json) and the process-level flow: pretrain once, run (ops/chaos/run.py),
 print the report (ops/chaos/report.py), write `<state>/chaos.json`, exit 1 when anything was lost or
 trained twice. Does not: schedule or inject faults itself (ops/chaos/plan.py, ops/chaos/run.py).
 """
@@ -58,6 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="longest wait for the first optimizer step before the faults start (default 300)")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault schedule (default 0)")
     p.add_argument("--state-dir", type=Path, default=None, help="run state directory (default ./.rlbus/<run>)")
+    p.add_argument("--agentic", action="store_true",
+                   help="agentic episodes (repository tasks, tool calls, sandbox sessions; default topology: the "
+                        "agentic example on a hub and a leaf, scripted turns): kills hit generators, sandbox "
+                        "supervisors and the trainer mid-episode, and the report adds the sessions left open, the "
+                        "restored workspaces equal to their snapshot, sandbox_error drops and unplanned restarts "
+                        "(exit 1 unless all clean). A FILE fed repository tasks is run this way too")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     p.set_defaults(handler=_handler)
 
@@ -66,6 +72,7 @@ def _handler(args: argparse.Namespace) -> int:
     import anyio
 
     from rlbus.messages.errors import TopologyError
+    from rlbus.ops.chaos.agentic import AGENTIC_KILL_KINDS, agentic_chaos_topology, is_agentic, kill_kinds
     from rlbus.ops.chaos.plan import ChaosSettings
     from rlbus.ops.chaos.report import exit_code, table
     from rlbus.ops.chaos.run import RESULT_NAME, chaos_topology, ensure_pretrained, prepare_state_dir
@@ -73,10 +80,12 @@ def _handler(args: argparse.Namespace) -> int:
     from rlbus.topology.file.load import load
 
     if args.topology is None:
-        topology = chaos_topology()
+        topology = agentic_chaos_topology() if args.agentic else chaos_topology()
     else:
         path = Path(args.topology)
         topology = load(path if path.exists() or "/" in args.topology else example_path(args.topology))
+    agentic = args.agentic or is_agentic(topology)
+    kinds = kill_kinds(topology, AGENTIC_KILL_KINDS) if agentic else None
     if not all(r.embedded for r in topology.regions):
         raise TopologyError("rlbus chaos kills and partitions servers it starts itself: use a topology without "
                             "nats_urls")
@@ -107,8 +116,10 @@ def _handler(args: argparse.Namespace) -> int:
     say(f"chaos: run {topology.run!r}, {len(topology.regions)} regions, {len(topology.instances())} actors; "
         f"{settings.kills} kills ({settings.server_kills} leaf servers), {settings.partitions} partitions, "
         f"{settings.pauses} pauses over {settings.duration_s:.0f}s, seed {settings.seed}"
-        + (f"; leaves behind shaped links, {settings.degrades} link degradations" if links else ""))
-    result: dict[str, Any] | None = anyio.run(_main, topology, state, settings, args, say, backend="asyncio")
+        + (f"; leaves behind shaped links, {settings.degrades} link degradations" if links else "")
+        + (f"; agentic episodes, kills hit {', '.join(kinds or [])}" if agentic else ""))
+    result: dict[str, Any] | None = anyio.run(_main, topology, state, settings, args, say, kinds, agentic,
+                                              backend="asyncio")
     if result is None:
         say("rlbus chaos: interrupted; actors drained and servers stopped, no ledger")
         return 130
@@ -141,14 +152,16 @@ def with_links(topology: Any, spec: str) -> Any:
         msgspec.structs.replace(r, link=link) if r.role != "hub" else r for r in topology.regions])
 
 
-async def _main(topology: Any, state: Path, settings: Any, args: argparse.Namespace, say: Any) -> dict[str, Any] | None:
+async def _main(topology: Any, state: Path, settings: Any, args: argparse.Namespace, say: Any,
+                kinds: list[str] | None, agentic: bool) -> dict[str, Any] | None:
     import signal
 
     import anyio
 
     from rlbus.ops.chaos.run import ChaosRun
 
-    chaos = ChaosRun(topology, state, settings, settle_s=args.settle_s, warmup_s=args.warmup_s, say=say)
+    chaos = ChaosRun(topology, state, settings, settle_s=args.settle_s, warmup_s=args.warmup_s, say=say,
+                     kill_kinds=kinds, agentic=agentic)
     result: dict[str, Any] | None = None
     async with anyio.create_task_group() as tg:
         async def watch_signals() -> None:

@@ -1,8 +1,9 @@
 """The closing report of `rlbus chaos`: the ledger, faults, restarts and recovery times as a text table.
 
 Owns: `table(result)` (the human summary of the dict ops/chaos/run.py returns; `--json` prints the dict
-itself) and `exit_code(result)` (1 when a rollout was lost or trained twice, or a fed task was lost). Does not:
-measure anything.
+itself) and `exit_code(result)` (1 when a rollout was lost or trained twice, or a fed task was lost; in an agentic
+run also when a session was left open, a restored workspace differed from its snapshot or an actor nobody killed
+restarted). Does not: measure anything.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ _KIND_WORDS = {"actor_kill": "actor SIGKILL", "server_kill": "leaf server SIGKIL
 
 
 def exit_code(result: dict[str, Any]) -> int:
-    """0 when nothing was lost (no rollout, no fed task) and nothing trained twice, else 1."""
-    return 1 if result["lost"] or result["duplicated"] or result.get("tasks_lost") else 0
+    """0 when nothing was lost (no rollout, no fed task), nothing trained twice and (agentic runs) nothing is wrong
+    with the sessions, restores and restarts; else 1."""
+    agentic = result.get("agentic") or {}
+    return 1 if result["lost"] or result["duplicated"] or result.get("tasks_lost") or agentic.get("wrong") else 0
 
 
 def _seconds(value: float | None) -> str:
@@ -46,6 +49,13 @@ def table(result: dict[str, Any]) -> str:
     ]
     for reason, n in r["drop_reasons"].items():
         lines.append(f"                {n:4d} x {reason}")
+    if a := r.get("agentic"):
+        lines.append(f"  agentic     sessions opened {a['sessions_opened']}, open at the end {a['sessions_open']}, "
+                     f"roots left on disk {len(a['session_roots_left'])}; restored workspaces equal to their "
+                     f"snapshot {a['restores_equal']}/{a['restores_checked']}; sandbox_error drops "
+                     f"{a['sandbox_errors']}; unplanned restarts {a['unplanned_restarts']}")
+        for wrong in a["wrong"]:
+            lines.append(f"  WRONG       {wrong}")
     lines.append(f"  restarts    {r['restarts']}" + (
         " (" + ", ".join(f"{a} {n}" for a, n in r["restarts_by_actor"].items()) + ")" if r["restarts_by_actor"] else ""))
     if r["unplanned_restarts"]:

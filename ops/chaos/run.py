@@ -5,20 +5,22 @@ many kills), `prepare_state_dir`, and `ChaosRun`: launch (local backend, leaves 
 watch heartbeats and the hub's rollout arrivals, wait for the first optimizer step, inject the planned
 faults (ops/chaos/plan.py) — SIGKILL actors, SIGKILL a leaf nats-server then restart it on its store dir,
 cut a leaf's link (behind shaped links also by dropping all its packets or taking it down, and degrade it),
-SIGSTOP/SIGCONT actors — then the quiet period (the feeder is stopped; wait until every
-task is done, every rollout has reached the hub and the trainer has consumed what it can), a graceful
-drain, and the result: the ledger, restarts, recovery times.
+SIGSTOP/SIGCONT actors (of `kill_kinds`, or of every kind) — then the quiet period (the feeder is stopped;
+wait until every task is done, every rollout has reached the hub and the trainer has consumed what it can; with
+`agentic`, also until the sandboxes' sessions are closed), a graceful drain, and the result: the ledger,
+restarts, recovery times; with `agentic` the sessions and restored workspaces too (ops/chaos/agentic.py).
 Does not: print tables (ops/chaos/report.py) or parse the command line (ops/chaos/cli.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any, Final
@@ -33,7 +35,14 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from rlbus.actors.common.ledger import Ledger, final_lineage, read_all, read_ledger
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import RlbusError
-from rlbus.messages.schemas import Heartbeat, Rollout, TrainStep
+from rlbus.messages.schemas import Event, Heartbeat, Rollout, TrainStep
+from rlbus.ops.chaos.agentic import (
+    SESSION_LEASE_S,
+    agentic_verdict,
+    open_sessions,
+    restore_checks,
+    session_roots_left,
+)
 from rlbus.ops.chaos.plan import (
     ChaosSettings,
     Fault,
@@ -101,6 +110,8 @@ def ensure_pretrained(topology: Topology, state: Path, say: Say) -> None:
     settings = topology.pretrain
     overrides = {"eval_n": settings.eval_n} if settings.eval_n is not None else {}
     config = PretrainConfig.preset(settings.preset, **overrides)
+    if settings.max_seq_len is not None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_seq_len=settings.max_seq_len))
     say(f"chaos: pretraining the policy ({settings.preset}, {settings.steps or config.steps} steps) into {out}")
     result = pretrain(config, settings.steps, settings.seed, out, settings.threads)
     say(f"chaos: pretrained in {result.wall_s:.0f}s")
@@ -110,8 +121,21 @@ class ChaosRun:
     """One chaos run of `topology` in `state`; `await run()` returns the result dict (ops/chaos/report.py)."""
 
     def __init__(self, topology: Topology, state: Path, settings: ChaosSettings, *, settle_s: float = 300.0,
-                 warmup_s: float = 300.0, say: Say = lambda _: None) -> None:
+                 warmup_s: float = 300.0, say: Say = lambda _: None, kill_kinds: Sequence[str] | None = None,
+                 agentic: bool = False) -> None:
         self.topology = topology
+        self.kill_kinds = None if kill_kinds is None else sorted(kill_kinds)
+        """Actor kinds the kills and pauses hit (None: every kind the topology runs)."""
+        self.agentic = agentic
+        """Account for sandbox sessions and restored workspaces too (ops/chaos/agentic.py)."""
+        self.gauges: dict[str, dict[str, float]] = {}
+        """Actor id → the gauges of its last heartbeat."""
+        self.kinds: dict[str, str] = {}
+        """Actor id → its kind, from its heartbeats."""
+        self._beat = anyio.Event()
+        """Set by the next heartbeat."""
+        self.opened: dict[tuple[str, int], int] = {}
+        """(sandbox actor id, pid) → sessions that process opened, by its last heartbeat."""
         self.state = state
         self.settings = settings
         self.settle_s = settle_s
@@ -137,8 +161,8 @@ class ChaosRun:
     async def run(self) -> dict[str, Any]:
         started = time.monotonic()
         leaves = [r.name for r in self.topology.regions if r.role == "leaf"]
-        kinds = sorted({i.kind for i in self.topology.instances()} |
-                       ({"trainer_rank"} if self.topology.trainer.world_size > 1 else set()))  # ranks 1..N-1
+        kinds = self.kill_kinds or sorted({i.kind for i in self.topology.instances()} |
+                                          ({"trainer_rank"} if self.topology.trainer.world_size > 1 else set()))
         plan = plan_faults(self.settings, kinds, leaves)
         async with Launch.open(self.topology, state_dir=self.state, relay=True) as launch:
             self.say(f"chaos: bus ready ({', '.join(f'{r}={u[0]}' for r, u in launch.endpoints.urls.items())}); "
@@ -154,6 +178,8 @@ class ChaosRun:
                     await self._warm_up()
                     await self._inject(launch, plan)
                     caught_up = await self._settle(launch)
+                    if self.agentic:
+                        await self._sessions_closed()
                 finally:
                     actors.cancel()                      # SIGTERM every actor: a graceful drain
                     with anyio.CancelScope(shield=True), anyio.move_on_after(60):
@@ -179,6 +205,12 @@ class ChaosRun:
         async with aclosing(bus.follow(bus.subjects.all_health(), Heartbeat)) as beats:
             async for hb in beats:
                 self.beats[hb.actor_id].append((time.monotonic(), hb.pid))
+                self.gauges[hb.actor_id] = hb.gauges
+                if "sessions_opened" in hb.gauges:
+                    self.opened[(hb.actor_id, hb.pid)] = int(hb.gauges["sessions_opened"])
+                self.kinds[hb.actor_id] = hb.actor_kind
+                self._beat.set()
+                self._beat = anyio.Event()
                 if hb.actor_kind == "trainer":
                     self.trainer_steps = max(self.trainer_steps, hb.counters.get("steps", 0))
                     self._check_warm()
@@ -368,6 +400,22 @@ class ChaosRun:
         self.say(f"chaos: not caught up within {self.settle_s:.0f}s of quiet; draining anyway")
         return False
 
+    async def _sessions_closed(self) -> None:
+        """Wait (bounded: a session lease and a bit) until the sandbox supervisors' heartbeats say no session is open:
+        every group is published by now, so what is still open was held by a killed generator and ends with its
+        lease."""
+        lease = self.topology.generator.session_lease_s or SESSION_LEASE_S
+        began = time.monotonic()
+        with anyio.move_on_after(lease + 15.0):
+            while open_sessions(self.gauges, self._sandboxes()):
+                await self._beat.wait()
+        self.timeline["sessions_closed_s"] = round(time.monotonic() - began, 1)
+        self.say(f"chaos: {open_sessions(self.gauges, self._sandboxes())} sandbox sessions open after "
+                 f"{self.timeline['sessions_closed_s']:.0f}s")
+
+    def _sandboxes(self) -> list[str]:
+        return sorted(a for a, kind in self.kinds.items() if kind == "sandbox")
+
     def _trainer_started(self) -> float:
         """When the newest trainer process first heartbeat (monotonic; 0 when none was seen)."""
         starts = [0.0]
@@ -417,7 +465,9 @@ class ChaosRun:
         kills = [r for r in self.records if r.kind in ("actor_kill", "server_kill")]
         killed = Counter(r.target for r in self.records if r.kind == "actor_kill")
         unplanned = {a: e.restarts - killed[a] for a, e in sorted(sup.actors.items()) if e.restarts > killed[a]}
+        agentic = await self._agentic(launch, book.dropped, sum(unplanned.values())) if self.agentic else None
         return {
+            "agentic": agentic,
             "run": self.topology.run, "state_dir": str(self.state), "seed": self.settings.seed,
             "window_s": self.settings.duration_s, "outage_s": self.settings.outage_s,
             "pause_s": self.settings.pause_s,
@@ -450,6 +500,27 @@ class ChaosRun:
             "tasks_lost": len(tasks.lost) if tasks else 0, "tasks_lost_ids": tasks.lost[:50] if tasks else [],
             "clean": book.clean and (tasks is None or tasks.clean),
         }
+
+    async def _agentic(self, launch: Launch, dropped: dict[str, int], unplanned: int) -> dict[str, Any]:
+        """The agentic figures (ops/chaos/agentic.py): sessions open at the end, session roots left on disk by the
+        run's sandbox processes, restored workspaces checked and equal (the generators' events), sandbox_error
+        drops, unplanned restarts, and what is wrong with them."""
+        s = launch.admin.subjects
+        try:
+            checked, equal = restore_checks(await read_all(launch.admin.js, s.events_stream(), s.all_events(), Event))
+        except _API_ERRORS as err:
+            checked = equal = 0
+            self.skipped.append(f"restore events not read: {err!r}")
+        pids = {pid for actor in self._sandboxes() for _, pid in self.beats.get(actor, [])}
+        figures: dict[str, Any] = {
+            "sessions_open": open_sessions(self.gauges, self._sandboxes()),
+            "sessions_opened": sum(self.opened.values()),
+            "session_roots_left": session_roots_left(pids),
+            "restores_checked": checked, "restores_equal": equal,
+            "sandbox_errors": int(dropped.get("sandbox_error", 0)), "unplanned_restarts": unplanned,
+        }
+        figures["wrong"] = agentic_verdict(figures)
+        return figures
 
     def _recoveries(self) -> None:
         """Fill each record's recovery time from the heartbeats and arrivals seen (relative to the fault)."""
