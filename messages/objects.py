@@ -4,7 +4,7 @@
   message carries), `fetch_object` / `stream_object` (batched pull, hashed on the way), `delete_object`
   (best effort) and the digest forms (`digest`, `store_digest`); used by weight sync, the publisher, the
   checkpointer and the trainer's resume (through `Bus.get_object`).
-- Guarantee: every download is checked against the store's digest and the announced one.
+- Guarantee: every download is checked against the store's own digest and, when given, the announced one.
 - Does not: create buckets (messages/streams.py) or choose object names (messages/subjects.py).
 """
 
