@@ -4,8 +4,9 @@ tests on submit.
 - Owns: `AgenticBudgets`, `AgenticState` and `AgenticEnvironment`: rendering a `RepoTask`, taking a policy
   turn (its tool calls run through the `WorkspacePort`), the budgets, self-summarisation and the reward.
 - Guarantee: the wall clock is passed in, never read.
-- Does not: own the tools or the workspace (the sandbox, behind the port), the tool-call text format
-  (model/tools/calls.py) or the tasks (model/tasks/repo.py).
+- Does not: own the tools or the workspace (the sandbox, behind the port), the tool-call text formats
+  (model/tools/calls.py), a chat template's framing of tools (model/tools/template.py) or the tasks
+  (model/tasks/repo.py).
 """
 
 from __future__ import annotations

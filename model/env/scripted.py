@@ -3,7 +3,8 @@
 Owns: `reference_script` (the task's reference edit, one call a turn, then `submit`), `edits_script` (turns that
 change the workspace in every way a tool can, the reference edit, a listing of every file's digest, `submit`),
 `SUBMIT_SCRIPT` (submit at once) and `scripted_ids` (the ids of a script's next turn for a state, ending with the tokenizer's stop,
-as a sampled turn that closed itself would).
+as a sampled turn that closed itself would; a script is written in Hermes calls, and a turn of one call is
+rewritten in the call style of a chat template that renders tools, model/tools/template.py).
 Does not own: sampling (model/sampling/generate.py) or the environment (model/env/agentic.py).
 """
 
@@ -15,7 +16,8 @@ from typing import Final
 from rlbus.model.env.agentic import AgenticState
 from rlbus.model.policies.interface import ChatTokenizer
 from rlbus.model.tasks.repo import RepoTask, repo_task_of_id
-from rlbus.model.tools.calls import ToolCall
+from rlbus.model.tools.calls import ToolCall, parse_turn
+from rlbus.model.tools.template import TemplateTools
 
 SUBMIT: Final = ToolCall("submit", {}).text()
 SUBMIT_SCRIPT: Final = (SUBMIT,)
@@ -50,8 +52,13 @@ def edits_script(task: RepoTask) -> tuple[str, ...]:
 
 def scripted_ids(script: Sequence[str], state: AgenticState, tokenizer: ChatTokenizer) -> list[int]:
     """The ids of the script's turn for `state` (turn `state.policy_turns`; the last one once it runs out),
-    closed by the tokenizer's stop id."""
+    closed by the tokenizer's stop id. For a template of another call style (`TemplateTools.style`), a turn
+    of one call is that call alone in that style."""
     if not script:
         raise ValueError("a script needs at least one turn")
     text = script[min(state.policy_turns, len(script) - 1)]
+    if isinstance(tokenizer, TemplateTools) and tokenizer.style != "hermes":
+        calls = parse_turn(text)
+        if len(calls) == 1 and isinstance(calls[0], ToolCall):
+            text = calls[0].text(tokenizer.style)
     return [*tokenizer.encode(text), tokenizer.stop_id]

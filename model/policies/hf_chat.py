@@ -1,14 +1,17 @@
 """The chat tokenizer of a Hugging Face policy: a transformers fast tokenizer framed as its chat template frames turns.
 
-- Owns: `HFChatTokenizer` (a `ChatTokenizer`), the framing cut out of a chat template, ChatML as the default.
+- Owns: `HFChatTokenizer` (a `ChatTokenizer`), the framing cut out of a chat template, ChatML as the default, and
+  `ToolFraming` (how a template that renders tools frames their schemas, calls and results, cut out the same way).
 - Does not: read a model directory (model/policies/hf_checks.py) or run a model (model/policies/hf.py).
 - `transformers` is only a type here: importing this module leaves it unloaded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Final
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from rlbus.model.policies.interface import PolicyError, Role, default_prompt_ids
 
@@ -29,6 +32,30 @@ TEMPLATE_ROLES: Final[dict[Role, str]] = {
     "summary": "assistant",  # the policy's own words about its history
 }
 _SENTINELS: Final = ("rlbusSentinelUserOne", "rlbusSentinelAssistantTwo", "rlbusSentinelUserThree")
+_RESULTS: Final = ("rlbusSentinelToolFour", "rlbusSentinelToolFive")
+_VERBATIM: Final = 'rlbusSentinel "quoted"\nline'
+"""A tool result that shows whether the template renders results verbatim or as JSON strings."""
+TemplateCallStyle = Literal["hermes", "llama"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFraming:
+    """How a chat template that renders tools frames them, as text cut out of its renderings.
+
+    `system` is what precedes the first user header when the template is given the tool schemas (the system turn
+    holding them, where the template puts it); a run of tool results is `header`, each result (a JSON string when
+    `json_results`) joined by `between`, then `after` and the template's closing. `style` is how the template
+    renders an assistant's tool call: Hermes `<tool_call>` blocks or a Llama-3.1 JSON turn. `ids` are the four
+    texts' ids (special tokens spelled in them are those tokens), in that order.
+    """
+
+    style: TemplateCallStyle
+    system: str
+    header: str
+    between: str
+    after: str
+    json_results: bool
+    ids: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
 def one_line(err: BaseException | str) -> str:
@@ -54,6 +81,9 @@ class HFChatTokenizer:
         self._special = frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
         template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
         bos, user, assistant, closing = _framing(tokenizer, template, template_source)
+        self._template = template
+        self._texts = (bos, user, assistant, closing)
+        self._tool_framings: dict[str, ToolFraming | str] = {}
         self._bos = self._fixed(bos)
         self._headers = {"user": self._fixed(user), "assistant": self._fixed(assistant)}
         self._closing = self._fixed(closing)
@@ -119,6 +149,15 @@ class HFChatTokenizer:
     def prompt_ids(self, prompt: str) -> list[int]:
         return default_prompt_ids(self, prompt)
 
+    def tool_framing(self, schemas: Sequence[dict[str, Any]]) -> ToolFraming | str:
+        """How the chat template frames tools given as `schemas` (OpenAI function JSON schemas), or why it does not
+        (one line): it renders nothing different with them, puts them elsewhere than before the first user turn,
+        renders tool results not verbatim, or an assistant's tool call in no known style. Cut once per schemas."""
+        key = json.dumps(list(schemas), sort_keys=True)
+        if key not in self._tool_framings:
+            self._tool_framings[key] = _tool_framing(self.hf, self._template, self._texts, schemas, self._fixed)
+        return self._tool_framings[key]
+
 
 def _framing(tokenizer: PreTrainedTokenizerFast, template: str, source: str) -> tuple[str, str, str, str]:
     """(bos, user header, assistant header, closing) text of a chat template.
@@ -162,3 +201,79 @@ def _framing(tokenizer: PreTrainedTokenizerFast, template: str, source: str) -> 
         raise refuse(f"renders the first user turn's header unlike a later one's ({user!r})")
     return before[: len(before) - len(user)], user, assistant, closing
 
+
+
+def _tool_framing(tokenizer: PreTrainedTokenizerFast, template: str, texts: tuple[str, str, str, str],
+                  schemas: Sequence[dict[str, Any]], fixed: Callable[[str], list[int]]) -> ToolFraming | str:
+    """`HFChatTokenizer.tool_framing`: conversations of sentinels rendered with and without the schemas, tool
+    messages and a tool call, and the fixed text around the sentinels compared."""
+    bos, _, assistant, closing = texts
+    one, two, three = _SENTINELS
+    tools = [dict(schema) for schema in schemas]
+
+    def render(messages: list[dict[str, Any]], generation: bool, with_tools: bool = True) -> str:
+        extra: dict[str, Any] = {"tools": tools, "tools_in_user_message": False} if with_tools else {}
+        return str(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=generation, **extra))
+
+    turns = [{"role": "user", "content": one}, {"role": "assistant", "content": two}, {"role": "user", "content": three}]
+    try:
+        plain = render(turns, False, with_tools=False)
+        full = render(turns, False)
+    except Exception as err:  # jinja2 errors of every kind, the template's raise_exception
+        return f"the chat template does not render tools ({type(err).__name__}: {one_line(err)})"
+    if full == plain:
+        return "the chat template renders nothing of the tools it is given"
+    tail = plain[len(bos):]
+    if not full.endswith(tail) or not (system := full[: len(full) - len(tail)]):
+        return "the chat template renders the tools elsewhere than before the first user turn"
+    head = full[: full.index(two) + len(two)] + closing
+
+    def results(contents: Sequence[str]) -> str:
+        messages = [*turns[:2], *({"role": "tool", "content": c} for c in contents)]
+        rendered = render(messages, True)
+        if not rendered.startswith(head) or not rendered.endswith(assistant):
+            raise ValueError("tool results")
+        return rendered[len(head): len(rendered) - len(assistant)]
+
+    try:
+        verbatim = results([_VERBATIM])
+        json_results = _VERBATIM not in verbatim
+        if json_results and json.dumps(_VERBATIM, ensure_ascii=False) not in verbatim:
+            return "the chat template renders a tool result neither verbatim nor as a JSON string"
+        four, five = (json.dumps(r) if json_results else r for r in _RESULTS)
+        two_results, one_result = results(_RESULTS), results(_RESULTS[:1])
+    except ValueError:
+        return "the chat template renders tool results other than as turns after the assistant's"
+    except Exception as err:
+        return f"the chat template does not render tool results ({type(err).__name__}: {one_line(err)})"
+    if two_results.count(four) != 1 or two_results.count(five) != 1:
+        return "the chat template does not render each tool result once"
+    header, rest = two_results.split(four)
+    between, after = rest.split(five)
+    if not header or one_result != header + four + after or not after.endswith(closing):
+        return "the chat template frames one tool result unlike two, or closes them unlike other turns"
+    style = _call_style(render, turns[0], str(schemas[0]["function"]["name"]), system)
+    if style is None:
+        return "the chat template renders a tool call in no known style (Hermes <tool_call> blocks, Llama-3.1 JSON)"
+    after = after[: len(after) - len(closing)]
+    ids = (tuple(fixed(system)), tuple(fixed(header)), tuple(fixed(between)), tuple(fixed(after)))
+    return ToolFraming(style=style, system=system, header=header, between=between, after=after,
+                       json_results=json_results, ids=ids)
+
+
+def _call_style(render: Any, first: dict[str, Any], name: str, system: str) -> TemplateCallStyle | None:
+    """How the template renders an assistant's call of tool `name`: Hermes `<tool_call>` or Llama-3.1
+    `{"name": ..., "parameters": ...}`; failing that, Hermes when its tool instructions name `<tool_call>`."""
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {}}}]}
+    try:
+        rendered = str(render([first, call], False))
+    except Exception:  # a template that renders no tool_calls
+        rendered = ""
+    said = rendered[rendered.find(first["content"]):] if rendered else ""
+    if "<tool_call>" in said:
+        return "hermes"
+    if '"parameters"' in said and f'"name": "{name}"' in said:
+        return "llama"
+    return "hermes" if "<tool_call>" in system else None

@@ -1,17 +1,22 @@
-"""The tools of the agentic coding environment and their text format: specs, parsing, rendering.
+"""The tools of the agentic coding environment and their text format: specs, schemas, parsing, rendering.
 
-Owns: `TOOLS` (the fixed names and arguments the sandbox implements), `ToolCall`, `ToolOutcome` (what the
-sandbox answers to one), `parse_turn` (a policy
-turn's text -> its tool calls and the problems of the ones that are not calls), `check_call` (arguments
-against a tool's spec), and the text of the tool list, a call and a tool response.
-Does not own: running tools (the sandbox, through `WorkspacePort`) or budgets (model/env/agentic.py).
+Owns: `TOOLS` (the fixed names and arguments the sandbox implements), `TOOL_SCHEMAS` (the same as JSON schemas
+in the OpenAI function format a chat template's `tools` takes), `ToolCall`, `ToolOutcome` (what the sandbox
+answers to one), `parse_turn` (a policy turn's text -> its tool calls and the problems of the ones that are not
+calls, in a `CallStyle`), `check_call` (arguments against a tool's spec), and the text of the tool list, a call
+and a tool response.
+Does not own: running tools (the sandbox, through `WorkspacePort`), budgets (model/env/agentic.py) or how a chat
+template frames the schemas and results (model/tools/template.py).
 
-Format: the one of Qwen2 and Qwen3 chat templates. The tool list is given as a `<tools>` block of JSON
-function signatures; the policy calls a tool with `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
-(zero or more per turn); the results come back in one observation turn, each as
-`<tool_response>\\n...\\n</tool_response>`, joined by newlines. For a Hugging Face policy the observation role
-is the template's user turn, which is how those templates render a run of `tool` messages; the built-in
-byte policy uses the same text, its results in its own observation role.
+Call styles: "hermes", the one of Qwen2.5 and Qwen3 chat templates, `<tool_call>\\n{"name": ..., "arguments":
+{...}}\\n</tool_call>` (zero or more per turn, text around them ignored); "llama", the one of Llama-3.1 templates,
+`{"name": ..., "parameters": {...}}` as the whole turn (one call, optionally after `<|python_tag|>`).
+Where the policy's chat template does not render tools (the built-in byte policy, ChatML), the tool list is given
+as a `<tools>` block of JSON function signatures in the user turn (`tools_text`), calls are Hermes ones, and the
+results come back in one observation turn, each as `<tool_response>\\n...\\n</tool_response>`, joined by
+newlines: for a Hugging Face policy the observation role is the template's user turn, which is how Qwen templates
+render a run of `tool` messages; the built-in byte policy uses the same text, its results in its own observation
+role.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ from typing import Any, Final, Literal
 import msgspec
 
 ToolName = Literal["list_files", "read_file", "write_file", "edit_file", "search", "run", "submit"]
+CallStyle = Literal["hermes", "llama"]
+"""How a policy writes a tool call: Hermes `<tool_call>` blocks (Qwen2.5, Qwen3) or a Llama-3.1 JSON turn."""
 CALL_OPEN: Final = "<tool_call>"
 CALL_CLOSE: Final = "</tool_call>"
 RESPONSE_OPEN: Final = "<tool_response>"
 RESPONSE_CLOSE: Final = "</tool_response>"
+PYTHON_TAG: Final = "<|python_tag|>"
 _CALL: Final = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 
 _STR: Final = {"type": "string"}
@@ -52,6 +60,12 @@ TOOLS: Final[dict[str, dict[str, Any]]] = {
                "properties": {}, "required": []},
 }
 """Each tool: its description, its arguments (JSON types) and the required ones; `defaults` fill the rest."""
+TOOL_SCHEMAS: Final[tuple[dict[str, Any], ...]] = tuple(
+    {"type": "function", "function": {
+        "name": name, "description": spec["description"],
+        "parameters": {"type": "object", "properties": spec["properties"], "required": spec["required"]}}}
+    for name, spec in TOOLS.items())
+"""`TOOLS` as JSON schemas in the OpenAI function format (`apply_chat_template(messages, tools=TOOL_SCHEMAS)`)."""
 
 
 class ToolCall(msgspec.Struct, frozen=True):
@@ -60,8 +74,11 @@ class ToolCall(msgspec.Struct, frozen=True):
     name: str
     arguments: dict[str, Any] = {}
 
-    def text(self) -> str:
-        """The call as the policy writes it: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
+    def text(self, style: CallStyle = "hermes") -> str:
+        """The call as the policy writes it: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
+        (hermes) or `{"name": ..., "parameters": {...}}` (llama)."""
+        if style == "llama":
+            return json.dumps({"name": self.name, "parameters": self.arguments}, ensure_ascii=False)
         body = json.dumps({"name": self.name, "arguments": self.arguments}, ensure_ascii=False)
         return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
 
@@ -119,44 +136,72 @@ def check_call(name: Any, arguments: Any) -> ToolCall | str:
     return ToolCall(name, {**spec.get("defaults", {}), **arguments})
 
 
-def parse_turn(text: str) -> list[ToolCall | BadCall]:
-    """The tool-call blocks of a policy turn's text, in order: each a checked `ToolCall` or a `BadCall` (not
-    JSON, not `{"name", "arguments"}`, an unknown tool, bad arguments). An opening tag left unclosed at the
-    end is a `BadCall` too. Text outside the blocks is the policy's own (thinking aloud) and ignored."""
+def parse_turn(text: str, style: CallStyle = "hermes") -> list[ToolCall | BadCall]:
+    """The tool calls of a policy turn's text, in order, in `style`: each a checked `ToolCall` or a `BadCall`
+    (not JSON, not a call object, an unknown tool, bad arguments, and what else the style refuses). No call at all
+    is an empty list."""
+    return _parse_llama(text) if style == "llama" else _parse_hermes(text)
+
+
+def _parse_hermes(text: str) -> list[ToolCall | BadCall]:
+    """The `<tool_call>` blocks: each JSON `{"name", "arguments"}`. An opening tag left unclosed at the end is a
+    `BadCall` too. Text outside the blocks is the policy's own (thinking aloud) and ignored."""
     out: list[ToolCall | BadCall] = []
     end = 0
     for found in _CALL.finditer(text):
         end = found.end()
         body = found.group(1).strip()
-        try:
-            doc = json.loads(body)
-        except (json.JSONDecodeError, RecursionError) as err:
-            out.append(BadCall(body, f"the tool call is not valid JSON ({err})"))
-            continue
-        if not isinstance(doc, dict) or "name" not in doc:
-            out.append(BadCall(body, 'a tool call is a JSON object {"name": ..., "arguments": {...}}'))
-            continue
-        arguments = doc.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except (json.JSONDecodeError, RecursionError):
-                pass
-        checked = check_call(doc["name"], arguments)
-        out.append(checked if isinstance(checked, ToolCall) else BadCall(body, checked))
+        out.append(_call_of(body, "arguments"))
     if CALL_OPEN in text[end:]:
         tail = text[end:][text[end:].index(CALL_OPEN) + len(CALL_OPEN):].strip()
         out.append(BadCall(tail, f"a {CALL_OPEN} without its {CALL_CLOSE}"))
     return out
 
 
+def _parse_llama(text: str) -> list[ToolCall | BadCall]:
+    """The turn as one Llama-3.1 call: JSON `{"name", "parameters"}` and nothing else (a leading `<|python_tag|>`
+    allowed). A turn without `"name"` in it has no call; one that has it but is not exactly one JSON object is a
+    `BadCall` saying why."""
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):].strip()
+    if not body.startswith("{"):
+        if '"name"' not in body:
+            return []
+        return [BadCall(body, 'a tool call is the whole turn, one JSON object {"name": ..., "parameters": {...}}, '
+                              "with no text before it")]
+    try:
+        _, stop = json.JSONDecoder().raw_decode(body)
+    except (json.JSONDecodeError, RecursionError) as err:
+        return [BadCall(body, f"the tool call is not valid JSON ({err})")]
+    if body[stop:].strip():
+        return [BadCall(body, 'a tool call is the whole turn, one JSON object {"name": ..., "parameters": {...}}, '
+                              "with no text after it (one call a turn)")]
+    return [_call_of(body, "parameters")]
+
+
+def _call_of(body: str, key: str) -> ToolCall | BadCall:
+    """One call's JSON text, its arguments under `key` (or the other style's key), checked."""
+    try:
+        doc = json.loads(body)
+    except (json.JSONDecodeError, RecursionError) as err:
+        return BadCall(body, f"the tool call is not valid JSON ({err})")
+    if not isinstance(doc, dict) or "name" not in doc:
+        return BadCall(body, f'a tool call is a JSON object {{"name": ..., "{key}": {{...}}}}')
+    other = "arguments" if key == "parameters" else "parameters"
+    arguments = doc.get(key, doc.get(other, {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            pass
+    checked = check_call(doc["name"], arguments)
+    return checked if isinstance(checked, ToolCall) else BadCall(body, checked)
+
+
 def tools_text() -> str:
     """The tool list and how to call a tool, as Qwen2/Qwen3 templates word it in their system turn."""
-    signatures = "\n".join(
-        json.dumps({"type": "function", "function": {
-            "name": name, "description": spec["description"],
-            "parameters": {"type": "object", "properties": spec["properties"], "required": spec["required"]}}})
-        for name, spec in TOOLS.items())
+    signatures = "\n".join(json.dumps(schema) for schema in TOOL_SCHEMAS)
     return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n"
             f"<tools>\n{signatures}\n</tools>\n\n"
