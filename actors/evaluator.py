@@ -7,7 +7,8 @@ started or restarted evaluator first evaluates the version it finds) on `n_tasks
 (`[evaluator] tasks`: the built-in `eval_tasks(seed)`, HumanEval or a tasks file, model/tasks/sources.py
 `held_out_tasks`; disjoint from training by prompt hash) with greedy decoding, grading each
 completion in the region's sandboxes (actors/common/sandbox_client.py), and publishing an `EvalReport` with
-the 95% Wilson interval on `evals`. A drain cancels an evaluation in progress between two decoding steps
+the 95% Wilson interval on `evals`. A repository task file's tasks are greedy agentic episodes instead, each in
+a sandbox session of the region (actors/common/agentic_eval.py); pass@1 is the share whose hidden tests pass. A drain cancels an evaluation in progress between two decoding steps
 (or while it is graded), so stopping never waits for the whole task set. Does not: train, sample for
 training, or publish weights.
 Consumes WeightManifests (LATEST KV); produces EvalReport and Event(incident) when grading fails.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -24,6 +26,7 @@ import structlog
 import torch
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.common.agentic_eval import evaluate_repo_tasks
 from rlbus.actors.common.config import EvaluatorConfig, EvaluatorLaunch, decode_config
 from rlbus.actors.common.errors import TaskError
 from rlbus.actors.common.sandbox_client import grade_cases
@@ -35,7 +38,8 @@ from rlbus.model.env.episodes import completion_text
 from rlbus.model.sampling.evaluate import greedy_complete, too_long, wilson_interval
 from rlbus.model.tasks.builtin import Task
 from rlbus.model.tasks.grading import case_for, extract_code
-from rlbus.model.tasks.sources import TaskSourceError, held_out_tasks
+from rlbus.model.tasks.repo import RepoTask
+from rlbus.model.tasks.sources import TaskSourceError, held_out_tasks, is_repo_file, load_repo_tasks
 
 log = structlog.get_logger()
 
@@ -51,15 +55,20 @@ class Evaluator(Actor):
         self.settings = settings
         self.launch = launch or EvaluatorLaunch()
         self.tasks: list[Task] = []
+        self.repo_tasks: list[RepoTask] = []
+        """The held-out repository tasks, when `[evaluator] tasks` is a repository task file (then `tasks` is empty)."""
         self.last_evaluated: int | None = None
         # its schedule, for `rlbus health`: the version it reports may be this many (plus slack) behind by design
         self.gauges["every_versions"] = float(max(1, settings.every_versions))
 
     async def setup(self) -> None:
         torch.set_num_threads(1)
+        source, n = self.settings.tasks, self.settings.n_tasks
         try:
-            self.tasks = await anyio.to_thread.run_sync(held_out_tasks, self.settings.tasks, self.settings.seed,
-                                                        self.settings.n_tasks)
+            if is_repo_file(Path(source)):
+                self.repo_tasks = await anyio.to_thread.run_sync(lambda: load_repo_tasks(source, n=n))
+            else:
+                self.tasks = await anyio.to_thread.run_sync(held_out_tasks, source, self.settings.seed, n)
         except TaskSourceError as err:
             raise TaskError(f"evaluator.tasks = {self.settings.tasks!r}: {err}") from None
         self.sync = WeightSync(self.bus, self.ident.region, device=self.launch.device)
@@ -85,6 +94,20 @@ class Evaluator(Actor):
         return version // every > self.last_evaluated // every
 
     async def _evaluate(self, version: int) -> None:
+        if self.repo_tasks:
+            try:
+                episodes = await evaluate_repo_tasks(self.bus, self.ident.region, self.sync.model, self.repo_tasks,
+                                                     max_tokens=self.launch.max_tokens, on_step=_stop_if_cancelled)
+            except anyio.get_cancelled_exc_class():
+                self.count("evaluations_cancelled")
+                log.info("evaluation_cancelled", version=version, n=len(self.repo_tasks))
+                raise
+            except SandboxCrashed as err:
+                self.count("eval_errors")
+                await self.emit("incident", detail=f"evaluation of version {version} not graded: {err}")
+                return
+            await self._report(version, sum(e.passed for e in episodes), len(episodes))
+            return
         model = self.sync.model
         tokenizer = model.tokenizer
         prompts = [tokenizer.prompt_ids(t.prompt) for t in self.tasks]
@@ -111,8 +134,9 @@ class Evaluator(Actor):
             self.count("eval_errors")
             await self.emit("incident", detail=f"evaluation of version {version} not graded: {err}")
             return
-        passed = sum(1 for r in results if r.passed)
-        n = len(results)
+        await self._report(version, sum(1 for r in results if r.passed), len(results))
+
+    async def _report(self, version: int, passed: int, n: int) -> None:
         low, high = wilson_interval(passed, n)
         report = EvalReport(policy_version=version, task_seed=self.settings.seed, n=n, pass_at_1=passed / max(1, n),
                             ci_low=low, ci_high=high)

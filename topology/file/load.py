@@ -38,8 +38,8 @@ def validate(path: str | os.PathLike[str], *, local_cores: int | None = None) ->
     Every problem carries `file=str(path)`. Also warns when a region's credentials file is missing, its
     credentials environment variable is unset, or a TLS file is missing (they may exist where the actors run),
     and names each `[regions.link]` when this host cannot make network namespaces (those regions run on loopback),
-    and reports as errors an `[evaluator] tasks` that is neither a source name nor a file of functions to write
-    here, and a `[feeder] tasks` repository task file that is missing or has a bad row (naming its line and key).
+    and reports as errors an `[evaluator] tasks` that is neither a source name nor a file here, and a repository
+    task file of `[feeder] tasks` or `[evaluator] tasks` that is missing or has a bad row (naming its line and key).
     """
     file = str(path)
     try:
@@ -137,33 +137,32 @@ def _environment(topology: Topology) -> list[Problem]:
                     for i, region in enumerate(topology.regions) if region.link is not None]
     if (problem := task_source_problem(topology.evaluator.tasks)) is not None:
         out.append(Problem(key="evaluator.tasks", message=f"{problem}; the evaluator and the feeder read it"))
-    elif Path(topology.evaluator.tasks).is_file():
-        from rlbus.model.tasks.sources import is_repo_file
-
-        if is_repo_file(Path(topology.evaluator.tasks)):
-            out.append(Problem(key="evaluator.tasks", message=f"{topology.evaluator.tasks!r} holds repository tasks; "
-                               "the evaluator grades functions to write only (held-out agentic episodes are not "
-                               "built): give it 'builtin', 'humaneval' or a file of functions to write"))
-    out += feeder_file_problems(topology.feeder.tasks)
+    else:
+        out += repo_file_problems("evaluator.tasks", topology.evaluator.tasks)
+    if names_task_file(topology.feeder.tasks):
+        out += repo_file_problems("feeder.tasks", topology.feeder.tasks, required=True)
     out += policy_problems(topology)
     return out
 
 
-def feeder_file_problems(tasks: str) -> list[Problem]:
-    """What is wrong with `[feeder] tasks` naming a repository task file here: no such file, or, naming the file,
-    the line and the key, its first bad row (model/tasks/sources.py `read_repo_tasks_file`), or no task in it."""
-    if not names_task_file(tasks):
-        return []
+def repo_file_problems(key: str, tasks: str, *, required: bool = False) -> list[Problem]:
+    """What is wrong with the repository task file `tasks` names here (`key`: feeder.tasks or evaluator.tasks): no
+    such file (when `required`: `[feeder] tasks` names no other kind of file), or, naming the file, the line and
+    the key, its first bad row (model/tasks/sources.py `read_repo_tasks_file`), or no task in it. A file whose
+    first row is no repository task is not judged here unless `required`."""
     if (problem := feeder_file_problem(tasks)) is not None:
-        return [Problem(key="feeder.tasks", message=problem)]
+        return [Problem(key=key, message=problem)] if required else []
     from rlbus.model.tasks.sources import TaskSourceError, is_repo_file, read_repo_tasks_file
 
+    path = Path(tasks)
+    if not required and not is_repo_file(path):
+        return []
     try:
-        if not read_repo_tasks_file(Path(tasks)):
-            return [Problem(key="feeder.tasks", message=f"{tasks}: no task in the repository task file")]
+        if not read_repo_tasks_file(path):
+            return [Problem(key=key, message=f"{tasks}: no task in the repository task file")]
     except TaskSourceError as err:
-        hint = "" if is_repo_file(Path(tasks)) else " (a file of functions to write goes in feeder.tasks_file)"
-        return [Problem(key="feeder.tasks", message=f"{err}{hint}")]
+        hint = "" if is_repo_file(path) else " (a file of functions to write goes in feeder.tasks_file)"
+        return [Problem(key=key, message=f"{err}{hint}")]
     return []
 
 

@@ -1,0 +1,162 @@
+"""Held-out evaluation of repository tasks: one greedy agentic episode per task, in sandbox sessions.
+
+Owns: `evaluate_repo_tasks` (a task's episode in a session of a region's sandbox supervisors, opened with its
+files; the open episodes' next turns decoded greedily together, each capped by `AgenticEnvironment.room` and
+`max_tokens`; each turn stepped through its session until `submit` or a budget ends the episode and the hidden
+tests grade the workspace), `eval_environment` (the environment a held-out episode runs in) and `EpisodeResult`.
+Episodes take no summaries (`summary_tokens` 0: a full context ends the episode); the wall budget counts on
+this machine's clock. Used by the evaluator (actors/evaluator.py), `rlbus eval` and the closing evaluation
+of `rlbus up`.
+Does not: checkpoint or resume (an evaluation a fault interrupts raises and is not reported), sample, or
+publish anything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import anyio
+import msgspec
+
+from rlbus.actors.common.sessions import SandboxSession
+from rlbus.messages.bus import Bus
+from rlbus.messages.errors import SandboxCrashed
+from rlbus.messages.schemas import ToolResult
+from rlbus.model.env import AgenticBudgets, AgenticEnvironment, AgenticState, state_context
+from rlbus.model.policies.interface import Policy
+from rlbus.model.sampling.evaluate import greedy_complete
+from rlbus.model.tasks.repo import RepoTask
+from rlbus.model.tasks.repo_grade import GradeReport, report_of
+from rlbus.model.tools.calls import ToolOutcome
+
+LEASE_S: Final = 300.0
+"""Lease of a held-out episode's session (capped by the supervisor's `max_lease_s`); every call renews it."""
+OPEN_EPISODES: Final = 8
+"""Episodes open at once: their sessions and their rows of one greedy decoding call."""
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeResult:
+    """One held-out episode: its task, whether the hidden tests passed, its reward, turns and why it ended."""
+
+    task_id: str
+    level: int
+    passed: bool
+    reward: float
+    turns: int
+    ended: str
+
+
+def eval_environment(policy: Policy, budgets: AgenticBudgets | None = None) -> AgenticEnvironment:
+    """The environment of a held-out episode: `budgets` (default `AgenticBudgets()`) with the context capped by the
+    policy's and no summaries; the compact tool list for a context under 4096 tokens (as the generator's "auto")."""
+    base = budgets or AgenticBudgets()
+    budgets = msgspec.structs.replace(base, max_tokens=min(base.max_tokens, policy.max_seq_len), summary_tokens=0)
+    compact = policy.max_seq_len < 4096
+    return AgenticEnvironment(policy.tokenizer, budgets, tool_list="compact" if compact else "full")
+
+
+class _Port:
+    """A held-out episode's `WorkspacePort` over its session; a session gone or busy raises SandboxCrashed."""
+
+    def __init__(self, session: SandboxSession) -> None:
+        self.session = session
+
+    async def tool(self, name: str, args: Mapping[str, Any]) -> ToolOutcome:
+        result = _answered(await self.session.tool(name, args))
+        return ToolOutcome(output=result.output, error=result.error, exit_code=result.exit_code,
+                           timed_out=result.status == "timeout")
+
+    async def grade_workspace(self, task: RepoTask) -> GradeReport:
+        args: dict[str, Any] = {"files": task.hidden_tests, "command": task.test_command,
+                                "stdlib_under_test": list(task.stdlib_under_test)}
+        if task.timeout_s is not None:
+            args["timeout_s"] = task.timeout_s
+        result = _answered(await self.session.tool("grade", args))
+        return report_of(result.output, result.error)
+
+
+def _answered(result: ToolResult) -> ToolResult:
+    if result.status in ("no_session", "busy"):
+        raise SandboxCrashed(f"held-out session {result.session_id}: {result.status} ({result.error[:200]})")
+    return result
+
+
+def _cut(ids: Sequence[int], stops: frozenset[int], vocab: int) -> list[int]:
+    """A decoded turn up to and with its first stop id; an id the tokenizer has no text for ends it before."""
+    out: list[int] = []
+    for t in ids:
+        if not 0 <= t < vocab:
+            break
+        out.append(int(t))
+        if t in stops:
+            break
+    return out
+
+
+async def evaluate_repo_tasks(bus: Bus, region: str, policy: Policy, tasks: Sequence[RepoTask], *, max_tokens: int,
+                              budgets: AgenticBudgets | None = None, on_step: Callable[[int], None] | None = None,
+                              open_episodes: int = OPEN_EPISODES) -> list[EpisodeResult]:
+    """One greedy episode per task through `region`'s sandbox supervisors, `open_episodes` at a time; results in
+    task order. `max_tokens` caps each policy turn; `on_step` runs before every decoding step (a cancellation it
+    raises ends the evaluation).
+
+    :raises SandboxCrashed: a session could not be opened, or one was lost mid-episode.
+    """
+    env = eval_environment(policy, budgets)
+    out: list[EpisodeResult] = []
+    size = max(1, open_episodes)
+    for first in range(0, len(tasks), size):
+        wave = list(tasks[first:first + size])
+        sessions: list[SandboxSession] = []
+        try:
+            for task in wave:
+                files = {path: text.encode() for path, text in task.files.items()}
+                sessions.append(await SandboxSession.open(bus, region, files, lease_s=LEASE_S))
+            states = await _episodes(env, policy, wave, sessions, max_tokens, on_step)
+        finally:
+            with anyio.CancelScope(shield=True):
+                for session in sessions:
+                    try:
+                        await session.close()
+                    except SandboxCrashed:
+                        pass                # its lease ends it
+        out += [EpisodeResult(task.task_id, task.level, s.verdict == "passed", float(s.reward), s.policy_turns,
+                              s.ended) for task, s in zip(wave, states, strict=True)]
+    return out
+
+
+async def _episodes(env: AgenticEnvironment, policy: Policy, tasks: Sequence[RepoTask],
+                    sessions: Sequence[SandboxSession], max_tokens: int,
+                    on_step: Callable[[int], None] | None) -> list[AgenticState]:
+    """Run each task's episode in its session to the end: every turn, the open episodes' next turns decoded
+    greedily (one call per distinct cap), then each stepped through its session."""
+    tok = env.tokenizer
+    stops, vocab = frozenset(tok.stop_ids), tok.vocab_size
+    states = [env.start(task, now=time.time()) for task in tasks]
+
+    def decode(rows: list[int], contexts: list[list[int]], cap: int) -> dict[int, list[int]]:
+        ids = greedy_complete(policy, contexts, max_new_tokens=cap, stop_id=tok.stop_id, pad_id=tok.pad_id,
+                              batch_size=len(rows), on_step=on_step)
+        return {i: _cut(row, stops, vocab) or [tok.stop_id] for i, row in zip(rows, ids, strict=True)}
+
+    async def step(i: int, ids: list[int]) -> None:
+        states[i] = (await env.step(states[i], ids, _Port(sessions[i]), now=time.time(), clock=time.time)).state
+
+    while open_rows := [i for i, s in enumerate(states) if not s.done]:
+        caps = {i: max(1, min(max_tokens, env.room(states[i]))) for i in open_rows}
+        turns: dict[int, list[int]] = {}
+        for cap in sorted(set(caps.values())):
+            rows = [i for i in open_rows if caps[i] == cap]
+            contexts = [state_context(states[i], tok) for i in rows]
+            turns.update(await anyio.to_thread.run_sync(decode, rows, contexts, cap))
+        async with anyio.create_task_group() as tg:
+            for i in open_rows:
+                tg.start_soon(step, i, turns[i])
+    return states
+
+
+__all__ = ["LEASE_S", "OPEN_EPISODES", "EpisodeResult", "eval_environment", "evaluate_repo_tasks"]

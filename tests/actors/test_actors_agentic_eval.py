@@ -1,0 +1,127 @@
+"""Held-out repository tasks as greedy agentic episodes (actors/common/agentic_eval.py), each in a real sandbox
+session: the verdict is the hidden tests' on the workspace the episode leaves, so of two tasks whose untouched
+repositories fail and pass, a policy that changes nothing passes exactly the second; the evaluator of a
+repository task file publishes that pass@1 for a version it holds."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from helpers import eventually, new_run
+
+from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.common.agentic_eval import eval_environment, evaluate_repo_tasks
+from rlbus.actors.common.config import EvaluatorConfig, EvaluatorLaunch, PublisherConfig, PublisherLaunch
+from rlbus.actors.common.ledger import read_all
+from rlbus.actors.evaluator import Evaluator
+from rlbus.actors.publisher import Publisher
+from rlbus.actors.sandbox.config import SandboxConfig
+from rlbus.actors.sandbox.supervisor import SandboxSupervisor
+from rlbus.messages.bus import Bus, ConnectOptions, Identity
+from rlbus.messages.schemas import EvalReport
+from rlbus.messages.streams import StreamSettings, provision_run
+from rlbus.model.env import AgenticBudgets
+from rlbus.model.policies.builtin import BuiltinPolicy
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.tasks.sources import read_repo_tasks_file
+from rlbus.ops.bench.version_source import published_state, upload_version
+from rlbus.ops.local_sandbox import local_sandbox
+from rlbus.topology.network.regions import RegionSet
+
+pytestmark = pytest.mark.anyio
+FAST = ActorLimits(heartbeat_interval_s=0.3, drain_timeout_s=2.0)
+SANDBOX = SandboxConfig(pool_size=1, concurrency=2, cpu_seconds=4.0, wall_seconds=8.0, memory_mb=256,
+                        max_processes=16, max_file_mb=1, max_open_files=64, max_output_kb=16, max_sessions=8,
+                        workspace_mb=4, max_lease_s=600.0, session_spares=0)
+BUGGY = {"calc/__init__.py": "", "calc/core.py": "def add(a, b):\n    return a - b\n"}
+FIXED = {"calc/__init__.py": "", "calc/core.py": "def add(a, b):\n    return a + b\n"}
+TESTS = {"tests/test_calc.py": "import unittest\n\nfrom calc.core import add\n\n\nclass Calc(unittest.TestCase):\n"
+                               "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"}
+
+
+def task_file(tmp_path: Path) -> Path:
+    """A bug to fix, and a repository its hidden tests already pass as given (level 2)."""
+    rows = [{"task_id": "buggy", "instruction": "add() subtracts; make it add.", "files": BUGGY,
+             "hidden_tests": TESTS, "solution": FIXED},
+            {"task_id": "fixed", "instruction": "Check that add() adds.", "files": FIXED, "hidden_tests": TESTS,
+             "solution": {}, "level": 2}]
+    path = tmp_path / "calc.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def tiny(max_seq_len: int) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.tiny(max_seq_len=max_seq_len)).eval()
+
+
+async def test_each_episode_is_graded_on_the_workspace_it_leaves(tmp_path: Path) -> None:
+    """A tiny random policy writes no valid tool call: each episode spends its two turns and the
+    hidden tests grade the repository as given, so the buggy one fails (reward 0) and the fixed one passes (1);
+    results come back in task order; held-out episodes take no summaries."""
+    tasks = read_repo_tasks_file(task_file(tmp_path))
+    policy = BuiltinPolicy(tiny(2048))
+    budgets = AgenticBudgets(max_turns=2)
+    assert eval_environment(policy, budgets).budgets.summary_tokens == 0
+    async with local_sandbox("agentic-eval", SANDBOX) as bus:
+        results = await evaluate_repo_tasks(bus, "hub", policy, tasks, max_tokens=8, budgets=budgets,
+                                            open_episodes=1)
+    assert [(r.task_id, r.level, r.passed, r.reward) for r in results] == [("buggy", 0, False, 0.0),
+                                                                         ("fixed", 2, True, 1.0)]
+    assert all(r.turns == 2 and r.ended == "turns" for r in results), results
+
+
+@asynccontextmanager
+async def hub(tmp_path: Path) -> AsyncIterator[tuple[RegionSet, str, list[Bus]]]:
+    run = new_run()
+    rs = await anyio.to_thread.run_sync(lambda: RegionSet.start(tmp_path / "regions", ["hub"], "hub", run=run))
+    buses: list[Bus] = []
+    try:
+        yield rs, run, buses
+    finally:
+        for bus in buses:
+            await bus.close()
+        await anyio.to_thread.run_sync(rs.stop)
+
+
+async def test_the_evaluator_of_a_repository_task_file_reports_the_episodes_pass_at_1(tmp_path: Path) -> None:
+    """Version 0 uploaded: the evaluator (`[evaluator] tasks` = the file) runs both tasks as episodes in the region's
+    sandbox sessions and publishes n 2, pass@1 0.5 (only the already-fixed repository passes)."""
+    path = task_file(tmp_path)
+    async with hub(tmp_path) as (rs, run, buses):
+        async def bus(role: str) -> Bus:
+            cred = rs.credentials(role)
+            made = await Bus.connect(rs.url("hub"), run=run, domain="hub", identity=Identity(f"hub-{role}", role, "hub"),
+                                     options=ConnectOptions(user=cred.user, password=cred.password))
+            buses.append(made)
+            return made
+
+        admin = await bus("admin")
+        await provision_run(admin.nc, admin.subjects, hub="hub", domains=rs.domains, settings=StreamSettings.tiny())
+        publisher = Publisher(ActorId(run, "hub", "publisher", "p0"), await bus("publisher"),
+                              PublisherConfig(keep_versions=4, full_every=4), FAST,
+                              PublisherLaunch(regions=["hub"], hub="hub", region_wait_s=2.0, retry_initial_s=0.2,
+                                              retry_max_s=1.0, ack_wait_s=5.0, threads=1))
+        sandbox = SandboxSupervisor(ActorId(run, "hub", "sandbox", "s0"), await bus("sandbox"), SANDBOX, FAST)
+        evaluator = Evaluator(ActorId(run, "hub", "evaluator", "e0"), await bus("evaluator"),
+                              EvaluatorConfig(every_versions=2, n_tasks=5, seed=1, tasks=str(path)), FAST,
+                              EvaluatorLaunch(max_tokens=8, batch_size=4))
+        async with anyio.create_task_group() as tg:
+            for actor in (publisher, sandbox, evaluator):
+                await tg.start(actor.serve)
+            model = tiny(256)
+            await upload_version(await bus("trainer"), version=0, step=0, state=published_state(model),
+                                 model_config=model.config)
+            reports = await eventually(
+                lambda: read_all(admin.js, admin.subjects.evals_stream(), admin.subjects.evals(), EvalReport),
+                what="the report of version 0", timeout_s=120)
+            tg.cancel_scope.cancel()
+    (report,) = reports
+    assert (report.policy_version, report.n, report.pass_at_1) == (0, 2, 0.5)
+    assert evaluator.counters.get("evaluations") == 1 and "eval_errors" not in evaluator.counters
