@@ -1,7 +1,7 @@
 """`rlbus bench precision --quick --json` prints one object with the stable keys, and the invariants hold: the
 plain recipe drifts 0 from itself while the quantised ones drift, per-token NVFP4 is batch-invariant and the
 per-tensor counter-case is not, the Qwen3-MoE's fused experts are quantised, router replay with a check that
-replaced nothing is replay, and the MXFP8 gradients differ from the plain ones. No speed is asserted."""
+replaced nothing is replay (and a higher threshold replaces no fewer), and the MXFP8 gradients differ from the plain ones. No speed is asserted."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def test_quick_precision_bench_keys_and_invariants(tmp_path: Path, monkeypatch: 
     assert all(math.isfinite(v) and v >= 0 for v in mismatch.values())
     if routing["replaced_experts"] == 0:   # the check changed no expert: the same forward as plain replay
         assert mismatch["replay_checked"] == mismatch["replay"]
+    sweep = routing["sweep"]               # one MoE layer: a higher threshold marks a superset implausible
+    assert r["policy"]["moe_layers"] == 1
+    assert routing["replaced_experts"] <= sweep["0.9"]["replaced_experts"] <= sweep["1.0"]["replaced_experts"]
 
     grads = r["grad_check"]
     assert grads["per_tensor"] and grads["max"] == max(grads["per_tensor"].values())
@@ -53,3 +56,4 @@ def test_quick_precision_bench_keys_and_invariants(tmp_path: Path, monkeypatch: 
         for value, (low, high) in ((run["base"], run["base_ci95"]), (run["pass_at_1"], run["ci95"])):
             assert 0 <= low <= value <= high <= 1
         assert math.isfinite(run["mismatch_p99"])
+    assert set(r["rl"]["verdict"]) == {"bf16_learned", "nvfp4_overlaps_bf16"}
