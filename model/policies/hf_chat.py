@@ -100,7 +100,7 @@ class HFChatTokenizer:
 
     def _fixed(self, text: str) -> list[int]:
         """Ids of template text: special tokens spelled in it are those tokens."""
-        return list(self.hf(text, add_special_tokens=False).input_ids) if text else []
+        return list(self.hf(text, add_special_tokens=False, verbose=False).input_ids) if text else []
 
     @property
     def name(self) -> str:

@@ -1,7 +1,8 @@
 """Hugging Face model directories built on the spot, for machines without downloads.
 
 Owns: `train_bpe_tokenizer` (byte-level BPE on local text) and `build_hf_dir` (a randomly initialised Llama,
-Qwen2, Qwen3 or Qwen3-MoE of a size preset, saved with its tokenizer and a ChatML chat template). Special tokens:
+Qwen2, Qwen3 or Qwen3-MoE of a size preset, saved with its tokenizer, a ChatML chat template with Qwen2.5's tool
+sections and the matching `response_template`). Special tokens:
 `<|endoftext|>` (the eos: end of a document), `<|im_start|>` / `<|im_end|>` (ChatML turns: `<|im_end|>` is the
 stop of a policy turn), `<|pad|>`. Does not: train the model (`model/training/pretrain.py`) or download anything.
 """
@@ -26,11 +27,60 @@ PAD_TOKEN: Final = "<|pad|>"
 CHATML_TEMPLATE: Final = DEFAULT_CHAT_TEMPLATE
 """ChatML, as Qwen2 and Qwen3 chat models use it (without their tool and reasoning extras)."""
 
-_SYSTEM_TEMPLATE: Final = (
-    "{%- if messages[0]['role'] != 'system' %}"
+_QWEN_TOOLS_TEMPLATE: Final = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}"
+    "{%- elif default_system is defined %}{{- default_system + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- elif default_system is defined %}"
     "{{- '<|im_start|>system\\n' + default_system + '<|im_end|>\\n' }}"
     "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+"""ChatML with Qwen2.5's tool sections: given `tools`, a system turn holding them as a `<tools>` block and how to
+call one; an assistant's `tool_calls` as Hermes `<tool_call>` blocks; a run of `tool` messages as one user turn of
+`<tool_response>` blocks. Without tools it renders as ChatML (and the default system turn, when set)."""
+
+RESPONSE_TEMPLATE: Final[dict[str, Any]] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+"""How `tokenizer.parse_response` (transformers >= 5.13; TRL's GRPOTrainer with tools) reads an assistant turn of the
+recipe's template: its text and its Hermes `<tool_call>` blocks, the calls as `{"type": "function", "function":
+{"name", "arguments"}}`."""
+
 
 _ARCHITECTURES: Final[dict[str, str]] = {
     "llama": "LlamaForCausalLM",
@@ -54,11 +104,11 @@ _SIZES: Final[dict[str, dict[str, int]]] = {
 
 
 def chat_template(system_prompt: str | None = None) -> str:
-    """The ChatML template; with `system_prompt`, one that opens with that system turn when the conversation
-    has none (as Qwen2's templates do with "You are a helpful assistant.")."""
+    """The ChatML template with Qwen2.5's tool sections; with `system_prompt`, one that opens with that system turn
+    when the conversation has none (as Qwen2's templates do with "You are a helpful assistant.")."""
     if system_prompt is None:
-        return CHATML_TEMPLATE
-    return "{%- set default_system = " + repr(system_prompt) + " %}" + _SYSTEM_TEMPLATE + CHATML_TEMPLATE
+        return _QWEN_TOOLS_TEMPLATE
+    return "{%- set default_system = " + repr(system_prompt) + " %}" + _QWEN_TOOLS_TEMPLATE
 
 
 QWEN2_SPLIT: Final = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
@@ -181,6 +231,7 @@ def build_hf_dir(
         pad_token=PAD_TOKEN,
         additional_special_tokens=["<|im_start|>", STOP_TOKEN],
         chat_template=chat_template(system_prompt),
+        response_template=RESPONSE_TEMPLATE,
         model_max_length=max_seq_len,
         clean_up_tokenization_spaces=False,
     )

@@ -6,11 +6,12 @@ on the tool sections of Qwen2.5's and Llama-3.1's; the tokenizer is a byte-level
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Final
 
 import pytest
 from helpers.fake_workspace import FakeWorkspace
-from helpers.hf import TEXTS
+from helpers.hf import TEXTS, build_family
 
 from rlbus.model.env import (
     AgenticEnvironment,
@@ -21,6 +22,7 @@ from rlbus.model.env import (
     state_tokens,
 )
 from rlbus.model.env.base import state_context
+from rlbus.model.policies.hf import HFPolicy
 from rlbus.model.policies.hf_chat import DEFAULT_CHAT_TEMPLATE, HFChatTokenizer
 from rlbus.model.policies.hf_recipe import train_bpe_tokenizer
 from rlbus.model.tasks.repo import RepoTask, repo_task
@@ -319,3 +321,29 @@ def test_parse_turn_reads_each_style_only() -> None:
     assert "no text before it" in bad.problem  # type: ignore[union-attr]
     assert parse_turn('{"name": "search", "arguments": "{\\"pattern\\": \\"def\\"}"}', "llama") == [call]
     assert {s["function"]["name"] for s in TOOL_SCHEMAS} == set(TOOLS)
+
+
+def test_the_recipes_template_renders_tools_as_qwen25s_kind_and_its_calls_parse(tmp_path: Path) -> None:
+    """A recipe directory's template renders a tool conversation exactly as the Qwen2.5-kind template above (same
+    default system turn), so the agentic environment puts the schemas in its system turn; its saved
+    `response_template` makes a plain AutoTokenizer (and TRL's GRPOTrainer, which then keeps it) parse a Hermes call;
+    TRL finds the template tool-capable and prefix-preserving, so it trains on the template as it is."""
+    from transformers import AutoTokenizer
+
+    trl_templates = pytest.importorskip("trl.chat_template_utils")
+    path = build_family(tmp_path, "qwen2-tied")
+    hf = AutoTokenizer.from_pretrained(path)
+    qwen = _tokenizer(QWEN_TOOLS).hf
+    call = {"type": "function", "function": {"name": "read_file", "arguments": {"path": "a.py"}}}
+    conversation = [{"role": "user", "content": "fix it"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "content": "A"}, {"role": "tool", "content": "B"}]
+    for tools in (list(TOOL_SCHEMAS), None):
+        assert hf.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True) == (
+            qwen.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True))
+    env = AgenticEnvironment(HFPolicy.load(path).tokenizer)
+    assert env.templated == "" and env.call_style == "hermes" and "<tools>" not in env.render(TASK)
+    prompt = hf.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True)
+    said = ToolCall("read_file", {"path": "a.py"}).text()
+    assert hf.parse_response(f"I will read it.\n{said}<|im_end|>", prefix=prompt) == {
+        "role": "assistant", "content": "I will read it.", "tool_calls": [call]}
+    assert trl_templates.supports_tool_calling(hf) and trl_templates.is_chat_template_prefix_preserving(hf)
