@@ -42,9 +42,10 @@ class AgenticSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """The reward: false, 1.0 when every hidden test passes, else 0.0; true, the fraction of the hidden tests that
     passed (0.0 when the grade is void or timed out)."""
     tool_list: Literal["auto", "full", "compact"] = "auto"
-    """How the user turn lists the tools: 'full' (JSON signatures, as Qwen2/Qwen3 templates render them),
-    'compact' (one paragraph, for short contexts), 'auto' (compact for a policy whose context is under 4096
-    tokens, like the built-in one)."""
+    """How the tools are given: 'full' (in the policy's chat-template format where its template renders tools:
+    the schemas in its system turn, calls in its style; else JSON signatures in the user turn, as Qwen2/Qwen3
+    templates word them), 'compact' (one paragraph in the user turn, for short contexts), 'auto' (compact for a
+    policy whose context is under 4096 tokens, like the built-in one)."""
 
 
 class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
