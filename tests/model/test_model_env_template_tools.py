@@ -187,6 +187,20 @@ async def test_a_template_without_tools_keeps_the_tool_list_in_the_user_turn(
     assert AgenticEnvironment(tokenizers["qwen"], tool_list="compact").templated == "the tool list is compact"
 
 
+def test_a_template_that_puts_the_tools_in_the_user_turn_keeps_the_tool_list_there(
+        tokenizers: dict[str, HFChatTokenizer]) -> None:
+    """A Llama-kind template that always renders the tools into the first user turn (not the system turn) is not
+    used for them, saying so: the user turn lists the tools as before, and calls are Hermes ones."""
+    fixed = LLAMA_TOOLS.replace("{%- if not tools_in_user_message is defined %}{%- set tools_in_user_message = true "
+                                "%}{%- endif %}", "{%- set tools_in_user_message = true %}")
+    assert fixed != LLAMA_TOOLS
+    tok = _tokenizer(fixed)
+    env = AgenticEnvironment(tok)
+    assert "elsewhere than before the first user turn" in env.templated and env.call_style == "hermes"
+    assert tools_text() in env.render(TASK) and env.tokenizer is tok
+    assert AgenticEnvironment(tokenizers["llama"]).templated == ""
+
+
 async def _play(env: AgenticEnvironment, task: RepoTask, script: tuple[str, ...]) -> tuple[AgenticState, FakeWorkspace]:
     port, state = FakeWorkspace(task), env.start(task)
     for _ in range(20):
@@ -323,7 +337,7 @@ def test_parse_turn_reads_each_style_only() -> None:
     assert {s["function"]["name"] for s in TOOL_SCHEMAS} == set(TOOLS)
 
 
-def test_the_recipes_template_renders_tools_as_qwen25s_kind_and_its_calls_parse(tmp_path: Path) -> None:
+async def test_the_recipes_template_renders_tools_as_qwen25s_kind_and_its_calls_parse(tmp_path: Path) -> None:
     """A recipe directory's template renders a tool conversation exactly as the Qwen2.5-kind template above (same
     default system turn), so the agentic environment puts the schemas in its system turn; its saved
     `response_template` makes a plain AutoTokenizer (and TRL's GRPOTrainer, which then keeps it) parse a Hermes call;
@@ -342,6 +356,8 @@ def test_the_recipes_template_renders_tools_as_qwen25s_kind_and_its_calls_parse(
             qwen.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True))
     env = AgenticEnvironment(HFPolicy.load(path).tokenizer)
     assert env.templated == "" and env.call_style == "hermes" and "<tools>" not in env.render(TASK)
+    solved, _ = await _play(env, TASK, reference_script(TASK))
+    assert (solved.reward, solved.calls) == (1.0, TASK.reference)
     prompt = hf.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True)
     said = ToolCall("read_file", {"path": "a.py"}).text()
     assert hf.parse_response(f"I will read it.\n{said}<|im_end|>", prefix=prompt) == {
