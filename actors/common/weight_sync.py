@@ -32,7 +32,9 @@ from rlbus.kernels.delta.state import StateIndex, StreamApplier, apply_state_, r
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage, DigestMismatch
+from rlbus.messages.kv import RETRIED
 from rlbus.messages.objects import fetch_object, stream_object
+from rlbus.messages.retry import GIVE_UP_S, retry_policy
 from rlbus.messages.schemas import Event, WeightManifest
 from rlbus.messages.subjects import LATEST_KEY, Subjects
 from rlbus.messages.wakeup import Wakeup
@@ -239,9 +241,14 @@ class WeightSync:
 
     # ---- the watcher and the fetcher ------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Watch the region's LATEST key and stage every newer version until cancelled."""
-        kv = await self.bus.js.key_value(self.bus.subjects.latest_bucket(self.region))
-        watcher = await kv.watch(LATEST_KEY)
+        """Watch the region's LATEST key and stage every newer version until cancelled. Starting the watch rides out
+        the region's server outage (for `GIVE_UP_S`), as an actor restarted while its server is down must."""
+        retry = retry_policy("latest_watch_retry", on=RETRIED, initial_s=0.5, max_s=5.0, give_up_after_s=GIVE_UP_S,
+                             region=self.region)
+        async for attempt in retry:
+            with attempt:
+                kv = await self.bus.js.key_value(self.bus.subjects.latest_bucket(self.region))
+                watcher = await kv.watch(LATEST_KEY)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._stage_loop)

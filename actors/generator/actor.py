@@ -57,7 +57,7 @@ from rlbus.actors.generator.group import (
 )
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.errors import RlbusError
-from rlbus.messages.kv import put_at, read_key
+from rlbus.messages.kv import RETRIED, put_at, read_key
 from rlbus.messages.retry import GIVE_UP_S, retry_policy
 from rlbus.messages.schemas import Event, SandboxLimits, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
@@ -158,9 +158,14 @@ class Generator(Actor):
             torch.set_num_threads(self.launch.torch_threads)
         s, region = self.bus.subjects, self.ident.region
         self.stream, self.durable = s.tasks_stream(region), s.durable("generator", region)
-        info = await self.bus.js.consumer_info(self.stream, self.durable)
+        # a (re)started generator rides out its region's server outage here too, as its reads and writes do later
+        retry = retry_policy("generator_setup_retry", on=RETRIED, initial_s=0.5, max_s=5.0, give_up_after_s=GIVE_UP_S,
+                             region=region)
+        async for attempt in retry:
+            with attempt:
+                info = await self.bus.js.consumer_info(self.stream, self.durable)
+                self.kv = await self.bus.js.key_value(s.partials_bucket(region))
         self.progress_every_s = max(0.2, float(info.config.ack_wait or 30.0) / 3)
-        self.kv = await self.bus.js.key_value(s.partials_bucket(region))
 
     async def run(self) -> None:
         if self._given_weights is not None:

@@ -399,3 +399,40 @@ async def test_a_generator_rides_out_its_servers_outage(tmp_path: Path) -> None:
             await env.admin.close()
     finally:
         srv.stop()
+
+
+@pytest.mark.chaos
+async def test_a_generator_started_while_its_server_is_down_waits_for_it(tmp_path: Path) -> None:
+    """A generator (re)started while its region's only nats-server is SIGKILLed, down for longer than one JetStream
+    request waits: its setup rides out the outage (it neither fails nor gives up), and once the server is back on
+    its store it takes the task queued before the outage and publishes its group once."""
+    run = new_run()
+    srv = EmbeddedServer.start(tmp_path / "js", ServerOptions(name="startup",
+                                                            scope=BucketScope(runs=(run,), regions=("hub",))))
+    try:
+        env = await _provisioned(srv, run)
+        try:
+            task = eval_tasks(12, n=1)[0]
+            s = env.admin.subjects
+            await env.admin.publish(s.tasks("hub"), TaskMessage(
+                task_id=task.task_id, prompt=task.prompt, verifier=verifier_for(task), group_size=1, region="hub",
+                seed=1), msg_id=task.task_id)
+            bus = await env.bus("generator")
+            await anyio.to_thread.run_sync(srv.kill)
+            config = GeneratorConfig(group_size=1, max_tokens=16, max_attempts=1, sandbox_timeout_s=20.0)
+            actor = Generator(ActorId(env.run, "hub", "generator", "g-late"), bus, config, FAST,
+                              weights=LocalWeights(tiny_model(), version=2))
+            async with anyio.create_task_group() as tg:
+                async def restart_later() -> None:
+                    await anyio.sleep(8.0)                  # the outage itself, not a synchronisation
+                    await anyio.to_thread.run_sync(srv.restart)
+                tg.start_soon(restart_later)
+                async with hosted(actor, close=[bus]), supervisor(env):
+                    await eventually(lambda: actor.counters.get("tasks", 0), lambda n: n == 1,
+                                     what="the group published after the outage", timeout_s=120)
+            group = await rollouts(env)
+            assert Counter(r.rollout_id for r in group) == {f"{task.task_id}-0": 1}
+        finally:
+            await env.admin.close()
+    finally:
+        srv.stop()
