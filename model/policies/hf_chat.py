@@ -152,7 +152,9 @@ class HFChatTokenizer:
     def tool_framing(self, schemas: Sequence[dict[str, Any]]) -> ToolFraming | str:
         """How the chat template frames tools given as `schemas` (OpenAI function JSON schemas), or why it does not
         (one line): it renders nothing different with them, puts them elsewhere than before the first user turn,
-        renders tool results not verbatim, or an assistant's tool call in no known style. Cut once per schemas."""
+        renders tool results neither verbatim nor as JSON strings, or an assistant's tool call in no known style.
+        Rendered with `tools_in_user_message=False` (Llama-3.1's switch that puts them in the system turn); cut once
+        per schemas."""
         key = json.dumps(list(schemas), sort_keys=True)
         if key not in self._tool_framings:
             self._tool_framings[key] = _tool_framing(self.hf, self._template, self._texts, schemas, self._fixed)
