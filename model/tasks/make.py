@@ -129,8 +129,8 @@ def failure_message(detail: str, max_chars: int = 600) -> str:
     """What a failing test says, without the traceback's frames (which would show the changed lines): the
     exception and its message, from the first traceback in `detail` that has one (the grade's detail may begin
     part-way through a traceback)."""
-    for part in detail.split("Traceback (most recent call last):"):
-        lines = part.strip("\n").splitlines()
+    for i, part in enumerate(detail.split("Traceback (most recent call last):")):
+        lines = part.strip("\n").splitlines()[1 if i == 0 else 0:]      # before any header: a cut first line
         last_frame = max((i for i, line in enumerate(lines) if _FRAME.match(line)), default=-1)
         start = next((i for i in range(last_frame + 1, len(lines)) if _RAISED.match(lines[i])), None)
         if start is not None:
