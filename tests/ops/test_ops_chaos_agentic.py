@@ -25,8 +25,20 @@ from rlbus.ops.chaos.agentic import (
 from rlbus.ops.chaos.plan import ChaosSettings, plan_faults
 from rlbus.ops.chaos.report import exit_code, table
 
-MINUTES = 0.5
+MINUTES = 0.3
 SETTINGS = {"kills": 4, "server_kills": 1, "partitions": 0, "pauses": 0, "outage_s": 8.0}
+KINDS = list(AGENTIC_KILL_KINDS)
+
+
+def _seed() -> int:
+    """The first seed whose plan kills the trainer in the first third of the window: what it held comes back
+    after the topology's redelivery wait (20 s), so a late kill would only lengthen the quiet period."""
+    window = MINUTES * 60
+    for seed in range(500):
+        plan = plan_faults(ChaosSettings(duration_s=window, seed=seed, **SETTINGS), KINDS, ["eu"])  # type: ignore[arg-type]
+        if any(f.kind == "actor_kill" and f.target == "trainer" and f.at_s < window / 3 for f in plan):
+            return seed
+    raise AssertionError("no seed kills the trainer early")
 
 
 def _restored(equal: bool) -> Event:
@@ -75,13 +87,13 @@ def test_the_agentic_topology_kills_generators_sandboxes_and_the_trainer_mid_epi
 @pytest.mark.chaos
 @pytest.mark.timeout(400)
 def test_short_agentic_chaos_run_is_clean(tmp_path: Path, processes_mentioning: Callable[[str], list[int]]) -> None:
-    """`rlbus chaos --agentic --json` for 30 s of faults: exit 0; the ledger clean with training done; a generator,
+    """`rlbus chaos --agentic --json` for 18 s of faults: exit 0; the ledger clean with training done; a generator,
     a sandbox supervisor and the trainer killed and the leaf's server killed and restarted; sessions were opened
     and none is open at the end nor left on disk; workspaces were restored and each equals its snapshot; the
     sandbox_error drops are the ledger's; no restart of an actor nobody killed; no process left."""
     state = tmp_path / "state"
     args = ["--agentic", "--minutes", str(MINUTES), "--kills", "4", "--server-kills", "1", "--partitions", "0",
-            "--pauses", "0", "--outage-s", "8", "--settle-s", "150", "--warmup-s", "200", "--seed", "0",
+            "--pauses", "0", "--outage-s", "8", "--settle-s", "150", "--warmup-s", "200", "--seed", str(_seed()),
             "--state-dir", str(state), "--json"]
     proc = subprocess.run([sys.executable, "-m", "rlbus.ops.cli", "chaos", *args], capture_output=True, text=True,
                           timeout=380, check=False)
