@@ -123,18 +123,20 @@ def fail_to_pass(original: GradeReport, changed: GradeReport) -> list[str]:
 _FRAME: Final = re.compile(r"^\s+File \"")
 _RAISED: Final = re.compile(r"^[A-Za-z_][\w.]*(:\s|:?$)")
 """The first line of what a traceback says was raised: a dotted name at column 0, then `: ` or nothing."""
+_ADDRESS: Final = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
+"""An object's address in a repr: it differs from run to run, so a message shows `0x...` for it."""
 
 
 def failure_message(detail: str, max_chars: int = 600) -> str:
     """What a failing test says, without the traceback's frames (which would show the changed lines): the
     exception and its message, from the first traceback in `detail` that has one (the grade's detail may begin
-    part-way through a traceback)."""
+    part-way through a traceback), with object addresses masked."""
     for i, part in enumerate(detail.split("Traceback (most recent call last):")):
         lines = part.strip("\n").splitlines()[1 if i == 0 else 0:]      # before any header: a cut first line
         last_frame = max((i for i, line in enumerate(lines) if _FRAME.match(line)), default=-1)
         start = next((i for i in range(last_frame + 1, len(lines)) if _RAISED.match(lines[i])), None)
         if start is not None:
-            message = "\n".join(lines[start:]).strip()
+            message = _ADDRESS.sub("0x...", "\n".join(lines[start:]).strip())
             return message[:max_chars] + (" ..." if len(message) > max_chars else "")
     return ""
 

@@ -116,6 +116,8 @@ def test_a_failure_message_leaves_out_the_frames() -> None:
     assert two == message
     assert failure_message("x" * 2000 + "\nValueError: " + "y" * 900, max_chars=100).endswith("y ...")
     assert failure_message("nothing raised here\n  indented\n") == ""
+    assert failure_message(TRACEBACK.replace("['a', 'b']", "<object at 0x7f3a2c1d9e80>")).startswith(
+        "AssertionError: Lists differ: ['a'] != <object at 0x...>\n")
 
 
 def _mutation(kind: str, function: str = "TextWrapper.wrap") -> Mutation:
