@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rlbus.actors.sandbox.sessions import ROOT_PREFIX
 from rlbus.messages.schemas import Event
 from rlbus.ops.chaos.agentic import (
     AGENTIC_KILL_KINDS,
@@ -51,10 +52,10 @@ def test_restore_checks_count_only_restore_events() -> None:
 
 
 def test_session_roots_left_are_those_of_the_given_pids(tmp_path: Path) -> None:
-    for name in ("rlbus-sessions-41-abc", "rlbus-sessions-412-def", "rlbus-sessions-7-x", "other-41-y"):
+    for name in (f"{ROOT_PREFIX}41-abc", f"{ROOT_PREFIX}412-def", f"{ROOT_PREFIX}7-x", "other-41-y"):
         (tmp_path / name).mkdir()
-    assert session_roots_left([41, 7], str(tmp_path)) == [str(tmp_path / "rlbus-sessions-41-abc"),
-                                                          str(tmp_path / "rlbus-sessions-7-x")]
+    assert session_roots_left([41, 7], str(tmp_path)) == [str(tmp_path / f"{ROOT_PREFIX}41-abc"),
+                                                          str(tmp_path / f"{ROOT_PREFIX}7-x")]
     assert session_roots_left([], str(tmp_path)) == []
 
 
