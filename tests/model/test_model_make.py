@@ -115,7 +115,9 @@ def test_a_failure_message_leaves_out_the_frames() -> None:
     two = failure_message(TRACEBACK + "\n" + TRACEBACK.replace("Lists differ", "Other"))
     assert two == message
     assert failure_message("x" * 2000 + "\nValueError: " + "y" * 900, max_chars=100).endswith("y ...")
-    assert failure_message("nothing raised here\n  indented\n") == ""
+    assert failure_message("cut line\n  File \"t.py\", line 3, in test\n    x <= y\n") == ""
+    tail = "ists differ: [...]\n-  'eed-good-',\n+  'indeed-',\n : expected:\n  0: 'indeed-'\nbut got:\n  0: 'eed'\n"
+    assert failure_message(tail) == "-  'eed-good-',\n+  'indeed-',\n : expected:\n  0: 'indeed-'\nbut got:\n  0: 'eed'"
     assert failure_message(TRACEBACK.replace("['a', 'b']", "<object at 0x7f3a2c1d9e80>")).startswith(
         "AssertionError: Lists differ: ['a'] != <object at 0x...>\n")
 
