@@ -1,11 +1,11 @@
 """Chaos on agentic episodes: the topology `rlbus chaos --agentic` runs and what it adds to the ledger.
 
-Owns: `agentic_chaos_topology()` (the `agentic` example on a hub and a leaf, scripted turns so episodes finish on
-CPUs, short session leases), `AGENTIC_KILL_KINDS` (what its kills hit), `is_agentic` (a topology fed repository
-tasks), `restore_checks` (the generators' `workspace_restored` events: restored sessions compared with the
-workspace their snapshot was taken of), `open_sessions` (the sandbox supervisors' last `sessions_open` gauges),
-`session_roots_left` (session roots on disk of the run's sandbox processes) and `agentic_verdict`.
-Does not: inject faults or read the rollout ledger (ops/chaos/run.py), print (ops/chaos/report.py).
+- Owns: `agentic_chaos_topology()`, `AGENTIC_KILL_KINDS`, `is_agentic`, and the agentic figures: `restore_checks`
+  (the generators' workspace_restored events), `open_sessions` (the sandboxes' last `sessions_open` gauges),
+  `session_roots_left` (on disk) and `agentic_verdict`.
+- Guarantee: a run whose verdict is empty left no session open or on disk, restored every workspace it checked
+  equal to its snapshot, and restarted only what was killed.
+- Does not: inject faults or read the rollout ledger (ops/chaos/run.py), print (ops/chaos/report.py).
 """
 
 from __future__ import annotations
