@@ -30,6 +30,7 @@ from rlbus.messages.schemas import (
     ToolCall,
     ToolResult,
 )
+from rlbus.model.tasks.repo_grade import DEFAULT_COMMAND, GradeReport, report_of
 
 REPLY_GRACE_S: Final = 10.0
 """Time beyond a call's own timeout a requester waits (queueing under the quota, the bus)."""
@@ -128,12 +129,16 @@ class SandboxSession:
         return await call_tool(self.bus, self.region, self.session_id, name, args,
                                call_id=f"{self.session_id}-{next(self._ids)}", timeout_s=wait)
 
-    async def grade(self, files: Mapping[str, str], command: str, timeout_s: float | None = None) -> ToolResult:
-        """Run `command` in a fresh copy of the workspace with `files` added (exit 0 = pass)."""
+    async def grade(self, files: Mapping[str, str], command: str = DEFAULT_COMMAND,
+                    timeout_s: float | None = None) -> GradeReport:
+        """Grade a fresh copy of the workspace with the hidden `files` written last: the grade runner's per-test
+        report (the default `command`), or a custom command judged by its exit code; a refused call is an `error`
+        verdict saying why."""
         args: dict[str, Any] = {"files": dict(files), "command": command}
         if timeout_s is not None:
             args["timeout_s"] = timeout_s
-        return await self.tool("grade", args)
+        result = await self.tool("grade", args)
+        return report_of(result.output, result.error)
 
     async def snapshot(self) -> ToolResult:
         return await self.tool("snapshot", {})

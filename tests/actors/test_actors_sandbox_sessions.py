@@ -46,7 +46,7 @@ async def test_tools_work_in_a_persistent_workspace(nats_server: EmbeddedServer,
             assert listed.output.splitlines() == ["README", "pkg/", "pkg/__init__.py", "pkg/calc.py"]
             assert (await s.tool("read_file", {"path": "pkg/calc.py", "start_line": 2})).output == "    return a - b\n"
             failing = await s.grade({"test_add.py": TESTS}, "python3 test_add.py")
-            assert failing.ok and failing.exit_code != 0 and "AssertionError" in failing.output
+            assert (failing.verdict, failing.judged_by) == ("failed", "exit_code") and "AssertionError" in failing.log
             twice = await s.tool("edit_file", {"path": "pkg/calc.py", "old": "a", "new": "x"})
             assert not twice.ok and "occurs 3 times" in twice.error
             edited = await s.tool("edit_file", {"path": "pkg/calc.py", "old": "a - b", "new": "a + b"})
@@ -57,7 +57,7 @@ async def test_tools_work_in_a_persistent_workspace(nats_server: EmbeddedServer,
             ran = await s.tool("run", {"command": "echo out; echo err >&2; touch made_by_run; exit 3"})
             assert (ran.ok, ran.exit_code, ran.output, ran.status) == (True, 3, "out\nerr\n", "ok")
             passing = await s.grade({"test_add.py": TESTS}, "python3 test_add.py && touch made_by_grade")
-            assert (passing.ok, passing.exit_code, passing.output) == (True, 0, "passed\n"), passing
+            assert (passing.verdict, passing.log) == ("passed", "passed\n"), passing
             after = (await s.tool("list_files", {})).output.splitlines()
             assert "made_by_run" in after and "made_by_grade" not in after and "test_add.py" not in after
             assert (await s.tool("search", {"pattern": "nothing-matches-this"})).exit_code == 1

@@ -127,7 +127,7 @@ async def test_links_planted_by_run_pointing_outside_are_not_followed(admin_bus:
         found = await sc.session.tool("search", {"pattern": "outside"})
         assert found.exit_code == 1 and found.output == ""
         graded = await sc.session.grade({}, "cat leak; cat d/up/canary.txt; echo pwned > leak")
-        assert "outside" not in graded.output
+        assert graded.judged_by == "exit_code" and "outside" not in graded.log
         await sc.done()
 
 
