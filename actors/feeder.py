@@ -120,6 +120,7 @@ class Feeder(Actor):
             self.gauges["position"] = float(min(self.cursors.values()))
             if fed:
                 await self._save_position()
+            self.count("polls")                    # a whole poll done: what a watcher waits on, never a clock
             if self._exhausted():
                 log.info("feeder_done", tasks=self.counters.get("tasks", 0), cursors=self.cursors)
                 await anyio.sleep_forever()

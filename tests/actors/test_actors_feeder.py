@@ -208,6 +208,15 @@ async def generator_deliveries(env: Env, region: str) -> AsyncIterator[tuple[Bus
         await bus.close()
 
 
+async def polls_later(feeder: Feeder, n: int = 3) -> None:
+    """Return once the feeder has done `n` whole polls that began after this call (one more is awaited: the
+    poll under way may have read the backlogs before), or has published the last task of its sequence (it polls
+    no more: nothing more can be fed)."""
+    start = feeder.counters.get("polls", 0)
+    await eventually(lambda: feeder.counters.get("polls", 0) >= start + n + 1 or feeder._exhausted(),
+                     what=f"{n} more feeder polls")
+
+
 async def take(env: Env, region: str, n: int, into: list[tuple[str, str]]) -> None:
     """Consume and ack `n` tasks as that region's generators do."""
     async with generator_deliveries(env, region) as (_, deliveries):
@@ -229,7 +238,7 @@ async def test_every_backlog_is_filled_to_the_bound_and_topped_up(two_regions: t
         async def full() -> bool:
             return [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [4, 4]
         await eventually(full)
-        await anyio.sleep(0.6)                             # several more polls: still at the bound
+        await polls_later(feeder)                          # several more polls: still at the bound
         for region in ("hub", "eu"):
             queued = await stream_tasks(env, region)
             assert [t.task_id for t in queued] == expected_ids(5, weights, region, 4)
@@ -241,7 +250,7 @@ async def test_every_backlog_is_filled_to_the_bound_and_topped_up(two_regions: t
         async def topped_up() -> bool:
             return len(await stream_tasks(env, "eu")) == 4
         await eventually(topped_up)
-        await anyio.sleep(0.3)
+        await polls_later(feeder)
         assert [t.task_id for t in await stream_tasks(env, "eu")] == expected_ids(5, weights, "eu", 7)[3:]
         assert [t.task_id for t in await stream_tasks(env, "hub")] == expected_ids(5, weights, "hub", 4)
         assert feeder.counters["tasks"] == 11 and feeder.counters.get("duplicates", 0) == 0
@@ -276,7 +285,7 @@ async def test_restarted_feeder_neither_repeats_nor_skips(two_regions: tuple[Reg
         async def all_taken() -> bool:
             return len(taken) == 10
         await eventually(all_taken)
-        await anyio.sleep(0.5)                         # nothing more arrives
+        await polls_later(feeder)                      # nothing more arrives
         assert [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [0, 0]
         assert feeder.counters["duplicates"] == 6 and feeder.counters["tasks"] == 4
     assert Counter(taken) == Counter((r, t) for r, ids in wanted.items() for t in ids)
@@ -302,7 +311,7 @@ async def test_cut_off_region_waits_for_its_tasks(tmp_path: Path) -> None:
             async def eu_full() -> bool:
                 return len(await stream_tasks(env, "eu")) == 3
             await eventually(eu_full)
-            await anyio.sleep(0.5)
+            await polls_later(feeder)
             assert [t.task_id for t in await stream_tasks(env, "eu")] == expected_ids(2, weights, "eu", 3)
             assert [t.task_id for t in await stream_tasks(env, "hub")] == expected_ids(2, weights, "hub", 3)
     finally:
@@ -323,7 +332,7 @@ async def test_task_file_is_fed_to_its_end(tmp_path: Path) -> None:
             async def fed() -> bool:
                 return feeder.counters.get("tasks", 0) == 3
             await eventually(fed)
-            await anyio.sleep(0.3)
+            await polls_later(feeder)
             queued = await stream_tasks(env, "hub")
             assert [task_from_verifier(t) for t in queued] == tasks
             assert feeder.counters["tasks"] == 3
@@ -518,11 +527,11 @@ async def test_work_ahead_of_the_trainer_stays_under_the_bound(tmp_path: Path) -
 
         async with feeding(env, config, launch) as feeder:
             await eventually(functools.partial(queued, 5))
-            await anyio.sleep(0.5)                           # several more polls: still 5
+            await polls_later(feeder)                        # several more polls: still 5
             assert await queued(5) and feeder.counters["tasks"] == 5
             settled = [await settle_one(env, "hub", "rollout") for _ in range(3)]
             await eventually(functools.partial(queued, 3))
-            await anyio.sleep(0.5)
+            await polls_later(feeder)
             assert await queued(3) and feeder.counters["tasks"] == 6
             assert feeder.gauges["rollouts_ahead"] == 9.0
             trainer = await env.bus("hub", "trainer")
@@ -540,7 +549,7 @@ async def test_work_ahead_of_the_trainer_stays_under_the_bound(tmp_path: Path) -
                 await trainer.close()
             assert handed == settled
             await eventually(functools.partial(queued, 5))
-            await anyio.sleep(0.5)
+            await polls_later(feeder)
             assert await queued(5) and feeder.counters["tasks"] == 8
             assert feeder.gauges["rollouts_ahead"] == 10.0
         assert [t.task_id for t in await stream_tasks(env, "hub")] == expected_ids(4, [("hub", 1.0)], "hub", 8)[3:]
