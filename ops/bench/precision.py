@@ -19,10 +19,11 @@ fp32 master weights, what `[trainer] precision = "bf16"` runs) in the same run:
   run NVFP4 experts.
 - `grad_check`: relative error ||g - g_bf16|| / ||g_bf16|| of each parameter's gradient of the mean completion
   logprob under the mxfp8 recipe (MXFP8 forward and backward on the experts) against the plain one.
-- `rl`: a short RL run per recipe (bf16, nvfp4) from the same pretrained base, same seed, same tasks and equal
-  optimizer steps (`build_core` and `TrainerCore.train_step`; a generator built from the published spec, at its
-  precision, holding the published bfloat16 version in float32, samples each batch; one attempt, reward 1 for
-  passing every hidden test), held-out greedy pass@1 of the trainer's policy before and after.
+- `rl`: a short RL run per recipe (bf16, nvfp4) from the same pretrained base, same seed, same task stream and
+  equal optimizer steps (`build_core` and `TrainerCore.train_step`; a generator built from the published spec, at
+  its precision, holding the published bfloat16 version in float32, samples each batch; tasks of levels 1-2, one
+  attempt, reward 1 for passing every hidden test, only groups whose rewards differ trained, as the default run),
+  held-out greedy pass@1 of the trainer's policy before and after.
 The built-in policy is pretrained on task documents once into `.rlbus/bench/precision-<preset>-<steps>/`; the
 Qwen3-MoE (randomly initialised, `build_hf_dir`) is built into `.rlbus/bench/precision-qwen3-moe/`.
 Does not: assert anything about the figures.
@@ -347,9 +348,19 @@ def _grad_check(policy: Any, rollouts: Sequence[Any]) -> dict[str, Any]:
 _RL_TEMPERATURE: Final = 0.7
 
 
+_RL_LEVELS: Final = (1, 2)
+"""Task levels of the RL run, as the default run's feeder draws them (`feeder.levels`)."""
+_RL_ROUNDS: Final = 4
+"""Sampling rounds a step may take to fill its batch with groups whose rewards differ."""
+
+
 def _rl(path: Path, recipe: str, shape: dict[str, int], lr: float) -> dict[str, Any]:
     """Held-out greedy pass@1 of the base and after `shape["steps"]` RL steps at `recipe`, and the p99 per-token
-    |trainer - behaviour| of the trained batches (replayed routing)."""
+    |trainer - behaviour| of the trained batches (replayed routing).
+
+    Each step trains on `shape["tasks"]` groups whose rewards differ (as `[trainer] drop_flat_groups`), sampled in
+    up to `_RL_ROUNDS` rounds of that many tasks; a step that finds fewer trains on those it found (and on the
+    last round's flat groups when it found none, so that every recipe takes the same optimizer steps)."""
     import torch
 
     from rlbus.actors.trainer.core import Objective, build_core, rollout_batch
@@ -364,35 +375,48 @@ def _rl(path: Path, recipe: str, shape: dict[str, int], lr: float) -> dict[str, 
     core = build_core(str(path), lr=lr, seed=_SEED, device="cpu", precision=recipe)
     tok = core.policy.tokenizer
     base = evaluate_pass_at_1(core.policy, tok, held, max_new_tokens=shape["new_tokens"])
-    stream = train_tasks(1, eval_seed=0)
+    stream = (t for t in train_tasks(1, eval_seed=0) if t.level in _RL_LEVELS)
     sampler = torch.Generator().manual_seed(_SEED)
     objective = Objective(temperature=_RL_TEMPERATURE, kl_coef=0.05)
-    gaps, rewards = [], []
+    G = shape["group"]
+    gaps, rewards, sampled = [], [], 0
     started = time.perf_counter()
-    for _ in range(shape["steps"]):
-        tasks = [next(stream) for _ in range(shape["tasks"])]
+    for step in range(shape["steps"]):
         behaviour = policy_from_spec(core.model_config_dict(), core.policy_files(), dtype=torch.float32)
         behaviour.load_tensors_(core.bf16_state())
-        prompts = [tok.prompt_ids(t.prompt) for t in tasks for _ in range(shape["group"])]
-        with torch.no_grad():
-            samples = generate(behaviour, prompts, max_new_tokens=shape["new_tokens"], temperature=_RL_TEMPERATURE,
-                               eos_id=tok.stop_id, pad_id=tok.pad_id, generator=sampler)
-        owners = [t for t in tasks for _ in range(shape["group"])]
-        graded = grade_many([(t, completion_text(s.tokens.tolist(), tok)) for t, s in zip(owners, samples,
-                                                                                          strict=True)])
-        rollouts = _rollouts(samples, [t.task_id for t in owners], shape["group"], [r.reward for r in graded])
-        rewards.extend(r.reward for r in graded)
-        batch = rollout_batch(rollouts, moe=core.moe)
+        kept: list[Any] = []
+        for _ in range(_RL_ROUNDS):
+            tasks = [next(stream) for _ in range(shape["tasks"])]
+            prompts = [tok.prompt_ids(t.prompt) for t in tasks for _ in range(G)]
+            with torch.no_grad():
+                samples = generate(behaviour, prompts, max_new_tokens=shape["new_tokens"],
+                                   temperature=_RL_TEMPERATURE, eos_id=tok.stop_id, pad_id=tok.pad_id,
+                                   generator=sampler)
+            owners = [t for t in tasks for _ in range(G)]
+            graded = grade_many([(t, completion_text(s.tokens.tolist(), tok))
+                                 for t, s in zip(owners, samples, strict=True)])
+            rollouts = _rollouts(samples, [t.task_id for t in owners], G, [r.reward for r in graded])
+            rewards.extend(r.reward for r in graded)
+            sampled += len(tasks)
+            groups = [rollouts[i:i + G] for i in range(0, len(rollouts), G)]
+            for group in [g for g in groups if len({r.reward for r in g}) > 1][:shape["tasks"] - len(kept) // G]:
+                kept.extend(group)
+            if len(kept) >= shape["tasks"] * G:
+                break
+        batch_rollouts = kept or rollouts
+        batch = rollout_batch(batch_rollouts, moe=core.moe)
         with torch.no_grad():
             logp = core.logprobs(core.policy, batch, _RL_TEMPERATURE)
         gaps.append((logp - batch.behaviour)[batch.mask])
-        stats = core.train_step(rollouts, objective)
-        _say(f"{recipe} step {len(gaps)}/{shape['steps']}: reward {stats.reward_mean:.3f}, loss {stats.loss:.4f}")
+        stats = core.train_step(batch_rollouts, objective)
+        _say(f"{recipe} step {step + 1}/{shape['steps']}: {len(kept) // G} informative groups, batch reward "
+             f"{stats.reward_mean:.3f}, loss {stats.loss:.4f}")
     train_s = time.perf_counter() - started
     final = evaluate_pass_at_1(core.policy, tok, held, max_new_tokens=shape["new_tokens"])
     return {"base": base.pass_at_1, "base_ci95": [base.ci_low, base.ci_high], "pass_at_1": final.pass_at_1,
             "ci95": [final.ci_low, final.ci_high], "mismatch_p99": _stats(torch.cat(gaps))["p99"],
-            "train_reward_mean": sum(rewards) / max(1, len(rewards)), "train_s": train_s, "n": final.n}
+            "sampled_reward_mean": sum(rewards) / max(1, len(rewards)), "tasks_sampled": sampled,
+            "train_s": train_s, "n": final.n}
 
 
 # ---- the table ------------------------------------------------------------------------------------------------
@@ -434,7 +458,8 @@ def table(result: dict[str, Any]) -> str:
             x = r["rl"][recipe]
             lines.append(f"  {recipe:<6} base {x['base']:.3f} [{x['base_ci95'][0]:.3f}, {x['base_ci95'][1]:.3f}] -> "
                          f"{x['pass_at_1']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]; mismatch p99 "
-                         f"{x['mismatch_p99']:.4f}; train reward {x['train_reward_mean']:.3f}; {x['train_s']:.0f} s")
+                         f"{x['mismatch_p99']:.4f}; sampled reward {x['sampled_reward_mean']:.3f} over {x['tasks_sampled']} "
+                         f"tasks; {x['train_s']:.0f} s")
         v = r["rl"]["verdict"]
         lines.append(f"  bf16 learned (final interval above the base's): {v['bf16_learned']}; nvfp4's interval "
                      f"overlaps bf16's: {v['nvfp4_overlaps_bf16']}")
