@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
+from helpers import eventually
 from helpers.ops import json_in, provision_single, run_cli, target_of, url_args, write_credentials
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
@@ -198,8 +199,13 @@ async def test_sigkilled_actor_is_dead_and_once_json_exits_1(live: Bus, nats_ser
     try:
         beat = await _wait_beat(live, "victim")
         assert beat.pid == proc.pid
-        await anyio.sleep(0.5)
-        code, doc = await _snapshot(nats_server, run, capsys)
+
+        def victim_and_p1_ok(found: tuple[int, dict[str, Any]]) -> bool:     # past the settle time, both beating
+            seen = {a["actor_id"]: a for a in found[1]["actors"]}
+            return (all(seen.get(a, {}).get("status") == "ok" for a in ("victim", "p1"))
+                    and seen["p1"]["counters"].get("published", 0) > 0)
+        code, doc = await eventually(lambda: _snapshot(nats_server, run, capsys), victim_and_p1_ok,
+                                     what="the victim and p1 ok in a snapshot, p1 having published")
         actors = {a["actor_id"]: a for a in doc["actors"]}
         assert code == 0 and doc["dead"] is False
         assert actors["victim"]["status"] == "ok" and actors["victim"]["pid"] == proc.pid
@@ -208,8 +214,12 @@ async def test_sigkilled_actor_is_dead_and_once_json_exits_1(live: Bus, nats_ser
         proc.wait(timeout=10)
         deadline = actors["victim"]["deadline_s"]
         assert deadline == pytest.approx(max(3 * actors["victim"]["interval_s"], 1.0), abs=0.01)   # floor: 1 s
-        await anyio.sleep(deadline + 1.0)
-        code, doc = await _snapshot(nats_server, run, capsys)
+
+        def victim_dead_i1_stalled(found: tuple[int, dict[str, Any]]) -> bool:
+            seen = {a["actor_id"]: a["status"] for a in found[1]["actors"]}
+            return seen.get("victim") == "dead" and seen.get("i1") == "stalled"
+        code, doc = await eventually(lambda: _snapshot(nats_server, run, capsys), victim_dead_i1_stalled,
+                                     what="the victim dead past its deadline and the idle actor stalled")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -234,14 +244,18 @@ async def test_prometheus_scrape_parses(live: Bus, nats_server: EmbeddedServer) 
                                                    state="busy", run=run, pid=1))
         await anyio.sleep(0.2)
     await _wait_beat(live, "p1")
-    await anyio.sleep(1.5)
     target = target_of(nats_server, run)
     async with await target.connect() as bus, anyio.create_task_group() as tg:
         watch = HealthWatch(target, bus, HealthRules(min_deadline_s=1.0, stall_s=60))
         await watch.load()
         tg.start_soon(watch.follow)
         await watch.probe()
-        snap = watch.snapshot()
+
+        def ghost_dead_p1_up() -> Snapshot | None:          # the ghost's last beat older than its 1 s deadline
+            snap = watch.snapshot()
+            status = {a.actor_id: a.status for a in snap.actors}
+            return snap if status.get("ghost") == "dead" and status.get("p1") == "ok" else None
+        snap = await eventually(ghost_dead_p1_up, what="the ghost dead and p1 ok in the watch")
         port = await tg.start(lambda task_status: serve_metrics(registry_for(lambda: snap), 0, host="127.0.0.1",
                                                                  task_status=task_status))
         text = await anyio.to_thread.run_sync(
