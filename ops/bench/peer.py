@@ -1,4 +1,5 @@
-"""`rlbus bench peer`: TRL's GRPOTrainer and `rlbus up` side by side: same model, tasks, reward and budget.
+"""`rlbus bench peer`: TRL's GRPOTrainer and `rlbus up` side by side: same model, tasks, reward and budget
+(`--quick`: the same number of optimizer steps, whatever the wall-clock).
 
 - Owns: the peer benchmark (`run`): the shared Hugging Face policy (`policy_dir`), the two arms one after the
   other (ops/bench/peer_rlbus.py, then ops/bench/peer_trl.py), the scoring of every snapshot by one evaluator
@@ -26,6 +27,9 @@ CACHE_ROOT: Final = Path(".rlbus/bench-peer")
 ARMS: Final = ("trl", "rlbus")
 QUICK: Final = {"group_size": 4, "tasks_per_step": 2, "max_tokens": 32}
 """--quick's batch (8 rollouts a step) and completion length: a smoke test of both arms, not a comparison."""
+QUICK_STEPS: Final = 2
+"""--quick's optimizer steps per arm: its work is bounded by steps, not by a wall-clock budget, so a slow machine
+takes longer but every arm still steps."""
 _PRETRAIN_SEED: Final = 0
 TASK_STEPS_PER_S: Final = 4
 """TRL's task list is sized to last its budget at this many optimizer steps a second, well above its pace
@@ -47,7 +51,8 @@ UNMATCHED: Final = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-minutes", type=float, default=10.0,
-                   help="peer: wall-clock budget per arm, minutes (default 10; --quick: 0.05)")
+                   help=f"peer: wall-clock budget per arm, minutes (default 10; --quick: no budget, each arm takes "
+                        f"exactly {QUICK_STEPS} optimizer steps however long they take)")
     p.add_argument("--peer-held-out", type=int, default=2000,
                    help="peer: held-out tasks every snapshot is scored on (default 2000, the whole held-out pool: "
                         "95%% intervals of about +-0.015 at pass@1 0.15, about 12 s a snapshot; --quick: 8)")
@@ -92,12 +97,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     _quiet_transformers()
     quick = bool(getattr(args, "quick", False))
-    minutes = 0.05 if quick else args.peer_minutes
+    minutes = None if quick else args.peer_minutes
+    arm_steps = QUICK_STEPS if quick else None            # --quick: a number of steps, not a budget
     n_held = 8 if quick else args.peer_held_out
     size = "tiny" if quick else args.peer_size
     steps = 2 if quick else args.peer_pretrain_steps
-    budget = minutes * 60.0
-    marks = [float(m) for m in range(60, int(budget), 60)] + [budget]
+    budget = None if minutes is None else minutes * 60.0
+    marks = [] if budget is None else [float(m) for m in range(60, int(budget), 60)] + [budget]
     work = (args.peer_dir or CACHE_ROOT / f"run-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (work / "snapshots").mkdir(parents=True, exist_ok=True)
     hf = msgspec.toml.decode(example_path("hf").read_bytes(), type=Topology)
@@ -110,9 +116,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     topology = rlbus_topology(f"p{uuid.uuid4().hex[:8]}", work / "rlbus", base, shared,
                               generators=args.peer_generators)
     held = held_out_tasks(hf.evaluator.tasks, hf.evaluator.seed, n_held)
-    train = _train_tasks(topology, n=TASK_STEPS_PER_S * shared.tasks_per_step * max(16, int(budget)))
+    train = _train_tasks(topology, n=TASK_STEPS_PER_S * shared.tasks_per_step * max(16, int(budget or 0)))
     note = "" if n_held >= 500 else f" (quick: {n_held} held-out tasks, fewer than the 2000 of a real run)"
-    _say(f"policy {base}; {minutes:g} min per arm; held-out {n_held} tasks{note}; state in {work}")
+    _say(f"policy {base}; {_per_arm(minutes, arm_steps)}; held-out {n_held} tasks{note}; state in {work}")
     with anyio.from_thread.start_blocking_portal("asyncio") as portal, \
             portal.wrap_async_context_manager(local_sandbox("bench-peer", hf.sandbox)) as bus:
         grade = functools.partial(_grade, portal, bus)
@@ -121,19 +127,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         (work / "rlbus").mkdir(exist_ok=True)
         rl = portal.call(functools.partial(run_rlbus, topology, work / "rlbus", budget_s=budget, marks=marks,
-                                           out=work / "snapshots", timeout_s=300.0, progress=_say))
+                                           out=work / "snapshots", timeout_s=300.0, progress=_say, steps=arm_steps))
         rl.extra["load_avg_5m"] = os.getloadavg()[1]       # the arm's own processes and other work on the machine
         _say(f"rlbus: {rl.steps} steps in {rl.wall_s:.0f}s")
         _say("trl: training")
-        trl = _trl_arm(base, train, shared, budget, marks, work, grade)
+        trl = _trl_arm(base, train, shared, budget, marks, work, grade, arm_steps)
         trl.extra["load_avg_5m"] = os.getloadavg()[1]
         _say(f"trl: {trl.steps} steps in {trl.wall_s:.0f}s")
         curves = _score_all(base, held, {"trl": trl, "rlbus": rl}, shared.max_tokens,
                             functools.partial(_runner, portal, bus))
     result = summarize(curves, {"trl": trl, "rlbus": rl})
     result.update({
-        "quick": quick, "minutes": minutes, "held_out_n": n_held, "policy_dir": str(base), "size": size,
-        "pretrain_steps": steps, "generators": args.peer_generators,
+        "quick": quick, "minutes": minutes, "steps_per_arm": arm_steps, "held_out_n": n_held,
+        "policy_dir": str(base), "size": size, "pretrain_steps": steps, "generators": args.peer_generators,
         "reference_dtype": str(reference_dtype(topology.trainer.reference_dtype, torch.device("cpu"))).split(".")[-1],
         "matched": {"group_size": shared.group_size, "tasks_per_step": shared.tasks_per_step,
                     "temperature": shared.temperature, "max_completion_tokens": shared.max_tokens, "lr": shared.lr,
@@ -182,12 +188,17 @@ def _train_tasks(topology: Any, *, n: int) -> list[Any]:
                                                            range(n))]
 
 
-def _trl_arm(base: Path, tasks: list[Any], shared: Shared, budget: float, marks: list[float], work: Path,
-             grade: Callable[[Sequence[Any], Sequence[str]], list[bool]]) -> ArmRun:
+def _trl_arm(base: Path, tasks: list[Any], shared: Shared, budget: float | None, marks: list[float], work: Path,
+             grade: Callable[[Sequence[Any], Sequence[str]], list[bool]], steps: int | None) -> ArmRun:
     from rlbus.ops.bench.peer_trl import run_trl
 
     return run_trl(base, tasks, shared, budget_s=budget, marks=marks, out=work / "snapshots", grade=grade,
-                   threads=2, progress=_say)
+                   threads=2, progress=_say, steps=steps)
+
+
+def _per_arm(minutes: float | None, steps: int | None) -> str:
+    """What each arm runs for: a wall-clock budget, or (minutes None) a number of optimizer steps."""
+    return f"{steps} optimizer steps per arm" if minutes is None else f"{minutes:g} min per arm"
 
 
 def _grade(portal: Any, bus: Any, tasks: Sequence[Any], texts: Sequence[str]) -> list[bool]:
@@ -312,7 +323,7 @@ def table(result: dict[str, Any]) -> str:
             ("generation tokens/s", "gen_tokens_per_s", "{:.0f}"), ("train-time pass rate", "train_pass_rate", "{:.3f}"),
             ("load average (5 min) at end", "load_avg_5m", "{:.1f}")]
     width = 24
-    lines = [f"rlbus bench peer: {result['minutes']:g} min per arm, qwen2 {result['size']} "
+    lines = [f"rlbus bench peer: {_per_arm(result['minutes'], result.get('steps_per_arm'))}, qwen2 {result['size']} "
              f"({result['pretrain_steps']} pretraining steps), {result['held_out_n']} held-out tasks "
              f"(load {result['load_avg_1m']:.1f}, {result['total_s']:.0f}s in all)",
              f"{'':{width}}  {'trl':>10}  {'rlbus':>10}"]

@@ -1,5 +1,6 @@
 """The rlbus arm of `rlbus bench peer`: the RL job of `rlbus up` (real actor processes on an embedded bus) on
-the shared Hugging Face policy, for a wall-clock budget, with the newest published version saved at each mark.
+the shared Hugging Face policy, for a wall-clock budget (the newest published version saved at each mark) or for a
+fixed number of optimizer steps (the version they make saved).
 
 Owns: `rlbus_topology` (`topology/examples/hf.toml` with the shared policy directory, this bench's actors and
 the settings matched to TRL's) and `run_rlbus` (launch, clock, snapshots, counters from TRAINLOG and ROLLOUTS).
@@ -47,10 +48,15 @@ def rlbus_topology(run: str, state: Path, base: Path, shared: Shared, *, generat
                    weights=weights, regions=[Region(name=HUB, role="hub", actors=actors)])
 
 
-async def run_rlbus(topology: Any, state: Path, *, budget_s: float, marks: list[float], out: Path,
-                    timeout_s: float, progress: Callable[[str], None]) -> ArmRun:
+async def run_rlbus(topology: Any, state: Path, *, budget_s: float | None, marks: list[float], out: Path,
+                    timeout_s: float, progress: Callable[[str], None], steps: int | None = None) -> ArmRun:
     """Run the topology for `budget_s` from its t0, saving the newest version at each of `marks` (seconds); the
-    last mark waits for a version past v0 if there is none yet, and the arm's wall-clock ends at that snapshot."""
+    last mark waits for a version past v0 if there is none yet, and the arm's wall-clock ends at that snapshot.
+    With `steps` (`budget_s` and `marks` unused): run until the trainer published version `steps` (one version an
+    optimizer step), however long that takes (at most `timeout_s`), and save that version; the arm's wall-clock
+    ends when it was published. Either way the arm's counters cover the steps that made the last snapshot."""
+    if (steps is None) == (budget_s is None):
+        raise ValueError("run_rlbus: give a wall-clock budget or a number of steps, not both")
     import anyio
 
     from rlbus.actors.common.ledger import final_lineage
@@ -81,23 +87,26 @@ async def run_rlbus(topology: Any, state: Path, *, budget_s: float, marks: list[
                     seen.set()
                     return
 
-        async def snapshot(mark: float, t0: float, *, trained: bool) -> float:
-            """Copy the newest version; with `trained`, wait (at most `timeout_s`) for one past v0 first (a budget
-            shorter than the first step, as in --quick). Returns the snapshot's time on the arm's clock."""
+        async def snapshot(mark: float, t0: float, *, at_least: int, exact: bool = False) -> VersionReady:
+            """Copy the newest version once it is `at_least` (with `exact`: version `at_least` itself), waiting at
+            most `timeout_s` (a trainer that never gets there leaves the newest there is). -> its VersionReady."""
             ready = await last_message(bus.js, s.state_stream(), s.version_ready(), VersionReady)
-            with anyio.move_on_after(timeout_s):                # a trainer that never steps: v0 it is
-                while trained and (ready is None or ready.version == 0):
-                    await anyio.sleep(0.5)
+            with anyio.move_on_after(timeout_s):
+                while ready is None or ready.version < at_least:
+                    await anyio.sleep(0.5)                      # polled: the STATE stream holds every version
                     ready = await last_message(bus.js, s.state_stream(), s.version_ready(), VersionReady)
             if ready is None:
                 raise RuntimeError("bench peer: the rlbus arm published no version")
+            if exact and ready.version > at_least:              # the trainer went on while this polled
+                ready = next(r for r in await read_all(bus.js, s.state_stream(), s.version_ready(), VersionReady)
+                             if r.version == at_least)
             mark = max(mark, round(ready.created_at - t0, 1))
             blob = await bus.get_object(s.checkpoint_bucket(), ready.object, expected_digest=ready.digest)
             path = out / f"rlbus-{len(snapshots) + 1:02d}.bin"
             await anyio.to_thread.run_sync(path.write_bytes, blob)
             snapshots.append((mark, path, ready.version))
             progress(f"rlbus: snapshot {len(snapshots)} at {mark:.0f}s (version {ready.version})")
-            return mark
+            return ready
 
         try:
             async with anyio.create_task_group() as tg:
@@ -111,23 +120,31 @@ async def run_rlbus(topology: Any, state: Path, *, budget_s: float, marks: list[
                 if not guard.cancelled_caught:
                     t0 = max(first_task[0], v0[0])
                     progress(f"rlbus: actors up, clock started {t0 - launched:.0f}s after launch")
-                    for i, mark in enumerate(marks):
+                    if steps is not None:
+                        last = await snapshot(0.0, t0, at_least=steps, exact=True)
+                    for i, mark in enumerate(marks if steps is None else []):
                         await anyio.sleep(max(0.0, t0 + mark - time.time()))
-                        wall = await snapshot(mark, t0, trained=i == len(marks) - 1)
-                    t_end = t0 + wall
+                        # the last mark waits for a version past v0 (a budget shorter than the first step)
+                        last = await snapshot(mark, t0, at_least=1 if i == len(marks) - 1 else 0)
+                    wall = snapshots[-1][0] if steps is None else last.created_at - t0
+                    t_end = max(t0 + wall, last.created_at)
                 tg.cancel_scope.cancel()
             if guard.cancelled_caught:
                 raise TimeoutError(f"bench peer: the rlbus arm did not start within {timeout_s:.0f}s (logs in "
                                    f"{state / 'logs'})")
+            if steps is not None and last.version < steps:
+                raise TimeoutError(f"bench peer: the rlbus arm published version {last.version}, not {steps}, within "
+                                   f"{timeout_s:.0f}s (logs in {state / 'logs'})")
         finally:
             with anyio.move_on_after(2, shield=True):
                 await task_sub.unsubscribe()
                 await weights_sub.unsubscribe()
         records = await read_all(bus.js, s.trainlog_stream(), s.trainlog(), TrainStep)
         rollouts = await read_all(bus.js, s.hub_rollouts_stream(), s.all_rollouts(), Rollout)
-    steps = [r for r in final_lineage(records) if r.rollout_ids and r.created_at <= t_end]
+    # the steps that made the last snapshot's version (its TrainStep is logged just before its VersionReady)
+    trained = [r for r in final_lineage(records) if r.rollout_ids and r.policy_version <= last.version]
     made = [r for r in rollouts if t0 <= r.created_at <= t_end]
-    return ArmRun(wall_s=wall, steps=len(steps), rollouts_trained=sum(len(r.rollout_ids) for r in steps),
+    return ArmRun(wall_s=wall, steps=len(trained), rollouts_trained=sum(len(r.rollout_ids) for r in trained),
                   rollouts_generated=len(made), completion_tokens=sum(r.completion_tokens.shape[0] for r in made),
                   snapshots=[(t, p) for t, p, _ in snapshots],
                   extra={"versions": [v for _, _, v in snapshots],

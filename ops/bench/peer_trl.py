@@ -1,9 +1,9 @@
 """The TRL arm of `rlbus bench peer`: TRL's `GRPOTrainer` in its standard synchronous loop, on the CPU.
 
 Owns: `run_trl` (the trainer built from the shared settings, a reward function that grades every completion in
-the rlbus sandbox, a wall-clock budget that excludes the time spent saving snapshots, and a bf16 snapshot of
-the policy at each mark) and `prompt_text` (a task's prompt as the text TRL tokenizes back to the ids rlbus
-generators start from).
+the rlbus sandbox, a wall-clock budget that excludes the time spent saving snapshots, or else a fixed number of
+optimizer steps, and a bf16 snapshot of the policy at each mark or after the last step) and `prompt_text` (a
+task's prompt as the text TRL tokenizes back to the ids rlbus generators start from).
 Does not: score snapshots (ops/bench/peer.py), run the sandbox service (ops/local_sandbox.py).
 """
 
@@ -69,14 +69,19 @@ def prompt_text(tokenizer: Any, task: Task) -> str:
     return text
 
 
-def run_trl(base: Path, tasks: Sequence[Task], shared: Shared, *, budget_s: float, marks: Sequence[float],
-            out: Path, grade: Grader, threads: int, progress: Callable[[str], None]) -> ArmRun:
-    """Train the policy of `base` with GRPOTrainer on `tasks` (in order) for `budget_s` of training wall-clock.
+def run_trl(base: Path, tasks: Sequence[Task], shared: Shared, *, budget_s: float | None, marks: Sequence[float],
+            out: Path, grade: Grader, threads: int, progress: Callable[[str], None],
+            steps: int | None = None) -> ArmRun:
+    """Train the policy of `base` with GRPOTrainer on `tasks` (in order) for `budget_s` of training wall-clock,
+    or (`steps` given) for exactly `steps` optimizer steps, however long they take.
 
     The clock runs from the start of `trainer.train()` and excludes each snapshot's save. A snapshot (the bf16
     cast of the weights, as rlbus publishes versions) is saved at the end of the first step past each of
-    `marks` (seconds); training stops at the end of the first step past `budget_s`, which is the last mark.
+    `marks` (seconds); training stops at the end of the first step past `budget_s`, which is the last mark. With
+    `steps`, `budget_s` and `marks` are not used: one snapshot is saved at the end of the last step.
     """
+    if (steps is None) == (budget_s is None):
+        raise ValueError("run_trl: give a wall-clock budget or a number of steps, not both")
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -103,7 +108,8 @@ def run_trl(base: Path, tasks: Sequence[Task], shared: Shared, *, budget_s: floa
         counters["passed"] += sum(passed)
         return [1.0 if p else 0.0 for p in passed]
 
-    clock = _Clock(policy, marks=sorted(marks), budget_s=budget_s, out=out, progress=progress)
+    clock = _Clock(policy, marks=sorted(marks) if steps is None else [], budget_s=budget_s, steps=steps, out=out,
+                   progress=progress)
 
     class Marks(TrainerCallback):  # type: ignore[misc]
         def on_train_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
@@ -123,29 +129,33 @@ def run_trl(base: Path, tasks: Sequence[Task], shared: Shared, *, budget_s: floa
             learning_rate=shared.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
             adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=shared.grad_clip, beta=shared.kl_coef,
             num_iterations=1, scale_rewards="none", loss_type="dapo", shuffle_dataset=False,
-            max_steps=max(1, len(tasks) // shared.tasks_per_step), dataloader_num_workers=0,
+            max_steps=steps or max(1, len(tasks) // shared.tasks_per_step), dataloader_num_workers=0,
             run_name=f"peer-{uuid.uuid4().hex[:6]}")
         with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):   # its log lines: not the JSON
             warnings.simplefilter("ignore", FutureWarning)        # transformers 5's renames, inside TRL
             trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
                                   train_dataset=Dataset.from_list(rows), processing_class=tok.hf, callbacks=[Marks()])
             trainer.train()
-    steps = clock.steps
-    if clock.wall_s < budget_s:
-        raise RuntimeError(f"bench peer: TRL ran out of training tasks after {steps} steps ({clock.wall_s:.0f}s of "
-                           f"{budget_s:.0f}s); give it more tasks")
-    return ArmRun(wall_s=clock.wall_s, steps=steps, rollouts_trained=steps * batch,
+    if steps is not None and clock.steps < steps:
+        raise RuntimeError(f"bench peer: TRL ran out of training tasks after {clock.steps} of {steps} steps; give it "
+                           f"more tasks")
+    if budget_s is not None and clock.wall_s < budget_s:
+        raise RuntimeError(f"bench peer: TRL ran out of training tasks after {clock.steps} steps ({clock.wall_s:.0f}s "
+                           f"of {budget_s:.0f}s); give it more tasks")
+    return ArmRun(wall_s=clock.wall_s, steps=clock.steps, rollouts_trained=clock.steps * batch,
                   rollouts_generated=counters["generated"], completion_tokens=counters["tokens"],
                   snapshots=clock.snapshots, extra={"save_s": round(clock.paused_s, 2),
                                                     "train_pass_rate": counters["passed"] / max(1, counters["generated"])})
 
 
 class _Clock:
-    """Training wall-clock minus snapshot saves; saves a snapshot past each mark, says when the budget is spent."""
+    """Training wall-clock minus snapshot saves; saves a snapshot past each mark (with `steps`: after the last
+    step), says when the budget (or the number of steps) is spent."""
 
-    def __init__(self, policy: Any, *, marks: list[float], budget_s: float, out: Path,
-                 progress: Callable[[str], None]) -> None:
+    def __init__(self, policy: Any, *, marks: list[float], budget_s: float | None, out: Path,
+                 progress: Callable[[str], None], steps: int | None = None) -> None:
         self.policy, self.marks, self.budget_s, self.out, self.progress = policy, marks, budget_s, out, progress
+        self.max_steps = steps
         self.started = 0.0
         self.paused_s = 0.0
         self.wall_s = 0.0
@@ -160,7 +170,8 @@ class _Clock:
 
         self.steps = step
         self.wall_s = time.perf_counter() - self.started - self.paused_s
-        if self.marks and self.wall_s >= self.marks[0]:
+        last = self.max_steps is not None and step >= self.max_steps
+        if last or (self.marks and self.wall_s >= self.marks[0]):
             while self.marks and self.wall_s >= self.marks[0]:
                 self.marks.pop(0)
             paused = time.perf_counter()
@@ -169,4 +180,4 @@ class _Clock:
             self.snapshots.append((self.wall_s, path))
             self.paused_s += time.perf_counter() - paused
             self.progress(f"trl: snapshot {len(self.snapshots)} at {self.wall_s:.0f}s (step {step})")
-        return self.wall_s >= self.budget_s
+        return last or (self.budget_s is not None and self.wall_s >= self.budget_s)
