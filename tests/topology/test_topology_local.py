@@ -194,6 +194,7 @@ def test_rlbus_up_three_regions_stops_clean(tmp_path: Path, stop: str,
             ready = [line for line in log.splitlines() if "generator_weights_ready" in line]
             assert ready and all("hf policy" in line for line in ready), log[-2000:]
     else:
-        assert "demo_producer.published" in out
+        if stop == "sigint":        # it waited for progress; --for may end before a slow machine's first heartbeat
+            assert "demo_producer.published" in out
         assert "eu-demo_producer-0: stopped" in out and "hub-demo_consumer-0: stopped" in out
     assert processes_mentioning(str(state)) == []
