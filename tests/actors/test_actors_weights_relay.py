@@ -146,7 +146,8 @@ async def test_a_relayed_region_gets_one_object_per_version_and_its_generators_h
                     await publisher.wait_announced(v)
                     while relay.regions["eu"].done != v:         # the relay's final stage and pruning
                         await anyio.sleep(0.02)
-                await anyio.sleep(0.2)                           # the last acks
+                    # a round trip over the link: what eu's server had queued for the hub (the last acks) crossed
+                    await trainer.jetstream("eu").account_info()
                 assert publisher.last is not None
                 sizes = dict(zip(publisher.last.manifest.objects, publisher.last.manifest.sizes, strict=True))
                 per_version[v] = (link_bytes() - before, sizes[f"v{v}.from{v - 1}"])
@@ -271,7 +272,7 @@ async def test_a_link_key_stored_before_its_object_waits_for_it_and_one_never_st
     """The hub sends the `link` key right behind the object in one round trip, so the key's stream may store it
     first: the relay waits for the object's metadata, then relays it; a key naming an object that never comes is
     refused after `LINK_OBJECT_WAIT_S` and the relay goes on serving."""
-    monkeypatch.setattr(publisher_module, "LINK_OBJECT_WAIT_S", 1.0)
+    monkeypatch.setattr(publisher_module, "LINK_OBJECT_WAIT_S", 120.0)   # the object is put however slow the machine
     async with _linked(tmp_path) as world:
         config = PublisherConfig(keep_versions=4, full_every=4, delta_depth=2)
         writer = await world.bus("eu", "publisher", "w")
@@ -297,12 +298,15 @@ async def test_a_link_key_stored_before_its_object_waits_for_it_and_one_never_st
             relay = RegionRelay(ActorId(world.run, "eu", "publisher", "eu-relay-0"),
                                 await world.bus("eu", "publisher", "r"), config, FAST, hub="hub", threads=1)
             await tg.start(relay.serve)
-            await anyio.sleep(0.3)
+            with anyio.fail_after(30):
+                while "received" not in relay.trace.get(0, {}):      # it read the key, waits for the object
+                    await anyio.sleep(0.02)
             assert relay.relayed_version is None
             await put_object(writer.js, weights, "v0.full", blob)
             with anyio.fail_after(30):
                 while relay.relayed_version != 0:
                     await anyio.sleep(0.02)
+            monkeypatch.setattr(publisher_module, "LINK_OBJECT_WAIT_S", 1.0)  # read by each wait as it starts
             never = msgspec.structs.replace(link, version=1, objects=["v1.full"])
             kv = await writer.js.key_value(latest)
             await kv.put(LINK_KEY, codec.encode(never, compress_above=1 << 40)[0])
