@@ -12,11 +12,11 @@ fp32 master weights, what `[trainer] precision = "bf16"` runs) in the same run:
   layer output relative to its largest output, with one scale per tensor); `batch_invariant_gemm` whether the
   batched fp32 product itself is (the CPU GEMM's reduction order depends on the batch).
 - `router_mismatch_p99`: p99 of |trainer logprob - behaviour logprob| per token with router replay off, on, and
-  on with the plausibility check (`--precision-threshold`; `routing.sweep`: at 0.9 and 1.0). The check moves a
-  replayed expert to the trainer's own choice, away from the behaviour's, so it cannot lower this mismatch
-  below replay's except by chance: it buys plausible routing with part of what replay saved. Behaviour: a generator sampling from the bfloat16
-  cast of the policy (KV cache, batched decoding); trainer: the fp32 master, one full-sequence forward; both
-  run NVFP4 experts.
+  on with the plausibility check (`--precision-threshold`; `routing.sweep`: at 0.9 and 1.0). Behaviour: a
+  generator sampling from the bfloat16 cast of the policy (KV cache, batched decoding); trainer: the fp32
+  master, one full-sequence forward; both run NVFP4 experts. The check moves a replayed expert to the trainer's
+  own choice, away from the behaviour's: it buys plausible routing with part of what replay saved, and lowers
+  this mismatch below replay's only by chance.
 - `grad_check`: relative error ||g - g_bf16|| / ||g_bf16|| of each parameter's gradient of the mean completion
   logprob under the mxfp8 recipe (MXFP8 forward and backward on the experts) against the plain one.
 - `rl`: a short RL run per recipe (bf16, nvfp4) from the same pretrained base, same seed, same task stream and
