@@ -21,7 +21,11 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from rlbus.model.tasks.make import StdlibModule
+    from rlbus.model.tasks.repo_grade import GradeReport
 
 DEFAULT_N: Final = 200
 DEFAULT_POOL: Final = 2
@@ -79,8 +83,8 @@ def _progress(line: str) -> None:
 def make_tasks(modules: Sequence[str], n: int, *, seed: int = 1, pool: int = DEFAULT_POOL,
                progress: Callable[[str], None] = _progress) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rows of `n` tasks over `modules` and what making them took (`tried`, `kept`, and the outcome of every
-    change graded, per module: kept, passed (no test caught it), timeout, void), grading in a sandbox supervisor
-    served here.
+    change graded, per module: kept, passed (no test caught it), timeout, void, no verdict), grading in a
+    sandbox supervisor served here.
 
     :raises MakeError: a module that tasks cannot be made from (model/tasks/make.py `stdlib_module`), or whose
         unmodified file does not pass its tests once the failing ones are skipped.
@@ -88,11 +92,11 @@ def make_tasks(modules: Sequence[str], n: int, *, seed: int = 1, pool: int = DEF
     from concurrent.futures import Future, ThreadPoolExecutor
 
     from rlbus.actors.sandbox.config import SandboxConfig
+    from rlbus.messages.errors import SandboxCrashed
     from rlbus.model.tasks.make import (
         SKIP_REASON,
         TIMEOUT_S,
         MakeError,
-        StdlibModule,
         fail_to_pass,
         module_seed,
         quotas,
@@ -100,7 +104,6 @@ def make_tasks(modules: Sequence[str], n: int, *, seed: int = 1, pool: int = DEF
         task_row,
     )
     from rlbus.model.tasks.mutators import Mutation, mutations
-    from rlbus.model.tasks.repo_grade import GradeReport
     from rlbus.ops.repo_grading import repository_grader
 
     modules_read = [stdlib_module(name) for name in modules]      # refused before any sandbox starts
@@ -116,7 +119,6 @@ def make_tasks(modules: Sequence[str], n: int, *, seed: int = 1, pool: int = DEF
         for module, quota in zip(modules_read, quotas(n, modules).values(), strict=True):
             if quota == 0:
                 continue
-
             try:
                 module, base, base_s = _baseline(graded, module)
             except MakeError as err:            # raised out here, not through the sandbox's task group
@@ -136,7 +138,11 @@ def make_tasks(modules: Sequence[str], n: int, *, seed: int = 1, pool: int = DEF
                 if not ahead:
                     break
                 change, future = ahead.popleft()
-                report = future.result()
+                try:
+                    report = future.result()
+                except SandboxCrashed:            # no session, or no answer: the change is passed over
+                    counts["no verdict"] += 1
+                    continue
                 failing_names = set(fail_to_pass(base, report))
                 if report.verdict == "failed" and not report.problems and failing_names:
                     rows.append(task_row(module, change, [t for t in report.tests if t.name in failing_names]))
@@ -151,7 +157,7 @@ def make_tasks(modules: Sequence[str], n: int, *, seed: int = 1, pool: int = DEF
                 future.cancel()
             for _, future in ahead:
                 if not future.cancelled():
-                    future.result()
+                    future.exception()
             outcomes[module.name] = counts
     if failure is not None:
         raise failure
@@ -159,7 +165,8 @@ def make_tasks(modules: Sequence[str], n: int, *, seed: int = 1, pool: int = DEF
     return rows, {"tried": tried, "kept": len(rows), "outcomes": {m: dict(c) for m, c in outcomes.items()}}
 
 
-def _baseline(graded: Callable[[Any, str, float], Any], module: Any) -> tuple[Any, Any, float]:
+def _baseline(graded: Callable[[StdlibModule, str, float], GradeReport],
+              module: StdlibModule) -> tuple[StdlibModule, GradeReport, float]:
     """The unmodified module graded (tests that do not pass set aside by `skip_tests`, and graded again): the
     module as the tasks hold it, its report, and the first grade's seconds.
 

@@ -1,10 +1,10 @@
 """Repository tasks made from real code: a standard-library module with one seeded bug, its CPython tests hidden.
 
 Owns: what a made task is, apart from running anything. `stdlib_module` reads a module's source file and its
-CPython test file (`Lib/test/test_<name>.py`, as installed), with the few `ADAPTATIONS` the grading sandbox needs;
-`skip_tests` marks the tests that do not pass on the unmodified module (they are not counted); `fail_to_pass`
-compares two grade reports; `instruction` words a task as an issue report (the function and what its failing
-tests say, never the change); `task_row` is the row of a repository task file (model/tasks/sources.py). The
+CPython test file (`Lib/test/test_<name>.py`, as installed), with the few `ADAPTATIONS` the grading sandbox needs
+and `random` seeded (`seeded`); `skip_tests` marks the tests that do not pass on the unmodified module (they are
+not counted); `fail_to_pass` compares two grade reports; `instruction` words a task as an issue report (the
+function and what its failing tests say, never the change); `task_row` is the row of a repository task file (model/tasks/sources.py). The
 repository is the one file with the change; the solution is the original file; `stdlib_under_test` makes the
 grade import the repository's copy instead of the standard library's.
 Does not: change code (model/tasks/mutators.py) or grade it (ops/tasks_make.py runs the hidden tests in the
@@ -80,7 +80,24 @@ def stdlib_module(name: str) -> StdlibModule:
             raise MakeError(f"module {name!r}: the adaptation of test_{name}.py expects {old!r} exactly once, "
                             f"found {tests.count(old)} times")
         tests = tests.replace(old, new)
-    return StdlibModule(name, f"{name}.py", Path(origin).read_text(encoding="utf-8"), f"test_{name}.py", tests)
+    return StdlibModule(name, f"{name}.py", Path(origin).read_text(encoding="utf-8"), f"test_{name}.py",
+                        seeded(tests))
+
+
+SEED_LINES: Final = "import random\nrandom.seed(0)  # rlbus: the same random data in every grade\n"
+
+
+def seeded(tests: str) -> str:
+    """`tests` with `SEED_LINES` before its first import (after any `from __future__` import): tests that draw
+    random data (heapq's) draw the same in every grade, so whether a change is caught, and by which tests, is
+    repeatable."""
+    tree = ast.parse(tests)
+    first = next((n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)
+                  and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")), None)
+    if first is None:
+        return SEED_LINES + tests
+    lines = tests.splitlines(keepends=True)
+    return "".join([*lines[:first.lineno - 1], SEED_LINES, *lines[first.lineno - 1:]])
 
 
 def skip_tests(module: StdlibModule, test_ids: Sequence[str], reason: str = SKIP_REASON) -> StdlibModule:
@@ -202,6 +219,7 @@ def quotas(n: int, modules: Sequence[str]) -> dict[str, int]:
     return {m: n // len(modules) + (1 if i < n % len(modules) else 0) for i, m in enumerate(modules)}
 
 
-__all__ = ["ADAPTATIONS", "DEFAULT_MODULES", "LEVEL_OF_KIND", "SKIP_REASON", "TIMEOUT_S", "MakeError", "StdlibModule",
-           "fail_to_pass", "failure_message", "instruction", "module_seed", "quotas", "skip_tests", "stdlib_module",
+__all__ = ["ADAPTATIONS", "DEFAULT_MODULES", "LEVEL_OF_KIND", "SEED_LINES", "SKIP_REASON", "TIMEOUT_S", "MakeError", "StdlibModule",
+           "fail_to_pass", "failure_message", "instruction", "module_seed", "quotas", "seeded", "skip_tests",
+           "stdlib_module",
            "task_id", "task_row"]

@@ -1,5 +1,5 @@
 """Tasks made from standard-library modules (model/tasks/make.py), apart from grading: the module and its
-CPython test file as read and adapted, tests set aside by decorator, fail-to-pass lists, failure messages
+CPython test file as read, adapted and seeded, tests set aside by decorator, fail-to-pass lists, failure messages
 without the changed lines, the instruction's wording and the row a repository task file accepts."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 
 from rlbus.model.tasks.make import (
     LEVEL_OF_KIND,
+    SEED_LINES,
     SKIP_REASON,
     MakeError,
     StdlibModule,
@@ -21,6 +22,7 @@ from rlbus.model.tasks.make import (
     instruction,
     module_seed,
     quotas,
+    seeded,
     skip_tests,
     stdlib_module,
     task_id,
@@ -71,6 +73,11 @@ def test_the_default_modules_and_their_tests_are_read_and_adapted() -> None:
         compile(module.source, module.path, "exec")
     assert "mock" not in stdlib_module("shlex").tests.split("class ShlexTest")[0]
     assert stdlib_module("heapq").tests.count("import heapq\n") == 1
+    heapq_tests = stdlib_module("heapq").tests
+    assert heapq_tests.index(SEED_LINES) < heapq_tests.index("import random\nimport unittest")
+    assert seeded('"""Doc."""\nfrom __future__ import annotations\nimport os\n') == (
+        '"""Doc."""\nfrom __future__ import annotations\n' + SEED_LINES + "import os\n")
+    assert seeded("x = 1\n") == SEED_LINES + "x = 1\n"
     with pytest.raises(MakeError, match="not a single Python source file"):
         stdlib_module("json")                                      # a package
     with pytest.raises(MakeError, match=r"Lib/test/test_this\.py is not installed"):
