@@ -147,18 +147,28 @@ _ADDRESS: Final = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
 def failure_message(detail: str, max_chars: int = 600) -> str:
     """What a failing test says, without the traceback's frames (which would show the changed lines): the
     exception and its message, from the first traceback in `detail` that has one, with object addresses masked.
-    The grade keeps a detail's end, so it may begin part-way through a traceback or through the message itself:
-    a cut first line is dropped, and a detail cut inside the message gives what is left of it."""
+    A traceback may be indented (a doctest's, inside its report): the exception is the first line after the last
+    frame that is indented less than the frame. The grade keeps a detail's end, so it may begin part-way through
+    a traceback or through the message itself: a cut first line is dropped, and a detail cut inside the message
+    gives what is left of it."""
     for i, part in enumerate(detail.split("Traceback (most recent call last):")):
         lines = part.strip("\n").splitlines()[1 if i == 0 else 0:]      # before any header: a cut first line
         last_frame = max((k for k, line in enumerate(lines) if _FRAME.match(line)), default=-1)
-        start = next((k for k in range(last_frame + 1, len(lines)) if _RAISED.match(lines[k])), None)
+        depth = _indent(lines[last_frame]) if last_frame >= 0 else 0
+        start = next((k for k in range(last_frame + 1, len(lines)) if _indent(lines[k]) < max(1, depth)
+                      and _RAISED.match(lines[k].strip())), None)
         if start is None and i == 0 and last_frame < 0 and any(line.strip() for line in lines):
             start = 0                                                      # cut inside the message
         if start is not None:
-            message = _ADDRESS.sub("0x...", "\n".join(lines[start:]).strip())
+            cut = _indent(lines[start])
+            text = "\n".join(line[cut:] if line[:cut].isspace() else line for line in lines[start:])
+            message = _ADDRESS.sub("0x...", text.strip())
             return message[:max_chars] + (" ..." if len(message) > max_chars else "")
     return ""
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
 
 
 def _documented(source: str, function: str) -> bool:

@@ -122,6 +122,10 @@ def test_a_failure_message_leaves_out_the_frames() -> None:
     two = failure_message(TRACEBACK + "\n" + TRACEBACK.replace("Lists differ", "Other"))
     assert two == message
     assert failure_message("x" * 2000 + "\nValueError: " + "y" * 900, max_chars=100).endswith("y ...")
+    doctest = ('ple.source, filename, "single",\n      File "<doctest merge[1]>", line 1, in <module>\n'
+               '        list(merge([1], [2]))\n      File "/workspace/heapq.py", line 261, in _siftup\n'
+               '        endpos = len(heap)\n                 ^^^^^^^^^\n    TypeError: object has no len()\n\n')
+    assert failure_message(doctest) == "TypeError: object has no len()"
     assert failure_message("cut line\n  File \"t.py\", line 3, in test\n    x <= y\n") == ""
     tail = "ists differ: [...]\n-  'eed-good-',\n+  'indeed-',\n : expected:\n  0: 'indeed-'\nbut got:\n  0: 'eed'\n"
     assert failure_message(tail) == "-  'eed-good-',\n+  'indeed-',\n : expected:\n  0: 'indeed-'\nbut got:\n  0: 'eed'"
