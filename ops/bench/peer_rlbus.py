@@ -1,13 +1,10 @@
 """The rlbus arm of `rlbus bench peer`: the RL job of `rlbus up` (real actor processes on an embedded bus) on
-the shared Hugging Face policy, for a wall-clock budget (the newest published version saved at each mark) or for a
-fixed number of optimizer steps (the version they make saved).
+the shared Hugging Face policy, for a wall-clock budget or a fixed number of optimizer steps.
 
-Owns: `rlbus_topology` (`topology/examples/hf.toml` with the shared policy directory, this bench's actors and
-the settings matched to TRL's) and `run_rlbus` (launch, clock, snapshots, counters from TRAINLOG and ROLLOUTS).
-The clock starts once a generator can work (the later of the first Task and version 0's WeightManifest, as in
-`rlbus bench async`); a snapshot is the bf16 version object the trainer put in CKPT, copied by this process
-while the actors go on (a few MB: no pause of the run).
-Does not: score snapshots (ops/bench/peer.py).
+- Owns: `rlbus_topology` (`topology/examples/hf.toml` with the shared policy directory, this bench's actors
+  and the settings matched to TRL's) and `run_rlbus` (launch, clock, snapshots, counters from TRAINLOG and
+  ROLLOUTS).
+- Does not: score snapshots (ops/bench/peer.py).
 """
 
 from __future__ import annotations
@@ -54,7 +51,12 @@ async def run_rlbus(topology: Any, state: Path, *, budget_s: float | None, marks
     last mark waits for a version past v0 if there is none yet, and the arm's wall-clock ends at that snapshot.
     With `steps` (`budget_s` and `marks` unused): run until the trainer published version `steps` (one version an
     optimizer step), however long that takes (at most `timeout_s`), and save that version; the arm's wall-clock
-    ends when it was published. Either way the arm's counters cover the steps that made the last snapshot."""
+    ends when it was published. Either way the arm's counters cover the steps that made the last snapshot.
+
+    The clock starts once a generator can work (the later of the first Task and version 0's WeightManifest, as
+    in `rlbus bench async`); a snapshot is the bf16 version object the trainer put in CKPT, copied by this
+    process while the actors go on (a few MB: no pause of the run).
+    """
     if (steps is None) == (budget_s is None):
         raise ValueError("run_rlbus: give a wall-clock budget or a number of steps, not both")
     import anyio
