@@ -198,7 +198,9 @@ async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exact
     async with _regions(tmp_path) as world, anyio.create_task_group() as tg:
         rs = world.rs
         trainer = await world.bus("hub", "trainer")
-        publisher = await _start_publisher(tg, world, _settings(rs, full_every=3))
+        # no region is cut off: every announcement waits for all three however slow the machine (2 s would announce
+        # without a region that a loaded machine wrote later, and the regions_ready check below would fail)
+        publisher = await _start_publisher(tg, world, _settings(rs, full_every=3, region_wait_s=120.0))
         syncs = []
         for region in rs.regions:
             for i in range(2):
