@@ -63,11 +63,34 @@ async def _acked_through(admin: Bus, seq: int, timeout_s: float = 90) -> None:
             await anyio.sleep(0.3)
 
 
-async def _settled(admin: Bus, timeout_s: float = 90) -> None:
-    """Wait until the checkpointer has acked every StateUploaded it was given, then for the server to write
-    the consumers' state to its store (its flusher does, milliseconds after an ack): the hub is killed at a
-    quiet moment. An ack the SIGKILL catches in memory is redelivered only after the 60 s ack wait (and the
-    checkpointer takes one upload at a time), which would test a lost ack, not the restart."""
+def _stored_ack_floor(store: Path, stream: str, durable: str) -> int:
+    """The ack floor (a stream sequence) nats-server last wrote to its store for a durable: its `o.dat` is a magic
+    byte (22), a version, then uvarints (ack floor consumer and stream sequence, delivered, ...); 0 before the
+    first write."""
+    try:
+        data = (store / "jetstream" / "$G" / "streams" / stream / "obs" / durable / "o.dat").read_bytes()
+    except FileNotFoundError:
+        return 0
+    if len(data) < 2 or data[0] != 22:
+        return 0
+    values, value, shift = [], 0, 0
+    for byte in data[2:]:
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            values.append(value)
+            value, shift = 0, 0
+            if len(values) == 2:
+                return values[1]
+    return 0
+
+
+async def _settled(admin: Bus, store: Path, timeout_s: float = 90) -> None:
+    """Wait until the checkpointer has acked every StateUploaded it was given, then until the server wrote the
+    trainer's and the checkpointer's acks to its store (its flusher does, milliseconds after an ack; read back from
+    the store): the hub is killed at a quiet moment. An ack the SIGKILL catches in memory is redelivered only after
+    the 60 s ack wait (and the checkpointer takes one upload at a time), which would test a lost ack, not the
+    restart."""
     s = admin.subjects
     with anyio.fail_after(timeout_s):
         while True:
@@ -76,7 +99,11 @@ async def _settled(admin: Bus, timeout_s: float = 90) -> None:
                     and not info.num_ack_pending:
                 break
             await anyio.sleep(0.1)
-    await anyio.sleep(0.5)
+        for stream, durable in ((s.state_stream(), s.durable("checkpointer")),
+                                (s.hub_rollouts_stream(), s.durable("trainer"))):
+            acked = (await admin.js.consumer_info(stream, durable)).ack_floor.stream_seq
+            while _stored_ack_floor(store, stream, durable) < acked:
+                await anyio.sleep(0.05)
 
 
 async def _publish(gen: Bus, rollouts: list, timeout_s: float = 30) -> None:  # type: ignore[type-arg]
@@ -106,7 +133,7 @@ async def test_trainer_keeps_its_pid_through_a_hub_restart(tmp_path: Path) -> No
         try:
             await _publish(gen, first)
             await _acked_through(launch.admin, len(first))      # step 1 trained, marked, acked
-            await _settled(launch.admin)
+            await _settled(launch.admin, regions.servers[HUB].store_dir)
             before = launch.supervisor.pids()
             await anyio.to_thread.run_sync(regions.kill, HUB)
             await anyio.sleep(2.0)
