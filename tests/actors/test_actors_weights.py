@@ -155,6 +155,22 @@ async def _announcements(bus: Bus) -> list[WeightManifest]:
             for seq in range(state.first_seq, state.last_seq + 1) if state.messages]
 
 
+async def _all_hold(syncs: list[WeightSync], version: int, publisher: Publisher, timeout_s: float = 60) -> None:
+    """Every sync swaps in `version`; past the hang guard, AssertionError saying where each sync (the manifest it
+    saw, what it staged and holds, what it avoids) and each region writer stands."""
+    try:
+        with anyio.fail_after(timeout_s):
+            for sync in syncs:
+                await sync.wait_for_version(version)
+    except TimeoutError:
+        where = [f"{sync.bus.identity.actor_id}: latest {None if sync.latest is None else (sync.latest.version, sync.latest.objects)}"
+                 f" staged {sync.staged_version} held {sync.held_version} avoid {sorted(sync._avoid)} rejected "
+                 f"{sync.rejected} last {sync.last_path}" for sync in syncs]
+        regions = {r.name: (r.written, r.done, r.failing) for r in publisher.regions.values()}
+        raise AssertionError(f"hang guard: version {version} not held by every generator within {timeout_s:g} s; "
+                             f"{'; '.join(where)}; regions (written, done, failing) {regions}") from None
+
+
 async def _wait_announced(bus: Bus, version: int, timeout_s: float = 30) -> WeightManifest:
     announced = await eventually(lambda: _announcements(bus), lambda found: any(m.version == version for m in found),
                                  what=f"the manifest of version {version}", timeout_s=timeout_s)
@@ -211,9 +227,7 @@ async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exact
         await source.publish(trainer)
         for _ in range(5):
             await source.step_and_publish(trainer)
-        with anyio.fail_after(60):
-            for sync in syncs:
-                await sync.wait_for_version(5)
+        await _all_hold(syncs, 5, publisher)
         for sync in syncs:
             assert sync.held_version == 5
             _assert_bit_exact(sync, source.history[5])
