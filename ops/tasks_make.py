@@ -83,8 +83,9 @@ def _progress(line: str) -> None:
 def make_tasks(modules: Sequence[str], n: int, *, seed: int = 1, pool: int = DEFAULT_POOL,
                progress: Callable[[str], None] = _progress) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rows of `n` tasks over `modules` and what making them took (`tried`, `kept`, and the outcome of every
-    change graded, per module: kept, passed (no test caught it), timeout, void, no verdict), grading in a
-    sandbox supervisor served here.
+    change graded, per module: kept, passed (no test caught it), timeout (an endless loop, say), void (the
+    grade found a problem: the module under test did not import, say), no verdict), grading in a sandbox
+    supervisor served here.
 
     :raises MakeError: a module that tasks cannot be made from (model/tasks/make.py `stdlib_module`), or whose
         unmodified file does not pass its tests once the failing ones are skipped.
@@ -149,7 +150,8 @@ def make_tasks(modules: Sequence[str], n: int, *, seed: int = 1, pool: int = DEF
                     kept += 1
                     counts["kept"] += 1
                 else:
-                    counts["void" if report.problems or report.verdict == "error" else report.verdict] += 1
+                    counts[report.verdict if report.verdict in ("passed", "timeout") else
+                           "void" if report.problems or report.verdict == "error" else "failed"] += 1
                 if sum(counts.values()) % 10 == 0 or kept == quota:
                     progress(f"{module.name}: {kept}/{quota} kept of {sum(counts.values())} changes graded "
                              f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})")
