@@ -1,25 +1,28 @@
-"""Held-out evaluation of repository tasks: one greedy agentic episode per task, in sandbox sessions.
+"""Held-out evaluation of repository tasks: one agentic episode per task (greedy, or sampled), in sandbox sessions.
 
 Owns: `evaluate_repo_tasks` (a task's episode in a session of a region's sandbox supervisors, opened with its
-files; the open episodes' next turns decoded greedily together, each capped by `AgenticEnvironment.room` and
+files; the open episodes' next turns decoded together, greedily or at a temperature from a seeded generator, each capped by `AgenticEnvironment.room` and
 `max_tokens`; each turn stepped through its session until `submit` or a budget ends the episode and the hidden
-tests grade the workspace), `eval_environment` (the environment a held-out episode runs in) and `EpisodeResult`.
+tests grade the workspace), `eval_environment` (the environment a held-out episode runs in) and `EpisodeResult`
+(the verdict and what the episode cost: turns, tool calls by tool, policy and observation tokens, wall seconds).
 Episodes take no summaries (`summary_tokens` 0: a full context ends the episode); the wall budget counts on
 this machine's clock. Used by the evaluator (actors/evaluator.py), `rlbus eval` and the closing evaluation
 of `rlbus up`.
-Does not: checkpoint or resume (an evaluation a fault interrupts raises and is not reported), sample, or
-publish anything.
+Does not: checkpoint or resume (an evaluation a fault interrupts raises and is not reported), score a set of
+episodes (model/sampling/scores.py), or publish anything.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import anyio
 import msgspec
+import torch
 
 from rlbus.actors.common.sessions import SandboxSession
 from rlbus.messages.bus import Bus
@@ -28,6 +31,7 @@ from rlbus.messages.schemas import ToolResult
 from rlbus.model.env import AgenticBudgets, AgenticEnvironment, AgenticState, state_context
 from rlbus.model.policies.interface import Policy
 from rlbus.model.sampling.evaluate import greedy_complete
+from rlbus.model.sampling.generate import generate, sampling_kv_dtype
 from rlbus.model.tasks.repo import RepoTask
 from rlbus.model.tasks.repo_grade import GradeReport, report_of
 from rlbus.model.tools.calls import ToolOutcome
@@ -40,7 +44,9 @@ OPEN_EPISODES: Final = 8
 
 @dataclass(frozen=True, slots=True)
 class EpisodeResult:
-    """One held-out episode: its task, whether the hidden tests passed, its reward, turns and why it ended."""
+    """One held-out episode: its task, whether the hidden tests passed, its reward, policy turns, why it ended, and
+    what else it cost: tool-call blocks (malformed ones count) and the calls run by tool, the tokens the policy
+    wrote and the observation tokens it read, seconds from its start to its end."""
 
     task_id: str
     level: int
@@ -48,6 +54,22 @@ class EpisodeResult:
     reward: float
     turns: int
     ended: str
+    tool_calls: int = 0
+    tool_calls_by_tool: dict[str, int] = field(default_factory=dict)
+    policy_tokens: int = 0
+    observation_tokens: int = 0
+    wall_s: float = 0.0
+
+
+def episode_result(state: AgenticState, wall_s: float) -> EpisodeResult:
+    """The result of a finished episode's state, `wall_s` seconds long."""
+    task = state.task
+    return EpisodeResult(task.task_id, task.level, state.verdict == "passed", float(state.reward),
+                         state.policy_turns, state.ended, tool_calls=state.tool_calls,
+                         tool_calls_by_tool=dict(sorted(Counter(c.name for c in state.calls).items())),
+                         policy_tokens=sum(len(t.ids) for t in state.turns if t.role == "assistant"),
+                         observation_tokens=sum(len(t.ids) for t in state.turns if t.role == "observation"),
+                         wall_s=max(0.0, wall_s))
 
 
 def eval_environment(policy: Policy, budgets: AgenticBudgets | None = None) -> AgenticEnvironment:
@@ -99,14 +121,17 @@ def _cut(ids: Sequence[int], stops: frozenset[int], vocab: int) -> list[int]:
 
 async def evaluate_repo_tasks(bus: Bus, region: str, policy: Policy, tasks: Sequence[RepoTask], *, max_tokens: int,
                               budgets: AgenticBudgets | None = None, on_step: Callable[[int], None] | None = None,
-                              open_episodes: int = OPEN_EPISODES) -> list[EpisodeResult]:
-    """One greedy episode per task through `region`'s sandbox supervisors, `open_episodes` at a time; results in
-    task order. `max_tokens` caps each policy turn; `on_step` runs before every decoding step (a cancellation it
-    raises ends the evaluation).
+                              open_episodes: int = OPEN_EPISODES, temperature: float = 0.0,
+                              seed: int = 0) -> list[EpisodeResult]:
+    """One episode per task through `region`'s sandbox supervisors, `open_episodes` at a time; results in task
+    order. Turns are greedy at `temperature` 0, else sampled at it from one generator seeded with `seed` (the same
+    tasks, policy and arguments give the same turns). `max_tokens` caps each policy turn; `on_step` runs before
+    every decoding step (a cancellation it raises ends the evaluation).
 
     :raises SandboxCrashed: a session could not be opened, or one was lost mid-episode.
     """
     env = eval_environment(policy, budgets)
+    sampler = torch.Generator(device=policy.device).manual_seed(seed) if temperature > 0 else None
     out: list[EpisodeResult] = []
     size = max(1, open_episodes)
     for first in range(0, len(tasks), size):
@@ -116,7 +141,7 @@ async def evaluate_repo_tasks(bus: Bus, region: str, policy: Policy, tasks: Sequ
             for task in wave:
                 files = {path: text.encode() for path, text in task.files.items()}
                 sessions.append(await SandboxSession.open(bus, region, files, lease_s=LEASE_S))
-            states = await _episodes(env, policy, wave, sessions, max_tokens, on_step)
+            finished = await _episodes(env, policy, wave, sessions, max_tokens, on_step, temperature, sampler)
         finally:
             with anyio.CancelScope(shield=True):
                 for session in sessions:
@@ -124,27 +149,38 @@ async def evaluate_repo_tasks(bus: Bus, region: str, policy: Policy, tasks: Sequ
                         await session.close()
                     except SandboxCrashed:
                         pass                # its lease ends it
-        out += [EpisodeResult(task.task_id, task.level, s.verdict == "passed", float(s.reward), s.policy_turns,
-                              s.ended) for task, s in zip(wave, states, strict=True)]
+        out += [episode_result(state, ended - state.started_at) for state, ended in finished]
     return out
 
 
 async def _episodes(env: AgenticEnvironment, policy: Policy, tasks: Sequence[RepoTask],
-                    sessions: Sequence[SandboxSession], max_tokens: int,
-                    on_step: Callable[[int], None] | None) -> list[AgenticState]:
+                    sessions: Sequence[SandboxSession], max_tokens: int, on_step: Callable[[int], None] | None,
+                    temperature: float = 0.0,
+                    sampler: torch.Generator | None = None) -> list[tuple[AgenticState, float]]:
     """Run each task's episode in its session to the end: every turn, the open episodes' next turns decoded
-    greedily (one call per distinct cap), then each stepped through its session."""
+    (one call per distinct cap), then each stepped through its session. Each final state comes with the time it
+    ended."""
     tok = env.tokenizer
     stops, vocab = frozenset(tok.stop_ids), tok.vocab_size
     states = [env.start(task, now=time.time()) for task in tasks]
+    ended = [0.0] * len(states)
 
     def decode(rows: list[int], contexts: list[list[int]], cap: int) -> dict[int, list[int]]:
-        ids = greedy_complete(policy, contexts, max_new_tokens=cap, stop_id=tok.stop_id, pad_id=tok.pad_id,
-                              batch_size=len(rows), on_step=on_step)
+        if temperature > 0:
+            with torch.no_grad():
+                out = generate(policy, contexts, max_new_tokens=cap, temperature=temperature, eos_id=tok.stop_id,
+                               pad_id=tok.pad_id, generator=sampler, on_step=on_step,
+                               kv_dtype=sampling_kv_dtype(policy.device))
+            ids = [s.tokens.tolist() for s in out]
+        else:
+            ids = greedy_complete(policy, contexts, max_new_tokens=cap, stop_id=tok.stop_id, pad_id=tok.pad_id,
+                                  batch_size=len(rows), on_step=on_step)
         return {i: _cut(row, stops, vocab) or [tok.stop_id] for i, row in zip(rows, ids, strict=True)}
 
     async def step(i: int, ids: list[int]) -> None:
         states[i] = (await env.step(states[i], ids, _Port(sessions[i]), now=time.time(), clock=time.time)).state
+        if states[i].done:
+            ended[i] = time.time()
 
     while open_rows := [i for i, s in enumerate(states) if not s.done]:
         caps = {i: max(1, min(max_tokens, env.room(states[i]))) for i in open_rows}
@@ -156,7 +192,7 @@ async def _episodes(env: AgenticEnvironment, policy: Policy, tasks: Sequence[Rep
         async with anyio.create_task_group() as tg:
             for i in open_rows:
                 tg.start_soon(step, i, turns[i])
-    return states
+    return list(zip(states, ended, strict=True))
 
 
-__all__ = ["LEASE_S", "OPEN_EPISODES", "EpisodeResult", "eval_environment", "evaluate_repo_tasks"]
+__all__ = ["LEASE_S", "OPEN_EPISODES", "EpisodeResult", "episode_result", "eval_environment", "evaluate_repo_tasks"]

@@ -1,7 +1,8 @@
 """Held-out repository tasks as greedy agentic episodes (actors/common/agentic_eval.py), each in a real sandbox
 session: the verdict is the hidden tests' on the workspace the episode leaves, so of two tasks whose untouched
 repositories fail and pass, a policy that changes nothing passes exactly the second; the evaluator of a
-repository task file publishes that pass@1 for a version it holds."""
+repository task file publishes that pass@1 for a version it holds. Each result counts what its episode cost;
+sampled episodes are seeded."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from helpers import eventually, new_run
 
 from rlbus.actors.base import ActorId, ActorLimits
-from rlbus.actors.common.agentic_eval import eval_environment, evaluate_repo_tasks
+from rlbus.actors.common.agentic_eval import episode_result, eval_environment, evaluate_repo_tasks
 from rlbus.actors.common.config import EvaluatorConfig, EvaluatorLaunch, PublisherConfig, PublisherLaunch
 from rlbus.actors.common.ledger import read_all
 from rlbus.actors.evaluator import Evaluator
@@ -26,10 +27,12 @@ from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import EvalReport
 from rlbus.messages.streams import StreamSettings, provision_run
-from rlbus.model.env import AgenticBudgets
+from rlbus.model.env import AgenticBudgets, AgenticState
+from rlbus.model.env.episodes import Turn
 from rlbus.model.policies.builtin import BuiltinPolicy
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.model.tasks.sources import read_repo_tasks_file
+from rlbus.model.tools.calls import ToolCall
 from rlbus.ops.bench.version_source import published_state, upload_version
 from rlbus.ops.local_sandbox import local_sandbox
 from rlbus.topology.network.regions import RegionSet
@@ -75,6 +78,41 @@ async def test_each_episode_is_graded_on_the_workspace_it_leaves(tmp_path: Path)
     assert [(r.task_id, r.level, r.passed, r.reward) for r in results] == [("buggy", 0, False, 0.0),
                                                                          ("fixed", 2, True, 1.0)]
     assert all(r.turns == 2 and r.ended == "turns" for r in results), results
+    for r in results:                   # two turns of at most 8 tokens, each answered by an observation
+        assert 2 <= r.policy_tokens <= 16 and r.observation_tokens > 0 and r.wall_s > 0, r
+        assert sum(r.tool_calls_by_tool.values()) <= r.tool_calls, r
+
+
+def test_an_episode_result_counts_its_cost_from_the_state(tmp_path: Path) -> None:
+    """Turns, tool-call blocks, the calls run by tool, policy and observation tokens, as the final state holds them."""
+    (task, _) = read_repo_tasks_file(task_file(tmp_path))
+    state = AgenticState(turns=(Turn("user", (1, 2, 3)), Turn("assistant", (4, 5)), Turn("observation", (6, 7, 8, 9)),
+                                Turn("assistant", (10,))),
+                         task=task, started_at=100.0, policy_turns=2, tool_calls=4, ended="submit", done=True,
+                         calls=(ToolCall("run", {}), ToolCall("read", {}), ToolCall("run", {})), verdict="passed",
+                         reward=1.0)
+    r = episode_result(state, 2.5)
+    assert (r.task_id, r.passed, r.reward, r.turns, r.ended) == ("buggy", True, 1.0, 2, "submit")
+    assert (r.tool_calls, r.tool_calls_by_tool, r.policy_tokens, r.observation_tokens, r.wall_s) == (
+        4, {"read": 1, "run": 2}, 3, 4, 2.5)
+
+
+async def test_sampled_episodes_are_seeded(tmp_path: Path) -> None:
+    """At a temperature, the same seed gives the same episodes (turns, tokens, calls, verdicts); the verdicts stay
+    those of the repositories as given, which a random policy does not change."""
+    tasks = read_repo_tasks_file(task_file(tmp_path))
+    policy = BuiltinPolicy(tiny(2048))
+    budgets = AgenticBudgets(max_turns=2)
+
+    def cost(r: object) -> tuple[object, ...]:
+        return tuple(getattr(r, k) for k in ("task_id", "passed", "turns", "ended", "tool_calls", "policy_tokens",
+                                             "observation_tokens"))
+
+    async with local_sandbox("agentic-eval", SANDBOX) as bus:
+        runs = [await evaluate_repo_tasks(bus, "hub", policy, tasks + tasks, max_tokens=8, budgets=budgets,
+                                          temperature=1.0, seed=3) for _ in range(2)]
+    assert [cost(r) for r in runs[0]] == [cost(r) for r in runs[1]]
+    assert [r.passed for r in runs[0]] == [False, True, False, True]
 
 
 @asynccontextmanager
