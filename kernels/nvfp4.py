@@ -1,21 +1,11 @@
 """NVFP4 with per-token scales: E2M1 elements, one FP8 E4M3 scale per 16-element block along the last
 dim, and one FP32 scale per row (token) where NVIDIA's NVFP4 has one per tensor.
 
-Owns the Triton quantise kernel, the torch references (same signatures), dequantisation and the
-dispatch functions (Triton on CUDA, torch otherwise). Does not own MXFP8 (`kernels/mxfp8.py`) or any
-matmul (`kernels/quantmm.py`).
-
-Per row r and block b (all fp32, IEEE round-to-nearest-even, divisions correctly rounded):
-    s_r = max(amax_r / 2688, 2^-126)                 2688 = 6 (E2M1 max) * 448 (E4M3 max)
-    S_rb = e4m3(min(amax_rb / (s_r * 6), 448))       stored as E4M3 bits
-    d_rb = S_rb * s_r
-    code = e2m1(clamp(x / d_rb, -6, 6))              0 (sign kept) where d_rb == 0
-    x' = e2m1_value(code) * d_rb                     dequantised
-A row's codes depend on that row only (batch-invariant, nothing leaks across tokens);
-`scale="tensor"` uses one s for the whole tensor instead (NVIDIA's layout), the counter-case.
-The last dim may be ragged: a partial last block is padded with zeros. Codes pack two per byte,
-element 2i in the low nibble. Inputs must be finite: a row holding inf or NaN gets meaningless codes
-and scales (its s_r is inf/NaN); under the per-token scale no other row is affected.
+- Owns: `NVFP4`, the torch references (`nvfp4_quantize_torch`, the formulas there), the Triton path
+  (`nvfp4_quantize_triton`, kernel in kernels/_nvfp4_triton.py), dequantisation and the dispatch functions
+  (Triton on CUDA, torch otherwise).
+- Guarantee: a row's codes depend on that row only (batch-invariant, nothing leaks across tokens).
+- Does not: own MXFP8 (kernels/mxfp8.py) or any matmul (kernels/quantmm.py).
 """
 
 from __future__ import annotations
@@ -70,7 +60,20 @@ def _e2m1_index(a: Tensor) -> Tensor:
 
 
 def nvfp4_quantize_torch(x: Tensor, scale: Scale = "token") -> NVFP4:
-    """x (..., K) finite float -> NVFP4; the formulas are in the module docstring."""
+    """x (..., K) finite float -> NVFP4.
+
+    Per row r and block b (all fp32, IEEE round-to-nearest-even, divisions correctly rounded):
+        s_r = max(amax_r / 2688, 2^-126)                 2688 = 6 (E2M1 max) * 448 (E4M3 max)
+        S_rb = e4m3(min(amax_rb / (s_r * 6), 448))       stored as E4M3 bits
+        d_rb = S_rb * s_r
+        code = e2m1(clamp(x / d_rb, -6, 6))              0 (sign kept) where d_rb == 0
+        x' = e2m1_value(code) * d_rb                     dequantised
+    A row's codes depend on that row only (batch-invariant, nothing leaks across tokens);
+    `scale="tensor"` uses one s for the whole tensor instead (NVIDIA's layout), the counter-case.
+    The last dim may be ragged: a partial last block is padded with zeros. Codes pack two per byte,
+    element 2i in the low nibble. Inputs must be finite: a row holding inf or NaN gets meaningless codes
+    and scales (its s_r is inf/NaN); under the per-token scale no other row is affected.
+    """
     _check_scale(scale)
     rows = _rows(x)
     M, K = rows.shape
