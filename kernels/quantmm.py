@@ -1,16 +1,10 @@
 """Quantised linear layers as the reference report trains MoE experts: the forward multiplies NVFP4 or
 MXFP8 activations and weights, the backward multiplies MXFP8-quantised gradients and operands.
 
-Owns `quant_linear` (one autograd function), its plain-torch reference `quant_linear_reference`
-(same arithmetic written out, forward and both gradients), and `Precision`. Does not own the number
-formats (`kernels/nvfp4.py`, `kernels/mxfp8.py`) or where layers use this (`model/policies/`).
-
-Every product is emulated: operands are quantised, dequantised to fp32, then multiplied in fp32
-(no FP4/FP8 tensor-core GEMM). Quantisation is along each product's reduction dim:
-    forward   y  = Q(x) @ Q(w)^T              Q along K: NVFP4 per token (row of x / of w), or MXFP8
-    backward  dx = M(g) @ M(w^T)^T            M = MXFP8 along N (out features)
-              dw = M(g^T) @ M(x^T)^T          M = MXFP8 along the tokens
-Quantisers pass gradients straight through. `precision="bf16"` is the plain `F.linear`.
+- Owns: `quant_linear` (one autograd function; the arithmetic there), its plain-torch reference
+  `quant_linear_reference` (forward and both gradients written out), and `Precision`.
+- Does not: own the number formats (kernels/nvfp4.py, kernels/mxfp8.py) or decide where layers use this
+  (model/policies/).
 """
 
 from __future__ import annotations
@@ -69,7 +63,15 @@ class _QuantLinear(torch.autograd.Function):
 
 
 def quant_linear(x: Tensor, w: Tensor, precision: Precision) -> Tensor:
-    """x (..., K), w (N, K) -> (..., N) in x's dtype; see the module docstring for the arithmetic."""
+    """x (..., K), w (N, K) -> (..., N) in x's dtype.
+
+    Every product is emulated: operands are quantised, dequantised to fp32, then multiplied in fp32
+    (no FP4/FP8 tensor-core GEMM). Quantisation is along each product's reduction dim:
+        forward   y  = Q(x) @ Q(w)^T              Q along K: NVFP4 per token (row of x / of w), or MXFP8
+        backward  dx = M(g) @ M(w^T)^T            M = MXFP8 along N (out features)
+                  dw = M(g^T) @ M(x^T)^T          M = MXFP8 along the tokens
+    Quantisers pass gradients straight through. `precision="bf16"` is the plain `F.linear`.
+    """
     if precision == "bf16":
         return F.linear(x, w)
     return _QuantLinear.apply(x, w, precision)  # type: ignore[no-any-return]
