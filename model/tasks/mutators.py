@@ -1,20 +1,12 @@
 """Seeded changes to one function of a Python module: the bugs of tasks made from real code.
 
-Owns: `KINDS` (the changes), `sites` (every place in a module's functions where a kind applies, found with
-`ast`), `apply_site` (the module's text with one site changed) and `mutations` (a seeded, deterministic
-stream of distinct changed modules, spread over functions and kinds). A change edits only the source text of
-the node it changes (an operator token, an expression, whole statement lines), so the rest of the file,
-comments included, stays as it was; the edited text is parsed again and kept only when its tree is exactly
-the tree with that one node changed.
-Does not: decide whether a change is a bug (running the tests does: ops/tasks_make.py), or word tasks
-(model/tasks/make.py).
-
-Kinds: `compare` (a comparison operator swapped: < and <=, == and !=, in and not in, ...), `arith` (an
-arithmetic operator swapped, also in `+=`), `off_by_one` (a bound of `range(...)`, a slice or an index moved by
-one), `variable` (a local name read in place of another), `condition` (one operand of `and`/`or` dropped, or an
-`if` without `else` whose body now always runs), `statement` (a statement dropped), `constant` (a number
-changed, a boolean flipped), `arguments` (two positional arguments of a call swapped), `return` (a return value
-replaced by None), `deletion` (the function's body removed, its docstring kept: to be implemented again).
+- Owns: `KINDS` (the changes), `sites` (every place in a module's functions where a kind applies, found with
+  `ast`), `apply_site` (the module's text with one site changed) and `mutations` (a seeded, deterministic
+  stream of distinct changed modules, spread over functions and kinds).
+- Guarantee: a change edits only the source text of the node it changes, and is kept only when the edited
+  text parses to exactly the tree with that one node changed.
+- Does not: decide whether a change is a bug (running the tests does: ops/tasks_make.py), or word tasks
+  (model/tasks/make.py).
 """
 
 from __future__ import annotations
@@ -29,6 +21,12 @@ from typing import Any, Final
 
 KINDS: Final = ("compare", "arith", "off_by_one", "variable", "condition", "statement", "constant", "arguments",
                 "return", "deletion")
+"""`compare` (a comparison operator swapped: < and <=, == and !=, in and not in, ...), `arith` (an arithmetic
+operator swapped, also in `+=`), `off_by_one` (a bound of `range(...)`, a slice or an index moved by one),
+`variable` (a local name read in place of another), `condition` (one operand of `and`/`or` dropped, or an `if`
+without `else` whose body now always runs), `statement` (a statement dropped), `constant` (a number changed, a
+boolean flipped), `arguments` (two positional arguments of a call swapped), `return` (a return value replaced by
+None), `deletion` (the function's body removed, its docstring kept: to be implemented again)."""
 _COMPARE: Final[dict[type, tuple[type, str, str]]] = {      # op -> (swapped op, token pattern, new token)
     ast.Lt: (ast.LtE, r"<(?![<=])", "<="), ast.LtE: (ast.Lt, r"<=", "<"),
     ast.Gt: (ast.GtE, r"(?<![-=>])>(?![=>])", ">="), ast.GtE: (ast.Gt, r">=", ">"),
@@ -399,7 +397,12 @@ def _apply(text: _Text, edit: Edit) -> str:
 
 def apply_site(source: str, site: Site) -> tuple[str, str] | None:
     """(new text, note of the change) with `site` changed, or None when no text edit yields exactly the tree
-    with that one node changed (the site is then skipped)."""
+    with that one node changed (the site is then skipped).
+
+    A change edits only the source text of the node it changes (an operator token, an expression, whole
+    statement lines), so the rest of the file, comments included, stays as it was; the edited text is parsed
+    again and kept only when its tree is exactly the tree with that one node changed.
+    """
     expected = ast.parse(source)
     text = _Text(source)
     changed = _change(expected, text, site)
