@@ -1,14 +1,11 @@
-"""Repository tasks made from real code: a standard-library module with one seeded bug, its CPython tests hidden.
+"""Repository tasks made from real code: a standard-library module with one seeded bug, its CPython tests
+hidden.
 
-Owns: what a made task is, apart from running anything. `stdlib_module` reads a module's source file and its
-CPython test file (`Lib/test/test_<name>.py`, as installed), with the few `ADAPTATIONS` the grading sandbox needs
-and `random` seeded (`seeded`); `skip_tests` marks the tests that do not pass on the unmodified module (they are
-not counted); `fail_to_pass` compares two grade reports; `instruction` words a task as an issue report (the
-function and what its failing tests say, never the change); `task_row` is the row of a repository task file (model/tasks/sources.py). The
-repository is the one file with the change; the solution is the original file; `stdlib_under_test` makes the
-grade import the repository's copy instead of the standard library's.
-Does not: change code (model/tasks/mutators.py) or grade it (ops/tasks_make.py runs the hidden tests in the
-sandbox and keeps a change only when some test that passes on the original fails on it).
+- Owns: what a made task is, apart from running anything: `stdlib_module` (a module and its adapted CPython
+  test file), `seeded`, `skip_tests`, `fail_to_pass`, `instruction` (an issue report, never the change) and
+  `task_row` (the row of a repository task file, model/tasks/sources.py).
+- Does not: change code (model/tasks/mutators.py) or grade it (ops/tasks_make.py runs the hidden tests in the
+  sandbox and keeps a change only when some test that passes on the original fails on it).
 """
 
 from __future__ import annotations
@@ -63,6 +60,9 @@ class StdlibModule:
 
 def stdlib_module(name: str) -> StdlibModule:
     """The installed module `name` (a single `.py` file) and its CPython test file, adapted.
+
+    The test file is `Lib/test/test_<name>.py`, as installed, with the few `ADAPTATIONS` the grading sandbox
+    needs and `random` seeded (`seeded`).
 
     :raises MakeError: the module is not a single source file, its test file is not installed, or an adaptation
         does not match.
@@ -211,7 +211,11 @@ def task_id(module: StdlibModule, mutation: Mutation) -> str:
 
 
 def task_row(module: StdlibModule, mutation: Mutation, failing: Sequence[TestReport]) -> dict[str, Any]:
-    """The repository task file row of a kept change (`failing`: its fail-to-pass tests' reports)."""
+    """The repository task file row of a kept change (`failing`: its fail-to-pass tests' reports).
+
+    The repository is the one file with the change; the solution is the original file; `stdlib_under_test`
+    makes the grade import the repository's copy instead of the standard library's.
+    """
     return {"task_id": task_id(module, mutation), "instruction": instruction(module, mutation, failing),
             "files": {module.path: mutation.text}, "hidden_tests": {module.test_path: module.tests},
             "solution": {module.path: module.source}, "stdlib_under_test": [module.name],
