@@ -1,15 +1,9 @@
 """`rlbus tasks make -o FILE`: repository tasks made from the standard library and CPython's own tests.
 
-Owns: the command and `make_tasks`. For each module (`--modules`, default textwrap, fractions, statistics,
-shlex, heapq, calendar) it grades the unmodified module against its CPython test file once, through a real
-sandbox supervisor on an embedded nats-server (ops/repo_grading.py `repository_grader`); tests that do not
-pass there are skipped by decorator and not counted, and the rest must then pass. Then it grades the module's
-seeded changes (model/tasks/mutators.py) in turn, `--pool` at a time, and keeps a change only when its grade is
-`failed` (not a timeout, not void) with at least one test that passes on the original failing: its
-fail-to-pass tests are recorded in the row. The first changes kept in stream order fill the module's share of
-`--n`, so a seed gives the same file. Rows go to `-o` (model/tasks/make.py words them), a file `rlbus tasks
-check` accepts; progress goes to stderr. Exit 0 with `--n` tasks written, 1 when the changes ran out first.
-Does not: word or build tasks (model/tasks/make.py), or change code (model/tasks/mutators.py).
+- Owns: the command (`register`) and `make_tasks`: each module's seeded changes graded in a real sandbox
+  supervisor, a change kept only when a test that passes on the original fails on it.
+- Guarantee: a seed gives the same file; exit 0 with `--n` tasks written, 1 when the changes ran out first.
+- Does not: word or build tasks (model/tasks/make.py), or change code (model/tasks/mutators.py).
 """
 
 from __future__ import annotations
@@ -86,6 +80,16 @@ def make_tasks(modules: Sequence[str], n: int, *, seed: int = 1, pool: int = DEF
     change graded, per module: kept, passed (no test caught it), timeout (an endless loop, say), void (the
     grade found a problem: the module under test did not import, say), no verdict), grading in a sandbox
     supervisor served here.
+
+    For each module (`--modules`, default textwrap, fractions, statistics, shlex, heapq, calendar) it grades
+    the unmodified module against its CPython test file once, through a real sandbox supervisor on an
+    embedded nats-server (ops/repo_grading.py `repository_grader`); tests that do not pass there are skipped
+    by decorator and not counted, and the rest must then pass. Then it grades the module's seeded changes
+    (model/tasks/mutators.py) in turn, `--pool` at a time, and keeps a change only when its grade is `failed`
+    (not a timeout, not void) with at least one test that passes on the original failing: its fail-to-pass
+    tests are recorded in the row. The first changes kept in stream order fill the module's share of `--n`,
+    so a seed gives the same file. Rows go to `-o` (model/tasks/make.py words them), a file `rlbus tasks
+    check` accepts; progress goes to stderr.
 
     :raises MakeError: a module that tasks cannot be made from (model/tasks/make.py `stdlib_module`), or whose
         unmodified file does not pass its tests once the failing ones are skipped.
