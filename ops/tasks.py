@@ -1,18 +1,11 @@
-"""`rlbus tasks check SOURCE [--json] [--limit N]`: prove a task source's tests against its reference solutions.
+"""`rlbus tasks check SOURCE [--json] [--limit N]`: prove a task source's tests against its reference
+solutions.
 
-Owns: the command. For every task of the source (`builtin`, `humaneval` or a JSONL file:
-model/tasks/sources.py) it grades, through a real sandbox supervisor on an embedded nats-server (both
-started here and stopped at the end: ops/local_sandbox.py), the reference solution and a broken
-copy of it (`model.task_sources.broken_program`: the entry point's body replaced by `return None`, its
-signature kept; built with `ast` on the main thread before any request goes out). Repository tasks (`repo`,
-`repo:LEVEL` or a repository task file) are graded in sandbox sessions by the grade runner
-(ops/repo_grading.py): the repository with the solution applied must pass its hidden tests, the untouched
-repository must fail them. A sound source has every reference passing and every broken copy failing its tests;
-each task that is not so is listed with its verdict. Exit 0 when sound, 1 when not, 2 when the source cannot be
-read. Progress goes to stderr.
-`rlbus tasks make` (repository tasks from the standard library) is registered here and lives in
-ops/tasks_make.py.
-Does not: grade a policy (`rlbus eval`), or run anything outside the sandbox.
+- Owns: the command (`register`, `check_tasks`, `check_repo_tasks`): every reference must pass and every
+  broken copy (or untouched repository) fail, graded through a real sandbox supervisor on an embedded
+  nats-server (ops/local_sandbox.py); exit 0 when sound, 1 when not, 2 when the source cannot be read.
+- Does not: grade a policy (`rlbus eval`), make tasks (ops/tasks_make.py, whose `make` is registered here)
+  or run anything outside the sandbox.
 """
 
 from __future__ import annotations
@@ -97,7 +90,14 @@ def _check(args: argparse.Namespace) -> int:
 
 async def check_tasks(tasks: list[Task], pool: int = DEFAULT_POOL) -> dict[str, Any]:
     """Grade each task's reference and broken copy in a sandbox supervisor served here, on an embedded
-    nats-server in a temporary directory; the report of `rlbus tasks check --json`."""
+    nats-server in a temporary directory; the report of `rlbus tasks check --json`.
+
+    For every task of the source (`builtin`, `humaneval` or a JSONL file: model/tasks/sources.py) it grades
+    the reference solution and a broken copy of it (`model.task_sources.broken_program`: the entry point's
+    body replaced by `return None`, its signature kept; built with `ast` on the main thread before any
+    request goes out). A sound source has every reference passing and every broken copy failing its tests;
+    each task that is not so is listed with its verdict. Progress goes to stderr.
+    """
     import anyio
 
     from rlbus.actors.common.sandbox_client import grade_result, request_for_case, run_in_sandbox
@@ -161,7 +161,8 @@ async def check_tasks(tasks: list[Task], pool: int = DEFAULT_POOL) -> dict[str, 
 async def check_repo_tasks(tasks: list[RepoTask], pool: int = DEFAULT_POOL) -> dict[str, Any]:
     """Grade each repository task twice in sandbox sessions (a supervisor served here, on an embedded nats-server):
     with its solution applied (must pass) and untouched (must fail, not time out or err); the report of `rlbus
-    tasks check --json`, the untouched repository in the place of the broken copy."""
+    tasks check --json`, the untouched repository in the place of the broken copy. Repository tasks (`repo`,
+    `repo:LEVEL` or a repository task file) are graded by the grade runner (ops/repo_grading.py)."""
     import anyio
 
     from rlbus.actors.sandbox.config import SandboxConfig
