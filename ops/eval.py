@@ -1,20 +1,10 @@
-"""`rlbus eval WEIGHTS`: score a checkpoint, the pretrained base or a Hugging Face directory on the held-out tasks.
+"""`rlbus eval WEIGHTS`: score a checkpoint, the pretrained base or a Hugging Face directory on the held-out
+tasks.
 
-Greedy pass@1 with its 95% interval, per family, exactly as the evaluator and `rlbus up`'s closing
-evaluation score a version (the policy in bfloat16 as it is published, the same tasks for the same seed).
-With `--samples K` it also samples K completions per task at `--temperature` and reports mean@K (the samples'
-mean pass rate), unbiased pass@k for k = 1..K with bootstrap intervals (model/sampling/scores.py) and, for the
-tasks greedy decoding fails, how many passes the policy samples at all: the measure of what RL can still turn
-into greedy passes (docs/experiments.md).
-A repository task file as `--source` is scored as the evaluator scores it: one greedy agentic episode per
-task in the sessions of a sandbox supervisor of its own (actors/common/agentic_eval.py), per level, with what
-the episodes cost (turns, tool calls, tokens, seconds); `--samples K` adds K sampled episodes per task.
-
-Owns: the `eval` subcommand, `load_policy` (state directory, `checkpoints/step-N` directory, `pretrain.pt`
-or Hugging Face directory → a `Policy` and a label; checkpoint objects digest-checked against their
-`mark.json`), `sample_passes`, `summarize` (the report), `episode_cost` and `cost_means`.
-Does not: run while a run goes on or publish anything (actors/evaluator.py; ops/final_eval.py), or compute
-pass@k and its intervals (model/sampling/scores.py).
+- Owns: the `eval` subcommand (`register`: greedy pass@1 with its 95% interval per family, as the evaluator
+  scores a version; with `--samples K` sampled pass@1 and pass@K), `load_policy` (any weights → a `Policy`
+  and a label, checkpoint objects digest-checked), `sample_passes` and `summarize`.
+- Does not: run while a run goes on or publish anything (actors/evaluator.py; ops/final_eval.py).
 """
 
 from __future__ import annotations
@@ -44,6 +34,16 @@ MAX_SAMPLES: Final = 256
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the `eval` subcommand to the `rlbus` parser.
+
+    Greedy pass@1 with its 95% interval, per family, exactly as the evaluator and `rlbus up`'s closing
+    evaluation score a version (the policy in bfloat16 as it is published, the same tasks for the same seed).
+    With `--samples K` it also samples K completions per task at `--temperature` and reports the sampled
+    pass@1, pass@K and, for the tasks greedy decoding fails, how many passes the policy samples at all: the
+    measure of what RL can still turn into greedy passes (docs/experiments.md). A repository task file as
+    `--source` is scored as the evaluator scores it: one greedy agentic episode per task in the sessions of a
+    sandbox supervisor of its own (actors/common/agentic_eval.py), per level.
+    """
     p = sub.add_parser(
         "eval", help="score a checkpoint or the pretrained base on the held-out tasks (greedy, and sampled)",
         description="Score WEIGHTS on the evaluator's held-out tasks: greedy pass@1 with its 95% Wilson interval "
