@@ -1,32 +1,9 @@
 """`rlbus bench precision`: what the MoE experts' NVFP4 / MXFP8 forward and MXFP8 backward do to the numbers
 the trainer sees, on the built-in MoE policy and on a Qwen3-MoE built on the spot.
 
-Owns the precision benchmark. Every figure is measured against the plain forward ("bf16": `F.linear` on the
-fp32 master weights, what `[trainer] precision = "bf16"` runs) in the same run:
-- `logprob_drift`: |logprob - bf16 logprob| per completion token (mean, p99) of the same sampled rollouts, per
-  recipe (`bf16`, `mxfp8`, `nvfp4` on the experts; `bfloat16_weights`: the plain forward of the model cast to
-  bfloat16, what a generator's published version computes); routing is free (not replayed), so a flipped
-  expert counts.
-- `batch_invariant_nvfp4`: a token's NVFP4 codes and scales, and its row-wise layer output, are bit-identical
-  whichever tokens share its batch; `batch_variance_per_tensor` the counter-case (largest change of a token's
-  layer output relative to its largest output, with one scale per tensor); `batch_invariant_gemm` whether the
-  batched fp32 product itself is (the CPU GEMM's reduction order depends on the batch).
-- `router_mismatch_p99`: p99 of |trainer logprob - behaviour logprob| per token with router replay off, on, and
-  on with the plausibility check (`--precision-threshold`; `routing.sweep`: at 0.9 and 1.0). Behaviour: a
-  generator sampling from the bfloat16 cast of the policy (KV cache, batched decoding); trainer: the fp32
-  master, one full-sequence forward; both run NVFP4 experts. The check moves a replayed expert to the trainer's
-  own choice, away from the behaviour's: it buys plausible routing with part of what replay saved, and lowers
-  this mismatch below replay's only by chance.
-- `grad_check`: relative error ||g - g_bf16|| / ||g_bf16|| of each parameter's gradient of the mean completion
-  logprob under the mxfp8 recipe (MXFP8 forward and backward on the experts) against the plain one.
-- `rl`: a short RL run per recipe (bf16, nvfp4) from the same pretrained base, same seed, same task stream and
-  equal optimizer steps (`build_core` and `TrainerCore.train_step`; a generator built from the published spec, at
-  its precision, holding the published bfloat16 version in float32, samples each batch; tasks of levels 1-2, one
-  attempt, reward 1 for passing every hidden test, only groups whose rewards differ trained, as the default run),
-  held-out greedy pass@1 of the trainer's policy before and after.
-The built-in policy is pretrained on task documents once into `.rlbus/bench/precision-<preset>-<steps>/`; the
-Qwen3-MoE (randomly initialised, `build_hf_dir`) is built into `.rlbus/bench/precision-qwen3-moe/`.
-Does not: assert anything about the figures.
+- Owns: the precision benchmark (`run`): logprob drift, batch invariance, router mismatch, gradient error
+  and a short RL run per recipe, each against the plain bf16 forward in the same run.
+- Does not: assert anything about the figures.
 """
 
 from __future__ import annotations
@@ -70,6 +47,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure every figure and return them.
+
+    Every figure is measured against the plain forward ("bf16": `F.linear` on the
+    fp32 master weights, what `[trainer] precision = "bf16"` runs) in the same run:
+    - `logprob_drift`: |logprob - bf16 logprob| per completion token (mean, p99) of the same sampled rollouts, per
+      recipe (`bf16`, `mxfp8`, `nvfp4` on the experts; `bfloat16_weights`: the plain forward of the model cast to
+      bfloat16, what a generator's published version computes); routing is free (not replayed), so a flipped
+      expert counts.
+    - `batch_invariant_nvfp4`: a token's NVFP4 codes and scales, and its row-wise layer output, are bit-identical
+      whichever tokens share its batch; `batch_variance_per_tensor` the counter-case (largest change of a token's
+      layer output relative to its largest output, with one scale per tensor); `batch_invariant_gemm` whether the
+      batched fp32 product itself is (the CPU GEMM's reduction order depends on the batch).
+    - `router_mismatch_p99`: p99 of |trainer logprob - behaviour logprob| per token with router replay off, on, and
+      on with the plausibility check (`--precision-threshold`; `routing.sweep`: at 0.9 and 1.0). Behaviour: a
+      generator sampling from the bfloat16 cast of the policy (KV cache, batched decoding); trainer: the fp32
+      master, one full-sequence forward; both run NVFP4 experts. The check moves a replayed expert to the trainer's
+      own choice, away from the behaviour's: it buys plausible routing with part of what replay saved, and lowers
+      this mismatch below replay's only by chance.
+    - `grad_check`: relative error ||g - g_bf16|| / ||g_bf16|| of each parameter's gradient of the mean completion
+      logprob under the mxfp8 recipe (MXFP8 forward and backward on the experts) against the plain one.
+    - `rl`: a short RL run per recipe (bf16, nvfp4) from the same pretrained base, same seed, same task stream and
+      equal optimizer steps (`build_core` and `TrainerCore.train_step`; a generator built from the published spec, at
+      its precision, holding the published bfloat16 version in float32, samples each batch; tasks of levels 1-2, one
+      attempt, reward 1 for passing every hidden test, only groups whose rewards differ trained, as the default run),
+      held-out greedy pass@1 of the trainer's policy before and after.
+    The built-in policy is pretrained on task documents once into `.rlbus/bench/precision-<preset>-<steps>/`; the
+    Qwen3-MoE (randomly initialised, `build_hf_dir`) is built into `.rlbus/bench/precision-qwen3-moe/`.
+    """
     import torch
 
     quick = bool(getattr(args, "quick", False))
