@@ -1,15 +1,9 @@
 """Running a chaos run: a whole embedded topology under a seeded schedule of faults, then its accounting.
 
-Owns: `chaos_topology()` (the default: three_regions with tiny settings and a restart policy that rides out
-many kills), `prepare_state_dir`, and `ChaosRun`: launch (local backend, leaves behind cuttable relays),
-watch heartbeats and the hub's rollout arrivals, wait for the first optimizer step, inject the planned
-faults (ops/chaos/plan.py) — SIGKILL actors, SIGKILL a leaf nats-server then restart it on its store dir,
-cut a leaf's link (behind shaped links also by dropping all its packets or taking it down, and degrade it),
-SIGSTOP/SIGCONT actors (of `kill_kinds`, or of every kind) — then the quiet period (the feeder is stopped;
-wait until every task is done, every rollout has reached the hub and the trainer has consumed what it can; with
-`agentic`, also until the sandboxes' sessions are closed), a graceful drain, and the result: the ledger,
-restarts, recovery times; with `agentic` the sessions and restored workspaces too (ops/chaos/agentic.py).
-Does not: print tables (ops/chaos/report.py) or parse the command line (ops/chaos/cli.py).
+- Owns: `chaos_topology()` (the default topology), `prepare_state_dir`, and `ChaosRun`: launch, inject the
+  planned faults (ops/chaos/plan.py), a quiet period, a graceful drain, and the result (the ledger,
+  restarts, recovery times; with `agentic` the sessions and restored workspaces, ops/chaos/agentic.py).
+- Does not: print tables (ops/chaos/report.py) or parse the command line (ops/chaos/cli.py).
 """
 
 from __future__ import annotations
@@ -118,7 +112,17 @@ def ensure_pretrained(topology: Topology, state: Path, say: Say) -> None:
 
 
 class ChaosRun:
-    """One chaos run of `topology` in `state`; `await run()` returns the result dict (ops/chaos/report.py)."""
+    """One chaos run of `topology` in `state`; `await run()` returns the result dict (ops/chaos/report.py).
+
+    Launch (local backend, leaves behind cuttable relays), watch heartbeats and the hub's rollout arrivals,
+    wait for the first optimizer step, inject the planned faults (ops/chaos/plan.py) — SIGKILL actors,
+    SIGKILL a leaf nats-server then restart it on its store dir, cut a leaf's link (behind shaped links also
+    by dropping all its packets or taking it down, and degrade it), SIGSTOP/SIGCONT actors (of `kill_kinds`,
+    or of every kind) — then the quiet period (the feeder is stopped; wait until every task is done, every
+    rollout has reached the hub and the trainer has consumed what it can; with `agentic`, also until the
+    sandboxes' sessions are closed), a graceful drain, and the result: the ledger, restarts, recovery times;
+    with `agentic` the sessions and restored workspaces too (ops/chaos/agentic.py).
+    """
 
     def __init__(self, topology: Topology, state: Path, settings: ChaosSettings, *, settle_s: float = 300.0,
                  warmup_s: float = 300.0, say: Say = lambda _: None, kill_kinds: Sequence[str] | None = None,
