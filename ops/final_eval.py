@@ -1,17 +1,8 @@
 """The closing evaluation of `rlbus up`: the final checkpoint's weights on the evaluator's held-out set.
 
-The evaluator scores every `every_versions`-th version while the run goes on, so its last report can be
-up to `every_versions - 1` versions older than the weights the run ends with. Once the actors have
-drained, `rlbus up` scores the newest durable checkpoint (the one the ledger walks back from) the way the
-evaluator would have: the same tasks (`held_out_tasks(tasks, seed, n_tasks)`), the policy in bfloat16 as the
-generators and the evaluator hold it, greedy decoding with the evaluator's token budget (the generators');
-graded in a `model.grading` subprocess like the pretrained base, since the sandbox actors have stopped. A
-repository task file's tasks run as greedy agentic episodes in the sessions of a sandbox supervisor of its own
-(ops/local_sandbox.py; actors/common/agentic_eval.py).
-
-Owns: `final_evaluation` (mark → state → pass@1 per family; `evaluate_repo_state` and `episodes_result` for a
-repository task file) and `write_report`.
-Does not: publish on the bus, or evaluate while the run is going (actors/evaluator.py).
+- Owns: `final_evaluation` (mark → state → pass@1 per family, scored as the evaluator would have;
+  `evaluate_repo_state` and `episodes_result` for a repository task file) and `write_report`.
+- Does not: publish on the bus, or evaluate while the run is going (actors/evaluator.py).
 """
 
 from __future__ import annotations
@@ -56,6 +47,15 @@ async def final_evaluation(bus: Bus, state_dir: Path, *, seed: int, n_tasks: int
                            threads: int = 1, tasks: str = BUILTIN) -> FinalEval | None:
     """Evaluate the newest CheckpointMark's weights on the evaluator's held-out set (`tasks`: its source);
     None when the run has no checkpoint yet.
+
+    The evaluator scores every `every_versions`-th version while the run goes on, so its last report can be
+    up to `every_versions - 1` versions older than the weights the run ends with. Once the actors have
+    drained, `rlbus up` scores the newest durable checkpoint (the one the ledger walks back from) the way the
+    evaluator would have: the same tasks (`held_out_tasks(tasks, seed, n_tasks)`), the policy in bfloat16 as
+    the generators and the evaluator hold it, greedy decoding with the evaluator's token budget (the
+    generators'); graded in a `model.grading` subprocess like the pretrained base, since the sandbox actors
+    have stopped. A repository task file's tasks run as greedy agentic episodes in the sessions of a sandbox
+    supervisor of its own (ops/local_sandbox.py; actors/common/agentic_eval.py).
 
     :raises RlbusError: the mark's state is neither in CKPT nor on disk with its digest, or `tasks` is
     unreadable.
