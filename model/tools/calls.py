@@ -1,22 +1,11 @@
 """The tools of the agentic coding environment and their text format: specs, schemas, parsing, rendering.
 
-Owns: `TOOLS` (the fixed names and arguments the sandbox implements), `TOOL_SCHEMAS` (the same as JSON schemas
-in the OpenAI function format a chat template's `tools` takes), `ToolCall`, `ToolOutcome` (what the sandbox
-answers to one), `parse_turn` (a policy turn's text -> its tool calls and the problems of the ones that are not
-calls, in a `CallStyle`), `check_call` (arguments against a tool's spec), and the text of the tool list, a call
-and a tool response.
-Does not own: running tools (the sandbox, through `WorkspacePort`), budgets (model/env/agentic.py) or how a chat
-template frames the schemas and results (model/tools/template.py).
-
-Call styles: "hermes", the one of Qwen2.5 and Qwen3 chat templates, `<tool_call>\\n{"name": ..., "arguments":
-{...}}\\n</tool_call>` (zero or more per turn, text around them ignored); "llama", the one of Llama-3.1 templates,
-`{"name": ..., "parameters": {...}}` as the whole turn (one call, optionally after `<|python_tag|>`).
-Where the policy's chat template does not render tools (the built-in byte policy, ChatML), the tool list is given
-as a `<tools>` block of JSON function signatures in the user turn (`tools_text`), calls are Hermes ones, and the
-results come back in one observation turn, each as `<tool_response>\\n...\\n</tool_response>`, joined by
-newlines: for a Hugging Face policy the observation role is the template's user turn, which is how Qwen templates
-render a run of `tool` messages; the built-in byte policy uses the same text, its results in its own observation
-role.
+- Owns: `TOOLS` (the fixed names and arguments the sandbox implements), `TOOL_SCHEMAS` (the same in the OpenAI
+  function format), `ToolCall`, `ToolOutcome`, `parse_turn` (a policy turn's text -> its tool calls, in a
+  `CallStyle`), `check_call`, and the text of the tool list, a call and a tool response (`tools_text`,
+  `response_text`, `outcome_text`).
+- Does not: run tools (the sandbox, through `WorkspacePort`), hold budgets (model/env/agentic.py) or decide
+  how a chat template frames the schemas and results (model/tools/template.py).
 """
 
 from __future__ import annotations
@@ -139,7 +128,13 @@ def check_call(name: Any, arguments: Any) -> ToolCall | str:
 def parse_turn(text: str, style: CallStyle = "hermes") -> list[ToolCall | BadCall]:
     """The tool calls of a policy turn's text, in order, in `style`: each a checked `ToolCall` or a `BadCall`
     (not JSON, not a call object, an unknown tool, bad arguments, and what else the style refuses). No call at all
-    is an empty list."""
+    is an empty list.
+
+    Call styles: "hermes", the one of Qwen2.5 and Qwen3 chat templates, `<tool_call>\\n{"name": ...,
+    "arguments": {...}}\\n</tool_call>` (zero or more per turn, text around them ignored); "llama", the one of
+    Llama-3.1 templates, `{"name": ..., "parameters": {...}}` as the whole turn (one call, optionally after
+    `<|python_tag|>`).
+    """
     return _parse_llama(text) if style == "llama" else _parse_hermes(text)
 
 
@@ -200,7 +195,12 @@ def _call_of(body: str, key: str) -> ToolCall | BadCall:
 
 
 def tools_text() -> str:
-    """The tool list and how to call a tool, as Qwen2/Qwen3 templates word it in their system turn."""
+    """The tool list and how to call a tool, as Qwen2/Qwen3 templates word it in their system turn.
+
+    Used where the policy's chat template does not render tools (the built-in byte policy, ChatML): the tool
+    list is given as a `<tools>` block of JSON function signatures in the user turn, calls are Hermes ones,
+    and the results come back in one observation turn (`response_text`).
+    """
     signatures = "\n".join(json.dumps(schema) for schema in TOOL_SCHEMAS)
     return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n"
@@ -211,7 +211,12 @@ def tools_text() -> str:
 
 
 def response_text(results: list[str]) -> str:
-    """Tool results as one observation: each `<tool_response>\\n...\\n</tool_response>`, joined by newlines."""
+    """Tool results as one observation: each `<tool_response>\\n...\\n</tool_response>`, joined by newlines.
+
+    For a Hugging Face policy the observation role is the template's user turn, which is how Qwen templates
+    render a run of `tool` messages; the built-in byte policy uses the same text, its results in its own
+    observation role.
+    """
     return "\n".join(f"{RESPONSE_OPEN}\n{r}\n{RESPONSE_CLOSE}" for r in results)
 
 
