@@ -1,14 +1,12 @@
-"""Actor configuration: decoding a kind's settings into its Config, and the Configs of the kinds that are one
-module each (feeder, publisher and its weights relay, checkpointer, evaluator).
+"""Actor configuration: decoding a kind's settings into its Config, and the Configs of the one-module kinds.
 
-Owns: `decode_config` (the one way every builder turns plain settings into a Config: an invalid value is a
-`TopologyError` naming the key and the bound), and per kind a `*Config` (its topology section, declared only
-here: topology/file/schema.py composes these classes) and a `*Launch` (what the launcher, a benchmark or a test
-passes beside the section: facts of the run such as regions or the state directory, settings of other
-sections the kind must agree with, and timing knobs that are no topology key).
-Lives in the shared layer, not in those kinds' modules, because the topology schema imports these classes
-and must stay free of torch and nats (`rlbus validate` imports nothing heavy); kinds with a package keep
-theirs in it (actors/trainer/config.py, actors/generator/config.py, actors/sandbox/config.py).
+- Owns: `decode_config` (the one way every builder turns plain settings into a Config), and for the feeder,
+  publisher and its weights relay, checkpointer and evaluator a `*Config` (its topology section, declared
+  only here) and a `*Launch` (what is passed beside it: facts of the run, settings of other sections it
+  must agree with, timing knobs that are no topology key).
+- Guarantee: no torch or nats import: topology/file/schema.py composes these, `rlbus validate` stays light.
+- Does not: hold the Configs of kinds with a package (actors/trainer/config.py, actors/generator/config.py,
+  actors/sandbox/config.py).
 """
 
 from __future__ import annotations
