@@ -1,16 +1,11 @@
 """The runner inside one session's jail: pid 1 of the jail's pid namespace, it runs each jailed call.
 
-Owns: the runner's side of the pipe protocol (4-byte big-endian length + UTF-8 JSON frames on fds 0/1,
-the framing of actors/sandbox/executor.py): per request `{"argv", "timeout_s", "cap", "limits", "env"}`
-one forked child (new session, the rlimits, stdout and stderr into one pipe, cwd the workspace) exec's
-`argv`; the runner reads its output up to `cap` bytes, waits for it until `timeout_s`, then — whether
-it ended, timed out or flooded — kills every other process of the namespace (`kill(-1)` from pid 1
-reaches them all, `setsid` or not) and reaps them before it answers `{"exit_code", "output",
-"truncated", "timed_out"}`. So no process of a call outlives it, as with a fresh jail per call. The
-runner is not dumpable (a same-uid command can neither ptrace it nor open its /proc fds), and as pid 1 of
-the namespace it gets no signal from inside it but those it handles.
-Does not: build the jail (actors/sandbox/jailrun.py). Stdlib only: run as `python -I -S -c <this file's
-text>` with an interpreter the jail can reach.
+- Owns: the runner's side of the pipe protocol (4-byte big-endian length + UTF-8 JSON frames on fds 0/1, the
+  framing of actors/sandbox/executor.py): per request one forked child runs `argv` (`run`), then every
+  other process of the namespace is killed and reaped (`kill_rest`) before the answer.
+- Guarantee: no process of a call outlives it, as with a fresh jail per call; the runner is not dumpable.
+- Does not: build the jail (actors/sandbox/jailrun.py). Stdlib only: run as `python -I -S -c <this file's
+  text>` with an interpreter the jail can reach.
 """
 
 from __future__ import annotations
@@ -96,6 +91,16 @@ def kill_rest() -> None:
 
 
 def run(req: dict[str, Any]) -> dict[str, Any]:
+    """One jailed call: `{"argv", "timeout_s", "cap", "limits", "env"}` -> `{"exit_code", "output",
+    "truncated", "timed_out"}`.
+
+    One forked child (new session, the rlimits, stdout and stderr into one pipe, cwd the workspace) exec's
+    `argv`; the runner reads its output up to `cap` bytes, waits for it until `timeout_s`, then — whether it
+    ended, timed out or flooded — kills every other process of the namespace (`kill(-1)` from pid 1 reaches
+    them all, `setsid` or not) and reaps them before it answers. So no process of a call outlives it. The
+    runner is not dumpable (a same-uid command can neither ptrace it nor open its /proc fds), and as pid 1
+    of the namespace it gets no signal from inside it but those it handles.
+    """
     cap = int(req["cap"])
     deadline = time.monotonic() + float(req["timeout_s"])
     r, w = os.pipe()
