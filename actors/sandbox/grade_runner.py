@@ -1,23 +1,11 @@
 """The grader inside a grading jail: runs a task's hidden unittest files and reports each test.
 
-Owns: the jail's side of a grade (actors/sandbox/tools.py `grade` starts it as `python -I -c <this file's
-text> SPEC` in a fresh copy of the workspace, so nothing of it lives in the copy). In order:
-- reads the spec `{"nonce", "tests": {path: source}, "stdlib_under_test": [...]}` from the file SPEC and
-  deletes it, then points fds 1 and 2 at an unlinked temporary file (what the tests print) and keeps a private
-  duplicate of the old fd 1 for the report; nothing of the workspace has run yet;
-- copies the framework (every attribute of unittest's classes and modules, this file's result class,
-  builtins, the import machinery, trace and profile hooks) before any workspace or test code is imported, and
-  each hidden test module's functions and its test classes' methods once it is imported;
-- puts the repository root on the path after the standard library (before site-packages); a module named in
-  `stdlib_under_test` is imported from the repository instead of the standard library, and its C accelerator
-  (`_heapq` for `heapq`) is refused unless the repository ships one, so the tests exercise the repository's code;
-- compiles each hidden test from the spec's text (never a `.pyc` or the copy's file), collects its tests with
-  the framework's loader and runs them; after the imports and after each test the framework is compared with
-  the copies, and the test instance must not shadow a framework method; any difference voids the grade;
-- writes one line `<nonce><json>` to the private fd and ends with `os._exit(0)` (no atexit handler runs).
-The nonce is never in the environment, the argv or a file the tested code can still read.
-Does not: decide the verdict (the supervisor checks the nonce, the names of the tests and the problems:
-actors/sandbox/tools.py), run a custom test command, or stop code that reads this process's memory.
+- Owns: the jail's side of a grade (`main`; actors/sandbox/tools.py `grade` starts it as `python -I -c <this
+  file's text> SPEC` in a fresh copy of the workspace, so nothing of it lives in the copy).
+- Guarantee: the nonce is never in the environment, the argv or a file the tested code can still read; a
+  framework changed by workspace or test code voids the grade.
+- Does not: decide the verdict (the supervisor checks the nonce, the names of the tests and the problems:
+  actors/sandbox/tools.py), run a custom test command, or stop code that reads this process's memory.
 """
 
 import builtins
@@ -161,6 +149,24 @@ def _flatten(suite):
 
 
 def main():
+    """Grade the hidden tests of the spec file named by argv[1]. In order:
+
+    - reads the spec `{"nonce", "tests": {path: source}, "stdlib_under_test": [...]}` from the file SPEC and
+      deletes it, then points fds 1 and 2 at an unlinked temporary file (what the tests print) and keeps a
+      private duplicate of the old fd 1 for the report; nothing of the workspace has run yet;
+    - copies the framework (every attribute of unittest's classes and modules, this file's result class,
+      builtins, the import machinery, trace and profile hooks) before any workspace or test code is
+      imported, and each hidden test module's functions and its test classes' methods once it is imported;
+    - puts the repository root on the path after the standard library (before site-packages); a module named
+      in `stdlib_under_test` is imported from the repository instead of the standard library, and its C
+      accelerator (`_heapq` for `heapq`) is refused unless the repository ships one, so the tests exercise
+      the repository's code;
+    - compiles each hidden test from the spec's text (never a `.pyc` or the copy's file), collects its tests
+      with the framework's loader and runs them; after the imports and after each test the framework is
+      compared with the copies, and the test instance must not shadow a framework method; any difference
+      voids the grade;
+    - writes one line `<nonce><json>` to the private fd and ends with `os._exit(0)` (no atexit handler runs).
+    """
     spec_path = sys.argv[1]
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
