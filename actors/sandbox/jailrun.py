@@ -1,22 +1,11 @@
 """One shell command in a fresh jail with one session's workspace as its only writable directory.
 
-Owns: the command line of a per-call jail at each isolation level (`jail_argv`) and `run_jailed`: start
-it, capture stdout and stderr together up to a cap (past it the jail is killed and the output marked
-truncated), kill it at its wall timeout, and return the exit code.
-- bwrap: user, pid, net, ipc, uts and mount namespaces as uid 65534 (a root supervisor drops to 65534 on
-  the host first, so RLIMIT_NPROC holds), read-only /usr and system dirs, fresh /proc, /dev and /tmp,
-  the workspace bound read-write at /workspace and nothing else of the host. --die-with-parent: killing
-  the bwrap process kills pid 1 of the namespace, which takes every process of the call with it
-  (`setsid` does not leave a pid namespace), and a call's processes never outlive it.
-- unshare (root): pid, net, ipc, uts and mount namespaces, uid 65534 with no capabilities, cwd the
-  workspace; the kill takes the namespace's pid 1 (and so every process in it). Weaker: the host's file system is visible, and writable wherever uid 65534 may write
-  (every session's workspace is 65534's, so one call can reach another session's files).
-- rlimits-only: a new session and process group as uid 65534 (when root) with the rlimits; the timeout
-  kills the process group. Weaker: no network isolation, the host's file system as above, and a process
-  that calls `setsid` escapes the kill.
-Every level runs `prlimit` (CPU, address space, processes, file size, open files, no core) then
-`bash -c COMMAND`, with a clean environment (HOME and cwd the workspace).
-Does not: decide limits or parse tool calls (actors/sandbox/tools.py), touch NATS.
+- Owns: the command line of a per-call jail at each isolation level (`jail_argv`), `run_jailed` (output
+  captured up to a cap, the jail killed past it or at its wall timeout, the exit code returned) and
+  `SessionJail` (a long-lived jail for one session).
+- Guarantee: under bwrap and unshare, killing the jail takes every process of the call with it; the
+  weaker levels are spelled out on `jail_argv`.
+- Does not: decide limits or parse tool calls (actors/sandbox/tools.py), touch NATS.
 """
 
 from __future__ import annotations
@@ -105,7 +94,23 @@ def bwrap_prefix(workspace: Path, *, tmpfs_mb: int | None = None) -> list[str]:
 
 
 def jail_argv(level: Isolation, workspace: Path, argv: list[str], limits: RunLimits) -> tuple[list[str], str]:
-    """(command line, cwd) running `argv` in `workspace` at `level` under `limits`."""
+    """(command line, cwd) running `argv` in `workspace` at `level` under `limits`.
+
+    - bwrap: user, pid, net, ipc, uts and mount namespaces as uid 65534 (a root supervisor drops to 65534 on
+      the host first, so RLIMIT_NPROC holds), read-only /usr and system dirs, fresh /proc, /dev and /tmp,
+      the workspace bound read-write at /workspace and nothing else of the host. --die-with-parent: killing
+      the bwrap process kills pid 1 of the namespace, which takes every process of the call with it
+      (`setsid` does not leave a pid namespace), and a call's processes never outlive it.
+    - unshare (root): pid, net, ipc, uts and mount namespaces, uid 65534 with no capabilities, cwd the
+      workspace; the kill takes the namespace's pid 1 (and so every process in it). Weaker: the host's file
+      system is visible, and writable wherever uid 65534 may write (every session's workspace is 65534's, so
+      one call can reach another session's files).
+    - rlimits-only: a new session and process group as uid 65534 (when root) with the rlimits; the timeout
+      kills the process group. Weaker: no network isolation, the host's file system as above, and a process
+      that calls `setsid` escapes the kill.
+    Every level runs `prlimit` (CPU, address space, processes, file size, open files, no core) then
+    `bash -c COMMAND`, with a clean environment (HOME and cwd the workspace).
+    """
     cpu = max(1, int(-(-limits.cpu_seconds // 1)))
     nproc = limits.max_processes
     if level != "bwrap":           # no user namespace: RLIMIT_NPROC counts the uid's processes host-wide
