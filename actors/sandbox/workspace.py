@@ -1,16 +1,10 @@
 """A session's workspace on the host: path-safe file operations that never follow a symbolic link.
 
-Owns: `Workspace`, one directory under the supervisor's scratch root, and what the file tools do in it
-(list, read, write, exact search-and-replace, the changed files since it was seeded, the digest of its
-files, a fresh copy for grading, removal). Every path is relative to the workspace; `..`, absolute paths and NUL bytes are refused,
-and every component is opened relative to its parent's directory fd with O_NOFOLLOW, so a symbolic link
-(one a `run` planted, pointing outside or at another session) is refused, never followed. Only regular
-files are read or written (a FIFO or socket a command made is refused without blocking), and a file with
-other hard links is not overwritten. Writes respect a per-file and a whole-workspace size limit. When the
-supervisor is root the workspace is a tmpfs of its own (`quota_bytes`, `MAX_INODES` files), so what a
-command writes is bounded too (it gets ENOSPC), and files and directories are owned by the sandbox uid;
-without root a command's writes are bounded only by its file-size rlimit and its timeout.
-Does not: run commands (actors/sandbox/jailrun.py), parse tool arguments (actors/sandbox/tools.py).
+- Owns: `Workspace`, one directory under the supervisor's scratch root, and what the file tools do in it
+  (list, read, write, exact search-and-replace, changed files, digest, a fresh copy for grading, removal).
+- Guarantee: no path leaves the workspace, a symbolic link is refused, never followed, and writes respect
+  a per-file and a whole-workspace size limit.
+- Does not: run commands (actors/sandbox/jailrun.py), parse tool arguments (actors/sandbox/tools.py).
 """
 
 from __future__ import annotations
@@ -79,7 +73,17 @@ def parts_of(path: str) -> list[str]:
 
 
 class Workspace:
-    """One session's directory. Size limits in bytes; `uid` owns what is written (None: this process)."""
+    """One session's directory. Size limits in bytes; `uid` owns what is written (None: this process).
+
+    Every path is relative to the workspace; `..`, absolute paths and NUL bytes are refused, and every
+    component is opened relative to its parent's directory fd with O_NOFOLLOW, so a symbolic link (one a
+    `run` planted, pointing outside or at another session) is refused, never followed. Only regular files
+    are read or written (a FIFO or socket a command made is refused without blocking), and a file with other
+    hard links is not overwritten. Writes respect a per-file and a whole-workspace size limit. When the
+    supervisor is root the workspace is a tmpfs of its own (`quota_bytes`, `MAX_INODES` files), so what a
+    command writes is bounded too (it gets ENOSPC), and files and directories are owned by the sandbox uid;
+    without root a command's writes are bounded only by its file-size rlimit and its timeout.
+    """
 
     def __init__(self, root: Path, *, max_file_bytes: int, max_total_bytes: int, uid: int | None,
                  quota_bytes: int | None = None) -> None:
