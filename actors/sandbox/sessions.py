@@ -1,22 +1,12 @@
 """The sessions one sandbox supervisor holds: workspaces that persist across tool calls, under leases.
 
-Owns: `SessionHost`: opening a session (a workspace under the supervisor's scratch root, seeded with the
-opening files, owned by the sandbox uid when root), answering its tool calls one at a time (actors/sandbox/
-tools.py), renewing its lease on every call, and destroying it on close, when its lease runs out (`reap`)
-and when the supervisor stops (`close_all`); a call in flight when its session goes is cancelled and its
-jail killed. At most `[sandbox] max_sessions` are open. A session is a workspace, not an executor: its
-jailed calls (`run`, `search`; `grade` too) take a slot of the supervisor's concurrency limiter like any
-snippet, so the sessions of a group queue for the same quota.
-At the bwrap level each session has its own long-lived jail (jailrun.SessionJail: the workspace bound,
-actors/sandbox/runner.py as pid 1, a fork and exec per call, every process of a call killed before it
-answers); from the first open on, `[sandbox] session_spares` of them are kept started ahead on empty
-workspaces (`maintain_spares`), so an open adopts one; a session without one, or whose jail broke, starts one at its next jailed call.
-`grade` runs in a fresh jail on a fresh copy. Other levels start a fresh jail per call (jailrun.run_jailed).
-Per-tool latency (median of the recent calls) and the open sessions are kept for the heartbeat. A new
-host first removes what supervisors killed without cleaning up left under the scratch root
-(`reclaim_orphans`: roots named by a pid that runs no more).
-Does not: talk to NATS (actors/sandbox/supervisor.py), do file or jail work itself (workspace.py,
-jailrun.py).
+- Owns: `SessionHost`: opening a session, answering its tool calls one at a time (actors/sandbox/tools.py),
+  renewing its lease on every call, destroying it on close, lease expiry (`reap`) and stop (`close_all`),
+  spare jails (`maintain_spares`); and `reclaim_orphans` (what killed supervisors left).
+- Guarantee: at most `[sandbox] max_sessions` open; a call in flight when its session goes is cancelled and
+  its jail killed.
+- Does not: talk to NATS (actors/sandbox/supervisor.py), do file or jail work itself
+  (actors/sandbox/workspace.py, actors/sandbox/jailrun.py).
 """
 
 from __future__ import annotations
@@ -75,7 +65,21 @@ class Session:
 
 
 class SessionHost:
-    """Sessions of one supervisor. `limiter` is the supervisor's concurrency limiter; `busy` marks it busy."""
+    """Sessions of one supervisor. `limiter` is the supervisor's concurrency limiter; `busy` marks it busy.
+
+    A session is a workspace under the supervisor's scratch root, seeded with the opening files, owned by
+    the sandbox uid when root. It is a workspace, not an executor: its jailed calls (`run`, `search`;
+    `grade` too) take a slot of the supervisor's concurrency limiter like any snippet, so the sessions of a
+    group queue for the same quota. At the bwrap level each session has its own long-lived jail
+    (jailrun.SessionJail: the workspace bound, actors/sandbox/runner.py as pid 1, a fork and exec per call,
+    every process of a call killed before it answers); from the first open on, `[sandbox] session_spares`
+    of them are kept started ahead on empty workspaces (`maintain_spares`), so an open adopts one; a session
+    without one, or whose jail broke, starts one at its next jailed call. `grade` runs in a fresh jail on a
+    fresh copy. Other levels start a fresh jail per call (jailrun.run_jailed). Per-tool latency (median of
+    the recent calls) and the open sessions are kept for the heartbeat. A new host first removes what
+    supervisors killed without cleaning up left under the scratch root (`reclaim_orphans`: roots named by a
+    pid that runs no more).
+    """
 
     def __init__(self, config: SandboxConfig, level: Isolation, limiter: anyio.CapacityLimiter,
                  busy: Callable[[], AbstractContextManager[None]], *, scratch_root: str | None = None) -> None:
