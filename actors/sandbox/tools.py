@@ -1,33 +1,12 @@
 """The tools of a sandbox session: their arguments, checked, and what each does in the workspace.
 
-Owns: `TOOLS` (name → argument spec), `check_args` (a clear error for an unknown tool, a missing, unknown
-or mistyped argument), and `run_tool`, which runs one checked call on a session and returns a
-`ToolResult`. The tools (arguments: required, then optional with their default):
-- `list_files` {path="."}: every entry below `path`, one per line, sorted; directories end in `/`,
-  symbolic links in `@` (listed, never entered), other special files in `?`.
-- `read_file` {path, start_line?, end_line?}: the file's text (lines start..end, 1-based, inclusive).
-- `write_file` {path, content}: create or replace a file (parent directories made).
-- `edit_file` {path, old, new}: replace the one occurrence of `old` by `new`; an error says how many
-  times `old` occurs when that is not exactly once.
-- `search` {pattern, path="."}: Python regex, `path:line:text` per matching line (links, special and binary files
-  skipped); exit 1 when nothing matches. Runs jailed, so a pathological pattern only meets the timeout.
-- `run` {command, timeout_s?}: `bash -c command` in the workspace, jailed (actors/sandbox/jailrun.py),
-  stdout and stderr together; killed past its timeout (`status` timeout) or its output cap
-  (`truncated`, `status` output_limit). `ok` is True when the command ran to its end, whatever its exit.
-- `grade` {files={}, stdlib_under_test=[], command="", timeout_s?}: the hidden tests `files` (path → text) in a
-  fresh copy of the workspace, never in the workspace itself: whatever the copy holds at those paths is replaced
-  by them, written last. With no `command`, actors/sandbox/grade_runner.py runs the hidden `test*.py` files
-  (isolated interpreter, outside the copy) and reports each test under a nonce only this side knows; the reply's
-  `output` is a `GradeReport` (model/tasks/repo_grade.py) as JSON, passed only when the one genuine report
-  names every test the hidden files define, each passed, and the framework was left as it was. A `command` runs
-  as `bash -c` in the copy and is judged by its exit code alone (one pseudo-test). `exit_code` 0: passed.
-- `snapshot` {}: the files changed or added since the session opened (`ToolResult.files`, with sha256
-  hex in `digests`) and the opening files deleted since (`deleted`); links and special files are not
-  captured (named in `output`). Reopening with the opening files overlaid by these restores the workspace.
-- `digest` {}: `output` is `sha256:<hex>` of every regular file's path and content (Workspace.tree_digest): a
-  workspace restored from a snapshot has the digest the snapshotted one had.
-Output is capped at `[sandbox] max_output_kb` (`truncated`). Does not: hold sessions or leases
-(actors/sandbox/sessions.py), or know any file-system trick (actors/sandbox/workspace.py).
+- Owns: `TOOLS` (name → argument spec), `check_args` (a clear error for an unknown tool, a missing, unknown
+  or mistyped argument), `run_tool` (one checked call on a session, its `Reply`; the tools listed there)
+  and `judge` (the verdict of a grading run).
+- Guarantee: output is capped at `[sandbox] max_output_kb` (`truncated`); `grade` never touches the
+  workspace itself.
+- Does not: hold sessions or leases (actors/sandbox/sessions.py), or know any file-system trick
+  (actors/sandbox/workspace.py).
 """
 
 from __future__ import annotations
@@ -196,7 +175,37 @@ def _capped(text: str, cap: int) -> tuple[str, bool]:
 
 async def run_tool(ws: Workspace, tool: str, args: dict[str, Any], limits: ToolLimits, runner: Runner,
                    scratch: Path) -> Reply:
-    """One checked call (`check_args`) on `ws`. A refused file operation is an error reply, not a raise."""
+    """One checked call (`check_args`) on `ws`. A refused file operation is an error reply, not a raise.
+
+    The tools (arguments: required, then optional with their default):
+    - `list_files` {path="."}: every entry below `path`, one per line, sorted; directories end in `/`,
+      symbolic links in `@` (listed, never entered), other special files in `?`.
+    - `read_file` {path, start_line?, end_line?}: the file's text (lines start..end, 1-based, inclusive).
+    - `write_file` {path, content}: create or replace a file (parent directories made).
+    - `edit_file` {path, old, new}: replace the one occurrence of `old` by `new`; an error says how many
+      times `old` occurs when that is not exactly once.
+    - `search` {pattern, path="."}: Python regex, `path:line:text` per matching line (links, special and
+      binary files skipped); exit 1 when nothing matches. Runs jailed, so a pathological pattern only meets
+      the timeout.
+    - `run` {command, timeout_s?}: `bash -c command` in the workspace, jailed (actors/sandbox/jailrun.py),
+      stdout and stderr together; killed past its timeout (`status` timeout) or its output cap
+      (`truncated`, `status` output_limit). `ok` is True when the command ran to its end, whatever its exit.
+    - `grade` {files={}, stdlib_under_test=[], command="", timeout_s?}: the hidden tests `files` (path →
+      text) in a fresh copy of the workspace, never in the workspace itself: whatever the copy holds at
+      those paths is replaced by them, written last. With no `command`, actors/sandbox/grade_runner.py runs
+      the hidden `test*.py` files (isolated interpreter, outside the copy) and reports each test under a
+      nonce only this side knows; the reply's `output` is a `GradeReport` (model/tasks/repo_grade.py) as
+      JSON, passed only when the one genuine report names every test the hidden files define, each passed,
+      and the framework was left as it was. A `command` runs as `bash -c` in the copy and is judged by its
+      exit code alone (one pseudo-test). `exit_code` 0: passed.
+    - `snapshot` {}: the files changed or added since the session opened (`ToolResult.files`, with sha256
+      hex in `digests`) and the opening files deleted since (`deleted`); links and special files are not
+      captured (named in `output`). Reopening with the opening files overlaid by these restores the
+      workspace.
+    - `digest` {}: `output` is `sha256:<hex>` of every regular file's path and content
+      (Workspace.tree_digest): a workspace restored from a snapshot has the digest the snapshotted one had.
+    Output is capped at `[sandbox] max_output_kb` (`truncated`).
+    """
     try:
         return await _TOOLS_IMPL[tool](ws, args, limits, runner, scratch)
     except (WorkspaceError, JailBroken) as err:
