@@ -1,27 +1,11 @@
 """The sandbox supervisor: a NATS service that runs (code, tests) pairs in isolated, pre-forked executors.
 
-Owns: `SandboxSupervisor` (kind "sandbox"). It answers `SandboxRequest`s on `subjects.sandbox(region)`
-in the region's queue group with exactly one `SandboxResult` each: limits clamped to the topology's
-`[sandbox]` ceiling, at most `concurrency` executions at once (up to `max_queued` more wait; past that
-the supervisor stops reading and its bounded subscription buffer takes the rest), a circuit breaker that
-answers "error" at once while executions keep failing for infrastructure reasons, bad requests
-answered with an "error" verdict and dead-lettered. The isolation level in use is in every result,
-the logs, the `started` event and the heartbeat (`isolation_level` gauge, `isolation_<level>` counter).
-It also holds sessions (actors/sandbox/sessions.py): `SessionOpen` on `subjects.session_open(region)` (queue
-group) is answered with a `SessionOpened` whose id names this supervisor; `ToolCall`s and `SessionClose`s
-come on `subjects.session_calls(region, id)` and are answered with a `ToolResult` / `SessionClosed`. A
-message there that does not decode (or a ToolCall whose args are not a map) is answered with an error and
-dead-lettered. Sessions are destroyed when the supervisor stops; the heartbeat shows `sessions_open` and
-per-tool latency (`tool_<name>_ms`, the median of recent calls, and `tool_<name>_last_ms`).
-Does not: build jails or run snippets (actors/sandbox/pool.py, actors/sandbox/executor.py), or grade
-tasks (actors/common/sandbox_client.py renders a task's tests as asserts).
-
-Verdicts (`SandboxVerdict.status`; passed/total count the top-level `assert` statements of `tests`):
-ok (every assert passed, clean exit), failed (an assert failed, or the code raised/exited/was killed
-by a signal), timeout (wall or CPU limit), oom (MemoryError under the memory limit), output_limit
-(stdout+stderr past the cap: killed) — these judge the code. crashed (the executor died under it;
-it was replaced) and error (bad request, tests that do not parse, breaker open, supervisor stopping)
-do not: a requester may retry them.
+- Owns: `SandboxSupervisor` (kind "sandbox"): `SandboxRequest`s in the region's queue group, each answered
+  with exactly one `SandboxResult`, under limits, a concurrency bound and a circuit breaker (`Breaker`); and
+  the sessions' messages (open, tool calls, close), held by actors/sandbox/sessions.py.
+- Guarantee: every request gets one answer; a bad one is answered with an "error" verdict and dead-lettered.
+- Does not: build jails or run snippets (actors/sandbox/pool.py, actors/sandbox/executor.py), or grade
+  tasks (actors/common/sandbox_client.py renders a task's tests as asserts).
 """
 
 from __future__ import annotations
@@ -107,7 +91,30 @@ class Breaker:
 
 
 class SandboxSupervisor(Actor):
-    """Request/reply sandbox service of one region (see the module docstring for verdicts)."""
+    """Request/reply sandbox service of one region.
+
+    It answers `SandboxRequest`s on `subjects.sandbox(region)` in the region's queue group with exactly one
+    `SandboxResult` each: limits clamped to the topology's `[sandbox]` ceiling, at most `concurrency`
+    executions at once (up to `max_queued` more wait; past that the supervisor stops reading and its bounded
+    subscription buffer takes the rest), a circuit breaker that answers "error" at once while executions
+    keep failing for infrastructure reasons, bad requests answered with an "error" verdict and
+    dead-lettered. The isolation level in use is in every result, the logs, the `started` event and the
+    heartbeat (`isolation_level` gauge, `isolation_<level>` counter).
+
+    Sessions: `SessionOpen` on `subjects.session_open(region)` (queue group) is answered with a
+    `SessionOpened` whose id names this supervisor; `ToolCall`s and `SessionClose`s come on
+    `subjects.session_calls(region, id)` and are answered with a `ToolResult` / `SessionClosed`. A message
+    there that does not decode (or a ToolCall whose args are not a map) is answered with an error and
+    dead-lettered. Sessions are destroyed when the supervisor stops; the heartbeat shows `sessions_open` and
+    per-tool latency (`tool_<name>_ms`, the median of recent calls, and `tool_<name>_last_ms`).
+
+    Verdicts (`SandboxVerdict.status`; passed/total count the top-level `assert` statements of `tests`):
+    ok (every assert passed, clean exit), failed (an assert failed, or the code raised/exited/was killed
+    by a signal), timeout (wall or CPU limit), oom (MemoryError under the memory limit), output_limit
+    (stdout+stderr past the cap: killed) — these judge the code. crashed (the executor died under it;
+    it was replaced) and error (bad request, tests that do not parse, breaker open, supervisor stopping)
+    do not: a requester may retry them.
+    """
 
     kind = "sandbox"
 
