@@ -1,21 +1,11 @@
 """The task feed: the sequence of tasks a feeder puts on the bus, its regions, its saved position, and the
 task codec every consumer of tasks shares.
 
-Owns: the task sources (the built-in family
-`model.tasks.train_tasks(seed)`, the built-in repository tasks `model.repo_tasks.repo_tasks(seed, level=)` of
-`[feeder] tasks = "repo"` / `"repo:LEVEL"`, the repository task file of `[feeder] tasks = "PATH"`
-(model/tasks/sources.py `read_repo_tasks_file`), or a JSONL file of tasks), `assign_region` (the deterministic weighted
-region of each task), the verifier spec a generator rebuilds a task from (`verifier_for` /
-`task_from_verifier`), the feeder's saved position in the hub's PARTIALS KV under `POSITION_KEY`
-(`read_position`), and which ids its cursors have fed (`fed_task_ids`).
-Does not: publish tasks (actors/feeder.py), account for fed tasks (actors/common/ledger.py).
-
-JSONL task file: one JSON object per line with the `model.tasks.Task` fields, e.g.
-`{"task_id": "t1", "prompt": "def f(x):\\n    ...", "entry_point": "f",
-  "tests": [{"args": "(3,)", "expected": "8"}], "family": "int", "level": 1, "solution": ""}`
-(`args` is the repr of the argument tuple, `expected` the repr of the result; family, level and solution
-are optional), or with `"test": "def check(candidate): ..."` (Python source tests) instead of `tests`, or an
-MBPP row; the layouts are model/tasks/sources.py's.
+- Owns: the task sequence of each source (`task_sequence`, `listed_tasks`, `read_tasks_file`), `assign_region`
+  (the deterministic weighted region of each task), the verifier spec a generator rebuilds a task from
+  (`verifier_for` / `task_from_verifier`), the feeder's saved `Position` in the hub's PARTIALS KV under
+  `POSITION_KEY` (`read_position`), and which ids its cursors have fed (`fed_task_ids`).
+- Does not: publish tasks (actors/feeder.py), account for fed tasks (actors/common/ledger.py).
 """
 
 from __future__ import annotations
@@ -132,6 +122,13 @@ def task_from_verifier(message: TaskMessage) -> CodingTask:
 def read_tasks_file(path: Path) -> list[CodingTask]:
     """Every task of a JSONL file, in file order, each line in the rlbus, test-source or MBPP layout
     (model/tasks/sources.py `read_tasks_file`).
+
+    One JSON object per line with the `model.tasks.Task` fields, e.g.
+    `{"task_id": "t1", "prompt": "def f(x):\\n    ...", "entry_point": "f",
+      "tests": [{"args": "(3,)", "expected": "8"}], "family": "int", "level": 1, "solution": ""}`
+    (`args` is the repr of the argument tuple, `expected` the repr of the result; family, level and solution
+    are optional), or with `"test": "def check(candidate): ..."` (Python source tests) instead of `tests`, or
+    an MBPP row.
 
     :raises TaskError: naming the file and line of the first bad line.
     """
