@@ -1,29 +1,12 @@
 """The task feeder: puts coding tasks on every region's TASKS work queue, each backlog bounded yet full
 (and, with `max_rollouts_ahead`, the work ahead of the trainer bounded too).
 
-Owns: `Feeder` (kind "feeder"; its settings are actors/common/config.py `FeederConfig`), the task sources (the built-in family
-`model.tasks.train_tasks(seed)`, HumanEval's problems of `tasks = "humaneval"`, the built-in repository tasks of
-`tasks = "repo"` / `"repo:LEVEL"`, the repository task file of `tasks = "PATH"`, or a JSONL
-file of tasks), the deterministic weighted region of each
-task, the verifier spec a generator rebuilds a task from (`verifier_for` / `task_from_verifier`), and
-the feeder's position, kept in the hub's PARTIALS KV under `POSITION_KEY` (`read_position`; which ids its
-cursors have fed: `fed_task_ids`), and the lockstep schedule (`lockstep`: one batch of tasks per new
-policy version, for the synchronous arm of `rlbus bench async`).
-Does not: generate or grade (actors/generator/actor.py), provision streams (messages/streams.py), account for
-fed tasks (actors/common/ledger.py `read_task_ledger`).
-
-Task `i` of the sequence goes to region `assign_region(seed, i, weights)`, a pure function, and only
-there. Each region has its own cursor (the next sequence index it has not been given), so a cut-off
-region stops only its own cursor: its tasks wait for it, never move elsewhere (a retry reuses the msg id
-`task_id`, so the region's stream stores it once) and the other regions keep going. The cursors are
-saved after every batch of publishes; a restarted feeder republishes at most the tasks after the last
-save, which the streams' duplicate window drops: nothing is repeated, nothing skipped.
-
-JSONL task file: one JSON object per line with the `model.tasks.Task` fields, e.g.
-`{"task_id": "t1", "prompt": "def f(x):\\n    ...", "entry_point": "f",
-  "tests": [{"args": "(3,)", "expected": "8"}], "family": "int", "level": 1, "solution": ""}`
-(`args` is the repr of the argument tuple, `expected` the repr of the result; family, level and solution
-are optional).
+- Owns: `Feeder` (kind "feeder"; settings: actors/common/config.py `FeederConfig`): the task sequence walked,
+  each task to its region, per-region cursors saved in the hub's PARTIALS KV, and the lockstep schedule.
+- Guarantee: a task goes to its region only; a restarted feeder repeats nothing and skips nothing.
+- Does not: define task sources, the verifier spec or the saved position (actors/common/feed.py), generate
+  or grade (actors/generator/actor.py), provision streams (messages/streams.py) or account for fed tasks
+  (actors/common/ledger.py `read_task_ledger`).
 """
 
 from __future__ import annotations
@@ -70,7 +53,21 @@ log = structlog.get_logger()
 
 
 class Feeder(Actor):
-    """Keeps every region's TASKS backlog at `backlog_per_region`; see the module docstring."""
+    """Keeps every region's TASKS backlog at `backlog_per_region`.
+
+    Task sources: the built-in family `model.tasks.train_tasks(seed)`, HumanEval's problems of
+    `tasks = "humaneval"`, the built-in repository tasks of `tasks = "repo"` / `"repo:LEVEL"`, the repository
+    task file of `tasks = "PATH"`, or a JSONL file of tasks (the layouts: actors/common/feed.py). The lockstep
+    schedule (`lockstep`) feeds one batch of tasks per new policy version, for the synchronous arm of
+    `rlbus bench async`.
+
+    Task `i` of the sequence goes to region `assign_region(seed, i, weights)`, a pure function, and only
+    there. Each region has its own cursor (the next sequence index it has not been given), so a cut-off
+    region stops only its own cursor: its tasks wait for it, never move elsewhere (a retry reuses the msg id
+    `task_id`, so the region's stream stores it once) and the other regions keep going. The cursors are
+    saved after every batch of publishes; a restarted feeder republishes at most the tasks after the last
+    save, which the streams' duplicate window drops: nothing is repeated, nothing skipped.
+    """
 
     kind = "feeder"
 
