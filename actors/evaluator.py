@@ -1,16 +1,10 @@
 """Evaluator: greedy pass@1 of published policy versions on the held-out task set.
 
-Owns: following the region's published versions (actors/common/weight_sync.py `WeightSync`), evaluating one version
-per block of `every_versions` (the first it holds in each block: 0, k, 2k, ... while it keeps up; a version
-that arrives while it is busy is skipped for the newest, so after a slow evaluation it may be k+1; a
-started or restarted evaluator first evaluates the version it finds) on `n_tasks` held-out tasks
-(`[evaluator] tasks`: the built-in `eval_tasks(seed)`, HumanEval or a tasks file, model/tasks/sources.py
-`held_out_tasks`; disjoint from training by prompt hash) with greedy decoding, grading each
-completion in the region's sandboxes (actors/common/sandbox_client.py), and publishing an `EvalReport` with
-the 95% Wilson interval on `evals`. A repository task file's tasks are greedy agentic episodes instead, each in
-a sandbox session of the region (actors/common/agentic_eval.py); pass@1 is the share whose hidden tests pass. A drain cancels an evaluation in progress between two decoding steps
-(or while it is graded), so stopping never waits for the whole task set. Does not: train, sample for
-training, or publish weights.
+- Owns: `Evaluator` (kind "evaluator"): the region's published versions followed (`WeightSync`), one version
+  per block of `every_versions` scored on `n_tasks` held-out tasks graded in the region's sandboxes, and an
+  `EvalReport` with the 95% Wilson interval published on `evals`.
+- Guarantee: a drain cancels an evaluation in progress, so stopping never waits for the whole task set.
+- Does not: train, sample for training, or publish weights.
 Consumes WeightManifests (LATEST KV); produces EvalReport and Event(incident) when grading fails.
 """
 
@@ -45,7 +39,19 @@ log = structlog.get_logger()
 
 
 class Evaluator(Actor):
-    """Evaluates version 0 and every `every_versions`-th version after it; one EvalReport each."""
+    """Evaluates version 0 and every `every_versions`-th version after it; one EvalReport each.
+
+    It follows the region's published versions (actors/common/weight_sync.py `WeightSync`) and evaluates one
+    version per block of `every_versions` (the first it holds in each block: 0, k, 2k, ... while it keeps
+    up; a version that arrives while it is busy is skipped for the newest, so after a slow evaluation it may
+    be k+1; a started or restarted evaluator first evaluates the version it finds) on `n_tasks` held-out
+    tasks (`[evaluator] tasks`: the built-in `eval_tasks(seed)`, HumanEval or a tasks file,
+    model/tasks/sources.py `held_out_tasks`; disjoint from training by prompt hash) with greedy decoding,
+    grading each completion in the region's sandboxes (actors/common/sandbox_client.py). A repository task
+    file's tasks are greedy agentic episodes instead, each in a sandbox session of the region
+    (actors/common/agentic_eval.py); pass@1 is the share whose hidden tests pass. A drain cancels an
+    evaluation in progress between two decoding steps (or while it is graded).
+    """
 
     kind = "evaluator"
 
