@@ -1,30 +1,11 @@
 """Agentic groups: a repository task's G episodes, each in its own sandbox session, driven turn by turn.
 
-Owns: `AgenticGroups` (what the generator runs for a Task whose verifier is of the repository kind,
-model/tasks/repo.py `VERIFIER_KIND`), its partial (`AgenticPartial`: a tagged layout of its own behind
-`AGENTIC_MAGIC`, so a function group's partial and an agentic one are never taken for each other;
-`check_agentic_partial` refuses a corrupt or foreign one), the workspace snapshots (content-addressed
-objects in the region's WORKSPACES bucket, digest-checked both ways) and the Rollouts of the group.
-A turn: one policy turn for every open episode (sampled together through the generator's batcher, each
-capped by `AgenticEnvironment.room` and `[generator] max_tokens`, weights swapped in flight; or, with
-`[generator] script`, the script's turn scored by one forward pass of the live policy), then
-`AgenticEnvironment.step` through the episode's session, then a snapshot of each workspace a turn may have
-changed, then the partial saved (compare-and-set). Before a turn, an episode whose context is due for a summary
-(`AgenticEnvironment.needs_summary`) gets one instead, as a step of its own: the live policy writes it, the turns it
-replaces and the summary become segments under their own contexts (`AgenticEpisode.segments`; the Rollout carries
-them). A replacement generator reopens each unfinished
-episode's session seeded with the task's files overlaid by the snapshot (`restore_files`), never by
-re-running commands; a snapshot always holds every change since the task's own files (`overlay`: a restored
-session's changes laid over the snapshot it was restored from), so any number of resumes keeps every edit. The
-sandbox's digest of the workspace is kept with each snapshot, and a restored session's must equal it
-(`_check_restored`: counted, told as an event; a mismatch loses the session like a crash).
-Leases: the open sessions' leases are renewed while turns are sampled (`_keep_alive`). Sandbox failures are never
-trained as the policy's: a session lost mid-turn (its supervisor died, its lease ran out, a call went unanswered)
-is reopened from the episode's last snapshot and the turn taken again (`SESSION_LOSSES` times a turn, each reopen
-tried `REOPEN_TRIES` times); an episode whose session cannot be opened (`OPEN_TRIES`) or reopened ends the group:
-every open episode ends with reward 0, verdict "error" and `Rollout.timings["sandbox_error"]` 1 (counted in
-`sandbox_errors`), and the trainer drops the group with the reason `sandbox_error`; the generator goes on.
-Does not: parse tool calls, run budgets or grade (model/env/agentic.py), run tools (actors/sandbox/).
+- Owns: `AgenticGroups` (what the generator runs for a Task whose verifier is of the repository kind), its
+  partial (`AgenticPartial`, refused when corrupt or foreign by `check_agentic_partial`), the workspace
+  snapshots (`WorkspaceSnapshot`) and the Rollouts of the group (`agentic_rollout`).
+- Guarantee: a resume keeps every edit (sessions reopen from snapshots, never by re-running commands);
+  sandbox failures are never trained as the policy's.
+- Does not: parse tool calls, run budgets or grade (model/env/agentic.py), run tools (actors/sandbox/).
 """
 
 from __future__ import annotations
@@ -299,7 +280,37 @@ class _Turn:
 
 
 class AgenticGroups:
-    """Runs agentic groups for one generator (see the module docstring); the generator's hook is `run`."""
+    """Runs agentic groups for one generator; the generator's hook is `run`.
+
+    For a Task whose verifier is of the repository kind (model/tasks/repo.py `VERIFIER_KIND`). The partial
+    (`AgenticPartial`) is a tagged layout of its own behind `AGENTIC_MAGIC`, so a function group's partial
+    and an agentic one are never taken for each other; workspace snapshots are content-addressed objects in
+    the region's WORKSPACES bucket, digest-checked both ways.
+
+    A turn: one policy turn for every open episode (sampled together through the generator's batcher, each
+    capped by `AgenticEnvironment.room` and `[generator] max_tokens`, weights swapped in flight; or, with
+    `[generator] script`, the script's turn scored by one forward pass of the live policy), then
+    `AgenticEnvironment.step` through the episode's session, then a snapshot of each workspace a turn may
+    have changed, then the partial saved (compare-and-set). Before a turn, an episode whose context is due
+    for a summary (`AgenticEnvironment.needs_summary`) gets one instead, as a step of its own: the live
+    policy writes it, the turns it replaces and the summary become segments under their own contexts
+    (`AgenticEpisode.segments`; the Rollout carries them).
+
+    A replacement generator reopens each unfinished episode's session seeded with the task's files overlaid
+    by the snapshot (`restore_files`), never by re-running commands; a snapshot always holds every change
+    since the task's own files (`overlay`: a restored session's changes laid over the snapshot it was
+    restored from), so any number of resumes keeps every edit. The sandbox's digest of the workspace is kept
+    with each snapshot, and a restored session's must equal it (`_check_restored`: counted, told as an
+    event; a mismatch loses the session like a crash).
+
+    Leases: the open sessions' leases are renewed while turns are sampled (`_keep_alive`). Sandbox failures
+    are never trained as the policy's: a session lost mid-turn (its supervisor died, its lease ran out, a
+    call went unanswered) is reopened from the episode's last snapshot and the turn taken again
+    (`SESSION_LOSSES` times a turn, each reopen tried `REOPEN_TRIES` times); an episode whose session cannot
+    be opened (`OPEN_TRIES`) or reopened ends the group: every open episode ends with reward 0, verdict
+    "error" and `Rollout.timings["sandbox_error"]` 1 (counted in `sandbox_errors`), and the trainer drops the
+    group with the reason `sandbox_error`; the generator goes on.
+    """
 
     def __init__(self, generator: Generator) -> None:
         self.gen = generator
