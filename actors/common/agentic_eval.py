@@ -1,15 +1,12 @@
-"""Held-out evaluation of repository tasks: one agentic episode per task (greedy, or sampled), in sandbox sessions.
+"""Held-out evaluation of repository tasks: one agentic episode per task (greedy, or sampled), in sandbox
+sessions.
 
-Owns: `evaluate_repo_tasks` (a task's episode in a session of a region's sandbox supervisors, opened with its
-files; the open episodes' next turns decoded together, greedily or at a temperature from a seeded generator, each capped by `AgenticEnvironment.room` and
-`max_tokens`; each turn stepped through its session until `submit` or a budget ends the episode and the hidden
-tests grade the workspace), `eval_environment` (the environment a held-out episode runs in) and `EpisodeResult`
-(the verdict and what the episode cost: turns, tool calls by tool, policy and observation tokens, wall seconds).
-Episodes take no summaries (`summary_tokens` 0: a full context ends the episode); the wall budget counts on
-this machine's clock. Used by the evaluator (actors/evaluator.py), `rlbus eval` and the closing evaluation
-of `rlbus up`.
-Does not: checkpoint or resume (an evaluation a fault interrupts raises and is not reported), score a set of
-episodes (model/sampling/scores.py), or publish anything.
+- Owns: `evaluate_repo_tasks` (each task's episode in a session of a region's sandbox supervisors, until
+  `submit` or a budget ends it and the hidden tests grade the workspace), `eval_environment` and
+  `EpisodeResult` (the verdict and what the episode cost). Used by the evaluator (actors/evaluator.py),
+  `rlbus eval` and the closing evaluation of `rlbus up`.
+- Does not: checkpoint or resume (an evaluation a fault interrupts raises and is not reported), score a set
+  of episodes (model/sampling/scores.py), or publish anything.
 """
 
 from __future__ import annotations
@@ -127,6 +124,12 @@ async def evaluate_repo_tasks(bus: Bus, region: str, policy: Policy, tasks: Sequ
     order. Turns are greedy at `temperature` 0, else sampled at it from one generator seeded with `seed` (the same
     tasks, policy and arguments give the same turns). `max_tokens` caps each policy turn; `on_step` runs before
     every decoding step (a cancellation it raises ends the evaluation).
+
+    Each episode's session is opened with the task's files; the open episodes' next turns are decoded
+    together, each capped by `AgenticEnvironment.room` and `max_tokens`; each turn is stepped through its
+    session until `submit` or a budget ends the episode and the hidden tests grade the workspace. Episodes
+    take no summaries (`summary_tokens` 0: a full context ends the episode); the wall budget counts on this
+    machine's clock.
 
     :raises SandboxCrashed: a session could not be opened, or one was lost mid-episode.
     """
