@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlbus.model.tasks.repo_grade import DEFAULT_COMMAND, GradeReport, report_of
+from rlbus.model.tasks.repo_grade import DEFAULT_COMMAND, GradeReport
 
 if TYPE_CHECKING:
     from rlbus.actors.sandbox.config import SandboxConfig
@@ -37,14 +37,9 @@ async def grade_repository(bus: Bus, region: str, files: Mapping[str, str], hidd
     """
     from rlbus.actors.common.sessions import SandboxSession
 
-    args: dict[str, Any] = {"files": dict(hidden_tests), "stdlib_under_test": list(stdlib_under_test),
-                            "command": test_command}
-    if timeout_s is not None:
-        args["timeout_s"] = timeout_s
     seeded = {path: text.encode() for path, text in files.items()}
     async with await SandboxSession.open(bus, region, seeded, lease_s=LEASE_S) as session:
-        result = await session.tool("grade", args)
-    return report_of(result.output, result.error)
+        return await session.grade(hidden_tests, test_command, timeout_s, stdlib_under_test=stdlib_under_test)
 
 
 class RepositoryGrader(Protocol):

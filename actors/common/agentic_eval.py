@@ -13,25 +13,22 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 import anyio
 import msgspec
 import torch
 
-from rlbus.actors.common.sessions import SandboxSession
+from rlbus.actors.common.sessions import SandboxSession, SessionPort
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import SandboxCrashed
-from rlbus.messages.schemas import ToolResult
 from rlbus.model.env import AgenticBudgets, AgenticEnvironment, AgenticState, state_context
 from rlbus.model.policies.interface import Policy
 from rlbus.model.sampling.evaluate import greedy_complete
 from rlbus.model.sampling.generate import generate, sampling_kv_dtype
 from rlbus.model.tasks.repo import RepoTask
-from rlbus.model.tasks.repo_grade import GradeReport, report_of
-from rlbus.model.tools.calls import ToolOutcome
 
 LEASE_S: Final = 300.0
 """Lease of a held-out episode's session (capped by the supervisor's `max_lease_s`); every call renews it."""
@@ -76,32 +73,6 @@ def eval_environment(policy: Policy, budgets: AgenticBudgets | None = None) -> A
     budgets = msgspec.structs.replace(base, max_tokens=min(base.max_tokens, policy.max_seq_len), summary_tokens=0)
     compact = policy.max_seq_len < 4096
     return AgenticEnvironment(policy.tokenizer, budgets, tool_list="compact" if compact else "full")
-
-
-class _Port:
-    """A held-out episode's `WorkspacePort` over its session; a session gone or busy raises SandboxCrashed."""
-
-    def __init__(self, session: SandboxSession) -> None:
-        self.session = session
-
-    async def tool(self, name: str, args: Mapping[str, Any]) -> ToolOutcome:
-        result = _answered(await self.session.tool(name, args))
-        return ToolOutcome(output=result.output, error=result.error, exit_code=result.exit_code,
-                           timed_out=result.status == "timeout")
-
-    async def grade_workspace(self, task: RepoTask) -> GradeReport:
-        args: dict[str, Any] = {"files": task.hidden_tests, "command": task.test_command,
-                                "stdlib_under_test": list(task.stdlib_under_test)}
-        if task.timeout_s is not None:
-            args["timeout_s"] = task.timeout_s
-        result = _answered(await self.session.tool("grade", args))
-        return report_of(result.output, result.error)
-
-
-def _answered(result: ToolResult) -> ToolResult:
-    if result.status in ("no_session", "busy"):
-        raise SandboxCrashed(f"held-out session {result.session_id}: {result.status} ({result.error[:200]})")
-    return result
 
 
 def _cut(ids: Sequence[int], stops: frozenset[int], vocab: int) -> list[int]:
@@ -181,7 +152,7 @@ async def _episodes(env: AgenticEnvironment, policy: Policy, tasks: Sequence[Rep
         return {i: _cut(row, stops, vocab) or [tok.stop_id] for i, row in zip(rows, ids, strict=True)}
 
     async def step(i: int, ids: list[int]) -> None:
-        states[i] = (await env.step(states[i], ids, _Port(sessions[i]), now=time.time(), clock=time.time)).state
+        states[i] = (await env.step(states[i], ids, SessionPort(sessions[i]), now=time.time(), clock=time.time)).state
         if states[i].done:
             ended[i] = time.time()
 

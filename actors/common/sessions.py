@@ -1,19 +1,18 @@
-"""How generators use sandbox sessions: open, call tools, snapshot, close, over request/reply.
+"""How generators and evaluators use sandbox sessions: open, call tools, grade, snapshot, close, over request/reply.
 
-Owns: `open_session` (a workspace seeded with files, in the region's queue group; the id names the
-supervisor that holds it), `call_tool` (one `ToolCall` → its `ToolResult`), `snapshot_session`,
-`close_session`, `restore_files` (the opening files overlaid by a snapshot: what to reopen with to restore
-a workspace), and `SandboxSession`, the port an environment is handed (`tool`, `grade`, `snapshot`,
-`digest`, `close`; an async context manager that closes on exit). Every call renews the session's lease; a
-session whose holder stops calling is destroyed by its supervisor after `lease_s`.
-Does not: run tools (actors/sandbox/), parse a model's tool calls or render results (model/).
+- Owns: `open_session`, `call_tool`, `snapshot_session`, `close_session`, `restore_files` (the opening files
+  overlaid by a snapshot), `grade_args`, `SandboxSession` (tool, grade, snapshot, digest, close; an async context
+  manager) and `SessionPort`, the environment's `WorkspacePort` over a session (`answered`: gone or busy raises).
+- Guarantee: every call renews the session's lease; a session whose holder stops calling is destroyed by its
+  supervisor after `lease_s`.
+- Does not: run tools (actors/sandbox/), parse a model's tool calls or render results (model/).
 """
 
 from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final
 
@@ -30,7 +29,9 @@ from rlbus.messages.schemas import (
     ToolCall,
     ToolResult,
 )
+from rlbus.model.tasks.repo import RepoTask
 from rlbus.model.tasks.repo_grade import DEFAULT_COMMAND, GradeReport, report_of
+from rlbus.model.tools.calls import ToolOutcome
 
 REPLY_GRACE_S: Final = 10.0
 """Time beyond a call's own timeout a requester waits (queueing under the quota, the bus)."""
@@ -129,15 +130,12 @@ class SandboxSession:
         return await call_tool(self.bus, self.region, self.session_id, name, args,
                                call_id=f"{self.session_id}-{next(self._ids)}", timeout_s=wait)
 
-    async def grade(self, files: Mapping[str, str], command: str = DEFAULT_COMMAND,
-                    timeout_s: float | None = None) -> GradeReport:
+    async def grade(self, files: Mapping[str, str], command: str = DEFAULT_COMMAND, timeout_s: float | None = None,
+                    *, stdlib_under_test: Sequence[str] = ()) -> GradeReport:
         """Grade a fresh copy of the workspace with the hidden `files` written last: the grade runner's per-test
         report (the default `command`), or a custom command judged by its exit code; a refused call is an `error`
         verdict saying why."""
-        args: dict[str, Any] = {"files": dict(files), "command": command}
-        if timeout_s is not None:
-            args["timeout_s"] = timeout_s
-        result = await self.tool("grade", args)
+        result = await self.tool("grade", grade_args(files, command, stdlib_under_test, timeout_s))
         return report_of(result.output, result.error)
 
     async def snapshot(self) -> ToolResult:
@@ -172,3 +170,39 @@ class SandboxSession:
 
 __all__ = ["SandboxSession", "SessionRefused", "call_tool", "close_session", "open_session", "restore_files",
            "snapshot_session"]
+
+
+def grade_args(hidden_tests: Mapping[str, str], command: str = DEFAULT_COMMAND, stdlib_under_test: Sequence[str] = (),
+               timeout_s: float | None = None) -> dict[str, Any]:
+    """The `grade` tool's arguments: the hidden tests, the command, the standard-library modules the workspace's
+    copies replace, and the grade's wall limit when one is given (else the sandbox's)."""
+    args: dict[str, Any] = {"files": dict(hidden_tests), "command": command,
+                            "stdlib_under_test": list(stdlib_under_test)}
+    if timeout_s is not None:
+        args["timeout_s"] = timeout_s
+    return args
+
+
+def answered(result: ToolResult) -> ToolResult:
+    """`result`, unless the session was gone or busy: then SandboxCrashed (the session is lost)."""
+    if result.status in ("no_session", "busy"):
+        raise SandboxCrashed(f"session {result.session_id}: {result.status} ({result.error[:200]})")
+    return result
+
+
+class SessionPort:
+    """An episode's `WorkspacePort` (model/env/base.py) over its sandbox session. A call the sandbox does not
+    answer, or that finds the session gone or busy, raises SandboxCrashed."""
+
+    def __init__(self, session: SandboxSession) -> None:
+        self.session = session
+
+    async def tool(self, name: str, args: Mapping[str, Any]) -> ToolOutcome:
+        result = answered(await self.session.tool(name, args))
+        return ToolOutcome(output=result.output, error=result.error, exit_code=result.exit_code,
+                           timed_out=result.status == "timeout")
+
+    async def grade_workspace(self, task: RepoTask) -> GradeReport:
+        args = grade_args(task.hidden_tests, task.test_command, task.stdlib_under_test, task.timeout_s)
+        result = answered(await self.session.tool("grade", args))
+        return report_of(result.output, result.error)

@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 import anyio
 import msgspec
@@ -28,7 +28,14 @@ import torch
 import zstandard
 
 from rlbus.actors.common.errors import PartialGroupError
-from rlbus.actors.common.sessions import SandboxSession, SessionRefused, open_session, restore_files
+from rlbus.actors.common.sessions import (
+    SandboxSession,
+    SessionPort,
+    SessionRefused,
+    answered,
+    open_session,
+    restore_files,
+)
 from rlbus.actors.generator.group import MAX_PARTIAL_BYTES, PartialLimits, check_segment, fill_versions
 from rlbus.messages.errors import DigestMismatch, RlbusError, SandboxCrashed
 from rlbus.messages.kv import RETRIED, put_at, read_key
@@ -41,7 +48,6 @@ from rlbus.model.env import (
     AgenticBudgets,
     AgenticEnvironment,
     AgenticState,
-    ToolOutcome,
     decode_state,
     edits_script,
     encode_state,
@@ -52,7 +58,6 @@ from rlbus.model.env import (
 )
 from rlbus.model.env.episodes import Turn
 from rlbus.model.tasks.repo import RepoTask
-from rlbus.model.tasks.repo_grade import GradeReport, report_of
 
 if TYPE_CHECKING:
     from rlbus.actors.generator.actor import Generator
@@ -244,32 +249,6 @@ def environment_of(generator: Generator) -> AgenticEnvironment:
     a = generator.config.agentic
     compact = a.tool_list == "compact" or (a.tool_list == "auto" and generator.model.max_seq_len < 4096)
     return AgenticEnvironment(generator.tokenizer, budgets_of(generator), tool_list="compact" if compact else "full")
-
-
-class _Port:
-    """An episode's `WorkspacePort` over its sandbox session. A call the sandbox does not answer, or that finds
-    the session gone, raises SandboxCrashed (the session is lost: reopened from the last snapshot)."""
-
-    def __init__(self, session: SandboxSession) -> None:
-        self.session = session
-
-    async def tool(self, name: str, args: Mapping[str, Any]) -> ToolOutcome:
-        result = _answered(await self.session.tool(name, args))
-        return ToolOutcome(output=result.output, error=result.error, exit_code=result.exit_code,
-                           timed_out=result.status == "timeout")
-
-    async def grade_workspace(self, task: RepoTask) -> GradeReport:
-        args = {"files": task.hidden_tests, "command": task.test_command,
-                "stdlib_under_test": list(task.stdlib_under_test)}
-        result = _answered(await self.session.tool("grade", args if task.timeout_s is None
-                                                   else {**args, "timeout_s": task.timeout_s}))
-        return report_of(result.output, result.error)
-
-
-def _answered(result: ToolResult) -> ToolResult:
-    if result.status in ("no_session", "busy"):
-        raise SandboxCrashed(f"session {result.session_id}: {result.status} ({result.error[:200]})")
-    return result
 
 
 @dataclass
@@ -474,7 +453,7 @@ class AgenticGroups:
                 await self._check_restored(partial, g, sessions[g])
         session = sessions[g]
         calls = len(state.calls)
-        new = (await env.step(state, ids, _Port(session), now=time.time(), clock=time.time)).state
+        new = (await env.step(state, ids, SessionPort(session), now=time.time(), clock=time.time)).state
         if not new.done and any(c.name in CHANGING_TOOLS for c in new.calls[calls:]):
             await self._snapshot(partial, partial.episodes[g], session, snapshots, g, task)
         return new
@@ -602,7 +581,7 @@ class AgenticGroups:
         """Snapshot the workspace's changed files, check each file's digest, lay them over the snapshot the
         session was restored from (`overlay`: the changes since the task's own files, however many resumes ago),
         store that under its own content address (unless it is there already) and point the episode at it."""
-        result = _answered(await session.snapshot())
+        result = answered(await session.snapshot())
         if not result.ok:
             raise SandboxCrashed(f"snapshot of session {session.session_id} refused: {result.error[:200]}")
         for path, data in result.files.items():
