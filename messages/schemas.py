@@ -133,6 +133,11 @@ class Rollout(Message, tag="rollout"):
     """Earlier segments, oldest first, each trained under its own context (an episode that summarised: the
     turns before each summary, and the summary itself under what the policy read when it wrote it). The
     rollout's own fields are its last segment. Empty for an episode that never summarised."""
+    tool_call_tokens: int | None = None
+    """Policy tokens inside tool calls, over every segment; None: not recorded (the generators do not count them
+    yet; the trainer's concave length penalty then counts 0)."""
+    final_tokens: int | None = None
+    """Tokens of the final message; None: not recorded (the trainer then takes the last run of policy tokens)."""
 
 
 class WeightManifest(Message, tag="weight_manifest"):

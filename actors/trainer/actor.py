@@ -76,9 +76,8 @@ MARK_WATCH_GIVE_UP_S = GIVE_UP_S
 def objective(config: TrainerConfig, launch: TrainerLaunch | None = None) -> Objective:
     """The loss terms of `config` at the launch's sampling temperature and gradient clip (default launch)."""
     launch = launch or TrainerLaunch()
-    lp = config.length_penalty
-    return Objective(kl_coef=config.kl_coef, is_cap=config.is_cap, length_budget=lp.budget, length_coef=lp.coef,
-                     length_power=lp.power, grad_clip=launch.grad_clip, temperature=launch.sampling_temperature,
+    return Objective(kl_coef=config.kl_coef, is_cap=config.is_cap, length_penalty=config.length_penalty,
+                     grad_clip=launch.grad_clip, temperature=launch.sampling_temperature,
                      aggregation=config.aggregation, scale_by_std=config.scale_by_std)
 
 

@@ -25,15 +25,46 @@ TIMEOUT_ENV: Final = "RLBUS_COLLECTIVE_TIMEOUT_S"
 the launcher (topology/backends/launch.py, topology/backends/local.py, topology/backends/ray_cluster.py)."""
 
 
-class LengthPenaltyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`[trainer.length_penalty]`: reward -= coef * (max(0, tokens - budget) / budget) ** power."""
+class EffortWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[trainer.length_penalty] weights`: the concave penalty's effort x = the sum of these times an episode's
+    counts (actors/trainer/core.py `effort_counts` says where each count comes from)."""
 
-    budget: PositiveInt = 256
-    """Completion length (tokens) below which there is no penalty."""
+    policy_tokens: NonNegativeFloat = 1.0
+    """Per token the policy produced (its loss-mask tokens, every segment included)."""
+    tool_call_tokens: NonNegativeFloat = 0.0
+    """Per policy token inside a tool call: `Rollout.tool_call_tokens`, which generators do not record yet, so it
+    counts 0 until they do."""
+    tool_output_tokens: NonNegativeFloat = 0.0
+    """Per completion token the policy did not produce: tool outputs and test feedback with their framing."""
+    final_tokens: NonNegativeFloat = 0.0
+    """Per token of the final message: `Rollout.final_tokens`, else the last run of policy tokens."""
+    tool_calls: NonNegativeFloat = 0.0
+    """Per tool call (`Rollout.timings["tool_calls"]`; 0 for episodes without tools)."""
+    turns: NonNegativeFloat = 0.0
+    """Per policy turn (`timings["turns"]`, else `timings["attempts"]`, else 1)."""
+
+
+class LengthPenaltyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[trainer.length_penalty]`: a cost of the episode's length, subtracted from its reward.
+
+    The convex form costs coef * (max(0, tokens - budget) / budget) ** power over every completion token. The
+    concave form costs coef * C(x) of the `weights`-weighted effort x, C(x) = ((1 + k x)^(1 - q) - 1) / (k (1 - q))
+    (log(1 + k x) / k at q = 1): effort costs most on short episodes and little more on long ones."""
+
+    form: Literal["convex", "concave"] = "convex"
+    """Which penalty: 'convex' (free up to `budget`, then growing as `power`) or 'concave' (`k`, `q`, `weights`)."""
     coef: NonNegativeFloat = 0.0
-    """Penalty weight; 0 turns the length penalty off."""
+    """Penalty weight of either form; 0 turns the length penalty off."""
+    budget: PositiveInt = 256
+    """Convex: completion length (tokens) below which there is no penalty."""
     power: PositiveFloat = 2.0
-    """Exponent of the overshoot; > 1 forgives small overshoots and punishes long ones."""
+    """Convex: exponent of the overshoot; > 1 forgives small overshoots and punishes long ones."""
+    k: PositiveFloat = 0.01
+    """Concave: the scale of effort, > 0; C'(x) = (1 + k x)^(-q) halves (q = 1) once k x = 1."""
+    q: NonNegativeFloat = 0.5
+    """Concave: the curvature, >= 0; 0 is linear (C(x) = x), 1 logarithmic, > 1 bounded by 1 / (k (q - 1))."""
+    weights: EffortWeights = EffortWeights()
+    """Concave: what one unit of each count adds to the effort x."""
 
 
 class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -146,5 +177,5 @@ def from_record(record: Mapping[str, Any]) -> tuple[TrainerConfig, TrainerLaunch
     return config, launch
 
 
-__all__ = ["RANK_ENV", "RENDEZVOUS_ENV", "TIMEOUT_ENV", "WORLD_ENV", "LengthPenaltyConfig", "TrainerConfig",
-           "TrainerLaunch", "from_record", "settings_record"]
+__all__ = ["RANK_ENV", "RENDEZVOUS_ENV", "TIMEOUT_ENV", "WORLD_ENV", "EffortWeights", "LengthPenaltyConfig",
+           "TrainerConfig", "TrainerLaunch", "from_record", "settings_record"]

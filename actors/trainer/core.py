@@ -2,6 +2,7 @@
 and the bytes of a checkpoint.
 
 - Owns: `plan_step` (whole groups into a batch, stale or unusable ones dropped with a reason), `rollout_batch`,
+  the reward's length penalty (`shaped_rewards`, over an episode's `effort_counts`),
   `Core` (what the trainer actor drives), `TrainerCore` (the one-process `Core`: fp32 master policy, frozen
   reference, AdamW), `build_core` and `state_policy` (the policy a checkpoint holds).
 - Works on any `Policy`, never on an implementation directly.
@@ -29,6 +30,7 @@ import torch._dynamo
 from torch import Tensor
 
 from rlbus.actors.common.errors import CheckpointError
+from rlbus.actors.trainer.config import LengthPenaltyConfig
 from rlbus.kernels.delta.state import encode_state
 from rlbus.kernels.logprob import token_logprob
 from rlbus.messages.schemas import Rollout, Segment
@@ -44,7 +46,13 @@ from rlbus.model.policies.interface import (
     set_policy_numerics,
 )
 from rlbus.model.sampling.generate import distinct_prompts, left_pad
-from rlbus.model.training.loss import Aggregation, group_relative_advantages, rl_loss, shape_rewards
+from rlbus.model.training.loss import (
+    Aggregation,
+    effort_penalty,
+    group_relative_advantages,
+    rl_loss,
+    shape_rewards,
+)
 
 STATE_FORMAT: Final = 1
 """Layout version of `TrainerCore.state_blob` (the `policy_files` entry, absent from older blobs, reads as none)."""
@@ -257,6 +265,60 @@ def per_rollout(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
     return batch.rewards.index_select(0, first), lengths, batch.group_ids.index_select(0, first)
 
 
+EFFORT_KEYS: Final = ("policy_tokens", "tool_call_tokens", "tool_output_tokens", "final_tokens", "tool_calls", "turns")
+"""The columns of `effort_counts`, in the order of `[trainer.length_penalty] weights` (actors/trainer/config.py
+`EffortWeights`)."""
+
+
+def effort_counts(rollout: Rollout) -> tuple[float, ...]:
+    """The episode's counts in `EFFORT_KEYS` order, its segments included:
+
+    policy_tokens: completion tokens with loss mask 1 (every token when the mask is empty);
+    tool_call_tokens: `Rollout.tool_call_tokens`, 0 when not recorded (generators do not record it yet);
+    tool_output_tokens: completion tokens with loss mask 0 (tool outputs, test feedback and their framing);
+    final_tokens: `Rollout.final_tokens`, else the last run of policy tokens of the rollout's own completion;
+    tool_calls: `timings["tool_calls"]`, else 0; turns: `timings["turns"]`, else `timings["attempts"]`, else 1.
+    """
+    policy = observed = 0
+    last_run = 0
+    for part in (*rollout.segments, rollout):
+        T = len(part.completion_tokens)
+        keep = part.loss_mask.numpy()
+        mine = np.ones(T, dtype=bool) if keep.size == 0 else keep[:T] != 0
+        policy += int(mine.sum())
+        observed += T - int(mine.sum())
+        if part is rollout:
+            not_mine = np.flatnonzero(~mine)
+            end = int(np.flatnonzero(mine)[-1]) + 1 if mine.any() else 0
+            start = int(not_mine[not_mine < end][-1]) + 1 if (not_mine < end).any() else 0
+            last_run = end - start
+    timings = rollout.timings
+    turns = timings.get("turns", timings.get("attempts", 1.0))
+    return (float(policy), float(rollout.tool_call_tokens or 0), float(observed),
+            float(last_run if rollout.final_tokens is None else rollout.final_tokens),
+            float(timings.get("tool_calls", 0.0)), float(turns))
+
+
+def shaped_rewards(rewards: Tensor, lengths: Tensor, rollouts: Sequence[Rollout],
+                   penalty: LengthPenaltyConfig) -> Tensor:
+    """The rewards (N,) less the `[trainer.length_penalty]` of each rollout: convex in its completion `lengths`
+    (N,) (`model.loss.shape_rewards`), or concave in its weighted effort (`effort_counts`,
+    `model.loss.effort_penalty`); unchanged when `penalty.coef` is 0."""
+    if penalty.coef <= 0:
+        return rewards
+    if penalty.form == "convex":
+        return shape_rewards(rewards, lengths, penalty.budget, coef=penalty.coef, power=penalty.power)
+    counts = torch.tensor([effort_counts(r) for r in rollouts], dtype=torch.float64)
+    w = penalty.weights
+    weights = torch.tensor([getattr(w, key) for key in EFFORT_KEYS], dtype=torch.float64)
+    cost = effort_penalty(counts, weights, coef=penalty.coef, k=penalty.k, q=penalty.q)
+    return rewards - cost.to(device=rewards.device, dtype=rewards.dtype)
+
+
+NO_LENGTH_PENALTY: Final = LengthPenaltyConfig()
+"""`[trainer.length_penalty]` as it defaults: coef 0, no penalty."""
+
+
 # ---- one optimizer step ------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Objective:
@@ -264,9 +326,8 @@ class Objective:
 
     kl_coef: float = 0.001
     is_cap: float = 2.0
-    length_budget: int = 256
-    length_coef: float = 0.0
-    length_power: float = 2.0
+    length_penalty: LengthPenaltyConfig = NO_LENGTH_PENALTY
+    """The reward's length penalty (`shaped_rewards`); off by default."""
     grad_clip: float = 1.0
     """Clip the gradient's global norm to this; 0 turns clipping off."""
     temperature: float = 1.0
@@ -435,7 +496,7 @@ class TrainerCore:
         """One AdamW step on the RL loss of `rollouts` (whole groups), at learning rate `lr` (None: the
         optimizer's current one).
 
-        rewards r → r - length_penalty(T) → group-relative advantages → `model.loss.rl_loss` with
+        rewards r → r - length penalty (`shaped_rewards`) → group-relative advantages → `model.loss.rl_loss` with
         truncated IS weights vs the behaviour logprobs and the k1 KL vs the reference. A non-finite loss
         or gradient leaves the weights as they were (`applied=False`).
         """
@@ -445,9 +506,7 @@ class TrainerCore:
         with torch.no_grad():
             ref = self.logprobs(self.reference, batch, objective.temperature)
         rewards, lengths, group_ids = per_rollout(batch)
-        if objective.length_coef > 0:
-            rewards = shape_rewards(rewards, lengths, objective.length_budget,
-                                    coef=objective.length_coef, power=objective.length_power)
+        rewards = shaped_rewards(rewards, lengths, rollouts, objective.length_penalty)
         advantages = group_relative_advantages(rewards, group_ids, scale_by_std=objective.scale_by_std)
         if batch.segmented:
             advantages = advantages.index_select(0, batch.owner)

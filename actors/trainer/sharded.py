@@ -32,6 +32,7 @@ from rlbus.actors.trainer.core import (
     StepStats,
     batch_rows,
     rollout_batch,
+    shaped_rewards,
     shared_prompt_logprobs,
 )
 from rlbus.kernels.logprob import token_logprob
@@ -42,7 +43,6 @@ from rlbus.model.training.loss import (
     global_denominator,
     group_relative_advantages,
     rl_loss,
-    shape_rewards,
     truncated_importance_weights,
 )
 
@@ -95,10 +95,7 @@ def whole_batch(rollouts: Sequence[Rollout], objective: Objective) -> WholeBatch
         trained[i] += T if keep.size == 0 else int(np.count_nonzero(keep[:T]))
         width = max(width, len(part.prompt_tokens) + T)
     group_ids = torch.tensor([groups[r.task_id] for r in rollouts], dtype=torch.long)
-    shaped = rewards
-    if objective.length_coef > 0:
-        shaped = shape_rewards(rewards, lengths, objective.length_budget, coef=objective.length_coef,
-                               power=objective.length_power)
+    shaped = shaped_rewards(rewards, lengths, rollouts, objective.length_penalty)
     advantages = group_relative_advantages(shaped, group_ids, scale_by_std=objective.scale_by_std)
     tokens = sum(trained)
     denominator = global_denominator(objective.aggregation, tokens=tokens, sequences=sum(t > 0 for t in trained),

@@ -1,7 +1,7 @@
 """RL losses as pure functions of tensors: advantages, off-policy weights, KL, length shaping.
 
 Owns the math the trainer composes: group-relative advantages, truncated importance weights
-against behaviour logprobs, the k1 KL estimator, a convex length penalty, masked aggregation
+against behaviour logprobs, the k1 KL estimator, a convex and a concave length penalty, masked aggregation
 and `rl_loss`, which puts them together. Does not own batching, logprob computation
 (`rlbus.kernels.logprob`) or optimisation. Shapes: N rollouts, B sequences, T tokens.
 """
@@ -89,6 +89,37 @@ def shape_rewards(
 ) -> Tensor:
     """r_i - P(L_i) with P from `length_penalty`; rewards, lengths (N,) -> (N,)."""
     return rewards - length_penalty(lengths, budget, coef=coef, power=power).to(rewards.dtype)
+
+
+def concave_cost(x: Tensor, k: float, q: float) -> Tensor:
+    """C(x) = ((1 + k x)^(1 - q) - 1) / (k (1 - q)), and its limit log(1 + k x) / k at q = 1; x (N,) -> (N,) float.
+
+    C(0) = 0 and C'(x) = (1 + k x)^(-q): the first unit of effort costs 1 and later ones less and less for q > 0
+    (concave), so a little effort costs most on a short episode and little more on a long one. q = 0 is linear,
+    q > 1 is bounded by 1 / (k (q - 1)). Computed in float64 as expm1((1 - q) log1p(k x)) / (k (1 - q)), which
+    stays accurate as q -> 1 and needs no special case but q = 1 itself. x must be >= 0.
+    """
+    if k <= 0 or q < 0:
+        raise ValueError(f"need k > 0 and q >= 0; got k={k}, q={q}")
+    log1p = torch.log1p(k * x.to(torch.float64))
+    a = 1.0 - q
+    cost = log1p / k if a == 0 else torch.expm1(a * log1p) / (k * a)
+    return cost.to(torch.float32)
+
+
+def effort_penalty(counts: Tensor, weights: Tensor, *, coef: float, k: float, q: float) -> Tensor:
+    """coef * C(x) with x = counts @ weights (`concave_cost`); counts (N, F) >= 0, weights (F,) >= 0 -> (N,).
+
+    The columns are per-episode counts (tokens of each kind, tool calls, turns; actors/trainer/core.py
+    `EFFORT_KEYS`), x the weighted effort of each episode. Subtract it from the reward."""
+    if counts.dim() != 2 or weights.shape != counts.shape[1:]:
+        raise ValueError(f"counts must be (N, F) and weights (F,), got {tuple(counts.shape)} and "
+                         f"{tuple(weights.shape)}")
+    if coef < 0 or bool((weights < 0).any()) or bool((counts < 0).any()):
+        raise ValueError(f"need coef >= 0 and non-negative weights and counts; got coef={coef}, "
+                         f"weights={weights.tolist()}")
+    x = counts.to(torch.float64) @ weights.to(torch.float64)
+    return coef * concave_cost(x, k, q)
 
 
 def aggregate(

@@ -17,6 +17,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Final
 
+import msgspec
+
 from rlbus.actors.common.config import feeder_tasks_problem, names_task_file
 from rlbus.topology.file.problem import Problem, Severity
 from rlbus.topology.file.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology, parse_duration
@@ -222,9 +224,16 @@ def _settings(topology: Topology) -> Iterator[Found]:
         yield _p("trainer.staleness_versions", "0 drops every rollout that saw a weight update while it was "
                  "generated; expect most rollouts dropped", "warning")
     penalty = trainer.length_penalty
-    if penalty.coef > 0 and penalty.budget >= gen.max_tokens:
+    if penalty.coef > 0 and penalty.form == "convex" and penalty.budget >= gen.max_tokens:
         yield _p("trainer.length_penalty.budget", f"budget {penalty.budget} >= generator.max_tokens = "
                  f"{gen.max_tokens}: the length penalty can never apply", "warning", also=("generator",))
+    if penalty.coef > 0 and penalty.form == "concave":
+        if not any(msgspec.structs.asdict(penalty.weights).values()):
+            yield _p("trainer.length_penalty.weights", "every weight is 0: the concave length penalty can never "
+                     "apply; expected at least one weight > 0", "warning")
+        elif penalty.weights.tool_call_tokens > 0:
+            yield _p("trainer.length_penalty.weights.tool_call_tokens", "generators do not record tool-call tokens "
+                     "yet (Rollout.tool_call_tokens): they count 0", "warning")
     weights = topology.weights
     if weights.keep_versions < weights.full_every:
         yield _p("weights.keep_versions", f"expected keep_versions >= weights.full_every = {weights.full_every}, "
