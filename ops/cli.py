@@ -22,6 +22,7 @@ SUBCOMMANDS: Final = {
     "validate": "rlbus.ops.validate",
     "clean": "rlbus.ops.clean",
     "pretrain": "rlbus.ops.pretrain",
+    "sft": "rlbus.ops.sft",
     "eval": "rlbus.ops.eval",
     "export": "rlbus.ops.export",
     "tasks": "rlbus.ops.tasks",

@@ -385,9 +385,10 @@ def check_hf_out(out_dir: Path) -> None:
                           f"replaces the folder with the model directory; pass an empty or new --out")
 
 
-def _save_hf(out_dir: Path, policy: Policy, summary: dict[str, Any]) -> None:
+def _save_hf(out_dir: Path, policy: Policy, summary: dict[str, Any], summary_name: str = SUMMARY_NAME) -> None:
     """`out_dir` becomes a complete model directory: the policy's files (tokenizer, chat template), then
-    `save_pretrained` of its module (config, generation config, safetensors), `pretrain.json` and `loss.png`.
+    `save_pretrained` of its module (config, generation config, safetensors), the summary (`summary_name`) and
+    `loss.png`.
 
     Written into a sibling temporary folder, then renamed over `out_dir` (the previous checkpoint is moved aside
     first and removed after), so a reader never sees a half-written directory under `out_dir`. Loose files already
@@ -403,7 +404,7 @@ def _save_hf(out_dir: Path, policy: Policy, summary: dict[str, Any]) -> None:
     for name, data in policy.files().items():
         (tmp / name).write_bytes(data)
     policy.module.save_pretrained(tmp)  # type: ignore[operator]
-    (tmp / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n")
+    (tmp / summary_name).write_text(json.dumps(summary, indent=2) + "\n")
     plot_losses(tmp / LOSS_PLOT, summary.get("losses", []), int(summary.get("start_step", 0)))
     if out_dir.is_dir():
         for entry in out_dir.iterdir():
