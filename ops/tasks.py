@@ -49,9 +49,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     check.add_argument("--pool", type=int, default=DEFAULT_POOL, metavar="N",
                        help=f"sandbox executors, and requests in flight (default {DEFAULT_POOL})")
     check.set_defaults(handler=_check)
-    from rlbus.ops import tasks_make
+    from rlbus.ops import tasks_demos, tasks_make
 
     tasks_make.register(tasks_sub)
+    tasks_demos.register(tasks_sub)
 
 
 def _check(args: argparse.Namespace) -> int:
