@@ -2,7 +2,8 @@
 (and, with `max_rollouts_ahead`, the work ahead of the trainer bounded too).
 
 - Owns: `Feeder` (kind "feeder"; settings: actors/common/config.py `FeederConfig`): the task sequence walked,
-  each task to its region, per-region cursors saved in the hub's PARTIALS KV, and the lockstep schedule.
+  each task to its region, per-region cursors saved in the hub's PARTIALS KV, the lockstep schedule, and the
+  curriculum's reward watch (which rollouts pass, per level; the selection itself: actors/common/curriculum.py).
 - Guarantee: a task goes to its region only; a restarted feeder repeats nothing and skips nothing.
 - Does not: define task sources, the verifier spec or the saved position (actors/common/feed.py), generate
   or grade (actors/generator/actor.py), provision streams (messages/streams.py) or account for fed tasks
@@ -11,8 +12,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import msgspec
@@ -22,13 +24,16 @@ import structlog
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.config import (
+    REPO_LEVELS,
     FeederConfig,
     FeederLaunch,
     decode_config,
     feed_weights,
     names_task_file,
 )
+from rlbus.actors.common.curriculum import CurriculumSequence, LevelCurriculum
 from rlbus.actors.common.feed import (
+    FedTask,
     Position,
     TaskSequence,
     assign_region,
@@ -43,12 +48,16 @@ from rlbus.actors.common.feed import (
 from rlbus.messages import codec
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage, TopologyError
+from rlbus.messages.history import Start, read_batches, stored_at
 from rlbus.messages.kv import put_at
+from rlbus.messages.schemas import Rollout, WeightManifest
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.messages.schemas import WeightManifest
 from rlbus.messages.subjects import LATEST_KEY, POSITION_KEY
 
 log = structlog.get_logger()
+
+LEVELS_KEPT: Final = 1 << 16
+"""Curriculum: the levels of this many of the latest fed tasks are kept, to place their rollouts' rewards."""
 
 
 
@@ -67,6 +76,13 @@ class Feeder(Actor):
     `task_id`, so the region's stream stores it once) and the other regions keep going. The cursors are
     saved after every batch of publishes; a restarted feeder republishes at most the tasks after the last
     save, which the streams' duplicate window drops: nothing is repeated, nothing skipped.
+
+    With `[feeder.curriculum]` the sequence is a `CurriculumSequence`: the feeder follows the hub's ROLLOUTS
+    (from its start on), gives each rollout's reward to a `LevelCurriculum` by the level of its task (tasks it
+    fed; rollouts of tasks fed before a restart are not placed), and when that opens a level it starts a new
+    stage at the first index not drawn yet and saves the position before publishing any task of it: the saved
+    stages rebuild the same sequence after a restart and for the task ledger. A restarted feeder keeps the
+    levels it opened; the pass-rate windows fill again from new rollouts.
     """
 
     kind = "feeder"
@@ -86,7 +102,14 @@ class Feeder(Actor):
         self._revision: int | None = None
         self._save_lock = anyio.Lock()
         self._troubled: set[str] = set()
-        self.tasks: TaskSequence
+        self._listed: list[FedTask] | None = None
+        self.tasks: TaskSequence | CurriculumSequence[FedTask]
+        self.curriculum: LevelCurriculum | None = None
+        self._task_levels: dict[str, int] = {}
+        """Curriculum: task id → level of the latest `LEVELS_KEPT` tasks fed."""
+        self._opened: int | None = None
+        """Curriculum: a level the rewards opened that no stage starts yet (`_start_stage`)."""
+        self._since = time.time()
         self.counters.update(dict.fromkeys(("tasks", "duplicates", "publish_failures"), 0))
 
     async def setup(self) -> None:
@@ -94,17 +117,24 @@ class Feeder(Actor):
             raise TopologyError(f"feeder: region_weights {self.config.region_weights} give no region of "
                                 f"{self.launch.regions or [self.ident.region]} a share; give at least one a "
                                 f"positive weight")
-        listed = await anyio.to_thread.run_sync(listed_tasks, self.config)
-        self.tasks = task_sequence(self.config, self.launch, listed)
+        self._listed = await anyio.to_thread.run_sync(listed_tasks, self.config)
+        self.tasks = task_sequence(self.config, self.launch, self._listed)
         self.kv = await self.bus.js.key_value(self.bus.subjects.partials_bucket(self.ident.region))
+        self._since = time.time()
         await self._load_position()
 
     async def run(self) -> None:
-        if self.config.lockstep:
-            async with anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg:
+            if self.curriculum is not None:
+                tg.start_soon(self._watch_rewards)
+            if self.config.lockstep:
                 for region, _ in self.weights:
                     tg.start_soon(self._lockstep, region)
-            return
+            else:
+                await self._poll()
+
+    async def _poll(self) -> None:
+        """Top every region up, save the cursors, every `poll_interval_s`, forever."""
         while True:
             fed = 0
             backlogs = {region: await self._backlog(region) for region, _ in self.weights}   # one read a poll
@@ -210,6 +240,8 @@ class Feeder(Actor):
         index = self._next_index(region)
         if index is None:
             return None
+        if self._opened is not None:
+            await self._start_stage()
         message = self._message(index, region, min_version)
         try:
             ack = await self.bus.publish(self.bus.subjects.tasks(region), message, msg_id=message.task_id)
@@ -224,9 +256,65 @@ class Feeder(Actor):
 
     def _message(self, index: int, region: str, min_version: int = 0) -> TaskMessage:
         task = self.tasks.get(index)
+        if self.curriculum is not None:
+            self._task_levels[task.task_id] = task.level
+            if len(self._task_levels) > LEVELS_KEPT:
+                del self._task_levels[next(iter(self._task_levels))]
         return TaskMessage(task_id=task.task_id, prompt=task.prompt,
                            verifier=verifier_for(task, with_reference=self._file_source), group_size=self.launch.group_size, region=region,
                            seed=task_seed(self.config.seed, index), min_version=min_version)
+
+    # ---- curriculum -----------------------------------------------------------------------------
+    async def _watch_rewards(self) -> None:
+        """Follow the hub's ROLLOUTS from the feeder's start (or the last one read, after an outage) and give each
+        rollout of a task it fed to the curriculum; an unreachable hub is retried every `poll_interval_s`."""
+        assert self.curriculum is not None
+        hub = self.launch.hub or self.ident.region
+        js = self.bus.jetstream(self.launch.domains.get(hub, hub))
+        last_seq = 0
+        while True:
+            try:
+                async for msgs in read_batches(js, self.bus.subjects.hub_rollouts_stream(), follow=True,
+                                               start=Start.since(self._since)):
+                    for msg in msgs:
+                        if msg.metadata.sequence.stream <= last_seq:
+                            continue
+                        last_seq, self._since = msg.metadata.sequence.stream, stored_at(msg)
+                        self._observe(msg.data, msg.headers)
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as err:
+                self.count("rewards_unreadable")
+                self._trouble(hub, "feeder_rewards_unreadable", error=repr(err))
+                await anyio.sleep(self.config.poll_interval_s)
+
+    def _observe(self, data: bytes, headers: Mapping[str, str] | None) -> None:
+        """Give one stored rollout's reward to the curriculum, by its task's level; note a level it opens."""
+        assert self.curriculum is not None
+        try:
+            rollout = codec.decode_as(data, headers, Rollout)
+        except BadMessage:
+            self.count("rewards_unreadable")
+            return
+        level = self._task_levels.get(rollout.task_id)
+        if level is None:
+            self.count("rewards_unplaced")          # a task fed before this feeder started
+            return
+        self.count("rewards_observed")
+        if self.curriculum.observe(level, rollout.reward):
+            self._opened = self.curriculum.top
+            log.info("feeder_curriculum_level_opened", level=self.curriculum.top,
+                     pass_rate=self.curriculum.pass_rate(level))
+        if (rate := self.curriculum.pass_rate(level)) is not None:
+            self.gauges[f"pass_rate_level_{level}"] = rate
+
+    async def _start_stage(self) -> None:
+        """Start the stage of the level the rewards opened at the first index not drawn yet, and save it before
+        any task of it is published."""
+        assert isinstance(self.tasks, CurriculumSequence) and self._opened is not None
+        top, self._opened = self._opened, None
+        first = self.tasks.raise_to(top)
+        self.gauges["curriculum_top"] = float(top)
+        log.info("feeder_curriculum_stage", top=top, first_index=first, stages=self.tasks.stages)
+        await self._save_position()
 
     # ---- lockstep -------------------------------------------------------------------------------
     async def _lockstep(self, region: str) -> None:
@@ -271,10 +359,12 @@ class Feeder(Actor):
     async def _load_position(self) -> None:
         """Resume the saved cursors. :raises BadMessage: the saved position is unreadable (`load_position`)."""
         saved, self._revision = await load_position(self.kv, self.bus.subjects.partials_bucket(self.ident.region))
+        matches = saved is not None and position_matches(saved, self.config, self.launch, self.ident.region)
+        self._restore_curriculum(saved.stages if saved is not None and matches else [])
         if saved is None:
             log.info("feeder_position_new", source=self.source)
             return
-        if not position_matches(saved, self.config, self.launch, self.ident.region):
+        if not matches:
             start = max(saved.cursors.values(), default=0)
             log.warning("feeder_assignment_changed", saved_seed=saved.seed, saved_source=saved.source,
                         saved_weights=saved.weights, restart_at=start)
@@ -284,6 +374,20 @@ class Feeder(Actor):
             self.fed_versions = {r: v for r, v in saved.versions.items() if r in self.cursors}
         log.info("feeder_position_loaded", cursors=self.cursors)
 
+    def _restore_curriculum(self, stages: list[tuple[int, int]]) -> None:
+        """Under a curriculum, the sequence of the saved `stages` (none: the first stage), and the highest open
+        level its last stage says (the pass-rate windows are kept across a reload)."""
+        if self.config.curriculum is None:
+            return
+        self.tasks = task_sequence(self.config, self.launch, self._listed, stages)
+        assert isinstance(self.tasks, CurriculumSequence)
+        top = self.tasks.stages[-1][1]
+        if self.curriculum is None:
+            self.curriculum = LevelCurriculum(self.config.curriculum, REPO_LEVELS, top)
+        self.curriculum.top = top
+        self._opened = None
+        self.gauges["curriculum_top"] = float(top)
+
     async def _save_position(self) -> None:
         """Compare-and-set the cursors; a lost race (two feeders) reloads the winner's position."""
         async with self._save_lock:      # lockstep saves from one task per region
@@ -292,7 +396,8 @@ class Feeder(Actor):
     async def _save_position_locked(self) -> None:
         value = msgspec.json.encode(Position(seed=self.config.seed, source=self.source,
                                              weights=dict(self.weights), cursors=dict(self.cursors),
-                                             versions=dict(self.fed_versions)))
+                                             versions=dict(self.fed_versions),
+                                             stages=self.tasks.stages if isinstance(self.tasks, CurriculumSequence) else []))
         bucket = self.bus.subjects.partials_bucket(self.ident.region)
         try:
             self._revision = await put_at(self.bus.js, bucket, POSITION_KEY, value, revision=self._revision)

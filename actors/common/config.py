@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Mapping
-from typing import Annotated, Any, Final, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
@@ -53,6 +53,26 @@ def decode_config(section: str, settings: Mapping[str, Any] | C, cls: type[C]) -
 
 
 # ---- feeder ---------------------------------------------------------------------------------------
+class CurriculumConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[feeder.curriculum]`: feed harder levels as the policy passes easier ones (actors/common/curriculum.py).
+
+    Levels up to the highest open one are drawn, that one with weight 1 and each below it with `review`. The
+    feeder reads the rewards of the hub's ROLLOUTS; once the last `window` rollouts of the highest open level
+    pass at a rate of at least `raise_at` (a rollout passes with reward 1), the next level opens. Levels never
+    close. For the built-in family and the built-in repository tasks ("builtin", "repo")."""
+
+    by: Literal["level"] = "level"
+    """What the curriculum steps through: the tasks' difficulty level (1-3)."""
+    start: Annotated[int, msgspec.Meta(ge=1, le=3)] = 1
+    """The highest level open at the start."""
+    raise_at: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    """Open the next level once the highest open one's recent pass rate reaches this."""
+    window: PositiveInt = 64
+    """Rollouts of a level whose outcomes make its recent pass rate (none until it has this many)."""
+    review: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.25
+    """Draw weight of each open level below the highest, relative to the highest's 1; 0 feeds only the highest."""
+
+
 class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`[feeder]`: how tasks are produced and spread over the regions."""
 
@@ -94,6 +114,9 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     version, stamped so that generators start them only with that version. With `trainer.staleness_versions = 0`
     and `backlog_per_region * generator.group_size = trainer.batch_rollouts` this is generate-then-train in
     lockstep. Off (the default): the async pipeline."""
+    curriculum: CurriculumConfig | None = None
+    """Feed harder levels as the recent pass rate rises, like `{start = 1, raise_at = 0.5, window = 64}`
+    (`[feeder.curriculum]`); None (the default): every level as the source gives them."""
 
 
 class FeederLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -279,6 +302,6 @@ class EvaluatorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Where the policy runs (topology `[policy] device`): 'auto' is CUDA when this machine has it."""
 
 
-__all__ = ["FEEDER_SOURCES", "REPO_LEVELS", "CheckpointerConfig", "CheckpointerLaunch", "EvaluatorConfig",
+__all__ = ["FEEDER_SOURCES", "REPO_LEVELS", "CheckpointerConfig", "CheckpointerLaunch", "CurriculumConfig", "EvaluatorConfig",
            "EvaluatorLaunch", "FeederConfig", "FeederLaunch", "PublisherConfig", "PublisherLaunch", "decode_config",
            "feed_weights", "feeder_file_problem", "feeder_tasks_problem", "names_task_file", "task_source_problem"]

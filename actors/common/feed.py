@@ -1,7 +1,8 @@
 """The task feed: the sequence of tasks a feeder puts on the bus, its regions, its saved position, and the
 task codec every consumer of tasks shares.
 
-- Owns: the task sequence of each source (`task_sequence`, `listed_tasks`, `read_tasks_file`), `assign_region`
+- Owns: the task sequence of each source (`task_sequence`, `listed_tasks`, `read_tasks_file`; under a
+  `[feeder.curriculum]`, a `CurriculumSequence` of per-level streams), `assign_region`
   (the deterministic weighted region of each task), the verifier spec a generator rebuilds a task from
   (`verifier_for` / `task_from_verifier`), the feeder's saved `Position` in the hub's PARTIALS KV under
   `POSITION_KEY` (`read_position`), and which ids its cursors have fed (`fed_task_ids`).
@@ -24,6 +25,7 @@ import structlog
 from nats.js.kv import KeyValue
 
 from rlbus.actors.common.config import (
+    REPO_LEVELS,
     FeederConfig,
     FeederLaunch,
     feed_weights,
@@ -31,6 +33,7 @@ from rlbus.actors.common.config import (
     feeder_tasks_problem,
     names_task_file,
 )
+from rlbus.actors.common.curriculum import CurriculumSequence
 from rlbus.actors.common.errors import TaskError
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
@@ -165,16 +168,20 @@ def listed_tasks(config: FeederConfig) -> list[FedTask] | None:
 def task_source(config: FeederConfig, launch: FeederLaunch | None = None) -> str:
     """What the feeder's saved position is a position in: the tasks file, or the built-in sequence of a seed
     (and levels), and ":excluding=<source>" when the evaluator's held-out set is a listed source whose
-    prompts the sequence skips. A restart that finds another source saved restarts every region at the
-    furthest saved index rather than at its own cursor (`feeder_assignment_changed`)."""
+    prompts the sequence skips, and ":curriculum=<by>,<start>,<review>" under a `[feeder.curriculum]` (what
+    decides its draws; when a stage begins the position saves itself). A restart that finds another source
+    saved restarts every region at the furthest saved index rather than at its own cursor
+    (`feeder_assignment_changed`)."""
     excluding = (f":excluding={launch.eval_tasks}" if launch is not None and launch.eval_tasks != task_sources.BUILTIN
                  else "")
     if config.tasks_file is not None:
         return f"{config.tasks_file}{excluding}"
+    c = config.curriculum
+    curriculum = f":curriculum={c.by},{c.start},{c.review}" if c is not None else ""
     if config.tasks != task_sources.BUILTIN:
-        return f"{config.tasks}:{config.seed}{excluding}"
+        return f"{config.tasks}:{config.seed}{curriculum}{excluding}"
     levels = f":levels={','.join(map(str, sorted(set(config.levels))))}" if config.levels else ""
-    return f"builtin:{config.seed}{levels}{excluding}"
+    return f"builtin:{config.seed}{levels}{curriculum}{excluding}"
 
 
 class TaskSequence:
@@ -233,21 +240,27 @@ class Position(msgspec.Struct, kw_only=True):
     cursors: dict[str, int]
     versions: dict[str, int] = {}
     """Lockstep: per region, the last policy version it was given its batch for."""
+    stages: list[tuple[int, int]] = []
+    """`[feeder.curriculum]`: (first sequence index, highest open level) of each stage (`CurriculumSequence`)."""
 
 
-def task_sequence(config: FeederConfig, launch: FeederLaunch,
-                  listed: list[FedTask] | None = None) -> TaskSequence:
+def task_sequence(config: FeederConfig, launch: FeederLaunch, listed: list[FedTask] | None = None,
+                  stages: Sequence[tuple[int, int]] = ()) -> TaskSequence | CurriculumSequence[FedTask]:
     """The sequence the feeder walks: `listed` (a listed source's tasks: `listed_tasks`), the built-in repository
     tasks of `[feeder] tasks`,
     or the built-in family of the config, without the prompts of the evaluator's held-out source
-    (`launch.eval_tasks`, by prompt hash).
+    (`launch.eval_tasks`, by prompt hash). Under a `[feeder.curriculum]`, the built-in family's or repository
+    tasks' `CurriculumSequence` of the saved `stages` (none: the first stage only).
 
-    :raises TaskError: the evaluator's source cannot be read, or `[feeder] tasks` names no source.
+    :raises TaskError: the evaluator's source cannot be read, `[feeder] tasks` names no source, or a curriculum
+        is asked of a listed source or one level.
     """
     try:
         exclude = task_sources.held_out_hashes(launch.eval_tasks)
     except task_sources.TaskSourceError as err:
         raise TaskError(f"evaluator.tasks = {launch.eval_tasks!r}: {err}") from None
+    if config.curriculum is not None:
+        return curriculum_sequence(config, launch, exclude, stages)
     repo = None
     if listed is None and config.tasks != task_sources.BUILTIN:
         if (problem := feeder_tasks_problem(config.tasks)) is not None:
@@ -260,6 +273,32 @@ def task_sequence(config: FeederConfig, launch: FeederLaunch,
                         exclude=exclude, repo=repo)
 
 
+def curriculum_sequence(config: FeederConfig, launch: FeederLaunch, exclude: frozenset[str],
+                        stages: Sequence[tuple[int, int]] = ()) -> CurriculumSequence[FedTask]:
+    """The `CurriculumSequence` of `[feeder.curriculum]` over the levels `REPO_LEVELS`: per level, the built-in
+    family's tasks of that level (without the held-out prompts `exclude`) or the built-in repository tasks',
+    each walked as the source walks it without a curriculum (`TaskSequence`).
+
+    :raises TaskError: the source is not "builtin" or "repo" (a listed source, one repository level), or
+        `[feeder] levels` is set too.
+    """
+    assert config.curriculum is not None
+    if config.tasks not in (task_sources.BUILTIN, "repo") or config.tasks_file is not None or config.levels:
+        raise TaskError(f"feeder.curriculum needs feeder.tasks 'builtin' or 'repo' without tasks_file or levels, "
+                        f"got tasks {config.tasks!r}, tasks_file {config.tasks_file!r}, levels {config.levels}")
+    def streams(level: int) -> Iterator[FedTask]:
+        """The source's own sequence of one level: "repo:LEVEL", or the built-in family with `levels = [level]`."""
+        if config.tasks == "repo":
+            one = TaskSequence(config.seed, repo=f"repo:{level}")
+        else:
+            one = TaskSequence(config.seed, eval_seed=launch.eval_seed, levels=(level,), exclude=exclude)
+        for index in itertools.count():
+            yield one.get(index)
+            one.forget_below(index + 1)
+
+    return CurriculumSequence(config.seed, config.curriculum, REPO_LEVELS, streams, stages, end=config.max_tasks)
+
+
 def position_matches(saved: Position, config: FeederConfig, launch: FeederLaunch, own_region: str) -> bool:
     """Whether `saved` is a position in this config's sequence and assignment (seed, task source, weights);
     a feeder that finds another one saved does not resume its cursors (`feeder_assignment_changed`)."""
@@ -268,17 +307,18 @@ def position_matches(saved: Position, config: FeederConfig, launch: FeederLaunch
 
 
 def fed_task_ids(config: FeederConfig, launch: FeederLaunch, cursors: Mapping[str, int], own_region: str,
-                 listed: list[FedTask] | None = None) -> dict[str, list[str]]:
+                 listed: list[FedTask] | None = None, stages: Sequence[tuple[int, int]] = ()) -> dict[str, list[str]]:
     """Per region of `feed_weights(config, launch, own_region)`, the ids of the tasks a feeder with these cursors has given
     it, in sequence order: every index below the region's cursor that `assign_region` gives the region
     (the feeder walks each region's indices in order and advances the cursor past each one published).
 
-    `listed`: the listed source's tasks (None: read them, `listed_tasks`). Cursors of a position saved
-    under another seed, source or weights (`position_matches`) do not mean this."""
+    `listed`: the listed source's tasks (None: read them, `listed_tasks`); `stages`: the saved position's
+    curriculum stages (`Position.stages`). Cursors of a position saved under another seed, source or weights
+    (`position_matches`) do not mean this."""
     weights = feed_weights(config, launch, own_region)
     if listed is None:
         listed = listed_tasks(config)
-    tasks = task_sequence(config, launch, listed)
+    tasks = task_sequence(config, launch, listed, stages)
     out: dict[str, list[str]] = {region: [] for region, _ in weights}
     stop = max((cursors.get(region, 0) for region in out), default=0)
     if tasks.end is not None:

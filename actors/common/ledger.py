@@ -181,6 +181,7 @@ async def read_task_ledger(bus: Bus, config: FeederConfig, launch: FeederLaunch,
     """
     position = await read_position(bus, feeder_region, domain=launch.domains.get(feeder_region, feeder_region))
     cursors: dict[str, int] = {}
+    stages: list[tuple[int, int]] = []
     if position is not None:
         if not position_matches(position, config, launch, feeder_region):
             raise TopologyError(
@@ -188,8 +189,8 @@ async def read_task_ledger(bus: Bus, config: FeederConfig, launch: FeederLaunch,
                 f"weights {position.weights}) was not saved under this feeder config (seed {config.seed}, source "
                 f"{task_source(config, launch)!r}, weights {dict(feed_weights(config, launch, feeder_region))}); pass the config the "
                 f"feeder ran with")
-        cursors = position.cursors
-    fed = fed_task_ids(config, launch, cursors, feeder_region)
+        cursors, stages = position.cursors, position.stages
+    fed = fed_task_ids(config, launch, cursors, feeder_region, stages=stages)
     s = bus.subjects
     pending: list[str] = []
     for region in fed:

@@ -272,6 +272,15 @@ def _settings(topology: Topology) -> Iterator[Found]:
     if feeder.levels and feeder.tasks_file is not None:
         yield _p("feeder.levels", f"levels {feeder.levels} select among the built-in tasks only, but feeder.tasks_file "
                  f"= {feeder.tasks_file!r} is set; remove one of them", also=("feeder.tasks_file",))
+    if feeder.curriculum is not None:
+        if feeder.tasks not in ("builtin", "repo") or feeder.tasks_file is not None:
+            yield _p("feeder.curriculum", f"a curriculum draws the levels of the built-in tasks ('builtin' or 'repo'), "
+                     f"not of feeder.tasks {feeder.tasks!r}" + (f" or feeder.tasks_file {feeder.tasks_file!r}"
+                                                             if feeder.tasks_file is not None else ""),
+                     also=("feeder.tasks",))
+        if feeder.levels:
+            yield _p("feeder.curriculum", f"feeder.levels {feeder.levels} fixes the levels a curriculum would choose "
+                     "among; remove one of them", also=("feeder.levels",))
     if names_task_file(feeder.tasks) and feeder.tasks == topology.evaluator.tasks:
         yield _p("evaluator.tasks", f"the held-out set is feeder.tasks {feeder.tasks!r} itself; give the evaluator "
                  f"another source", also=("feeder.tasks",))
