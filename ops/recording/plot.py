@@ -1,4 +1,5 @@
-"""`rlbus plot FILE|RUN -o DIR`: PNGs of reward, pass rate, KL, staleness and throughput per version.
+"""`rlbus plot FILE|RUN -o DIR`: PNGs of reward, pass rate, KL, staleness and throughput per version, and of
+held-out accuracy against cost per evaluated version.
 
 Owns: the command line. A FILE is a recording (`rlbus record`); a RUN is recorded first (a snapshot of
 its streams, into a temporary file) and then plotted. The series and drawing are ops/recording/plotting.py.
@@ -17,10 +18,13 @@ from rlbus.ops.target import add_target_options
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
-        "plot", help="PNGs of reward, pass rate, KL, staleness and throughput per policy version",
+        "plot", help="PNGs of reward, pass rate, KL, staleness and throughput per policy version, and accuracy "
+                     "against cost",
         description="Draw reward, pass rate, KL, staleness and throughput per policy version from a recording "
-                    "(or from a live run, recorded first) into PNG files. A plot whose data the recording lacks "
-                    "says so in its PNG.")
+                    "(or from a live run, recorded first) into PNG files, and accuracy_cost.png: for each "
+                    "evaluated version, the held-out pass rate of agentic episodes against the policy tokens "
+                    "spent per task (greedy pass@1, and pass@k at k sampled episodes' tokens). A plot whose data "
+                    "the recording lacks says so in its PNG.")
     p.add_argument("source", metavar="FILE|RUN", help="a recording file, or a run id (read from its bus)")
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="output directory (default: <file>-plots next to FILE, or <state-dir>/plots for RUN)")

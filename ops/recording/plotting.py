@@ -1,4 +1,5 @@
-"""Per-version curves of a recording and their PNGs: reward, pass rate, KL, staleness, throughput.
+"""Per-version curves of a recording and their PNGs: reward, pass rate, KL, staleness, throughput, and held-out
+accuracy against cost.
 
 Owns: `collect()` (what the plots need from a recording's entries), the per-version series as pure
 functions over that data (each documented with its formula), and `render_all()` (one PNG per series
@@ -99,6 +100,25 @@ def pass_rate_series(data: PlotData) -> dict[str, Any]:
     graded = [r for r in data.rollouts if r.graded]
     if graded:
         out["rollouts"] = group_stats([r.vmax for r in graded], [float(r.passed) for r in graded])
+    return out
+
+
+def accuracy_cost_series(data: PlotData) -> dict[int, dict[str, Any]]:
+    """EvalReports of agentic episodes (those with `policy_tokens_mean`), the latest per version: {version:
+    {"greedy": (policy tokens per task, pass@1, ci low, ci high), and with samples "sampled": (ks, k x policy
+    tokens of a sampled episode, pass@k, low, high)}}: what a task costs against how often it passes."""
+    latest = {e.policy_version: e for e in sorted(data.evals, key=lambda e: e.created_at)
+              if e.policy_tokens_mean is not None}
+    out: dict[int, dict[str, Any]] = {}
+    for v in sorted(latest):
+        e = latest[v]
+        out[v] = {"greedy": (e.policy_tokens_mean, e.pass_at_1, e.ci_low, e.ci_high)}
+        ks = sorted(int(k) for k in e.pass_at_k)
+        if ks and e.sampled_policy_tokens_mean is not None:
+            out[v]["sampled"] = (ks, [k * e.sampled_policy_tokens_mean for k in ks],
+                                 [e.pass_at_k[str(k)] for k in ks],
+                                 [e.pass_at_k_ci95.get(str(k), [0.0, 1.0])[0] for k in ks],
+                                 [e.pass_at_k_ci95.get(str(k), [0.0, 1.0])[1] for k in ks])
     return out
 
 
@@ -282,20 +302,49 @@ def _plot_throughput(fig: Any, data: PlotData) -> None:
         _no_data(bottom, "too few rollouts per version for a rate")
 
 
+def _plot_accuracy_cost(fig: Any, data: PlotData) -> None:
+    ax = fig.add_subplot(1, 1, 1)
+    s = accuracy_cost_series(data)
+    if not s:
+        return _no_data(ax, "the recording holds no EvalReports of agentic episodes (policy tokens per task)")
+    from matplotlib import colormaps
+
+    colors = colormaps["viridis"]
+    last = max(1, len(s) - 1)
+    for i, (v, series) in enumerate(s.items()):
+        color = colors(0.9 * i / last)
+        x, p, lo, hi = series["greedy"]
+        ax.errorbar([x], [p], yerr=[[p - lo], [hi - p]], marker="o", capsize=3, color=color, linestyle="none",
+                    label=f"v{v} greedy pass@1")
+        if "sampled" in series:
+            ks, xs, ps, los, his = series["sampled"]
+            ax.fill_between(xs, los, his, color=color, alpha=0.12)
+            ax.plot(xs, ps, marker=".", color=color, label=f"v{v} pass@k, k = {ks[0]}..{ks[-1]} sampled episodes")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("policy tokens per task")
+    ax.set_ylabel("held-out pass rate")
+    ax.legend(fontsize=8)
+
+
 PLOTS = {"reward": ("reward per policy version", _plot_reward),
          "pass_rate": ("pass rate per policy version", _plot_pass),
          "kl": ("KL and loss per policy version", _plot_kl),
          "staleness": ("staleness per policy version", _plot_staleness),
-         "throughput": ("throughput", _plot_throughput)}
+         "throughput": ("throughput", _plot_throughput),
+         "accuracy_cost": ("held-out pass rate against policy tokens per task, per evaluated version",
+                           _plot_accuracy_cost)}
 
 
-def render_all(data: PlotData, out_dir: Path) -> list[Path]:
-    """Write `<name>.png` for every plot into `out_dir`; returns the paths."""
+def render_all(data: PlotData, out_dir: Path, names: Iterable[str] | None = None) -> list[Path]:
+    """Write `<name>.png` for every plot (or those `names` names) into `out_dir`; returns the paths."""
     from matplotlib.figure import Figure  # the Agg canvas, no pyplot state
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, (title, draw) in PLOTS.items():
+        if names is not None and name not in names:
+            continue
         fig = Figure(figsize=(8, 5), dpi=100, layout="constrained")
         draw(fig, data)
         fig.suptitle(f"{data.run}: {title}" if data.run else title)

@@ -9,6 +9,8 @@ import msgspec
 import pytest
 from helpers.ops import run_cli
 
+from rlbus.actors.common.agentic_eval import EpisodeResult
+from rlbus.actors.common.eval_report import episodes_report
 from rlbus.messages.schemas import (
     DroppedRollout,
     EvalReport,
@@ -24,6 +26,7 @@ from rlbus.ops.recording.plotting import (
     PLOTS,
     PlotData,
     RolloutPoint,
+    accuracy_cost_series,
     generation_lag,
     group_stats,
     mean_staleness,
@@ -77,7 +80,7 @@ def _full() -> list[tuple[str, Message, float]]:
 
 @pytest.mark.parametrize("content", ["full", "empty"])
 def test_plot_writes_every_png(tmp_path: Path, content: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """Five non-trivial PNGs for a recording with every kind, and for an empty one (each says no data)."""
+    """Six non-trivial PNGs for a recording with every kind, and for an empty one (each says no data)."""
     path = tmp_path / f"{content}.rlrec"
     _write(path, _full() if content == "full" else [])
     out = tmp_path / "plots"
@@ -87,3 +90,37 @@ def test_plot_writes_every_png(tmp_path: Path, content: str, capsys: pytest.Capt
     for name in PLOTS:
         data = (out / f"{name}.png").read_bytes()
         assert data[:8] == PNG and len(data) > 5000, name
+
+
+def _episode(task: str, level: int, passed: bool, tokens: int) -> EpisodeResult:
+    return EpisodeResult(task, level, passed, float(passed), turns=2, ended="submit", tool_calls=1,
+                         policy_tokens=tokens, wall_s=1.0)
+
+
+def test_accuracy_against_cost_per_evaluated_version(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """EvalReports of agentic episodes (as the evaluator scores them: greedy, two samples per task) give one
+    point per version at its policy tokens per task, and its pass@k at k sampled episodes' tokens; reports of
+    function-writing tasks give none. `rlbus plot` writes accuracy_cost.png from such a recording; with no
+    agentic report it says so instead."""
+    reports = []
+    for v, tokens in ((0, 40), (4, 30)):
+        greedy = [_episode("a", 1, v > 0, tokens), _episode("b", 2, False, tokens + 20)]
+        sampled = [_episode(t, lv, p, tokens) for t, lv, p in
+                   (("a", 1, True), ("a", 1, False), ("b", 2, False), ("b", 2, v > 0))]
+        reports.append(episodes_report(v, 1, "repo", greedy, sampled, 2))
+    function = EvalReport(policy_version=2, task_seed=1, n=20, pass_at_1=0.5, ci_low=0.3, ci_high=0.7)
+    series = accuracy_cost_series(PlotData(evals=[*reports, function]))
+    assert list(series) == [0, 4]
+    assert series[0]["greedy"][:2] == (50.0, 0.0) and series[4]["greedy"][:2] == (40.0, 0.5)
+    ks, xs, ps, _, _ = series[4]["sampled"]
+    assert (ks, xs) == ([1, 2], [30.0, 60.0]) and ps == [0.5, 1.0]
+    for content, messages in (("agentic", [("EVALS", r, 1000.0 + i) for i, r in enumerate(reports)]),
+                              ("function", [("EVALS", function, 1000.0)])):
+        path = tmp_path / f"{content}.rlrec"
+        _write(path, messages)
+        out = tmp_path / content
+        assert run_cli(["plot", str(path), "-o", str(out)]) == 0
+        assert str(out / "accuracy_cost.png") in capsys.readouterr().out.split()
+        data = (out / "accuracy_cost.png").read_bytes()
+        assert data[:8] == PNG and len(data) > 5000
+    assert (tmp_path / "agentic" / "accuracy_cost.png").read_bytes() != data
