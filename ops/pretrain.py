@@ -4,7 +4,8 @@ Owns: the command line and its progress lines (`PretrainPrinter`, shared with `r
 training (`model/training/pretrain.py`) or the corpus (`model/training/corpus.py`). A built-in run writes DIR/pretrain.pt
 (state_dict, model config, tokenizer info, meta), DIR/pretrain.json and DIR/loss.png; a Hugging Face run
 (`--hf ARCH`, or `--from` a model directory) makes DIR a model directory that `transformers` loads, with
-pretrain.json and loss.png inside.
+pretrain.json and loss.png inside. `--phases FILE` runs the `[[pretrain.phases]]` of a TOML file's `[pretrain]`
+table (model/training/phases.py) into the one output, a marker file per finished phase.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
+    from rlbus.model.training.phases import Phase
     from rlbus.model.training.pretrain import PretrainProgress
+    from rlbus.topology.file.schema import PretrainSettings
 
 PROGRESS_EVERY = 10
 """Off a terminal, a progress line every this many optimizer steps (and at the first and the last)."""
@@ -96,7 +99,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "for tests; the default with --hf) or m30 (~30M parameters); with --hf it also picks the "
                         "recipe's model size of that name")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of initialisation and training data (default 0)")
+    p.add_argument("--phases", type=Path, default=None, metavar="FILE",
+                   help="run the [[pretrain.phases]] of FILE's [pretrain] table (a topology file, or one holding only "
+                        "that table) in order into --out: main, long_context and sft phases, a marker per finished "
+                        "phase, so a run started again resumes after the last one; its preset, seed, threads, "
+                        "eval_n and max_seq_len apply unless given here")
+    p.add_argument("--seed", type=int, default=None, help="seed of initialisation and training data (default 0)")
     p.add_argument("--task-seed", type=int, default=0,
                    help="seed of the held-out task set; training never sees its prompts (default 0)")
     p.add_argument("--eval-n", type=int, default=None, help="held-out tasks to evaluate (default: the preset's)")
@@ -111,7 +119,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="write an intermediate checkpoint every N steps (default: the preset's)")
     p.add_argument("--device", choices=("cpu", "auto", "cuda"), default="cpu",
                    help="where to train: cpu (the default; deterministic per thread count), auto or cuda")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 2)")
     p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
     p.set_defaults(handler=_handler)
 
@@ -140,7 +148,17 @@ def _handler(args: argparse.Namespace) -> int:
         pretrain,
     )
 
-    preset = args.config or ("tiny" if args.hf else "small")
+    settings: PretrainSettings | None = None
+    if args.phases is not None:
+        settings = load_phases(args.phases)
+        if args.steps is not None:
+            print("rlbus pretrain: --steps with --phases: each phase has its own steps", file=sys.stderr)
+            return 2
+        args.eval_n = args.eval_n if args.eval_n is not None else settings.eval_n
+    seed_default, threads_default = (settings.seed, settings.threads) if settings is not None else (0, 2)
+    args.seed = seed_default if args.seed is None else args.seed
+    args.threads = threads_default if args.threads is None else args.threads
+    preset = args.config or ("tiny" if args.hf else settings.preset if settings is not None else "small")
     overrides: dict[str, Any] = {"task_seed": args.task_seed, "stdlib": not args.no_stdlib,
                                  "corpus_dirs": tuple(str(d) for d in args.corpus)}
     for key, value in (("eval_n", args.eval_n), ("lr", args.lr), ("checkpoint_every", args.checkpoint_every)):
@@ -151,6 +169,8 @@ def _handler(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"rlbus pretrain: {err}", file=sys.stderr)
         return 2
+    if settings is not None and settings.max_seq_len is not None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_seq_len=settings.max_seq_len))
     steps = args.steps if args.steps is not None else config.steps
     if steps < 1 or args.threads < 1 or not 1 <= config.eval_n <= 2000:
         print("rlbus pretrain: --steps and --threads must be >= 1 and --eval-n in 1..2000", file=sys.stderr)
@@ -182,6 +202,8 @@ def _handler(args: argparse.Namespace) -> int:
         print("rlbus pretrain: --code-fraction > 0 with --no-stdlib needs a --corpus folder", file=sys.stderr)
         return 2
 
+    if settings is not None:
+        return _run_phases(args, config, phases_of(settings), policy, start_step, origin, what)
     print(f"pretrain: {what}, {steps} steps, seed {args.seed}, task seed {args.task_seed}, "
           f"code fraction {fraction:g}, {args.threads} threads -> {args.out}", flush=True)
     try:
@@ -198,6 +220,78 @@ def _handler(args: argparse.Namespace) -> int:
     print(f"loss {result.first_loss:.3f} -> {result.final_loss:.3f} in {result.train_s:.1f}s")
     for family, (k, n) in ev.by_family.items():
         print(f"  {family:<9} {k:>3}/{n:<3}")
+    print(f"held-out greedy pass@1 {ev.pass_at_1:.3f} ({ev.passed}/{ev.n}), 95% Wilson CI "
+          f"[{ev.ci_low:.3f}, {ev.ci_high:.3f}]")
+    print(f"checkpoint {result.checkpoint}  summary {result.summary}  wall {result.wall_s:.1f}s")
+    return 0
+
+
+def load_phases(path: Path) -> PretrainSettings:
+    """The `[pretrain]` table of the TOML file `path` (a topology file's, or a file holding only that table).
+
+    :raises RlbusError: the file cannot be read, is not TOML, has no phases, or a key is wrong (named).
+    """
+    import tomllib
+
+    import msgspec
+
+    from rlbus.messages.errors import RlbusError
+    from rlbus.topology.file.schema import PretrainSettings
+
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise RlbusError(f"{path}: cannot read a TOML file ({type(err).__name__}: {err})") from None
+    table = doc.get("pretrain")
+    if not isinstance(table, dict):
+        raise RlbusError(f"{path}: pretrain: missing; expected a [pretrain] table with [[pretrain.phases]]")
+    try:
+        settings = msgspec.convert(table, PretrainSettings)
+    except msgspec.ValidationError as err:
+        message, _, where = str(err).partition(" - at `$")
+        key = "pretrain" + where.rstrip("`")
+        raise RlbusError(f"{path}: {key}: {message}") from None
+    if not settings.phases:
+        raise RlbusError(f"{path}: pretrain.phases: none; expected [[pretrain.phases]] tables (name, kind, steps)")
+    return settings
+
+
+def phases_of(settings: PretrainSettings) -> list[Phase]:
+    """The `[[pretrain.phases]]` of `settings` as the phases `run_phases` runs."""
+    from rlbus.model.training.phases import Phase
+
+    return [Phase(name=p.name, kind=p.kind, steps=p.steps, seq_len=p.seq_len, lr=p.lr, warmup_steps=p.warmup_steps,
+                  min_lr_ratio=p.min_lr_ratio, batch_size=p.batch_size, data=p.data, rope_theta=p.rope_theta)
+            for p in settings.phases]
+
+
+def _run_phases(args: argparse.Namespace, config: Any, phases: list[Phase], policy: Any, start_step: int,
+                origin: str, what: str) -> int:
+    from rlbus.model.training.corpus import CorpusError
+    from rlbus.model.training.phases import run_phases
+
+    listed = ", ".join(f"{p.name} ({p.kind}, {p.steps})" for p in phases)
+    print(f"pretrain: {what}, phases {listed}, seed {args.seed}, task seed {args.task_seed}, {args.threads} "
+          f"threads -> {args.out}", flush=True)
+    try:
+        result = run_phases(config, phases, args.seed, args.out, args.threads,
+                            progress=None if args.json else PretrainPrinter(sys.stdout), policy=policy,
+                            start_step=start_step, origin=origin, device=args.device)
+    except CorpusError as err:
+        print(f"\nrlbus pretrain: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(json.loads(result.summary.read_text())))
+        return 0
+    for record in result.phases:
+        losses = record.get("losses") or [float("nan")]
+        line = f"  phase {record['index']} {record['name']:<12} {record['kind']:<12} steps {record['start_step'] + 1}-" \
+               f"{record['start_step'] + record['steps']}  loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+        held = record.get("held_out")
+        if held:
+            line += f"  held-out loss at {record['seq_len']} tokens {held['before']:.3f} -> {held['after']:.3f}"
+        print(line)
+    ev = result.eval
     print(f"held-out greedy pass@1 {ev.pass_at_1:.3f} ({ev.passed}/{ev.n}), 95% Wilson CI "
           f"[{ev.ci_low:.3f}, {ev.ci_high:.3f}]")
     print(f"checkpoint {result.checkpoint}  summary {result.summary}  wall {result.wall_s:.1f}s")

@@ -1,14 +1,16 @@
 """The pretraining corpus: built-in task documents mixed with real Python source, decontaminated.
 
 - Owns: the task documents (`task_documents`), the code documents (`code_documents`: the standard library's
-  `.py` files and any directory given), the decontamination rule (`Decontaminator`), the mix
-  (`mixed_documents`) and `tokenizer_texts` (what a new BPE tokenizer learns from).
+  `.py` files and any directory given), the long documents of a long-context phase (`repositories`,
+  `split_repositories`, `long_documents`: whole repositories, their files concatenated), the decontamination rule
+  (`Decontaminator`), the mix (`mixed_documents`) and `tokenizer_texts` (what a new BPE tokenizer learns from).
 - Guarantee: no document contains a held-out task's prompt or canonical solution.
 - Does not: own tokenizers, batching or the training loop (model/training/pretrain.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import random
@@ -239,3 +241,89 @@ def tokenizer_texts(files: Sequence[Path], tasks: Iterable[Task], decontaminator
         texts.append(text)
         total += len(text)
     return texts
+
+
+# ---- repositories (long documents) -----------------------------------------------------------------------
+
+Repository = tuple[str, list[Path]]
+"""A repository's name (`root/entry`) and its `.py` files, sorted."""
+HELD_OUT_EVERY: Final = 8
+"""About one repository in this many (by the digest of its name) is held out of long-context training."""
+
+
+def repositories(roots: Sequence[Path]) -> list[Repository]:
+    """Each entry of each root that holds Python source: a folder (every `.py` file below it, as
+    `source_files`) or a lone `.py` file; named `<root>/<entry>`, in sorted order.
+
+    :raises CorpusError: a root that is not a folder.
+    """
+    out: list[Repository] = []
+    for root in roots:
+        if not root.is_dir():
+            raise CorpusError(f"repository folder {root} does not exist or is not a folder; pass a folder whose "
+                              "subfolders hold .py files")
+        for entry in sorted(root.iterdir()):
+            if entry.name in SKIP_DIRS or entry.name.startswith((".", "config-")):
+                continue
+            if entry.is_dir():
+                files = source_files([entry], stdlib=False)
+            elif entry.suffix == ".py" and entry.is_file() and entry.stat().st_size <= MAX_FILE_BYTES:
+                files = [entry]
+            else:
+                continue
+            if files:
+                out.append((f"{root.name}/{entry.name}", files))
+    return out
+
+
+def split_repositories(repos: Sequence[Repository]) -> tuple[list[Repository], list[Repository]]:
+    """(training, held-out) repositories: held out are those whose name's sha256 falls in one of
+    `HELD_OUT_EVERY` buckets, or the first one where that picks none or all of them.
+
+    :raises CorpusError: fewer than two repositories.
+    """
+    if len(repos) < 2:
+        raise CorpusError(f"{len(repos)} repositories; a long-context phase needs at least 2 (one is held out to "
+                          "measure the long-context loss): pass a folder with several subfolders of .py files")
+    held = [r for r in repos if hashlib.sha256(r[0].encode()).digest()[0] % HELD_OUT_EVERY == 0]
+    if not held or len(held) == len(repos):
+        held = [repos[0]]
+    names = {name for name, _ in held}
+    return [r for r in repos if r[0] not in names], held
+
+
+def repository_ids(repo: Repository, tokenizer: ChatTokenizer, decontaminator: Decontaminator) -> list[int]:
+    """A repository as one text, each clean file after a `# file: <path>` line, encoded, ending with `eos_id`
+    (empty when no file is readable and clean)."""
+    name, files = repo
+    parts = []
+    for path in files:
+        text = _read(path)
+        if text is not None and text.strip() and decontaminator.clean(text):
+            parts.append(f"# file: {name}/{path.name}\n{text}\n")
+    return [*tokenizer.encode("".join(parts)), tokenizer.eos_id] if parts else []
+
+
+def windows(ids: Sequence[int], length: int) -> list[list[int]]:
+    """`ids` cut into consecutive windows of `length` (the last one shorter, dropped under `MIN_DOC_TOKENS`)."""
+    return [list(ids[i:i + length]) for i in range(0, len(ids), length) if len(ids[i:i + length]) >= MIN_DOC_TOKENS]
+
+
+def long_documents(repos: Sequence[Repository], tokenizer: ChatTokenizer, length: int, rng: random.Random,
+                   decontaminator: Decontaminator) -> Iterator[Document]:
+    """Endless documents of up to `length` ids, weight 1 on every id: the repositories in an `rng` order
+    (reshuffled each pass), each read when reached (`repository_ids`) and cut into windows of `length`.
+
+    :raises CorpusError: a whole pass gives no document.
+    """
+    order = list(repos)
+    while True:
+        rng.shuffle(order)
+        produced = 0
+        for repo in order:
+            for ids in windows(repository_ids(repo, tokenizer, decontaminator), length):
+                produced += 1
+                yield ids, [1.0] * len(ids)
+        if not produced:
+            raise CorpusError(f"none of {len(order)} repositories gives a document (unreadable, empty, or holding "
+                              "a held-out task)")

@@ -211,7 +211,8 @@ def _lr(step: int, steps: int, config: PretrainConfig) -> float:
 
 def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path, threads: int,
              progress: Progress | None = None, *, policy: Policy | None = None, start_step: int = 0,
-             origin: str = "", device: str = "cpu") -> PretrainResult:
+             origin: str = "", device: str = "cpu", documents: Iterator[Document] | None = None,
+             seq_len: int | None = None, evaluate: bool = True) -> PretrainResult:
     """Train `policy` (default: a fresh `Transformer(config.model)` seeded by `seed`) for `steps`, checkpoint to
     `out_dir`, evaluate pass@1 on `eval_tasks(config.task_seed, config.eval_n)`.
 
@@ -219,7 +220,9 @@ def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path
     a model directory that `transformers` loads, with `pretrain.json` inside, replaced atomically. The loss
     comes from `policy.forward(inputs).logits`.
     `start_step` (the steps of the run `policy` comes from, named by `origin`) continues the step count and
-    varies the data; the schedule spans this run's `steps`.
+    varies the data; the schedule spans this run's `steps`. `documents` replaces the corpus of `config` (a
+    long-context phase's), `seq_len` caps a document below the policy's context, and `evaluate=False` skips the
+    held-out pass@1 (the summary's `eval` is then null; a run of phases evaluates once, after the last).
 
     :raises ValueError: steps or threads below 1, or a vocabulary too small for the tokenizer.
     :raises PolicyError: `out_dir` holds files that a Hugging Face output would replace but did not write.
@@ -255,8 +258,9 @@ def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path
     total = start_step + steps
     hf = not isinstance(policy, BuiltinPolicy)
     checkpoint = out_dir if hf else out_dir / CHECKPOINT_NAME
-    batches = _batches(_corpus(config, data_seed, tokenizer, policy.max_seq_len, held_out), config.batch_size,
-                       policy.max_seq_len, tokenizer.pad_id, data_seed)
+    length = min(policy.max_seq_len, seq_len or policy.max_seq_len)
+    docs = documents if documents is not None else _corpus(config, data_seed, tokenizer, length, held_out)
+    batches = _batches(docs, config.batch_size, length, tokenizer.pad_id, data_seed)
     base = {"seed": seed, "threads": threads, "task_seed": config.task_seed, "policy": policy.kind,
             "start_step": start_step, "from": origin}
     policy.train()
@@ -287,16 +291,19 @@ def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path
     train_s = time.monotonic() - start
     log.info("pretrain_trained", steps=steps, first_loss=losses[0], final_loss=losses[-1], seconds=round(train_s, 1),
              policy=policy.kind, start_step=start_step)
-    report(PretrainProgress("eval", total, total, train_s, note=f"greedy pass@1 on {config.eval_n} held-out tasks"))
     policy.eval()
-    result = evaluate_pass_at_1(policy, tokenizer, held_out, max_new_tokens=config.max_new_tokens)
+    if evaluate:
+        report(PretrainProgress("eval", total, total, train_s,
+                                note=f"greedy pass@1 on {config.eval_n} held-out tasks"))
+        result = evaluate_pass_at_1(policy, tokenizer, held_out, max_new_tokens=config.max_new_tokens)
+    else:
+        result = EvalResult(0, 0, 0.0, 0.0, 1.0, {}, [], [])
     wall_s = time.monotonic() - start
     final_loss = sum(losses[-10:]) / len(losses[-10:])
     meta = {
         "seed": seed, "step": total, "final": True, "threads": threads, "task_seed": config.task_seed,
         "first_loss": losses[0], "final_loss": final_loss, "train_s": round(train_s, 2), "wall_s": round(wall_s, 2),
-        "eval": {"n": result.n, "passed": result.passed, "pass_at_1": result.pass_at_1,
-                 "ci95": [result.ci_low, result.ci_high], "by_family": result.by_family},
+        "eval": eval_dict(result) if evaluate else None,
     }
     summary = out_dir / SUMMARY_NAME
     document = {**meta, "config": _config_dict(config, hf), "checkpoint": str(checkpoint), "policy": policy.kind,
@@ -307,11 +314,18 @@ def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path
         _save(checkpoint, policy.transformer, config, meta)
         summary.write_text(json.dumps({**document, "tokenizer": ByteTokenizer().info()}, indent=2) + "\n")
         plot_losses(out_dir / LOSS_PLOT, losses, start_step)
-    log.info("pretrain_evaluated", pass_at_1=result.pass_at_1, ci95=[result.ci_low, result.ci_high],
-             seconds=round(wall_s, 1))
+    if evaluate:
+        log.info("pretrain_evaluated", pass_at_1=result.pass_at_1, ci95=[result.ci_low, result.ci_high],
+                 seconds=round(wall_s, 1))
     report(PretrainProgress("checkpoint", total, total, wall_s, note=str(checkpoint)))
     return PretrainResult(checkpoint, summary, total, losses[0], final_loss, wall_s, train_s, result, policy,
                           start_step)
+
+
+def eval_dict(result: EvalResult) -> dict[str, Any]:
+    """The `eval` entry of a summary: n, passed, pass@1, its 95% interval and the count per family."""
+    return {"n": result.n, "passed": result.passed, "pass_at_1": result.pass_at_1,
+            "ci95": [result.ci_low, result.ci_high], "by_family": result.by_family}
 
 
 KEY_FORMAT: Final = 1
@@ -467,9 +481,11 @@ def new_hf_policy(config: PretrainConfig, architecture: str, size: str, seed: in
         return HFPolicy.load(Path(tmp), device=device, dtype=torch.float32)
 
 
-def plot_losses(path: Path, losses: Sequence[float], start_step: int = 0) -> None:
+def plot_losses(path: Path, losses: Sequence[float], start_step: int = 0,
+                phases: Sequence[tuple[str, int]] = ()) -> None:
     """The loss curve as a PNG (matplotlib's Agg canvas, no pyplot state): every step, and a 10-step moving
-    average once there are 20 steps. Written to a temporary name, then renamed."""
+    average once there are 20 steps; `phases` (each a label and the step it starts after) are marked by a dashed
+    vertical line at their start and their label. Written to a temporary name, then renamed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -482,6 +498,10 @@ def plot_losses(path: Path, losses: Sequence[float], start_step: int = 0) -> Non
         smooth = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
         ax.plot(steps, smooth, linewidth=1.6, label="10-step mean")
         ax.legend()
+    for label, begin in phases:
+        ax.axvline(begin + 0.5, color="0.4", linestyle="--", linewidth=0.8)
+        ax.annotate(label, (begin + 0.5, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                    textcoords="offset points", va="top", fontsize=8, rotation=90)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats per target token)")
     ax.grid(alpha=0.3)

@@ -312,10 +312,11 @@ def rendered(conversations: Sequence[Conversation], tokenizer: ChatTokenizer, li
 
 
 def sft(policy: Policy, conversations: Sequence[Conversation], config: SFTConfig, *, seed: int, threads: int,
-        progress: Callable[[Any], None] | None = None, device: str = "cpu") -> SFTResult:
+        progress: Callable[[Any], None] | None = None, device: str = "cpu", start_step: int = 0) -> SFTResult:
     """Fine-tune `policy` in place on `conversations` for `config.steps` optimizer steps; each step a batch of
     conversations drawn in a seeded shuffled order (reshuffled each pass). The loss is the mean cross-entropy over
-    the masked (policy) tokens of the batch. Progress goes to `progress` as `PretrainProgress` ("train" each step).
+    the masked (policy) tokens of the batch. Progress goes to `progress` as `PretrainProgress` ("train" each step,
+    counted from `start_step`).
 
     :raises SFTError: a conversation that cannot be rendered (`rendered`), before any step.
     :raises ValueError: steps, batch size or threads below 1.
@@ -372,7 +373,8 @@ def sft(policy: Policy, conversations: Sequence[Conversation], config: SFTConfig
         lrs.append(lr)
         trained += int(w.sum())
         elapsed = time.monotonic() - start
-        report(PretrainProgress("train", step + 1, config.steps, elapsed, losses[-1], lr, trained / elapsed))
+        report(PretrainProgress("train", start_step + step + 1, start_step + config.steps, elapsed, losses[-1], lr,
+                                trained / elapsed))
     policy.eval()
     train_s = time.monotonic() - start
     final = sum(losses[-10:]) / len(losses[-10:])

@@ -164,6 +164,45 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 
 
+LONG_CONTEXT_FACTOR: Final = 4
+"""A long-context phase trains on at least this many times the context of the main phase before it."""
+PRETRAIN_CONTEXT: Final = 512
+"""The presets' context in tokens (`[pretrain] max_seq_len` when unset)."""
+
+
+class PretrainPhase(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[[pretrain.phases]]`: one phase of pretraining; phases run in order into one model directory, each
+    resumed from the one before it (model/training/phases.py)."""
+
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,40}$")]
+    """The phase's name (letters, digits, '_', '.', '-'): its marker file and its label on loss.png."""
+    kind: Literal["main", "long_context", "sft"] = "main"
+    """'main' (task documents and Python source, as a single-phase run), 'long_context' (the context and the
+    position encoding extended to `seq_len`, trained on whole repositories of source) or 'sft' (conversations
+    of `data`, framed as the agentic generator frames them, the loss on the assistant's tokens)."""
+    steps: PositiveInt
+    """Optimizer steps of this phase."""
+    seq_len: Annotated[int, msgspec.Meta(ge=64)] | None = None
+    """Tokens per training document. 'main': at most the model's context (default: the context); 'long_context':
+    the new context, required, at least 4 times the main phase's before it; 'sft': not used (a conversation is cut
+    at the context)."""
+    lr: PositiveFloat | None = None
+    """Peak learning rate; default: the preset's ('sft': 1e-4)."""
+    warmup_steps: NonNegativeInt | None = None
+    """Linear warmup steps, then cosine decay to `lr * min_lr_ratio`; default: the preset's ('sft': 5)."""
+    min_lr_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    """Where the cosine ends, as a share of `lr`; default: the preset's (0.1)."""
+    batch_size: PositiveInt | None = None
+    """Documents (or conversations) per step; default: the preset's."""
+    data: str = ""
+    """'main': a folder of .py files trained on besides the standard library; 'long_context': a folder whose
+    subfolders are repositories (their .py files concatenated, whole, into documents; default: the standard
+    library's packages); 'sft': the JSONL file of conversations (required)."""
+    rope_theta: PositiveFloat | None = None
+    """'long_context': the RoPE base after the extension; default: the base scaled NTK-style by the context
+    ratio r, `theta * r ** (d / (d - 2))` (d: the head dimension)."""
+
+
 class PretrainSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`[pretrain]`: the first phase, run by `rlbus up` when the state directory has no pretrained policy."""
 
@@ -180,6 +219,37 @@ class PretrainSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     max_seq_len: Annotated[int, msgspec.Meta(ge=64)] | None = None
     """The built-in policy's context, in tokens; default: the preset's (512). Pretraining documents are short, so a
     longer context costs pretraining nothing; agentic episodes (repository tasks) need one of about 2048."""
+    phases: list[PretrainPhase] = []
+    """Phases run in order (`[[pretrain.phases]]`), each with its own steps, schedule and data, into one model
+    directory with a marker per finished phase (a crashed run resumes after the last one); none: a single main
+    phase of `steps`."""
+
+    def __post_init__(self) -> None:
+        if not self.phases:
+            return
+        if self.steps is not None:
+            raise ValueError("steps: with [[pretrain.phases]] each phase has its own steps; remove it")
+        context = self.max_seq_len or PRETRAIN_CONTEXT
+        names: set[str] = set()
+        for k, phase in enumerate(self.phases):
+            key = f"phases[{k}]"
+            if phase.name in names:
+                raise ValueError(f"{key}.name: {phase.name!r} names an earlier phase too; give each phase its own")
+            names.add(phase.name)
+            if phase.kind == "sft" and not phase.data:
+                raise ValueError(f"{key}.data: an 'sft' phase needs the JSONL file of conversations it trains on")
+            if phase.kind == "main" and phase.seq_len is not None:
+                if phase.seq_len > context:
+                    raise ValueError(f"{key}.seq_len: {phase.seq_len} is past the model's context of {context} "
+                                     "tokens at this phase; a 'long_context' phase extends it")
+                context = phase.seq_len
+            if phase.kind == "long_context":
+                need = LONG_CONTEXT_FACTOR * context
+                if phase.seq_len is None or phase.seq_len < need:
+                    got = "missing" if phase.seq_len is None else str(phase.seq_len)
+                    raise ValueError(f"{key}.seq_len: {got}; a 'long_context' phase needs at least "
+                                     f"{LONG_CONTEXT_FACTOR} x the main phase's {context} tokens = {need}")
+                context = phase.seq_len
 
 
 
