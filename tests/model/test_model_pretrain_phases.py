@@ -130,7 +130,7 @@ def test_validate_refuses_a_long_context_phase_under_four_times_the_main_one() -
     main = '\n[[pretrain.phases]]\nname = "main"\nsteps = 3\nseq_len = 128\n'
 
     def problems(extra: str, text: str = tiny) -> list[str]:
-        topology, found = validate_text(text + main + extra)
+        _, found = validate_text(text + main + extra)
         return [f"{p.key}: {p.message}" for p in found if p.severity == "error"]
 
     long = '\n[[pretrain.phases]]\nname = "long"\nkind = "long_context"\nsteps = 2\nseq_len = {}\n'
