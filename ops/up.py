@@ -185,6 +185,7 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
     Kept when there; else copied from the shared cache when a base with identical settings was pretrained
     before (by any run), else pretrained into the cache, then copied. `cache=False` pretrains straight into
     the state directory and neither reads nor writes the cache."""
+    from rlbus.model.training.phases import phases_done, run_phases
     from rlbus.model.training.pretrain import (
         CHECKPOINT_NAME,
         SUMMARY_NAME,
@@ -192,20 +193,25 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
         pretrain,
         settings_key,
     )
-    from rlbus.ops.pretrain import HF_CODE_FRACTION, PretrainPrinter
+    from rlbus.ops.pretrain import HF_CODE_FRACTION, PretrainPrinter, phases_of
     from rlbus.topology.backends.launch import policy_dir
 
     policy = topology.policy
     out = policy_dir(topology, state)
     hf = policy.kind == "hf"
     made = ("config.json" if hf else CHECKPOINT_NAME, SUMMARY_NAME)
+    settings = topology.pretrain
+    phases = phases_of(settings)
+
+    def complete(folder: Path) -> bool:         # a run of phases leaves a base after each phase: only the last counts
+        return all((folder / name).exists() for name in made) and (not phases or phases_done(folder, phases))
+
     if policy.path and out.exists():             # the operator's own model: nothing to build
         print(f"rlbus up: policy {policy.kind} from {out}", flush=True)
         return _pass_summary(out / SUMMARY_NAME)
-    if all((out / name).exists() for name in made):
+    if complete(out):
         print(f"rlbus up: pretrained policy found in {out}", flush=True)
         return _pass_summary(out / SUMMARY_NAME)
-    settings = topology.pretrain
     # pretraining skips, and reports its base on, the evaluator's held-out set
     overrides: dict[str, Any] = {"task_seed": topology.evaluator.seed}
     if settings.eval_n is not None:
@@ -219,20 +225,23 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_seq_len=settings.max_seq_len))
     steps = settings.steps or config.steps
     what = f"hf {recipe.architecture} {recipe.size}" if recipe is not None else settings.preset
+    length = ", ".join(f"{p.name} {p.kind} {p.steps} steps" for p in phases) if phases else f"{steps} steps"
     with contextlib.ExitStack() as held:
         target = out
         if cache:
             key = settings_key(config, steps, settings.seed, settings.threads)
             if recipe is not None:              # the recipe is part of what decides the base
                 key = hashlib.sha256(f"{key}:{recipe.architecture}:{recipe.size}".encode()).hexdigest()[:16]
+            if phases:                          # so are the phases (their data by path)
+                key = hashlib.sha256(f"{key}:{phases!r}".encode()).hexdigest()[:16]
             target = pretrained_cache(state) / key
             held.enter_context(_cache_lock(target))
-            if all((target / name).exists() for name in made):
+            if complete(target):
                 _install(target, out, _base_files(target))
                 print(f"rlbus up: reusing pretrained base {target} (same settings as {_origin(target)}); "
                       f"--no-pretrained-cache pretrains afresh", flush=True)
                 return _pass_summary(out / SUMMARY_NAME)
-        print(f"rlbus up: no pretrained policy yet: pretraining ({what}, {steps} steps, "
+        print(f"rlbus up: no pretrained policy yet: pretraining ({what}, {length}, "
               f"{settings.threads} threads) into {target}", flush=True)
         if cache:
             target.mkdir(parents=True, exist_ok=True)
@@ -246,9 +255,13 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
             _quiet_transformers()
             start = new_hf_policy(config, recipe.architecture, recipe.size, settings.seed,
                                   max_seq_len=config.model.max_seq_len, device=policy.device)
-        result = pretrain(config, steps, settings.seed, target, settings.threads,
-                          progress=PretrainPrinter(sys.stdout, prefix="  pretrain "), policy=start,
-                          device=policy.device)
+        printer = PretrainPrinter(sys.stdout, prefix="  pretrain ")
+        if phases:                              # resumes after the last finished phase of an earlier attempt
+            result: Any = run_phases(config, phases, settings.seed, target, settings.threads, printer, policy=start,
+                                     device=policy.device)
+        else:
+            result = pretrain(config, steps, settings.seed, target, settings.threads, progress=printer,
+                              policy=start, device=policy.device)
         if cache:
             _install(target, out, _base_files(target))
     ev = result.eval

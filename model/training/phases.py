@@ -56,7 +56,8 @@ from rlbus.model.training.pretrain import (
     pretrain,
 )
 
-__all__ = ["HELD_OUT_DOCS", "Phase", "PhasesResult", "extend_context", "held_out_loss", "marker_name", "run_phases"]
+__all__ = ["HELD_OUT_DOCS", "Phase", "PhasesResult", "extend_context", "held_out_loss", "marker_name", "phases_done",
+           "run_phases"]
 
 log = structlog.get_logger()
 
@@ -101,6 +102,19 @@ class PhasesResult:
 def marker_name(index: int, phase: Phase) -> str:
     """The file that says phase `index` (from 0) finished: `phase-<index + 1>-<name>.done` (its record, JSON)."""
     return f"phase-{index + 1}-{phase.name}.done"
+
+
+def phases_done(out_dir: Path, phases: list[Phase]) -> bool:
+    """Whether `run_phases` finished `phases` in `out_dir`: its final summary, written after the last phase's
+    marker, lists them (a phase's own summary lists none)."""
+    summary = out_dir / SUMMARY_NAME
+    if not summary.is_file():
+        return False
+    try:
+        doc = json.loads(summary.read_text())
+    except ValueError:
+        return False
+    return bool(doc.get("final")) and [p.get("name") for p in doc.get("phases", [])] == [p.name for p in phases]
 
 
 def ntk_theta(theta: float, ratio: float, head_dim: int) -> float:
