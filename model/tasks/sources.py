@@ -370,11 +370,12 @@ def held_out_tasks(source: str, seed: int, n: int) -> list[Task]:
 def held_out_hashes(source: str) -> frozenset[str]:
     """Prompt hashes training must skip for the evaluator's `source`: every task of a listed source or a repository
     task file (so any `n_tasks` of it stays disjoint); none for `BUILTIN`, whose held-out prompts `train_tasks`
-    skips itself.
+    skips itself, nor for the built-in repository tasks (`REPO`, `repo:...`), which training draws from another
+    seed.
 
     :raises TaskSourceError: what reading the source raises.
     """
-    if source == BUILTIN:
+    if source == BUILTIN or is_repo_source(source):
         return frozenset()
     if is_repo_file(Path(source)):
         return frozenset(t.prompt_hash for t in read_repo_tasks_file(Path(source)))
