@@ -72,8 +72,7 @@ class RunView:
                         self.step_reached.set()
                 case EvalReport() as report:
                     self.evals[report.policy_version] = report
-                    print(f"  eval v{report.policy_version}: pass@1 {report.pass_at_1:.3f} "
-                          f"[{report.ci_low:.3f}, {report.ci_high:.3f}] on {report.n} held-out tasks", flush=True)
+                    print(f"  eval v{report.policy_version}: {scores_text(report)}", flush=True)
                 case Heartbeat() as beat:
                     self.beats[beat.actor_id] = beat
                 case _:
@@ -88,6 +87,20 @@ class RunView:
         return (f"v{step.policy_version:<4} step {step.step:<4} reward {step.reward_mean:5.3f} "
                 f"kl {step.kl:7.4f} loss {step.loss:7.4f} staleness {stale:4.2f} "
                 f"dropped {len(step.dropped):<3} {trained / max(elapsed, 1e-9):5.2f} rollouts/s  {pass_text}")
+
+
+def scores_text(report: EvalReport) -> str:
+    """A report's scores on one line: greedy pass@1 with its interval on n tasks; with samples mean@K and pass@K
+    with its interval; for agentic episodes the mean turns, tool calls and policy tokens of a greedy one."""
+    text = f"pass@1 {report.pass_at_1:.3f} [{report.ci_low:.3f}, {report.ci_high:.3f}] on {report.n} held-out tasks"
+    k = report.samples
+    if k and report.mean_at_k is not None and str(k) in report.pass_at_k:
+        low, high = report.pass_at_k_ci95.get(str(k), [0.0, 1.0])
+        text += f"; mean@{k} {report.mean_at_k:.3f}, pass@{k} {report.pass_at_k[str(k)]:.3f} [{low:.3f}, {high:.3f}]"
+    if report.turns_mean is not None:
+        text += (f"; per episode {report.turns_mean:.1f} turns, {report.tool_calls_mean or 0.0:.1f} tool calls, "
+                 f"{report.policy_tokens_mean or 0.0:.0f} policy tokens")
+    return text
 
 
 def _mean_staleness(histogram: dict[str, int]) -> float:
@@ -117,10 +130,15 @@ def summary(view: RunView, book: Any | None, tasks: Any | None = None) -> str:
         lines.append(f"  evaluator pass@1: v{first.policy_version} {first.pass_at_1:.3f} "
                      f"[{first.ci_low:.3f}, {first.ci_high:.3f}] → v{last_e.policy_version} {last_e.pass_at_1:.3f} "
                      f"[{last_e.ci_low:.3f}, {last_e.ci_high:.3f}] (n={last_e.n})")
+        if last_e.samples or last_e.turns_mean is not None:
+            lines.append(f"  evaluator v{last_e.policy_version}: {scores_text(last_e)}")
     end = _end_point(view)
     if end is not None:
         label, rate, low, high = end
         lines.append(f"  {label}: pass@1 {rate:.3f} [{low:.3f}, {high:.3f}]")
+        report = getattr(view.final, "report", None)
+        if report is not None and (report.samples or report.turns_mean is not None):
+            lines.append(f"  final weights v{report.policy_version}: {scores_text(report)}")
         v0 = view.evals.get(0)
         if v0 is not None:
             ratio = f"{rate / v0.pass_at_1:.2f}x" if v0.pass_at_1 > 0 else "n/a"

@@ -67,6 +67,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "heartbeat counters as TensorBoard event files under DIR (relative: to the working "
                         "directory); overrides the topology's [logging] tensorboard (relative: to the state "
                         "directory). Needs the metrics extra: pip install 'rlbus[metrics]'")
+    p.add_argument("--summary-json", type=Path, default=None, metavar="FILE",
+                   help="write the run's summary as one JSON object into FILE when it ends (also by --for or "
+                        "--steps): steps, the ledger, every evaluation, and `base` and `final`: the held-out "
+                        "evaluation of the starting policy and of the final checkpoint, with the same tasks and "
+                        "samples per task (rlbus eval's keys)")
     p.set_defaults(handler=_handler)
 
 
@@ -376,7 +381,7 @@ async def _launched(topology: Any, state: Path, args: argparse.Namespace, rl: bo
             finish.set()        # the actors are gone: the recording takes what the streams hold and ends
         print(f"rlbus up: stopping: actors drained, servers stopping ({time.monotonic() - started:.0f}s)", flush=True)
         if rl:
-            return await _rl_summary(view, launch, topology, summary, write_png)
+            return await _rl_summary(view, launch, topology, summary, write_png, args, started)
         return str(view.summary(launch))
 
 
@@ -396,7 +401,8 @@ def links_line(regions: Any, topology: Any) -> str | None:
     return f"rlbus up: shaped links to {topology.hub.name}: {', '.join(parts)}"
 
 
-async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write_png: Any) -> str:
+async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write_png: Any,
+                      args: argparse.Namespace | None = None, started: float | None = None) -> str:
     import anyio
     import nats.errors
     import nats.js.errors
@@ -404,7 +410,7 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
     from rlbus.actors.common.ledger import read_all, read_ledger
     from rlbus.messages.errors import RlbusError
     from rlbus.messages.schemas import EvalReport, TrainStep
-    from rlbus.ops.final_eval import REPORT_NAME, final_evaluation, write_report
+    from rlbus.ops.final_eval import REPORT_NAME, HeldOut, final_evaluation, write_report
     from rlbus.topology.backends.launch import read_fed_tasks
 
     bus = launch.admin
@@ -420,7 +426,9 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
             tasks = await read_fed_tasks(topology, bus)
         except (RlbusError, nats.errors.Error, nats.js.errors.Error, TimeoutError) as err:
             print(f"rlbus up: tasks not accounted: {err!r}", flush=True)
-    if any(i.kind == "evaluator" for i in topology.instances()) and view.steps:
+    summary_json = getattr(args, "summary_json", None)
+    held = HeldOut.of(topology)
+    if (any(i.kind == "evaluator" for i in topology.instances()) or summary_json is not None) and view.steps:
         ev = topology.evaluator
         print(f"rlbus up: evaluating the final checkpoint on the {ev.n_tasks} held-out tasks "
               f"(the evaluator's last report may be older)", flush=True)
@@ -428,7 +436,7 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
         try:
             view.final = await final_evaluation(bus, launch.state_dir, seed=ev.seed, n_tasks=ev.n_tasks,
                                                 max_tokens=topology.generator.max_tokens,
-                                                threads=topology.pretrain.threads, tasks=ev.tasks)
+                                                threads=topology.pretrain.threads, tasks=ev.tasks, held=held)
         except RlbusError as err:
             print(f"rlbus up: final evaluation skipped: {err}", flush=True)
         if view.final is not None:
@@ -436,7 +444,68 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
             print(f"rlbus up: final evaluation took {time.monotonic() - began:.0f}s; per family in {report}",
                   flush=True)
     png = write_png(view, launch.state_dir / "plots" / "progress.png")
-    return summary(view, book, tasks) + f"\n  progress plot: {png}"
+    text = summary(view, book, tasks) + f"\n  progress plot: {png}"
+    reports = [*view.evals.values(), *([view.final.report] if getattr(view.final, "report", None) else [])]
+    if any(r.policy_tokens_mean is not None for r in reports):
+        from rlbus.ops.recording.plotting import PlotData, render_all
+
+        (cost,) = render_all(PlotData(run=topology.run, evals=reports), png.parent, names=["accuracy_cost"])
+        text += f"\n  accuracy against cost: {cost}"
+    if summary_json is not None:
+        base = await _base_report(view, topology, launch.state_dir, held)
+        doc = summary_doc(view, book, tasks, base, run=topology.run, state_dir=launch.state_dir,
+                          seconds=None if started is None else time.monotonic() - started)
+        summary_json.parent.mkdir(parents=True, exist_ok=True)
+        summary_json.write_text(json.dumps(doc, indent=1) + "\n")
+        text += f"\n  summary JSON: {summary_json}"
+    return text
+
+
+async def _base_report(view: Any, topology: Any, state: Path, held: Any) -> Any:
+    """The starting policy's held-out evaluation for `--summary-json`: the evaluator's report of version 0 when it
+    scored the same tasks with the same samples per task as the closing evaluation, else the starting policy
+    scored now as the final checkpoint was (ops/final_eval.py `base_evaluation`); None when it cannot be."""
+    from rlbus.messages.errors import RlbusError
+    from rlbus.ops.final_eval import base_evaluation
+    from rlbus.topology.backends.launch import policy_dir
+
+    v0 = view.evals.get(0)
+    final = getattr(view.final, "report", None)
+    if v0 is not None and (v0.source, v0.samples, v0.task_seed) == (held.tasks, held.samples, held.seed) and (
+            final is None or final.n == v0.n):
+        return v0
+    print("rlbus up: evaluating the starting policy on the same held-out tasks (for --summary-json)", flush=True)
+    try:
+        return await base_evaluation(policy_dir(topology, state), held)
+    except RlbusError as err:
+        print(f"rlbus up: starting policy not evaluated: {err}", flush=True)
+        return None
+
+
+def summary_doc(view: Any, book: Any, tasks: Any, base: Any, *, run: str, state_dir: Path,
+                seconds: float | None) -> dict[str, Any]:
+    """`--summary-json`'s object: run, steps (optimizer steps taken), final_version, the ledger of rollouts
+    (produced, trained, lost, trained_twice: counts; clean), that of the fed tasks, every evaluation the
+    evaluator published (by version), and `base` / `final`: the held-out evaluation of the starting policy and
+    of the final checkpoint (actors/common/eval_report.py `report_keys`; null when not made)."""
+    from rlbus.actors.common.eval_report import report_keys
+
+    ledger = None if book is None else {
+        "produced": book.produced, "trained": book.trained, "lost": len(book.lost),
+        "trained_twice": len(book.trained_twice), "dropped": dict(book.dropped), "pending": len(book.pending),
+        "clean": bool(book.clean)}
+    fed = None if tasks is None else {"fed": tasks.fed, "rolled_out": tasks.rolled_out,
+                                      "dead_lettered": tasks.dead_lettered, "pending": tasks.pending,
+                                      "lost": len(tasks.lost), "clean": bool(tasks.clean)}
+    final = None
+    report = getattr(view.final, "report", None)
+    if report is not None:
+        final = {**report_keys(report), "step": view.final.step}
+    return {"run": run, "state_dir": str(state_dir), "steps": len(view.steps),
+            "final_version": view.steps[-1].policy_version if view.steps else None,
+            "seconds": None if seconds is None else round(seconds, 1), "ledger": ledger, "tasks": fed,
+            "evaluations": [report_keys(view.evals[v]) for v in sorted(view.evals)],
+            "base": None if base is None else report_keys(base), "final": final}
 
 
 async def _record_run(state: Path, output: Path, finish: Any, *, task_status: Any) -> None:
