@@ -214,12 +214,14 @@ def task_row(module: StdlibModule, mutation: Mutation, failing: Sequence[TestRep
     """The repository task file row of a kept change (`failing`: its fail-to-pass tests' reports).
 
     The repository is the one file with the change; the solution is the original file; `stdlib_under_test`
-    makes the grade import the repository's copy instead of the standard library's.
+    makes the grade import the repository's copy instead of the standard library's; `function` is the changed
+    function's qualified name (`textwrap.TextWrapper._wrap_chunks`), what the `:train` / `:heldout` splits go by.
     """
     return {"task_id": task_id(module, mutation), "instruction": instruction(module, mutation, failing),
             "files": {module.path: mutation.text}, "hidden_tests": {module.test_path: module.tests},
             "solution": {module.path: module.source}, "stdlib_under_test": [module.name],
             "timeout_s": TIMEOUT_S, "level": LEVEL_OF_KIND[mutation.kind], "tags": [module.name, mutation.kind],
+            "function": f"{module.name}.{mutation.function}",
             "fail_to_pass": [t.name for t in failing]}
 
 

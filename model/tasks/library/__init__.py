@@ -1,0 +1,1 @@
+"""toolkit: small utilities for text, numbers, sequences, dates, money and grids."""
