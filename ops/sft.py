@@ -55,7 +55,7 @@ def _handler(args: argparse.Namespace) -> int:
     if not isinstance(policy, BuiltinPolicy):
         check_hf_out(args.out)
     config = SFTConfig(steps=args.steps, lr=args.lr, batch_size=args.batch, tool_list=args.tool_list)
-    rendered(conversations, policy.tokenizer, policy.max_seq_len + 1, config.tool_list)   # refuse before loading more
+    rendered(conversations, policy.tokenizer, policy.max_seq_len + 1, config.tool_list)   # refuse before training
     print(f"sft: {policy.kind} policy from {args.from_dir}, {len(conversations)} conversations from {args.data}, "
           f"{args.steps} steps of {args.batch}, lr {args.lr:g}, seed {args.seed} -> {args.out}", flush=True)
     result = sft(policy, conversations, config, seed=args.seed, threads=args.threads,
@@ -64,7 +64,7 @@ def _handler(args: argparse.Namespace) -> int:
                                                  "seed": args.seed, "lr": args.lr, "batch": args.batch,
                                                  "policy": policy.kind})
     print(f"loss {result.first_loss:.3f} -> {result.final_loss:.3f} in {result.train_s:.1f}s on "
-          f"{result.trained_tokens:,} assistant tokens ({result.truncated} of {result.conversations} conversations "
-          f"cut at the context of {policy.max_seq_len})")
+          f"{result.trained_tokens:,} assistant tokens of {result.conversations} conversations ({result.truncated} "
+          f"cut at the context of {policy.max_seq_len}, {result.skipped} left out with no assistant token within it)")
     print(f"policy {checkpoint}", flush=True)
     return 0

@@ -269,7 +269,8 @@ def _sft(config: PretrainConfig, phase: Phase, seed: int, out_dir: Path, threads
                 "start_step": begin, "from": origin, "losses": result.losses}
     _save_model(out_dir, result.policy, document)
     return result.policy, result.losses, {"data": phase.data, "conversations": result.conversations,
-                                          "truncated": result.truncated, "trained_tokens": result.trained_tokens}
+                                          "truncated": result.truncated, "skipped": result.skipped,
+                                          "trained_tokens": result.trained_tokens}
 
 
 def _schedule(config: PretrainConfig, phase: Phase, **more: Any) -> PretrainConfig:

@@ -266,8 +266,9 @@ class SFTConfig:
 
 @dataclass(frozen=True, slots=True)
 class SFTResult:
-    """What a run did: steps, first and final (mean of the last 10) losses, trained tokens, conversations cut at
-    the context, seconds, and the trained policy (in eval mode)."""
+    """What a run did: steps, first and final (mean of the last 10) losses, the learning rate of each step, the
+    conversations trained on, cut at the context and left out, trained tokens, seconds, and the trained policy (in
+    eval mode)."""
 
     steps: int
     first_loss: float
@@ -276,6 +277,8 @@ class SFTResult:
     lrs: list[float]
     conversations: int
     truncated: int
+    skipped: int
+    """Conversations left out: no assistant token within the context."""
     trained_tokens: int
     train_s: float
     policy: Policy
@@ -291,24 +294,28 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float) -> fl
 
 
 def rendered(conversations: Sequence[Conversation], tokenizer: ChatTokenizer, limit: int, tool_list: ToolList
-             ) -> tuple[list[tuple[list[int], list[int]]], int]:
-    """Each conversation's (ids, mask) cut to `limit` tokens, and how many were cut; every one rendered (and so
-    checked) before any training.
+             ) -> tuple[list[tuple[list[int], list[int]]], int, int]:
+    """Each conversation's (ids, mask) cut to `limit` tokens, how many were cut, and how many were left out for
+    having no assistant token within `limit`; every one rendered (and so checked) before any training.
 
-    :raises SFTError: a conversation with no trained token left within `limit`, or one `turns_of` refuses.
+    :raises SFTError: one `turns_of` refuses, or no conversation has an assistant token within `limit`.
     """
     out: list[tuple[list[int], list[int]]] = []
-    cut = 0
+    cut = skipped = 0
     for c in conversations:
         flat = render(c, tokenizer, tool_list)
         if len(flat.ids) > limit:
             cut += 1
         ids, mask = flat.ids[:limit], flat.loss_mask[:limit]
         if not any(mask[1:]):
-            raise SFTError(f"{c.source}: messages: no assistant token within the policy's context of {limit - 1} "
-                           f"tokens ({len(flat.ids)} tokens rendered)")
+            skipped += 1
+            continue
         out.append((ids, mask))
-    return out, cut
+    if not out:
+        first = conversations[0].source.rsplit(":", 1)[0] if conversations else "the data"
+        raise SFTError(f"{first}: no conversation has an assistant token within the policy's context of "
+                       f"{limit - 1} tokens; use a policy with a longer context or shorter conversations")
+    return out, cut, skipped
 
 
 def sft(policy: Policy, conversations: Sequence[Conversation], config: SFTConfig, *, seed: int, threads: int,
@@ -331,7 +338,7 @@ def sft(policy: Policy, conversations: Sequence[Conversation], config: SFTConfig
     torch.manual_seed(seed)
     policy.to_(device=resolve_device(device), dtype=torch.float32)
     tokenizer = policy.tokenizer
-    data, truncated = rendered(conversations, tokenizer, policy.max_seq_len + 1, config.tool_list)
+    data, truncated, skipped = rendered(conversations, tokenizer, policy.max_seq_len + 1, config.tool_list)
     module = policy.module
     decay = [p for p in module.parameters() if p.dim() >= 2]
     no_decay = [p for p in module.parameters() if p.dim() < 2]
@@ -379,7 +386,7 @@ def sft(policy: Policy, conversations: Sequence[Conversation], config: SFTConfig
     train_s = time.monotonic() - start
     final = sum(losses[-10:]) / len(losses[-10:])
     log.info("sft_trained", steps=config.steps, first_loss=losses[0], final_loss=final, seconds=round(train_s, 1))
-    return SFTResult(config.steps, losses[0], final, losses, lrs, len(data), truncated, trained, train_s, policy)
+    return SFTResult(config.steps, losses[0], final, losses, lrs, len(data), truncated, skipped, trained, train_s, policy)
 
 
 def save(out_dir: Path, policy: Policy, result: SFTResult, summary: dict[str, Any]) -> Path:
@@ -397,7 +404,7 @@ def save(out_dir: Path, policy: Policy, result: SFTResult, summary: dict[str, An
     )
 
     document = {**summary, "steps": result.steps, "first_loss": result.first_loss, "final_loss": result.final_loss,
-                "conversations": result.conversations, "truncated": result.truncated,
+                "conversations": result.conversations, "truncated": result.truncated, "skipped": result.skipped,
                 "trained_tokens": result.trained_tokens, "train_s": round(result.train_s, 2),
                 "losses": result.losses}
     if isinstance(policy, BuiltinPolicy):

@@ -20,7 +20,7 @@ from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.tasks.repo import repo_task
 from rlbus.model.tools.calls import TOOL_SCHEMAS, ToolCall, outcome_text
 from rlbus.model.tools.template import TemplateTools
-from rlbus.model.training.sft import SFTError, read_conversations, render
+from rlbus.model.training.sft import SFTError, read_conversations, render, rendered
 
 pytestmark = pytest.mark.anyio
 
@@ -149,3 +149,19 @@ def test_a_bad_line_is_refused_naming_the_file_the_line_and_the_key(tmp_path: Pa
         read_conversations(path)
     said = str(err.value)
     assert said.startswith(f"{path}:3: ") and key in said and "\n" not in said
+
+
+def test_a_conversation_with_no_assistant_token_within_the_context_is_left_out(tmp_path: Path) -> None:
+    """Cut at the context, a conversation keeps its first tokens; one whose assistant turn starts past the context is
+    left out and counted, and a file of only such conversations is refused."""
+    tok = ByteTokenizer()
+    short = {"messages": [GOOD, ANSWER]}
+    long = {"messages": [{"role": "user", "content": "x" * 100}, ANSWER]}
+    path = tmp_path / "data.jsonl"
+    path.write_text(f"{json.dumps(short)}\n{json.dumps(long)}\n")
+    conversations = read_conversations(path)
+    data, cut, skipped = rendered(conversations, tok, 40, "full")
+    assert (len(data), cut, skipped) == (1, 1, 1) and data[0] == (render(conversations[0], tok).ids,
+                                                                 render(conversations[0], tok).loss_mask)
+    with pytest.raises(SFTError, match="no conversation has an assistant token within the policy's context of 39"):
+        rendered(conversations[1:], tok, 40, "full")
