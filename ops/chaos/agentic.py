@@ -34,7 +34,8 @@ def agentic_chaos_topology() -> Topology:
     """`agentic` on the hub and a leaf `eu` (a generator and a sandbox supervisor each), its episodes scripted
     (`[generator] script = "edits"`: every turn changes the workspace, so every turn is snapshotted and a kill
     mid-episode means a restore), groups of 2, a 4096-token policy pretrained for 10 steps, leases of
-    `SESSION_LEASE_S`, what a killed actor held redelivered after 20 s, room for 10 restarts a minute."""
+    `SESSION_LEASE_S`, what a killed actor held redelivered after 20 s, room for 10 restarts a minute; without the
+    example's evaluator (the run proves the ledger and the sessions, not a pass rate)."""
     from rlbus.ops.chaos.run import CHAOS_REDELIVER_AFTER
 
     agentic, three = load(example_path("agentic")), load(example_path("three_regions"))
@@ -45,7 +46,8 @@ def agentic_chaos_topology() -> Topology:
                         agentic=replace(g.agentic, max_turns=8, max_tokens=4096))
     leaf = next(r for r in three.regions if r.name == "eu")
     return replace(
-        agentic, run="chaos-agentic", regions=[*agentic.regions, leaf],
+        agentic, run="chaos-agentic",
+        regions=[*(replace(r, actors=[a for a in r.actors if a.kind != "evaluator"]) for r in agentic.regions), leaf],
         feeder=replace(agentic.feeder, backlog_per_region=4, region_weights={"hub": 1, "eu": 1}),
         generator=generator, trainer=replace(agentic.trainer, batch_rollouts=4),
         pretrain=replace(agentic.pretrain, preset="tiny", steps=10, eval_n=4, max_seq_len=4096),
