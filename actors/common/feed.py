@@ -42,7 +42,7 @@ from rlbus.messages.subjects import POSITION_KEY
 from rlbus.model.tasks import sources as task_sources
 from rlbus.model.tasks.builtin import Task as CodingTask
 from rlbus.model.tasks.builtin import train_tasks
-from rlbus.model.tasks.repo import RepoTask, repo_tasks
+from rlbus.model.tasks.repo import RepoTask
 
 FedTask = CodingTask | RepoTask
 """What a feeder puts on the bus: a function to write, or a repository task (an agentic episode)."""
@@ -154,7 +154,7 @@ def listed_tasks(config: FeederConfig) -> list[FedTask] | None:
         if (problem := feeder_file_problem(config.tasks)) is not None:
             raise TaskError(f"feeder.tasks: {problem}")
         try:
-            return list(task_sources.read_repo_tasks_file(Path(config.tasks)))
+            return list(task_sources.load_repo_tasks(config.tasks, n=1 << 62))
         except task_sources.TaskSourceError as err:
             raise TaskError(f"feeder.tasks: {err}") from None
     if config.tasks == task_sources.HUMANEVAL:
@@ -186,15 +186,19 @@ def task_source(config: FeederConfig, launch: FeederLaunch | None = None) -> str
 
 class TaskSequence:
     """Random access to the task sequence (built-in or file), caching the window still needed; tasks whose
-    prompt hash is in `exclude` (the evaluator's held-out set of a listed source) are skipped."""
+    prompt hash is in `exclude` (the evaluator's held-out set of a listed source), and repository tasks of a
+    function in `skip_functions` (the evaluator's `:heldout` split), are skipped."""
 
     def __init__(self, seed: int, tasks: list[FedTask] | None = None, max_tasks: int | None = None,
                  *, eval_seed: int | None = None, levels: Sequence[int] = (),
-                 exclude: frozenset[str] = frozenset(), repo: str | None = None) -> None:
+                 exclude: frozenset[str] = frozenset(), repo: str | None = None,
+                 skip_functions: frozenset[str] = frozenset()) -> None:
         self._exclude = exclude
         self._repo = repo
-        if tasks is not None and exclude:
-            tasks = [t for t in tasks if t.prompt_hash not in exclude]
+        self._skip = skip_functions
+        if tasks is not None and (exclude or skip_functions):
+            tasks = [t for t in tasks if t.prompt_hash not in exclude
+                     and getattr(t, "function", "") not in skip_functions]
         self._listed = tasks
         self._levels = frozenset(levels)
         self._stream: Iterator[FedTask] | None = None
@@ -212,8 +216,8 @@ class TaskSequence:
         if index < self._base:
             raise IndexError(f"task {index} was dropped from the cache (window starts at {self._base})")
         if self._stream is None and self._repo is not None:
-            level = int(self._repo.partition(":")[2]) if ":" in self._repo else None
-            self._stream = repo_tasks(self._seed, level=level)
+            repos = task_sources.repo_stream(self._repo, self._seed, skip_functions=self._skip)
+            self._stream = (t for t in repos if t.prompt_hash not in self._exclude) if self._exclude else repos
         if self._stream is None:
             stream = train_tasks(self._seed, eval_seed=self._eval_seed)
             if self._exclude:
@@ -249,7 +253,8 @@ def task_sequence(config: FeederConfig, launch: FeederLaunch, listed: list[FedTa
     """The sequence the feeder walks: `listed` (a listed source's tasks: `listed_tasks`), the built-in repository
     tasks of `[feeder] tasks`,
     or the built-in family of the config, without the prompts of the evaluator's held-out source
-    (`launch.eval_tasks`, by prompt hash). Under a `[feeder.curriculum]`, the built-in family's or repository
+    (`launch.eval_tasks`, by prompt hash) and, when that source is a `:heldout` split of repository tasks, without
+    any repository task of its functions (`held_out_functions`). Under a `[feeder.curriculum]`, the built-in family's or repository
     tasks' `CurriculumSequence` of the saved `stages` (none: the first stage only).
 
     :raises TaskError: the evaluator's source cannot be read, `[feeder] tasks` names no source, or a curriculum
@@ -257,10 +262,11 @@ def task_sequence(config: FeederConfig, launch: FeederLaunch, listed: list[FedTa
     """
     try:
         exclude = task_sources.held_out_hashes(launch.eval_tasks)
+        skip = task_sources.held_out_functions(launch.eval_tasks)
     except task_sources.TaskSourceError as err:
         raise TaskError(f"evaluator.tasks = {launch.eval_tasks!r}: {err}") from None
     if config.curriculum is not None:
-        return curriculum_sequence(config, launch, exclude, stages)
+        return curriculum_sequence(config, launch, exclude, stages, skip_functions=skip)
     repo = None
     if listed is None and config.tasks != task_sources.BUILTIN:
         if (problem := feeder_tasks_problem(config.tasks)) is not None:
@@ -270,11 +276,12 @@ def task_sequence(config: FeederConfig, launch: FeederLaunch, listed: list[FedTa
         else:
             repo = config.tasks
     return TaskSequence(config.seed, listed, config.max_tasks, eval_seed=launch.eval_seed, levels=config.levels,
-                        exclude=exclude, repo=repo)
+                        exclude=exclude, repo=repo, skip_functions=skip)
 
 
 def curriculum_sequence(config: FeederConfig, launch: FeederLaunch, exclude: frozenset[str],
-                        stages: Sequence[tuple[int, int]] = ()) -> CurriculumSequence[FedTask]:
+                        stages: Sequence[tuple[int, int]] = (), *,
+                        skip_functions: frozenset[str] = frozenset()) -> CurriculumSequence[FedTask]:
     """The `CurriculumSequence` of `[feeder.curriculum]` over the levels `REPO_LEVELS`: per level, the built-in
     family's tasks of that level (without the held-out prompts `exclude`) or the built-in repository tasks',
     each walked as the source walks it without a curriculum (`TaskSequence`).
@@ -289,7 +296,7 @@ def curriculum_sequence(config: FeederConfig, launch: FeederLaunch, exclude: fro
     def streams(level: int) -> Iterator[FedTask]:
         """The source's own sequence of one level: "repo:LEVEL", or the built-in family with `levels = [level]`."""
         if config.tasks == "repo":
-            one = TaskSequence(config.seed, repo=f"repo:{level}")
+            one = TaskSequence(config.seed, repo=f"repo:{level}", exclude=exclude, skip_functions=skip_functions)
         else:
             one = TaskSequence(config.seed, eval_seed=launch.eval_seed, levels=(level,), exclude=exclude)
         for index in itertools.count():

@@ -1,16 +1,19 @@
 """The feeder's repository task source: `[feeder] tasks = "repo"` walks the built-in repository tasks (levels in
-turn, or one level with "repo:LEVEL") and hands each out with its repository verifier; `rlbus validate` refuses
-an unknown source, one beside a tasks file, and levels beside it, each naming the key."""
+turn, or one level with "repo:LEVEL", either of one split with ":train") and hands each out with its repository
+verifier, skipping the functions and prompts of the evaluator's held-out split; `rlbus validate` refuses an
+unknown source, one beside a tasks file, and levels beside it, each naming the key."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from rlbus.actors.common.config import REPO_LEVELS, FeederConfig, FeederLaunch
-from rlbus.actors.common.feed import task_sequence, task_source, verifier_for
+from rlbus.actors.common.feed import listed_tasks, task_sequence, task_source, verifier_for
 from rlbus.model.tasks.repo import LEVELS, VERIFIER_KIND, RepoTask, repo_task_of_id
+from rlbus.model.tasks.sources import held_out_functions, load_repo_tasks
 from rlbus.topology.examples import example_path
 from rlbus.topology.file.load import validate
 
@@ -23,7 +26,8 @@ def test_levels_named_for_validation_are_the_tasks_levels() -> None:
     assert REPO_LEVELS == LEVELS
 
 
-@pytest.mark.parametrize(("source", "levels"), [("repo", [1, 2, 3, 1, 2, 3]), ("repo:2", [2] * 6)])
+@pytest.mark.parametrize(("source", "levels"), [("repo", [1, 2, 3, 1, 2, 3]), ("repo:2", [2] * 6),
+                                               ("repo:3:train", [3] * 6)])
 def test_repo_source_feeds_repository_tasks_with_their_verifier(source: str, levels: list[int]) -> None:
     """Each task of the sequence is a repository task whose verifier rebuilds it exactly; the saved position names
     the source and seed, so another source or seed never resumes it."""
@@ -40,9 +44,30 @@ def test_repo_source_feeds_repository_tasks_with_their_verifier(source: str, lev
     assert task_source(config) == f"{source}:5" != task_source(FeederConfig(tasks=source, seed=6))
 
 
+def test_training_skips_the_functions_and_prompts_of_a_held_out_split(tmp_path: Path) -> None:
+    """With the evaluator on `repo:heldout`, a feeder of `repo` (same seed) feeds no task of a held-out function
+    and no held-out prompt; with the evaluator on `FILE:heldout`, a feeder of the whole file feeds exactly its
+    `train` rows."""
+    held = load_repo_tasks("repo:heldout", seed=5, n=12)
+    sequence = task_sequence(FeederConfig(tasks="repo", seed=5), FeederLaunch(eval_tasks="repo:heldout", eval_seed=5))
+    fed = [sequence.get(i) for i in range(40)]
+    assert not {t.function for t in fed} & held_out_functions("repo:heldout")  # type: ignore[union-attr]
+    assert not {t.prompt_hash for t in fed} & {t.prompt_hash for t in held}
+    rows = tmp_path / "tasks.jsonl"
+    tasks = load_repo_tasks("repo", seed=2, n=30)
+    rows.write_text("".join(json.dumps({"task_id": t.task_id, "instruction": t.instruction, "files": t.files,
+                                        "hidden_tests": t.hidden_tests, "solution": t.solution,
+                                        "function": t.function}) + "\n" for t in tasks))
+    config = FeederConfig(tasks=str(rows))
+    listed = task_sequence(config, FeederLaunch(eval_tasks=f"{rows}:heldout"), listed_tasks(config))
+    train = [t.task_id for t in load_repo_tasks(f"{rows}:train", n=30)]
+    assert listed.end == len(train) < 30 and [listed.get(i).task_id for i in range(len(train))] == train
+
+
 @pytest.mark.parametrize(("feeder", "key", "fragment"), [
     ('tasks = "repo:4"', "feeder.tasks",
      "expected 'builtin', 'humaneval', 'repo' or 'repo:LEVEL' with LEVEL one of 1, 2, 3"),
+    ('tasks = "repo:2:test"', "feeder.tasks", "(each may end in :train or :heldout)"),
     ('tasks = "mbpp"', "feeder.tasks", "is not a built-in task source"),
     ('tasks = "repo"\ntasks_file = "tasks.jsonl"', "feeder.tasks", "both name the training tasks"),
     ('tasks = "repo:1"\nlevels = [1]', "feeder.levels", "take their level in feeder.tasks"),

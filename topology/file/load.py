@@ -148,17 +148,17 @@ def _environment(topology: Topology) -> list[Problem]:
 def repo_file_problems(key: str, tasks: str, *, required: bool = False) -> list[Problem]:
     """What is wrong with the repository task file `tasks` names here (`key`: feeder.tasks or evaluator.tasks): no
     such file (when `required`: `[feeder] tasks` names no other kind of file), or, naming the file, the line and
-    the key, its first bad row (model/tasks/sources.py `read_repo_tasks_file`), or no task in it. A file whose
+    the key, its first bad row (model/tasks/sources.py `load_repo_tasks`; with a `:train` or `:heldout` ending, that split), or no task in it. A file whose
     first row is no repository task is not judged here unless `required`."""
     if (problem := feeder_file_problem(tasks)) is not None:
         return [Problem(key=key, message=problem)] if required else []
-    from rlbus.model.tasks.sources import TaskSourceError, is_repo_file, read_repo_tasks_file
+    from rlbus.model.tasks.sources import TaskSourceError, is_repo_file, load_repo_tasks
 
     path = Path(tasks)
     if not required and not is_repo_file(path):
         return []
     try:
-        if not read_repo_tasks_file(path):
+        if not load_repo_tasks(tasks, n=1 << 30):
             return [Problem(key=key, message=f"{tasks}: no task in the repository task file")]
     except TaskSourceError as err:
         hint = "" if is_repo_file(path) else " (a file of functions to write goes in feeder.tasks_file)"
