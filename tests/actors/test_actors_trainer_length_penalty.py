@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -14,10 +15,12 @@ from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.kinds import build_actor
 from rlbus.actors.trainer.actor import objective
 from rlbus.actors.trainer.config import EffortWeights, LengthPenaltyConfig, TrainerConfig
-from rlbus.actors.trainer.core import EFFORT_KEYS, effort_counts, shaped_rewards
+from rlbus.actors.trainer.core import EFFORT_KEYS, Objective, TrainerCore, effort_counts, shaped_rewards
 from rlbus.actors.trainer.sharded import whole_batch
 from rlbus.messages.errors import TopologyError
 from rlbus.messages.schemas import Rollout, Segment, TensorBlob
+from rlbus.model.policies.builtin import BuiltinPolicy
+from rlbus.model.policies.transformer import ModelConfig, Transformer
 
 
 def _rollout(task: str, g: int, mask: list[int], *, reward: float = 1.0, segments: Sequence[list[int]] = (),
@@ -70,6 +73,22 @@ def test_a_step_prefers_the_cheaper_of_two_equal_episodes() -> None:
     gap = 0.2 * (math.log1p(0.1 * 50) - math.log1p(0.1 * 5)) / 0.1
     torch.testing.assert_close(adv, torch.tensor([gap / 2, -gap / 2]))
     torch.testing.assert_close(whole_batch(rollouts, objective(TrainerConfig())).advantages, torch.zeros(2))
+
+
+def test_the_trainer_core_step_applies_the_penalty() -> None:
+    """Two passing episodes of one task, 2 and 6 policy tokens: without a penalty their advantages are 0 and the
+    step leaves every weight as it was; with the concave penalty the same step moves the weights."""
+    rollouts = [_rollout("a", 0, [1, 1]), _rollout("a", 1, [1] * 6)]
+    moved = []
+    for penalty in (LengthPenaltyConfig(), LengthPenaltyConfig(form="concave", coef=0.5, k=0.5, q=1.0)):
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig.tiny(vocab_size=264))
+        core = TrainerCore(BuiltinPolicy(model), BuiltinPolicy(copy.deepcopy(model)), lr=1e-2)
+        before = {k: t.detach().clone() for k, t in core.policy.named_tensors().items()}
+        stats = core.train_step(rollouts, Objective(kl_coef=0.0, grad_clip=0.0, length_penalty=penalty))
+        assert stats.applied and stats.reward_mean == 1.0
+        moved.append(any(not torch.equal(before[k], t) for k, t in core.policy.named_tensors().items()))
+    assert moved == [False, True]
 
 
 @pytest.mark.parametrize(("settings", "key"), [
