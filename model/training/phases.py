@@ -277,8 +277,8 @@ def _schedule(config: PretrainConfig, phase: Phase, **more: Any) -> PretrainConf
     """`config` with the phase's schedule; no intermediate checkpoint (a phase is saved once, at its end)."""
     pick = {"lr": phase.lr, "warmup_steps": phase.warmup_steps, "min_lr_ratio": phase.min_lr_ratio,
             "batch_size": phase.batch_size}
-    return dataclasses.replace(config, **{k: v for k, v in pick.items() if v is not None},
-                               checkpoint_every=phase.steps + 1, **more)
+    chosen = {k: v for k, v in pick.items() if v is not None}
+    return dataclasses.replace(config, **{**chosen, "checkpoint_every": phase.steps + 1, **more})
 
 
 RUNNERS: Final = {"main": _main, "long_context": _long, "sft": _sft}

@@ -114,13 +114,14 @@ def test_a_long_context_phase_writes_the_new_context_and_rope_base_into_the_hf_c
     repos, _ = inputs
     start = HFPolicy.load(build_family(tmp_path, "qwen2-tied", max_seq_len=128), dtype=torch.float32)
     config = dataclasses.replace(_config(repos), lr=3e-3)
-    result = run_phases(config, [Phase("long", "long_context", 3, seq_len=512, data=str(repos), warmup_steps=1)],
+    result = run_phases(config, [Phase("long", "long_context", 3, seq_len=512, data=str(repos), warmup_steps=1,
+                                               batch_size=2)],
                         0, tmp_path / "out", 1, policy=start)
     record = result.phases[0]
     hf_config = AutoConfig.from_pretrained(tmp_path / "out")
     assert hf_config.max_position_embeddings == 512 and result.policy.max_seq_len == 512
     assert hf_config.rope_parameters["rope_theta"] == pytest.approx(record["rope_theta"]) and record["rope_theta"] > 1e4
-    assert record["held_out"]["after"] < record["held_out"]["before"]
+    assert record["held_out"]["after"] < record["held_out"]["before"] and record["batch_size"] == 2
 
 
 def test_validate_refuses_a_long_context_phase_under_four_times_the_main_one() -> None:
