@@ -82,9 +82,10 @@ class Evaluator(Actor):
         torch.set_num_threads(1)
         source, n = self.settings.tasks, self.settings.n_tasks
         try:
-            if is_repo_source(source) or is_repo_file(Path(source)):
-                self.repo_tasks = await anyio.to_thread.run_sync(
-                    lambda: load_repo_tasks(source, seed=self.settings.seed, n=n))
+            if is_repo_source(source):      # drawing them parses Python: on this thread (CPython 3.11's parser
+                self.repo_tasks = load_repo_tasks(source, seed=self.settings.seed, n=n)   # is not thread-safe)
+            elif is_repo_file(Path(source)):
+                self.repo_tasks = await anyio.to_thread.run_sync(lambda: load_repo_tasks(source, n=n))
             else:
                 self.tasks = await anyio.to_thread.run_sync(held_out_tasks, source, self.settings.seed, n)
         except TaskSourceError as err:

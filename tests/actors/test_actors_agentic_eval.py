@@ -188,7 +188,7 @@ async def test_the_evaluator_of_the_built_in_repository_tasks_draws_them_from_it
     assert evaluator.tasks == [] and [t.task_id for t in evaluator.repo_tasks] == [
         t.task_id for t in load_repo_tasks("repo:2", seed=5, n=3)]
     assert {t.level for t in evaluator.repo_tasks} == {2}
-    trained = {t.prompt_hash for t in itertools.islice(repo_tasks(0, level=2), 500)}
+    trained = {t.prompt_hash for t in itertools.islice(repo_tasks(0, level=2), 100)}
     assert not trained & {t.prompt_hash for t in evaluator.repo_tasks}
     bad = Evaluator(ActorId(admin_bus.subjects.run, "hub", "evaluator", "e1"), admin_bus,
                     EvaluatorConfig(tasks="repo:9"), FAST)
