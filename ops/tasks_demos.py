@@ -172,7 +172,7 @@ class Episode:
     passed: bool = False
     verdict: str = ""
     wrong_first: bool = False
-    """A check failed after the first edit (the expert corrected a wrong first fix)."""
+    """The expert's first edit was wrong, and it corrected it."""
 
 
 async def demo_episode(bus: Bus, task: RepoTask, seed: int, *, summary_at: int, count: Counter) -> Episode:
@@ -187,7 +187,7 @@ async def demo_episode(bus: Bus, task: RepoTask, seed: int, *, summary_at: int, 
     """
     from rlbus.actors.common.sessions import SandboxSession, SessionPort
     from rlbus.model.env.agentic import AgenticBudgets
-    from rlbus.model.env.demos import Expert, Observed, passed
+    from rlbus.model.env.demos import Expert, Observed
     from rlbus.model.env.summaries import SUMMARY_REQUEST, fresh_context
     from rlbus.model.tools.calls import outcome_text
 
@@ -228,8 +228,7 @@ async def demo_episode(bus: Bus, task: RepoTask, seed: int, *, summary_at: int, 
         report = await port.grade_workspace(task)
     episode.verdict = report.verdict
     episode.passed = report.verdict == "passed"
-    edited = next((k for k, o in enumerate(observed) if o.call.name in ("edit_file", "write_file")), len(observed))
-    episode.wrong_first = any(o.call.name == "run" and not passed(o.text) for o in observed[edited:])
+    episode.wrong_first = expert.wrong_first
     return episode
 
 

@@ -4,9 +4,9 @@ tools have answered so far.
 - Owns: `Expert` (an episode as a careful engineer works it: list the files, read the relevant ones and some
   others, run a check, read its failure, edit with exact replacements from the task's solution, check again,
   submit; seeded variation in the order, the file read first, a search first, two reads in one turn, and an
-  occasional wrong first edit that the check shows and the expert then corrects), `Step`, `Observed`,
-  `check_command` (the check the expert runs), `edit_calls` (exact replacements turning one text into another)
-  and `wrong_version` (a plausible wrong fix).
+  occasional wrong first edit that the check shows, or a review of the change finds, and the expert then
+  corrects), `Step`, `Observed`, `check_command` (the check the expert runs), `edit_calls` (exact replacements
+  turning one text into another) and `wrong_version` (a plausible wrong fix).
 - Guarantee: pure: the same task, seed and observations give the same step; nothing here runs a tool.
 - Does not: run tools or grade (the sandbox session, ops/tasks_demos.py), render turns for a tokenizer
   (model/env/agentic.py) or word summaries (model/env/summaries.py).
@@ -94,12 +94,12 @@ def probe_cases(task: RepoTask) -> list[tuple[str, str, str]]:
     return [(imported[name], call, want) for name, call, want in chosen]
 
 
-def check_command(task: RepoTask) -> tuple[str, bool]:
+def check_command(task: RepoTask, cases: Sequence[tuple[str, str, str]] | None = None) -> tuple[str, bool]:
     """(command, whether its exit code tells a fix from no fix): a script calling the named functions on the
     inputs the instruction describes and comparing each result's repr (`probe_cases`); else the repository's own
     tests (`test*.py` files in it); else an import smoke check of the changed Python files. Python runs with
     -B: bytecode cached by one run could otherwise outlive an edit of the same size within the same second."""
-    cases = probe_cases(task)
+    cases = probe_cases(task) if cases is None else cases
     if cases:
         modules: dict[str, list[str]] = {}
         for module, call, _ in cases:
@@ -189,13 +189,17 @@ def _changed_lines(before: str, after: str) -> list[int]:
 
 
 def wrong_version(before: str, after: str, rng: random.Random) -> str | None:
-    """`after` with one more seeded change (model/tasks/mutators.py: an operator, a bound, a name or a number) in a
-    function the fix touches: a plausible wrong fix, different from `before` and `after`; None when there is none."""
-    names = set(_functions_at(after, _changed_lines(before, after)))
+    """`after` with one more seeded change (model/tasks/mutators.py: an operator, a bound, a name or a number) on a
+    line the fix changes, else in a function it touches: a plausible wrong fix, different from `before` and
+    `after`; None when there is none."""
+    lines = set(_changed_lines(before, after))
+    names = set(_functions_at(after, sorted(lines)))
     if not names:
         return None
     tree = ast.parse(after)
-    candidates = [s for s in mutators.sites(tree, _WRONG_KINDS) if s.function in names]
+    inside = [s for s in mutators.sites(tree, _WRONG_KINDS) if s.function in names]
+    on_line = [s for s in inside if getattr(mutators.resolve(tree, s.path), "lineno", 0) in lines]
+    candidates = on_line or inside
     rng.shuffle(candidates)
     for site in candidates:
         changed = mutators.apply_site(after, site)
@@ -213,8 +217,8 @@ class Expert:
 
     `next_step(observed)` is the turn after the calls observed so far (each step's calls in order; the replay of
     the plan checks they are the ones it made). The plan reacts to what the tools answered: a check that fails
-    after a wrong first edit is followed by its correction, an edit the workspace refused by a `write_file` of
-    the solution. The edits come from the task's `solution` (never from its hidden tests); the check from
+    after a wrong first edit is followed by its correction (one that passes, by a review of the changed lines and
+    then the correction), an edit the workspace refused by a `write_file` of the solution. The edits come from the task's `solution` (never from its hidden tests); the check from
     `check_command`.
     """
 
@@ -224,16 +228,28 @@ class Expert:
         self.task = task
         self.seed = seed
         self.changed = changed_paths(task)
-        self.check, self.check_tells = check_command(task)
+        cases = probe_cases(task)
+        self.check, self.check_tells = check_command(task, cases)
+        self._probes = bool(cases)
+        self.wrong_first = False
+        """Whether the plan, as far as it was replayed, made a wrong first edit."""
+        self._live: tuple[_Plan, list[Observed], Step] | None = None
+        """The plan last replayed, the observations it was sent and the step it gave: a call with those observations
+        and more goes on from it instead of replaying from the start."""
 
     def next_step(self, observed: Sequence[Observed]) -> Step:
         """The next turn given every call observed so far.
 
         :raises ValueError: `observed` is not what this expert's plan called, or the plan has submitted.
         """
-        plan = self._plan(random.Random(f"demo:{self.task.task_id}:{self.seed}"))
-        step = next(plan)
-        i = 0
+        if self._live is not None and list(observed[:len(self._live[1])]) == self._live[1]:
+            plan, seen, step = self._live
+            i = len(seen)
+        else:
+            plan = self._plan(random.Random(f"demo:{self.task.task_id}:{self.seed}"))
+            step = next(plan)
+            i = 0
+        self._live = None
         while i < len(observed):
             if step.submits:
                 raise ValueError("the expert has submitted; the episode is over")
@@ -243,6 +259,7 @@ class Expert:
                                  f"{[c.name for c in step.calls]} (call {i})")
             step = plan.send(tuple(o.text for o in observed[i:i + len(got)]))
             i += len(got)
+        self._live = (plan, list(observed), step)
         return step
 
     def summary(self, observed: Sequence[Observed]) -> str:
@@ -302,13 +319,19 @@ class Expert:
         wrong_path = next((p for p in existing if p.endswith(".py")), None)
         wrong = (wrong_version(task.files[wrong_path], task.solution[wrong_path], rng)
                  if wrong_path and self.check_tells and rng.random() < WRONG_FIRST else None)
+        self.wrong_first = wrong is not None
         if wrong is not None and wrong_path is not None:
             yield from self._edit(wrong_path, task.files[wrong_path], wrong, rng, why=why)
             result = yield Step("Let me run the check again.", (self._run(),))
-            if not passed(result[0]):
-                yield from self._edit(wrong_path, wrong, task.solution[wrong_path], rng,
-                                      why=f"Still wrong: `{failure_line(result[0])[:200]}`. My change was not right; "
-                                          "I'll correct it.")
+            if passed(result[0]):                     # the check missed it: a review of the change finds it
+                first = _changed_lines(task.solution[wrong_path], wrong)[0]
+                yield Step(f"The check passes. Let me review my change in {wrong_path} before submitting.",
+                           (ToolCall("read_file", {"path": wrong_path, "start_line": max(1, first - 5),
+                                                   "end_line": first + 5}),))
+                why = f"Line {first} is not what I meant to write; correcting it."
+            else:
+                why = f"Still wrong: `{failure_line(result[0])[:200]}`. My change was not right; I'll correct it."
+            yield from self._edit(wrong_path, wrong, task.solution[wrong_path], rng, why=why)
             why = ""
         for path in self.changed:
             if path != wrong_path or wrong is None:
@@ -333,7 +356,7 @@ class Expert:
         if not self.check:
             return ""
         what = ("Let me reproduce the problem with a quick check of the functions the task names."
-                if self.check_tells and probe_cases(self.task) else
+                if self.check_tells and self._probes else
                 "Let me run the tests." if self.check_tells else "Let me check that the code compiles and imports.")
         result = yield Step(what, (self._run(),))
         return "" if passed(result[0]) else failure_line(result[0])
