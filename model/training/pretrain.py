@@ -497,7 +497,7 @@ def plot_losses(path: Path, losses: Sequence[float], start_step: int = 0,
     if len(losses) >= 20:
         smooth = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
         ax.plot(steps, smooth, linewidth=1.6, label="10-step mean")
-        ax.legend()
+        ax.legend(loc="lower left" if phases else "best")
     for label, begin in phases:
         ax.axvline(begin + 0.5, color="0.4", linestyle="--", linewidth=0.8)
         ax.annotate(label, (begin + 0.5, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
