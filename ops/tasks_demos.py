@@ -46,7 +46,8 @@ def register(tasks_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                     "tests pass. Writes JSONL rows in the SFT chat layout ({messages, tools, task_id, meta}), one "
                     "context a row: an episode whose context passes --summary-at tokens gets a summary step and "
                     "goes on in a fresh context (a second row).")
-    demos.add_argument("source", metavar="SOURCE", help="repo, repo:LEVEL, or the path of a repository task file")
+    demos.add_argument("source", metavar="SOURCE", help="repo, repo:LEVEL, or the path of a repository task file "
+                       "(its training split: the held-out one is never drawn)")
     demos.add_argument("-o", "--output", required=True, metavar="FILE", help="the JSONL file to write")
     demos.add_argument("--n", type=int, default=DEFAULT_N, metavar="N",
                        help=f"demonstrations to write (default {DEFAULT_N}; a file gives at most one a task)")
@@ -73,13 +74,21 @@ def default_summary_at() -> int:
 
 
 def training_tasks(source: str, seed: int, n: int) -> list[RepoTask]:
-    """The first `n` training tasks of `source` (model/tasks/sources.py `load_repo_tasks`).
+    """The first `n` tasks of the training split of `source` (model/tasks/sources.py `load_repo_tasks`): the built-in
+    tasks of `repo` or `repo:LEVEL` drawn from `seed` with `:train`; a repository task file's rows whose function
+    `split_of` puts in `train`, and those that name no function (no split holds them).
 
-    :raises TaskSourceError: what reading the source raises.
+    :raises TaskSourceError: `source` names the held-out split, or what reading it raises.
     """
-    from rlbus.model.tasks.sources import load_repo_tasks
+    from rlbus.model.tasks.changes import split_of
+    from rlbus.model.tasks.sources import TaskSourceError, is_repo_source, load_repo_tasks, split_source
 
-    return load_repo_tasks(source, seed=seed, n=n)
+    base, split = split_source(source)
+    if split == "heldout":
+        raise TaskSourceError(f"task source {source!r}: demonstrations are drawn from the training split only")
+    if is_repo_source(base):
+        return load_repo_tasks(f"{base}:train", seed=seed, n=n)
+    return [t for t in load_repo_tasks(base, seed=seed, n=1 << 30) if not t.function or split_of(t.function) == "train"][:n]
 
 
 def byte_tokens(text: str) -> int:

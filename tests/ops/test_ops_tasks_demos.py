@@ -125,3 +125,25 @@ async def test_kept_calls_rerun_in_a_fresh_session_reproduce_the_observations_an
                 report = await port.grade_workspace(task)
                 assert report.verdict == "passed", (task_id, report.result().feedback[:500])
 
+
+
+def test_the_held_out_split_is_never_drawn(tmp_path: Path) -> None:
+    """Built-in demonstrations come from the training split's functions only; a file's rows of held-out functions
+    are left out (rows naming no function are kept); a `:heldout` source is refused."""
+    from rlbus.model.tasks.changes import split_of
+    from rlbus.model.tasks.sources import TaskSourceError, held_out_functions
+    from rlbus.ops.tasks_demos import training_tasks
+
+    drawn = training_tasks("repo", 3, 60)
+    assert len(drawn) == 60 and all(t.function and split_of(t.function) == "train" for t in drawn)
+    assert not {t.function for t in drawn} & held_out_functions("repo:heldout")
+    train, held = drawn[0], next(iter(sorted(held_out_functions("repo:heldout"))))
+    rows = [{**_row(train, train.solution), "function": train.function},
+            {**_row(GOOD[0], GOOD[0].solution), "task_id": "held", "function": held},
+            {**_row(GOOD[1], GOOD[1].solution), "task_id": "unnamed"}]
+    path = tmp_path / "split.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [t.task_id for t in training_tasks(str(path), 0, 10)] == [train.task_id, "unnamed"]
+    for source in ("repo:heldout", "repo:2:heldout", f"{path}:heldout"):
+        with pytest.raises(TaskSourceError, match="training split only"):
+            training_tasks(source, 0, 5)
