@@ -45,7 +45,8 @@ def register(tasks_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                     "submits, every call run in a real sandbox session. A demonstration is kept when the hidden "
                     "tests pass. Writes JSONL rows in the SFT chat layout ({messages, tools, task_id, meta}), one "
                     "context a row: an episode whose context passes --summary-at tokens gets a summary step and "
-                    "goes on in a fresh context (a second row).")
+                    "goes on in a fresh context (a second row). Exit 0 when a demonstration is written, 1 when none "
+                    "passed, 2 when the source is unreadable.")
     demos.add_argument("source", metavar="SOURCE", help="repo, repo:LEVEL, or the path of a repository task file "
                        "(its training split: the held-out one is never drawn)")
     demos.add_argument("-o", "--output", required=True, metavar="FILE", help="the JSONL file to write")
