@@ -41,7 +41,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     "every broken copy fails, 1 otherwise (the exceptions are listed), 2 if the source is "
                     "unreadable.")
     check.add_argument("source", metavar="SOURCE", help="builtin, humaneval, repo, repo:LEVEL, or the path of a "
-                       "JSONL tasks file (functions to write, or repository tasks)")
+                       "JSONL tasks file (functions to write, or repository tasks); a repository source ending in "
+                       ":train or :heldout is that split, by function (repo:heldout, FILE:train)")
     check.add_argument("--json", action="store_true", help="print one JSON object (tasks, reference_passed, "
                        "broken_rejected, exceptions, isolation)")
     check.add_argument("--limit", type=int, default=None, metavar="N", help="check only the first N tasks")

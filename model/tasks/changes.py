@@ -4,7 +4,8 @@
   test calls (`library_functions`, `calls_of`), running those calls on any version of the library in this
   process with a step limit (`outcomes`), the changes a task is made of (`Change`: one mutator site, `site_change`;
   a signature reordered together with every call site, `signature_changes`), whether the tests catch a change
-  (`caught`), and the split of functions into `train` and `heldout` (`split_of`).
+  (`caught`), and the split of functions into `train` and `heldout` (`split_of`; the held-out code,
+  `held_out_sources`).
 - Guarantee: the library's own code and changes of it are the only code run here (a change only moves an operator,
   a name, a bound, a statement or parameters, so it adds no I/O); a call that runs past `MAX_STEPS` traced lines
   counts as having raised. `split_of` depends on the qualified name alone.
@@ -363,6 +364,12 @@ def signature_changes() -> tuple[Change, ...]:
     return tuple(out)
 
 
+def held_out_sources() -> tuple[str, ...]:
+    """The code of every `heldout` function of the library (its lines of its file), in library order: what the
+    pretraining corpus must not hold (model/training/corpus.py `Decontaminator`)."""
+    return tuple(_function_source(f)[2] for f in library_functions() if split_of(qualified(f)) == "heldout")
+
+
 def single_changes(function: str) -> Iterator[Change]:
     """Every site change of `function`, in site order (not yet checked against the tests)."""
     for site in module_sites()[function]:
@@ -372,6 +379,6 @@ def single_changes(function: str) -> Iterator[Change]:
 
 
 __all__ = ["EXACT", "HELDOUT_SHARE", "LIBRARY_DIR", "MAX_STEPS", "MODULES", "PACKAGE", "SPLITS", "Change", "Split",
-           "callers", "calls_of", "caught", "exact", "function_texts", "library_files", "library_functions", "module_sites",
+           "callers", "calls_of", "caught", "exact", "function_texts", "held_out_sources", "library_files", "library_functions", "module_sites",
            "original_outcomes", "outcomes", "path_of", "qualified", "signature_changes", "single_changes",
            "site_change", "split_of"]

@@ -23,6 +23,7 @@ from typing import Final
 from rlbus.model.env.episodes import add_attempt, episode_tokens, start_episode
 from rlbus.model.policies.interface import ChatTokenizer
 from rlbus.model.tasks.builtin import Task, train_tasks
+from rlbus.model.tasks.changes import held_out_sources
 from rlbus.model.tasks.grading import GradeResult, grade_many
 
 Document = tuple[list[int], list[float]]
@@ -47,16 +48,19 @@ def normalise(text: str) -> str:
 
 
 class Decontaminator:
-    """Refuses text holding a held-out task's prompt or canonical solution body (after `normalise`).
+    """Refuses text holding a held-out task's prompt or canonical solution body, or the code of a held-out
+    function of the built-in repository tasks (after `normalise`).
 
     Text is normalised by collapsing every run of whitespace to one space; a source file whose normalised
-    text contains the normalised prompt or the normalised canonical solution body of any held-out task is
-    dropped whole (so no split can cut a copy in two and let both halves through). Every code document is a
-    slice of a file that passed, so no document contains a held-out prompt or solution.
+    text contains the normalised prompt or the normalised canonical solution body of any held-out task, or of
+    any `repo_held_out` code (default: every `heldout` function of the task library, model/tasks/changes.py
+    `held_out_sources`), is dropped whole (so no split can cut a copy in two and let both halves through). Every
+    code document is a slice of a file that passed, so no document contains a held-out prompt or solution.
     """
 
-    def __init__(self, held_out: Iterable[Task]) -> None:
+    def __init__(self, held_out: Iterable[Task], repo_held_out: Iterable[str] | None = None) -> None:
         needles = {normalise(part) for task in held_out for part in (task.prompt, task.solution)}
+        needles |= {normalise(code) for code in (held_out_sources() if repo_held_out is None else repo_held_out)}
         self.needles: tuple[str, ...] = tuple(sorted(n for n in needles if n))
 
     def clean(self, text: str) -> bool:

@@ -129,3 +129,18 @@ def test_a_task_file_splits_by_its_rows_function(tmp_path: Path) -> None:
     assert len(load_repo_tasks(str(bare))) == 1
     with pytest.raises(TaskSourceError, match="'plain' names no function"):
         load_repo_tasks(f"{bare}:heldout")
+
+
+def test_the_pretraining_corpus_refuses_the_code_of_held_out_library_functions() -> None:
+    """A source file holding a held-out library function's code (reflowed) is refused by the corpus's
+    decontamination; one holding only training functions passes."""
+    from rlbus.model.tasks.builtin import eval_tasks
+    from rlbus.model.tasks.changes import function_texts
+    from rlbus.model.training.corpus import Decontaminator
+
+    clean = Decontaminator(eval_tasks(0, 5))
+    lines = {f: library_files()[p].splitlines(keepends=True)[a - 1:b] for f, (p, a, b) in function_texts().items()}
+    held = [f for f in library_functions() if split_of(qualified(f)) == "heldout"]
+    train = [f for f in library_functions() if split_of(qualified(f)) == "train"]
+    assert not clean.clean("import os\n\n" + "".join(lines[held[0]]).replace("\n    ", "\n        ") + "\nX = 1\n")
+    assert clean.clean("".join(line for f in train for line in lines[f]))
