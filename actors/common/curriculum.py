@@ -1,6 +1,6 @@
 """The feeder's curriculum by level: which levels are open, how often each is drawn, and the task sequence it makes.
 
-- Owns: `LevelCurriculum` (per level, the pass/fail outcomes of its recent rollouts; the highest open level, which
+- Owns: which sources take a curriculum (`takes_curriculum`), `LevelCurriculum` (per level, the pass/fail outcomes of its recent rollouts; the highest open level, which
   rises when that level's recent pass rate reaches `raise_at`), `level_weights` (the draw weights of the open
   levels), `pick_level` (the level of one sequence index: a pure function of seed, index and weights), and
   `CurriculumSequence` (the task sequence of per-level task streams, its stages saved as (first index, highest
@@ -17,10 +17,21 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Final, Generic, Protocol, TypeVar
 
-from rlbus.actors.common.config import CurriculumConfig
+from rlbus.actors.common.config import CurriculumConfig, without_split
 
 PASS_REWARD: Final = 1.0
 """A rollout passes when its reward reaches this: every hidden test passed (partial credit stays below it)."""
+
+
+def takes_curriculum(tasks: str) -> bool:
+    """Whether a curriculum can draw the levels of `[feeder] tasks`: the built-in family ("builtin") or the built-in
+    repository tasks of every level ("repo", or one split of them: "repo:train", "repo:heldout")."""
+    return tasks == "builtin" or without_split(tasks) == "repo"
+
+
+def level_source(tasks: str, level: int) -> str:
+    """The repository source of one level of `tasks` ("repo" -> "repo:2", "repo:train" -> "repo:2:train")."""
+    return f"repo:{level}{tasks.removeprefix('repo')}"
 
 
 class Leveled(Protocol):
@@ -163,4 +174,5 @@ class CurriculumSequence(Generic[T]):
             self._base += drop
 
 
-__all__ = ["PASS_REWARD", "CurriculumSequence", "LevelCurriculum", "level_weights", "pick_level"]
+__all__ = ["PASS_REWARD", "CurriculumSequence", "LevelCurriculum", "level_source", "level_weights", "pick_level",
+           "takes_curriculum"]

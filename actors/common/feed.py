@@ -33,7 +33,7 @@ from rlbus.actors.common.config import (
     feeder_tasks_problem,
     names_task_file,
 )
-from rlbus.actors.common.curriculum import CurriculumSequence
+from rlbus.actors.common.curriculum import CurriculumSequence, level_source, takes_curriculum
 from rlbus.actors.common.errors import TaskError
 from rlbus.messages.bus import Bus
 from rlbus.messages.errors import BadMessage
@@ -286,17 +286,21 @@ def curriculum_sequence(config: FeederConfig, launch: FeederLaunch, exclude: fro
     family's tasks of that level (without the held-out prompts `exclude`) or the built-in repository tasks',
     each walked as the source walks it without a curriculum (`TaskSequence`).
 
-    :raises TaskError: the source is not "builtin" or "repo" (a listed source, one repository level), or
-        `[feeder] levels` is set too.
+    :raises TaskError: the source is not "builtin" or "repo" (or a split of it: `takes_curriculum`; not a listed
+        source or one repository level), or `[feeder] levels` is set too.
     """
     assert config.curriculum is not None
-    if config.tasks not in (task_sources.BUILTIN, "repo") or config.tasks_file is not None or config.levels:
-        raise TaskError(f"feeder.curriculum needs feeder.tasks 'builtin' or 'repo' without tasks_file or levels, "
-                        f"got tasks {config.tasks!r}, tasks_file {config.tasks_file!r}, levels {config.levels}")
+    if not takes_curriculum(config.tasks) or config.tasks_file is not None or config.levels:
+        raise TaskError(f"feeder.curriculum needs feeder.tasks 'builtin' or 'repo' (or a split of it) without "
+                        f"tasks_file or levels, got tasks {config.tasks!r}, tasks_file {config.tasks_file!r}, "
+                        f"levels {config.levels}")
+
     def streams(level: int) -> Iterator[FedTask]:
-        """The source's own sequence of one level: "repo:LEVEL", or the built-in family with `levels = [level]`."""
-        if config.tasks == "repo":
-            one = TaskSequence(config.seed, repo=f"repo:{level}", exclude=exclude, skip_functions=skip_functions)
+        """The source's own sequence of one level: "repo:LEVEL" (with the split), or the built-in family with
+        `levels = [level]`."""
+        if config.tasks != task_sources.BUILTIN:
+            one = TaskSequence(config.seed, repo=level_source(config.tasks, level), exclude=exclude,
+                               skip_functions=skip_functions)
         else:
             one = TaskSequence(config.seed, eval_seed=launch.eval_seed, levels=(level,), exclude=exclude)
         for index in itertools.count():

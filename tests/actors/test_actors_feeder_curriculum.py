@@ -86,8 +86,9 @@ def test_the_sequence_is_rebuilt_from_seed_and_stages() -> None:
     without = fed_task_ids(config, launch, {"hub": 60}, "hub")["hub"]
     assert without[:10] == ids[:10] and without != ids
     assert task_source(config) == "builtin:11:curriculum=level,1,0.25"
-    repo = task_sequence(FeederConfig(tasks="repo", seed=3, curriculum=CurriculumConfig(start=2)), FeederLaunch())
-    assert {repo.get(i).level for i in range(8)} == {1, 2}
+    for source in ("repo", "repo:train"):
+        repo = task_sequence(FeederConfig(tasks=source, seed=3, curriculum=CurriculumConfig(start=2)), FeederLaunch())
+        assert {repo.get(i).level for i in range(8)} == {1, 2}
 
 
 def test_bad_curriculum_settings_are_refused_naming_the_key() -> None:
@@ -104,7 +105,7 @@ def test_bad_curriculum_settings_are_refused_naming_the_key() -> None:
 
 @pytest.mark.parametrize(("feeder", "fragment"), [
     ('tasks = "humaneval"\ncurriculum = {window = 8}', "not of feeder.tasks 'humaneval'"),
-    ('tasks = "repo:2"\ncurriculum = {}', "not of feeder.tasks 'repo:2'"),
+    ('tasks = "repo:2:train"\ncurriculum = {}', "not of feeder.tasks 'repo:2:train'"),
     ('levels = [1, 2]\ncurriculum = {}', "fixes the levels"),
     ('curriculum = {raise_at = 1.5}', "<= 1, found the float 1.5"),
 ])

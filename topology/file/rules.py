@@ -20,6 +20,7 @@ from typing import Final
 import msgspec
 
 from rlbus.actors.common.config import feeder_tasks_problem, names_task_file
+from rlbus.actors.common.curriculum import takes_curriculum
 from rlbus.topology.file.problem import Problem, Severity
 from rlbus.topology.file.schema import DEMO_KINDS, TORCH_KINDS, ActorSpec, Region, Topology, parse_duration
 from rlbus.topology.network.links import parse_percent, parse_time
@@ -273,8 +274,9 @@ def _settings(topology: Topology) -> Iterator[Found]:
         yield _p("feeder.levels", f"levels {feeder.levels} select among the built-in tasks only, but feeder.tasks_file "
                  f"= {feeder.tasks_file!r} is set; remove one of them", also=("feeder.tasks_file",))
     if feeder.curriculum is not None:
-        if feeder.tasks not in ("builtin", "repo") or feeder.tasks_file is not None:
-            yield _p("feeder.curriculum", f"a curriculum draws the levels of the built-in tasks ('builtin' or 'repo'), "
+        if not takes_curriculum(feeder.tasks) or feeder.tasks_file is not None:
+            yield _p("feeder.curriculum", f"a curriculum draws the levels of the built-in tasks ('builtin', or 'repo' "
+                     f"and its splits 'repo:train', 'repo:heldout'), "
                      f"not of feeder.tasks {feeder.tasks!r}" + (f" or feeder.tasks_file {feeder.tasks_file!r}"
                                                              if feeder.tasks_file is not None else ""),
                      also=("feeder.tasks",))
