@@ -59,7 +59,7 @@ class CurriculumConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     Levels up to the highest open one are drawn, that one with weight 1 and each below it with `review`. The
     feeder reads the rewards of the hub's ROLLOUTS; once the last `window` rollouts of the highest open level
     pass at a rate of at least `raise_at` (a rollout passes with reward 1), the next level opens. Levels never
-    close. For the built-in family and the built-in repository tasks ("builtin", "repo")."""
+    close. For the built-in family and the built-in repository tasks ("builtin", "repo", "repo:train")."""
 
     by: Literal["level"] = "level"
     """What the curriculum steps through: the tasks' difficulty level (1-3)."""
