@@ -4,6 +4,7 @@ bad line is refused naming the file, the line and the key."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Final
@@ -33,11 +34,31 @@ def hf_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
     return HFPolicy.load(build_family(tmp_path_factory.mktemp("sft"), "qwen2-tied")).tokenizer
 
 
-def _turns() -> list[tuple[str, list[ToolCall]]]:
-    """The policy's turns: thinking aloud then two calls, the reference edit, a turn without a call, submit."""
+@pytest.fixture(scope="module")
+def llama_tokenizer() -> ChatTokenizer:
+    """The Llama-3.1-kind tool template of the template-tools tests (a call is the whole turn, results in ipython
+    turns as JSON strings)."""
+    spec = importlib.util.spec_from_file_location("template_tools_tests",
+                                                  Path(__file__).with_name("test_model_env_template_tools.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._tokenizer(module.LLAMA_TOOLS)  # type: ignore[no-any-return]
+
+
+def _turns(style: str) -> list[tuple[str, list[ToolCall]]]:
+    """The policy's turns: thinking aloud then calls (one a turn in the Llama style), the reference edit, a turn
+    without a call, submit."""
     look = [ToolCall("list_files", {"path": "."}), *(ToolCall("read_file", {"path": p}) for p in PATHS)]
-    return [("Let me look first.", look), ("", list(TASK.reference)), ("I think it is done.", []),
-            ("", [ToolCall("submit")])]
+    first = [("Let me look first.", look)] if style == "hermes" else [("Let me look first.", [c]) for c in look]
+    return [*first, ("", list(TASK.reference)), ("I think it is done.", []), ("", [ToolCall("submit")])]
+
+
+def _turn_text(content: str, calls: list[ToolCall], style: str) -> str:
+    """What the policy writes: its content then each call (Hermes); a Llama-style call is the whole turn."""
+    if style == "llama" and calls:
+        return calls[0].text("llama")
+    return "\n".join([*([content] if content else []), *(c.text(style) for c in calls)])
 
 
 async def _results(calls: list[ToolCall], port: FakeWorkspace) -> list[str]:
@@ -51,8 +72,8 @@ async def _play_and_write(tokenizer: ChatTokenizer) -> tuple[Any, AgenticEnviron
     style = env.call_style
     state, port, mirror = env.start(TASK), FakeWorkspace(TASK), FakeWorkspace(TASK)
     messages: list[dict[str, Any]] = [{"role": "user", "content": env.render(TASK)}]
-    for content, calls in _turns():
-        text = "\n".join([*([content] if content else []), *(c.text(style) for c in calls)])
+    for content, calls in _turns(style):
+        text = _turn_text(content, calls, style)
         state = (await env.step(state, [*tok.encode(text), tok.stop_id], port)).state
         messages.append({"role": "assistant", "content": content, **({"tool_calls": [
             {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]} if calls
@@ -65,7 +86,7 @@ async def _play_and_write(tokenizer: ChatTokenizer) -> tuple[Any, AgenticEnviron
             messages.append({"role": "user", "content": NO_CALL})
         else:
             messages.append({"role": "tool", "content": no_call_text(style)})
-    assert state.done and state.reward == 1.0 and state.policy_turns == len(_turns())
+    assert state.done and state.reward == 1.0 and state.policy_turns == len(_turns(style))
     return state, env, {"messages": messages, "tools": list(TOOL_SCHEMAS), "task_id": TASK.task_id}
 
 
@@ -76,16 +97,17 @@ def _one(tmp_path: Path, row: dict[str, Any]) -> Any:
     return conversation
 
 
-@pytest.mark.parametrize("which", ["builtin", "hf"])
+@pytest.mark.parametrize("which", ["builtin", "hf", "llama"])
 async def test_a_conversation_renders_as_the_agentic_environment_lays_out_its_turns(
-        tmp_path: Path, hf_tokenizer: ChatTokenizer, which: str) -> None:
-    """An episode played through the agentic environment (thinking aloud, several calls in a turn, their results,
-    a turn without a call and its reminder, submit), written as an SFT conversation, renders to exactly the
-    environment's ids and loss mask: 1 on the assistant's tokens with their stop, 0 on the system turn with the
-    schemas, the task, tool results, reminders and framing."""
-    tokenizer = ByteTokenizer() if which == "builtin" else hf_tokenizer
+        tmp_path: Path, hf_tokenizer: ChatTokenizer, llama_tokenizer: ChatTokenizer, which: str) -> None:
+    """An episode played through the agentic environment (thinking aloud, several calls in a turn or, Llama-style,
+    one a turn, their results, a turn without a call and its reminder, submit), written as an SFT conversation,
+    renders to exactly the environment's ids and loss mask: 1 on the assistant's tokens with their stop, 0 on the
+    system turn with the schemas, the task, tool results, reminders and framing."""
+    tokenizer = {"builtin": ByteTokenizer(), "hf": hf_tokenizer, "llama": llama_tokenizer}[which]
     state, env, row = await _play_and_write(tokenizer)
-    assert isinstance(env.tokenizer, TemplateTools) == (which == "hf")
+    assert isinstance(env.tokenizer, TemplateTools) == (which != "builtin")
+    assert env.call_style == ("llama" if which == "llama" else "hermes")
     expected = state_tokens(state, env.tokenizer)
     got = render(_one(tmp_path, row), tokenizer)
     assert got.ids == expected.ids and got.loss_mask == expected.loss_mask
