@@ -305,9 +305,11 @@ class Expert:
                         and rng.random() < 0.3 and k + 1 < len(reads):
                     pending.append(step.calls[0])        # read two files in one turn
                     continue
-                if pending:
+                if pending and step.calls[0].name == "read_file":
                     step = Step(f"Reading {pending[0].arguments['path']} and {path}.", (*pending, *step.calls))
-                    pending = []
+                elif pending:
+                    yield Step(f"Reading {pending[0].arguments['path']}.", tuple(pending))
+                pending = []
                 yield step
             if early and k == 0:
                 failing = yield from self._first_check()
