@@ -143,6 +143,8 @@ README: Final = (f"# {PACKAGE}\n\nSmall documented utilities, one module each: "
                  + ", ".join(f"`{PACKAGE}.{m}`" for m in MODULES) + ".\n")
 _SINGLE_KINDS: Final = {1: tuple(k for k in KINDS if k != "deletion"), 2: KINDS}
 """The mutator kinds of a level's one-file changes (level 3 reorders a signature with its callers)."""
+SHOWN_CHARS: Final = 300
+"""The most characters of a wrong result or an exception's message an instruction shows."""
 _HEADER: Final = f'"""The hidden tests of the {PACKAGE} package: each result compared by exact type and value."""\n'
 
 
@@ -191,10 +193,11 @@ def _test_id(call: str) -> str:
 def _symptom(call: str, want: str, found: str) -> str:
     """What the failing test of `call` reports, as the grade runner shows it (the assertion's own message, or
     what was raised)."""
-    value = want.removeprefix("= ")
+    value, got = want.removeprefix("= "), found[2:]
+    got = got if len(got) <= SHOWN_CHARS else got[:SHOWN_CHARS] + " ..."
     if found.startswith("= "):
-        return f"AssertionError: {call} should be {value} (it is {found.removeprefix('= ')})"
-    return f"{found.removeprefix('! ')}\n(raised by {call}, which should be {value})"
+        return f"AssertionError: {call} should be {value} (it is {got})"
+    return f"{got}\n(raised by {call}, which should be {value})"
 
 
 def _instruction(change: Change, level: int, failing: Mapping[str, tuple[str, str]]) -> str:
