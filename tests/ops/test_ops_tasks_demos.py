@@ -38,19 +38,22 @@ def demos(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
     """The command run once on a file of two built-in tasks and one whose solution is wrong (a seeded change to
     the fixed function), with a summary mark low enough that some episodes summarise."""
     tmp = tmp_path_factory.mktemp("demos")
-    bad = repo_task(2, 13)
-    (path,) = [p for p in bad.solution if bad.solution[p] != bad.files.get(p)]
-    wrong = wrong_version(bad.files.get(path, ""), bad.solution[path], random.Random(1))
+    for seed in range(13, 40):                       # the first level-2 task a seeded wrong fix exists for
+        bad = repo_task(2, seed)
+        path = next(p for p in sorted(bad.solution) if bad.solution[p] != bad.files.get(p))
+        wrong = wrong_version(bad.files.get(path, ""), bad.solution[path], random.Random(1))
+        if wrong is not None:
+            break
     assert wrong is not None
     source = tmp / "tasks.jsonl"
-    rows = [_row(GOOD[0], GOOD[0].solution), _row(bad, {path: wrong}), _row(GOOD[1], GOOD[1].solution)]
+    rows = [_row(GOOD[0], GOOD[0].solution), _row(bad, {**bad.solution, path: wrong}), _row(GOOD[1], GOOD[1].solution)]
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp / "demos.jsonl"
     done = subprocess.run([sys.executable, "-m", "rlbus.ops.cli", "tasks", "demos", str(source), "-o", str(out),
                            "--n", "5", "--seed", "2", "--summary-at", "3600", "--json"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "repo-L2-13 failed" in done.stderr
+    assert f"{bad.task_id} failed" in done.stderr
     return json.loads(done.stdout), [json.loads(line) for line in out.read_text().splitlines()], out
 
 
