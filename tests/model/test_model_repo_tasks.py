@@ -95,12 +95,18 @@ def test_repo_source_names() -> None:
 def test_hidden_tests_pass_on_references_and_fail_on_repositories_in_the_sandbox() -> None:
     """`rlbus tasks check`'s machinery (a real sandbox supervisor on its own nats-server, the grade runner in a
     session holding the repository) on two tasks of each level, one of them held out: every reference passes and
-    every repository as given fails."""
+    every repository as given fails; so does a solved repository whose function returns an always-equal string
+    subclass (the hidden tests compare exact built-in types)."""
     import anyio
 
     from rlbus.ops.tasks import check_repo_tasks
 
     tasks = [*load_repo_tasks("repo:train", seed=1, n=3), *load_repo_tasks("repo:heldout", seed=1, n=3)]
     assert len({t.task_id for t in tasks}) == 6
+    text = next(t for t in tasks if "def test_slugify_0(" in t.hidden_tests[HIDDEN_TEST])
+    fooled = text.solution["toolkit/text.py"] + (
+        "\n\nclass _Same(str):\n    def __eq__(self, other):\n        return True\n\n    __hash__ = str.__hash__\n\n\n"
+        "_slugify = slugify\n\n\ndef slugify(title):\n    return _Same(_slugify(title))\n")
+    tasks.append(msgspec.structs.replace(text, task_id="always-equal", files={**text.solution, "toolkit/text.py": fooled}))
     report = anyio.run(check_repo_tasks, tasks, 2, backend="asyncio")
-    assert report["reference_passed"] == report["broken_rejected"] == 6, report["exceptions"]
+    assert report["reference_passed"] == report["broken_rejected"] == 7, report["exceptions"]
