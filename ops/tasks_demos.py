@@ -33,7 +33,8 @@ ATTEMPTS_PER_DEMO: Final = 2
 """A built-in source is drawn from until `--n` demonstrations pass or `--n` x this many episodes ran."""
 
 Message = dict[str, Any]
-Counter = Callable[[str], int]
+TokenCount = Callable[[str], int]
+"""Tokens of a text, by the tokenizer the summary mark is counted in."""
 
 
 def register(tasks_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -54,7 +55,7 @@ def register(tasks_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                        help=f"demonstrations to write (default {DEFAULT_N}; a file gives at most one a task)")
     demos.add_argument("--seed", type=int, default=1, help="seed of the tasks drawn and of the expert (default 1)")
     demos.add_argument("--summary-at", type=int, default=None, metavar="TOKENS",
-                       help="tokens of context past which the expert summarises (default: the agentic config's)")
+                       help="tokens of context past which the expert summarises (default: the agentic config's; 0: never)")
     demos.add_argument("--tokenizer", default=None, metavar="DIR",
                        help="count tokens with DIR/tokenizer.json (default: the built-in byte tokenizer)")
     demos.add_argument("--pool", type=int, default=DEFAULT_POOL, metavar="N",
@@ -97,7 +98,7 @@ def byte_tokens(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
-def _counter(tokenizer: str | None) -> Counter:
+def _counter(tokenizer: str | None) -> TokenCount:
     if tokenizer is None:
         return byte_tokens
     from rlbus.actors.common.errors import TaskError
@@ -160,7 +161,7 @@ def cut(text: str, limit: int) -> str:
     return f"{text[:limit]}\n[output truncated: {len(text)} characters, the first {limit} shown]"
 
 
-def context_tokens(messages: Sequence[Message], count: Counter) -> int:
+def context_tokens(messages: Sequence[Message], count: TokenCount) -> int:
     """Tokens of a context: the tool list, every turn's content and every call's text."""
     from rlbus.model.tools.calls import ToolCall, tools_text
 
@@ -185,7 +186,7 @@ class Episode:
     """The expert's first edit was wrong, and it corrected it."""
 
 
-async def demo_episode(bus: Bus, task: RepoTask, seed: int, *, summary_at: int, count: Counter) -> Episode:
+async def demo_episode(bus: Bus, task: RepoTask, seed: int, *, summary_at: int, count: TokenCount) -> Episode:
     """Run the expert on `task` in a fresh sandbox session (region hub of `bus`): each of its turns' calls run in
     the session, each observation what the session answered (cut as the environment cuts it); after `submit` the
     workspace is graded on the hidden tests. Once a context passes `summary_at` tokens, having grown by at least a
@@ -271,7 +272,7 @@ class DemoRun:
                 "turns_mean": round(self.turns / self.kept, 2) if self.kept else 0.0}
 
 
-async def run_demos(tasks: Sequence[RepoTask], n: int, seed: int, summary_at: int, count: Counter = byte_tokens,
+async def run_demos(tasks: Sequence[RepoTask], n: int, seed: int, summary_at: int, count: TokenCount = byte_tokens,
                     pool: int = DEFAULT_POOL) -> DemoRun:
     """Episodes of `tasks`, in order, `pool` at once, on a sandbox supervisor served here (ops/local_sandbox.py),
     until `n` demonstrations pass or the tasks run out; the passing ones' rows in task order. An episode still
