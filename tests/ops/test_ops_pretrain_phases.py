@@ -38,7 +38,7 @@ def test_pretrain_phases_runs_each_phase_once_into_one_output(tmp_path: Path,
     """A main then a long-context phase: both print their step lines and the long one its held-out loss before and
     after at 512 tokens; the same command again finds both markers and trains nothing."""
     repos = _repos(tmp_path / "repos")
-    path = _phases_file(tmp_path, '[[pretrain.phases]]\nname = "main"\nsteps = 2\n\n[[pretrain.phases]]\n'
+    path = _phases_file(tmp_path, '[[pretrain.phases]]\nname = "main"\nsteps = 2\nbatch_size = 2\n\n[[pretrain.phases]]\n'
                                   f'name = "long"\nkind = "long_context"\nsteps = 1\nseq_len = 512\ndata = "{repos}"\n')
     out = tmp_path / "out"
     args = ["pretrain", "--phases", str(path), "--out", str(out)]
@@ -71,7 +71,7 @@ def test_rlbus_up_pretrains_the_phases_of_its_topology_once(tmp_path: Path, caps
     data = tmp_path / "sft.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "def one():"},
                                              {"role": "assistant", "content": "return 1"}]}) + "\n")
-    text = TINY + (f'\n[[pretrain.phases]]\nname = "main"\nsteps = 2\n\n[[pretrain.phases]]\nname = "chat"\n'
+    text = TINY + (f'\n[[pretrain.phases]]\nname = "main"\nsteps = 2\nbatch_size = 2\n\n[[pretrain.phases]]\nname = "chat"\n'
                    f'kind = "sft"\nsteps = 1\ndata = "{data}"\n')
     topology, problems = validate_text(text)
     assert topology is not None, problems
