@@ -2,7 +2,7 @@
 
 - Owns: `Phase`, `run_phases` (each phase from the one before it, a marker per finished phase, a resume at the
   first unfinished one, one held-out pass@1 after the last, the summary and `loss.png` with the phases marked),
-  `extend_context` (the context and the RoPE base of a built-in or Hugging Face policy, written into its own
+  `phases_done`, `extend_context` (the context and the RoPE base of a built-in or Hugging Face policy, written into its own
   config) and `held_out_loss`.
 - Guarantee: a run killed at any point and started again with the same phases ends with the model an unbroken
   run makes, each phase trained once from its predecessor's output: a phase's weights and its step count are
