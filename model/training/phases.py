@@ -2,12 +2,12 @@
 
 - Owns: `Phase`, `run_phases` (each phase from the one before it, a marker per finished phase, a resume at the
   first unfinished one, one held-out pass@1 after the last, the summary and `loss.png` with the phases marked),
-  `phases_done`, `extend_context` (the context and the RoPE base of a built-in or Hugging Face policy, written into its own
-  config) and `held_out_loss`.
-- Guarantee: a run killed at any point and started again with the same phases ends with the model an unbroken
-  run makes, each phase trained once from its predecessor's output: a phase's weights and its step count are
-  written together (a built-in `pretrain.pt` holds its step, a Hugging Face directory is replaced whole with its
-  `pretrain.json`), and its marker only after that.
+  `phases_done`, `extend_context` (the context and the RoPE base of a built-in or Hugging Face policy, written
+  into its own config) and `held_out_loss`.
+- Guarantee: a run stopped inside a phase, or between a phase's save and its marker, and started again with the
+  same phases ends with the weights of an unbroken run, each phase trained once from its predecessor's output: a
+  phase's weights and its step count are written together (a built-in `pretrain.pt` holds its step, a Hugging
+  Face directory is replaced whole with its `pretrain.json`), and its marker only after that.
 - Does not: own the training loops (model/training/pretrain.py `pretrain`, model/training/sft.py `sft`), the
   corpus (model/training/corpus.py) or the `[pretrain]` keys (topology/file/schema.py `PretrainPhase`).
 """
