@@ -24,7 +24,7 @@ from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.agentic_eval import evaluate_repo_tasks
 from rlbus.actors.common.config import EvaluatorConfig, EvaluatorLaunch, decode_config
 from rlbus.actors.common.errors import TaskError
-from rlbus.actors.common.eval_report import episodes_report
+from rlbus.actors.common.eval_report import episodes_report, scored_report
 from rlbus.actors.common.sandbox_client import grade_cases
 from rlbus.actors.common.weight_sync import WeightSync
 from rlbus.messages.bus import Bus
@@ -32,7 +32,7 @@ from rlbus.messages.errors import SandboxCrashed
 from rlbus.messages.schemas import EvalReport, SandboxLimits
 from rlbus.model.env import AgenticBudgets
 from rlbus.model.env.episodes import completion_text
-from rlbus.model.sampling.evaluate import greedy_complete, too_long, wilson_interval
+from rlbus.model.sampling.evaluate import greedy_complete, too_long
 from rlbus.model.tasks.builtin import Task
 from rlbus.model.tasks.grading import case_for, extract_code
 from rlbus.model.tasks.repo import RepoTask
@@ -159,13 +159,8 @@ class Evaluator(Actor):
             self.count("eval_errors")
             await self.emit("incident", detail=f"evaluation of version {version} not graded: {err}")
             return
-        await self._report(version, sum(1 for r in results if r.passed), len(results))
-
-    async def _report(self, version: int, passed: int, n: int) -> None:
-        low, high = wilson_interval(passed, n)
-        await self._publish(EvalReport(policy_version=version, task_seed=self.settings.seed, n=n,
-                                       pass_at_1=passed / max(1, n), ci_low=low, ci_high=high,
-                                       source=self.settings.tasks))
+        await self._publish(scored_report(version, self.settings.seed, self.settings.tasks,
+                                          [f"{t.family}/{t.level}" for t in self.tasks], [r.passed for r in results]))
 
     async def _publish(self, report: EvalReport) -> None:
         version, n, low, high = report.policy_version, report.n, report.ci_low, report.ci_high

@@ -137,8 +137,11 @@ async def _actors(hub: _Hub, *, evaluator: bool = True, settings: EvaluatorConfi
 
 
 def _check_report(report: EvalReport) -> None:
-    """n is the held-out set, pass@1 a count over it, and the interval the 95% Wilson interval of that count."""
+    """n is the held-out set, pass@1 a count over it, and the interval the 95% Wilson interval of that count; the
+    levels add up to the set and their passes to the count."""
     assert report.task_seed == SETTINGS.seed and report.n == SETTINGS.n_tasks
+    assert sum(s.n for s in report.by_level.values()) == report.n
+    assert sum(round(s.pass_at_1 * s.n) for s in report.by_level.values()) == round(report.pass_at_1 * report.n)
     assert 0.0 <= report.pass_at_1 <= 1.0
     passed = round(report.pass_at_1 * report.n)
     assert report.pass_at_1 == passed / report.n

@@ -58,12 +58,12 @@ def tiny_topology(path: Path, *, evaluator: bool) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class FinishedRun:
-    """`rlbus up <tiny with an evaluator> --steps 4 --record during.rlrec --tensorboard tb --backend local`, run to
-    its end."""
+    """`rlbus up <tiny with an evaluator> --steps 4 --record during.rlrec --tensorboard tb --backend local
+    --summary-json summary.json`, run to its end."""
 
     base: Path
     """The folder it ran in (its working directory): `D/` (the state), `during.rlrec`, `tb/` (TensorBoard event
-    files), `pretrained/` (the cache of pretrained bases beside the state directories)."""
+    files), `summary.json`, `pretrained/` (the cache of pretrained bases beside the state directories)."""
     topology: Path
     """The topology file it ran (`base/tiny_finished.toml`)."""
     proc: subprocess.CompletedProcess[str]
@@ -82,7 +82,8 @@ def finished_tiny_run(base: Path) -> FinishedRun:
     """Run the shared finished run in `base` (a fresh folder) and return it, whatever its exit status."""
     topology = tiny_topology(base / "tiny_finished.toml", evaluator=True)
     argv = ["up", str(topology), "--steps", str(FINISHED_STEPS), "--state-dir", str(base / "D"),
-            "--record", str(base / "during.rlrec"), "--tensorboard", "tb", "--backend", "local"]
+            "--record", str(base / "during.rlrec"), "--tensorboard", "tb", "--backend", "local",
+            "--summary-json", "summary.json"]
     proc = subprocess.run([sys.executable, "-m", "rlbus.ops.cli", *argv], capture_output=True, text=True,
                           timeout=600, cwd=base, check=False)
     return FinishedRun(base=base, topology=topology, proc=proc)

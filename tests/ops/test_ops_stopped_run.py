@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.runs import PRETRAIN_STEPS, FinishedRun, tiny_topology
+from helpers.runs import FINISHED_STEPS, PRETRAIN_STEPS, FinishedRun, tiny_topology
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +60,28 @@ def test_up_records_the_run_as_it_goes(ended: tuple[Path, subprocess.CompletedPr
     assert summary["complete"] and summary["run"] == "tiny"
     assert summary["per_kind"]["train_step"] >= 4 and summary["per_kind"]["rollout"] >= 4 * 4   # batch of 4
     assert summary["events"]["stopped"] >= 6           # every actor's last word made it into the file
+
+
+def test_up_writes_its_summary_as_one_json_object(ended: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    """--summary-json FILE on a run stopped by --steps: the steps, a clean ledger, every evaluation, and `base` and
+    `final`, the starting policy (version 0) and the final checkpoint on the same held-out function-writing tasks,
+    greedy (no samples), `final` the closing evaluation that final_eval.json holds."""
+    base, proc = ended
+    assert "summary JSON: summary.json" in proc.stdout
+    doc = json.loads((base / "summary.json").read_text())
+    assert doc["run"] == "tiny" and doc["steps"] >= FINISHED_STEPS and doc["final_version"] >= FINISHED_STEPS
+    book = doc["ledger"]
+    assert (book["lost"], book["trained_twice"], book["clean"]) == (0, 0, True) and book["trained"] >= 16, book
+    assert [e["policy_version"] for e in doc["evaluations"]] == sorted(e["policy_version"] for e in doc["evaluations"])
+    first, last = doc["base"], doc["final"]
+    closing = json.loads((base / "D" / "final_eval.json").read_text())
+    assert (first["policy_version"], last["policy_version"], last["step"]) == (0, closing["policy_version"],
+                                                                           closing["step"])
+    assert last["pass_at_1"] == closing["pass_at_1"] and last["n"] == closing["n"] == first["n"] == 4
+    for scores in (first, last):
+        assert scores["source"] == "builtin" and scores["samples"] == 0 and "mean_at_k" not in scores, scores
+        assert scores["ci95"][0] <= scores["pass_at_1"] <= scores["ci95"][1] and "turns_mean" not in scores
+        assert sum(level["n"] for level in scores["by_level"].values()) == 4, scores
 
 
 def test_a_stopped_run_is_opened_read_only_and_its_servers_stopped_again(
