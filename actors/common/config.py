@@ -138,6 +138,9 @@ class FeederLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     eval_tasks: str = "builtin"
     """The evaluator's task source (the launcher passes the topology's evaluator.tasks): when it is not
     "builtin", the sequence (built-in or file) skips every prompt hash of it."""
+    eval_n: PositiveInt | None = None
+    """How many tasks the evaluator holds out (the launcher passes the topology's evaluator.n_tasks): with built-in
+    repository tasks as `eval_tasks`, the sequence skips the prompts of those `eval_n` tasks of `eval_seed`."""
     default_weights: dict[str, NonNegativeFloat] = {}
     """Shares used while `[feeder] region_weights` is empty (the launcher passes each region's generator
     count); empty too: equal shares over `regions`."""
@@ -244,7 +247,8 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     built-in ones drawn from `seed`; a training feeder of "repo" must draw from another seed), either ending in
     ":heldout" for the held-out split by function (training then skips every task of those functions), each task one
     greedy agentic episode in a sandbox session under the `[generator.agentic]` budgets (pass@1 is the share
-    whose hidden tests pass). Training skips every prompt of a listed source (by prompt hash)."""
+    whose hidden tests pass). Training skips every prompt of a listed source, and of the `n_tasks` built-in
+    repository tasks (by prompt hash)."""
     samples: NonNegativeInt = 0
     """Repository tasks: also this many episodes per task sampled at `temperature`, for mean@K and pass@k (k = 1..K)
     with bootstrap intervals; the closing evaluation of `rlbus up` samples as many. 0: greedy only."""

@@ -261,7 +261,7 @@ def task_sequence(config: FeederConfig, launch: FeederLaunch, listed: list[FedTa
         is asked of a listed source or one level.
     """
     try:
-        exclude = task_sources.held_out_hashes(launch.eval_tasks)
+        exclude = task_sources.held_out_hashes(launch.eval_tasks, seed=launch.eval_seed, n=launch.eval_n)
         skip = task_sources.held_out_functions(launch.eval_tasks)
     except task_sources.TaskSourceError as err:
         raise TaskError(f"evaluator.tasks = {launch.eval_tasks!r}: {err}") from None

@@ -201,7 +201,7 @@ def _symptom(call: str, want: str, found: str) -> str:
 
 
 def _instruction(change: Change, level: int, failing: Mapping[str, tuple[str, str]]) -> str:
-    """The issue: what the failing tests report (level 1 also names the module), or for a removed body, the
+    """The instruction: what the failing tests report (level 1 also names the module), or for a removed body, the
     function's signature and docstring. Never the line or the change."""
     n = len(failing)
     count = f"{n} of the package's hidden tests fail" if n > 1 else "One of the package's hidden tests fails"

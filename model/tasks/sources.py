@@ -434,17 +434,22 @@ def held_out_tasks(source: str, seed: int, n: int) -> list[Task]:
     return load_tasks(source)[:n]
 
 
-def held_out_hashes(source: str) -> frozenset[str]:
+def held_out_hashes(source: str, *, seed: int | None = None, n: int | None = None) -> frozenset[str]:
     """Prompt hashes training must skip for the evaluator's `source`: every task of a listed source or a repository
     task file (so any `n_tasks` of it stays disjoint); none for `BUILTIN`, whose held-out prompts `train_tasks`
-    skips itself, nor for the built-in repository tasks (`REPO`, `repo:...`), which training draws from another
-    seed (and, for a `:heldout` source, without its functions: `held_out_functions`). A repository task file with
-    a split: the tasks of that split.
+    skips itself. For the built-in repository tasks (`REPO`, `repo:...`), a finite set of changes that any seed
+    draws again: the first `n` tasks of `seed`, as the evaluator draws them (none when either is not given; a
+    `:heldout` source also keeps its functions out of training: `held_out_functions`). A repository task file
+    with a split: the tasks of that split.
 
     :raises TaskSourceError: what reading the source raises.
     """
-    if source == BUILTIN or is_repo_source(source):
+    if source == BUILTIN:
         return frozenset()
+    if is_repo_source(source):
+        if seed is None or n is None:
+            return frozenset()
+        return frozenset(t.prompt_hash for t in load_repo_tasks(source, seed=seed, n=n))
     if is_repo_file(Path(source)):
         return frozenset(t.prompt_hash for t in load_repo_tasks(source, n=1 << 30))
     return frozenset(t.prompt_hash for t in load_tasks(source))

@@ -64,6 +64,21 @@ def test_training_skips_the_functions_and_prompts_of_a_held_out_split(tmp_path: 
     assert listed.end == len(train) < 30 and [listed.get(i).task_id for i in range(len(train))] == train
 
 
+def test_training_skips_the_prompts_of_the_held_out_builtin_repository_tasks_of_another_seed() -> None:
+    """The built-in repository tasks are a finite set of changes that every seed draws again: with the evaluator on
+    `repo:3` of seed 1 (4 tasks), a feeder of `repo:3` of seed 0 feeds their prompts within 40 tasks unless it knows
+    how many the evaluator holds out (`eval_n`), and then none of them."""
+    held = {t.prompt_hash for t in load_repo_tasks("repo:3", seed=1, n=4)}
+    config = FeederConfig(tasks="repo:3", seed=0)
+
+    def fed(launch: FeederLaunch) -> set[str]:
+        sequence = task_sequence(config, launch)
+        return {sequence.get(i).prompt_hash for i in range(40)}
+
+    assert fed(FeederLaunch(eval_tasks="repo:3", eval_seed=1)) & held
+    assert not fed(FeederLaunch(eval_tasks="repo:3", eval_seed=1, eval_n=4)) & held
+
+
 @pytest.mark.parametrize(("feeder", "key", "fragment"), [
     ('tasks = "repo:4"', "feeder.tasks",
      "expected 'builtin', 'humaneval', 'repo' or 'repo:LEVEL' with LEVEL one of 1, 2, 3"),

@@ -156,7 +156,7 @@ def feeder_launch(topology: Topology) -> FeederLaunch:
     return FeederLaunch(regions=[r.name for r in topology.regions], group_size=topology.generator.group_size,
                         hub=topology.hub.name,
                         eval_seed=topology.evaluator.seed,    # training never draws the evaluator's held-out prompts
-                        eval_tasks=topology.evaluator.tasks,
+                        eval_tasks=topology.evaluator.tasks, eval_n=topology.evaluator.n_tasks,
                         default_weights=counts if any(counts.values()) else {})
 
 
