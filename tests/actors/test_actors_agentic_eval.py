@@ -6,7 +6,6 @@ sampled episodes are seeded."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,8 +32,7 @@ from rlbus.model.env import AgenticBudgets, AgenticState
 from rlbus.model.env.episodes import Turn
 from rlbus.model.policies.builtin import BuiltinPolicy
 from rlbus.model.policies.transformer import ModelConfig, Transformer
-from rlbus.model.tasks.repo import repo_tasks
-from rlbus.model.tasks.sources import load_repo_tasks, read_repo_tasks_file
+from rlbus.model.tasks.sources import held_out_hashes, load_repo_tasks, read_repo_tasks_file
 from rlbus.model.tools.calls import ToolCall
 from rlbus.ops.bench.version_source import published_state, upload_version
 from rlbus.ops.local_sandbox import local_sandbox
@@ -180,7 +178,7 @@ async def test_the_evaluator_of_a_repository_task_file_reports_the_episodes_pass
 
 async def test_the_evaluator_of_the_built_in_repository_tasks_draws_them_from_its_seed(admin_bus: Bus) -> None:
     """`[evaluator] tasks = "repo:2"` holds the first `n_tasks` built-in level-2 repository tasks of its seed as
-    agentic tasks (no function-writing ones), none of them among the first tasks a feeder of seed 0 trains on;
+    agentic tasks (no function-writing ones), exactly the prompts a feeder told of this held-out set skips;
     "repo:9" names no level and is refused at setup."""
     evaluator = Evaluator(ActorId(admin_bus.subjects.run, "hub", "evaluator", "e0"), admin_bus,
                           EvaluatorConfig(n_tasks=3, seed=5, tasks="repo:2"), FAST)
@@ -188,8 +186,7 @@ async def test_the_evaluator_of_the_built_in_repository_tasks_draws_them_from_it
     assert evaluator.tasks == [] and [t.task_id for t in evaluator.repo_tasks] == [
         t.task_id for t in load_repo_tasks("repo:2", seed=5, n=3)]
     assert {t.level for t in evaluator.repo_tasks} == {2}
-    trained = {t.prompt_hash for t in itertools.islice(repo_tasks(0, level=2), 100)}
-    assert not trained & {t.prompt_hash for t in evaluator.repo_tasks}
+    assert held_out_hashes("repo:2", seed=5, n=3) == {t.prompt_hash for t in evaluator.repo_tasks}
     bad = Evaluator(ActorId(admin_bus.subjects.run, "hub", "evaluator", "e1"), admin_bus,
                     EvaluatorConfig(tasks="repo:9"), FAST)
     with pytest.raises(TaskError, match="repo:9"):
