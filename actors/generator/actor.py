@@ -26,14 +26,14 @@ import torch
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.config import decode_config
-from rlbus.actors.common.errors import TaskError
+from rlbus.actors.common.feed import VERIFIER_KIND as FUNCTION_KIND
 from rlbus.actors.common.weight_source import WeightSource, open_weights
-from rlbus.actors.generator.agentic import AgenticGroups, environment_of, fits
+from rlbus.actors.generator.agentic import agentic_plug
 from rlbus.actors.generator.batcher import SampleBatcher
 from rlbus.actors.generator.config import GeneratorConfig, GeneratorLaunch
 from rlbus.actors.generator.function import function_plug
 from rlbus.actors.generator.group import SampledSummary
-from rlbus.actors.generator.loop import GroupLoop, plug_factory, score_turns
+from rlbus.actors.generator.loop import GroupLoop, plug_factory, register_environment, score_turns
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.kv import RETRIED
 from rlbus.messages.retry import GIVE_UP_S, retry_policy
@@ -42,9 +42,11 @@ from rlbus.model.policies.interface import ChatTokenizer, Policy
 from rlbus.model.sampling.generate import SampledSequence, generate, sampling_kv_dtype
 from rlbus.model.sampling.summarize import summarize_if_over_budget
 from rlbus.model.tasks.repo import VERIFIER_KIND as REPO_KIND
-from rlbus.model.tasks.repo import RepoTask
 
 log = structlog.get_logger()
+
+register_environment(FUNCTION_KIND, function_plug)   # the built-in environments; a test or extension adds its own
+register_environment(REPO_KIND, agentic_plug)
 
 _KV_KEY: Final = re.compile(r"^[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*$")
 
@@ -94,7 +96,6 @@ class Generator(Actor):
         self._sampling_s = 0.0
         self._places: anyio.Semaphore | None = None
         """`concurrent_tasks` sampling places (set once serving: a semaphore needs the event loop)."""
-        self.agentic = AgenticGroups(self)
         self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "partials_discarded", "sandbox_errors",
                                             "tokens", "graded_repeats", "groups_grown", "grown_unpublished",
                                             "restores_checked", "restores_equal"), 0))
@@ -143,17 +144,9 @@ class Generator(Actor):
     async def _handle(self, delivery: Delivery[TaskMessage]) -> None:
         message = delivery.message
         kind = message.verifier.get("kind")
-        task: RepoTask | None = None
         try:
-            if kind == REPO_KIND:     # an agentic group (actors/generator/agentic.py)
-                task = RepoTask.from_spec(message.verifier)
-                if not fits(task, env := environment_of(self)):
-                    raise TaskError(f"the first context of repository task {message.task_id} leaves no room for a "
-                                    f"turn in the episode's {env.budgets.max_tokens} tokens ([generator.agentic] "
-                                    f"max_tokens, capped by max_seq_len {self.model.max_seq_len})")
-            else:
-                factory = plug_factory(kind) if isinstance(kind, str) else None
-                plug = (factory or function_plug)(self, message)
+            factory = plug_factory(kind) if isinstance(kind, str) else None
+            plug = (factory or function_plug)(self, message)    # an unknown kind: refused by the function plug
         except ValueError as err:      # a TaskError, or a prompt the tokenizer cannot encode (UnicodeError)
             self.count("rejected")
             await self.bus.dead_letter(delivery.raw, reason=str(err), source=self.stream)
@@ -164,10 +157,7 @@ class Generator(Actor):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._hold, delivery)
                     await self._await_version(message.min_version)
-                    if task is not None:
-                        outcome = await self.agentic.run(message, task, partial_key(message.task_id))
-                    else:
-                        outcome = await GroupLoop(self, plug, message, partial_key(message.task_id)).run()
+                    outcome = await GroupLoop(self, plug, message, partial_key(message.task_id)).run()
                     tg.cancel_scope.cancel()
             except anyio.get_cancelled_exc_class():
                 with anyio.move_on_after(1.0, shield=True):

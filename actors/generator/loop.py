@@ -16,8 +16,7 @@ import hashlib
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -186,10 +185,11 @@ class BasePlug:
     def round(self, group: Group) -> Round:
         return Round(self, group)
 
-    @asynccontextmanager
-    async def hold(self, group: Group) -> AsyncIterator[None]:
-        """Around the group's steps (sessions, leases): nothing here."""
-        yield
+    async def background(self) -> None:
+        """Runs beside the group's steps (renewing leases, say) until they end: nothing here."""
+
+    async def close(self) -> None:
+        """After the group's steps, published or not (sessions to close, say): nothing here."""
 
     async def resume(self, group: Group) -> None:
         """Before a resumed group's first step. :raises PartialGroupError: it cannot be resumed."""
@@ -504,24 +504,29 @@ class GroupLoop:
                      tokens=group.sampled_tokens, writer=group.writer)
         place = _Place(gen.places)
         try:
-            async with plug.hold(group):
-                while True:
-                    while not group.finished():
-                        await self._advance(group, place)
-                        group.writer = gen.ident.actor_id
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(plug.background)
+                try:
+                    while True:
+                        while not group.finished():
+                            await self._advance(group, place)
+                            group.writer = gen.ident.actor_id
+                            revision = await self._save(group, revision)
+                        if any(plug.passed(ep) for ep in group.episodes) or \
+                                group.group_size + self.group_size > gen.config.max_group_size:
+                            break
+                        now = time.time()      # saved, so a resume samples the rest
+                        group.episodes.extend(plug.start(now=now) for _ in range(self.group_size))
+                        group.group_size += self.group_size
+                        gen.count("groups_grown")
                         revision = await self._save(group, revision)
-                    if any(plug.passed(ep) for ep in group.episodes) or \
-                            group.group_size + self.group_size > gen.config.max_group_size:
-                        break
-                    now = time.time()      # saved, so a resume samples the rest
-                    group.episodes.extend(plug.start(now=now) for _ in range(self.group_size))
-                    group.group_size += self.group_size
-                    gen.count("groups_grown")
-                    revision = await self._save(group, revision)
-        except _TakenOver:
-            return "taken_over"
+                except _TakenOver:
+                    return "taken_over"
+                finally:
+                    tg.cancel_scope.cancel()
         finally:
             place.give_up()
+            await plug.close()
         await self._publish(group)
         return "published"
 
@@ -533,8 +538,9 @@ class GroupLoop:
         sampling = [g for g, ep in enumerate(eps) if not ep.done and not ep.draft_done]
         if sampling:
             await place.take()
-            await self._sample(group, sampling)
-            return
+            if await self._sample(group, sampling):
+                return
+            # only scored turns (a script's): nothing sampled to keep mid-turn, the round follows in this step
         place.give_up()
         stepping = [g for g, ep in enumerate(eps) if not ep.done and ep.draft_done]
         if stepping:
@@ -576,9 +582,9 @@ class GroupLoop:
             group.chunks += 1
         return bool(due)
 
-    async def _sample(self, group: Group, rows: list[int]) -> None:
+    async def _sample(self, group: Group, rows: list[int]) -> bool:
         """Up to `partial_every_tokens` more ids for every open draft, in one batch; scripted turns (and a turn with
-        no room, the stop id alone) are scored instead."""
+        no room, the stop id alone) are scored instead. True when any ids were sampled."""
         gen, plug, tok = self.gen, self.plug, self.plug.tokenizer
         max_len = gen.model.max_seq_len
         eps = group.episodes
@@ -616,6 +622,7 @@ class GroupLoop:
         group.generate_s += elapsed
         gen.count("tokens", kept)
         gen.note_version()
+        return bool(sampling)
 
     async def _round(self, group: Group, rows: list[int]) -> None:
         """Each done draft taken as a turn (concurrently), its ids, logprobs and versions kept with the state."""
