@@ -1,0 +1,230 @@
+"""MTP speculative sampling: a policy's multi-token-prediction heads draft, its main head verifies, and rejection
+sampling keeps every sampled token distributed exactly as the policy's own, at any temperature.
+
+- Owns: `speculative_sample` (batched, KV-cached; greedy or sampled), `Drafter` and `drafter_for` (the heads of
+  a built-in policy, `Transformer.mtp`, or of a Hugging Face policy, `HFPolicy.mtp_heads`), `SpecStats`.
+- Does not: train heads (model/training/loss.py `lm_loss` for the built-in ones, model/training/mtp.py for a
+  Hugging Face policy's), swap weights mid-call, record MoE routing (a routed policy is refused: sample it with
+  `generate`), or batch turns across calls (model/sampling/engine.py).
+
+Exactness (Leviathan et al. 2023; Chen et al. 2023). Head k drafts d_k ~ q_k from the hidden state of the last
+kept token; one forward of the main model over [y, d_1..d_K] gives p_1..p_{K+1}. Draft k is accepted with
+probability min(1, p_k(d_k) / q_k(d_k)); at the first rejection the token is drawn from
+norm(max(0, p_k - q_k)) instead, and after K acceptances a bonus token is drawn from p_{K+1}. Each emitted token is
+then distributed as p given its prefix. Rows of a batch share the cache's length, so every row keeps a = the
+fewest acceptances of any unfinished row, plus one token at position a + 1: its accepted draft, its residual draw
+or its bonus draw, each distributed as p (a depends on the other rows, whose draws are independent of this row's).
+Greedy (temperature 0) accepts a draft when it equals the main head's argmax and always emits the argmax: the
+tokens equal `generate(..., temperature=0)` token for token. The behaviour logprob of each token is
+log softmax(logits / tau) of the verifying forward (tau = 1 for greedy), as `generate` records it; never the draft's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlbus.model.policies.interface import Policy, PolicyCache, as_policy
+from rlbus.model.sampling.generate import SampledSequence, _check_budget, _Recorder, left_pad
+
+
+@dataclass
+class SpecStats:
+    """Counters of one `speculative_sample` call, summed over unfinished rows."""
+
+    drafted: int = 0
+    """Draft tokens checked by the main head."""
+    accepted: int = 0
+    """Draft tokens emitted as drafted (accepted by rejection sampling, or equal to the argmax when greedy)."""
+    forward_passes: int = 0
+    """Main-model forwards, the prefill included."""
+    generated: int = 0
+    """Tokens emitted (every row, up to its eos)."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def add(self, other: SpecStats) -> SpecStats:
+        return SpecStats(self.drafted + other.drafted, self.accepted + other.accepted,
+                         self.forward_passes + other.forward_passes, self.generated + other.generated)
+
+
+class Drafter:
+    """A policy's main forward with the hidden state its MTP heads read, and those heads' logits.
+
+    Built-in: the transformer's own heads over the last block's output, then its final norm and output head.
+    Hugging Face: `HFPolicy.mtp_heads` over the input of the output embedding (the final norm's output), then the
+    output embedding.
+    """
+
+    def __init__(self, policy: Policy, heads: Sequence[nn.Module], project: nn.Module | Any,
+                 hidden_site: nn.Module | None) -> None:
+        self.policy = policy
+        self.heads = list(heads)
+        self.project = project
+        self._site = hidden_site
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.heads)
+
+    def forward(self, tokens: Tensor, cache: PolicyCache, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """tokens (B, T) -> (logits (B, T, V), hidden (B, T, D)), the cache advanced as `Policy.forward` does."""
+        if self._site is None:     # built-in: the transformer returns its hidden state
+            out = self.policy.module(tokens, cache=cache, attention_mask=mask, with_mtp=False)
+            return out.logits, out.hidden
+        with _captured_input(self._site) as seen:
+            logits = self.policy.forward(tokens, cache=cache, attention_mask=mask).logits
+        return logits, seen[0]
+
+    def draft_logits(self, hidden: Tensor, k: int) -> Tensor:
+        """hidden (B, D) of the last kept token -> (B, k, V): head j's logits for the token j after the next."""
+        h = hidden[:, None]
+        return torch.cat([self.project(head(h)) for head in self.heads[:k]], dim=1)
+
+
+@contextlib.contextmanager
+def _captured_input(module: nn.Module) -> Iterator[list[Tensor]]:
+    seen: list[Tensor] = []
+    handle = module.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def drafter_for(policy: Policy | nn.Module) -> Drafter:
+    """The drafter of `policy`'s MTP heads.
+
+    :raises ValueError: a policy without MTP heads, or a routed (MoE) one.
+    """
+    policy = as_policy(policy)
+    if policy.moe is not None:
+        raise ValueError("speculative sampling records no MoE routing; sample a routed policy with `generate`")
+    if policy.kind == "builtin":
+        model = policy.module
+        if not model.config.mtp_heads:
+            raise ValueError("the built-in policy has no MTP heads (ModelConfig.mtp_heads = 0); speculative "
+                             "sampling needs them")
+        return Drafter(policy, list(model.mtp), model.head, None)
+    heads = getattr(policy, "mtp_heads", None)
+    if heads is None or not len(heads):
+        raise ValueError(f"{policy.kind} policy has no MTP heads (a Hugging Face directory holds them in "
+                         "mtp_heads.safetensors: model/training/mtp.py distils them)")
+    out = policy.module.get_output_embeddings()
+    return Drafter(policy, list(heads.heads), out, out)
+
+
+def residual(p: Tensor, q: Tensor) -> Tensor:
+    """The unnormalised distribution a rejected draft is replaced from: max(0, p - q)."""
+    return (p - q).clamp_min(0)
+
+
+def _draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """probs (N, V), rows not necessarily normalised -> (N,) int64 draws."""
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _drafts(drafter: Drafter, hidden: Tensor, k: int, temperature: float,
+            generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+    """-> drafts (B, k) and their distributions q (B, k, V) (None when greedy)."""
+    logits = drafter.draft_logits(hidden, k).float()
+    if temperature == 0:
+        return logits.argmax(-1), None
+    q = torch.softmax(logits / temperature, dim=-1)
+    B, K, V = q.shape
+    return _draw(q.reshape(B * K, V), generator).view(B, K), q
+
+
+@torch.no_grad()
+def speculative_sample(
+    policy: Policy | nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    version: int = 0,
+    draft_tokens: int | None = None,
+    generator: torch.Generator | None = None,
+    kv_dtype: torch.dtype | None = None,
+) -> tuple[list[SampledSequence], SpecStats]:
+    """Sample up to max_new_tokens per prompt, drafting `draft_tokens` (default: every head) per forward.
+
+    Same arguments and results as `generate` (left-padded prompts, eos, per-token behaviour logprobs at
+    `temperature`, the version each token carries); `routing` is None. See the module docstring for why the
+    tokens are distributed exactly as `generate`'s.
+
+    :raises ValueError: no MTP heads, a routed policy, `draft_tokens` outside [1, heads], a negative
+        temperature, or a budget past the context.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    drafter = drafter_for(policy)
+    net = drafter.policy
+    K = drafter.n_heads if draft_tokens is None else draft_tokens
+    if not 1 <= K <= drafter.n_heads:
+        raise ValueError(f"draft_tokens {K} must be in [1, {drafter.n_heads}] (the policy's MTP heads)")
+    tokens, mask = left_pad(prompts, pad_id, net.device)
+    B, P = tokens.shape
+    _check_budget(net.max_seq_len, P, max_new_tokens)
+    tau = temperature or 1.0
+    cache = net.new_cache(B, P + max_new_tokens, kv_dtype)
+    stats = SpecStats(forward_passes=1)
+    record = _Recorder(B, eos_id)
+    logits, hidden = drafter.forward(tokens, cache, mask)
+    logp = torch.log_softmax(logits[:, -1].float() / tau, dim=-1)
+    y = logp.argmax(-1) if temperature == 0 else _draw(logp.exp(), generator)
+    for b, (t, lp) in enumerate(zip(y.tolist(), logp.gather(-1, y[:, None])[:, 0].tolist(), strict=True)):
+        record.add(b, t, lp, version)
+    last = hidden[:, -1]
+    n = 1
+    while n < max_new_tokens and not record.done():
+        k = min(K, max_new_tokens - n - 1)
+        drafts, q = _drafts(drafter, last, k, temperature, generator) if k else (y.new_zeros(B, 0), None)
+        start = cache.length
+        logits, hidden = drafter.forward(torch.cat([y[:, None], drafts], dim=1), cache, None)
+        stats.forward_passes += 1
+        logp = torch.log_softmax(logits.float() / tau, dim=-1)       # (B, 1 + k, V)
+        p = logp.exp()
+        if temperature == 0 or q is None:
+            accept = logp[:, :k].argmax(-1) == drafts
+        else:
+            p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+            q_d = q.gather(-1, drafts[..., None])[..., 0]
+            u = torch.rand(drafts.shape, generator=generator, device=p_d.device)
+            accept = u * q_d <= p_d            # probability min(1, p / q)
+        held = accept.long().cumprod(dim=1).sum(dim=1)               # (B,) drafts accepted in a row
+        active = torch.tensor([not f for f in record.finished], device=held.device)
+        a = int(held[active].min()) if k else 0
+        # token a + 1 of each row: its accepted draft, a residual draw after a rejection, or a bonus draw
+        if temperature == 0:
+            nxt = logp[:, a].argmax(-1)
+        elif a == k:
+            nxt = _draw(p[:, a], generator)
+        else:
+            assert q is not None
+            rest = residual(p[:, a], q[:, a])
+            empty = rest.sum(-1) <= 0             # p == q to rounding: a rejection there is measure zero
+            rest[empty] = p[empty, a]
+            nxt = torch.where(held > a, drafts[:, a], _draw(rest, generator))
+        kept = torch.cat([drafts[:, :a], nxt[:, None]], dim=1)        # (B, a + 1)
+        kept_logp = logp[:, : a + 1].gather(-1, kept[..., None])[..., 0]
+        for b in range(B):
+            for t, lp in zip(kept[b].tolist(), kept_logp[b].tolist(), strict=True):
+                record.add(b, t, lp, version)
+        n_active = int(active.sum())
+        stats.drafted += k * n_active
+        stats.accepted += a * n_active + (int((held[active] > a).sum()) if a < k else 0)
+        n += a + 1
+        cache.truncate(start + 1 + a)
+        y, last = nxt, hidden[:, a]
+    stats.generated = sum(len(t) for t in record.tokens)
+    return record.results(prompts, mask, []), stats
