@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlbus.model.policies.interface import Policy, PolicyCache, PolicyError, PolicyOutput
+from rlbus.model.policies.interface import Policy, PolicyCache, PolicyError, PolicyOutput, RowKV
 from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.policies.transformer import KVCache, ModelConfig, Transformer
 
@@ -127,6 +127,9 @@ class BuiltinPolicy(Policy):
 
     def new_cache(self, batch: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         return self.transformer.new_cache(batch, max_len, dtype)
+
+    def cache_from_rows(self, rows: list[RowKV], extra: int, dtype: torch.dtype | None = None) -> KVCache:
+        return self.transformer.cache_from_rows(rows, extra, dtype)
 
     def shard_units(self) -> list[torch.nn.Module]:
         """The transformer blocks (the root keeps the embedding, which the tied head shares, and the final norm)."""

@@ -1,7 +1,7 @@
 """The Hugging Face policy: a local model directory (`config.json`, safetensors, `tokenizer.json`) behind `Policy`.
 
 - Owns: `HFPolicy` (load, spec, the built-in transformer's forward semantics, Qwen3-MoE router record and
-  replay; SDPA attention by default) and `HFCache` (a DynamicCache with per-row key masks and positions).
+  replay; SDPA attention by default; MTP draft heads loaded from `mtp_heads.safetensors` when the files hold it) and `HFCache` (a DynamicCache with per-row key masks and positions).
 - Does not: check directories (model/policies/hf_checks.py), frame chat turns (model/policies/hf_chat.py),
   sample (model/sampling/generate.py) or build directories (model/policies/hf_recipe.py).
 - `transformers` is imported inside functions, so importing this module stays cheap.
@@ -34,6 +34,7 @@ from rlbus.model.policies.interface import (
     PolicyCache,
     PolicyError,
     PolicyOutput,
+    RowKV,
     resolve_device,
 )
 from rlbus.model.policies.transformer import plausible_replay
@@ -86,6 +87,13 @@ class HFCache:
         self.key_mask = keys[:, first:]
         self.next_pos = self.next_pos.index_select(0, rows)
         self.max_len = self.length + extra
+
+    def row_kv(self, row: int) -> RowKV:
+        """Row `row`'s keys and values of its real slots, (H_kv, n, Dh) per layer, copied out of the batch."""
+        real = self.key_mask[row].nonzero()[:, 0]
+        layers = list(self._layers())
+        return RowKV([layer.keys[row].index_select(1, real) for layer in layers],
+                     [layer.values[row].index_select(1, real) for layer in layers])
 
     def truncate(self, length: int) -> None:
         """Forget every slot at or after `length`."""
@@ -174,6 +182,10 @@ class HFPolicy(Policy):
         self.tokenizer = tokenizer
         self._files = dict(files)
         self._taps = _router_taps(model)
+        from rlbus.model.training.mtp import heads_from_files
+
+        self.mtp_heads: nn.Module | None = heads_from_files(self._files, model)
+        """Draft heads for speculative sampling (model/training/mtp.py), from `mtp_heads.safetensors`."""
 
     @property
     def config(self) -> Any:
@@ -350,6 +362,31 @@ class HFPolicy(Policy):
                               f"attention (set use_sliding_window false)")
         return HFCache(kv, batch, length, self.device)
 
+    def cache_from_rows(self, rows: list[RowKV], extra: int, dtype: torch.dtype | None = None) -> HFCache:
+        """`rows` right-aligned in a fresh `HFCache` (left padding before the shorter ones) with a budget of `extra`
+        more slots; `dtype` is not used (see `HFCache`)."""
+        width = max((r.length for r in rows), default=0)
+        if width + extra > self.max_seq_len:
+            raise ValueError(f"cache max_len {width + extra} exceeds the model's max_seq_len {self.max_seq_len}")
+        cache = self.new_cache(len(rows), width + extra)
+        if width:
+            held = [(b, r) for b, r in enumerate(rows) if r.length]
+            for i, layer in enumerate(cache.kv.layers):
+                k0 = held[0][1].keys[i]
+                keys = k0.new_zeros((len(rows), k0.shape[0], width, k0.shape[2]))
+                values = keys.clone()
+                for b, r in held:
+                    keys[b, :, width - r.length:] = r.keys[i]
+                    values[b, :, width - r.length:] = r.values[i]
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=self.device)
+        for b, r in enumerate(rows):
+            mask[b, width - r.length:] = True
+        cache.key_mask = mask
+        cache.next_pos = torch.tensor([r.length for r in rows], dtype=torch.long, device=self.device)
+        return cache
+
     def shard_units(self) -> list[nn.Module]:
         """The decoder layers (`model.layers` of every supported family); the root keeps the embedding, which a
         tied head shares, the final norm and the head."""
@@ -367,6 +404,17 @@ class HFPolicy(Policy):
     def files(self) -> dict[str, bytes]:
         return dict(self._files)
 
+    def set_mtp_heads(self, heads: nn.Module | None) -> None:
+        """Replace the draft heads (None: none); they go among `files()` as `mtp_heads.safetensors`."""
+        from rlbus.model.training.mtp import MTP_FILE, heads_to_bytes
+
+        self._files.pop(MTP_FILE, None)
+        if heads is not None:
+            self._files[MTP_FILE] = heads_to_bytes(heads)  # type: ignore[arg-type]
+            p = next(self.module.parameters())
+            heads = heads.to(device=p.device, dtype=p.dtype).eval()
+        self.mtp_heads = heads
+
     # ---- placement ------------------------------------------------------------------------------------
     def to_(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> HFPolicy:
         """Move (and cast) in place; RoPE inverse frequencies stay fp32 (only their device follows)."""
@@ -374,6 +422,8 @@ class HFPolicy(Policy):
                 for m in self.module.modules() for name, buf in m.named_buffers(recurse=False)
                 if name.endswith("inv_freq")}
         self.module.to(device=device, dtype=dtype)
+        if self.mtp_heads is not None:
+            self.mtp_heads.to(device=device, dtype=dtype)
         for m, name, saved in rope.values():
             setattr(m, name, saved.to(getattr(m, name).device))
         return self

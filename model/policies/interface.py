@@ -2,8 +2,9 @@
 
 - Owns: `ChatTokenizer` (text <-> ids and the framing of turns), `Policy` (forward with a KV cache, routing
   record and replay, the named tensors a version publishes, in-place loads, placement, a serialisable spec),
-  `PolicyCache`, `PolicyError`, device resolution, and the two entry points that pick an implementation:
-  `policy_from_spec` (what a joiner builds from a manifest) and `load_policy` (a file or a Hugging Face dir).
+  `PolicyCache`, `RowKV` (one row's cache outside a batch), `PolicyError`, device resolution, and the two
+  entry points that pick an implementation: `policy_from_spec` (what a joiner builds from a manifest) and
+  `load_policy` (a file or a Hugging Face dir).
 - Does not: implement a policy (model/policies/builtin.py, model/policies/hf.py), sample
   (model/sampling/generate.py) or compute losses.
 """
@@ -118,6 +119,27 @@ class PolicyCache(Protocol):
     def truncate(self, length: int) -> None:
         """Forget every slot at or after `length`."""
         ...
+    def row_kv(self, row: int) -> RowKV:
+        """Row `row`'s keys and values of its real slots (pads dropped), copied out of the batch."""
+        ...
+
+
+class RowKV(NamedTuple):
+    """One row's keys and values outside any batch cache: per layer (heads, n, head_dim) of its n real tokens, in
+    order, at positions 0..n-1 (`PolicyCache.row_kv` takes them out, `Policy.cache_from_rows` batches them again).
+    The turn engine (model/sampling/engine.py) keeps a resting episode's context this way across turns."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+
+    @property
+    def length(self) -> int:
+        """Tokens held."""
+        return int(self.keys[0].shape[1]) if self.keys else 0
+
+    def truncated(self, length: int) -> RowKV:
+        """The first `length` tokens only (a context that diverges after them)."""
+        return RowKV([k[:, :length] for k in self.keys], [v[:, :length] for v in self.values])
 
 
 class Policy(ABC):
@@ -181,6 +203,15 @@ class Policy(ABC):
     @abstractmethod
     def new_cache(self, batch: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> PolicyCache:
         """An empty cache for `batch` rows of up to `max_len` slots (default `max_seq_len`), on this device."""
+
+    def cache_from_rows(self, rows: list[RowKV], extra: int, dtype: torch.dtype | None = None) -> PolicyCache:
+        """A cache holding `rows` (`PolicyCache.row_kv`), one batch row each, left-padded to the longest, with room
+        for `extra` more slots; each row's positions go on from its own length. Equal to a cache that fed each
+        row's tokens itself: forward over it attends exactly to those keys and values.
+
+        :raises NotImplementedError: a policy whose cache cannot be rebuilt from rows.
+        """
+        raise NotImplementedError(f"{self.kind} policy: no cache_from_rows")
 
     def __call__(self, tokens: Tensor, **kwargs: Any) -> PolicyOutput:
         return self.forward(tokens, **kwargs)

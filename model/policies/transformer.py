@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlbus.model.policies.interface import RowKV
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -129,6 +131,30 @@ class KVCache:
         self.length = kept
         self.max_len = width
         self.has_padding = self.has_padding and not bool(mask[:, :kept].all())
+
+    def row_kv(self, row: int) -> RowKV:
+        """Row `row`'s keys and values of its real slots, (H, n, Dh) per layer, copied out of the batch."""
+        real = self.key_mask[row, : self.length].nonzero()[:, 0]
+        return RowKV([k[row].index_select(1, real) for k in self.k], [v[row].index_select(1, real) for v in self.v])
+
+    @classmethod
+    def from_rows(cls, config: ModelConfig, rows: list[RowKV], extra: int, *, device: torch.device | str,
+                  dtype: torch.dtype) -> KVCache:
+        """A cache of `rows` (one batch row each, right-aligned: left padding before the shorter ones) with room
+        for `extra` more slots; each row's next position is its length."""
+        width = max((r.length for r in rows), default=0)
+        cache = cls(config, len(rows), width + extra, device=device, dtype=dtype)
+        for b, r in enumerate(rows):
+            if not (n := r.length):
+                continue
+            for layer in range(config.n_layers):
+                cache.k[layer][b, :, width - n : width] = r.keys[layer]
+                cache.v[layer][b, :, width - n : width] = r.values[layer]
+            cache.key_mask[b, width - n : width] = True
+            cache.next_pos[b] = n
+        cache.length = width
+        cache.has_padding = any(r.length < width for r in rows)
+        return cache
 
     def truncate(self, length: int) -> None:
         """Forget every slot at or after `length` (speculative-decoding rollback)."""
@@ -367,6 +393,11 @@ class Transformer(nn.Module):
         p = self.embed.weight
         return KVCache(self.config, batch, max_len or self.config.max_seq_len, device=p.device,
                        dtype=dtype or p.dtype)
+
+    def cache_from_rows(self, rows: list[RowKV], extra: int, dtype: torch.dtype | None = None) -> KVCache:
+        """`KVCache.from_rows` on this model's device; dtype defaults to the model's."""
+        p = self.embed.weight
+        return KVCache.from_rows(self.config, rows, extra, device=p.device, dtype=dtype or p.dtype)
 
     def head(self, h: Tensor) -> Tensor:
         """Final RMSNorm and output projection: h (B, T, D) -> logits (B, T, V)."""

@@ -1,0 +1,361 @@
+"""The turn engine: agentic episodes whose KV cache lives across turns, decoded with continuous batching.
+
+- Owns: `TurnEngine` — one row per episode; a turn appends what is new in the row's context (the observation,
+  the framing, the next header) to the keys and values it already holds and samples from there, instead of
+  prefilling the whole history again; rows join and leave the decoding batch between two decoding steps; a cap
+  on cached tokens (`kv_cache_tokens`) makes rows wait (and evicts resting rows' caches), never fail; `swap`
+  keeps every cache across an in-flight weight swap. `TurnSample`, `EngineStats`.
+- Does not: run tools, frame turns, summarise (a summary is just a new context: the engine keeps the common
+  prefix and prefills the rest), load weights (the caller swaps them in place and calls `swap`), or record
+  MoE routing (a routed policy is refused: `generate` records it).
+
+Equality with re-prefill. A turn sampled here draws the same tokens, with the same behaviour logprobs up to
+float summation order, as `generate([context], generator=g)` on the whole context with the row's generator
+`g`: each row samples with its own `torch.Generator` (`torch.multinomial` of its (1, V) row, as `generate`
+does for one prompt), so what a row draws never depends on which rows share its decoding steps. Bit-exact
+equality is not to be had: the history's keys and values were computed one token (or one observation) at a
+time, in batches with left padding, where re-prefill computes them in one (P, D) matmul; BLAS blocks those
+reductions differently, so the logits differ in the last bits (about 1e-6 relative in float32). Greedy
+tokens are identical and logprobs agree within 1e-4 (tests/model/test_model_sampling_engine.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rlbus.model.policies.interface import Policy, PolicyCache, RowKV, as_policy
+from rlbus.model.sampling.generate import sampling_kv_dtype
+
+State = Literal["resting", "queued", "decoding"]
+
+
+@dataclass(frozen=True)
+class TurnSample:
+    """One finished turn of a row."""
+
+    row: Hashable
+    tokens: list[int]
+    """Ids sampled; the last is eos when finish_reason == "eos"."""
+    logprobs: list[float]
+    """Behaviour logprob of each: log softmax(logits / tau)[token] (tau = 1 for greedy)."""
+    versions: list[int]
+    """Policy version (`TurnEngine.swap`) of the weights whose logits produced each token."""
+    finish_reason: Literal["eos", "length"]
+    context: int
+    """Tokens of context the turn was sampled after."""
+    reused: int
+    """Of those, tokens whose keys and values the row already held (not prefilled again)."""
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine was made."""
+
+    steps: int = 0
+    """Calls of `step` that ran a forward."""
+    decode_steps: int = 0
+    """Batched decoding forwards (prefills not counted)."""
+    decode_rows: int = 0
+    """Rows summed over the decoding forwards (decode_rows / decode_steps is the mean batch)."""
+    prefill_tokens: int = 0
+    """Context tokens prefilled (fed to the model other than as a decoding step's one token)."""
+    reused_tokens: int = 0
+    """Context tokens whose keys and values a turn found cached."""
+    sampled_tokens: int = 0
+    evictions: int = 0
+    """Resting rows whose cache was dropped to make room (they prefill their whole context next turn)."""
+    waits: int = 0
+    """Steps at which a queued row could not join for want of room under `kv_cache_tokens` or `max_batch`."""
+
+
+@dataclass
+class _Row:
+    key: Hashable
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    """The whole context: `cached` tokens whose keys and values are held, then those not fed yet."""
+    cached: int = 0
+    kv: RowKV | None = None
+    """The held keys and values while the row is not in the decoding batch."""
+    state: State = "resting"
+    budget: int = 0
+    context: int = 0
+    reused: int = 0
+    sampled: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    last_used: int = 0
+
+    def reserved(self) -> int:
+        """Cache slots this row may hold before its turn ends (a queued row: what it holds while it waits)."""
+        if self.state != "decoding":
+            return self.cached
+        return len(self.tokens) + self.budget - len(self.sampled)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class TurnEngine:
+    """Episode rows, each with a KV cache kept across its turns; one batched decoding forward per `step`.
+
+    A caller asks for a turn with `turn(row, context, max_new_tokens)`, giving the row's whole context (task,
+    earlier turns, the latest observation, the next assistant header). The engine keeps the longest prefix of
+    that context its cache holds (everything but the new ids, after a turn of its own), drops the rest, and
+    prefills only what is new; a summary's context (task + summary) shares the task with the old one, so only
+    the summary is prefilled. A row whose turn ended (eos, or `max_new_tokens` sampled) leaves the decoding
+    batch and rests until its next `turn` (a tool runs meanwhile); a row asked for a turn joins at the next
+    `step` after its prefill, which runs batched with the other rows joining then. `close` frees a row.
+
+    kv_cache_tokens caps the cache slots held by all rows together: a decoding row reserves its context plus
+    the rest of its turn, a resting row what it holds. A row that does not fit waits (first come, first
+    served); resting rows' caches are evicted first, least recently used first (such a row prefills its whole
+    context again). A single turn larger than the cap is refused at `turn`. max_batch caps the rows decoding.
+    """
+
+    def __init__(self, policy: Policy, *, temperature: float = 1.0, eos_id: int | None = None,
+                 kv_cache_tokens: int | None = None, max_batch: int = 64, kv_dtype: torch.dtype | None = None,
+                 version: int = 0) -> None:
+        policy = as_policy(policy)
+        if policy.moe is not None:
+            raise ValueError("the turn engine records no MoE routing; sample a routed policy with `generate`")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if max_batch < 1 or (kv_cache_tokens is not None and kv_cache_tokens < 2):
+            raise ValueError(f"max_batch must be >= 1 and kv_cache_tokens >= 2, got {max_batch}, {kv_cache_tokens}")
+        self.policy = policy
+        self.temperature = temperature
+        self.eos_id = eos_id
+        self.kv_cache_tokens = kv_cache_tokens
+        self.max_batch = max_batch
+        self.kv_dtype = kv_dtype if kv_dtype is not None else sampling_kv_dtype(policy.device)
+        self.version = version
+        self.stats = EngineStats()
+        self._rows: dict[Hashable, _Row] = {}
+        self._queue: list[_Row] = []
+        self._batch: list[_Row] = []
+        self._cache: PolicyCache | None = None
+        self._tick = 0
+
+    # ---- rows ------------------------------------------------------------------------------------------
+    def turn(self, row: Hashable, context: Sequence[int], max_new_tokens: int, *, seed: int | None = None,
+             generator: torch.Generator | None = None) -> None:
+        """Queue a turn of `row` after `context` (its whole context); it joins the batch at the next `step`.
+
+        A new row samples with `generator`, else one seeded with `seed` (temperature > 0 needs one of them); a
+        known row goes on with its own.
+
+        :raises ValueError: the row is queued or decoding, the turn cannot fit the model or the cache cap, or a
+            new row has no generator at temperature > 0.
+        """
+        if not context or max_new_tokens < 1:
+            raise ValueError("a turn needs a context of at least one id and max_new_tokens >= 1")
+        need = len(context) + max_new_tokens
+        if need > self.policy.max_seq_len:
+            raise ValueError(f"context of {len(context)} + {max_new_tokens} new tokens exceeds max_seq_len "
+                             f"{self.policy.max_seq_len}; summarise the history")
+        if self.kv_cache_tokens is not None and need > self.kv_cache_tokens:
+            raise ValueError(f"a turn of {need} cache slots can never fit kv_cache_tokens {self.kv_cache_tokens}")
+        r = self._rows.get(row)
+        if r is None:
+            if generator is None and seed is not None:
+                generator = torch.Generator().manual_seed(seed)
+            if generator is None and self.temperature > 0:
+                raise ValueError(f"row {row!r}: sampling at temperature {self.temperature} needs a seed or generator")
+            r = self._rows[row] = _Row(row, generator)
+        elif r.state != "resting":
+            raise ValueError(f"row {row!r} is {r.state}: its turn has not ended")
+        keep = min(common_prefix(r.tokens[: r.cached], context), len(context) - 1)  # one id is fed for the logits
+        if r.kv is not None and keep < r.kv.length:
+            r.kv = r.kv.truncated(keep) if keep else None
+        r.cached = keep if r.kv is not None else 0
+        r.tokens = list(context)
+        r.context, r.reused, r.budget = len(context), r.cached, max_new_tokens
+        r.sampled, r.logprobs, r.versions = [], [], []
+        r.state = "queued"
+        self._queue.append(r)
+
+    def reset(self, row: Hashable) -> None:
+        """Drop the resting row's cache: its next turn prefills its whole context."""
+        r = self._resting(row)
+        r.kv, r.cached = None, 0
+
+    def close(self, row: Hashable) -> None:
+        """Forget a resting row (its episode ended) and free its cache."""
+        self._resting(row)
+        del self._rows[row]
+
+    def swap(self, version: int) -> None:
+        """The caller loaded new weights in place between two `step`s: tokens sampled from now carry `version`.
+
+        Every cache is kept, as `generate`'s in-flight swap keeps its own: the keys and values of tokens fed
+        before the swap stay those the old weights computed, and each token's behaviour logprob is that of the
+        weights that sampled it, over that cache (what the trainer's importance ratio expects).
+        """
+        self.version = version
+
+    def cached_tokens(self) -> int:
+        """Cache slots held now by every row (decoding rows: what they have fed so far)."""
+        return sum(r.cached for r in self._rows.values())
+
+    def rows(self, state: State) -> list[Hashable]:
+        return [r.key for r in self._rows.values() if r.state == state]
+
+    @property
+    def busy(self) -> bool:
+        """A row is queued or decoding."""
+        return bool(self._queue or self._batch)
+
+    def _resting(self, row: Hashable) -> _Row:
+        r = self._rows.get(row)
+        if r is None or r.state != "resting":
+            raise ValueError(f"row {row!r} is {'unknown' if r is None else r.state}; expected a resting row")
+        return r
+
+    # ---- decoding ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[TurnSample]:
+        """One decoding forward over the rows decoding, then the queued rows that fit join (one batched prefill
+        of what is new in their contexts, their first token sampled from it). Returns the turns that ended."""
+        self._tick += 1
+        ran = False
+        if self._batch:
+            feed = torch.tensor([[r.tokens[-1]] for r in self._batch], dtype=torch.long, device=self.policy.device)
+            logits = self.policy(feed, cache=self._cache).logits[:, -1]
+            for r in self._batch:
+                r.cached += 1
+            self._sample(self._batch, logits)
+            self.stats.decode_steps += 1
+            self.stats.decode_rows += len(self._batch)
+            ran = True
+        joiners = self._admit()
+        join_cache = self._prefill(joiners) if joiners else None
+        ran = ran or bool(joiners)
+        self.stats.steps += ran
+        return self._regroup(joiners, join_cache)
+
+    def run(self) -> list[TurnSample]:
+        """`step` until no row is queued or decoding; every turn that ended, in order."""
+        out: list[TurnSample] = []
+        while self.busy:
+            out.extend(self.step())
+        return out
+
+    def _admit(self) -> list[_Row]:
+        """The queued rows that fit now, first come first served, evicting resting caches (LRU) for room."""
+        joiners: list[_Row] = []
+        while self._queue and len(self._batch) + len(joiners) < self.max_batch:
+            r = self._queue[0]
+            if not self._room_for(r):
+                break
+            self._queue.pop(0)
+            joiners.append(r)
+            r.state = "decoding"
+        if self._queue:
+            self.stats.waits += 1
+        return joiners
+
+    def _room_for(self, r: _Row) -> bool:
+        if self.kv_cache_tokens is None:
+            return True
+        need = len(r.tokens) + r.budget
+        held = sum(o.reserved() for o in self._rows.values() if o is not r)
+        if held + need <= self.kv_cache_tokens:
+            return True
+        idle = sorted((o for o in self._rows.values() if o is not r and o.state != "decoding" and o.kv is not None),
+                      key=lambda o: (o.state == "queued", o.last_used))
+        for o in idle:
+            held -= o.cached
+            o.kv, o.cached, o.reused = None, 0, 0
+            self.stats.evictions += 1
+            if held + need <= self.kv_cache_tokens:
+                return True
+        return False
+
+    def _prefill(self, joiners: list[_Row]) -> PolicyCache:
+        """Feed each joiner what its cache lacks (right-aligned, left-padded) and sample its first token."""
+        rows = [r.kv if r.kv is not None else RowKV([], []) for r in joiners]
+        new = [r.tokens[r.cached:] for r in joiners]
+        width = max(len(ids) for ids in new)
+        extra = max(len(ids) + r.budget for ids, r in zip(new, joiners, strict=True))
+        cache = self.policy.cache_from_rows(rows, extra, self.kv_dtype)
+        pad = getattr(self.policy.tokenizer, "pad_id", 0)
+        feed = torch.full((len(joiners), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(joiners), width, dtype=torch.bool)
+        for b, ids in enumerate(new):
+            feed[b, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
+            mask[b, width - len(ids):] = True
+        device = self.policy.device
+        logits = self.policy(feed.to(device), cache=cache, attention_mask=mask.to(device)).logits[:, -1]
+        for r, ids in zip(joiners, new, strict=True):
+            r.kv = None
+            r.cached += len(ids)
+            self.stats.prefill_tokens += len(ids)
+            self.stats.reused_tokens += r.reused
+        self._sample(joiners, logits)
+        return cache
+
+    def _sample(self, rows: list[_Row], logits: Tensor) -> None:
+        logp = torch.log_softmax(logits.float() / (self.temperature or 1.0), dim=-1)
+        if self.temperature == 0:
+            tokens = logp.argmax(-1).tolist()
+        else:
+            probs = logp.exp()
+            tokens = [int(torch.multinomial(probs[b : b + 1], 1, generator=r.generator)[0, 0])
+                      for b, r in enumerate(rows)]
+        chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+        for r, t, lp in zip(rows, tokens, chosen, strict=True):
+            r.sampled.append(t)
+            r.logprobs.append(lp)
+            r.versions.append(self.version)
+            r.tokens.append(t)
+        self.stats.sampled_tokens += len(rows)
+
+    def _ended(self, r: _Row) -> bool:
+        return (self.eos_id is not None and r.sampled[-1] == self.eos_id) or len(r.sampled) >= r.budget
+
+    def _regroup(self, joiners: list[_Row], join_cache: PolicyCache | None) -> list[TurnSample]:
+        """Rows whose turn ended leave (their keys and values kept as `RowKV`); joiners enter the batch."""
+        members = self._batch + joiners
+        caches = [(self._cache, b) for b in range(len(self._batch))] + [(join_cache, b) for b in range(len(joiners))]
+        ended = [i for i, r in enumerate(members) if self._ended(r)]
+        if not ended and not joiners:
+            return []
+        out: list[TurnSample] = []
+        for i in ended:
+            r = members[i]
+            cache, b = caches[i]
+            r.kv = cache.row_kv(b)  # type: ignore[union-attr]
+            r.state, r.last_used = "resting", self._tick
+            out.append(TurnSample(r.key, r.sampled, r.logprobs, r.versions,
+                                  "eos" if self.eos_id is not None and r.sampled[-1] == self.eos_id else "length",
+                                  r.context, r.reused))
+        gone = set(ended)
+        stay = [i for i in range(len(members)) if i not in gone]
+        before = self._cache if self._batch else None
+        self._batch = [members[i] for i in stay]
+        extra = max((r.budget - len(r.sampled) for r in self._batch), default=0)
+        device = self.policy.device
+        if not self._batch:
+            self._cache = None
+        elif before is None or not joiners:
+            # One cache holds every row that stays: keep those rows (room for the rest of their turns).
+            cache = join_cache if before is None else before
+            assert cache is not None
+            if ended:
+                cache.keep_rows(torch.tensor(stay, dtype=torch.long, device=device), extra)
+            self._cache = cache
+        else:
+            rows = [caches[i][0].row_kv(caches[i][1]) for i in stay]  # type: ignore[union-attr]
+            self._cache = self.policy.cache_from_rows(rows, extra, self.kv_dtype)
+        return out
