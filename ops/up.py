@@ -34,6 +34,13 @@ PRETRAINED_CACHE = "pretrained"
 shared by every run whose pretraining settings are identical (model/training/pretrain.py `settings_key`)."""
 ORIGIN_FILE = "origin.json"
 """In a cached base's folder: which run (and state directory) pretrained it."""
+RECIPE_LOG = "recipe.jsonl"
+"""In the state directory: one JSON object a line for each stage `rlbus up` ran (pretraining phases,
+demonstrations, the base, RL, the closing evaluations) with its seconds; `--summary-json` repeats them."""
+DEMOS_DIR = "demos"
+"""In the state directory: the demonstrations of `[pretrain.demos]`, `<settings digest>.jsonl` and its report."""
+CLOCK_TICK_S = 0.5
+"""How often `--for`'s clock looks at the evaluators' heartbeats."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -52,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--fresh", action="store_true", help="delete the run's state directory first and start over")
     p.add_argument("--backend", choices=["local", "ray"], default=None, help="override the topology's launch backend")
     p.add_argument("--for", dest="duration", type=float, default=None, metavar="SECONDS",
-                   help="stop by itself after this many seconds (default: run until Ctrl-C)")
+                   help="stop by itself after this many seconds of RL (default: run until Ctrl-C); pretraining, "
+                        "demonstrations and the time an evaluator spends evaluating are not counted")
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help="stop by itself once the trainer has taken optimizer step N")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="actor heartbeat interval (default 1 s)")
@@ -195,11 +203,13 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
         CHECKPOINT_NAME,
         SUMMARY_NAME,
         PretrainConfig,
+        eval_dict,
         pretrain,
         settings_key,
     )
     from rlbus.ops.pretrain import HF_CODE_FRACTION, PretrainPrinter, phases_of
     from rlbus.topology.backends.launch import policy_dir
+    from rlbus.topology.file.schema import DEMOS_DATA
 
     policy = topology.policy
     out = policy_dir(topology, state)
@@ -216,7 +226,9 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
         return _pass_summary(out / SUMMARY_NAME)
     if complete(out):
         print(f"rlbus up: pretrained policy found in {out}", flush=True)
+        log_stage(state, "base", found="state", path=str(out))
         return _pass_summary(out / SUMMARY_NAME)
+    demos_at = next((k for k, p in enumerate(phases) if p.kind == "sft" and p.data == DEMOS_DATA), None)
     # pretraining skips, and reports its base on, the evaluator's held-out set
     overrides: dict[str, Any] = {"task_seed": topology.evaluator.seed}
     if settings.eval_n is not None:
@@ -237,14 +249,16 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
             key = settings_key(config, steps, settings.seed, settings.threads)
             if recipe is not None:              # the recipe is part of what decides the base
                 key = hashlib.sha256(f"{key}:{recipe.architecture}:{recipe.size}".encode()).hexdigest()[:16]
-            if phases:                          # so are the phases (their data by path)
-                key = hashlib.sha256(f"{key}:{phases!r}".encode()).hexdigest()[:16]
+            if phases:                          # so are the phases (their data by path), and the demonstrations
+                demos = "" if demos_at is None else f":{demos_settings(topology)!r}"
+                key = hashlib.sha256(f"{key}:{phases!r}{demos}".encode()).hexdigest()[:16]
             target = pretrained_cache(state) / key
             held.enter_context(_cache_lock(target))
             if complete(target):
                 _install(target, out, _base_files(target))
                 print(f"rlbus up: reusing pretrained base {target} (same settings as {_origin(target)}); "
                       f"--no-pretrained-cache pretrains afresh", flush=True)
+                log_stage(state, "base", found="cache", path=str(target))
                 return _pass_summary(out / SUMMARY_NAME)
         print(f"rlbus up: no pretrained policy yet: pretraining ({what}, {length}, "
               f"{settings.threads} threads) into {target}", flush=True)
@@ -262,8 +276,18 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
                                   max_seq_len=config.model.max_seq_len, device=policy.device)
         printer = PretrainPrinter(sys.stdout, prefix="  pretrain ")
         if phases:                              # resumes after the last finished phase of an earlier attempt
-            result: Any = run_phases(config, phases, settings.seed, target, settings.threads, printer, policy=start,
-                                     device=policy.device)
+            def phases_run(these: list[Any]) -> Any:
+                began = time.monotonic()
+                done = run_phases(config, these, settings.seed, target, settings.threads, printer, policy=start,
+                                  device=policy.device)
+                log_stage(state, "phases", seconds=round(time.monotonic() - began, 1), phases=[
+                    {k: v for k, v in r.items() if k != "losses"} for r in done.phases],
+                    eval=eval_dict(done.eval))
+                return done
+
+            if demos_at is not None:            # the phases before the demonstrations, then them, then the rest
+                phases = _with_demos(topology, state, target, phases, demos_at, phases_run)
+            result: Any = phases_run(phases)
         else:
             result = pretrain(config, steps, settings.seed, target, settings.threads, progress=printer,
                               policy=start, device=policy.device)
@@ -273,6 +297,86 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
     print(f"rlbus up: pretrained in {result.wall_s:.0f}s: held-out pass@1 {ev.pass_at_1:.3f} "
           f"[{ev.ci_low:.3f}, {ev.ci_high:.3f}] on {ev.n} tasks", flush=True)
     return _pass_summary(out / SUMMARY_NAME)
+
+
+def log_stage(state: Path, stage: str, **fields: Any) -> None:
+    """Append one stage's record (`RECIPE_LOG`) to the state directory."""
+    with open(state / RECIPE_LOG, "a") as out:
+        out.write(json.dumps({"stage": stage, "at": time.strftime("%Y-%m-%d %H:%M:%S"), **fields}) + "\n")
+
+
+def read_stages(state: Path) -> list[dict[str, Any]]:
+    """The records of `RECIPE_LOG`, in order (none when there is no log)."""
+    try:
+        lines = (state / RECIPE_LOG).read_text().splitlines()
+    except OSError:
+        return []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def demos_settings(topology: Any) -> tuple[str, int, int, int]:
+    """(source, n, seed, summary_at) of the topology's `[pretrain.demos]` (its defaults when unset), `summary_at`
+    resolved: the table's, else `[generator.agentic] summary_at_tokens`, else where the environment summarises."""
+    from rlbus.topology.file.schema import PretrainDemos
+
+    demos = topology.pretrain.demos or PretrainDemos()
+    agentic = topology.generator.agentic
+    summary_at = demos.summary_at
+    if summary_at is None:
+        summary_at = getattr(agentic, "summary_at_tokens", 0) or agentic.max_tokens - agentic.min_turn_tokens
+    return demos.source, demos.n, demos.seed, summary_at
+
+
+def _with_demos(topology: Any, state: Path, target: Path, phases: list[Any], at: int, phases_run: Any) -> list[Any]:
+    """`phases` with every 'sft' phase of `data = "demos"` reading the demonstrations file of the state directory;
+    the file is written once (kept for a later run with the same settings), after running `phases[:at]` (the
+    scripted expert does not depend on the model; the order is the recipe's)."""
+    from rlbus.messages.errors import RlbusError
+    from rlbus.model.training.phases import marker_name
+    from rlbus.topology.file.schema import DEMOS_DATA
+
+    settings = demos_settings(topology)
+    digest = hashlib.sha256(repr(settings).encode()).hexdigest()[:16]
+    path = state / DEMOS_DIR / f"{digest}.jsonl"
+    if not path.is_file():
+        if at and not all((target / marker_name(k, p)).is_file() for k, p in enumerate(phases[:at])):
+            phases_run(phases[:at])
+        report = _write_demos(path, *settings, tokenizer=target if topology.policy.kind == "hf" else None)
+        log_stage(state, "demos", **report)
+        if not report["demos"]:
+            raise RlbusError(f"no demonstration of {settings[0]!r} passed its hidden tests "
+                             f"({report['attempted']} episodes); the sft phase has nothing to train on")
+    else:
+        print(f"rlbus up: demonstrations found in {path}", flush=True)
+        log_stage(state, "demos", found=str(path))
+    return [dataclasses.replace(p, data=str(path)) if p.kind == "sft" and p.data == DEMOS_DATA else p for p in phases]
+
+
+def _write_demos(path: Path, source: str, n: int, seed: int, summary_at: int, *, tokenizer: Path | None) -> dict[str, Any]:
+    """Run the scripted expert (ops/tasks_demos.py, a sandbox supervisor served here) until `n` demonstrations of
+    `source`'s training split pass; write their rows into `path` and return the report (demos, attempted,
+    pass_rate, turns_mean, rows, summarized, seconds, path)."""
+    import anyio
+
+    from rlbus.model.tasks.sources import is_repo_source
+    from rlbus.ops.tasks_demos import ATTEMPTS_PER_DEMO, DEFAULT_POOL, _counter, run_demos, training_tasks
+
+    began = time.monotonic()
+    tasks = training_tasks(source, seed, n * ATTEMPTS_PER_DEMO if is_repo_source(source) else 1 << 30)
+    print(f"rlbus up: demonstrations: the scripted expert on up to {len(tasks)} tasks of {source!r} until {n} pass "
+          f"(summary at {summary_at or 'never'} tokens)", flush=True)
+    count = _counter(str(tokenizer) if tokenizer is not None and (tokenizer / "tokenizer.json").is_file() else None)
+    run = anyio.run(run_demos, tasks, n, seed, summary_at, count, DEFAULT_POOL, backend="asyncio")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in run.rows), encoding="utf-8")
+    tmp.replace(path)
+    report = {**run.report(), "rows": len(run.rows), "summarized": run.summarized,
+              "seconds": round(time.monotonic() - began, 1), "path": str(path)}
+    print(f"rlbus up: demonstrations: {report['demos']} of {report['attempted']} episodes passed (pass rate "
+          f"{report['pass_rate']:.2f}), {report['turns_mean']:.1f} turns each, {report['rows']} rows in {path}, "
+          f"{report['seconds']:.0f}s", flush=True)
+    return report
 
 
 @contextlib.contextmanager
@@ -375,11 +479,13 @@ async def _launched(topology: Any, state: Path, args: argparse.Namespace, rl: bo
                 tg.start_soon(_cancel_on_signal, tg.cancel_scope)
                 if rl and args.steps is not None:
                     tg.start_soon(_cancel_when, view.step_reached, tg.cancel_scope)
-                if args.duration is not None:
-                    await anyio.sleep(args.duration)
-                    tg.cancel_scope.cancel()
+                clock = RunClock(args.duration)
+                tg.start_soon(_follow_clock, clock, view, tg.cancel_scope)
             finish.set()        # the actors are gone: the recording takes what the streams hold and ends
         print(f"rlbus up: stopping: actors drained, servers stopping ({time.monotonic() - started:.0f}s)", flush=True)
+        if rl:
+            log_stage(state, "rl", seconds=round(clock.wall, 1), counted_s=round(clock.counted, 1),
+                      evaluating_s=round(clock.evaluating, 1), limit_s=args.duration, steps=len(view.steps))
         if rl:
             return await _rl_summary(view, launch, topology, summary, write_png, args, started)
         return str(view.summary(launch))
@@ -443,6 +549,7 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
             report = write_report(view.final, view.evals.get(0), launch.state_dir / REPORT_NAME)
             print(f"rlbus up: final evaluation took {time.monotonic() - began:.0f}s; per family in {report}",
                   flush=True)
+            log_stage(launch.state_dir, "final_eval", seconds=round(time.monotonic() - began, 1))
     png = write_png(view, launch.state_dir / "plots" / "progress.png")
     text = summary(view, book, tasks) + f"\n  progress plot: {png}"
     reports = [*view.evals.values(), *([view.final.report] if getattr(view.final, "report", None) else [])]
@@ -452,7 +559,10 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
         (cost,) = render_all(PlotData(run=topology.run, evals=reports), png.parent, names=["accuracy_cost"])
         text += f"\n  accuracy against cost: {cost}"
     if summary_json is not None:
+        began = time.monotonic()
         base = await _base_report(view, topology, launch.state_dir, held)
+        log_stage(launch.state_dir, "base_eval", seconds=round(time.monotonic() - began, 1),
+                  version_0_report=base is not None and base is view.evals.get(0))
         doc = summary_doc(view, book, tasks, base, run=topology.run, state_dir=launch.state_dir,
                           seconds=None if started is None else time.monotonic() - started)
         summary_json.parent.mkdir(parents=True, exist_ok=True)
@@ -486,8 +596,9 @@ def summary_doc(view: Any, book: Any, tasks: Any, base: Any, *, run: str, state_
                 seconds: float | None) -> dict[str, Any]:
     """`--summary-json`'s object: run, steps (optimizer steps taken), final_version, the ledger of rollouts
     (produced, trained, lost, trained_twice: counts; clean), that of the fed tasks, every evaluation the
-    evaluator published (by version), and `base` / `final`: the held-out evaluation of the starting policy and
-    of the final checkpoint (actors/common/eval_report.py `report_keys`; null when not made)."""
+    evaluator published (by version), `base` / `final`: the held-out evaluation of the starting policy and
+    of the final checkpoint (actors/common/eval_report.py `report_keys`; null when not made), and `stages`: the
+    state directory's stage records (`RECIPE_LOG`: pretraining phases, demonstrations, RL, evaluations, seconds)."""
     from rlbus.actors.common.eval_report import report_keys
 
     ledger = None if book is None else {
@@ -505,7 +616,7 @@ def summary_doc(view: Any, book: Any, tasks: Any, base: Any, *, run: str, state_
             "final_version": view.steps[-1].policy_version if view.steps else None,
             "seconds": None if seconds is None else round(seconds, 1), "ledger": ledger, "tasks": fed,
             "evaluations": [report_keys(view.evals[v]) for v in sorted(view.evals)],
-            "base": None if base is None else report_keys(base), "final": final}
+            "base": None if base is None else report_keys(base), "final": final, "stages": read_stages(state_dir)}
 
 
 async def _record_run(state: Path, output: Path, finish: Any, *, task_status: Any) -> None:
@@ -521,6 +632,53 @@ async def _record_run(state: Path, output: Path, finish: Any, *, task_status: An
         progress = await record(bus, output, follow=True, finish=finish)
     counts = ", ".join(f"{k} {v}" for k, v in sorted(progress.counts.items()))
     print(f"rlbus up: recording written to {output}: {progress.total} messages ({counts})", flush=True)
+
+
+class RunClock:
+    """`--for`'s clock: the run's seconds while no evaluator is evaluating (the seconds between two looks count
+    as the first look saw them), so the limit bounds RL, not evaluations."""
+
+    def __init__(self, limit: float | None) -> None:
+        self.limit = limit
+        self.wall = 0.0
+        self.counted = 0.0
+        self.evaluating = 0.0
+        self._last: tuple[float, bool] | None = None
+
+    def tick(self, now: float, evaluating: bool) -> bool:
+        """Note a look at monotonic time `now`, when an evaluator was (or not) evaluating; True once the counted
+        seconds reach the limit."""
+        if self._last is not None:
+            then, busy = self._last
+            self.wall += now - then
+            if busy:
+                self.evaluating += now - then
+            else:
+                self.counted += now - then
+        self._last = (now, evaluating)
+        return self.limit is not None and self.counted >= self.limit
+
+
+def evaluating(beats: Any, now: float, *, fresh_s: float = 30.0) -> bool:
+    """Whether an evaluator's latest heartbeat (of the last `fresh_s` seconds, wall clock `now`) says it is busy."""
+    return any(b.actor_kind == "evaluator" and b.state == "busy" and now - b.sent_at < fresh_s
+               for b in beats.values())
+
+
+async def _follow_clock(clock: RunClock, view: Any, scope: Any) -> None:
+    """Tick `clock` from `view`'s heartbeats until the run is cancelled; cancel `scope` once it is spent."""
+    import anyio
+
+    beats = getattr(view, "beats", None)
+    if beats is None:
+        beats = getattr(view, "latest", {})
+    while True:
+        if clock.tick(time.monotonic(), evaluating(beats, time.time())):
+            print(f"rlbus up: --for {clock.limit:g}s of RL spent ({clock.wall:.0f}s since the actors started, "
+                  f"{clock.evaluating:.0f}s of them evaluating): draining", flush=True)
+            scope.cancel()
+            return
+        await anyio.sleep(CLOCK_TICK_S)
 
 
 async def _cancel_when(event: Any, scope: Any) -> None:

@@ -50,7 +50,7 @@ def agentic_chaos_topology() -> Topology:
         regions=[*(replace(r, actors=[a for a in r.actors if a.kind != "evaluator"]) for r in agentic.regions), leaf],
         feeder=replace(agentic.feeder, backlog_per_region=4, region_weights={"hub": 1, "eu": 1}),
         generator=generator, trainer=replace(agentic.trainer, batch_rollouts=4),
-        pretrain=replace(agentic.pretrain, preset="tiny", steps=10, eval_n=4, max_seq_len=4096),
+        pretrain=replace(agentic.pretrain, preset="tiny", steps=10, eval_n=4, max_seq_len=4096, phases=[], demos=None),
         restart=RestartSettings(max_restarts=10, window_s=60.0, backoff_initial_s=0.2, backoff_max_s=2.0),
         durability=replace(agentic.durability, redeliver_after=CHAOS_REDELIVER_AFTER))
 

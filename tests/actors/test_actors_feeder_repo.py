@@ -109,6 +109,6 @@ def test_validate_warns_when_the_builtin_context_cannot_hold_a_repository_task(t
 
 
 def test_agentic_example_validates_clean() -> None:
-    """The shipped `agentic` topology feeds repository tasks and has no problem."""
+    """The shipped `agentic` topology feeds the training split of level-1 repository tasks and has no problem."""
     topology, problems = validate(example_path("agentic"), local_cores=64)
-    assert topology is not None and topology.feeder.tasks == "repo" and problems == []
+    assert topology is not None and topology.feeder.tasks == "repo:1:train" and problems == []

@@ -1,7 +1,7 @@
-"""`rlbus up agentic`, shortened: the shipped example with the fewest pretraining steps, groups of two one-turn
-episodes, one held-out task and one optimizer step runs to its end with clean ledgers; the generator ran every
-group it published as an agentic group of built-in repository tasks; the evaluations print and `--summary-json`
-holds the agentic scores of the starting policy and the final checkpoint."""
+"""`rlbus up agentic`, shortened: the shipped example with its recipe cut to two pretraining steps (no phases, no
+demonstrations), groups of two one-turn episodes, one held-out task and one optimizer step runs to its end with
+clean ledgers; the generator ran every group it published as an agentic group of built-in repository tasks; the
+evaluations print and `--summary-json` holds the agentic scores of the starting policy and the final checkpoint."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ from rlbus.topology.examples import example_path
 
 pytestmark = pytest.mark.slow
 
-SHORTER = {"steps = 100": "steps = 2", "eval_n = 20": "eval_n = 1", "group_size = 4": "group_size = 2",
-           "max_turns = 4": "max_turns = 1", "max_tokens = 128": "max_tokens = 24", "batch_rollouts = 8":
-           "batch_rollouts = 2", "concurrent_tasks = 2": "concurrent_tasks = 1", "backlog_per_region = 8":
-           "backlog_per_region = 2", "n_tasks = 6": "n_tasks = 1"}
+SHORTER = {"group_size = 4": "group_size = 2", "max_turns = 8": "max_turns = 1", "samples = 4": "samples = 2",
+           "max_tokens = 128": "max_tokens = 24", "batch_rollouts = 8": "batch_rollouts = 2",
+           "concurrent_tasks = 2": "concurrent_tasks = 1", "backlog_per_region = 8": "backlog_per_region = 2",
+           "n_tasks = 8": "n_tasks = 1"}
 """Lines of topology/examples/agentic.toml and what the short run puts instead (each occurs once)."""
+PRETRAIN = "[pretrain]\nsteps = 2\neval_n = 1\nmax_seq_len = 2048\n\n"
+"""What the short run puts in place of the example's [pretrain] tables (phases and demonstrations)."""
 
 
 def test_up_agentic_runs_repository_tasks_to_a_clean_end(tmp_path: Path) -> None:
@@ -32,6 +34,8 @@ def test_up_agentic_runs_repository_tasks_to_a_clean_end(tmp_path: Path) -> None
     for line, shorter in SHORTER.items():
         assert text.count(f"\n{line}\n") == 1, line
         text = text.replace(f"\n{line}\n", f"\n{shorter}\n")
+    head, rest = text.split("\n[pretrain]\n")
+    text = f"{head}\n{PRETRAIN}[launch]\n{rest.split('[launch]', 1)[1]}"
     topology = tmp_path / "agentic.toml"
     topology.write_text(text)
     proc = subprocess.run([sys.executable, "-m", "rlbus.ops.cli", "up", str(topology), "--steps", "1",
@@ -56,7 +60,7 @@ def test_up_agentic_runs_repository_tasks_to_a_clean_end(tmp_path: Path) -> None
     base, final = doc["base"], doc["final"]
     assert (base["policy_version"], final["policy_version"], final["step"]) == (0, 1, 1), doc
     for scores in (base, final):
-        assert scores["source"] == "repo" and scores["n"] == 1 and scores["samples"] == 2, scores
+        assert scores["source"] == "repo:1:heldout" and scores["n"] == 1 and scores["samples"] == 2, scores
         assert set(scores["pass_at_k"]) == set(scores["pass_at_k_ci95"]) == {"1", "2"}, scores
         assert 0 <= scores["mean_at_k"] <= 1 and scores["ci95"][0] <= scores["pass_at_1"] <= scores["ci95"][1]
         assert scores["turns_mean"] == 1 and 1 <= scores["policy_tokens_mean"] <= 24, scores

@@ -256,13 +256,13 @@ def _settings(topology: Topology) -> Iterator[Found]:
     if feeder.tasks != "builtin" and feeder.tasks_file is not None:
         yield _p("feeder.tasks", f"{feeder.tasks!r} and feeder.tasks_file = {feeder.tasks_file!r} both name the "
                  "training tasks; remove one of them", also=("feeder.tasks_file",))
-    context = topology.pretrain.max_seq_len or BUILTIN_CONTEXT
+    context = topology.pretrain.context          # after its long-context phase, if any
     repo = feeder.tasks not in ("builtin", "humaneval")      # the built-in repository tasks or a repository task file
     if repo and topology.policy.kind == "builtin" and context < REPO_CONTEXT:
         yield _p("feeder.tasks", f"the built-in policy's context is {context} tokens and a repository task's first "
                  f"context alone takes up to about {REPO_FIRST_CONTEXT} (with the compact tool list): tasks that "
-                 f"leave no room for a turn are dead-lettered; set [pretrain] max_seq_len = 2048 "
-                 f"(topology/examples/agentic.toml does)",
+                 f"leave no room for a turn are dead-lettered; set [pretrain] max_seq_len = 2048, or extend the context "
+                 f"to 2048 in a 'long_context' phase (topology/examples/agentic.toml does)",
                  "warning", also=("pretrain.max_seq_len",))
     if repo and feeder.levels:
         yield _p("feeder.levels", f"levels {feeder.levels} select among the function-writing tasks only; the "

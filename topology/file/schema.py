@@ -197,10 +197,36 @@ class PretrainPhase(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     data: str = ""
     """'main': a folder of .py files trained on besides the standard library; 'long_context': a folder whose
     subfolders are repositories (their .py files concatenated, whole, into documents; default: the standard
-    library's packages); 'sft': the JSONL file of conversations (required)."""
+    library's packages); 'sft': the JSONL file of conversations (required), or "demos": the demonstrations of
+    `[pretrain.demos]`, written into the state directory by `rlbus up` before this phase."""
     rope_theta: PositiveFloat | None = None
     """'long_context': the RoPE base after the extension; default: the base scaled NTK-style by the context
     ratio r, `theta * r ** (d / (d - 2))` (d: the head dimension)."""
+
+
+DEMOS_DATA: Final = "demos"
+"""An 'sft' phase's `data` that names the demonstrations of `[pretrain.demos]` instead of a file."""
+
+
+class PretrainDemos(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[pretrain.demos]`: the demonstrations an 'sft' phase with `data = "demos"` trains on, written by the
+    scripted expert in a real sandbox (`rlbus tasks demos`) into the state directory before that phase, once."""
+
+    source: str = "repo:train"
+    """The repository task source drawn from: its training split only ('repo:train', 'repo:1:train', or a
+    repository task file's train rows); a ':heldout' source is refused."""
+    n: PositiveInt = 20
+    """Demonstrations to keep (each one passed the hidden tests)."""
+    seed: int = 1
+    """Seed of the tasks drawn and of the expert."""
+    summary_at: NonNegativeInt | None = None
+    """Tokens of context past which the expert summarises and goes on in a fresh context (0: never); default:
+    `[generator.agentic] summary_at_tokens`, else where the environment summarises."""
+
+    def __post_init__(self) -> None:
+        if self.source.endswith(":heldout"):
+            raise ValueError(f"source: {self.source!r} is a held-out split; demonstrations are drawn from the "
+                             "training split ('repo:train', 'repo:LEVEL:train')")
 
 
 class PretrainSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -223,8 +249,19 @@ class PretrainSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     """Phases run in order (`[[pretrain.phases]]`), each with its own steps, schedule and data, into one model
     directory with a marker per finished phase (a crashed run resumes after the last one); none: a single main
     phase of `steps`."""
+    demos: PretrainDemos | None = None
+    """The demonstrations of an 'sft' phase whose `data` is "demos" (`[pretrain.demos]`); unset: its defaults."""
+
+    @property
+    def context(self) -> int:
+        """The policy's context after pretraining: `max_seq_len` (or the presets'), extended by the last
+        'long_context' phase."""
+        extended = [p.seq_len for p in self.phases if p.kind == "long_context" and p.seq_len is not None]
+        return extended[-1] if extended else self.max_seq_len or PRETRAIN_CONTEXT
 
     def __post_init__(self) -> None:
+        if self.demos is not None and not any(p.kind == "sft" and p.data == DEMOS_DATA for p in self.phases):
+            raise ValueError(f"demos: no [[pretrain.phases]] of kind 'sft' has data = {DEMOS_DATA!r} to train on them")
         if not self.phases:
             return
         if self.steps is not None:
