@@ -26,6 +26,7 @@ import torch
 
 from rlbus.actors.base import Actor, ActorId, ActorLimits
 from rlbus.actors.common.config import decode_config
+from rlbus.actors.common.errors import TaskError
 from rlbus.actors.common.feed import VERIFIER_KIND as FUNCTION_KIND
 from rlbus.actors.common.weight_source import WeightSource, open_weights
 from rlbus.actors.generator.agentic import agentic_plug
@@ -147,6 +148,8 @@ class Generator(Actor):
         try:
             factory = plug_factory(kind) if isinstance(kind, str) else None
             plug = (factory or function_plug)(self, message)    # an unknown kind: refused by the function plug
+            if why := plug.fits():
+                raise TaskError(f"task {message.task_id}: {why}")
         except ValueError as err:      # a TaskError, or a prompt the tokenizer cannot encode (UnicodeError)
             self.count("rejected")
             await self.bus.dead_letter(delivery.raw, reason=str(err), source=self.stream)

@@ -208,14 +208,15 @@ def check_agentic_partial(partial: AgenticPartial, task: RepoTask, task_id: str,
 def _check_episode(ep: AgenticEpisode, task: RepoTask, first: Turn, env: AgenticEnvironment,
                    limits: AgenticLimits) -> None:
     state = episode_state(ep)
-    if state.task != task or not state.turns or state.turns[0] != first:
+    if state.task != task or not state.turns or (state.turns[0] != first and not env.restarted(state)):
         raise PartialGroupError("not this task's episode")
     policy = [t for t in state.turns if t.role == "assistant"]
-    summary = 1 if state.summaries else 0        # a summary is the turn after the task, and only that one
-    if (any(t.role == "user" for t in state.turns[1:]) or state.summaries < 0
-            or any(t.role == "summary" for t in state.turns[1 + summary:])
-            or (summary and (len(state.turns) < 2 or state.turns[1].role != "summary"))
-            or (len(policy) != state.policy_turns if not summary else len(policy) > state.policy_turns)):
+    summary = 1 if state.turns[1:2] and state.turns[1].role == "summary" else 0  # only the turn after the first
+    asked = [k for k, t in enumerate(state.turns) if k and t.role == "user"]   # a summary request, the last turn
+    if (state.summaries < 0 or (asked and (not state.summarizing or asked != [len(state.turns) - 1]))
+            or (state.summarizing and not asked)
+            or any(t.role == "summary" for t in state.turns[1 + summary:]) or (summary and not state.summaries)
+            or (len(policy) != state.policy_turns if not state.summaries else len(policy) > state.policy_turns)):
         raise PartialGroupError("turn roles out of place")
     if len(ep.segments) > 2 * state.summaries:
         raise PartialGroupError(f"{len(ep.segments)} segments for {state.summaries} summaries")
@@ -264,7 +265,8 @@ def budgets_of(generator: Generator) -> AgenticBudgets:
                           max_tokens=min(a.max_tokens, generator.model.max_seq_len), min_turn_tokens=a.min_turn_tokens,
                           wall_s=a.wall_s, observation_chars=a.observation_chars,
                           observation_tokens=a.observation_tokens, run_timeout_s=a.run_timeout_s,
-                          summary_tokens=a.summary_tokens, partial_credit=a.partial_credit)
+                          summary_tokens=a.summary_tokens, partial_credit=a.partial_credit,
+                          summary_at_tokens=a.summary_at_tokens)
 
 
 def environment_of(generator: Generator) -> AgenticEnvironment:
@@ -334,7 +336,16 @@ class AgenticPlug(BasePlug):
         return LoopEpisode(state=self.env.start(self.task, now=now), extra=_Workspace())
 
     def room(self, ep: LoopEpisode) -> int:
-        return self.env.room(ep.state)   # type: ignore[arg-type]
+        state: AgenticState = ep.state   # type: ignore[assignment]
+        room = self.env.room(state)
+        cap = self.env.budgets.summary_tokens
+        return min(room, cap) if state.summarizing and cap else room
+
+    def prepare(self, ep: LoopEpisode) -> AgenticState | None:
+        return self.env.request_summary(ep.state)   # type: ignore[arg-type]
+
+    def restart(self, ep: LoopEpisode) -> AgenticState | None:
+        return self.env.restart(ep.state)   # type: ignore[arg-type]
 
     def summary_plan(self, ep: LoopEpisode) -> SummaryPlan | None:
         state: AgenticState = ep.state   # type: ignore[assignment]
@@ -344,7 +355,10 @@ class AgenticPlug(BasePlug):
         return self.env.summarize(ep.state, ids)   # type: ignore[arg-type]
 
     def scripted(self, ep: LoopEpisode) -> list[int] | None:
-        return scripted_ids(self._script, ep.state, self.tokenizer) if self._script else None  # type: ignore[arg-type]
+        """The script's turn; a summary asked for is sampled (a script has none)."""
+        if not self._script or ep.state.summarizing:   # type: ignore[attr-defined]
+            return None
+        return scripted_ids(self._script, ep.state, self.tokenizer)  # type: ignore[arg-type]
 
     def outcome(self, ep: LoopEpisode) -> Outcome:
         state: AgenticState = ep.state   # type: ignore[assignment]

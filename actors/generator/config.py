@@ -41,6 +41,10 @@ class AgenticSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     partial_credit: bool = False
     """The reward: false, 1.0 when every hidden test passes, else 0.0; true, the fraction of the hidden tests that
     passed (0.0 when the grade is void or timed out)."""
+    summary_at_tokens: NonNegativeInt = 0
+    """Once the context reaches this many tokens before a turn, a user turn asks the policy to summarise its work;
+    its answer (at most `summary_tokens` when that is set) is trained like any turn, and the episode goes on in a
+    fresh context holding the task and the summary, in the same workspace; several times an episode. 0: off."""
     tool_list: Literal["auto", "full", "compact"] = "auto"
     """How the tools are given: 'full' (in the policy's chat-template format where its template renders tools:
     the schemas in its system turn, calls in its style; else JSON signatures in the user turn, as Qwen2/Qwen3

@@ -1,10 +1,10 @@
-"""The state of one task's group of G multi-turn episodes: what a partial checkpoint holds, and the Rollouts.
+"""A function-writing group's partial layout (`PartialGroup`, saved under the task id in a region's PARTIALS KV).
 
-- Owns: `PartialGroup` (the value saved under the task id in a region's PARTIALS KV), its pure transitions
-  (start, add a sampled chunk, take a graded attempt's state, summarise, grow, pick the G to publish),
-  `check_partial` (refuses a hostile or corrupt partial) and `build_rollout` (an episode as a `Rollout`).
+- Owns: `PartialGroup`, its pure transitions (start, add a sampled chunk, take a graded attempt's state, summarise,
+  grow, pick the G to publish), `check_partial` (refuses a hostile or corrupt partial), `build_rollout`, and what
+  every plug shares (`SampledSummary`, `check_segment`, `fill_versions`, `group_sizes`).
 - Guarantee: pure: no bus, no model, no clock (callers pass `now`).
-- Does not: sample, grade or talk to NATS (actors/generator/actor.py drives all three).
+- Does not: sample, grade or talk to NATS (actors/generator/loop.py drives a group; function.py converts it).
 """
 
 from __future__ import annotations

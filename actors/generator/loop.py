@@ -163,6 +163,15 @@ class BasePlug:
         """Tokens the environment lets the next turn take (the loop also caps it by max_tokens and the context)."""
         return self.gen.config.max_tokens
 
+    def prepare(self, ep: LoopEpisode) -> EnvState | None:
+        """Before a turn: a state the environment moves to first (a summary asked for, say), or None."""
+        return None
+
+    def restart(self, ep: LoopEpisode) -> EnvState | None:
+        """After a step: the state the episode goes on from in a fresh context (its turns so far, the last one
+        written to carry them over, close a segment), or None."""
+        return None
+
     def summary_plan(self, ep: LoopEpisode) -> SummaryPlan | Literal["no_room"] | None:
         """Before a turn: how to summarise the history (the policy writes it), `NO_ROOM`, or None (no summary)."""
         return None
@@ -533,6 +542,9 @@ class GroupLoop:
     async def _advance(self, group: Group, place: _Place) -> None:
         eps = group.episodes
         starting = [g for g, ep in enumerate(eps) if not ep.done and not ep.draft_ids and not ep.draft_done]
+        for g in starting:
+            if (asked := self.plug.prepare(eps[g])) is not None:
+                eps[g].state = asked
         if await self._summaries(group, starting):
             return
         sampling = [g for g, ep in enumerate(eps) if not ep.done and not ep.draft_done]
@@ -640,6 +652,14 @@ class GroupLoop:
             ep.versions.append(list(ep.draft_versions))
             ep.state = new
             ep.draft_ids, ep.draft_logprobs, ep.draft_versions, ep.draft_done = [], [], [], False
+            if (fresh := self.plug.restart(ep)) is not None:
+                closed = tail_segment(ep, self.plug.tokenizer, routing=self.plug.routing)
+                if closed is not None:
+                    ep.segments.append(closed)
+                ep.state, ep.logprobs, ep.versions, ep.routing = fresh, [], [], None
+                ep.summaries += 1
+                self.gen.count("summaries")
+                log.info("episode_restarted", task_id=group.task_id, group_index=g, summaries=ep.summaries)
 
         async with anyio.create_task_group() as tg:
             for g in rows:

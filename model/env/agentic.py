@@ -28,6 +28,7 @@ from rlbus.model.env.base import (
     summarized,
 )
 from rlbus.model.env.episodes import Turn, completion_text
+from rlbus.model.env.summaries import FRESH_HEAD, SUMMARY_REQUEST, fresh_context
 from rlbus.model.policies.interface import ChatTokenizer
 from rlbus.model.tasks.grading import GradeResult
 from rlbus.model.tasks.repo import RepoTask
@@ -88,6 +89,11 @@ class AgenticBudgets(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     partial_credit: bool = False
     """The reward: false, 1.0 when every hidden test passes, else 0.0; true, the fraction of hidden tests that
     passed (0.0 when the grade is void or timed out)."""
+    summary_at_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Once the context reaches this many tokens before a turn, a user turn asks the policy to summarise its work
+    (model/env/summaries.py `SUMMARY_REQUEST`); its answer (at most `summary_tokens` when that is set) is a policy
+    turn, and the episode goes on in a fresh context: the task and the summary (`fresh_context`), in the same
+    workspace. 0: off."""
 
 
 class AgenticState(EnvState, frozen=True, kw_only=True, tag="agentic"):
@@ -102,7 +108,10 @@ class AgenticState(EnvState, frozen=True, kw_only=True, tag="agentic"):
     ended: EndReason = ""
     grade: GradeResult | None = None
     summaries: int = 0
-    """Times the history was replaced by a summary (`AgenticEnvironment.summarize`)."""
+    """Times the history was replaced by a summary (`AgenticEnvironment.summarize`, or `restart` after a requested
+    one)."""
+    summarizing: bool = False
+    """A summary was asked for (`request_summary`): the next policy turn is the summary, no tool call runs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +192,9 @@ class AgenticEnvironment:
         :raises ValueError: the episode is done.
         """
         refuse_done(state)
+        if state.summarizing:        # the summary asked for: nothing runs, `restart` goes on from it
+            return StepOutcome(msgspec.structs.replace(state, turns=(*state.turns, Turn("assistant", tuple(policy_ids)))),
+                               None)
         b = self.budgets
         clock = clock or (lambda: now)
         text = completion_text(policy_ids, self._tokenizer)
@@ -219,7 +231,8 @@ class AgenticEnvironment:
             elif clock() - state.started_at >= b.wall_s:
                 ended = "wall"
             elif (length := len(state_tokens(with_obs, self._tokenizer).ids)) + b.min_turn_tokens > b.max_tokens and (
-                    length > b.max_tokens or self.summary_plan(with_obs) is None):
+                    length > b.max_tokens or (self.summary_plan(with_obs) is None
+                                              and self.request_summary(with_obs) is None)):
                 ended = "tokens"          # no room for a turn, and no summary makes any (or the context is past it)
             else:
                 return StepOutcome(with_obs, observation)
@@ -260,6 +273,34 @@ class AgenticEnvironment:
             raise ValueError(f"a summary of {len(summary_ids)} tokens; this episode allows "
                              f"{plan.tokens if plan else 0}")
         return msgspec.structs.replace(summarized(state, summary_ids), summaries=state.summaries + 1)
+
+    def request_summary(self, state: AgenticState) -> AgenticState | None:
+        """Before a turn: the state with `SUMMARY_REQUEST` as a user turn when the context has reached
+        `summary_at_tokens`, the episode has a policy turn since its (fresh) start, and the request leaves
+        `min_turn_tokens` for the summary; else None."""
+        b = self.budgets
+        if (not b.summary_at_tokens or state.done or state.summarizing
+                or not any(t.role == "assistant" for t in state.turns)
+                or len(state_context(state, self._tokenizer)) < b.summary_at_tokens):
+            return None
+        asked = msgspec.structs.replace(state, summarizing=True, turns=(
+            *state.turns, Turn("user", tuple(self._tokenizer.encode(SUMMARY_REQUEST)))))
+        return asked if self.room(asked) >= b.min_turn_tokens else None
+
+    def restart(self, state: AgenticState) -> AgenticState | None:
+        """After the summary asked for: the state going on in a fresh context, the task and the summary as its one
+        user turn (`fresh_context`); calls, budgets spent and workspace kept. None when no summary was just written.
+        """
+        if not state.summarizing or state.done or state.turns[-1].role != "assistant":
+            return None
+        summary = completion_text(state.turns[-1].ids, self._tokenizer)
+        fresh = Turn("user", tuple(self._tokenizer.encode(fresh_context(self.render(state.task), summary))))
+        return msgspec.structs.replace(state, turns=(fresh,), summarizing=False, summaries=state.summaries + 1)
+
+    def restarted(self, state: AgenticState) -> bool:
+        """The state's first turn is a fresh context `restart` made (the task, then a summary), not the task's."""
+        first = self._tokenizer.decode([t for t in state.turns[0].ids if 0 <= t < self._tokenizer.vocab_size])
+        return bool(state.summaries) and first.startswith(f"{self.render(state.task)}\n\n{FRESH_HEAD}\n")
 
     def room(self, state: AgenticState) -> int:
         """Tokens the next policy turn may take: what `max_tokens` leaves after the context (at least 0); the

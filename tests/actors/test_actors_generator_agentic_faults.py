@@ -3,7 +3,7 @@ processes: a generator SIGKILLed three times in one episode, at three turns, lea
 to that of the same episode run without a kill; a SIGKILLed sandbox supervisor costs the episode a reopened
 session, never its edits or its reward, and a group whose sandbox cannot be reopened is dropped as `sandbox_error`,
 never trained; a generator rides out its server's outage past the old give-up; scripted turns are scored at the
-sampling temperature."""
+sampling temperature; an episode that asks for its own summaries survives a SIGKILL between two of them."""
 
 from __future__ import annotations
 
@@ -34,7 +34,13 @@ from rlbus.actors.common.ledger import reason_category
 from rlbus.actors.common.sessions import restore_files
 from rlbus.actors.common.weight_source import LocalWeights
 from rlbus.actors.generator.actor import Generator, GeneratorConfig
-from rlbus.actors.generator.agentic import AgenticPartial, WorkspaceSnapshot, decode_agentic, overlay
+from rlbus.actors.generator.agentic import (
+    AgenticPartial,
+    WorkspaceSnapshot,
+    decode_agentic,
+    episode_state,
+    overlay,
+)
 from rlbus.actors.generator.config import AgenticSettings
 from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
 from rlbus.actors.sandbox.pool import available_levels
@@ -47,6 +53,8 @@ from rlbus.messages.schemas import Rollout, TensorBlob, ToolResult
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
 from rlbus.messages.subjects import BucketScope
+from rlbus.model.env import AgenticEnvironment, state_context
+from rlbus.model.env.summaries import FRESH_HEAD, SUMMARY_REQUEST
 from rlbus.model.policies.interface import as_policy
 from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.policies.transformer import ModelConfig, Transformer
@@ -436,3 +444,66 @@ async def test_a_generator_started_while_its_server_is_down_waits_for_it(tmp_pat
             await env.admin.close()
     finally:
         srv.stop()
+
+
+def text_of(ids: list[int]) -> str:
+    """The text of ids, skipping those past the tokenizer (a random policy samples embedding rows it has no text for)."""
+    return TOK.decode([t for t in ids if t < TOK.vocab_size])
+
+
+@pytest.mark.chaos
+async def test_requested_summaries_survive_a_sigkill_between_them_and_every_segment_rescores(env: Env,
+                                                                                             tmp_path: Path) -> None:
+    """`summary_at_tokens`: once the context reaches it a user turn asks for a summary, the policy writes one (a
+    sampled, trained turn) and the episode goes on from the task and the summary. The `edits` episode summarises
+    more than once; its generator process is SIGKILLed after the first summary, before the second, and the heir
+    resumes and writes the rest. The Rollout carries one segment per summary (the turns since the last fresh
+    context, the request masked, the summary trained), every segment's and the tail's logprobs that the trainer
+    recomputes under the same weights equal the behaviour logprobs, the workspace keeps every edit, reward 1."""
+    model = tiny_model()
+    task = repo_task(2, 8)
+    first = len(state_context(AgenticEnvironment(TOK, tool_list="compact").start(task), TOK))
+    checkpoint = _checkpoint(model, tmp_path / "pretrain.pt")
+    settings = {**EDITS, "weights": f"local:{checkpoint}", "local_version": 2,
+                "agentic": {"summary_at_tokens": first + 200, "summary_tokens": 12}}
+    kv = await env.admin.js.key_value(env.admin.subjects.partials_bucket("hub"))
+    procs: list[subprocess.Popen[bytes]] = []
+    async with supervisor(env):
+        try:
+            watcher = await kv.watch("*")
+            await env.admin.publish(env.admin.subjects.tasks("hub"), message(task, "chain"), msg_id="chain")
+            procs.append(_spawn(env, "generator", "victim", settings, tmp_path / "victim.log"))
+            with anyio.fail_after(120):
+                async for entry in watcher:
+                    if entry is None or not entry.value:
+                        continue
+                    partial = decode_agentic(entry.value)
+                    if partial.writer == "victim" and episode_state(partial.episodes[0]).summaries == 1:
+                        os.kill(procs[-1].pid, signal.SIGKILL)     # after the first summary
+                        procs[-1].wait()
+                        break
+            await watcher.stop()
+            left = decode_agentic((await kv.get("chain")).value or b"")
+            assert episode_state(left.episodes[0]).summaries == 1   # ... and before the second
+            procs.append(_spawn(env, "generator", "heir", settings, tmp_path / "heir.log"))
+            (rollout,) = await published(env, "chain")
+        finally:
+            _reap(*procs)
+    assert rollout.generator_id == "heir" and rollout.timings["resumes"] == 1.0
+    texts = [text_of([*r.prompt_tokens.tolist(), *r.completion_tokens.tolist()]) for r in [*rollout.segments, rollout]]
+    seen = {path: sha for text in texts for sha, path in LISTING.findall(text)}   # the listing may be summarised away
+    assert rollout.reward == 1.0 and seen == expected_listing(task)
+    summaries = int(rollout.timings["summaries"])
+    assert summaries >= 2 and len(rollout.segments) == summaries
+    for seg in rollout.segments:
+        text = text_of([*seg.prompt_tokens.tolist(), *seg.completion_tokens.tolist()])
+        runs = re.findall("1+", "".join(map(str, seg.loss_mask.tolist())))
+        assert SUMMARY_REQUEST in text and seg.loss_mask.tolist()[-1] == 1 and 0 < len(runs[-1]) <= 12
+    for later in [*rollout.segments[1:], rollout]:                 # each goes on from the task and a summary
+        assert FRESH_HEAD in text_of(later.prompt_tokens.tolist())
+    core = TrainerCore(as_policy(copy.deepcopy(model)), as_policy(copy.deepcopy(model)), lr=0.0)
+    batch = rollout_batch([rollout])
+    assert batch.tokens.shape[0] == summaries + 1
+    with torch.no_grad():
+        logp = core.logprobs(core.policy, batch)
+    torch.testing.assert_close(logp[batch.mask], batch.behaviour[batch.mask], atol=1e-4, rtol=0)

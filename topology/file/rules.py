@@ -221,6 +221,11 @@ def _settings(topology: Topology) -> Iterator[Found]:
     if gen.max_group_size and (gen.max_group_size <= gen.group_size or gen.max_group_size % gen.group_size):
         yield _p("generator.max_group_size", f"{gen.max_group_size} is not a multiple of group_size = "
                  f"{gen.group_size} above it; expected 0 (groups never grow) or 2, 3, ... times group_size")
+    agentic = gen.agentic
+    if agentic.summary_at_tokens and agentic.summary_at_tokens + agentic.min_turn_tokens > agentic.max_tokens:
+        yield _p("generator.agentic.summary_at_tokens", f"{agentic.summary_at_tokens} + min_turn_tokens = "
+                 f"{agentic.min_turn_tokens} > max_tokens = {agentic.max_tokens}: no summary could ever be asked for; "
+                 f"expected 0 (off) or at most max_tokens - min_turn_tokens")
     if trainer.staleness_versions == 0:
         yield _p("trainer.staleness_versions", "0 drops every rollout that saw a weight update while it was "
                  "generated; expect most rollouts dropped", "warning")
