@@ -21,8 +21,8 @@ ROUTED: Final = "Qwen3MoeForCausalLM"
 """The one routed family: its router's choices are recorded and replayed."""
 SHIPPED: Final = ("config.json", "tokenizer.json", "tokenizer_config.json")
 """Files a joiner always gets (`HFPolicy.files`)."""
-OPTIONAL: Final = ("special_tokens_map.json", "generation_config.json", "chat_template.jinja")
-"""Files a joiner gets when the directory has them."""
+OPTIONAL: Final = ("special_tokens_map.json", "generation_config.json", "chat_template.jinja", "mtp_heads.safetensors")
+"""Files a joiner gets when the directory has them (`mtp_heads.safetensors`: model/training/mtp.py)."""
 _MOE_KEYS: Final = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 

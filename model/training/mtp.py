@@ -1,0 +1,192 @@
+"""MTP heads for a Hugging Face policy: drafters for speculative sampling, distilled from the policy itself.
+
+- Owns: `MTPHeads` (K Medusa-style heads over the final norm's output, each then read out by the policy's output
+  embedding), their file `mtp_heads.safetensors` beside the model (`heads_to_bytes`, `heads_from_files`), and
+  `distill_mtp_heads`: heads initialised from scratch and trained by self-distillation on pretraining documents,
+  the policy frozen.
+- Does not: sample (model/sampling/speculative.py), run phases (model/training/phases.py calls
+  `distill_mtp_heads` after a phase with `mtp_heads`), or train the built-in transformer's heads (they are part
+  of its model and train with `lm_loss`).
+
+The file sits beside config.json; plain `transformers` never reads it, so the directory still loads as it is.
+`HFPolicy` lists it among `files()` when present, so a joiner built from the spec gets the heads with the config
+and tokenizer (uploaded once, beside version 0: the heads do not train during RL and are not part of a version).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+from torch import Tensor, nn
+
+from rlbus.model.policies.interface import Policy, PolicyError
+from rlbus.model.policies.transformer import MTPHead
+
+MTP_FILE: Final = "mtp_heads.safetensors"
+_FORMAT: Final = "rlbus-mtp-heads-1"
+
+
+class MTPHeads(nn.Module):
+    """K heads, head k (1-based) at position t drafting token t+1+k: h + silu(W rmsnorm(h)) (W zero at init, so a
+    fresh head drafts what the main head predicts for t+1), h being the input of the output embedding."""
+
+    def __init__(self, n_heads: int, hidden_size: int) -> None:
+        super().__init__()
+        if n_heads < 1 or hidden_size < 1:
+            raise ValueError(f"MTP heads need n_heads >= 1 and hidden_size >= 1, got {n_heads}, {hidden_size}")
+        self.hidden_size = hidden_size
+        self.heads = nn.ModuleList(MTPHead(hidden_size) for _ in range(n_heads))
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+
+def heads_to_bytes(heads: MTPHeads) -> bytes:
+    """The heads as a safetensors file (float32, metadata naming the format, head count and width)."""
+    from safetensors.torch import save
+
+    state = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in heads.state_dict().items()}
+    meta = {"format": _FORMAT, "n_heads": str(len(heads)), "hidden_size": str(heads.hidden_size)}
+    return save(state, metadata=meta)
+
+
+def heads_from_bytes(data: bytes) -> MTPHeads:
+    """Inverse of `heads_to_bytes`.
+
+    :raises PolicyError: not a heads file of this format.
+    """
+    from safetensors.torch import load
+
+    try:
+        state = load(data)
+        meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"metadata format {meta.get('format')!r}")
+        heads = MTPHeads(int(meta["n_heads"]), int(meta["hidden_size"]))
+        heads.load_state_dict(state)
+    except Exception as err:  # safetensors raises its own SafetensorError
+        raise PolicyError(f"{MTP_FILE}: not MTP heads rlbus wrote ({type(err).__name__}: {str(err)[:120]}); "
+                          f"expected the file `distill_mtp_heads` saves (delete it to run without drafting)") from None
+    return heads
+
+
+def heads_from_files(files: Mapping[str, bytes], model: nn.Module) -> MTPHeads | None:
+    """The heads among a policy's files, on `model`'s device and in its dtype; None when there are none.
+
+    :raises PolicyError: a heads file that does not parse or does not fit the model's width.
+    """
+    data = files.get(MTP_FILE)
+    if data is None:
+        return None
+    heads = heads_from_bytes(data)
+    width = int(getattr(model.config, "hidden_size", heads.hidden_size))
+    if heads.hidden_size != width:
+        raise PolicyError(f"{MTP_FILE}: heads of width {heads.hidden_size}, the model's hidden_size is {width}; "
+                          f"distil them again for this model")
+    p = next(model.parameters())
+    return heads.to(device=p.device, dtype=p.dtype).eval()
+
+
+# ---- self-distillation --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class DistillResult:
+    heads: MTPHeads
+    losses: list[float]
+    """Mean KL (nats per position, over heads) of each step."""
+    acceptance: list[float]
+    """Per head, the greedy agreement of its draft with the main head's argmax on the last step's batch."""
+    seconds: float
+
+
+def _windows(documents: Iterator[tuple[list[int], Any]], batch: int, length: int, pad_id: int
+             ) -> tuple[Tensor, Tensor]:
+    """(ids (B, T), real (B, T) bool) of `batch` documents cut at `length`, right-padded."""
+    docs = [next(documents)[0][:length] for _ in range(batch)]
+    width = max(len(d) for d in docs)
+    ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    real = torch.zeros(batch, width, dtype=torch.bool)
+    for r, d in enumerate(docs):
+        ids[r, : len(d)] = torch.tensor(d, dtype=torch.long)
+        real[r, : len(d)] = True
+    return ids, real
+
+
+def distill_mtp_heads(policy: Policy, documents: Iterator[tuple[list[int], Any]], *, n_heads: int, steps: int,
+                      batch_size: int = 8, seq_len: int = 256, lr: float = 3e-3, seed: int = 0,
+                      report: Callable[[int, float], None] | None = None) -> DistillResult:
+    """Fresh `MTPHeads` trained on `documents` ((ids, weights) pairs, the pretraining corpus) for `steps` AdamW
+    steps: head k at position t is pulled to the main head's full distribution at position t + k (its prediction
+    of token t+1+k), by KL(p_main || q_k) averaged over real positions and heads. The policy is frozen: its forward
+    runs without gradients, so the model saved beside the heads is the one the phase trained.
+
+    :raises PolicyError: a policy that is not a Hugging Face one (the built-in transformer trains its own heads).
+    """
+    if policy.kind != "hf":
+        raise PolicyError(f"{policy.kind} policy: MTP heads are distilled for Hugging Face policies only (the "
+                          "built-in transformer has its own, `mtp_heads` in its ModelConfig)")
+    from rlbus.model.sampling.speculative import _captured_input
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    started = time.monotonic()
+    out_embed = policy.module.get_output_embeddings()
+    width = int(policy.module.config.hidden_size)
+    heads = MTPHeads(n_heads, width).to(device=policy.device)
+    opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
+    pad = getattr(policy.tokenizer, "pad_id", 0)
+    length = min(seq_len, policy.max_seq_len)
+    was_training = policy.module.training
+    policy.eval()
+    frozen = [(p, p.requires_grad) for p in policy.module.parameters()]
+    for p, _ in frozen:
+        p.requires_grad_(False)
+    losses: list[float] = []
+    agree: list[float] = []
+    try:
+        for step in range(steps):
+            ids, real = _windows(documents, batch_size, length, pad)
+            ids, real = ids.to(policy.device), real.to(policy.device)
+            with torch.no_grad(), _captured_input(out_embed) as seen:
+                logits = policy.forward(ids, attention_mask=real).logits.float()
+            hidden = seen[0].to(next(heads.parameters()).dtype)
+            target = torch.log_softmax(logits, dim=-1)                         # (B, T, V)
+            terms, agree = [], []
+            for k, head in enumerate(heads.heads, start=1):
+                T = ids.shape[1] - k
+                if T <= 0:
+                    continue
+                q = torch.log_softmax(out_embed(head(hidden[:, :T])).float(), dim=-1)
+                p = target[:, k:]
+                mask = real[:, k:] & real[:, :T]
+                kl = (p.exp() * (p - q)).sum(-1)
+                terms.append((kl * mask).sum() / mask.sum().clamp_min(1))
+                agree.append(float(((q.argmax(-1) == p.argmax(-1)) & mask).sum() / mask.sum().clamp_min(1)))
+            if not terms:
+                raise PolicyError(f"documents of one token cannot train MTP heads (seq_len {length})")
+            loss = torch.stack(terms).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            if report is not None:
+                report(step + 1, losses[-1])
+    finally:
+        for p, flag in frozen:
+            p.requires_grad_(flag)
+        policy.train(was_training)
+    p0 = next(policy.module.parameters())
+    return DistillResult(heads.to(dtype=p0.dtype).eval(), losses, agree, time.monotonic() - started)
+
+
+def summary(result: DistillResult) -> dict[str, Any]:
+    """What a phase's record says of a distillation."""
+    return {"heads": len(result.heads), "steps": len(result.losses), "first_kl": result.losses[0],
+            "final_kl": sum(result.losses[-5:]) / len(result.losses[-5:]),
+            "greedy_agreement": [round(a, 4) for a in result.acceptance], "seconds": round(result.seconds, 2),
+            "file": MTP_FILE}
