@@ -28,6 +28,7 @@ from rlbus.model.env import (
     state_tokens,
 )
 from rlbus.model.env.agentic import NO_CALL
+from rlbus.model.env.summaries import SUMMARY_REQUEST, fresh_context
 from rlbus.model.policies.hf import HFPolicy
 from rlbus.model.policies.interface import ChatTokenizer
 from rlbus.model.policies.tokenizer import ByteTokenizer
@@ -204,6 +205,38 @@ async def test_a_full_context_is_summarised_and_the_episode_goes_on_in_its_works
     ended = (await off.step(first, edit, FakeWorkspace(task))).state
     assert ended.done and ended.ended == "tokens" and off.summary_plan(first) is None
     assert env.summary_plan(first) is not None
+
+
+async def test_a_requested_summary_goes_on_in_a_fresh_context_of_the_task_and_the_summary() -> None:
+    """`summary_at_tokens`: once a turn brings the context to it, `request_summary` adds `SUMMARY_REQUEST` as a user
+    turn; the next policy turn (the summary) runs no tool, and `restart` goes on from one user turn holding the task
+    and the summary (`fresh_context`), calls and spent budgets kept, the state round-tripping; the edit made before
+    it still earns 1.0. Nothing is asked before a first turn, below the threshold, twice, or right after a restart."""
+    task = TASKS[1]
+    edit, submit = (ids(text) for text in reference_script(task))
+    first = AgenticEnvironment(TOK).start(task)
+    at = len(state_context(first, TOK)) + len(edit)
+    env, port = AgenticEnvironment(TOK, AgenticBudgets(summary_at_tokens=at)), FakeWorkspace(task)
+    state = (await env.step(first, edit, port)).state
+    below = AgenticEnvironment(TOK, AgenticBudgets(summary_at_tokens=len(state_context(state, TOK)) + 1))
+    assert env.request_summary(first) is None and below.request_summary(state) is None
+    asked = env.request_summary(state)
+    assert asked is not None and asked.summarizing and asked.turns[:-1] == state.turns
+    assert TOK.decode(asked.turns[-1].ids) == SUMMARY_REQUEST and asked.turns[-1].role == "user"
+    assert env.request_summary(asked) is None and env.restart(asked) is None
+    files = dict(port.files)
+    summary = "edited the module; submit next"
+    wrote = (await env.step(asked, ids(summary), port)).state
+    assert wrote.turns[-1].role == "assistant" and not wrote.done and port.files == files
+    assert (wrote.calls, wrote.tool_calls, wrote.policy_turns) == (state.calls, state.tool_calls, state.policy_turns)
+    fresh = env.restart(wrote)
+    assert fresh is not None and [t.role for t in fresh.turns] == ["user"] and env.restarted(fresh)
+    assert TOK.decode(fresh.turns[0].ids) == fresh_context(env.render(task), summary)
+    assert (fresh.summaries, fresh.summarizing, fresh.calls) == (1, False, state.calls)
+    assert decode_state(encode_state(fresh)) == fresh and env.request_summary(fresh) is None
+    assert not env.restarted(state)
+    done = (await env.step(fresh, submit, port)).state
+    assert done.done and done.reward == 1.0 and done.ended == "submit"
 
 
 def ids(text: str) -> list[int]:
