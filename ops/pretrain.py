@@ -261,7 +261,8 @@ def phases_of(settings: PretrainSettings) -> list[Phase]:
     from rlbus.model.training.phases import Phase
 
     return [Phase(name=p.name, kind=p.kind, steps=p.steps, seq_len=p.seq_len, lr=p.lr, warmup_steps=p.warmup_steps,
-                  min_lr_ratio=p.min_lr_ratio, batch_size=p.batch_size, data=p.data, rope_theta=p.rope_theta)
+                  min_lr_ratio=p.min_lr_ratio, batch_size=p.batch_size, data=p.data, rope_theta=p.rope_theta,
+                  mtp_heads=p.mtp_heads, mtp_steps=p.mtp_steps)
             for p in settings.phases]
 
 

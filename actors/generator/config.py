@@ -68,6 +68,11 @@ class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     batch holds as many groups as without growth; false: all of its completions."""
     temperature: NonNegativeFloat = 1.0
     """Sampling temperature; 0 is greedy."""
+    speculative: bool = False
+    """Sample with the policy's MTP heads drafting and its main head verifying (model/sampling/speculative.py): the
+    same distribution and behaviour logprobs as plain sampling, fewer forwards when drafts are accepted. Needs MTP
+    heads: a built-in policy with `mtp_heads`, a Hugging Face one with `mtp_heads.safetensors` (a phase's
+    `mtp_heads`); MoE policies are refused. The key only: the generator loops sample plainly for now."""
     max_tokens: PositiveInt = 256
     """Longest completion, in tokens."""
     partial_every_tokens: PositiveInt = 64

@@ -48,12 +48,12 @@ class MTPHeads(nn.Module):
 
 
 def heads_to_bytes(heads: MTPHeads) -> bytes:
-    """The heads as a safetensors file (float32, metadata naming the format, head count and width)."""
+    """The heads as a safetensors file: float32 tensors, the format named in the metadata (one key, so the bytes
+    of equal heads are equal: the file's sha256 is in the policy's spec)."""
     from safetensors.torch import save
 
     state = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in heads.state_dict().items()}
-    meta = {"format": _FORMAT, "n_heads": str(len(heads)), "hidden_size": str(heads.hidden_size)}
-    return save(state, metadata=meta)
+    return save(state, metadata={"format": _FORMAT})
 
 
 def heads_from_bytes(data: bytes) -> MTPHeads:
@@ -68,7 +68,8 @@ def heads_from_bytes(data: bytes) -> MTPHeads:
         meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
         if meta.get("format") != _FORMAT:
             raise ValueError(f"metadata format {meta.get('format')!r}")
-        heads = MTPHeads(int(meta["n_heads"]), int(meta["hidden_size"]))
+        n = len({name.split(".")[1] for name in state})
+        heads = MTPHeads(n, int(state["heads.0.fc.weight"].shape[0]))
         heads.load_state_dict(state)
     except Exception as err:  # safetensors raises its own SafetensorError
         raise PolicyError(f"{MTP_FILE}: not MTP heads rlbus wrote ({type(err).__name__}: {str(err)[:120]}); "

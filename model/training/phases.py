@@ -8,6 +8,9 @@
   same phases ends with the weights of an unbroken run, each phase trained once from its predecessor's output: a
   phase's weights and its step count are written together (a built-in `pretrain.pt` holds its step, a Hugging
   Face directory is replaced whole with its `pretrain.json`), and its marker only after that.
+- A phase with `mtp_heads` then distils that many MTP heads from its model, frozen, on the pretraining corpus
+  (model/training/mtp.py), into `mtp_heads.safetensors` beside it, before its marker (a resume that finds the
+  model saved but not marked distils them again, with the same seed).
 - Does not: own the training loops (model/training/pretrain.py `pretrain`, model/training/sft.py `sft`), the
   corpus (model/training/corpus.py) or the `[pretrain]` keys (topology/file/schema.py `PretrainPhase`).
 """
@@ -83,6 +86,8 @@ class Phase:
     batch_size: int | None = None
     data: str = ""
     rope_theta: float | None = None
+    mtp_heads: int = 0
+    mtp_steps: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +278,35 @@ def _sft(config: PretrainConfig, phase: Phase, seed: int, out_dir: Path, threads
                                           "trained_tokens": result.trained_tokens}
 
 
+def _distill(config: PretrainConfig, phase: Phase, seed: int, out_dir: Path, policy: Policy, begin: int
+             ) -> dict[str, Any]:
+    """Distil `phase.mtp_heads` heads from the phase's model (frozen) on the pretraining corpus of a main phase's
+    data, for `mtp_steps` steps (default the phase's), and write them beside the model; returns their record.
+
+    :raises PolicyError: a built-in policy (its MTP heads are part of its model: `ModelConfig.mtp_heads`).
+    """
+    from rlbus.model.policies.hf import HFPolicy
+    from rlbus.model.training.mtp import MTP_FILE, distill_mtp_heads, summary
+    from rlbus.model.training.pretrain import _corpus
+
+    if not isinstance(policy, HFPolicy):
+        raise PolicyError(f"phase {phase.name!r}: mtp_heads distils heads for a Hugging Face policy; the built-in "
+                          "policy trains its own MTP heads with the LM loss (ModelConfig.mtp_heads)")
+    dirs = (*config.corpus_dirs, phase.data) if phase.data and phase.kind == "main" else config.corpus_dirs
+    cfg = dataclasses.replace(config, corpus_dirs=dirs,
+                              code_fraction=config.code_fraction or (0.5 if phase.data and phase.kind == "main"
+                                                                     else 0.0))
+    length = min(policy.max_seq_len, phase.seq_len or policy.max_seq_len)
+    documents = _corpus(cfg, seed + begin, policy.tokenizer, length, eval_tasks(config.task_seed, config.eval_n))
+    result = distill_mtp_heads(policy, documents, n_heads=phase.mtp_heads, steps=phase.mtp_steps or phase.steps,
+                               batch_size=phase.batch_size or config.batch_size, seq_len=length, seed=seed + begin)
+    policy.set_mtp_heads(result.heads)
+    tmp = out_dir / f".{MTP_FILE}.tmp"
+    tmp.write_bytes(policy.files()[MTP_FILE])
+    tmp.replace(out_dir / MTP_FILE)
+    return summary(result)
+
+
 def _schedule(config: PretrainConfig, phase: Phase, **more: Any) -> PretrainConfig:
     """`config` with the phase's schedule; no intermediate checkpoint (a phase is saved once, at its end)."""
     pick = {"lr": phase.lr, "warmup_steps": phase.warmup_steps, "min_lr_ratio": phase.min_lr_ratio,
@@ -322,6 +356,8 @@ def run_phases(config: PretrainConfig, phases: list[Phase], seed: int, out_dir: 
             summary = json.loads((out_dir / SUMMARY_NAME).read_text()) if (out_dir / SUMMARY_NAME).is_file() else {}
             record = {**head, "losses": summary.get("losses", []) if summary.get("step") == end else [],
                       "resumed": "saved before its marker"}
+            if phase.mtp_heads:
+                record["mtp"] = _distill(config, phase, seed, out_dir, load_start(out_dir, device=device)[0], begin)
             _write_json(marker, record)
             records.append(record)
             current, begin = None, end
@@ -343,6 +379,8 @@ def run_phases(config: PretrainConfig, phases: list[Phase], seed: int, out_dir: 
         t0 = time.monotonic()
         trained, losses, extra = RUNNERS[phase.kind](config, phase, seed, out_dir, threads, progress, start, begin,
                                                      origin, device)
+        if phase.mtp_heads:
+            extra["mtp"] = _distill(config, phase, seed, out_dir, trained, begin)
         record = {**head, "losses": losses, "seconds": round(time.monotonic() - t0, 2), **extra}
         _write_json(marker, record)
         log.info("pretrain_phase_done", phase=phase.name, kind=phase.kind, steps=phase.steps,

@@ -30,11 +30,11 @@ def _documents(policy: HFPolicy) -> Iterator[tuple[list[int], list[float]]]:
 
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFPolicy, dict[str, float | list[float]]]:
-    """A tiny Llama (weights with more signal than the init) saved with 2 heads distilled for 40 steps."""
+    """A tiny Llama (weights with more signal than the init) saved with 2 heads distilled for 30 steps."""
     folder = build_family(tmp_path_factory.mktemp("mtp"), "llama")
     policy = HFPolicy.load(folder)
     policy.load_tensors_(random_state(policy, seed=3))
-    result = distill_mtp_heads(policy, _documents(policy), n_heads=2, steps=40, batch_size=4, seq_len=96)
+    result = distill_mtp_heads(policy, _documents(policy), n_heads=2, steps=30, batch_size=4, seq_len=64)
     policy.set_mtp_heads(result.heads)
     policy.module.save_pretrained(folder)
     for name, data in policy.files().items():
@@ -83,3 +83,33 @@ def test_hf_speculation_keeps_greedy_tokens_and_the_policys_logprobs(
             logits = policy.forward(torch.tensor([prompt + s.tokens.tolist()])).logits[0, len(prompt) - 1 : -1]
         exact = torch.log_softmax(logits.float(), -1).gather(-1, s.tokens[:, None])[:, 0]
         torch.testing.assert_close(s.logprobs, exact, atol=1e-4, rtol=0)
+
+
+def test_a_phase_with_mtp_heads_distils_them_beside_its_model_and_again_on_resume(tmp_path: Path) -> None:
+    """A main phase with `mtp_heads = 2` leaves `mtp_heads.safetensors` beside the model it saved (its marker
+    records the distillation); a run that stopped after the save, before the marker, distils the same heads."""
+    import dataclasses
+
+    from rlbus.model.policies.interface import load_policy
+    from rlbus.model.training.phases import Phase, marker_name, run_phases
+    from rlbus.model.training.pretrain import PretrainConfig
+
+    src = tmp_path / "src" / "pkg"
+    src.mkdir(parents=True)
+    (src / "mod.py").write_text("".join(f"def f_{i}(x, y):\n    return x * {i} + y\n\n\n" for i in range(40)))
+    config = PretrainConfig.preset("tiny", eval_n=1, max_new_tokens=4, batch_size=2, code_fraction=1.0,
+                                   corpus_dirs=(str(src.parent),), stdlib=False)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_seq_len=128))
+    phase = Phase("main", "main", 1, seq_len=64, mtp_heads=2, mtp_steps=3)
+    start = HFPolicy.load(build_family(tmp_path, "qwen2-tied"), dtype=torch.float32)
+    out = tmp_path / "out"
+    result = run_phases(config, [phase], 0, out, 1, policy=start)
+    heads = (out / MTP_FILE).read_bytes()
+    assert result.phases[0]["mtp"]["heads"] == 2 and result.phases[0]["mtp"]["steps"] == 3
+    loaded = load_policy(out)
+    assert isinstance(loaded, HFPolicy) and loaded.mtp_heads is not None and len(loaded.mtp_heads) == 2
+    (out / marker_name(0, phase)).unlink()
+    (out / MTP_FILE).unlink()
+    again = run_phases(config, [phase], 0, out, 1, policy=start)
+    assert again.phases[0]["resumed"] == "saved before its marker"
+    assert (out / MTP_FILE).read_bytes() == heads

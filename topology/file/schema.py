@@ -202,6 +202,13 @@ class PretrainPhase(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     rope_theta: PositiveFloat | None = None
     """'long_context': the RoPE base after the extension; default: the base scaled NTK-style by the context
     ratio r, `theta * r ** (d / (d - 2))` (d: the head dimension)."""
+    mtp_heads: NonNegativeInt = 0
+    """After the phase, distil this many MTP heads (the drafters of `[generator] speculative`) from the phase's
+    model, frozen, on the pretraining corpus (KL to the main head's distribution k tokens on), into
+    `mtp_heads.safetensors` beside the model; a Hugging Face policy only (the built-in one trains its own). 0: none
+    (heads distilled by an earlier phase stay, as drafters of a model that has moved on)."""
+    mtp_steps: PositiveInt | None = None
+    """Distillation steps of `mtp_heads`; default: the phase's `steps`."""
 
 
 DEMOS_DATA: Final = "demos"
