@@ -4,7 +4,8 @@
   message carries), `fetch_object` / `stream_object` (batched pull, hashed on the way), `delete_object`
   (best effort) and the digest forms (`digest`, `store_digest`); used by weight sync, the publisher, the
   checkpointer and the trainer's resume (through `Bus.get_object`).
-- Guarantee: every download is checked against the store's own digest and, when given, the announced one.
+- Guarantee: every download is checked against the store's own digest and, when given, the announced one; no
+  failed upload leaves metadata naming chunks that are gone.
 - Does not: create buckets (messages/streams.py) or choose object names (messages/subjects.py).
 """
 
@@ -94,13 +95,15 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
 
     The objects are the ones nats-py's `ObjectStore.put` writes (chunks on a fresh nuid's subject, then the
     metadata as a rollup, then the replaced object's chunks purged), but the chunks go pipelined: at most
-    `window` unacked, their acks read from one reply inbox. A failed upload purges the chunks it sent.
+    `window` unacked, their acks read from one reply inbox. A failed upload purges the chunks it sent, unless
+    its metadata went out: that may be stored whatever its ack says, so the chunks stay, and an upload whose
+    metadata is found stored is done (its ack was lost, or came after the timeout on a stalled process).
     nats-py's `ObjectStore.put()` waits for each chunk's ack before sending the next: one round trip per
     512 KiB, which on a link with a 60 ms round trip caps an upload at ~8.7 MB/s whatever the bandwidth.
 
     `new`: the caller knows no object of this name is in the bucket. The lookup of the one it replaces is
     skipped and the metadata goes right behind the chunks, acked with them: one round trip for the whole
-    object. A failure then purges the metadata too. Only for objects nothing reads before the caller names
+    object. A failure then purges the metadata instead. Only for objects nothing reads before the caller names
     them elsewhere (between the metadata landing and the last chunk's ack, the object reads as corrupt).
 
     `keep_same`: the name is content-addressed. An object already stored under it with these bytes' size and
@@ -136,6 +139,7 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
     view = memoryview(data).cast("B")
     sha = hashlib.sha256()
     sent = acked = 0
+    meta_sent = False                     # the metadata may be stored from here on, whatever its ack says
     sub = await nc.subscribe(inbox)
     behind_sub = await nc.subscribe(behind_inbox := nc.new_inbox()) if behind is not None else None
     try:
@@ -152,6 +156,7 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
                           digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(sha.digest()).decode()))
         meta = json.dumps(info.as_dict()).encode()
         if new:                            # behind the chunks, its ack read with theirs
+            meta_sent = True
             await nc.publish(meta_subject, meta, reply=inbox, headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
             sent += 1
         if behind is not None and behind_sub is not None:
@@ -166,16 +171,15 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
             except (nats.errors.Error, TimeoutError) as err:
                 behind.error = err
         if not new:
+            meta_sent = True
             await js.publish(meta_subject, meta, headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
-    except BaseException:
+    except BaseException as err:
+        stored = False
         with anyio.move_on_after(2.0, shield=True):
-            try:
-                await js.purge_stream(stream, subject=chunk_subject)
-                if new:
-                    await js.purge_stream(stream, subject=meta_subject)
-            except (nats.errors.Error, TimeoutError) as err:
-                log.warning("object_put_cleanup_failed", bucket=bucket, object=name, error=repr(err))
-        raise
+            stored = await _undo_put(js, bucket, name, nuid, new=new, meta_sent=meta_sent)
+        if not (stored and isinstance(err, Exception)):
+            raise
+        log.info("object_put_ack_lost", bucket=bucket, object=name, error=repr(err))
     finally:
         with anyio.move_on_after(2.0, shield=True):
             await sub.unsubscribe()
@@ -184,6 +188,31 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
     if old is not None and not old.deleted and old.nuid:
         await js.purge_stream(stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=old.nuid))
     return "sha256:" + sha.hexdigest()
+
+
+async def _undo_put(js: JetStreamContext, bucket: str, name: str, nuid: str, *, new: bool, meta_sent: bool) -> bool:
+    """After a failed upload, clean up without ever leaving metadata that names chunks which are gone. -> True when
+    the upload is stored after all: its metadata (sent once every chunk was acked) is the name's metadata now, and
+    only its ack was lost or came after the timeout (a stalled process); nothing is purged then.
+
+    Before the metadata was sent, the chunks are purged. Once it was, they are left, since it may still be stored:
+    a `new` object's metadata (sent with its chunks) is purged instead. The cost of a failure is then unreferenced
+    chunks, never an object every download waits on for its whole limit and a `keep_same` upload keeps."""
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    meta_subject = OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
+    try:
+        if not meta_sent:
+            await js.purge_stream(stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid))
+        elif new:
+            await js.purge_stream(stream, subject=meta_subject)
+        else:
+            last = await js.get_last_msg(stream, meta_subject)
+            return ObjectInfo.from_response(json.loads(last.data or b"{}")).nuid == nuid
+    except nats.js.errors.NotFoundError:
+        log.info("object_put_metadata_not_stored_yet", bucket=bucket, object=name)
+    except (nats.errors.Error, TimeoutError, ValueError, TypeError) as err:
+        log.warning("object_put_cleanup_failed", bucket=bucket, object=name, error=repr(err))
+    return False
 
 
 async def _chunk_ack(sub: Subscription, stall_s: float, bucket: str, name: str) -> None:

@@ -6,8 +6,14 @@ or is refused, never hangs."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import nats.errors
 import nats.js.errors
 import pytest
+from helpers import eventually
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
 
 from rlbus.messages import objects
 from rlbus.messages.bus import Bus
@@ -69,6 +75,43 @@ async def test_a_content_addressed_object_written_again_with_the_same_bytes_is_k
     assert await put_object(js, bucket, "file", other, keep_same=True) == digest(other)
     assert (await store.get_info("file")).nuid != rewritten.nuid
     assert await fetch_object(js, bucket, "file", expected_digest=digest(other)) == other
+
+
+class _MetadataAckLate(JetStreamContext):
+    """A context that gives up on the ack of an object's metadata before it can arrive, as a process stalled past
+    the request's timeout does: the server stores the metadata, the uploader sees a timeout."""
+
+    async def publish(self, subject: str, payload: bytes = b"", timeout: float | None = None,  # noqa: ASYNC109
+                      stream: str | None = None, headers: dict[str, Any] | None = None,
+                      msg_ttl: float | None = None) -> PubAck:
+        if subject.startswith("$O.") and ".M." in subject:
+            timeout = 1e-6
+        return await super().publish(subject, payload, timeout=timeout, stream=stream, headers=headers,
+                                      msg_ttl=msg_ttl)
+
+
+@pytest.mark.parametrize("keep_same", [False, True])
+async def test_an_upload_whose_metadata_ack_comes_too_late_leaves_the_chunks_its_metadata_names(
+        admin_bus: Bus, keep_same: bool) -> None:
+    """The metadata's ack comes after the timeout (the uploader stalled) while the server stores it: the upload
+    is taken as done when the stored metadata is found to be its own, and its chunks are never purged. Purged,
+    they would leave an object that every download waits on for its whole limit and that an upload of the same
+    bytes with `keep_same` keeps."""
+    bucket = admin_bus.subjects.checkpoint_bucket()
+    store = await admin_bus.js.create_object_store(bucket)
+    blob = bytes(range(256)) * (OBJECT_CHUNK // 256 + 7)                # two chunks
+    try:
+        assert await put_object(_MetadataAckLate(admin_bus.nc, timeout=5.0), bucket, "file", blob,
+                                keep_same=keep_same) == digest(blob)
+    except nats.errors.TimeoutError:
+        pass                             # its metadata was not stored yet when the upload looked it up
+    info = await eventually(lambda: store.get_info("file"), what="the late metadata stored",
+                            ignoring=(nats.js.errors.NotFoundError,))
+    chunks = await admin_bus.js.stream_info(f"OBJ_{bucket}", subjects_filter=f"$O.{bucket}.C.>")
+    assert chunks.state.subjects == {f"$O.{bucket}.C.{info.nuid}": 2}
+    assert await fetch_object(admin_bus.js, bucket, "file", expected_digest=digest(blob)) == blob
+    assert await put_object(admin_bus.js, bucket, "file", blob, keep_same=True) == digest(blob)
+    assert await fetch_object(admin_bus.js, bucket, "file", expected_digest=digest(blob)) == blob
 
 
 async def test_a_download_whose_object_is_replaced_before_its_chunks_arrive_reads_the_new_one(
