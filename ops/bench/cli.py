@@ -21,6 +21,8 @@ BENCHES: Final = {
     "trainer": ("trainer", "the trainer at world size 1 and 2 (FSDP2 ranks): step time, memory per rank, publish"),
     "precision": ("precision", "MoE numerics: NVFP4/MXFP8 logprob drift, batch invariance, router replay mismatch, "
                                "MXFP8 gradients and a short RL run per precision"),
+    "agentic": ("agentic", "multi-turn episodes: the KV cache kept across turns vs re-prefill and transformers "
+                           "generate, continuous vs static batching while tools run"),
     "peer": ("peer", "TRL's GRPOTrainer vs rlbus up on the same Hugging Face model, tasks, reward and budget"),
 }
 """Benchmark name → (its module in `ops/bench/`, what it measures)."""

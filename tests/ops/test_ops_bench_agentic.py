@@ -1,0 +1,39 @@
+"""`rlbus bench agentic --quick --json` prints one object with the stable keys, and the invariants hold: every ratio
+is a positive finite number, the episodes have the shape the bench names, and continuous batching keeps more of the
+batch sampling than static batching on the quick shape's seeded tool delays (the quick shape is one where they
+differ). No speed is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from rlbus.ops.bench.agentic import QUICK, table
+from rlbus.ops.cli import main
+
+
+def test_quick_agentic_bench_keys_and_invariants(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)   # the Qwen2 is built and cached under .rlbus/bench here
+    assert main(["bench", "agentic", "--quick", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    assert set(r["turn_cache_speedup"]) == {"hf", "builtin"}
+    ratios = [*r["turn_cache_speedup"].values(), r["vs_transformers_ratio"]]
+    assert all(math.isfinite(x) and x > 0 for x in ratios)
+    assert set(r["tokens_per_s"]["hf"]) == {"cached", "reprefill", "transformers"}
+    assert set(r["tokens_per_s"]["builtin"]) == {"cached", "reprefill"}
+
+    occ, steps = r["batch_occupancy"], r["occupancy_steps"]
+    assert set(occ) == {"continuous", "static"} and all(0 < x <= 1 for x in occ.values())
+    assert occ["continuous"] > occ["static"] and steps["continuous"] < steps["static"]
+
+    shape = r["episode_tokens"]
+    assert shape["final"] == QUICK.prompt + QUICK.turns * QUICK.turn + (QUICK.turns - 1) * QUICK.observation
+    assert r["quick"] is True and r["threads"] == 1 and len(r["loadavg"]) == 3
+    assert (tmp_path / ".rlbus" / "bench").is_dir()
+
+    assert "speedup" in table(r)   # the table renders from the same keys
