@@ -55,7 +55,8 @@ def register(tasks_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                        help=f"demonstrations to write (default {DEFAULT_N}; a file gives at most one a task)")
     demos.add_argument("--seed", type=int, default=1, help="seed of the tasks drawn and of the expert (default 1)")
     demos.add_argument("--summary-at", type=int, default=None, metavar="TOKENS",
-                       help="tokens of context past which the expert summarises (default: the agentic config's; 0: never)")
+                       help="tokens of context past which the expert summarises (default: [generator.agentic] "
+                            "summary_at_tokens's default; 0: never)")
     demos.add_argument("--tokenizer", default=None, metavar="DIR",
                        help="count tokens with DIR/tokenizer.json (default: the built-in byte tokenizer)")
     demos.add_argument("--pool", type=int, default=DEFAULT_POOL, metavar="N",
@@ -66,13 +67,10 @@ def register(tasks_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def default_summary_at() -> int:
-    """The context, in tokens, past which an agentic episode is summarised: `[generator.agentic]`'s
-    `summary_at_tokens` where the config has it, else its `max_tokens - min_turn_tokens` (where the environment
-    summarises)."""
+    """`[generator.agentic] summary_at_tokens` as the topology's default has it (0: no summary step)."""
     from rlbus.actors.generator.config import AgenticSettings
 
-    settings = AgenticSettings()
-    return int(getattr(settings, "summary_at_tokens", 0) or settings.max_tokens - settings.min_turn_tokens)
+    return AgenticSettings().summary_at_tokens
 
 
 def training_tasks(source: str, seed: int, n: int) -> list[RepoTask]:
