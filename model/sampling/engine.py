@@ -4,7 +4,8 @@
   the framing, the next header) to the keys and values it already holds and samples from there, instead of
   prefilling the whole history again; rows join and leave the decoding batch between two decoding steps; a cap
   on cached tokens (`kv_cache_tokens`) makes rows wait (and evicts resting rows' caches), never fail; `swap`
-  keeps every cache across an in-flight weight swap. `TurnSample`, `EngineStats`.
+  keeps every cache across an in-flight weight swap; `generate`, a drop-in for `generate`'s call that finds
+  each context's row by its longest cached prefix. `TurnSample`, `EngineStats`.
 - Does not: run tools, frame turns, summarise (a summary is just a new context: the engine keeps the common
   prefix and prefills the rest), load weights (the caller swaps them in place and calls `swap`), or record
   MoE routing (a routed policy is refused: `generate` records it).
@@ -29,9 +30,12 @@ import torch
 from torch import Tensor
 
 from rlbus.model.policies.interface import Policy, PolicyCache, RowKV, as_policy
-from rlbus.model.sampling.generate import sampling_kv_dtype
+from rlbus.model.sampling.generate import SampledSequence, SwapHook, sampling_kv_dtype
 
 State = Literal["resting", "queued", "decoding"]
+_MATCH_IDS = 16
+"""`TurnEngine.generate` looks for a context's row among the rows whose first ids equal the context's first
+_MATCH_IDS ids (a shorter context opens a row of its own)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,13 @@ class _Row:
         return len(self.tokens) + self.budget - len(self.sampled)
 
 
+@dataclass(frozen=True)
+class _Anonymous:
+    """The key of a row `TurnEngine.generate` opened (its number)."""
+
+    number: int
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -146,6 +157,7 @@ class TurnEngine:
         self._batch: list[_Row] = []
         self._cache: PolicyCache | None = None
         self._tick = 0
+        self._opened = 0
 
     # ---- rows ------------------------------------------------------------------------------------------
     def turn(self, row: Hashable, context: Sequence[int], max_new_tokens: int, *, seed: int | None = None,
@@ -222,6 +234,52 @@ class TurnEngine:
             raise ValueError(f"row {row!r} is {'unknown' if r is None else r.state}; expected a resting row")
         return r
 
+    # ---- a drop-in for `generate` ------------------------------------------------------------------------
+    def generate(self, contexts: Sequence[Sequence[int]], *, max_new_tokens: int, seed: int,
+                 on_step: SwapHook | None = None) -> list[SampledSequence]:
+        """What `generate(contexts, ...)` returns (one sequence per context, routing None), with the caches kept
+        from call to call: no row keys are needed. Each context continues the resting row (of earlier calls of
+        this method) whose ids share the longest prefix with it, a chunk or turn of the same episode; otherwise
+        it opens a row whose generator is seeded from `seed` and its index. on_step is `generate`'s hook: called
+        with the step index before each `step` (0: before the prefill); a version it returns is passed to
+        `swap`. Rows are never closed: their caches go least recently used first when `kv_cache_tokens` needs
+        room, and a row without a cache is forgotten, so kv_cache_tokens is required.
+
+        :raises ValueError: no kv_cache_tokens, or what `turn` refuses.
+        """
+        if self.kv_cache_tokens is None:
+            raise ValueError("TurnEngine.generate keeps rows of earlier calls: it needs kv_cache_tokens")
+        index: dict[tuple[int, ...], list[_Row]] = {}
+        for r in self._rows.values():
+            if r.state == "resting" and isinstance(r.key, _Anonymous) and r.cached:
+                index.setdefault(tuple(r.tokens[:_MATCH_IDS]), []).append(r)
+        keys: list[Hashable] = []
+        for i, context in enumerate(contexts):
+            found = [r for r in index.get(tuple(context[:_MATCH_IDS]), []) if r.state == "resting"]
+            best = max(found, key=lambda r: common_prefix(r.tokens[: r.cached], context), default=None)
+            if best is not None:
+                self.turn(best.key, context, max_new_tokens)
+                keys.append(best.key)
+                continue
+            key = _Anonymous(self._opened)
+            self._opened += 1
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + i) if self.temperature > 0 else None
+            self.turn(key, context, max_new_tokens, generator=generator)
+            keys.append(key)
+        ended: dict[Hashable, TurnSample] = {}
+        step = 0
+        while len(ended) < len(keys):
+            if on_step is not None and (version := on_step(step)) is not None:
+                self.swap(version)
+            ended.update((t.row, t) for t in self.step())
+            step += 1
+        return [SampledSequence(prompt=torch.as_tensor(list(context), dtype=torch.long),
+                                tokens=torch.tensor(ended[k].tokens, dtype=torch.long),
+                                logprobs=torch.tensor(ended[k].logprobs, dtype=torch.float32),
+                                versions=torch.tensor(ended[k].versions, dtype=torch.long), routing=None,
+                                finish_reason=ended[k].finish_reason)
+                for k, context in zip(keys, contexts, strict=True)]
+
     # ---- decoding ------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[TurnSample]:
@@ -278,6 +336,8 @@ class TurnEngine:
             held -= o.cached
             o.kv, o.cached, o.reused = None, 0, 0
             self.stats.evictions += 1
+            if o.state == "resting" and isinstance(o.key, _Anonymous):
+                del self._rows[o.key]
             if held + need <= self.kv_cache_tokens:
                 return True
         return False
@@ -311,7 +371,7 @@ class TurnEngine:
             tokens = logp.argmax(-1).tolist()
         else:
             probs = logp.exp()
-            tokens = [int(torch.multinomial(probs[b : b + 1], 1, generator=r.generator)[0, 0])
+            tokens = [int(torch.multinomial(self._on(probs[b : b + 1], r.generator), 1, generator=r.generator)[0, 0])
                       for b, r in enumerate(rows)]
         chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
         for r, t, lp in zip(rows, tokens, chosen, strict=True):
@@ -320,6 +380,11 @@ class TurnEngine:
             r.versions.append(self.version)
             r.tokens.append(t)
         self.stats.sampled_tokens += len(rows)
+
+    @staticmethod
+    def _on(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+        """probs on the generator's device (a CPU generator samples a CUDA policy's row on the CPU)."""
+        return probs if generator is None or probs.device == generator.device else probs.to(generator.device)
 
     def _ended(self, r: _Row) -> bool:
         return (self.eos_id is not None and r.sampled[-1] == self.eos_id) or len(r.sampled) >= r.budget

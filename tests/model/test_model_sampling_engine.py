@@ -201,3 +201,23 @@ def test_max_batch_and_refusals() -> None:
         engine.turn("s", [5, 6], 4)
     with pytest.raises(ValueError, match="max_seq_len"):
         engine.turn("t", [5] * 500, 20, seed=0)
+
+
+def test_generate_drop_in_finds_each_context_row_by_its_cached_prefix() -> None:
+    """`TurnEngine.generate` takes `generate`'s call: a chunk's continuation reuses its row's cache (found by prefix,
+    no keys), greedy output equals `generate` on the whole context, the swap hook versions the tokens, and rows whose
+    cache the cap evicts are forgotten."""
+    policy = _builtin(6)
+    engine = TurnEngine(policy, temperature=0, kv_cache_tokens=200)
+    prompt = list(range(20, 60))
+    contexts = [[*prompt, 5, 6], [*prompt, 7], list(range(100, 130))]
+    first = engine.generate(contexts, max_new_tokens=4, seed=0)
+    nexts = [c + s.tokens.tolist() + [9, 9] for c, s in zip(contexts, first, strict=True)]
+    second = engine.generate(nexts, max_new_tokens=5, seed=0, on_step=lambda step: 3 if step == 2 else None)
+    assert engine.stats.reused_tokens == sum(len(c) + 3 for c in contexts)   # all but the last sampled id
+    for context, out in zip(nexts, second, strict=True):
+        ref = generate(policy, [context], max_new_tokens=5, temperature=0, kv_dtype=engine.kv_dtype)[0]
+        assert out.tokens.tolist() == ref.tokens.tolist() and out.versions.tolist() == [0, 0, 3, 3, 3]
+        torch.testing.assert_close(out.logprobs, ref.logprobs, atol=LOGP_ATOL, rtol=0)
+    engine.generate([list(range(140, 260))], max_new_tokens=4, seed=1)   # needs room: older rows are dropped
+    assert engine.stats.evictions > 0 and len(engine.rows("resting")) < 4
