@@ -1,10 +1,11 @@
 """Weights end to end on real nats-servers: a trainer stand-in (real AdamW steps) uploads versions, the
 publisher writes deltas and snapshots into every region, and WeightSync instances in each region hold the
 trainer's bf16 cast bit-exactly — through corruption, lag, joining late, a cut-off region, a swap in the
-middle of a generation, and a SIGKILLed publisher process."""
+middle of a generation, a policy file whose upload ack came too late, and a SIGKILLed publisher process."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +25,8 @@ import torch
 from anyio.abc import TaskGroup
 from helpers import eventually, new_run
 from helpers.hf import build_family
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
 from torch import Tensor
 
 from rlbus.actors.base import ActorId, ActorLimits
@@ -248,6 +251,38 @@ async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exact
         store = await trainer.jetstream("eu").object_store(trainer.subjects.weights_bucket("eu"))
         kept = {info.name for info in await store.list(ignore_deletes=True)}
         assert "v0.full" not in kept and "v1.from0" not in kept and {"v3.full", "v5.from4"} <= kept
+        tg.cancel_scope.cancel()
+
+
+async def test_a_policy_file_whose_metadata_ack_comes_too_late_is_stored_whole_and_the_generator_builds_the_policy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The publisher's copy of a Hugging Face policy file into the region gets its metadata's ack after the
+    timeout (as on a stalled process; the server stored it): the file stays whole in the region's store, so the
+    generator builds the policy and holds version 0 bit for bit. With its chunks purged under the stored
+    metadata, every build would wait out a whole download limit, and the upload of the same bytes again keep
+    the broken copy."""
+    late: list[str] = []
+    publish = JetStreamContext.publish
+
+    async def ack_after_the_timeout(js: JetStreamContext, subject: str, payload: bytes = b"",
+                                    timeout: float | None = None, **kwargs: Any) -> PubAck:  # noqa: ASYNC109
+        if not late and subject.startswith("$O.WEIGHTS_") and ".M." in subject and json.loads(payload).get(
+                "name", "").startswith("policy-file-"):
+            late.append(subject)
+            timeout = 1e-6
+        return await publish(js, subject, payload, timeout=timeout, **kwargs)
+
+    monkeypatch.setattr(JetStreamContext, "publish", ack_after_the_timeout)
+    async with _regions(tmp_path, ("hub",)) as world, anyio.create_task_group() as tg:
+        trainer = await world.bus("hub", "trainer")
+        publisher = await _start_publisher(tg, world, _settings(world.rs))
+        sync = WeightSync(await world.bus("hub", "generator", "hub-gen-0"), "hub")
+        await tg.start(sync.run)
+        source = _source(kind="hf", root=tmp_path / "models")
+        await source.publish(trainer)
+        await _all_hold([sync], 0, publisher)
+        assert late
+        _assert_bit_exact(sync, source.history[0])
         tg.cancel_scope.cancel()
 
 

@@ -1,8 +1,8 @@
 """`put_object` pipelines its chunks and writes the object nats-py's object store reads: a replaced object's
 old chunks are purged, an upload into a bucket that does not exist is refused, a window smaller than the
 object's chunks still stores them in order, a `new` object (its metadata behind the chunks) reads back, and a
-content-addressed object written again is kept; a download whose object is replaced under it reads the new one
-or is refused, never hangs."""
+content-addressed object written again is kept, an upload whose metadata ack comes too late leaves the chunks its
+metadata names; a download whose object is replaced under it reads the new one or is refused, never hangs."""
 
 from __future__ import annotations
 
