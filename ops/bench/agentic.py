@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       batching starts every row's next turn together once all tools have returned; continuous batching lets a row
       rejoin as soon as its own has. `occupancy_steps` gives both runs' lengths in steps.
     - `episode_tokens`: the episodes' shape and final length.
+    - `spec_speedup` and `mtp_acceptance` {"builtin", "hf"}: MTP speculative sampling over plain greedy decoding at
+      equal outputs, and the share of drafts accepted, on two policies trained on strided counting (the Qwen2's
+      heads distilled from it); `speculative` has the detail (ops/bench/speculative.py).
     Wall-clock, torch at 1 thread, float32 weights on the CPU; `--agentic-rounds` rounds, the modes alternating
     in order within each round, medians. The Qwen2 (`hf_recipe.build_hf_dir`, random weights) is built once
     into `.rlbus/bench/agentic-qwen2-<size>/`; the built-in policy is randomly initialised (speed needs no
@@ -122,6 +125,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rate = {p: {m: tokens[p][m] / statistics.median(ts) for m, ts in arms.items()} for p, arms in times.items()}
         occupancy = {mode: _occupancy(builtin, occ, continuous=mode == "continuous")
                      for mode in ("continuous", "static")}
+        from rlbus.ops.bench import speculative
+
+        spec = speculative.measure(quick, rounds)
     finally:
         torch.set_num_threads(threads)
     return {
@@ -132,6 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "episode_tokens": {"episodes": shape.episodes, "prompt": shape.prompt, "turns": shape.turns,
                            "turn": shape.turn, "observation": shape.observation, "final": shape.final},
         "tokens_per_s": rate,
+        **spec,
         "policies": {"builtin": builtin.describe(), "hf": hf.describe()},
         "rounds": rounds,
         "threads": 1,
@@ -321,6 +328,9 @@ def table(result: dict[str, Any]) -> str:
     occ, steps = r["batch_occupancy"], r["occupancy_steps"]
     lines.append(f"batch occupancy while tools run: continuous {occ['continuous']:.3f} ({steps['continuous']} steps), "
                  f"static {occ['static']:.3f} ({steps['static']} steps)")
+    from rlbus.ops.bench import speculative
+
+    lines.extend(speculative.lines(r))
     lines.append(f"policies: builtin {r['policies']['builtin']}; hf {r['policies']['hf']}")
     load = ", ".join(f"{x:.2f}" for x in r["loadavg"])
     lines.append(f"wall {r['wall_s']:.0f} s; load average {load}; cpu count {os.cpu_count()}")
