@@ -218,7 +218,7 @@ async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exact
         rs = world.rs
         trainer = await world.bus("hub", "trainer")
         # no region is cut off: every announcement waits for all three however slow the machine (2 s would announce
-        # without a region that a loaded machine wrote later, and the regions_ready check below would fail)
+        # without a region that a loaded machine wrote later), unless a write there failed (see regions_ready below)
         publisher = await _start_publisher(tg, world, _settings(rs, full_every=3, region_wait_s=120.0))
         syncs = []
         for region in rs.regions:
@@ -242,7 +242,10 @@ async def test_generators_in_three_regions_hold_the_trainers_bf16_cast_bit_exact
         await _wait_announced(trainer, 5)      # generators may take a version before its final stage is out
         manifests = await _announcements(trainer)
         assert [m.version for m in manifests] == [0, 1, 2, 3, 4, 5]
-        assert all(sorted(m.regions_ready) == ["eu", "hub", "us"] for m in manifests)
+        # an announcement leaves out only a region a write of which failed (on a machine stalled past a request's
+        # timeout, say); with no failure, as nearly always, every announcement lists all three
+        failed = {r for r in rs.regions if publisher.counters.get(f"region_failures_{r}")}
+        assert all(set(rs.regions) - failed <= set(m.regions_ready) <= set(rs.regions) for m in manifests)
         v5 = manifests[-1]
         assert v5.objects == ["v5.from4", "v5.from3", "v3.full"] and v5.bases == [4, 3, None]
         assert v5.yields == [5, 5, 3] and v5.base_version == 4 and v5.encoding == "delta"
