@@ -37,6 +37,8 @@ JAIL_WORKSPACE: Final = "/workspace"
 """Where the workspace is inside a bwrap jail (other levels run in the host path itself)."""
 _SYSTEM_DIRS: Final = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _PATH: Final = "/usr/local/bin:/usr/bin:/bin"
+CALL_ENV: Final = {"PATH": _PATH, "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
+"""A call's environment (HOME added): no bytecode written, so an edit never runs against an older compile."""
 DRAIN_S: Final = 2.0
 """After a kill, how long the output pipe may take to reach EOF (every writer is dead by then)."""
 
@@ -136,7 +138,7 @@ async def run_jailed(level: Isolation, workspace: Path, argv: list[str], limits:
     """
     cmd, cwd = jail_argv(level, workspace, argv, limits)
     home = JAIL_WORKSPACE if level == "bwrap" else str(workspace)
-    env = {"PATH": _PATH, "LANG": "C.UTF-8", "HOME": home, "TMPDIR": "/tmp"}
+    env = {**CALL_ENV, "HOME": home}
     started = time.perf_counter()
     process = await anyio.open_process(cmd, stdin=DEVNULL, stdout=PIPE, stderr=STDOUT, env=env, cwd=cwd,
                                        start_new_session=True)
@@ -233,7 +235,7 @@ class SessionJail:
         :raises JailBroken: the jail died or hung (it is killed).
         """
         assert self.process.stdin is not None
-        env = {"PATH": _PATH, "LANG": "C.UTF-8", "HOME": JAIL_WORKSPACE, "TMPDIR": "/tmp"}
+        env = {**CALL_ENV, "HOME": JAIL_WORKSPACE}
         request = {"argv": argv, "timeout_s": limits.timeout_s, "cap": limits.max_output_bytes, "env": env,
                    "limits": {"cpu_seconds": limits.cpu_seconds, "memory_mb": limits.memory_mb,
                               "max_processes": limits.max_processes, "max_file_mb": limits.max_file_mb,

@@ -191,7 +191,7 @@ async def run_tool(ws: Workspace, tool: str, args: dict[str, Any], limits: ToolL
       stdout and stderr together; killed past its timeout (`status` timeout) or its output cap
       (`truncated`, `status` output_limit). `ok` is True when the command ran to its end, whatever its exit.
     - `grade` {files={}, stdlib_under_test=[], command="", timeout_s?}: the hidden tests `files` (path →
-      text) in a fresh copy of the workspace, never in the workspace itself: whatever the copy holds at
+      text) in a fresh copy of the workspace (without its `__pycache__`), never in the workspace itself: whatever the copy holds at
       those paths is replaced by them, written last. With no `command`, actors/sandbox/grade_runner.py runs
       the hidden `test*.py` files (isolated interpreter, outside the copy) and reports each test under a
       nonce only this side knows; the reply's `output` is a `GradeReport` (model/tasks/repo_grade.py) as
@@ -328,7 +328,7 @@ async def _grade(ws: Workspace, args: dict[str, Any], limits: ToolLimits, runner
     added = sum(len(text.encode()) for _, text in written)
     fresh: Workspace | None = None
     try:
-        fresh = ws.copy_to(where, extra_bytes=added + GRADE_SLACK_BYTES)
+        fresh = ws.copy_to(where, extra_bytes=added + GRADE_SLACK_BYTES, without_bytecode=True)
         for path, text in written:          # last, over whatever the copy holds there (file, directory or link)
             _clear(where, parts_of(path))
             fresh.write_bytes(path, text.encode())

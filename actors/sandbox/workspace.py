@@ -295,12 +295,16 @@ class Workspace:
                 tree.update(f"{len(rel)}:{rel}:{content}\n".encode())
         return f"sha256:{tree.hexdigest()}"
 
-    def copy_to(self, dest: Path, *, extra_bytes: int = 0) -> Workspace:
+    def copy_to(self, dest: Path, *, extra_bytes: int = 0, without_bytecode: bool = False) -> Workspace:
         """A fresh copy of this workspace's directories, files and links (as links) at `dest` (new), with room
-        for `extra_bytes` more."""
+        for `extra_bytes` more. `without_bytecode` leaves out `__pycache__` directories and `.pyc` files, so
+        nothing run in the copy can load bytecode older than its source (a same-size edit in the same second as
+        the compile, or an unchecked-hash .pyc, would otherwise run the old code)."""
         copy = Workspace(dest, max_file_bytes=self.max_file_bytes, max_total_bytes=self.max_total_bytes + extra_bytes,
                          uid=self.uid, quota_bytes=None if self.quota_bytes is None else self.quota_bytes + extra_bytes)
         for rel, kind, _ in self.entries():
+            if without_bytecode and (rel.endswith(".pyc") or "__pycache__" in rel.split("/")):
+                continue
             target = dest / rel
             if kind == "dir":
                 target.mkdir(mode=0o755)

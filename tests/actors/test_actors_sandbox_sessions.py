@@ -249,3 +249,21 @@ async def test_a_sigkilled_supervisor_leaves_no_jail_and_its_root_is_reclaimed(
             proc.kill()
             proc.wait()
         log.close()
+
+
+async def test_grading_never_runs_bytecode_older_than_its_source(admin_bus: Bus) -> None:
+    """A fix graded after the buggy code was compiled passes: `run` writes no bytecode, and the grade's copy
+    leaves out `__pycache__` (here an unchecked-hash .pyc of the buggy code, which Python would load whatever the
+    source says)."""
+    async with serving(admin_bus):
+        async with await SandboxSession.open(admin_bus, "hub", FILES) as s:
+            assert (await s.tool("run", {"command": "python3 -c 'import pkg.calc'"})).exit_code == 0
+            assert "__pycache__" not in (await s.tool("run", {"command": "find . -name __pycache__"})).output
+            compiled = await s.tool("run", {"command": "python3 -m compileall -q --invalidation-mode unchecked-hash "
+                                                       "pkg && find pkg -name '*.pyc'"})
+            assert "calc" in compiled.output, compiled
+            assert (await s.tool("edit_file", {"path": "pkg/calc.py", "old": "a - b", "new": "a + b"})).ok
+            stale = await s.tool("run", {"command": "python3 -c 'from pkg.calc import add; print(add(2, 3))'"})
+            assert stale.output == "-1\n", stale  # the workspace's own runs see what they compiled
+            report = await s.grade({"test_add.py": TESTS}, "python3 test_add.py")
+            assert report.verdict == "passed", report
