@@ -1,7 +1,7 @@
 """MTP speculative sampling: a policy's multi-token-prediction heads draft, its main head verifies, and rejection
 sampling keeps every sampled token distributed exactly as the policy's own, at any temperature.
 
-- Owns: `speculative_sample` (batched, KV-cached; greedy or sampled), `Drafter` and `drafter_for` (the heads of
+- Owns: `speculative_sample` (batched, KV-cached, weights swapped in flight; greedy or sampled), `Drafter` and `drafter_for` (the heads of
   a built-in policy, `Transformer.mtp`, or of a Hugging Face policy, `HFPolicy.mtp_heads`), `SpecStats`.
 - Does not: train heads (model/training/loss.py `lm_loss` for the built-in ones, model/training/mtp.py for a
   Hugging Face policy's), swap weights mid-call, record MoE routing (a routed policy is refused: sample it with
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from rlbus.model.policies.interface import Policy, PolicyCache, as_policy
-from rlbus.model.sampling.generate import SampledSequence, _check_budget, _Recorder, left_pad
+from rlbus.model.sampling.generate import SampledSequence, SwapHook, _check_budget, _Recorder, left_pad
 
 
 @dataclass
@@ -152,6 +152,7 @@ def speculative_sample(
     eos_id: int | None = None,
     pad_id: int = 0,
     version: int = 0,
+    on_step: SwapHook | None = None,
     draft_tokens: int | None = None,
     generator: torch.Generator | None = None,
     kv_dtype: torch.dtype | None = None,
@@ -159,8 +160,10 @@ def speculative_sample(
     """Sample up to max_new_tokens per prompt, drafting `draft_tokens` (default: every head) per forward.
 
     Same arguments and results as `generate` (left-padded prompts, eos, per-token behaviour logprobs at
-    `temperature`, the version each token carries); `routing` is None. See the module docstring for why the
-    tokens are distributed exactly as `generate`'s.
+    `temperature`, the version each token carries); `routing` is None. `on_step(n)` is called before each forward
+    of the main model, n being the index of the first token it yields; a version it returns (weights swapped in
+    place) is carried by every token of that forward on (drafts made with the old weights stay exact: acceptance
+    uses the new p). See the module docstring for why the tokens are distributed exactly as `generate`'s.
 
     :raises ValueError: no MTP heads, a routed policy, `draft_tokens` outside [1, heads], a negative
         temperature, or a budget past the context.
@@ -179,6 +182,8 @@ def speculative_sample(
     cache = net.new_cache(B, P + max_new_tokens, kv_dtype)
     stats = SpecStats(forward_passes=1)
     record = _Recorder(B, eos_id)
+    if on_step is not None and (new := on_step(0)) is not None:
+        version = new
     logits, hidden = drafter.forward(tokens, cache, mask)
     logp = torch.log_softmax(logits[:, -1].float() / tau, dim=-1)
     y = logp.argmax(-1) if temperature == 0 else _draw(logp.exp(), generator)
@@ -190,6 +195,8 @@ def speculative_sample(
         k = min(K, max_new_tokens - n - 1)
         drafts, q = _drafts(drafter, last, k, temperature, generator) if k else (y.new_zeros(B, 0), None)
         start = cache.length
+        if on_step is not None and (new := on_step(n)) is not None:
+            version = new
         logits, hidden = drafter.forward(torch.cat([y[:, None], drafts], dim=1), cache, None)
         stats.forward_passes += 1
         logp = torch.log_softmax(logits.float() / tau, dim=-1)       # (B, 1 + k, V)

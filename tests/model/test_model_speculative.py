@@ -71,6 +71,30 @@ def test_sampled_logprobs_are_the_policys_at_the_temperature(counting: Transform
         torch.testing.assert_close(s.logprobs, _full_logp(counting, prompt, s.tokens, 0.8), atol=1e-4, rtol=0)
 
 
+def test_a_weight_swap_between_forwards_versions_the_tokens_after_it(counting: Transformer) -> None:
+    """A version the hook reports before the first forward that yields token 6 or later is carried by every token
+    from that forward on; the tokens before it equal an unswapped run's."""
+    other = Transformer(counting.config)
+    other.load_state_dict(counting.state_dict())
+    calls: list[int] = []
+
+    def swap(step: int) -> int | None:
+        calls.append(step)
+        if step < 6 or any(c >= 6 for c in calls[:-1]):
+            return None
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        return 1
+
+    before, _ = speculative_sample(counting, PROMPTS[:1], max_new_tokens=20, temperature=0)
+    seq = speculative_sample(other, PROMPTS[:1], max_new_tokens=20, temperature=0, on_step=swap)[0][0]
+    at = next(c for c in calls if c >= 6)
+    assert calls == sorted(calls) and calls[0] == 0
+    assert seq.versions.tolist() == [0] * at + [1] * (20 - at)
+    assert seq.tokens[:at].tolist() == before[0].tokens[:at].tolist()
+
+
 def test_speculation_refuses_a_policy_without_heads() -> None:
     with pytest.raises(ValueError, match="MTP heads"):
         speculative_sample(Transformer(ModelConfig.tiny()), PROMPTS, max_new_tokens=4)
