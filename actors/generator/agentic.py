@@ -18,7 +18,7 @@ import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, ClassVar, Final
 
 import anyio
 import msgspec
@@ -317,6 +317,7 @@ class AgenticPlug(BasePlug):
 
     routing = False
     step_time = "tool_s"
+    log_fields: ClassVar[Mapping[str, str]] = {"kind": "agentic"}
 
     def __init__(self, gen: Generator, task: RepoTask) -> None:
         super().__init__(gen, environment_of(gen), task)

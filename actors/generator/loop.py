@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 import anyio
 import msgspec
@@ -141,6 +141,8 @@ class BasePlug:
     """The Rollouts carry the MoE routing record."""
     step_time: str = "step_s"
     """The timing under which the group's step time is published."""
+    log_fields: ClassVar[Mapping[str, str]] = {}
+    """Added to the loop's log lines of a group (an environment's name, say)."""
 
     def __init__(self, gen: Generator, env: Environment[Any], task: Any, *, port: Any = None) -> None:
         self.gen, self.env, self.task, self.port = gen, env, task, port
@@ -510,7 +512,7 @@ class GroupLoop:
             group.resumes += 1
             gen.count("resumed")
             log.info("partial_resumed", task_id=group.task_id, rounds=group.rounds, chunks=group.chunks,
-                     tokens=group.sampled_tokens, writer=group.writer)
+                     tokens=group.sampled_tokens, writer=group.writer, **plug.log_fields)
         place = _Place(gen.places)
         try:
             async with anyio.create_task_group() as tg:
@@ -589,7 +591,7 @@ class GroupLoop:
             gen.count("summaries")
             gen.count("tokens", len(written.ids))
             log.info("episode_summarised", task_id=group.task_id, group_index=g, context=len(context),
-                     summary=len(written.ids))
+                     summary=len(written.ids), **plug.log_fields)
         if due:
             group.chunks += 1
         return bool(due)
@@ -659,7 +661,8 @@ class GroupLoop:
                 ep.state, ep.logprobs, ep.versions, ep.routing = fresh, [], [], None
                 ep.summaries += 1
                 self.gen.count("summaries")
-                log.info("episode_restarted", task_id=group.task_id, group_index=g, summaries=ep.summaries)
+                log.info("episode_restarted", task_id=group.task_id, group_index=g, summaries=ep.summaries,
+                         **self.plug.log_fields)
 
         async with anyio.create_task_group() as tg:
             for g in rows:
@@ -728,8 +731,8 @@ class GroupLoop:
         except (nats.errors.Error, TimeoutError) as err:
             log.warning("partial_not_deleted", task_id=group.task_id, error=repr(err))
         log.info("group_published", task_id=group.task_id, rollouts=len(rollouts),
-                 rewards=[r.reward for r in rollouts], rounds=group.rounds, tokens=group.sampled_tokens,
-                 resumes=group.resumes)
+                 rewards=[r.reward for r in rollouts], rounds=group.rounds, turns=group.rounds,
+                 tokens=group.sampled_tokens, resumes=group.resumes, **plug.log_fields)
 
 
 def score_turns(model: Any, contexts: Mapping[int, list[int]], turns: Mapping[int, list[int]], *, temperature: float,
