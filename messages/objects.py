@@ -107,7 +107,8 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
     them elsewhere (between the metadata landing and the last chunk's ack, the object reads as corrupt).
 
     `keep_same`: the name is content-addressed. An object already stored under it with these bytes' size and
-    digest is kept (nothing sent, nothing purged), so a download in the middle of it is not cut off.
+    digest, and all the chunks its metadata counts, is kept (nothing sent, nothing purged), so a download in
+    the middle of it is not cut off; one whose chunks are missing is written again.
 
     `behind` (only with `new`): published after the metadata, its ack read with theirs (see `Behind`).
 
@@ -130,7 +131,7 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
             old = None
     if keep_same and old is not None and not old.deleted and old.size == len(data):
         same = "sha256:" + hashlib.sha256(data).hexdigest()
-        if store_digest(old.digest or "") == same:
+        if store_digest(old.digest or "") == same and await _chunks_stored(js, stream, bucket, old):
             return same
     nuid = NUID().next().decode()
     chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
@@ -188,6 +189,15 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
     if old is not None and not old.deleted and old.nuid:
         await js.purge_stream(stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=old.nuid))
     return "sha256:" + sha.hexdigest()
+
+
+async def _chunks_stored(js: JetStreamContext, stream: str, bucket: str, info: ObjectInfo) -> bool:
+    """Whether the stream holds as many chunks of `info`'s nuid as its metadata counts (one request)."""
+    if not info.size:
+        return True
+    subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid)
+    state = (await js.stream_info(stream, subjects_filter=subject)).state
+    return (state.subjects or {}).get(subject, 0) == (info.chunks or 0)
 
 
 async def _undo_put(js: JetStreamContext, bucket: str, name: str, nuid: str, *, new: bool, meta_sent: bool) -> bool:

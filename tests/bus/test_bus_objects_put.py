@@ -1,8 +1,8 @@
 """`put_object` pipelines its chunks and writes the object nats-py's object store reads: a replaced object's
 old chunks are purged, an upload into a bucket that does not exist is refused, a window smaller than the
 object's chunks still stores them in order, a `new` object (its metadata behind the chunks) reads back, and a
-content-addressed object written again is kept, an upload whose metadata ack comes too late leaves the chunks its
-metadata names; a download whose object is replaced under it reads the new one or is refused, never hangs."""
+content-addressed object written again is kept (unless its chunks are gone), an upload whose metadata ack comes
+too late leaves the chunks its metadata names; a download whose object is replaced under it reads the new one or is refused, never hangs."""
 
 from __future__ import annotations
 
@@ -75,6 +75,21 @@ async def test_a_content_addressed_object_written_again_with_the_same_bytes_is_k
     assert await put_object(js, bucket, "file", other, keep_same=True) == digest(other)
     assert (await store.get_info("file")).nuid != rewritten.nuid
     assert await fetch_object(js, bucket, "file", expected_digest=digest(other)) == other
+
+
+async def test_a_content_addressed_object_whose_chunks_are_gone_is_written_again(admin_bus: Bus) -> None:
+    """`keep_same` keeps an identical object only when the chunks its metadata counts are stored: metadata
+    left without them (data lost) is replaced by a whole copy."""
+    js, bucket = admin_bus.js, admin_bus.subjects.checkpoint_bucket()
+    store = await js.create_object_store(bucket)
+    blob = bytes(range(256)) * (OBJECT_CHUNK // 256 + 7)                # two chunks
+    assert await put_object(js, bucket, "file", blob, keep_same=True) == digest(blob)
+    lost = await store.get_info("file")
+    await js.purge_stream(f"OBJ_{bucket}", subject=f"$O.{bucket}.C.{lost.nuid}")
+    assert await put_object(js, bucket, "file", blob, keep_same=True) == digest(blob)
+    info = await store.get_info("file")
+    assert info.nuid != lost.nuid
+    assert await fetch_object(js, bucket, "file", expected_digest=digest(blob)) == blob
 
 
 class _MetadataAckLate(JetStreamContext):
