@@ -4,7 +4,7 @@
 Owns: `FunctionState` (and `state_of`, an episode's) and `FunctionEnvironment`: the same turns, token layout and rewards as
 model/env/episodes.py gives (`start_episode`, `add_attempt`), with the grade taken through a `GradePort`; `step` is
 `case` (what grades an attempt), the port's grade, then `record` (the attempt and its feedback), and the generator
-drives all three (actors/generator/actor.py).
+drives all three (actors/generator/function.py, the plug actors/generator/loop.py runs).
 Does not own: the episode logic itself (model/env/episodes.py) or grading (the port; model/tasks/grading.py builds
 the case it runs).
 """
