@@ -236,19 +236,22 @@ class TurnEngine:
 
     # ---- a drop-in for `generate` ------------------------------------------------------------------------
     def generate(self, contexts: Sequence[Sequence[int]], *, max_new_tokens: int, seed: int,
-                 on_step: SwapHook | None = None) -> list[SampledSequence]:
+                 on_step: SwapHook | None = None, version: int | None = None) -> list[SampledSequence]:
         """What `generate(contexts, ...)` returns (one sequence per context, routing None), with the caches kept
         from call to call: no row keys are needed. Each context continues the resting row (of earlier calls of
         this method) whose ids share the longest prefix with it, a chunk or turn of the same episode; otherwise
         it opens a row whose generator is seeded from `seed` and its index. on_step is `generate`'s hook: called
         with the step index before each `step` (0: before the prefill); a version it returns is passed to
-        `swap`. Rows are never closed: their caches go least recently used first when `kv_cache_tokens` needs
+        `swap`; `version`, when given, is the version of the weights the call starts with (weights swapped between
+        calls). Rows are never closed: their caches go least recently used first when `kv_cache_tokens` needs
         room, and a row without a cache is forgotten, so kv_cache_tokens is required.
 
         :raises ValueError: no kv_cache_tokens, or what `turn` refuses.
         """
         if self.kv_cache_tokens is None:
             raise ValueError("TurnEngine.generate keeps rows of earlier calls: it needs kv_cache_tokens")
+        if version is not None:
+            self.swap(version)
         index: dict[tuple[int, ...], list[_Row]] = {}
         for r in self._rows.values():
             if r.state == "resting" and isinstance(r.key, _Anonymous) and r.cached:

@@ -213,11 +213,12 @@ def test_generate_drop_in_finds_each_context_row_by_its_cached_prefix() -> None:
     contexts = [[*prompt, 5, 6], [*prompt, 7], list(range(100, 130))]
     first = engine.generate(contexts, max_new_tokens=4, seed=0)
     nexts = [c + s.tokens.tolist() + [9, 9] for c, s in zip(contexts, first, strict=True)]
-    second = engine.generate(nexts, max_new_tokens=5, seed=0, on_step=lambda step: 3 if step == 2 else None)
+    second = engine.generate(nexts, max_new_tokens=5, seed=0, version=2, on_step=lambda step: 3 if step == 2 else None)
     assert engine.stats.reused_tokens == sum(len(c) + 3 for c in contexts)   # all but the last sampled id
+    assert all(s.versions.tolist() == [0] * 4 for s in first)
     for context, out in zip(nexts, second, strict=True):
         ref = generate(policy, [context], max_new_tokens=5, temperature=0, kv_dtype=engine.kv_dtype)[0]
-        assert out.tokens.tolist() == ref.tokens.tolist() and out.versions.tolist() == [0, 0, 3, 3, 3]
+        assert out.tokens.tolist() == ref.tokens.tolist() and out.versions.tolist() == [2, 2, 3, 3, 3]
         torch.testing.assert_close(out.logprobs, ref.logprobs, atol=LOGP_ATOL, rtol=0)
     engine.generate([list(range(140, 260))], max_new_tokens=4, seed=1)   # needs room: older rows are dropped
     assert engine.stats.evictions > 0 and len(engine.rows("resting")) < 4
