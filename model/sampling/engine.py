@@ -266,7 +266,8 @@ class TurnEngine:
                 continue
             key = _Anonymous(self._opened)
             self._opened += 1
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + i) if self.temperature > 0 else None
+            generator = (torch.Generator().manual_seed((seed * 1_000_003 + i) % 2**63) if self.temperature > 0
+                         else None)
             self.turn(key, context, max_new_tokens, generator=generator)
             keys.append(key)
         ended: dict[Hashable, TurnSample] = {}

@@ -222,3 +222,5 @@ def test_generate_drop_in_finds_each_context_row_by_its_cached_prefix() -> None:
         torch.testing.assert_close(out.logprobs, ref.logprobs, atol=LOGP_ATOL, rtol=0)
     engine.generate([list(range(140, 260))], max_new_tokens=4, seed=1)   # needs room: older rows are dropped
     assert engine.stats.evictions > 0 and len(engine.rows("resting")) < 4
+    sampling = TurnEngine(policy, temperature=1.0, kv_cache_tokens=100)   # a generator's seeds are 64-bit hashes
+    assert len(sampling.generate([[5, 6, 7]], max_new_tokens=2, seed=2**64 - 1)[0].tokens) == 2
