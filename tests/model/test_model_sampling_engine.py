@@ -173,10 +173,13 @@ def test_swap_keeps_the_caches() -> None:
     assert abs(float(fresh.logprobs[0]) - refs[0][1][swap_at]) > 1e-3
 
 
-def test_rows_beyond_the_cache_cap_wait_and_resting_caches_are_evicted() -> None:
+@pytest.mark.parametrize("kind", ["builtin", "hf"])
+def test_rows_beyond_the_cache_cap_wait_and_resting_caches_are_evicted(request: pytest.FixtureRequest,
+                                                                        kind: str) -> None:
     """A cap below what three rows need together: rows wait (never fail), at most two decode at once, resting
-    caches are evicted for room and their rows re-prefill, and every turn still samples what re-prefill samples."""
-    policy = _builtin(4)
+    caches are evicted for room and their rows re-prefill (joining beside rows that kept theirs), and every turn
+    still samples what re-prefill samples."""
+    policy = _builtin(4) if kind == "builtin" else request.getfixturevalue("hf_policy")
     ep = Episodes(policy, temperature=1.0, budgets=[6, 6, 6], turns=3, kv_cache_tokens=50)
     ep.run()
     stats = ep.engine.stats
