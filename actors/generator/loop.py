@@ -489,12 +489,15 @@ class GroupLoop:
 
     Load the partial (the plug's layout; one that is garbage, foreign or hostile is discarded with an
     Event(incident)) and resume it, or start G episodes. Then step until every episode is done, saving after
-    each step: summaries due (`Plug.summary_plan`: the live policy writes the summary; the turns it replaces and
-    the summary become segments), else one chunk of every open draft sampled together (`partial_every_tokens`
-    ids at most, each capped by max_tokens, the environment's room and the context; weights swapped in flight;
-    a scripted turn is scored by one forward pass instead), else a round: each done draft taken as a policy turn
-    through the environment (`Plug.round`). With `max_group_size`, a finished group without a pass grows by G.
-    Then the Rollouts go out (msg id = rollout id), the partial is deleted and the plug cleans up.
+    each step. Before a turn, the environment may move first (`Plug.prepare`: a summary asked for), and summaries
+    due are written (`Plug.summary_plan`: the live policy writes one; the turns it replaces and the summary become
+    segments), a step of their own; else one chunk of every open draft is sampled together
+    (`partial_every_tokens` ids at most, each capped by max_tokens, the environment's room and the context;
+    weights swapped in flight; a scripted turn is scored by one forward pass instead and taken in the same step);
+    else a round: each done draft taken as a policy turn through the environment (`Plug.round`), and an episode
+    that goes on in a fresh context (`Plug.restart`) closes its turns so far as a segment. With `max_group_size`,
+    a finished group without a pass grows by G. Then the Rollouts go out (msg id = rollout id), the partial is
+    deleted and the plug cleans up.
     """
 
     def __init__(self, gen: Generator, plug: BasePlug, message: TaskMessage, key: str) -> None:
