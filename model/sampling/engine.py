@@ -29,8 +29,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from rlbus.model.policies.builtin import BuiltinPolicy
 from rlbus.model.policies.interface import Policy, PolicyCache, RowKV, as_policy
 from rlbus.model.sampling.generate import SampledSequence, SwapHook, sampling_kv_dtype
+from rlbus.model.sampling.slots import Slots
 
 State = Literal["resting", "queued", "decoding"]
 _MATCH_IDS = 16
@@ -156,6 +158,11 @@ class TurnEngine:
         self._queue: list[_Row] = []
         self._batch: list[_Row] = []
         self._cache: PolicyCache | None = None
+        """The decoding batch's cache (a Hugging Face policy; rebuilt when rows change)."""
+        self._slots: Slots | None = None
+        """The decoding batch of a built-in policy (only the rows that change are copied)."""
+        if isinstance(policy, BuiltinPolicy):
+            self._slots = Slots(policy.config, device=policy.device, dtype=self.kv_dtype or policy.dtype)
         self._tick = 0
         self._opened = 0
 
@@ -293,7 +300,12 @@ class TurnEngine:
         ran = False
         if self._batch:
             feed = torch.tensor([[r.tokens[-1]] for r in self._batch], dtype=torch.long, device=self.policy.device)
-            logits = self.policy(feed, cache=self._cache).logits[:, -1]
+            if self._slots is not None:
+                self._slots.ensure(1)
+                logits = self.policy(feed, cache=self._slots.cache).logits[:, -1]
+                self._slots.synced()
+            else:
+                logits = self.policy(feed, cache=self._cache).logits[:, -1]
             for r in self._batch:
                 r.cached += 1
             self._sample(self._batch, logits)
@@ -393,8 +405,37 @@ class TurnEngine:
     def _ended(self, r: _Row) -> bool:
         return (self.eos_id is not None and r.sampled[-1] == self.eos_id) or len(r.sampled) >= r.budget
 
+    def _finish(self, r: _Row, kv: RowKV) -> TurnSample:
+        r.kv, r.state, r.last_used = kv, "resting", self._tick
+        return TurnSample(r.key, r.sampled, r.logprobs, r.versions,
+                          "eos" if self.eos_id is not None and r.sampled[-1] == self.eos_id else "length",
+                          r.context, r.reused)
+
+    def _regroup_slots(self, slots: Slots, joiners: list[_Row], join_cache: PolicyCache | None) -> list[TurnSample]:
+        """`_regroup` over `Slots`: only the rows that leave or join are copied."""
+        out: list[TurnSample] = []
+        for i in reversed(range(len(self._batch))):
+            r = self._batch[i]
+            if self._ended(r):
+                out.append(self._finish(r, slots.leave(i)))
+                self._batch[i] = self._batch[-1]
+                self._batch.pop()
+        staying: list[tuple[_Row, RowKV]] = []
+        for b, r in enumerate(joiners):
+            kv = join_cache.row_kv(b)  # type: ignore[union-attr]
+            if self._ended(r):
+                out.append(self._finish(r, kv))
+            else:
+                staying.append((r, kv))
+        if staying:
+            self._batch += [r for r, _ in staying]
+            slots.join([kv for _, kv in staying], max(r.budget - len(r.sampled) for r in self._batch))
+        return out
+
     def _regroup(self, joiners: list[_Row], join_cache: PolicyCache | None) -> list[TurnSample]:
         """Rows whose turn ended leave (their keys and values kept as `RowKV`); joiners enter the batch."""
+        if self._slots is not None:
+            return self._regroup_slots(self._slots, joiners, join_cache)
         members = self._batch + joiners
         caches = [(self._cache, b) for b in range(len(self._batch))] + [(join_cache, b) for b in range(len(joiners))]
         ended = [i for i, r in enumerate(members) if self._ended(r)]
@@ -402,13 +443,8 @@ class TurnEngine:
             return []
         out: list[TurnSample] = []
         for i in ended:
-            r = members[i]
             cache, b = caches[i]
-            r.kv = cache.row_kv(b)  # type: ignore[union-attr]
-            r.state, r.last_used = "resting", self._tick
-            out.append(TurnSample(r.key, r.sampled, r.logprobs, r.versions,
-                                  "eos" if self.eos_id is not None and r.sampled[-1] == self.eos_id else "length",
-                                  r.context, r.reused))
+            out.append(self._finish(members[i], cache.row_kv(b)))  # type: ignore[union-attr]
         gone = set(ended)
         stay = [i for i in range(len(members)) if i not in gone]
         before = self._cache if self._batch else None
