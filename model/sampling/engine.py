@@ -1,23 +1,10 @@
 """The turn engine: agentic episodes whose KV cache lives across turns, decoded with continuous batching.
 
-- Owns: `TurnEngine` — one row per episode; a turn appends what is new in the row's context (the observation,
-  the framing, the next header) to the keys and values it already holds and samples from there, instead of
-  prefilling the whole history again; rows join and leave the decoding batch between two decoding steps; a cap
-  on cached tokens (`kv_cache_tokens`) makes rows wait (and evicts resting rows' caches), never fail; `swap`
-  keeps every cache across an in-flight weight swap; `generate`, a drop-in for `generate`'s call that finds
-  each context's row by its longest cached prefix. `TurnSample`, `EngineStats`.
-- Does not: run tools, frame turns, summarise (a summary is just a new context: the engine keeps the common
-  prefix and prefills the rest), load weights (the caller swaps them in place and calls `swap`), or record
-  MoE routing (a routed policy is refused: `generate` records it).
-
-Equality with re-prefill. A turn sampled here draws the same tokens, with the same behaviour logprobs up to
-float summation order, as `generate([context], generator=g)` on the whole context with the row's generator
-`g`: each row samples with its own `torch.Generator` (`torch.multinomial` of its (1, V) row, as `generate`
-does for one prompt), so what a row draws never depends on which rows share its decoding steps. Bit-exact
-equality is not to be had: the history's keys and values were computed one token (or one observation) at a
-time, in batches with left padding, where re-prefill computes them in one (P, D) matmul; BLAS blocks those
-reductions differently, so the logits differ in the last bits (about 1e-6 relative in float32). Greedy
-tokens are identical and logprobs agree within 1e-4 (tests/model/test_model_sampling_engine.py).
+- Owns: `TurnEngine` (one row per episode: a turn prefills only what is new in its context; rows join and leave
+  the decoding batch between steps; `kv_cache_tokens` makes rows wait, never fail; `swap` keeps the caches;
+  `generate`, a drop-in for `generate`'s call that needs no row keys), `TurnSample`, `EngineStats`.
+- Does not: run tools, frame turns or summarise (a summary is just a new context), load weights (the caller
+  swaps them in place and calls `swap`), or record MoE routing (a routed policy is refused).
 """
 
 from __future__ import annotations
@@ -134,6 +121,17 @@ class TurnEngine:
     the rest of its turn, a resting row what it holds. A row that does not fit waits (first come, first
     served); resting rows' caches are evicted first, least recently used first (such a row prefills its whole
     context again). A single turn larger than the cap is refused at `turn`. max_batch caps the rows decoding.
+    A built-in policy's decoding batch lives in `Slots` (model/sampling/slots.py); a Hugging Face policy's batch
+    cache is rebuilt when rows join.
+
+    Equality with re-prefill. A turn sampled here draws the same tokens, with the same behaviour logprobs up to
+    float summation order, as `generate([context], generator=g)` on the whole context with the row's generator
+    `g`: each row samples with its own `torch.Generator` (`torch.multinomial` of its (1, V) row, as `generate`
+    does for one prompt), so what a row draws never depends on which rows share its decoding steps. Bit-exact
+    equality is not to be had: the history's keys and values were computed one token (or one observation) at a
+    time, in batches with left padding, where re-prefill computes them in one (P, D) matmul; BLAS blocks those
+    reductions differently, so the logits differ in the last bits (about 1e-6 relative in float32). Greedy
+    tokens are identical and logprobs agree within 1e-4 (tests/model/test_model_sampling_engine.py).
     """
 
     def __init__(self, policy: Policy, *, temperature: float = 1.0, eos_id: int | None = None,
