@@ -192,8 +192,11 @@ def _env_of(env: Env, role: str) -> dict[str, str]:
 
 
 def _spawn(env: Env, kind: str, actor_id: str, settings: dict[str, object], log_path: Path,
-           launch: dict[str, object] | None = None) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "rlbus.ops.actor", "--kind", kind, "--run", env.run, "--region", "hub",
+           launch: dict[str, object] | None = None, *, nice: int = 0) -> subprocess.Popen[bytes]:
+    """An actor process; `nice` > 0 runs it at that niceness, so the test process reacts to what it writes before
+    it gets far (a kill aimed between two of its writes)."""
+    cmd = [*(["nice", "-n", str(nice)] if nice else []), sys.executable, "-m", "rlbus.ops.actor", "--kind", kind,
+           "--run", env.run, "--region", "hub",
            "--id", actor_id, "--url", env.server.url, "--heartbeat-s", "0.2", "--drain-s", "3",
            "--settings", json.dumps(settings)]
     if launch is not None:
@@ -472,7 +475,7 @@ async def test_requested_summaries_survive_a_sigkill_between_them_and_every_segm
         try:
             watcher = await kv.watch("*")
             await env.admin.publish(env.admin.subjects.tasks("hub"), message(task, "chain"), msg_id="chain")
-            procs.append(_spawn(env, "generator", "victim", settings, tmp_path / "victim.log"))
+            procs.append(_spawn(env, "generator", "victim", settings, tmp_path / "victim.log", nice=19))
             with anyio.fail_after(120):
                 async for entry in watcher:
                     if entry is None or not entry.value:
