@@ -2,7 +2,9 @@
 tests on submit.
 
 - Owns: `AgenticBudgets`, `AgenticState` and `AgenticEnvironment`: rendering a `RepoTask`, taking a policy
-  turn (its tool calls run through the `WorkspacePort`), the budgets, self-summarisation and the reward.
+  turn (its tool calls run through the `WorkspacePort`), the budgets, self-summarisation and the reward; the
+  pieces of its framing that SFT renders demonstrations with (model/training/sft.py): `task_text`,
+  `with_tool_list`, `cut_result`, `observation_ids` and `compact_tool_list`.
 - Guarantee: the wall clock is passed in, never read.
 - Does not: own the tools or the workspace (the sandbox, behind the port), the tool-call text formats
   (model/tools/calls.py), a chat template's framing of tools (model/tools/template.py) or the tasks
@@ -51,6 +53,52 @@ COMPACT_TOOLS: Final = (
     "edit_file{path, old, new}, search{pattern, path=\".\"}, run{command, timeout_s?}, submit{}. Call one as "
     '<tool_call>\n{"name": "read_file", "arguments": {"path": "..."}}\n</tool_call>.')
 """The tool list in one paragraph, for a policy whose context is short (the built-in byte policy)."""
+
+
+AUTO_COMPACT_BELOW: Final = 4096
+"""`tool_list = "auto"` ([generator.agentic]) lists the tools compactly for a policy whose context is shorter."""
+
+
+def compact_tool_list(tool_list: str, max_seq_len: int) -> bool:
+    """Whether `[generator.agentic] tool_list` ("auto", "full" or "compact") lists the tools compactly
+    (`COMPACT_TOOLS`) for a policy of `max_seq_len` tokens."""
+    return tool_list == "compact" or (tool_list == "auto" and max_seq_len < AUTO_COMPACT_BELOW)
+
+
+def task_text(task: RepoTask) -> str:
+    """A task as its first user turn says it, without any tool list: the instruction, the repository's files and how
+    to finish. The environment's user turn is this after the tool list (`with_tool_list`)."""
+    files = "\n".join(sorted(task.files))
+    return (f"{task.instruction}\n\nThe repository (your working directory):\n{files}\n\n"
+            "Call submit when the change is done: the hidden tests then run on the repository as you leave it.")
+
+
+def with_tool_list(text: str, tool_list: str) -> str:
+    """A first user turn: the tool list where the chat template does not render it (`tool_list`; "" when it does),
+    a blank line, then `text` (the task, or the task and a summary, `fresh_context`). The list comes first, as a
+    template's system turn would, so the same text takes any list."""
+    return f"{tool_list}\n\n{text}" if tool_list else text
+
+
+def cut_result(text: str, limit: int) -> str:
+    """One tool result as the policy reads it: past `limit` characters, cut, saying so."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}\n[output truncated: {len(text)} characters, the first {limit} shown]"
+
+
+def observation_ids(tokenizer: ChatTokenizer, results: Sequence[str], limit: int, *, templated: bool) -> tuple[int, ...]:
+    """The observation answering a turn with `results` (none: the turn had no call, `no_call_text`): in the
+    template's tool role where `templated` (`tokenizer` is then a `TemplateTools`), else as `response_text`
+    (`NO_CALL` bare); cut to `limit` tokens, saying so."""
+    if templated:
+        assert isinstance(tokenizer, TemplateTools)
+        return tuple(tokenizer.results_ids(list(results) or [no_call_text(tokenizer.style)], limit))
+    ids = tokenizer.encode(response_text(list(results)) if results else NO_CALL)
+    if len(ids) <= limit:
+        return tuple(ids)
+    notice = tokenizer.encode(f"\n[observation truncated to {limit} tokens]")
+    return tuple(ids[: max(limit - len(notice), 0)] + notice)
 
 
 def no_call_text(style: CallStyle) -> str:
@@ -139,10 +187,10 @@ class AgenticEnvironment:
 
     `tool_list` "full" gives the tools in the policy's own chat-template format where its template renders
     tools (model/tools/template.py: the schemas in the system turn, calls parsed in the template's style, results
-    in its tool role; `tokenizer` is then that view of the policy's tokenizer), else the tool signatures in the
-    user turn as Qwen2/Qwen3 templates word them (`tools_text`), Hermes calls, results in the observation role;
-    "compact" gives `COMPACT_TOOLS`, a paragraph for short contexts, in the user turn, Hermes calls. `templated`
-    says which way "full" went, or why not.
+    in its tool role; `tokenizer` is then that view of the policy's tokenizer), else the tool signatures at the
+    head of the user turn as Qwen2/Qwen3 templates word them (`tools_text`), Hermes calls, results in the
+    observation role; "compact" gives `COMPACT_TOOLS`, a paragraph for short contexts, at the head of the user
+    turn, Hermes calls. `templated` says which way "full" went, or why not.
     """
 
     def __init__(self, tokenizer: ChatTokenizer, budgets: AgenticBudgets | None = None, *,
@@ -160,13 +208,16 @@ class AgenticEnvironment:
     def tokenizer(self) -> ChatTokenizer:
         return self._tokenizer
 
+    @property
+    def tool_list_text(self) -> str:
+        """The tool list the first user turn starts with: `tools_text()` ("full"), `COMPACT_TOOLS` ("compact"), or ""
+        where the template's system turn holds the tools."""
+        return "" if self._tools else tools_text() if self.tool_list == "full" else COMPACT_TOOLS
+
     def render(self, task: RepoTask) -> str:
-        """The user turn: the instruction, the repository's files, the tools (unless the template's system turn
-        holds them) and how to finish."""
-        tools = "" if self._tools else f"{tools_text() if self.tool_list == 'full' else COMPACT_TOOLS}\n\n"
-        files = "\n".join(sorted(task.files))
-        return (f"{task.instruction}\n\nThe repository (your working directory):\n{files}\n\n{tools}"
-                "Call submit when the change is done: the hidden tests then run on the repository as you leave it.")
+        """The user turn: the tool list (unless the template's system turn holds it), then the task (`task_text`: the
+        instruction, the repository's files and how to finish)."""
+        return with_tool_list(task_text(task), self.tool_list_text)
 
     def start(self, task: RepoTask, *, now: float = 0.0) -> AgenticState:
         """The rendered task as the user turn; the wall budget counts from `now`."""
@@ -319,19 +370,7 @@ class AgenticEnvironment:
         return ToolCall("run", {**call.arguments, "timeout_s": min(max(asked, 0.1), cap)})
 
     def _cut(self, text: str) -> str:
-        limit = self.budgets.observation_chars
-        if len(text) <= limit:
-            return text
-        return f"{text[:limit]}\n[output truncated: {len(text)} characters, the first {limit} shown]"
+        return cut_result(text, self.budgets.observation_chars)
 
     def _observation_ids(self, results: list[str]) -> tuple[int, ...]:
-        """The observation answering a turn with `results` (none: the turn had no call, `no_call_text`): in the
-        template's tool role, or as `response_text` (`NO_CALL` bare); cut to `observation_tokens`, saying so."""
-        limit = self.budgets.observation_tokens
-        if self._tools:
-            return tuple(self._tools.results_ids(results or [no_call_text(self.call_style)], limit))
-        ids = self._tokenizer.encode(response_text(results) if results else NO_CALL)
-        if len(ids) <= limit:
-            return tuple(ids)
-        notice = self._tokenizer.encode(f"\n[observation truncated to {limit} tokens]")
-        return tuple(ids[: max(limit - len(notice), 0)] + notice)
+        return observation_ids(self._tokenizer, results, self.budgets.observation_tokens, templated=bool(self._tools))
