@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from rlbus.messages.bus import Bus
+    from rlbus.model.env.agentic import AgenticBudgets
     from rlbus.model.tasks.repo import RepoTask
 
 DEFAULT_N: Final = 20
@@ -142,21 +143,12 @@ def _demos(args: argparse.Namespace) -> int:
 
 
 # ---- episodes ---------------------------------------------------------------------------------------------
-def task_text(task: RepoTask) -> str:
-    """The task's user turn as the agentic environment renders it for a chat template that renders the tools
-    itself (the rows carry the tool schemas in `tools`)."""
-    from rlbus.model.env.agentic import COMPACT_TOOLS, AgenticEnvironment
-    from rlbus.model.policies.tokenizer import ByteTokenizer
-
-    rendered = AgenticEnvironment(ByteTokenizer(), tool_list="compact").render(task)  # type: ignore[arg-type]
-    return rendered.replace(f"{COMPACT_TOOLS}\n\n", "", 1)
-
-
 def cut(text: str, limit: int) -> str:
-    """A tool result as the agentic environment shows it: past `limit` characters, cut, saying so."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}\n[output truncated: {len(text)} characters, the first {limit} shown]"
+    """A tool result as the agentic environment shows it: past `limit` characters, cut, saying so
+    (model/env/agentic.py `cut_result`)."""
+    from rlbus.model.env.agentic import cut_result
+
+    return cut_result(text, limit)
 
 
 def context_tokens(messages: Sequence[Message], count: TokenCount) -> int:
@@ -184,23 +176,28 @@ class Episode:
     """The expert's first edit was wrong, and it corrected it."""
 
 
-async def demo_episode(bus: Bus, task: RepoTask, seed: int, *, summary_at: int, count: TokenCount) -> Episode:
+async def demo_episode(bus: Bus, task: RepoTask, seed: int, *, summary_at: int, count: TokenCount,
+                       budgets: AgenticBudgets | None = None) -> Episode:
     """Run the expert on `task` in a fresh sandbox session (region hub of `bus`): each of its turns' calls run in
-    the session, each observation what the session answered (cut as the environment cuts it); after `submit` the
-    workspace is graded on the hidden tests. Once a context passes `summary_at` tokens, having grown by at least a
-    quarter of that since it started (so a fresh context that starts near the mark is not summarised turn after
-    turn), the expert answers `SUMMARY_REQUEST` with its summary and goes on in a fresh context. An episode past
-    the environment's turn budget ends ungraded (not passed).
+    the session, each observation what the session answered (cut to `budgets.observation_chars` as the environment
+    cuts it); after `submit` the workspace is graded on the hidden tests. Once a context passes `summary_at` tokens,
+    having grown by at least a quarter of that since it started (so a fresh context that starts near the mark is not
+    summarised turn after turn), the expert answers `SUMMARY_REQUEST` with its summary (`fitted` to
+    `budgets.summary_tokens` with its stop id) and goes on in a fresh context. An episode past the turn budget ends
+    ungraded (not passed). The rows' first user turns are the task without a tool list (`task_text`): SFT puts the
+    list where the policy's framing has it. `budgets`: the generator's (`[generator.agentic]`), default
+    `AgenticBudgets()`.
 
     :raises SandboxCrashed: the session could not be opened or stopped answering.
     """
     from rlbus.actors.common.sessions import SandboxSession, SessionPort
-    from rlbus.model.env.agentic import AgenticBudgets
+    from rlbus.model.env.agentic import AgenticBudgets, task_text
     from rlbus.model.env.demos import Expert, Observed
-    from rlbus.model.env.summaries import SUMMARY_REQUEST, fresh_context
+    from rlbus.model.env.summaries import SUMMARY_REQUEST, fitted, fresh_context
     from rlbus.model.tools.calls import outcome_text
 
-    budgets = AgenticBudgets()
+    budgets = budgets or AgenticBudgets()
+    limit = budgets.summary_tokens
     expert = Expert(task, seed)
     first = task_text(task)
     episode = Episode(task.task_id, [[{"role": "user", "content": first}]])
@@ -213,6 +210,8 @@ async def demo_episode(bus: Bus, task: RepoTask, seed: int, *, summary_at: int, 
             messages = episode.contexts[-1]
             if summary_at and (now := context_tokens(messages, count)) > summary_at and now - start >= summary_at // 4:
                 summary = expert.summary(observed)
+                if limit:
+                    summary = fitted(summary, lambda text: count(text) + 1 <= limit)
                 messages += [{"role": "user", "content": SUMMARY_REQUEST}, {"role": "assistant", "content": summary}]
                 episode.contexts.append([{"role": "user", "content": fresh_context(first, summary)}])
                 messages = episode.contexts[-1]
@@ -271,10 +270,10 @@ class DemoRun:
 
 
 async def run_demos(tasks: Sequence[RepoTask], n: int, seed: int, summary_at: int, count: TokenCount = byte_tokens,
-                    pool: int = DEFAULT_POOL) -> DemoRun:
-    """Episodes of `tasks`, in order, `pool` at once, on a sandbox supervisor served here (ops/local_sandbox.py),
-    until `n` demonstrations pass or the tasks run out; the passing ones' rows in task order. An episode still
-    running when the `n`-th passes is cancelled and not counted. Progress to stderr."""
+                    pool: int = DEFAULT_POOL, budgets: AgenticBudgets | None = None) -> DemoRun:
+    """Episodes of `tasks` (`demo_episode`, under `budgets`), in order, `pool` at once, on a sandbox supervisor served
+    here (ops/local_sandbox.py), until `n` demonstrations pass or the tasks run out; the passing ones' rows in task
+    order. An episode still running when the `n`-th passes is cancelled and not counted. Progress to stderr."""
     import anyio
 
     from rlbus.actors.sandbox.config import SandboxConfig
@@ -292,7 +291,7 @@ async def run_demos(tasks: Sequence[RepoTask], n: int, seed: int, summary_at: in
                 if run.kept >= n:
                     return
                 try:
-                    episode = await demo_episode(bus, task, seed, summary_at=summary_at, count=count)
+                    episode = await demo_episode(bus, task, seed, summary_at=summary_at, count=count, budgets=budgets)
                 except SandboxCrashed as err:
                     run.attempted += 1
                     run.failures.append(f"{task.task_id}: {err}"[:300])

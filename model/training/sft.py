@@ -10,14 +10,19 @@
 - Does not: own the framing (model/policies/interface.py, model/policies/hf_chat.py), the tool-call text
   (model/tools/calls.py), the environment (model/env/agentic.py) or the CLI (ops/sft.py).
 
-How messages map onto the environment's turns: a leading `system` message is folded into the first user turn
-(its text, a blank line, the user's; the environment has no system turn besides the template's tool schemas); the
-first `user` message is the task; a later `user` message is an observation (the template's user role where the
-template renders tools); an `assistant` message is a policy turn, its content then each call in the template's
-call style (`ToolCall.text`, one a line), closed by the stop id; a run of `tool` messages is one observation, laid
-out as the environment lays out a turn's results. A conversation with `tools`, `tool_calls` or `tool` messages is
-framed with the tool schemas where the template renders them (the row's `tools`, else `TOOL_SCHEMAS`); one
-without is framed as the function-writing environment frames its episodes.
+How messages map onto the environment's turns (model/env/agentic.py builds them from the same functions): a leading
+`system` message is folded into the first user turn (its text, a blank line, the user's; the environment has no
+system turn besides the template's tool schemas); the first `user` message is the task, or the task and a summary
+(`fresh_context`), after the tool list where the template does not render the tools (`with_tool_list`: the
+environment's `tools_text()`, or `COMPACT_TOOLS` for a compact list; a first message that already starts with it
+is kept as it is); a later `user` message is an observation, except `SUMMARY_REQUEST` (the environment's user
+turn asking for a summary) and any where the template renders tools (the template's user role); an `assistant`
+message is a policy turn, its content then each call in the template's call style (`ToolCall.text`, one a line),
+closed by the stop id (a Llama-style template takes one call a turn: a message of several calls is that many
+turns, each answered by its tool message); a run of `tool` messages is one observation, laid out and cut to
+`observation_tokens` as the environment lays out and cuts a turn's results (`observation_ids`). A conversation
+with `tools`, `tool_calls` or `tool` messages is framed with the tool schemas where the template renders them (the
+row's `tools`, else `TOOL_SCHEMAS`); one without is framed as the function-writing environment frames its episodes.
 """
 
 from __future__ import annotations
@@ -36,9 +41,17 @@ import torch
 import torch.nn.functional as F
 
 from rlbus.messages.errors import RlbusError
+from rlbus.model.env.agentic import (
+    COMPACT_TOOLS,
+    AgenticBudgets,
+    compact_tool_list,
+    observation_ids,
+    with_tool_list,
+)
 from rlbus.model.env.episodes import EpisodeTokens, Turn, turns_tokens
+from rlbus.model.env.summaries import SUMMARY_REQUEST
 from rlbus.model.policies.interface import ChatTokenizer, Policy, resolve_device
-from rlbus.model.tools.calls import TOOL_SCHEMAS, ToolCall, response_text
+from rlbus.model.tools.calls import TOOL_SCHEMAS, ToolCall, tools_text
 from rlbus.model.tools.template import TemplateTools, template_tools
 
 __all__ = ["SFT_LOG", "SFT_SUMMARY", "Conversation", "SFTConfig", "SFTError", "SFTResult", "read_conversations",
@@ -54,8 +67,10 @@ ROW_KEYS: Final = ("messages", "tools", "task_id", "meta")
 MESSAGE_KEYS: Final[dict[str, tuple[str, ...]]] = {
     "system": ("role", "content"), "user": ("role", "content"),
     "assistant": ("role", "content", "tool_calls"), "tool": ("role", "content", "name")}
-NO_LIMIT: Final = 1 << 30
+OBSERVATION_TOKENS: Final = AgenticBudgets().observation_tokens
+"""`[generator.agentic] observation_tokens`' default: an observation turn's most tokens."""
 ToolList = Literal["full", "compact"]
+ToolSetting = Literal["auto", "full", "compact"]
 
 
 class SFTError(RlbusError, ValueError):
@@ -178,8 +193,8 @@ def read_conversations(path: Path) -> list[Conversation]:
 def framing(conversation: Conversation, tokenizer: ChatTokenizer, tool_list: ToolList = "full"
             ) -> ChatTokenizer:
     """The tokenizer view the environment frames this conversation with: the template's tool framing of the row's
-    `tools` (else `TOOL_SCHEMAS`) when the conversation uses tools and the template renders them, else
-    `tokenizer` itself."""
+    `tools` (else `TOOL_SCHEMAS`) when the conversation uses tools, the list is "full" and the template renders
+    them, else `tokenizer` itself."""
     if tool_list != "full" or not conversation.uses_tools:
         return tokenizer
     base = tokenizer.base if isinstance(tokenizer, TemplateTools) else tokenizer
@@ -194,59 +209,85 @@ def framing(conversation: Conversation, tokenizer: ChatTokenizer, tool_list: Too
     return base if isinstance(frame, str) else TemplateTools(base, frame)
 
 
-def _assistant_text(m: dict[str, Any], tok: ChatTokenizer, where: str) -> str:
+def tool_list_text(conversation: Conversation, tok: ChatTokenizer, tool_list: ToolList = "full") -> str:
+    """The tool list the environment's first user turn starts with for this conversation and view `tok`
+    (`AgenticEnvironment.tool_list_text`): none when the conversation uses no tools or the template renders them,
+    `COMPACT_TOOLS` for a compact list, else `tools_text()` (the environment's tools; a row's other tools are listed
+    only where the template renders them)."""
+    if not conversation.uses_tools or isinstance(tok, TemplateTools):
+        return ""
+    if tool_list == "compact":
+        return COMPACT_TOOLS
+    return tools_text() if conversation.tools is None or list(conversation.tools) == list(TOOL_SCHEMAS) else ""
+
+
+def _assistant_texts(m: dict[str, Any], tok: ChatTokenizer) -> list[str]:
+    """The policy turns of an assistant message: its content then each call, in the view's call style; a Llama-style
+    template takes one call a turn (its whole turn), so a message of k calls is k turns."""
     calls = [ToolCall(c["function"]["name"], dict(c["function"].get("arguments", {}))) for c in m.get("tool_calls") or ()]
     content = m["content"] or ""
     if isinstance(tok, TemplateTools) and tok.style == "llama" and calls:
-        if len(calls) > 1:
-            raise SFTError(f"{where}: tool_calls: {len(calls)} calls in one turn; this template's call style "
-                           f"(Llama-3.1 JSON) takes one call a turn")
-        return calls[0].text("llama")
+        return [c.text("llama") for c in calls]
     style = tok.style if isinstance(tok, TemplateTools) else "hermes"
-    return "\n".join([*([content] if content else []), *(c.text(style) for c in calls)])
+    return ["\n".join([*([content] if content else []), *(c.text(style) for c in calls)])]
 
 
-def turns_of(conversation: Conversation, tok: ChatTokenizer) -> list[Turn]:
+def turns_of(conversation: Conversation, tok: ChatTokenizer, tool_list: ToolList = "full",
+             observation_tokens: int = OBSERVATION_TOKENS) -> list[Turn]:
     """The conversation as the environment's turns, for the tokenizer view `tok` (`framing`).
 
-    :raises SFTError: a turn this template cannot frame (several calls in a Llama-style turn).
+    :raises SFTError: a Llama-style message of several calls not answered by one tool message each.
     """
     templated = isinstance(tok, TemplateTools)
+    tools = tool_list_text(conversation, tok, tool_list)
     messages = list(conversation.messages)
     system = ""
     if messages[0]["role"] == "system":
         system = messages.pop(0)["content"] or ""
     turns: list[Turn] = []
     results: list[str] = []
+    split: list[str] = []      # a Llama-style message's calls after the first, each a turn after the last's result
 
     def flush() -> None:
         if results:
-            ids = tok.results_ids(results, NO_LIMIT) if isinstance(tok, TemplateTools) else tok.encode(
-                response_text(results))
-            turns.append(Turn("observation", tuple(ids)))
+            turns.append(Turn("observation", observation_ids(tok, results, observation_tokens, templated=templated)))
             results.clear()
 
     for index, m in enumerate(messages):
         role, content = m["role"], m["content"] or ""
         if role != "tool":
             flush()
+            if split:
+                raise SFTError(f"{conversation.source}: messages[{index + bool(system)}]: {len(split)} of a turn's "
+                               f"calls have no tool message; this template's call style (Llama-3.1 JSON) answers "
+                               f"each call before the next")
         if role == "tool":
             results.append(content)
+            if split:
+                flush()
+                turns.append(Turn("assistant", (*tok.encode(split.pop(0)), tok.stop_id)))
         elif role == "assistant":
-            text = _assistant_text(m, tok, f"{conversation.source}: messages[{index + bool(system)}]")
-            turns.append(Turn("assistant", (*tok.encode(text), tok.stop_id)))
+            first, *split = _assistant_texts(m, tok)
+            turns.append(Turn("assistant", (*tok.encode(first), tok.stop_id)))
         elif not turns:
-            turns.append(Turn("user", tuple(tok.encode(f"{system}\n\n{content}" if system else content))))
+            text = f"{system}\n\n{content}" if system else content
+            turns.append(Turn("user", tuple(tok.encode(text if text.startswith(tools) else with_tool_list(text, tools)))))
         else:
-            turns.append(Turn("user" if templated else "observation", tuple(tok.encode(content))))
+            turns.append(Turn("user" if templated or content == SUMMARY_REQUEST else "observation",
+                              tuple(tok.encode(content))))
     flush()
+    if split:
+        raise SFTError(f"{conversation.source}: messages: the last turn's calls after the first have no tool message; "
+                       f"this template's call style (Llama-3.1 JSON) answers each call before the next")
     return turns
 
 
-def render(conversation: Conversation, tokenizer: ChatTokenizer, tool_list: ToolList = "full") -> EpisodeTokens:
-    """The conversation's ids and loss mask, as `turns_tokens` lays out the environment's turns (`turns_of`)."""
+def render(conversation: Conversation, tokenizer: ChatTokenizer, tool_list: ToolList = "full",
+           observation_tokens: int = OBSERVATION_TOKENS) -> EpisodeTokens:
+    """The conversation's ids and loss mask, as `turns_tokens` lays out the environment's turns (`turns_of`) for
+    `[generator.agentic]` `tool_list` ("full" or "compact") and `observation_tokens`."""
     tok = framing(conversation, tokenizer, tool_list)
-    return turns_tokens(turns_of(conversation, tok), tok)
+    return turns_tokens(turns_of(conversation, tok, tool_list, observation_tokens), tok)
 
 
 @dataclass(frozen=True)
@@ -260,8 +301,13 @@ class SFTConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    tool_list: ToolList = "full"
-    """How the generator lists the tools (`[generator.agentic] tool_list`): "compact" never uses template tools."""
+    tool_list: ToolSetting = "auto"
+    """How the generator lists the tools (`[generator.agentic] tool_list`): "compact" never uses template tools,
+    "auto" is "compact" for a policy whose context is under 4096 tokens (model/env/agentic.py
+    `compact_tool_list`), else "full"."""
+    observation_tokens: int = OBSERVATION_TOKENS
+    """`[generator.agentic] observation_tokens`: an observation turn past it is cut, saying so, as the environment
+    cuts it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,17 +339,19 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float) -> fl
     return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
-def rendered(conversations: Sequence[Conversation], tokenizer: ChatTokenizer, limit: int, tool_list: ToolList
-             ) -> tuple[list[tuple[list[int], list[int]]], int, int]:
+def rendered(conversations: Sequence[Conversation], tokenizer: ChatTokenizer, limit: int, tool_list: ToolSetting,
+             observation_tokens: int = OBSERVATION_TOKENS) -> tuple[list[tuple[list[int], list[int]]], int, int]:
     """Each conversation's (ids, mask) cut to `limit` tokens, how many were cut, and how many were left out for
-    having no assistant token within `limit`; every one rendered (and so checked) before any training.
+    having no assistant token within `limit`; every one rendered (and so checked) before any training. `tool_list`
+    "auto" is resolved for a policy of `limit - 1` tokens, as the generator resolves it.
 
     :raises SFTError: one `turns_of` refuses, or no conversation has an assistant token within `limit`.
     """
     out: list[tuple[list[int], list[int]]] = []
     cut = skipped = 0
+    listing: ToolList = "full" if tool_list == "full" or not compact_tool_list(tool_list, limit - 1) else "compact"
     for c in conversations:
-        flat = render(c, tokenizer, tool_list)
+        flat = render(c, tokenizer, listing, observation_tokens)
         if len(flat.ids) > limit:
             cut += 1
         ids, mask = flat.ids[:limit], flat.loss_mask[:limit]
@@ -338,7 +386,8 @@ def sft(policy: Policy, conversations: Sequence[Conversation], config: SFTConfig
     torch.manual_seed(seed)
     policy.to_(device=resolve_device(device), dtype=torch.float32)
     tokenizer = policy.tokenizer
-    data, truncated, skipped = rendered(conversations, tokenizer, policy.max_seq_len + 1, config.tool_list)
+    data, truncated, skipped = rendered(conversations, tokenizer, policy.max_seq_len + 1, config.tool_list,
+                                        config.observation_tokens)
     module = policy.module
     decay = [p for p in module.parameters() if p.dim() >= 2]
     no_decay = [p for p in module.parameters() if p.dim() < 2]
