@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
+    from rlbus.actors.generator.config import AgenticSettings
     from rlbus.messages.bus import Bus
     from rlbus.model.env.agentic import AgenticBudgets
     from rlbus.model.tasks.repo import RepoTask
@@ -72,6 +73,15 @@ def default_summary_at() -> int:
     from rlbus.actors.generator.config import AgenticSettings
 
     return AgenticSettings().summary_at_tokens
+
+
+def demo_budgets(settings: AgenticSettings) -> AgenticBudgets:
+    """The budgets of the generator's agentic episodes (`[generator.agentic]`, whose budget fields are
+    `AgenticBudgets`'), for demonstrations that see what the policy will: results cut to its `observation_chars`,
+    its turn and `run` limits, summaries fitted to its `summary_tokens`."""
+    from rlbus.model.env.agentic import AgenticBudgets
+
+    return AgenticBudgets(**{name: getattr(settings, name) for name in AgenticBudgets.__struct_fields__})
 
 
 def training_tasks(source: str, seed: int, n: int) -> list[RepoTask]:

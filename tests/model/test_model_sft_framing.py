@@ -18,7 +18,8 @@ import msgspec
 import pytest
 from helpers.hf import build_family
 
-from rlbus.model.env.agentic import AgenticBudgets, AgenticEnvironment, AgenticState
+from rlbus.actors.generator.config import AgenticSettings
+from rlbus.model.env.agentic import AgenticEnvironment, AgenticState
 from rlbus.model.env.base import state_tokens
 from rlbus.model.env.episodes import EpisodeTokens
 from rlbus.model.env.summaries import FRESH_HEAD, SUMMARY_REQUEST
@@ -30,13 +31,15 @@ from rlbus.model.tasks.repo_grade import GradeReport, TestReport
 from rlbus.model.tools.calls import ToolCall, ToolOutcome
 from rlbus.model.tools.template import TemplateTools
 from rlbus.model.training.sft import read_conversations, render
-from rlbus.ops.tasks_demos import byte_tokens, run_demos
+from rlbus.ops.tasks_demos import byte_tokens, demo_budgets, run_demos
 
 pytestmark = pytest.mark.anyio
 
 TASK: Final = repo_task(1, 11)
-BUDGETS: Final = AgenticBudgets(max_turns=20, observation_chars=400, observation_tokens=100, summary_tokens=160)
-"""Tight enough that a result is cut by characters, an observation by tokens and the expert's summary shortened."""
+BUDGETS: Final = demo_budgets(AgenticSettings(max_turns=20, observation_chars=400, observation_tokens=100,
+                                              summary_tokens=160))
+"""`[generator.agentic]` tight enough that a result is cut by characters, an observation by tokens and the expert's
+summary shortened."""
 SUMMARY_AT: Final = 2000
 
 
