@@ -160,3 +160,8 @@ async def test_every_row_of_a_demonstration_renders_as_the_environment_frames_th
     assert trained[-len(summary) - 1:] == [*summary, tok.stop_id], "the summary is trained on"
     assert any("[output truncated:" in m["content"] for row in rows for m in row["messages"] if m["role"] == "tool")
     assert any("[observation truncated to" in text for text in texts)
+    if which == "qwen":       # uncut, each row is what the chat template itself renders for its messages
+        for row, conversation in zip(rows, conversations, strict=True):
+            text = tokenizer.decode(render(conversation, tokenizer, "full", 1 << 30).ids, specials=True)  # type: ignore[call-arg]
+            assert text == tokenizer.hf.apply_chat_template(  # type: ignore[attr-defined]
+                row["messages"], tools=row["tools"], tokenize=False)
