@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import os
 import re
@@ -40,7 +41,9 @@ from rlbus.messages.kv import RETRIED
 from rlbus.messages.retry import GIVE_UP_S, retry_policy
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model.policies.interface import ChatTokenizer, Policy
+from rlbus.model.sampling.engine import TurnEngine, common_prefix
 from rlbus.model.sampling.generate import SampledSequence, generate, sampling_kv_dtype
+from rlbus.model.sampling.speculative import SpecStats, drafter_for, speculative_sample
 from rlbus.model.sampling.summarize import summarize_if_over_budget
 from rlbus.model.tasks.repo import VERIFIER_KIND as REPO_KIND
 
@@ -50,6 +53,25 @@ register_environment(FUNCTION_KIND, function_plug)   # the built-in environments
 register_environment(REPO_KIND, agentic_plug)
 
 _KV_KEY: Final = re.compile(r"^[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*$")
+MIN_RELEASE_IDS: Final = 16
+"""A finished task's engine rows are closed by the ids all its contexts begin with, when there are at least this
+many (fewer could be a chat template's opening, shared with other tasks: those rows are left to the LRU)."""
+
+
+class _TaskIds:
+    """The ids every context a task sampled so far begins with (its rows in the turn engine begin with them)."""
+
+    def __init__(self) -> None:
+        self.prefix: list[int] | None = None
+
+    def add(self, context: list[int]) -> None:
+        if self.prefix is None:
+            self.prefix = list(context)
+        elif (n := common_prefix(self.prefix, context)) < len(self.prefix):
+            del self.prefix[n:]
+
+
+_TASK_IDS: contextvars.ContextVar[_TaskIds | None] = contextvars.ContextVar("rlbus_generator_task_ids", default=None)
 
 
 def partial_key(task_id: str) -> str:
@@ -76,10 +98,21 @@ class Generator(Actor):
     its groups are all-fail and teach nothing, while a grown group carries that rare pass (every Rollout of it
     carries the grown `group_size`).
 
+    Sampling (`_sample_rows`): a dense policy goes through a `TurnEngine` (`[generator] turn_cache`, on by
+    default; model/sampling/engine.py): each episode's KV cache is kept from one call to its next, so a turn
+    prefills only what is new in its context (a context after a summary keeps only the task's ids it shares). The
+    engine is made once the weights are known, and again if the policy object changes; its rows of a task are
+    closed when the task's group is published, taken over or abandoned (`kv_cache_tokens` evicts the rest, least
+    recently used first). A routed (MoE) policy samples with `generate`; `[generator] speculative` samples with
+    `speculative_sample` (MTP heads drafting), which keeps no cache across calls.
+
     Heartbeat counters: tasks, rollouts, resumed, sandbox_errors, tokens, graded_repeats (drafts that reused the
     verdict of a draft of the same round with the same program), groups_grown, grown_unpublished (episodes of
-    grown groups left out by `grown_subsample`), summaries, publish_failures, taken_over, rejected; gauges:
-    tokens_per_s, held_version, sessions_held (sandbox sessions of agentic episodes open now).
+    grown groups left out by `grown_subsample`), summaries, publish_failures, taken_over, rejected, prefill_tokens
+    and reused_tokens (context tokens the turn engine fed, and those it found cached), mtp_drafted and
+    mtp_accepted (speculative drafts checked and accepted); gauges: tokens_per_s, held_version, sessions_held
+    (sandbox sessions of agentic episodes open now), engine_rows (episodes the engine holds), mtp_acceptance (the
+    held version's acceptance rate).
     """
 
     kind = "generator"
@@ -99,7 +132,18 @@ class Generator(Actor):
         """`concurrent_tasks` sampling places (set once serving: a semaphore needs the event loop)."""
         self.counters.update(dict.fromkeys(("tasks", "rollouts", "resumed", "partials_discarded", "sandbox_errors",
                                             "tokens", "graded_repeats", "groups_grown", "grown_unpublished",
-                                            "restores_checked", "restores_equal"), 0))
+                                            "restores_checked", "restores_equal", "prefill_tokens", "reused_tokens",
+                                            "mtp_drafted", "mtp_accepted"), 0))
+        self._engine: TurnEngine | None = None
+        """The turn engine of the live policy (None before the first call, with turn_cache off, or for MoE)."""
+        self._engine_counted = (0, 0)
+        """(prefill_tokens, reused_tokens) of `_engine` already added to the counters."""
+        self._to_close: list[list[int]] = []
+        """Prefixes of finished tasks whose engine rows are closed at the next call (the lock was busy)."""
+        self._spec_plain = False
+        """The policy has no MTP heads (or is routed): `speculative` samples plainly."""
+        self._spec_by_version: dict[int, SpecStats] = {}
+        """Speculative drafts checked and accepted, by the version a call started with."""
 
     async def setup(self) -> None:
         if self.launch.torch_threads:
@@ -154,6 +198,8 @@ class Generator(Actor):
             self.count("rejected")
             await self.bus.dead_letter(delivery.raw, reason=str(err), source=self.stream)
             return
+        ids = _TaskIds()
+        reset = _TASK_IDS.set(ids)
         with self.busy():
             outcome = "cancelled"
             try:
@@ -166,6 +212,9 @@ class Generator(Actor):
                 with anyio.move_on_after(1.0, shield=True):
                     await delivery.nak()          # the partial is saved: the next generator resumes it
                 raise
+            finally:
+                _TASK_IDS.reset(reset)
+                self._release(ids)
             if outcome == "published":
                 try:
                     await delivery.ack_sync()
@@ -214,22 +263,101 @@ class Generator(Actor):
         """Sample through the generator's batcher (merged with every other task's rows, weights swapped in
         flight)."""
         started = time.monotonic()
+        if (ids := _TASK_IDS.get()) is not None:
+            for context in contexts:
+                ids.add(context)
         samples = await self._batcher.sample(contexts, n, seed)
         self._sampling_s += time.monotonic() - started
         self.gauges["tokens_per_s"] = self.counters["tokens"] / max(self._sampling_s, 1e-9)
         return samples
 
     def _sample_rows(self, contexts: list[list[int]], n: int, seed: int) -> list[SampledSequence]:
-        """One `generate` call over the open drafts of every task in the batch (SampleBatcher's worker
-        thread); weights are swapped in flight between decoding steps. The KV cache's dtype is
-        `sampling_kv_dtype`'s (float32 on CPU); the rollouts' behaviour logprobs are those of that computation."""
+        """One sampling call over the open drafts of every task in the batch (SampleBatcher's worker thread);
+        weights are swapped in flight between decoding steps. `speculative_sample` with `speculative` (and MTP
+        heads), else the turn engine's `generate` (a dense policy with `turn_cache`), else `generate`. The KV
+        cache's dtype is `sampling_kv_dtype`'s (float32 on CPU); the rollouts' behaviour logprobs are those of that
+        computation."""
         weights = self._weights()
         with self._model_lock:
+            version = weights.held_version or 0
+            kv_dtype = sampling_kv_dtype(weights.model.device)
+            if self.config.speculative and not self._spec_plain:
+                try:
+                    drafter_for(weights.model)
+                except ValueError as err:
+                    self._spec_plain = True
+                    log.warning("speculative_unavailable", reason=str(err))
+                else:
+                    samples, stats = speculative_sample(
+                        weights.model, contexts, max_new_tokens=n, temperature=self.config.temperature,
+                        eos_id=self.tokenizer.stop_id, pad_id=self.tokenizer.pad_id, version=version,
+                        on_step=weights.maybe_swap, generator=torch.Generator().manual_seed(seed), kv_dtype=kv_dtype)
+                    self._note_speculation(version, stats)
+                    return samples
+            engine = self._turn_engine(weights)
+            if engine is not None:
+                samples = engine.generate(contexts, max_new_tokens=n, seed=seed, on_step=weights.maybe_swap,
+                                          version=version)
+                self._note_engine(engine)
+                return samples
             return generate(weights.model, contexts, max_new_tokens=n, temperature=self.config.temperature,
                             eos_id=self.tokenizer.stop_id, pad_id=self.tokenizer.pad_id,
-                            version=weights.held_version or 0, on_step=weights.maybe_swap,
-                            generator=torch.Generator().manual_seed(seed),
-                            kv_dtype=sampling_kv_dtype(weights.model.device))
+                            version=version, on_step=weights.maybe_swap,
+                            generator=torch.Generator().manual_seed(seed), kv_dtype=kv_dtype)
+
+    def _turn_engine(self, weights: WeightSource) -> TurnEngine | None:
+        """The engine of the live policy (made, or made again for a new policy object); None with turn_cache off or
+        for a routed policy. Called with the model lock held; closes the rows of tasks finished meanwhile."""
+        model = weights.model
+        if not self.config.turn_cache or model.moe is not None:
+            return None
+        if self._engine is None or self._engine.policy is not model:
+            config = self.config
+            group = max(config.group_size, config.max_group_size)
+            auto = config.concurrent_tasks * group * model.max_seq_len
+            cap = config.kv_cache_tokens or auto
+            if cap < model.max_seq_len:      # `rlbus validate` refuses it where it knows the context
+                log.warning("kv_cache_tokens_raised", kv_cache_tokens=cap, max_seq_len=model.max_seq_len)
+                cap = model.max_seq_len
+            self._engine = TurnEngine(model, temperature=config.temperature, eos_id=self.tokenizer.stop_id,
+                                      kv_cache_tokens=cap, max_batch=256, kv_dtype=sampling_kv_dtype(model.device))
+            self._engine_counted = (0, 0)
+            self._to_close.clear()
+        self._close_finished(self._engine)
+        return self._engine
+
+    def _note_engine(self, engine: TurnEngine) -> None:
+        prefill, reused = engine.stats.prefill_tokens, engine.stats.reused_tokens
+        self.count("prefill_tokens", prefill - self._engine_counted[0])
+        self.count("reused_tokens", reused - self._engine_counted[1])
+        self._engine_counted = (prefill, reused)
+        self.gauges["engine_rows"] = float(len(engine.rows("resting")))
+
+    def _note_speculation(self, version: int, stats: SpecStats) -> None:
+        self.count("mtp_drafted", stats.drafted)
+        self.count("mtp_accepted", stats.accepted)
+        held = self._spec_by_version[version] = self._spec_by_version.get(version, SpecStats()).add(stats)
+        for old in [v for v in self._spec_by_version if v < version]:
+            del self._spec_by_version[old]
+        self.gauges["mtp_acceptance"] = held.acceptance_rate
+
+    def _release(self, ids: _TaskIds) -> None:
+        """Close the engine rows of a task that is done (published, taken over or abandoned): at once when the
+        model is free, else at the start of the next sampling call."""
+        if self._engine is None or ids.prefix is None or len(ids.prefix) < MIN_RELEASE_IDS:
+            return
+        self._to_close.append(ids.prefix)
+        if self._model_lock.acquire(blocking=False):
+            try:
+                self._close_finished(self._engine)
+            finally:
+                self._model_lock.release()
+
+    def _close_finished(self, engine: TurnEngine) -> None:
+        """Called with the model lock held."""
+        while self._to_close:
+            engine.close_prefixed(self._to_close.pop())
+        self.gauges["engine_rows"] = float(len(engine.rows("resting")))
 
     def write_summary(self, context: list[int], *, budget: int, keep: int, prompt: list[int], tokens: int,
                       seed: int) -> SampledSummary:

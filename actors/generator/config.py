@@ -72,7 +72,20 @@ class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Sample with the policy's MTP heads drafting and its main head verifying (model/sampling/speculative.py): the
     same distribution and behaviour logprobs as plain sampling, fewer forwards when drafts are accepted. Needs MTP
     heads: a built-in policy with `mtp_heads`, a Hugging Face one with `mtp_heads.safetensors` (a phase's
-    `mtp_heads`); MoE policies are refused. The key only: the generator loops sample plainly for now."""
+    `mtp_heads`). A policy without heads, or a routed (MoE) one, samples plainly (one warning). Speculation takes
+    precedence over `turn_cache` (the turn engine has no speculative step): with both set, no cache is kept across
+    calls. The heartbeat counts mtp_drafted and mtp_accepted; its gauge mtp_acceptance is the held version's rate."""
+    turn_cache: bool = True
+    """Sample a dense policy with the turn engine (model/sampling/engine.py): each episode's KV cache is kept from
+    one sampling call to its next (a turn, a chunk, an attempt), so only what is new in its context is prefilled;
+    rows join and leave the decoding batch between steps. Same distribution and behaviour logprobs as plain
+    sampling (to float summation order). A routed (MoE) policy always samples with `generate` (the engine records
+    no routing); false: every call prefills its whole contexts."""
+    kv_cache_tokens: NonNegativeInt = 0
+    """Cache slots (tokens) the turn engine of one generator holds across all its episodes; episodes that do not
+    fit wait for room (resting episodes' caches are evicted first, least recently used), they never fail. 0: room
+    for every row a generator samples at once, each at the policy's context (concurrent_tasks x the largest group
+    x max_seq_len). `rlbus validate` refuses a cap smaller than one episode's largest context."""
     max_tokens: PositiveInt = 256
     """Longest completion, in tokens."""
     partial_every_tokens: PositiveInt = 64

@@ -212,6 +212,19 @@ class TurnEngine:
         self._resting(row)
         del self._rows[row]
 
+    def close_prefixed(self, prefix: Sequence[int]) -> int:
+        """Forget every resting row whose context starts with `prefix` (the ids all of a finished task's contexts
+        begin with) and free its cache; returns how many were closed."""
+        n = len(prefix)
+        if n == 0:
+            return 0
+        head = list(prefix)
+        gone = [r.key for r in self._rows.values()
+                if r.state == "resting" and len(r.tokens) >= n and r.tokens[:n] == head]
+        for key in gone:
+            del self._rows[key]
+        return len(gone)
+
     def swap(self, version: int) -> None:
         """The caller loaded new weights in place between two `step`s: tokens sampled from now carry `version`.
 

@@ -50,6 +50,8 @@ CASES: dict[str, tuple[str, str]] = {
     "max_group_size_not_multiple.toml": ("generator.max_group_size", "20 is not a multiple of group_size = 8"),
     "summary_at_past_budget.toml": ("generator.agentic.summary_at_tokens",
                                     "2040 + min_turn_tokens = 32 > max_tokens = 2048"),
+    "kv_cache_below_context.toml": ("generator.kv_cache_tokens",
+                                    "256 cache slots cannot hold one episode's largest context (512 tokens"),
     "weights_keep_too_few.toml": ("weights.keep_versions", "expected keep_versions >= weights.full_every = 5, found 2"),
     "backoff_inverted.toml": ("restart.backoff_initial_s", "expected backoff_initial_s <= restart.backoff_max_s = 5.0"),
     "bad_sync_interval.toml": ("durability.sync_interval", "found the string 'sometimes'"),

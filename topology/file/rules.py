@@ -80,6 +80,19 @@ def check_sections(topology: Topology, *, local_cores: int | None = None) -> lis
     return out
 
 
+def _largest_context(topology: Topology) -> int:
+    """Cache slots one episode's turn can need (its context and the turn): the policy's context where the topology
+    gives it (the built-in policy, or one a recipe builds), else what the generator's settings allow, capped by it
+    (a repository task's `[generator.agentic] max_tokens`; a function task's context_budget + max_tokens)."""
+    policy, gen = topology.policy, topology.generator
+    context = topology.pretrain.context if policy.kind == "builtin" or policy.recipe is not None else None
+    repo = topology.feeder.tasks not in ("builtin", "humaneval")
+    episode = gen.agentic.max_tokens if repo else (gen.context_budget + gen.max_tokens if gen.context_budget else 0)
+    if context is None:
+        return episode or gen.max_tokens
+    return min(episode, context) if episode else context
+
+
 def _is_bus_demo(topology: Topology) -> bool:
     kinds = {spec.kind for region in topology.regions for spec in region.actors}
     return bool(kinds) and kinds <= DEMO_KINDS
@@ -226,6 +239,10 @@ def _settings(topology: Topology) -> Iterator[Found]:
         yield _p("generator.agentic.summary_at_tokens", f"{agentic.summary_at_tokens} + min_turn_tokens = "
                  f"{agentic.min_turn_tokens} > max_tokens = {agentic.max_tokens}: no summary could ever be asked for; "
                  f"expected 0 (off) or at most max_tokens - min_turn_tokens")
+    if gen.kv_cache_tokens and gen.kv_cache_tokens < (largest := _largest_context(topology)):
+        yield _p("generator.kv_cache_tokens", f"{gen.kv_cache_tokens} cache slots cannot hold one episode's largest "
+                 f"context ({largest} tokens with these settings): its turns could never run; expected 0 (room for "
+                 f"every row sampled at once) or at least {largest}")
     if trainer.staleness_versions == 0:
         yield _p("trainer.staleness_versions", "0 drops every rollout that saw a weight update while it was "
                  "generated; expect most rollouts dropped", "warning")

@@ -1,0 +1,117 @@
+"""The generator's turn engine on a real agentic group (real NATS, real sandbox supervisor): sampled turns cut
+into several chunks reuse the episode's cached keys and values from chunk to chunk and turn to turn, their
+behaviour logprobs are the trainer's recomputation (within 1e-4: the cache was filled a token at a time), and
+the engine holds no row of the task once its group is published. With `speculative`, the policy's MTP heads
+draft (acceptance counted in the heartbeat) and the logprobs are still the trainer's."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch
+from helpers import eventually, new_run
+from test_actors_generator_agentic import (
+    Env,
+    generator,
+    message,
+    rollouts,
+    sessions_open,
+    supervisor,
+    tiny_model,
+)
+
+from rlbus.actors.generator.actor import GeneratorConfig
+from rlbus.actors.generator.config import AgenticSettings
+from rlbus.actors.trainer.core import TrainerCore, rollout_batch
+from rlbus.messages.bus import Bus, ConnectOptions
+from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
+from rlbus.messages.subjects import BucketScope
+from rlbus.model.policies.interface import as_policy
+from rlbus.model.tasks.repo import repo_task
+from rlbus.topology.network.server_config import ServerOptions
+from rlbus.topology.network.servers import EmbeddedServer
+
+pytestmark = pytest.mark.anyio
+torch.set_num_threads(1)
+
+RUNS = [new_run(), new_run()]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    srv = EmbeddedServer.start(tmp_path_factory.mktemp("engine-js"), ServerOptions(
+        name="engine", scope=BucketScope(runs=tuple(RUNS), regions=("hub",))))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+async def env(server: EmbeddedServer) -> AsyncIterator[Env]:
+    run = RUNS.pop()
+    cred = server.credential("admin")
+    admin = await Bus.connect(server.url, run=run, options=ConnectOptions(user=cred.user, password=cred.password))
+    settings = StreamSettings.tiny()
+    await provision_region(admin.nc, admin.subjects, "hub", domain=None, settings=settings)
+    await provision_hub(admin.nc, admin.subjects, "hub", {"hub": None}, settings)
+    try:
+        yield Env(server, run, admin)
+    finally:
+        await admin.close()
+
+
+async def test_agentic_turns_reuse_the_episode_cache_and_score_as_the_trainer_does(env: Env) -> None:
+    model = tiny_model()
+    task = repo_task(1, 21)
+    config = GeneratorConfig(group_size=2, max_tokens=12, partial_every_tokens=4, sandbox_timeout_s=20.0,
+                             agentic=AgenticSettings(max_turns=2))
+    assert config.turn_cache
+    async with supervisor(env) as sandbox, generator(env, model, config) as actor:
+        await env.admin.publish(env.admin.subjects.tasks("hub"), message(task), msg_id=task.task_id)
+
+        async def done() -> bool:
+            return actor.counters.get("tasks", 0) == 1
+        await eventually(done, timeout_s=60, what="the group published")
+        engine = actor._engine
+        assert engine is not None and engine.rows("resting") == [] and engine.rows("queued") == []
+        assert actor.gauges["engine_rows"] == 0
+        counters = dict(actor.counters)
+        await eventually(lambda: sessions_open(sandbox), lambda n: n == 0, what="every session closed", timeout_s=10)
+    # 2 episodes x 2 turns x 3 chunks: each chunk after an episode's first prefills only its new ids
+    assert counters["prefill_tokens"] > 0 and counters["reused_tokens"] > 4 * counters["prefill_tokens"], counters
+    assert engine.stats.decode_steps > 0 and engine.stats.evictions == 0
+    group = await rollouts(env)
+    assert len(group) == 2 and all(r.timings["turns"] == 2 for r in group)
+    core = TrainerCore(as_policy(copy.deepcopy(model)), as_policy(copy.deepcopy(model)), lr=0.0)
+    batch = rollout_batch(group)
+    with torch.no_grad():
+        logp = core.logprobs(core.policy, batch)
+    assert int(batch.mask.sum()) == counters["tokens"]
+    torch.testing.assert_close(logp[batch.mask], batch.behaviour[batch.mask], atol=1e-4, rtol=0)
+
+
+async def test_speculative_turns_count_their_acceptance_and_score_as_the_trainer_does(env: Env) -> None:
+    model = tiny_model(mtp_heads=2)
+    task = repo_task(1, 22)
+    config = GeneratorConfig(group_size=2, max_tokens=12, sandbox_timeout_s=20.0, speculative=True,
+                             agentic=AgenticSettings(max_turns=2))
+    async with supervisor(env) as sandbox, generator(env, model, config) as actor:
+        await env.admin.publish(env.admin.subjects.tasks("hub"), message(task), msg_id=task.task_id)
+
+        async def done() -> bool:
+            return actor.counters.get("tasks", 0) == 1
+        await eventually(done, timeout_s=60, what="the group published")
+        counters, gauges = dict(actor.counters), dict(actor.gauges)
+        await eventually(lambda: sessions_open(sandbox), lambda n: n == 0, what="every session closed", timeout_s=10)
+    assert counters["mtp_drafted"] > 0 and counters["prefill_tokens"] == 0, counters    # the heads drafted
+    assert gauges["mtp_acceptance"] == counters["mtp_accepted"] / counters["mtp_drafted"]     # one version held
+    group = await rollouts(env)
+    assert len(group) == 2
+    core = TrainerCore(as_policy(copy.deepcopy(model)), as_policy(copy.deepcopy(model)), lr=0.0)
+    batch = rollout_batch(group)
+    with torch.no_grad():
+        logp = core.logprobs(core.policy, batch)
+    torch.testing.assert_close(logp[batch.mask], batch.behaviour[batch.mask], atol=1e-4, rtol=0)
