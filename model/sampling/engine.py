@@ -341,7 +341,7 @@ class TurnEngine:
         joiners: list[_Row] = []
         while self._queue and len(self._batch) + len(joiners) < self.max_batch:
             r = self._queue[0]
-            if not self._room_for(r):
+            if not self._fits_context(joiners, r) or not self._room_for(r):
                 break
             self._queue.pop(0)
             joiners.append(r)
@@ -349,6 +349,19 @@ class TurnEngine:
         if self._queue:
             self.stats.waits += 1
         return joiners
+
+    def _fits_context(self, joiners: list[_Row], r: _Row) -> bool:
+        """Whether `r` can join with `joiners` within the model's context: their prefill cache is right-aligned
+        (the longest cached prefix, then the longest of what each feeds and samples), and a Hugging Face decoding
+        batch rebuilt (every row's ids, then the longest rest of a turn). One row alone always fits (`turn`)."""
+        limit = self.policy.max_seq_len
+        group = [*joiners, r]
+        if max(o.cached for o in group) + max(len(o.tokens) - o.cached + o.budget for o in group) > limit:
+            return False
+        if self._slots is None and self._batch:
+            rows = [*self._batch, *group]
+            return max(len(o.tokens) for o in rows) + max(o.budget - len(o.sampled) for o in rows) <= limit
+        return True
 
     def _room_for(self, r: _Row) -> bool:
         if self.kv_cache_tokens is None:

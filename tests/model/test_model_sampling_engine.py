@@ -227,3 +227,25 @@ def test_generate_drop_in_finds_each_context_row_by_its_cached_prefix() -> None:
     assert engine.stats.evictions > 0 and len(engine.rows("resting")) < 4
     sampling = TurnEngine(policy, temperature=1.0, kv_cache_tokens=100)   # a generator's seeds are 64-bit hashes
     assert len(sampling.generate([[5, 6, 7]], max_new_tokens=2, seed=2**64 - 1)[0].tokens) == 2
+
+
+@pytest.mark.parametrize("kind", ["builtin", "hf"])
+def test_rows_that_fit_alone_but_not_together_in_the_context_join_one_after_the_other(
+        request: pytest.FixtureRequest, kind: str) -> None:
+    """A row with a long cached prefix and a row with a long new context, each within the model's context but not
+    right-aligned in one cache: the second waits for the first's turn instead of failing, and both sample what
+    `generate` on their whole contexts samples."""
+    policy = _builtin(7) if kind == "builtin" else request.getfixturevalue("hf_policy")
+    limit = policy.max_seq_len
+    engine = TurnEngine(policy, temperature=0, kv_cache_tokens=4 * limit)
+    first = engine.generate([list(range(3, 3 + limit // 2))], max_new_tokens=4, seed=0)[0]
+    grown = [*range(3, 3 + limit // 2), *first.tokens.tolist(), 9, 9]
+    fresh = [(7 * i) % 200 + 3 for i in range(limit - limit // 4)]
+    budget = limit - len(fresh)
+    assert engine.stats.waits == 0 and len(grown) + budget <= limit
+    out = engine.generate([grown, fresh], max_new_tokens=budget, seed=0)
+    assert engine.stats.waits > 0
+    for context, sample in zip([grown, fresh], out, strict=True):
+        ref = generate(policy, [context], max_new_tokens=budget, temperature=0, kv_dtype=engine.kv_dtype)[0]
+        assert sample.tokens.tolist() == ref.tokens.tolist()
+        torch.testing.assert_close(sample.logprobs, ref.logprobs, atol=LOGP_ATOL, rtol=0)
