@@ -120,7 +120,9 @@ class TurnEngine:
     kv_cache_tokens caps the cache slots held by all rows together: a decoding row reserves its context plus
     the rest of its turn, a resting row what it holds. A row that does not fit waits (first come, first
     served); resting rows' caches are evicted first, least recently used first (such a row prefills its whole
-    context again). A single turn larger than the cap is refused at `turn`. max_batch caps the rows decoding.
+    context again). A single turn larger than the cap is refused at `turn`. max_batch caps the rows decoding. A row
+    that fits the model's context alone but not beside the rows joining with it (their prefill cache is
+    right-aligned) waits for the next step.
     A built-in policy's decoding batch lives in `Slots` (model/sampling/slots.py); a Hugging Face policy's batch
     cache is rebuilt when rows join.
 
