@@ -56,8 +56,15 @@ def agentic_chaos_topology() -> Topology:
 
 
 def is_agentic(topology: Topology) -> bool:
-    """Whether the run's tasks are repository tasks (its episodes hold sandbox sessions)."""
-    return topology.feeder.tasks == "repo"
+    """Whether the run's tasks are repository tasks, built-in (any level or split) or from a file (its episodes hold
+    sandbox sessions)."""
+    from pathlib import Path
+
+    from rlbus.model.tasks.sources import is_repo_file, is_repo_source, split_source
+
+    tasks = topology.feeder.tasks
+    path = Path(split_source(tasks)[0])
+    return is_repo_source(tasks) or (path.is_file() and is_repo_file(path))
 
 
 def restore_checks(events: Iterable[Event]) -> tuple[int, int]:

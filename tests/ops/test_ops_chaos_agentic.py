@@ -19,12 +19,15 @@ from rlbus.ops.chaos.agentic import (
     AGENTIC_KILL_KINDS,
     agentic_chaos_topology,
     agentic_verdict,
+    is_agentic,
     kill_kinds,
     restore_checks,
     session_roots_left,
 )
 from rlbus.ops.chaos.plan import ChaosSettings, plan_faults
 from rlbus.ops.chaos.report import exit_code, table
+from rlbus.topology.examples import example_path
+from rlbus.topology.file.load import load
 
 MINUTES = 0.3
 SETTINGS = {"kills": 4, "server_kills": 1, "partitions": 0, "pauses": 0, "outage_s": 8.0}
@@ -76,7 +79,8 @@ def test_the_agentic_topology_kills_generators_sandboxes_and_the_trainer_mid_epi
     """Every turn of its scripted episodes changes the workspace (so a kill mid-episode means a restore), the leaf
     has a generator and a sandbox of its own, and a first round of kills hits each kind once."""
     topology = agentic_chaos_topology()
-    assert topology.generator.script == "edits" and topology.feeder.tasks == "repo"
+    assert topology.generator.script == "edits" and topology.feeder.tasks.startswith("repo") and is_agentic(topology)
+    assert not is_agentic(load(example_path("tiny")))
     assert {(i.region, i.kind) for i in topology.instances()} >= {("eu", "generator"), ("eu", "sandbox")}
     kinds = kill_kinds(topology, AGENTIC_KILL_KINDS)
     assert kinds == ["generator", "sandbox", "trainer"]
