@@ -624,9 +624,10 @@ async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once
 
 
 # ---- a task longer than the ack wait: in-progress acks hold it ---------------------------------------------
-LONG = msgspec.structs.replace(CONFIG, max_tokens=240, partial_every_tokens=8, max_attempts=4)
-"""Four attempts of up to 240 sampled tokens per episode, saved every 8: a group that takes several tiny
-ack waits (about 6 s on the 2-core dev machine against the 2 s of `StreamSettings.tiny()`)."""
+LONG = msgspec.structs.replace(CONFIG, max_tokens=240, partial_every_tokens=8, max_attempts=4, turn_cache=False)
+"""Four attempts of up to 240 sampled tokens per episode, saved every 8, each chunk's context prefilled whole (no
+turn cache): a group that takes several tiny ack waits (about 6 s on the 2-core dev machine against the 2 s of
+`StreamSettings.tiny()`)."""
 
 
 async def test_task_longer_than_the_ack_wait_is_held_by_in_progress_and_delivered_once(env: Env) -> None:
