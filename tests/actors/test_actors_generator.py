@@ -624,15 +624,16 @@ async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once
 
 
 # ---- a task longer than the ack wait: in-progress acks hold it ---------------------------------------------
-LONG = msgspec.structs.replace(CONFIG, max_tokens=240, partial_every_tokens=8, max_attempts=4, turn_cache=False)
-"""Four attempts of up to 240 sampled tokens per episode, saved every 8, each chunk's context prefilled whole (no
-turn cache): a group that takes several tiny ack waits (about 6 s on the 2-core dev machine against the 2 s of
-`StreamSettings.tiny()`)."""
+LONG = msgspec.structs.replace(CONFIG, max_tokens=240, partial_every_tokens=8, max_attempts=4)
+"""Four attempts of up to 240 sampled tokens per episode, saved every 8."""
+HOLD_S = 3.0
+"""How long the test holds the generators' model locks once the task is held: longer than the 2 s ack wait of
+`StreamSettings.tiny()` however fast the machine samples."""
 
 
 async def test_task_longer_than_the_ack_wait_is_held_by_in_progress_and_delivered_once(env: Env) -> None:
-    """Two generators share the TASKS consumer (tiny ack wait); a task held longer than the ack wait is
-    kept by in-progress acks: JetStream delivers it once (never again to the idle generator), one generator
+    """Two generators share the TASKS consumer (tiny ack wait); a task held longer than the ack wait (the test
+    holds the generators' model locks, so sampling waits) is kept by in-progress acks: JetStream delivers it once (never again to the idle generator), one generator
     publishes the group, which is in ROLLOUTS exactly once, and nobody resumed or took it over."""
     s = env.admin.subjects
     stream, durable = s.tasks_stream("hub"), s.durable("generator", "hub")
@@ -655,6 +656,12 @@ async def test_task_longer_than_the_ack_wait_is_held_by_in_progress_and_delivere
             return await pending() == 1
         await eventually(held)
         started = anyio.current_time()
+        locks = [a.model_lock for a in actors.values()]  # type: ignore[attr-defined]
+        for lock in locks:                                  # sampling waits: the task is held past the ack wait
+            await anyio.to_thread.run_sync(lock.acquire)
+        await anyio.sleep(HOLD_S)
+        for lock in locks:
+            lock.release()
 
         async def done() -> bool:
             return (await pending() == 0 and await stored(env, stream) == 0
