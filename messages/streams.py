@@ -110,22 +110,28 @@ _NO_PLACEMENT: Final = 10005
 """JetStream's err_code when a replicated stream finds too few peers online: a cluster still forming."""
 
 PLACEMENT_WAIT_S: Final = 30.0
-"""How long `ensure_stream` asks again while a just-started cluster does not yet see all its peers."""
+"""How long a stream or bucket's creation is asked again while the cluster does not see all its peers."""
 
 
-async def _add_stream(js: JetStreamContext, config: StreamConfig) -> None:
-    """`add_stream`, asked again every 0.25 s for up to PLACEMENT_WAIT_S while the cluster reports too few peers
-    online (its nodes have started but have not all met yet)."""
+async def _placed(create: Callable[[], Awaitable[object]], name: str) -> None:
+    """`create()` (a stream's, KV or object-store bucket's), asked again every 0.25 s for up to PLACEMENT_WAIT_S
+    while the cluster reports too few peers online (a cluster still forming, or a peer that missed heartbeats on a
+    loaded machine)."""
     deadline = time.monotonic() + PLACEMENT_WAIT_S
     while True:
         try:
-            await js.add_stream(config)
+            await create()
             return
         except BadRequestError as err:
             if err.err_code != _NO_PLACEMENT or time.monotonic() > deadline:
                 raise
-            log.info("stream_placement_wait", stream=config.name, reason=err.description)
+            log.info("stream_placement_wait", stream=name, reason=err.description)
         await anyio.sleep(0.25)
+
+
+async def _add_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    assert config.name is not None
+    await _placed(lambda: js.add_stream(config), config.name)
 
 
 async def ensure_stream(js: JetStreamContext,
@@ -173,7 +179,7 @@ async def ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> Lite
         await js.stream_info(f"KV_{config.bucket}")
         return "unchanged"
     except NotFoundError:
-        await js.create_key_value(config)
+        await _placed(lambda: js.create_key_value(config), f"KV_{config.bucket}")
         log.info("kv_bucket_created", bucket=config.bucket)
         return "created"
 
@@ -186,7 +192,7 @@ async def ensure_object_store(js: JetStreamContext,
         await js.stream_info(f"OBJ_{config.bucket}")
         return "unchanged"
     except NotFoundError:
-        await js.create_object_store(config=config, bucket=config.bucket)
+        await _placed(lambda: js.create_object_store(config=config, bucket=config.bucket), f"OBJ_{config.bucket}")
         log.info("object_store_created", bucket=config.bucket)
         return "created"
 
