@@ -153,7 +153,10 @@ async def test_hostile_snippet_is_contained(admin_bus: Bus, level: str, case: Ho
     if case.lasts:
         assert max(seen) >= 1                                 # the watcher did see it running
     if case.name == "fork_bomb":
-        bound = LIMITS.max_processes if level == "bwrap" else LIMITS.max_processes + 6
+        # Outside bwrap's own pid namespace the kernel checks RLIMIT_NPROC before it counts the new process, so
+        # forks racing on both cores overshoot the limit, the more so on a loaded machine (seen: 7 over 8); an
+        # unlimited bomb would grow until the wall limit, far past twice the limit.
+        bound = LIMITS.max_processes if level == "bwrap" else 2 * LIMITS.max_processes
         assert 2 <= max(seen) <= bound, seen                  # it forked, and RLIMIT_NPROC held
     if case.name == "setsid_escape":
         assert "escaped child left behind" in verdict.stdout and max(seen) >= 2
