@@ -186,10 +186,12 @@ def _repo_handler(args: argparse.Namespace) -> int:
             return greedy, sampled
 
     done, sampled = anyio.run(episodes)
+    tags_of = {t.task_id: list(t.tags) for t in tasks}
     passes = [sum(e.passed for e in sampled[i * k:(i + 1) * k]) for i in range(len(done))] if k else None
     report = summarize([f"repo/{e.level}" for e in done], [e.passed for e in done], passes, samples=k,
                        seed=args.sample_seed, costs=[episode_cost(e) for e in done],
-                       sampled_costs=[episode_cost(e) for e in sampled] if k else None)
+                       sampled_costs=[episode_cost(e) for e in sampled] if k else None,
+                       tags=[tags_of[e.task_id] for e in done])
     report.update(weights=label, source=args.source, seed=args.seed, max_tokens=args.max_tokens,
                   temperature=args.temperature if k else None, seconds=round(time.monotonic() - started, 1),
                   episodes=[{"task_id": e.task_id, "passed": e.passed, "reward": e.reward, "ended": e.ended,
@@ -357,13 +359,15 @@ def cost_means(costs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def summarize(families: Sequence[str], greedy: Sequence[bool], passes: Sequence[int] | None, *,
               samples: int, seed: int = 0, costs: Sequence[dict[str, Any]] | None = None,
-              sampled_costs: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
+              sampled_costs: Sequence[dict[str, Any]] | None = None,
+              tags: Sequence[Sequence[str]] | None = None) -> dict[str, Any]:
     """The report, overall and in `by_level` per family/level (`by_family` is the same): greedy pass@1 and its 95%
     Wilson interval; with samples (`passes`: per task, how many of `samples` passed), mean@K, unbiased pass@k for
     k = 1..K with bootstrap intervals seeded by `seed` (model/sampling/scores.py) and, overall, for the tasks
     greedy decoding passes and fails, how many tasks had 0, 1, ..., K passing samples. `costs` (one `episode_cost`
-    per task's greedy episode) adds their means; `sampled_costs` (K per task, task by task) adds `sampled_cost`."""
-    from rlbus.model.sampling.scores import grouped_scores
+    per task's greedy episode) adds their means; `sampled_costs` (K per task, task by task) adds `sampled_cost`.
+    `tags` (per task, its tags) adds `by_tag`: the same scores over the tasks of each tag (a task in several)."""
+    from rlbus.model.sampling.scores import grouped_scores, scores
 
     if len(families) != len(greedy) or (passes is not None and len(passes) != len(greedy)) or (
             costs is not None and len(costs) != len(greedy)) or (
@@ -378,14 +382,24 @@ def summarize(families: Sequence[str], greedy: Sequence[bool], passes: Sequence[
                 if bool(g) is want:
                     counts[c] += 1
             report[f"{outcome}_tasks_by_passes"] = counts
+    if tags is not None and len(tags) != len(greedy):
+        raise ValueError("tags must cover the same tasks")
+    by_tag: dict[str, tuple[dict[str, Any], list[int]]] = {}
+    for tag in sorted({t for ts in tags or () for t in ts}):
+        rows = [i for i, ts in enumerate(tags or ()) if tag in ts]
+        by_tag[tag] = (scores([greedy[i] for i in rows], None if passes is None else [passes[i] for i in rows],
+                              samples, seed=seed), rows)
     for scored, rows in [(report, range(len(families))),
-                         *((per[f], [i for i, g in enumerate(families) if g == f]) for f in per)]:
+                         *((per[f], [i for i, g in enumerate(families) if g == f]) for f in per),
+                         *by_tag.values()]:
         if costs is not None:
             scored.update(cost_means([costs[i] for i in rows]))
         if sampled_costs is not None:
             scored["sampled_cost"] = cost_means([sampled_costs[i * samples + j] for i in rows for j in range(samples)])
     report["by_level"] = per
     report["by_family"] = {f: dict(v) for f, v in per.items()}
+    if tags is not None:
+        report["by_tag"] = {tag: scored for tag, (scored, _) in by_tag.items()}
     return report
 
 

@@ -83,6 +83,20 @@ def test_summarize_reports_greedy_mean_and_unbiased_pass_at_k_per_level() -> Non
         summarize(["a/1"], [True, False], None, samples=0)
 
 
+def test_summarize_scores_each_tag_over_its_tasks() -> None:
+    """`by_tag` scores each tag over the tasks that carry it (a task with two tags counts in both); no tags, no
+    `by_tag`."""
+    report = summarize(["a/1", "a/1", "b/1", "b/1"], [True, False, False, True], [3, 1, 0, 2], samples=4,
+                       tags=[["compare"], ["compare", "deletion"], ["deletion"], []])
+    by = report["by_tag"]
+    assert list(by) == ["compare", "deletion"]
+    assert (by["compare"]["n"], by["compare"]["pass_at_1"], by["compare"]["mean_at_k"]) == (2, 0.5, 0.5)
+    assert (by["deletion"]["n"], by["deletion"]["pass_at_1"], by["deletion"]["mean_at_k"]) == (2, 0.0, 1 / 8)
+    assert "by_tag" not in summarize(["a/1"], [True], None, samples=0)
+    with pytest.raises(ValueError, match="tags"):
+        summarize(["a/1"], [True], None, samples=0, tags=[])
+
+
 def test_summarize_averages_the_cost_of_episodes_overall_and_per_level() -> None:
     def cost(turns: int, calls: dict[str, int], wall_s: float) -> dict[str, object]:
         return {"turns": turns, "tool_calls": sum(calls.values()) + 1, "tool_calls_by_tool": calls,
