@@ -32,9 +32,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
     p.add_argument("--batch", type=int, default=8, help="conversations per step (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data order (default 0)")
-    p.add_argument("--tool-list", choices=("full", "compact"), default="full",
+    p.add_argument("--tool-list", choices=("auto", "full", "compact"), default="auto",
                    help="the generator's tool list ([generator.agentic] tool_list): 'compact' never frames tools in "
-                        "the chat template (default full)")
+                        "the chat template, 'auto' is compact for a context under 4096 tokens (default auto)")
+    p.add_argument("--observation-tokens", type=int, default=1024, metavar="N",
+                   help="cut a tool result past N tokens as the generator does ([generator.agentic] "
+                        "observation_tokens; default 1024)")
     p.add_argument("--device", choices=("cpu", "auto", "cuda"), default="cpu", help="where to train (default cpu)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     p.set_defaults(handler=_handler)
@@ -46,16 +49,19 @@ def _handler(args: argparse.Namespace) -> int:
     from rlbus.model.training.sft import SFTConfig, read_conversations, rendered, save, sft
     from rlbus.ops.pretrain import PretrainPrinter, _quiet_transformers
 
-    if args.steps < 1 or args.batch < 1 or args.threads < 1 or not args.lr > 0:
-        print("rlbus sft: --steps, --batch and --threads must be >= 1 and --lr > 0", file=sys.stderr)
+    if args.steps < 1 or args.batch < 1 or args.threads < 1 or args.observation_tokens < 16 or not args.lr > 0:
+        print("rlbus sft: --steps, --batch and --threads must be >= 1, --observation-tokens >= 16 and --lr > 0",
+              file=sys.stderr)
         return 2
     conversations = read_conversations(args.data)          # SFTError: rlbus sft: FILE:LINE: KEY: ...
     _quiet_transformers()
     policy, _ = load_start(args.from_dir, device=args.device)
     if not isinstance(policy, BuiltinPolicy):
         check_hf_out(args.out)
-    config = SFTConfig(steps=args.steps, lr=args.lr, batch_size=args.batch, tool_list=args.tool_list)
-    rendered(conversations, policy.tokenizer, policy.max_seq_len + 1, config.tool_list)   # refuse before training
+    config = SFTConfig(steps=args.steps, lr=args.lr, batch_size=args.batch, tool_list=args.tool_list,
+                       observation_tokens=args.observation_tokens)
+    rendered(conversations, policy.tokenizer, policy.max_seq_len + 1, config.tool_list,   # refuse before training
+             config.observation_tokens)
     print(f"sft: {policy.kind} policy from {args.from_dir}, {len(conversations)} conversations from {args.data}, "
           f"{args.steps} steps of {args.batch}, lr {args.lr:g}, seed {args.seed} -> {args.out}", flush=True)
     result = sft(policy, conversations, config, seed=args.seed, threads=args.threads,

@@ -250,7 +250,7 @@ def _ensure_pretrained(topology: Any, state: Path, *, cache: bool = True) -> dic
             if recipe is not None:              # the recipe is part of what decides the base
                 key = hashlib.sha256(f"{key}:{recipe.architecture}:{recipe.size}".encode()).hexdigest()[:16]
             if phases:                          # so are the phases (their data by path), and the demonstrations
-                demos = "" if demos_at is None else f":{demos_settings(topology)!r}"
+                demos = "" if demos_at is None else f":{demos_key(topology)}"
                 key = hashlib.sha256(f"{key}:{phases!r}{demos}".encode()).hexdigest()[:16]
             target = pretrained_cache(state) / key
             held.enter_context(_cache_lock(target))
@@ -327,21 +327,33 @@ def demos_settings(topology: Any) -> tuple[str, int, int, int]:
     return demos.source, demos.n, demos.seed, summary_at
 
 
+def demos_key(topology: Any) -> str:
+    """What the demonstrations and the sft phase on them depend on: `demos_settings` and the generator's agentic
+    budgets and framing (demonstrations are cut and limited as its episodes are)."""
+    from rlbus.ops.tasks_demos import demo_budgets
+
+    agentic = topology.generator.agentic
+    return repr((demos_settings(topology), demo_budgets(agentic), agentic.tool_list))
+
+
 def _with_demos(topology: Any, state: Path, target: Path, phases: list[Any], at: int, phases_run: Any) -> list[Any]:
     """`phases` with every 'sft' phase of `data = "demos"` reading the demonstrations file of the state directory;
     the file is written once (kept for a later run with the same settings), after running `phases[:at]` (the
     scripted expert does not depend on the model; the order is the recipe's)."""
     from rlbus.messages.errors import RlbusError
     from rlbus.model.training.phases import marker_name
+    from rlbus.ops.tasks_demos import demo_budgets
     from rlbus.topology.file.schema import DEMOS_DATA
 
     settings = demos_settings(topology)
-    digest = hashlib.sha256(repr(settings).encode()).hexdigest()[:16]
+    agentic = topology.generator.agentic
+    digest = hashlib.sha256(demos_key(topology).encode()).hexdigest()[:16]
     path = state / DEMOS_DIR / f"{digest}.jsonl"
     if not path.is_file():
         if at and not all((target / marker_name(k, p)).is_file() for k, p in enumerate(phases[:at])):
             phases_run(phases[:at])
-        report = _write_demos(path, *settings, tokenizer=target if topology.policy.kind == "hf" else None)
+        report = _write_demos(path, *settings, tokenizer=target if topology.policy.kind == "hf" else None,
+                              budgets=demo_budgets(agentic))
         log_stage(state, "demos", **report)
         if not report["demos"]:
             raise RlbusError(f"no demonstration of {settings[0]!r} passed its hidden tests "
@@ -349,10 +361,13 @@ def _with_demos(topology: Any, state: Path, target: Path, phases: list[Any], at:
     else:
         print(f"rlbus up: demonstrations found in {path}", flush=True)
         log_stage(state, "demos", found=str(path))
-    return [dataclasses.replace(p, data=str(path)) if p.kind == "sft" and p.data == DEMOS_DATA else p for p in phases]
+    return [dataclasses.replace(p, data=str(path), tool_list=agentic.tool_list,
+                                observation_tokens=agentic.observation_tokens)
+            if p.kind == "sft" and p.data == DEMOS_DATA else p for p in phases]
 
 
-def _write_demos(path: Path, source: str, n: int, seed: int, summary_at: int, *, tokenizer: Path | None) -> dict[str, Any]:
+def _write_demos(path: Path, source: str, n: int, seed: int, summary_at: int, *, tokenizer: Path | None,
+                 budgets: Any) -> dict[str, Any]:
     """Run the scripted expert (ops/tasks_demos.py, a sandbox supervisor served here) until `n` demonstrations of
     `source`'s training split pass; write their rows into `path` and return the report (demos, attempted,
     pass_rate, turns_mean, rows, summarized, seconds, path)."""
@@ -366,7 +381,7 @@ def _write_demos(path: Path, source: str, n: int, seed: int, summary_at: int, *,
     print(f"rlbus up: demonstrations: the scripted expert on up to {len(tasks)} tasks of {source!r} until {n} pass "
           f"(summary at {summary_at or 'never'} tokens)", flush=True)
     count = _counter(str(tokenizer) if tokenizer is not None and (tokenizer / "tokenizer.json").is_file() else None)
-    run = anyio.run(run_demos, tasks, n, seed, summary_at, count, DEFAULT_POOL, backend="asyncio")
+    run = anyio.run(run_demos, tasks, n, seed, summary_at, count, DEFAULT_POOL, budgets, backend="asyncio")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in run.rows), encoding="utf-8")

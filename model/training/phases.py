@@ -88,6 +88,11 @@ class Phase:
     rope_theta: float | None = None
     mtp_heads: int = 0
     mtp_steps: int | None = None
+    tool_list: str = "auto"
+    """An sft phase's framing of the tools, as the agentic generator lists them (`[generator.agentic] tool_list`)."""
+    observation_tokens: int | None = None
+    """An sft phase's cut of an observation, as the generator cuts it (`[generator.agentic] observation_tokens`);
+    None: model/training/sft.py's default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +272,10 @@ def _sft(config: PretrainConfig, phase: Phase, seed: int, out_dir: Path, threads
     conversations = read_conversations(Path(phase.data))
     sft_config = SFTConfig(steps=phase.steps, lr=phase.lr or SFT_LR, batch_size=phase.batch_size or config.batch_size,
                            warmup_steps=SFT_WARMUP if phase.warmup_steps is None else phase.warmup_steps,
-                           min_lr_ratio=config.min_lr_ratio if phase.min_lr_ratio is None else phase.min_lr_ratio)
+                           min_lr_ratio=config.min_lr_ratio if phase.min_lr_ratio is None else phase.min_lr_ratio,
+                           tool_list=phase.tool_list,  # type: ignore[arg-type]
+                           **({} if phase.observation_tokens is None else
+                              {"observation_tokens": phase.observation_tokens}))
     result = sft(policy, conversations, sft_config, seed=seed + begin, threads=threads, progress=progress,
                  device=device, start_step=begin)
     document = {"seed": seed, "step": begin + phase.steps, "final": False, "policy": policy.kind,

@@ -42,9 +42,12 @@ batch_size = 1
 source = "repo:1:train"
 n = 1
 summary_at = 0
+
+[generator.agentic]
+observation_chars = 200
 """
-"""Tiny sizes of the recipe: two main steps at 128 tokens, one long-context step to 2048, one demonstration, one
-SFT step."""
+"""Tiny sizes of the recipe: two main steps at 128 tokens, one long-context step to 2048, one demonstration (its
+tool results cut at 200 characters, as the generator's episodes are), one SFT step."""
 
 
 def _repos(root: Path) -> Path:
@@ -76,6 +79,9 @@ def test_the_recipe_runs_phases_demonstrations_and_sft_in_order_then_reuses_the_
     assert Path(demos["path"]).parent == state / "demos" and rows[0]["meta"]["grade"] == "passed"
     assert rows[0]["task_id"].startswith("repo-L1") and [m["role"] for m in rows[0]["messages"]][:2] == [
         "user", "assistant"]
+    results = [m["content"] for m in rows[0]["messages"] if m["role"] == "tool"]
+    assert any("[output truncated:" in r for r in results), results            # the generator's budgets
+    assert all(len(r.split("\n[output truncated:")[0]) <= 200 for r in results)
     sft = stages[2]["phases"][2]
     assert sft["kind"] == "sft" and sft["data"] == demos["path"] and sft["conversations"] == 1, sft
     base = json.loads((state / "pretrained" / "pretrain.json").read_text())
