@@ -42,8 +42,8 @@ from rlbus.messages.retry import GIVE_UP_S, retry_policy
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model.policies.interface import ChatTokenizer, Policy
 from rlbus.model.sampling.engine import TurnEngine, common_prefix
-from rlbus.model.sampling.generate import SampledSequence, generate, sampling_kv_dtype
-from rlbus.model.sampling.speculative import SpecStats, drafter_for, speculative_sample
+from rlbus.model.sampling.generate import SampledSequence, SpeculativeStats, generate, sampling_kv_dtype
+from rlbus.model.sampling.speculative import drafter_for, speculative_sample
 from rlbus.model.sampling.summarize import summarize_if_over_budget
 from rlbus.model.tasks.repo import VERIFIER_KIND as REPO_KIND
 
@@ -142,7 +142,7 @@ class Generator(Actor):
         """Prefixes of finished tasks whose engine rows are closed at the next call (the lock was busy)."""
         self._spec_plain = False
         """The policy has no MTP heads (or is routed): `speculative` samples plainly."""
-        self._spec_by_version: dict[int, SpecStats] = {}
+        self._spec_by_version: dict[int, SpeculativeStats] = {}
         """Speculative drafts checked and accepted, by the version a call started with."""
 
     async def setup(self) -> None:
@@ -333,10 +333,10 @@ class Generator(Actor):
         self._engine_counted = (prefill, reused)
         self.gauges["engine_rows"] = float(len(engine.rows("resting")))
 
-    def _note_speculation(self, version: int, stats: SpecStats) -> None:
+    def _note_speculation(self, version: int, stats: SpeculativeStats) -> None:
         self.count("mtp_drafted", stats.drafted)
         self.count("mtp_accepted", stats.accepted)
-        held = self._spec_by_version[version] = self._spec_by_version.get(version, SpecStats()).add(stats)
+        held = self._spec_by_version[version] = self._spec_by_version.get(version, SpeculativeStats()).add(stats)
         for old in [v for v in self._spec_by_version if v < version]:
             del self._spec_by_version[old]
         self.gauges["mtp_acceptance"] = held.acceptance_rate

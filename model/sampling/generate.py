@@ -50,12 +50,13 @@ class SampledSequence:
 
 @dataclass
 class SpeculativeStats:
-    """Counters of one `speculative_generate` call, summed over active rows."""
+    """Counters of one `speculative_generate` or model/sampling/speculative.py `speculative_sample` call, summed
+    over active rows."""
 
     drafted: int = 0
     """Draft tokens proposed by the MTP heads and checked by the main head."""
     accepted: int = 0
-    """Draft tokens kept (equal to the main head's greedy choice)."""
+    """Draft tokens kept (equal to the main head's greedy choice, or accepted by rejection sampling)."""
     forward_passes: int = 0
     """Model calls, prefill included."""
     generated: int = 0
@@ -63,6 +64,10 @@ class SpeculativeStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    def add(self, other: SpeculativeStats) -> SpeculativeStats:
+        return SpeculativeStats(self.drafted + other.drafted, self.accepted + other.accepted,
+                                self.forward_passes + other.forward_passes, self.generated + other.generated)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -2,7 +2,7 @@
 sampling keeps every sampled token distributed exactly as the policy's own, at any temperature.
 
 - Owns: `speculative_sample` (batched, KV-cached, weights swapped in flight; greedy or sampled), `Drafter` and `drafter_for` (the heads of
-  a built-in policy, `Transformer.mtp`, or of a Hugging Face policy, `HFPolicy.mtp_heads`), `SpecStats`.
+  a built-in policy, `Transformer.mtp`, or of a Hugging Face policy, `HFPolicy.mtp_heads`) (counted in model/sampling/generate.py `SpeculativeStats`).
 - Does not: train heads (model/training/loss.py `lm_loss` for the built-in ones, model/training/mtp.py for a
   Hugging Face policy's), swap weights mid-call, record MoE routing (a routed policy is refused: sample it with
   `generate`), or batch turns across calls (model/sampling/engine.py).
@@ -23,36 +23,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from rlbus.model.policies.interface import Policy, PolicyCache, as_policy
-from rlbus.model.sampling.generate import SampledSequence, SwapHook, _check_budget, _Recorder, left_pad
-
-
-@dataclass
-class SpecStats:
-    """Counters of one `speculative_sample` call, summed over unfinished rows."""
-
-    drafted: int = 0
-    """Draft tokens checked by the main head."""
-    accepted: int = 0
-    """Draft tokens emitted as drafted (accepted by rejection sampling, or equal to the argmax when greedy)."""
-    forward_passes: int = 0
-    """Main-model forwards, the prefill included."""
-    generated: int = 0
-    """Tokens emitted (every row, up to its eos)."""
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    def add(self, other: SpecStats) -> SpecStats:
-        return SpecStats(self.drafted + other.drafted, self.accepted + other.accepted,
-                         self.forward_passes + other.forward_passes, self.generated + other.generated)
+from rlbus.model.sampling.generate import (
+    SampledSequence,
+    SpeculativeStats,
+    SwapHook,
+    _check_budget,
+    _Recorder,
+    left_pad,
+)
 
 
 class Drafter:
@@ -156,7 +140,7 @@ def speculative_sample(
     draft_tokens: int | None = None,
     generator: torch.Generator | None = None,
     kv_dtype: torch.dtype | None = None,
-) -> tuple[list[SampledSequence], SpecStats]:
+) -> tuple[list[SampledSequence], SpeculativeStats]:
     """Sample up to max_new_tokens per prompt, drafting `draft_tokens` (default: every head) per forward.
 
     Same arguments and results as `generate` (left-padded prompts, eos, per-token behaviour logprobs at
@@ -180,7 +164,7 @@ def speculative_sample(
     _check_budget(net.max_seq_len, P, max_new_tokens)
     tau = temperature or 1.0
     cache = net.new_cache(B, P + max_new_tokens, kv_dtype)
-    stats = SpecStats(forward_passes=1)
+    stats = SpeculativeStats(forward_passes=1)
     record = _Recorder(B, eos_id)
     if on_step is not None and (new := on_step(0)) is not None:
         version = new

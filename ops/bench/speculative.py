@@ -100,14 +100,14 @@ def _qwen2(quick: bool, steps: int, distill_steps: int) -> tuple[Any, dict[str, 
 def _race(policy: Any, prompts: list[list[int]], new_tokens: int, rounds: int) -> dict[str, Any]:
     """Greedy plain vs speculative decoding of each prompt alone, CPU seconds (this process), the best of `rounds`
     (the modes alternating; on a shared machine the best is the least disturbed)."""
-    from rlbus.model.sampling.generate import generate
-    from rlbus.model.sampling.speculative import SpecStats, speculative_sample
+    from rlbus.model.sampling.generate import SpeculativeStats, generate
+    from rlbus.model.sampling.speculative import speculative_sample
 
     speculative_sample(policy, prompts[:1], max_new_tokens=4, temperature=0)   # warm-up
     plain_t: list[float] = []
     spec_t: list[float] = []
     exact = True
-    stats = SpecStats()
+    stats = SpeculativeStats()
     for r in range(rounds):
         for mode in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
             t0 = time.process_time()
@@ -118,7 +118,7 @@ def _race(policy: Any, prompts: list[list[int]], new_tokens: int, rounds: int) -
                 runs = [speculative_sample(policy, [p], max_new_tokens=new_tokens, temperature=0) for p in prompts]
                 spec_t.append(time.process_time() - t0)
         exact &= all(a.tokens.tolist() == b[0][0].tokens.tolist() for a, b in zip(plain, runs, strict=True))
-        stats = SpecStats()
+        stats = SpeculativeStats()
         for _, s in runs:
             stats = stats.add(s)
     tokens = stats.generated
