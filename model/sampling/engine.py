@@ -2,7 +2,8 @@
 
 - Owns: `TurnEngine` (one row per episode: a turn prefills only what is new in its context; rows join and leave
   the decoding batch between steps; `kv_cache_tokens` makes rows wait, never fail; `swap` keeps the caches;
-  `generate`, a drop-in for `generate`'s call that needs no row keys), `TurnSample`, `EngineStats`.
+  `open_turns` and `generate`, a drop-in for `generate`'s call that needs no row keys; `close_ended`),
+  `TurnSample`, `EngineStats`, `as_sequence`.
 - Does not: run tools, frame turns or summarise (a summary is just a new context), load weights (the caller
   swaps them in place and calls `swap`), or record MoE routing (a routed policy is refused).
 """
@@ -106,6 +107,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def as_sequence(context: Sequence[int], turn: TurnSample) -> SampledSequence:
+    """A finished turn as `generate` returns its row (routing None)."""
+    return SampledSequence(prompt=torch.as_tensor(list(context), dtype=torch.long),
+                           tokens=torch.tensor(turn.tokens, dtype=torch.long),
+                           logprobs=torch.tensor(turn.logprobs, dtype=torch.float32),
+                           versions=torch.tensor(turn.versions, dtype=torch.long), routing=None,
+                           finish_reason=turn.finish_reason)
+
+
 class TurnEngine:
     """Episode rows, each with a KV cache kept across its turns; one batched decoding forward per `step`.
 
@@ -177,14 +187,7 @@ class TurnEngine:
         :raises ValueError: the row is queued or decoding, the turn cannot fit the model or the cache cap, or a
             new row has no generator at temperature > 0.
         """
-        if not context or max_new_tokens < 1:
-            raise ValueError("a turn needs a context of at least one id and max_new_tokens >= 1")
-        need = len(context) + max_new_tokens
-        if need > self.policy.max_seq_len:
-            raise ValueError(f"context of {len(context)} + {max_new_tokens} new tokens exceeds max_seq_len "
-                             f"{self.policy.max_seq_len}; summarise the history")
-        if self.kv_cache_tokens is not None and need > self.kv_cache_tokens:
-            raise ValueError(f"a turn of {need} cache slots can never fit kv_cache_tokens {self.kv_cache_tokens}")
+        self._check_turn(context, max_new_tokens)
         r = self._rows.get(row)
         if r is None:
             if generator is None and seed is not None:
@@ -203,6 +206,17 @@ class TurnEngine:
         r.sampled, r.logprobs, r.versions = [], [], []
         r.state = "queued"
         self._queue.append(r)
+
+    def _check_turn(self, context: Sequence[int], max_new_tokens: int) -> None:
+        """:raises ValueError: a turn after `context` can never be sampled here."""
+        if not context or max_new_tokens < 1:
+            raise ValueError("a turn needs a context of at least one id and max_new_tokens >= 1")
+        need = len(context) + max_new_tokens
+        if need > self.policy.max_seq_len:
+            raise ValueError(f"context of {len(context)} + {max_new_tokens} new tokens exceeds max_seq_len "
+                             f"{self.policy.max_seq_len}; summarise the history")
+        if self.kv_cache_tokens is not None and need > self.kv_cache_tokens:
+            raise ValueError(f"a turn of {need} cache slots can never fit kv_cache_tokens {self.kv_cache_tokens}")
 
     def reset(self, row: Hashable) -> None:
         """Drop the resting row's cache: its next turn prefills its whole context."""
@@ -255,23 +269,20 @@ class TurnEngine:
         return r
 
     # ---- a drop-in for `generate` ------------------------------------------------------------------------
-    def generate(self, contexts: Sequence[Sequence[int]], *, max_new_tokens: int, seed: int,
-                 on_step: SwapHook | None = None, version: int | None = None) -> list[SampledSequence]:
-        """What `generate(contexts, ...)` returns (one sequence per context, routing None), with the caches kept
-        from call to call: no row keys are needed. Each context continues the resting row (of earlier calls of
-        this method) whose ids share the longest prefix with it, a chunk or turn of the same episode; otherwise
-        it opens a row whose generator is seeded from `seed` and its index. on_step is `generate`'s hook: called
-        with the step index before each `step` (0: before the prefill); a version it returns is passed to
-        `swap`; `version`, when given, is the version of the weights the call starts with (weights swapped between
-        calls). Rows are never closed: their caches go least recently used first when `kv_cache_tokens` needs
-        room, and a row without a cache is forgotten, so kv_cache_tokens is required.
+    def open_turns(self, contexts: Sequence[Sequence[int]], *, max_new_tokens: int, seed: int) -> list[Hashable]:
+        """Queue a turn after each context without row keys (they join at the next `step`); returns the rows, in
+        order. Each context continues the resting row (of earlier calls of this method) whose ids share the longest
+        prefix with it, a chunk or turn of the same episode; otherwise it opens a row whose generator is seeded from
+        `seed` and its index. Every context is checked before any is queued. Rows are never closed here: their
+        caches go least recently used first when `kv_cache_tokens` needs room, and a row without a cache is
+        forgotten, so kv_cache_tokens is required.
 
-        :raises ValueError: no kv_cache_tokens, or what `turn` refuses.
+        :raises ValueError: no kv_cache_tokens, or a context `turn` refuses (nothing queued then).
         """
         if self.kv_cache_tokens is None:
             raise ValueError("TurnEngine.generate keeps rows of earlier calls: it needs kv_cache_tokens")
-        if version is not None:
-            self.swap(version)
+        for context in contexts:
+            self._check_turn(context, max_new_tokens)
         index: dict[tuple[int, ...], list[_Row]] = {}
         for r in self._rows.values():
             if r.state == "resting" and isinstance(r.key, _Anonymous) and r.cached:
@@ -290,6 +301,22 @@ class TurnEngine:
                          else None)
             self.turn(key, context, max_new_tokens, generator=generator)
             keys.append(key)
+        return keys
+
+    def generate(self, contexts: Sequence[Sequence[int]], *, max_new_tokens: int, seed: int,
+                 on_step: SwapHook | None = None, version: int | None = None) -> list[SampledSequence]:
+        """What `generate(contexts, ...)` returns (one sequence per context, routing None), with the caches kept
+        from call to call: no row keys are needed (`open_turns` matches each context to its row). on_step is
+        `generate`'s hook: called with the step index before each `step` (0: before the prefill); a version it
+        returns is passed to `swap`; `version`, when given, is the version of the weights the call starts with
+        (weights swapped between calls). The call steps until every one of its rows ended (rows queued by others
+        meanwhile decode beside them).
+
+        :raises ValueError: what `open_turns` refuses.
+        """
+        keys = self.open_turns(contexts, max_new_tokens=max_new_tokens, seed=seed)
+        if version is not None:
+            self.swap(version)
         ended: dict[Hashable, TurnSample] = {}
         step = 0
         while len(ended) < len(keys):
@@ -297,12 +324,24 @@ class TurnEngine:
                 self.swap(version)
             ended.update((t.row, t) for t in self.step())
             step += 1
-        return [SampledSequence(prompt=torch.as_tensor(list(context), dtype=torch.long),
-                                tokens=torch.tensor(ended[k].tokens, dtype=torch.long),
-                                logprobs=torch.tensor(ended[k].logprobs, dtype=torch.float32),
-                                versions=torch.tensor(ended[k].versions, dtype=torch.long), routing=None,
-                                finish_reason=ended[k].finish_reason)
-                for k, context in zip(keys, contexts, strict=True)]
+        return [as_sequence(context, ended[k]) for k, context in zip(keys, contexts, strict=True)]
+
+    def close_ended(self, ids: Sequence[int]) -> Hashable | None:
+        """Close the resting row (of `open_turns`) that an ended episode's whole ids continue: among the rows whose
+        last context is a prefix of `ids` and whose last turn's first id follows it there, the one sharing the
+        longest prefix with `ids`. Returns its key, or None when no row fits (evicted, or never opened here)."""
+        best: _Row | None = None
+        best_n = 0
+        for r in self._rows.values():
+            if r.state != "resting" or not isinstance(r.key, _Anonymous) or len(r.tokens) <= r.context:
+                continue
+            n = common_prefix(r.tokens, ids)
+            if n > r.context and n > best_n:
+                best, best_n = r, n
+        if best is None:
+            return None
+        del self._rows[best.key]
+        return best.key
 
     # ---- decoding ------------------------------------------------------------------------------------
     @torch.no_grad()
