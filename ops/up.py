@@ -565,25 +565,44 @@ async def _rl_summary(view: Any, launch: Any, topology: Any, summary: Any, write
             print(f"rlbus up: final evaluation took {time.monotonic() - began:.0f}s; per family in {report}",
                   flush=True)
             log_stage(launch.state_dir, "final_eval", seconds=round(time.monotonic() - began, 1))
-    png = write_png(view, launch.state_dir / "plots" / "progress.png")
-    text = summary(view, book, tasks) + f"\n  progress plot: {png}"
-    reports = [*view.evals.values(), *([view.final.report] if getattr(view.final, "report", None) else [])]
-    if any(r.policy_tokens_mean is not None for r in reports):
-        from rlbus.ops.recording.plotting import PlotData, render_all
-
-        (cost,) = render_all(PlotData(run=topology.run, evals=reports), png.parent, names=["accuracy_cost"])
-        text += f"\n  accuracy against cost: {cost}"
+    base = None
     if summary_json is not None:
         began = time.monotonic()
         base = await _base_report(view, topology, launch.state_dir, held)
         log_stage(launch.state_dir, "base_eval", seconds=round(time.monotonic() - began, 1),
                   version_0_report=base is not None and base is view.evals.get(0))
+    png = write_png(view, launch.state_dir / "plots" / "progress.png")
+    text = summary(view, book, tasks) + f"\n  progress plot: {png}"
+    for name, path in closing_plots(view, base, png.parent, run=topology.run).items():
+        text += f"\n  {name}: {path}"
+    if summary_json is not None:
         doc = summary_doc(view, book, tasks, base, run=topology.run, state_dir=launch.state_dir,
                           seconds=None if started is None else time.monotonic() - started)
         summary_json.parent.mkdir(parents=True, exist_ok=True)
         summary_json.write_text(json.dumps(doc, indent=1) + "\n")
         text += f"\n  summary JSON: {summary_json}"
     return text
+
+
+def closing_plots(view: Any, base: Any, out_dir: Path, *, run: str) -> dict[str, Path]:
+    """The PNGs beside progress.png, by what the summary calls them: `accuracy_cost.png` when a report scored
+    agentic episodes (policy tokens), `pass_at_k.png` (ops/recording/plotting.py `pass_at_k_series`: greedy pass@1,
+    mean@K and pass@k with their intervals per evaluated version, the closing evaluations apart) when a report
+    carries pass@k. `base`: the starting policy's closing evaluation; drawn apart only when it is not the
+    evaluator's version-0 report."""
+    from rlbus.ops.recording.plotting import PlotData, render_all
+
+    final = getattr(view.final, "report", None)
+    evals = list(view.evals.values())
+    apart = None if base is None or base is view.evals.get(0) else base
+    out: dict[str, Path] = {}
+    if any(r.policy_tokens_mean is not None for r in [*evals, *([final] if final else [])]):
+        data = PlotData(run=run, evals=[*evals, *([final] if final else [])])
+        (out["accuracy against cost"],) = render_all(data, out_dir, names=["accuracy_cost"])
+    if any(r.pass_at_k for r in [*evals, *(r for r in (final, apart) if r is not None)]):
+        data = PlotData(run=run, evals=evals, base=apart, final=final)
+        (out["pass@1 and pass@k per version"],) = render_all(data, out_dir, names=["pass_at_k"])
+    return out
 
 
 async def _base_report(view: Any, topology: Any, state: Path, held: Any) -> Any:

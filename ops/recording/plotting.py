@@ -1,5 +1,5 @@
-"""Per-version curves of a recording and their PNGs: reward, pass rate, KL, staleness, throughput, and held-out
-accuracy against cost.
+"""Per-version curves of a recording and their PNGs: reward, pass rate, KL, staleness, throughput, held-out
+accuracy against cost, and held-out pass@1, mean@K and pass@k.
 
 Owns: `collect()` (what the plots need from a recording's entries), the per-version series as pure
 functions over that data (each documented with its formula), and `render_all()` (one PNG per series
@@ -43,6 +43,11 @@ class PlotData:
     evals: list[EvalReport] = field(default_factory=list)
     manifests: list[tuple[float, int]] = field(default_factory=list)
     """(recorded time, version) of every WeightManifest."""
+    base: EvalReport | None = None
+    """The starting policy scored at the end of a run, apart from the evaluator's reports (`rlbus up`'s closing
+    evaluations; a recording has none)."""
+    final: EvalReport | None = None
+    """The final checkpoint scored after the run (`rlbus up`'s closing evaluation; a recording has none)."""
 
 
 def collect(entries: Iterable[Entry], run: str = "") -> PlotData:
@@ -120,6 +125,41 @@ def accuracy_cost_series(data: PlotData) -> dict[int, dict[str, Any]]:
                                  [e.pass_at_k_ci95.get(str(k), [0.0, 1.0])[0] for k in ks],
                                  [e.pass_at_k_ci95.get(str(k), [0.0, 1.0])[1] for k in ks])
     return out
+
+
+def pass_at_k_series(data: PlotData) -> dict[str, dict[str, Any]]:
+    """The held-out scores per evaluated version: {"evals": S} of the evaluator's reports (the latest per version),
+    and {"base": S}, {"final": S} of the closing evaluations when there are any, each S = {"pass@1": (versions,
+    greedy pass@1, low, high) with its Wilson interval; with samples "mean@k": (versions, the mean pass rate of the
+    K samples, low, high) with the bootstrap interval of the sampled pass@1 (the same number), and "pass@k": {k:
+    (versions, unbiased pass@k, low, high)} for every k >= 2 a report carries, with its bootstrap interval}. A
+    version whose report lacks a k is not in that k's series; a greedy-only report gives only "pass@1"."""
+    def scores(reports: Sequence[EvalReport]) -> dict[str, Any]:
+        latest = {e.policy_version: e for e in sorted(reports, key=lambda e: e.created_at)}
+        vs = sorted(latest)
+        out: dict[str, Any] = {"pass@1": (vs, [latest[v].pass_at_1 for v in vs], [latest[v].ci_low for v in vs],
+                                          [latest[v].ci_high for v in vs])}
+        sampled = [v for v in vs if latest[v].mean_at_k is not None]
+        if sampled:
+            bounds = [latest[v].pass_at_k_ci95.get("1", [latest[v].mean_at_k] * 2) for v in sampled]
+            out["mean@k"] = (sampled, [latest[v].mean_at_k for v in sampled], [b[0] for b in bounds],
+                             [b[1] for b in bounds])
+        ks = sorted({int(k) for v in vs for k in latest[v].pass_at_k if int(k) >= 2})
+        if ks:
+            out["pass@k"] = {}
+            for k in ks:
+                at = [v for v in vs if str(k) in latest[v].pass_at_k]
+                bounds = [latest[v].pass_at_k_ci95.get(str(k), [0.0, 1.0]) for v in at]
+                out["pass@k"][k] = (at, [latest[v].pass_at_k[str(k)] for v in at], [b[0] for b in bounds],
+                                    [b[1] for b in bounds])
+        return out
+
+    series: dict[str, dict[str, Any]] = {}
+    for key, reports in (("evals", data.evals), ("base", [data.base] if data.base else []),
+                         ("final", [data.final] if data.final else [])):
+        if reports:
+            series[key] = scores(reports)
+    return series
 
 
 def kl_series(data: PlotData) -> dict[str, Any]:
@@ -327,13 +367,49 @@ def _plot_accuracy_cost(fig: Any, data: PlotData) -> None:
     ax.legend(fontsize=8)
 
 
+def _plot_pass_at_k(fig: Any, data: PlotData) -> None:
+    ax = fig.add_subplot(1, 1, 1)
+    s = pass_at_k_series(data)
+    if not s:
+        return _no_data(ax, "the recording holds no EvalReports")
+    versions = sorted({v for scores in s.values() for v in scores["pass@1"][0]})
+    dodge = 0.012 * max(1, versions[-1] - versions[0])     # the scores of one version side by side
+    ks = sorted({k for scores in s.values() for k in scores.get("pass@k", {})})
+    names: list[tuple[Any, str]] = [("pass@1", "greedy pass@1 (95% Wilson)"),
+                                    ("mean@k", "mean@K = sampled pass@1 (95% bootstrap)")]
+    names += [(k, f"pass@{k} (95% bootstrap)") for k in ks]
+    styles = {"evals": ("o", "-", None), "base": ("s", "none", "base, scored after the run"),
+              "final": ("*", "none", "final weights, scored after the run")}
+    labelled: set[Any] = set()
+    for key, scores in s.items():
+        marker, line, what = styles[key]
+        for i, (name, label) in enumerate(names):
+            curve = scores.get("pass@k", {}).get(name) if isinstance(name, int) else scores.get(name)
+            if curve is None:
+                continue
+            vs, p, lo, hi = curve
+            ax.errorbar([v + (i - 1) * dodge for v in vs], p,
+                        yerr=[[a - b for a, b in zip(p, lo, strict=True)], [b - a for a, b in zip(p, hi, strict=True)]],
+                        marker=marker, markersize=11 if marker == "*" else 5, linestyle=line, capsize=3,
+                        color=f"C{i}", label=None if name in labelled else label)
+            labelled.add(name)
+        if what is not None:
+            ax.plot([], [], marker=marker, color="0.3", linestyle="none", markersize=11 if marker == "*" else 5,
+                    label=what)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("held-out pass rate")
+    ax.legend(fontsize=8)
+
+
 PLOTS = {"reward": ("reward per policy version", _plot_reward),
          "pass_rate": ("pass rate per policy version", _plot_pass),
          "kl": ("KL and loss per policy version", _plot_kl),
          "staleness": ("staleness per policy version", _plot_staleness),
          "throughput": ("throughput", _plot_throughput),
          "accuracy_cost": ("held-out pass rate against policy tokens per task, per evaluated version",
-                           _plot_accuracy_cost)}
+                           _plot_accuracy_cost),
+         "pass_at_k": ("held-out greedy pass@1, mean@K and pass@k per evaluated version", _plot_pass_at_k)}
 
 
 def render_all(data: PlotData, out_dir: Path, names: Iterable[str] | None = None) -> list[Path]:

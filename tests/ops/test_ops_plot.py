@@ -30,6 +30,7 @@ from rlbus.ops.recording.plotting import (
     generation_lag,
     group_stats,
     mean_staleness,
+    pass_at_k_series,
     throughput_series,
 )
 from rlbus.ops.recording.recorder import versions_of
@@ -124,3 +125,48 @@ def test_accuracy_against_cost_per_evaluated_version(tmp_path: Path, capsys: pyt
         data = (out / "accuracy_cost.png").read_bytes()
         assert data[:8] == PNG and len(data) > 5000
     assert (tmp_path / "agentic" / "accuracy_cost.png").read_bytes() != data
+
+
+def _reports(versions: list[int], samples: int) -> list[EvalReport]:
+    """Agentic reports as the evaluator scores them: three tasks, greedy and `samples` sampled episodes each; the
+    later the version, the more pass."""
+    out = []
+    for v in versions:
+        greedy = [_episode(t, 1, i < v // 10, 30) for i, t in enumerate("abc")]
+        sampled = [_episode(t, 1, (i + j) % 3 < v // 10, 30) for i, t in enumerate("abc") for j in range(samples)]
+        out.append(episodes_report(v, 1, "repo", greedy, sampled if samples else [], samples))
+    return out
+
+
+def test_pass_at_k_curves_over_a_run(tmp_path: Path) -> None:
+    """What `rlbus up` draws beside progress.png: pass_at_k.png holds, per evaluated version, greedy pass@1, mean@4
+    and pass@k for k = 2..4 with their intervals, the final weights apart; greedy-only reports (single-turn runs)
+    give no pass_at_k.png, and progress.png as before."""
+    from rlbus.ops.final_eval import FinalEval
+    from rlbus.ops.runview import RunView, write_png
+    from rlbus.ops.up import closing_plots
+
+    evals = _reports([0, 10, 20], 4)
+    (final,) = _reports([30], 4)
+    view = RunView(evals={r.policy_version: r for r in evals},
+                   final=FinalEval(step=30, policy_version=30, result=None, report=final))  # type: ignore[arg-type]
+    series = pass_at_k_series(PlotData(evals=evals, final=final))
+    assert set(series) == {"evals", "final"} and set(series["evals"]["pass@k"]) == {2, 3, 4}
+    vs, p, lo, hi = series["evals"]["pass@k"][4]
+    assert vs == [0, 10, 20] and p == [r.pass_at_k["4"] for r in evals] == [0.0, 1.0, 1.0]
+    assert [lo[1], hi[1]] == evals[1].pass_at_k_ci95["4"]
+    assert series["evals"]["pass@1"][:2] == ([0, 10, 20], [0.0, 1 / 3, 2 / 3])
+    assert series["evals"]["mean@k"][1] == [0.0, 1 / 3, 2 / 3] and series["final"]["pass@1"][:2] == ([30], [1.0])
+    plots = closing_plots(view, evals[0], tmp_path, run="r")
+    assert plots == {"accuracy against cost": tmp_path / "accuracy_cost.png",
+                     "pass@1 and pass@k per version": tmp_path / "pass_at_k.png"}
+    drawn = (tmp_path / "pass_at_k.png").read_bytes()
+    assert drawn[:8] == PNG and len(drawn) > 5000
+
+    greedy = [EvalReport(policy_version=v, task_seed=1, n=20, pass_at_1=0.1, ci_low=0.0, ci_high=0.3) for v in (0, 5)]
+    view = RunView(evals={r.policy_version: r for r in greedy})
+    assert pass_at_k_series(PlotData(evals=greedy)) == {"evals": {"pass@1": ([0, 5], [0.1, 0.1], [0.0, 0.0],
+                                                                               [0.3, 0.3])}}
+    assert closing_plots(view, None, tmp_path / "greedy", run="r") == {}
+    assert not (tmp_path / "greedy").exists()
+    assert write_png(view, tmp_path / "greedy" / "progress.png").read_bytes()[:8] == PNG
