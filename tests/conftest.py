@@ -2,8 +2,9 @@
 `rlbus up` run for the tests that only read a stopped run (`finished_run`).
 
 Two session-wide guards keep CI from going red for nothing: `ast_guard` fails any test during which Python
-source was parsed into an AST off the main thread (tests/helpers/ast_guard.py), and a watchdog ends a run that
-hangs after its last test (session teardown, interpreter exit) with every thread's stack.
+source was parsed into an AST off the main thread outside rlbus's AST lock (tests/helpers/ast_guard.py,
+messages/astlock.py), and a watchdog ends a run that hangs after its last test (session teardown, interpreter
+exit) with every thread's stack.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
-"""The AST guard: an audit hook that records each AST built off the main thread, for tests/conftest.py to fail
-the test it happened in, and `import_rewritten_plugin_modules` (pytest's assertion rewriting parses too).
+"""The AST guard: an audit hook that records each AST built off the main thread outside rlbus's AST lock
+(messages/astlock.py), for tests/conftest.py to fail the test it happened in, and
+`import_rewritten_plugin_modules` (pytest's assertion rewriting parses too).
 
 CPython 3.11 before gh-106905 keeps the AST builder's recursion depth in interpreter-global state, so two
 threads building ASTs at once (pytest's failure report or assertion rewriting on the main thread, a worker
 thread's `ast.parse`) fail with "SystemError: AST constructor recursion depth mismatch": inside pytest's
-report, an INTERNALERROR.
+report, an INTERNALERROR. Importing `rlbus.messages` puts every `compile` that builds an AST under one lock, so
+such a parse is safe wherever it runs; one that bypasses the lock (a reference to the builtin `compile` taken
+before the lock was installed, a C extension's own parse) is still recorded.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import traceback
 import anyio
 import pytest
 
+from rlbus.messages import astlock
+
 
 class AstOffMainThread:
-    """An audit hook that records each AST built off the main thread: `ast.parse` (any `compile` with
+    """An audit hook that records each AST built off the main thread without the AST lock: `ast.parse` (any `compile` with
     `PyCF_ONLY_AST`) and `compile` of an AST object, with the thread's name and stack. `compile`/`exec` of
     source text builds no AST objects (and no shared state) and is not recorded."""
 
@@ -30,9 +35,11 @@ class AstOffMainThread:
         self._found: list[str] = []
 
     def hook(self, event: str, args: tuple[object, ...]) -> None:
-        if event != "compile" or threading.current_thread() is threading.main_thread():
+        if event != "compile" or threading.current_thread() is threading.main_thread() or astlock.held():
             return
         caller = sys._getframe(1)                  # the Python frame that called compile() (ast.parse, ...)
+        if caller.f_code is astlock.LOCKED_COMPILE_CODE:
+            return                                 # the lock's wrapper builds ASTs only under the lock (held above)
         if isinstance(args[0], ast.AST) or "PyCF_ONLY_AST" in caller.f_code.co_names:
             stack = "".join(traceback.format_stack(caller))
             with self._lock:
