@@ -36,7 +36,10 @@ for _name in __future__.all_feature_names:
 def _locked_compile(source: Any, filename: Any, mode: str, flags: int = 0, dont_inherit: bool = False,
                     optimize: int = -1, **kwargs: Any) -> Any:
     if not dont_inherit:    # what `compile` inherits is its caller's future features, not this module's
-        flags |= sys._getframe(1).f_code.co_flags & _FUTURE_FLAGS
+        try:
+            flags |= sys._getframe(1).f_code.co_flags & _FUTURE_FLAGS
+        except ValueError:  # called from C with no Python frame: nothing to inherit
+            pass
     if flags & ast.PyCF_ONLY_AST or isinstance(source, ast.AST):
         with _LOCK:
             return _compile(source, filename, mode, flags, True, optimize, **kwargs)
