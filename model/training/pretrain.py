@@ -200,13 +200,37 @@ def _pad(batch: list[Document], limit: int, pad_id: int) -> tuple[torch.Tensor, 
     return ids[:, :-1], ids[:, 1:], weights[:, 1:]
 
 
-def _lr(step: int, steps: int, config: PretrainConfig) -> float:
-    """Linear warmup to lr over warmup_steps, then cosine from lr to lr*min_lr_ratio at `steps`."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    frac = (step - config.warmup_steps) / max(1, steps - config.warmup_steps)
-    floor = config.lr * config.min_lr_ratio
-    return floor + 0.5 * (config.lr - floor) * (1 + math.cos(math.pi * min(1.0, frac)))
+def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float) -> float:
+    """Linear warmup to `lr` over `warmup` steps, then cosine to `lr * min_ratio` at `steps`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    floor = lr * min_ratio
+    return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+def adamw(module: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (betas 0.9, 0.95) with weight decay on matrices only (not on norms' scales and biases)."""
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+
+
+def weighted_ce_step(policy: Policy, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
+                     weights: torch.Tensor, lr: float, grad_clip: float) -> float:
+    """One optimizer step on the cross-entropy of `targets` after `inputs`, each token weighted by `weights`
+    (0 leaves it out), normalised by the weights' sum; returns the loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    logits = policy.forward(inputs).logits.float()
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    loss = (per_token * weights.reshape(-1)).sum() / weights.sum().clamp_min(1.0)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.module.parameters(), grad_clip)
+    optimizer.step()
+    return loss.item()
 
 
 def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path, threads: int,
@@ -248,10 +272,7 @@ def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path
     module = policy.module
     held_out = eval_tasks(config.task_seed, config.eval_n)
     data_seed = seed + start_step
-    decay = [p for p in module.parameters() if p.dim() >= 2]
-    no_decay = [p for p in module.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
+    optimizer = adamw(module, config.lr, config.weight_decay)
     start = time.monotonic()
     losses: list[float] = []
     tokens_seen = 0
@@ -266,17 +287,8 @@ def pretrain(config: PretrainConfig, steps: int | None, seed: int, out_dir: Path
     policy.train()
     for step in range(steps):
         inputs, targets, weights = (t.to(policy.device) for t in next(batches))
-        lr = _lr(step, steps, config)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        logits = policy.forward(inputs).logits.float()
-        per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
-        loss = (per_token * weights.reshape(-1)).sum() / weights.sum().clamp_min(1.0)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), config.grad_clip)
-        optimizer.step()
-        losses.append(loss.item())
+        lr = lr_at(step, steps, config.lr, config.warmup_steps, config.min_lr_ratio)
+        losses.append(weighted_ce_step(policy, optimizer, inputs, targets, weights, lr, config.grad_clip))
         tokens_seen += int((targets != tokenizer.pad_id).sum())
         elapsed = time.monotonic() - start
         done = start_step + step + 1

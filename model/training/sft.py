@@ -28,7 +28,6 @@ row's `tools`, else `TOOL_SCHEMAS`); one without is framed as the function-writi
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +37,6 @@ from typing import Any, Final, Literal
 
 import structlog
 import torch
-import torch.nn.functional as F
 
 from rlbus.messages.errors import RlbusError
 from rlbus.model.env.agentic import (
@@ -330,15 +328,6 @@ class SFTResult:
     policy: Policy
 
 
-def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float) -> float:
-    """Linear warmup to `lr` over `warmup` steps, then cosine to `lr * min_ratio` at `steps`."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    frac = (step - warmup) / max(1, steps - warmup)
-    floor = lr * min_ratio
-    return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * min(1.0, frac)))
-
-
 def rendered(conversations: Sequence[Conversation], tokenizer: ChatTokenizer, limit: int, tool_list: ToolSetting,
              observation_tokens: int = OBSERVATION_TOKENS) -> tuple[list[tuple[list[int], list[int]]], int, int]:
     """Each conversation's (ids, mask) cut to `limit` tokens, how many were cut, and how many were left out for
@@ -376,7 +365,7 @@ def sft(policy: Policy, conversations: Sequence[Conversation], config: SFTConfig
     :raises SFTError: a conversation that cannot be rendered (`rendered`), before any step.
     :raises ValueError: steps, batch size or threads below 1.
     """
-    from rlbus.model.training.pretrain import PretrainProgress
+    from rlbus.model.training.pretrain import PretrainProgress, adamw, lr_at, weighted_ce_step
 
     if config.steps < 1 or config.batch_size < 1 or threads < 1 or not config.lr > 0:
         raise ValueError(f"steps ({config.steps}), batch size ({config.batch_size}) and threads ({threads}) must be "
@@ -389,10 +378,7 @@ def sft(policy: Policy, conversations: Sequence[Conversation], config: SFTConfig
     data, truncated, skipped = rendered(conversations, tokenizer, policy.max_seq_len + 1, config.tool_list,
                                         config.observation_tokens)
     module = policy.module
-    decay = [p for p in module.parameters() if p.dim() >= 2]
-    no_decay = [p for p in module.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
+    optimizer = adamw(module, config.lr, config.weight_decay)
     rng = random.Random(f"rlbus-sft:{seed}")
     order: list[int] = []
     losses: list[float] = []
@@ -416,16 +402,7 @@ def sft(policy: Policy, conversations: Sequence[Conversation], config: SFTConfig
         inputs, targets, w = ids[:, :-1].to(policy.device), ids[:, 1:].to(policy.device), weights[:, 1:].to(
             policy.device)
         lr = lr_at(step, config.steps, config.lr, config.warmup_steps, config.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        logits = policy.forward(inputs).logits.float()
-        per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
-        loss = (per_token * w.reshape(-1)).sum() / w.sum().clamp_min(1.0)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), config.grad_clip)
-        optimizer.step()
-        losses.append(loss.item())
+        losses.append(weighted_ce_step(policy, optimizer, inputs, targets, w, lr, config.grad_clip))
         lrs.append(lr)
         trained += int(w.sum())
         elapsed = time.monotonic() - start
