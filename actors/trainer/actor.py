@@ -38,6 +38,7 @@ from rlbus.actors.trainer.core import (
     StepStats,
     TrainerCore,
     build_core,
+    mtp_distill_problem,
     plan_step,
     versions_behind,
 )
@@ -45,7 +46,7 @@ from rlbus.actors.trainer.exactly_once import RolloutBook, Seen
 from rlbus.actors.trainer.resume import Resume, resume_point
 from rlbus.messages import checks, codec
 from rlbus.messages.bus import Bus, Delivery
-from rlbus.messages.errors import BadMessage, RlbusError
+from rlbus.messages.errors import BadMessage, RlbusError, TopologyError
 from rlbus.messages.history import last_message
 from rlbus.messages.objects import delete_object
 from rlbus.messages.retry import GIVE_UP_S, retry_policy
@@ -78,7 +79,8 @@ def objective(config: TrainerConfig, launch: TrainerLaunch | None = None) -> Obj
     launch = launch or TrainerLaunch()
     return Objective(kl_coef=config.kl_coef, is_cap=config.is_cap, length_penalty=config.length_penalty,
                      grad_clip=launch.grad_clip, temperature=launch.sampling_temperature,
-                     aggregation=config.aggregation, scale_by_std=config.scale_by_std)
+                     aggregation=config.aggregation, scale_by_std=config.scale_by_std,
+                     mtp_distill=config.mtp_distill)
 
 
 def build_trainer(ident: ActorId, bus: Bus, settings: Mapping[str, Any], limits: ActorLimits,
@@ -123,11 +125,17 @@ def build_trainer_core(config: TrainerConfig, *, threads: int, pretrained: str =
                        device: str = "cpu") -> TrainerCore:
     """Set torch's thread count and build the core of `config` from `pretrained` (`TrainerLaunch.pretrained`;
     empty: a fresh tiny model) on `device` (`TrainerLaunch.device`): the trainer's setup and `rlbus replay FILE
-    train` (ops/recording/retrain.py) both start here, so a replay cannot drift from the live trainer."""
+    train` (ops/recording/retrain.py) both start here, so a replay cannot drift from the live trainer.
+
+    :raises TopologyError: `[trainer] mtp_distill` > 0 for a policy whose heads it cannot train.
+    """
     torch.set_num_threads(threads)
-    return build_core(pretrained, lr=config.lr, seed=config.seed, device=device, reference=config.reference_dtype,
+    core = build_core(pretrained, lr=config.lr, seed=config.seed, device=device, reference=config.reference_dtype,
                       precision=config.precision, precision_scope=config.precision_scope,
                       router_replay_threshold=config.router_replay_threshold)
+    if config.mtp_distill > 0 and (why := mtp_distill_problem(core.policy)) is not None:
+        raise TopologyError(f"trainer.mtp_distill = {config.mtp_distill:g}: {why}")
+    return core
 
 
 class Trainer(Actor):
@@ -349,9 +357,13 @@ class Trainer(Actor):
         staleness = Counter(str(versions_behind(r, self.version)) for r in rollouts)
         with anyio.CancelScope(shield=True):         # a step is applied and recorded together, or not at all
             lr = self.config.lr_at(self.step + 1)
+            began = time.perf_counter()
             stats: StepStats = await anyio.to_thread.run_sync(
                 functools.partial(core.train_step, rollouts, objective(self.config, self.launch), lr=lr))
             self.gauges["lr"] = lr
+            self.gauges["step_s"] = time.perf_counter() - began
+            if stats.mtp_distill_loss is not None:
+                self.gauges["mtp_distill_loss"] = stats.mtp_distill_loss
             self.step += 1
             self.version += 1
             self.policy_version = self.version

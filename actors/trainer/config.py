@@ -101,6 +101,13 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     drop_flat_groups: bool = False
     """Drop complete groups whose rewards are all equal (no learning signal; recorded as dropped
     with reason 'flat') instead of training on them (DAPO dynamic sampling)."""
+    mtp_distill: NonNegativeFloat = 0.0
+    """Keep the policy's MTP heads (the drafters of `[generator] speculative`) following it during RL: each step
+    adds this weight times their self-distillation loss on the step's rollouts (model/training/mtp.py
+    `distill_loss`: KL from the main head's distribution, detached, to each head's, at every real position), whose
+    gradient reaches the heads only. 0: the heads stay as pretrained (the RL loss never reaches them). A built-in
+    policy with `mtp_heads` and a one-rank trainer only: a policy without heads, a Hugging Face one (its heads are a
+    file sent once, not part of a version) or `world_size` > 1 is refused."""
     seed: int = 0
     """Seed of the trainer's RNG (initialisation, shuffling)."""
     world_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1

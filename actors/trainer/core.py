@@ -315,6 +315,41 @@ def shaped_rewards(rewards: Tensor, lengths: Tensor, rollouts: Sequence[Rollout]
     return rewards - cost.to(device=rewards.device, dtype=rewards.dtype)
 
 
+def mtp_distill_problem(policy: Policy) -> str | None:
+    """Why `[trainer] mtp_distill` > 0 cannot train `policy`'s MTP heads (None: it can)."""
+    if policy.kind != "builtin":
+        return (f"a {policy.kind} policy's MTP heads are a file sent to generators once (mtp_heads.safetensors), "
+                "not part of a version, so they cannot follow the policy during RL; set it to 0")
+    if not getattr(policy.module, "mtp", None):
+        return ("the built-in policy has no MTP heads (ModelConfig.mtp_heads = 0): there is nothing to distil; "
+                "set it to 0 or start from a pretrain.pt with mtp_heads")
+    return None
+
+
+def distill_heads(policy: Policy, batch: RolloutBatch, weight: float, clip: float) -> float:
+    """Put `weight` x the gradient of the built-in policy's MTP heads' `distill_loss` on `batch` (every real
+    position: prompts and completions) into the heads' `.grad`, clipped to norm `clip`; returns the loss.
+
+    The main head's logits and the hidden state the heads read come from a forward without gradients, and the
+    gradient is taken with respect to the heads' parameters alone, so the trunk, the embedding and the output
+    head (which the heads share) get nothing from it: the RL gradient is as without the heads.
+    """
+    from rlbus.model.training.mtp import distill_loss
+
+    model = policy.module
+    heads = [p for p in model.mtp.parameters()]
+    with torch.no_grad():
+        out = model(batch.tokens, routing=batch.routing, with_mtp=False)
+    width = batch.tokens.shape[1]
+    real = torch.arange(width, device=batch.tokens.device)[None] < (batch.prompt_lengths + batch.lengths)[:, None]
+    loss, _ = distill_loss(out.logits, model.mtp_head_logits(out.hidden), real)
+    grads = torch.autograd.grad(weight * loss, heads)
+    for p, g in zip(heads, grads, strict=True):
+        p.grad = g if p.grad is None else p.grad + g
+    torch.nn.utils.clip_grad_norm_(heads, clip)
+    return float(loss.detach())
+
+
 NO_LENGTH_PENALTY: Final = LengthPenaltyConfig()
 """`[trainer.length_penalty]` as it defaults: coef 0, no penalty."""
 
@@ -338,6 +373,9 @@ class Objective:
     token alike (long completions dominate), "sequence_mean" each completion alike."""
     scale_by_std: bool = False
     """Group advantages divided by the group's reward std (GRPO) instead of only mean-centred."""
+    mtp_distill: float = 0.0
+    """Weight of the MTP heads' self-distillation loss on the step's rollouts (`distill_heads`); 0: the heads
+    get no gradient."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,6 +396,8 @@ class StepStats:
     """False when the loss or gradient was not finite and the weights were left unchanged."""
     replaced_experts: int = 0
     """Replayed experts the plausibility check replaced (`[trainer] router_replay_threshold`), over real tokens."""
+    mtp_distill_loss: float | None = None
+    """The MTP heads' self-distillation loss on this batch before the step (None: `mtp_distill` is 0)."""
 
 
 class Core(Protocol):
@@ -520,6 +560,10 @@ class TrainerCore:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
         loss = float(terms.loss.detach())
         applied = math.isfinite(loss) and math.isfinite(grad_norm)
+        distilled = None
+        if objective.mtp_distill > 0:
+            distilled = distill_heads(self.policy, batch, objective.mtp_distill, clip)
+            applied = applied and math.isfinite(distilled)
         if applied:
             if lr is not None:
                 for group in self.optimizer.param_groups:
@@ -532,7 +576,7 @@ class TrainerCore:
             reward_std=float(raw.std(unbiased=False)), mean_weight=float(terms.mean_weight),
             truncated_fraction=float(terms.truncated_fraction), grad_norm=grad_norm,
             tokens=int(batch.mask.sum()), replayed=batch.routing is not None, applied=applied,
-            replaced_experts=replaced)
+            replaced_experts=replaced, mtp_distill_loss=distilled)
 
     # ---- versions and checkpoints --------------------------------------------------------------
     def bf16_state(self) -> dict[str, Tensor]:

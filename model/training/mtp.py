@@ -1,16 +1,18 @@
 """MTP heads for a Hugging Face policy: drafters for speculative sampling, distilled from the policy itself.
 
 - Owns: `MTPHeads` (K Medusa-style heads over the final norm's output, each then read out by the policy's output
-  embedding), their file `mtp_heads.safetensors` beside the model (`heads_to_bytes`, `heads_from_files`), and
-  `distill_mtp_heads`: heads initialised from scratch and trained by self-distillation on pretraining documents,
-  the policy frozen.
+  embedding), their file `mtp_heads.safetensors` beside the model (`heads_to_bytes`, `heads_from_files`), the
+  self-distillation loss of any policy's heads (`distill_loss`), and `distill_mtp_heads`: heads initialised from
+  scratch and trained by it on pretraining documents, the policy frozen.
 - Does not: sample (model/sampling/speculative.py), run phases (model/training/phases.py calls
-  `distill_mtp_heads` after a phase with `mtp_heads`), or train the built-in transformer's heads (they are part
-  of its model and train with `lm_loss`).
+  `distill_mtp_heads` after a phase with `mtp_heads`), or step the built-in transformer's heads (they are part
+  of its model: `lm_loss` trains them where a bench does, and the trainer keeps them following the policy during RL
+  with `distill_loss` under `[trainer] mtp_distill`, actors/trainer/core.py).
 
 The file sits beside config.json; plain `transformers` never reads it, so the directory still loads as it is.
 `HFPolicy` lists it among `files()` when present, so a joiner built from the spec gets the heads with the config
-and tokenizer (uploaded once, beside version 0: the heads do not train during RL and are not part of a version).
+and tokenizer (uploaded once, beside version 0: a Hugging Face policy's heads do not train during RL and are not
+part of a version).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -118,13 +120,43 @@ def _windows(documents: Iterator[tuple[list[int], Any]], batch: int, length: int
     return ids, real
 
 
+def distill_loss(logits: Tensor, head_logits: Sequence[Tensor], real: Tensor) -> tuple[Tensor, list[float]]:
+    """The self-distillation loss of MTP heads: head k (1-based) at position t is pulled to the main head's full
+    distribution at position t + k (its prediction of token t+1+k), KL(p_main || q_k) averaged over the positions
+    where both t and t + k are real, then over heads.
+
+    logits (B, T, V): the main head's (the target: detached here); head_logits[k-1] (B, >= T-k, V): head k's at
+    positions 0.. (only the first T-k count; a head with none is skipped); real (B, T) bool. -> (the loss, with
+    grad through `head_logits` only; per head, the share of those positions where its argmax is the main head's).
+
+    :raises ValueError: no head has a position to learn from (T <= 1, or no heads).
+    """
+    target = torch.log_softmax(logits.detach().float(), dim=-1)                # (B, T, V)
+    width = logits.shape[1]
+    terms: list[Tensor] = []
+    agree: list[float] = []
+    for k, head in enumerate(head_logits, start=1):
+        T = width - k
+        if T <= 0:
+            continue
+        q = torch.log_softmax(head[:, :T].float(), dim=-1)
+        p = target[:, k:]
+        mask = real[:, k:] & real[:, :T]
+        n = mask.sum().clamp_min(1)
+        kl = (p.exp() * (p - q)).sum(-1)
+        terms.append((kl * mask).sum() / n)
+        agree.append(float(((q.argmax(-1) == p.argmax(-1)) & mask).sum() / n))
+    if not terms:
+        raise ValueError(f"{len(head_logits)} MTP heads over {width} positions: nothing to distil")
+    return torch.stack(terms).mean(), agree
+
+
 def distill_mtp_heads(policy: Policy, documents: Iterator[tuple[list[int], Any]], *, n_heads: int, steps: int,
                       batch_size: int = 8, seq_len: int = 256, lr: float = 3e-3, seed: int = 0,
                       report: Callable[[int, float], None] | None = None) -> DistillResult:
     """Fresh `MTPHeads` trained on `documents` ((ids, weights) pairs, the pretraining corpus) for `steps` AdamW
-    steps: head k at position t is pulled to the main head's full distribution at position t + k (its prediction
-    of token t+1+k), by KL(p_main || q_k) averaged over real positions and heads. The policy is frozen: its forward
-    runs without gradients, so the model saved beside the heads is the one the phase trained.
+    steps of `distill_loss`. The policy is frozen: its forward runs without gradients, so the model saved beside
+    the heads is the one the phase trained.
 
     :raises PolicyError: a policy that is not a Hugging Face one (the built-in transformer trains its own heads).
     """
@@ -155,22 +187,12 @@ def distill_mtp_heads(policy: Policy, documents: Iterator[tuple[list[int], Any]]
             ids, real = ids.to(policy.device), real.to(policy.device)
             with torch.no_grad(), _captured_input(out_embed) as seen:
                 logits = policy.forward(ids, attention_mask=real).logits.float()
-            hidden = seen[0].to(next(heads.parameters()).dtype)
-            target = torch.log_softmax(logits, dim=-1)                         # (B, T, V)
-            terms, agree = [], []
-            for k, head in enumerate(heads.heads, start=1):
-                T = ids.shape[1] - k
-                if T <= 0:
-                    continue
-                q = torch.log_softmax(out_embed(head(hidden[:, :T])).float(), dim=-1)
-                p = target[:, k:]
-                mask = real[:, k:] & real[:, :T]
-                kl = (p.exp() * (p - q)).sum(-1)
-                terms.append((kl * mask).sum() / mask.sum().clamp_min(1))
-                agree.append(float(((q.argmax(-1) == p.argmax(-1)) & mask).sum() / mask.sum().clamp_min(1)))
-            if not terms:
+            if ids.shape[1] < 2:
                 raise PolicyError(f"documents of one token cannot train MTP heads (seq_len {length})")
-            loss = torch.stack(terms).mean()
+            hidden = seen[0].to(next(heads.parameters()).dtype)
+            width = ids.shape[1]
+            loss, agree = distill_loss(logits, [out_embed(head(hidden[:, : width - k]))
+                                                for k, head in enumerate(heads.heads, start=1) if k < width], real)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

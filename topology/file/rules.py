@@ -257,6 +257,13 @@ def _settings(topology: Topology) -> Iterator[Found]:
         elif penalty.weights.tool_call_tokens > 0:
             yield _p("trainer.length_penalty.weights.tool_call_tokens", "generators do not record tool-call tokens "
                      "yet (Rollout.tool_call_tokens): they count 0", "warning")
+    if trainer.mtp_distill > 0 and topology.policy.kind == "hf":
+        yield _p("trainer.mtp_distill", "a Hugging Face policy's MTP heads are a file sent to generators once "
+                 "(mtp_heads.safetensors), not part of a version, so they cannot follow the policy during RL; "
+                 "expected 0", also=("policy",))
+    if trainer.mtp_distill > 0 and trainer.world_size > 1:
+        yield _p("trainer.mtp_distill", f"the MTP heads are distilled by a one-rank trainer only, found world_size "
+                 f"{trainer.world_size}; expected 0 or trainer.world_size = 1")
     weights = topology.weights
     if weights.keep_versions < weights.full_every:
         yield _p("weights.keep_versions", f"expected keep_versions >= weights.full_every = {weights.full_every}, "

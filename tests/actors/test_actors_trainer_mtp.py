@@ -1,0 +1,73 @@
+"""`[trainer] mtp_distill`: an RL step that also distils the built-in policy's MTP heads from its main head moves the
+heads (only them) and lowers their distillation loss on the step's batch; at 0 the heads stay as they were. A
+policy the key cannot serve is refused naming it, at the trainer and in `rlbus validate`."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.rollouts import sample_rollouts
+
+from rlbus.actors.trainer.actor import build_trainer_core
+from rlbus.actors.trainer.config import TrainerConfig
+from rlbus.actors.trainer.core import Objective, TrainerCore, rollout_batch
+from rlbus.messages.errors import TopologyError
+from rlbus.model.policies.builtin import BuiltinPolicy
+from rlbus.model.policies.transformer import ModelConfig, Transformer
+from rlbus.model.training.mtp import distill_loss
+from rlbus.topology.examples import example_path
+from rlbus.topology.file.load import validate
+
+
+def _cores() -> tuple[TrainerCore, TrainerCore]:
+    """Two equal cores of a tiny policy with 2 MTP heads (fresh heads draft the main head's next token)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=264, mtp_heads=2))
+    return tuple(TrainerCore(BuiltinPolicy(copy.deepcopy(model)), BuiltinPolicy(copy.deepcopy(model)), lr=1e-3)
+                 for _ in range(2))  # type: ignore[return-value]
+
+
+def _heads_loss(core: TrainerCore, batch: object) -> float:
+    model = core.model
+    with torch.no_grad():
+        out = model(batch.tokens, with_mtp=True)  # type: ignore[attr-defined]
+    real = torch.arange(batch.tokens.shape[1])[None] < (batch.prompt_lengths + batch.lengths)[:, None]  # type: ignore[attr-defined]
+    return float(distill_loss(out.logits, out.mtp_logits, real)[0])
+
+
+def test_a_step_with_mtp_distill_trains_the_heads_alone_and_lowers_their_loss() -> None:
+    plain, distilled = _cores()
+    rollouts = sample_rollouts(plain.model, tasks=2, group_size=2, max_new_tokens=8)
+    batch = rollout_batch(rollouts)
+    before = _heads_loss(distilled, batch)
+    heads = {n: p.detach().clone() for n, p in plain.model.named_parameters() if n.startswith("mtp.")}
+    assert plain.train_step(rollouts, Objective()).mtp_distill_loss is None
+    stats = distilled.train_step(rollouts, Objective(mtp_distill=1.0))
+    assert stats.applied and stats.mtp_distill_loss == pytest.approx(before, rel=1e-4)
+    after_plain = dict(plain.model.named_parameters())
+    after = dict(distilled.model.named_parameters())
+    for name, value in after_plain.items():
+        if name.startswith("mtp."):      # at 0 the heads do not change; with the key they do
+            assert torch.equal(value, heads[name]), name
+            assert not torch.equal(after[name], heads[name]) or name.endswith("norm.weight"), name
+        else:                            # the trunk takes the same RL step either way
+            assert torch.equal(value, after[name]), name
+    assert any(not torch.equal(after[n], heads[n]) for n in heads)
+    assert _heads_loss(distilled, batch) < min(before, _heads_loss(plain, batch))   # same trunk, heads closer to it
+
+
+def test_mtp_distill_without_heads_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """The fresh built-in policy has no heads (refused when the trainer builds its core); a Hugging Face policy's
+    heads are not part of a version (refused by `rlbus validate`), nor can several ranks distil them."""
+    with pytest.raises(TopologyError, match=r"trainer\.mtp_distill = 0\.5: the built-in policy has no MTP heads"):
+        build_trainer_core(TrainerConfig(mtp_distill=0.5), threads=1)
+    assert build_trainer_core(TrainerConfig(), threads=1).policy.kind == "builtin"
+    text = example_path("tiny").read_text().replace("[trainer]\n", "[trainer]\nmtp_distill = 0.5\nworld_size = 2\n", 1)
+    text = text.replace('run = "tiny"', 'run = "tiny"\n\n[policy]\nkind = "hf"\n[policy.recipe]\nsize = "tiny"\n', 1)
+    (tmp_path / "run.toml").write_text(text)
+    _, problems = validate(tmp_path / "run.toml")
+    found = [p.message for p in problems if p.key == "trainer.mtp_distill" and p.severity == "error"]
+    assert len(found) == 2 and "Hugging Face" in found[0] and "world_size 2" in found[1], problems
