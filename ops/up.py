@@ -5,7 +5,8 @@ Owns: the command line of `up` (topology file, state dir, --fresh, backend, --fo
 shared cache `<parent>/pretrained/<settings digest>/` when identical settings were pretrained before, or
 pretrained), the live view (RL progress lines from ops/runview.py, or a heartbeat table for the bus demo),
 the recording of the run as it goes (--record), TensorBoard event files of what the view follows (--tensorboard or
-`[logging] tensorboard`, written by ops/tensorboard.py), and the closing summary and PNG.
+`[logging] tensorboard`, written by ops/tensorboard.py), and the closing summary and PNGs
+(`closing_plots`).
 The work of starting servers, streams and actors is topology/backends/launch.py's.
 """
 

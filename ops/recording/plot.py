@@ -23,8 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Draw reward, pass rate, KL, staleness and throughput per policy version from a recording "
                     "(or from a live run, recorded first) into PNG files, and accuracy_cost.png: for each "
                     "evaluated version, the held-out pass rate of agentic episodes against the policy tokens "
-                    "spent per task (greedy pass@1, and pass@k at k sampled episodes' tokens). A plot whose data "
-                    "the recording lacks says so in its PNG.")
+                    "spent per task (greedy pass@1, and pass@k at k sampled episodes' tokens), and pass_at_k.png: "
+                    "greedy pass@1, mean@K and pass@k with their intervals per evaluated version. A plot whose "
+                    "data the recording lacks says so in its PNG.")
     p.add_argument("source", metavar="FILE|RUN", help="a recording file, or a run id (read from its bus)")
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="output directory (default: <file>-plots next to FILE, or <state-dir>/plots for RUN)")
