@@ -36,9 +36,11 @@ from rlbus.actors.generator.config import GeneratorConfig, GeneratorLaunch
 from rlbus.actors.generator.function import function_plug
 from rlbus.actors.generator.group import SampledSummary
 from rlbus.actors.generator.loop import GroupLoop, plug_factory, register_environment, score_turns
+from rlbus.actors.generator.stepper import EngineDriver
 from rlbus.messages.bus import Bus, Delivery
 from rlbus.messages.kv import RETRIED
 from rlbus.messages.retry import GIVE_UP_S, retry_policy
+from rlbus.messages.schemas import Heartbeat
 from rlbus.messages.schemas import Task as TaskMessage
 from rlbus.model.policies.interface import ChatTokenizer, Policy
 from rlbus.model.sampling.engine import TurnEngine, common_prefix
@@ -88,8 +90,8 @@ class Generator(Actor):
     (`register_environment`; the function-writing one, actors/generator/function.py, by default) rebuilds the task
     (an unusable one is dead-lettered); wait until the live weights are at `Task.min_version` (the lockstep
     feeder's; 0 for every other task); then `GroupLoop` (actors/generator/loop.py) samples, steps, checkpoints
-    and publishes the group, sampling through the generator's batcher (`model.generate` in a worker thread, the
-    open drafts of every task merged, weights swapped in flight through `WeightSource.maybe_swap`). Only then is
+    and publishes the group, sampling through the engine driver or the batcher (below; weights swapped in flight
+    through `WeightSource.maybe_swap`). Only then is
     the task acked; `in_progress()` holds it meanwhile. Another generator that wins the partial's
     compare-and-set owns the task; the loser lets go.
 
@@ -101,18 +103,24 @@ class Generator(Actor):
     Sampling (`_sample_rows`): a dense policy goes through a `TurnEngine` (`[generator] turn_cache`, on by
     default; model/sampling/engine.py): each episode's KV cache is kept from one call to its next, so a turn
     prefills only what is new in its context (a context after a summary keeps only the task's ids it shares). The
-    engine is made once the weights are known, and again if the policy object changes; its rows of a task are
-    closed when the task's group is published, taken over or abandoned (`kv_cache_tokens` evicts the rest, least
-    recently used first). A routed (MoE) policy samples with `generate`; `[generator] speculative` samples with
-    `speculative_sample` (MTP heads drafting), which keeps no cache across calls.
+    engine is made once the weights are known, and again if the policy object changes (or after a step raised).
+    With `continuous_batching` (the default) an `EngineDriver` (actors/generator/stepper.py) runs it: each task's
+    request joins the running decoding batch at the next step and is answered as soon as its own rows ended, so
+    the batch stays full while other tasks' tools run; else `SampleBatcher` merges the requests that arrive during
+    a call into the next call (`_sample_rows`). An episode's row is closed as soon as the episode ends
+    (`release_episode`), and a task's remaining rows when its group is published, taken over or abandoned
+    (`kv_cache_tokens` evicts the rest, least recently used first). A routed (MoE) policy samples with `generate`
+    and `[generator] speculative` with `speculative_sample` (MTP heads drafting, no cache across calls), both
+    through the batcher.
 
     Heartbeat counters: tasks, rollouts, resumed, sandbox_errors, tokens, graded_repeats (drafts that reused the
     verdict of a draft of the same round with the same program), groups_grown, grown_unpublished (episodes of
     grown groups left out by `grown_subsample`), summaries, publish_failures, taken_over, rejected, prefill_tokens
     and reused_tokens (context tokens the turn engine fed, and those it found cached), mtp_drafted and
     mtp_accepted (speculative drafts checked and accepted); gauges: tokens_per_s, held_version, sessions_held
-    (sandbox sessions of agentic episodes open now), engine_rows (episodes the engine holds), mtp_acceptance (the
-    held version's acceptance rate).
+    (sandbox sessions of agentic episodes open now), engine_rows (episodes the engine holds), batch_rows (the turn
+    engine's mean decoding batch, rows per decoding step, since the last heartbeat; 0 without steps),
+    mtp_acceptance (the held version's acceptance rate).
     """
 
     kind = "generator"
@@ -136,10 +144,17 @@ class Generator(Actor):
                                             "mtp_drafted", "mtp_accepted"), 0))
         self._engine: TurnEngine | None = None
         """The turn engine of the live policy (None before the first call, with turn_cache off, or for MoE)."""
-        self._engine_counted = (0, 0)
-        """(prefill_tokens, reused_tokens) of `_engine` already added to the counters."""
+        self._engine_counted = (0, 0, 0, 0)
+        """(prefill_tokens, reused_tokens, decode_steps, decode_rows) of `_engine` already counted."""
         self._to_close: list[list[int]] = []
         """Prefixes of finished tasks whose engine rows are closed at the next call (the lock was busy)."""
+        self._ended: list[list[int]] = []
+        """Ids of ended episodes whose engine rows are closed at the next step (the lock was busy)."""
+        self._driver: EngineDriver | None = None
+        """Continuous batching over the turn engine (`continuous_batching`), else None: the batcher's calls."""
+        self._decoded = (0, 0)
+        """(decode_steps, decode_rows) of the engines so far; `_beat_decoded` what the last heartbeat saw."""
+        self._beat_decoded = (0, 0)
         self._spec_plain = False
         """The policy has no MTP heads (or is routed): `speculative` samples plainly."""
         self._spec_by_version: dict[int, SpeculativeStats] = {}
@@ -173,9 +188,17 @@ class Generator(Actor):
         await weights.wait_for_version(0)
         self._note_version()
         self._batcher = SampleBatcher(self._sample_rows, max_len=weights.model.max_seq_len)
-        log.info("generator_weights_ready", version=weights.held_version, policy=weights.model.describe())
+        config, model = self.config, weights.model
+        if config.turn_cache and config.continuous_batching and not config.speculative and model.moe is None:
+            self._driver = EngineDriver(lambda: self._engine_of(weights), self._model_lock,
+                                        before_step=lambda engine, step: self._before_step(weights, engine, step),
+                                        after_burst=self._note_engine, on_error=self._drop_engine)
+        log.info("generator_weights_ready", version=weights.held_version, policy=weights.model.describe(),
+                 continuous=self._driver is not None)
         self._places = anyio.Semaphore(self.config.concurrent_tasks)
         async with anyio.create_task_group() as tg:
+            if self._driver is not None:
+                tg.start_soon(self._driver.run)
             for _ in range(self.config.tasks_held):
                 tg.start_soon(self._worker)
 
@@ -260,13 +283,16 @@ class Generator(Actor):
                                version=weights.held_version or 0)
 
     async def sample_rows(self, contexts: list[list[int]], n: int, seed: int) -> list[SampledSequence]:
-        """Sample through the generator's batcher (merged with every other task's rows, weights swapped in
-        flight)."""
+        """Sample through the engine driver (rows joining the running batch between decoding steps) or else the
+        batcher (merged with every other task's rows into the next call); weights swapped in flight."""
         started = time.monotonic()
         if (ids := _TASK_IDS.get()) is not None:
             for context in contexts:
                 ids.add(context)
-        samples = await self._batcher.sample(contexts, n, seed)
+        if self._driver is not None:
+            samples = await self._driver.sample(contexts, n, seed)
+        else:
+            samples = await self._batcher.sample(contexts, n, seed)
         self._sampling_s += time.monotonic() - started
         self.gauges["tokens_per_s"] = self.counters["tokens"] / max(self._sampling_s, 1e-9)
         return samples
@@ -321,17 +347,45 @@ class Generator(Actor):
                 cap = model.max_seq_len
             self._engine = TurnEngine(model, temperature=config.temperature, eos_id=self.tokenizer.stop_id,
                                       kv_cache_tokens=cap, max_batch=256, kv_dtype=sampling_kv_dtype(model.device))
-            self._engine_counted = (0, 0)
+            self._engine_counted = (0, 0, 0, 0)
             self._to_close.clear()
+            self._ended.clear()
         self._close_finished(self._engine)
         return self._engine
 
+    def _engine_of(self, weights: WeightSource) -> TurnEngine:
+        """The driver's engine (model lock held)."""
+        engine = self._turn_engine(weights)
+        assert engine is not None, "the driver runs only for a dense policy with turn_cache"
+        return engine
+
+    def _before_step(self, weights: WeightSource, engine: TurnEngine, step: int) -> None:
+        """Before each of the driver's steps (model lock held): what is staged swapped in, tokens sampled from here
+        carrying the live version (also after a swap by scoring or a summary), ended episodes' rows closed."""
+        weights.maybe_swap(step)
+        engine.swap(weights.held_version or 0)
+        self._close_finished(engine)
+
+    def _drop_engine(self) -> None:
+        """A driver step raised: the engine's state is unknown, the next burst makes a fresh one."""
+        self._engine = None
+
     def _note_engine(self, engine: TurnEngine) -> None:
-        prefill, reused = engine.stats.prefill_tokens, engine.stats.reused_tokens
-        self.count("prefill_tokens", prefill - self._engine_counted[0])
-        self.count("reused_tokens", reused - self._engine_counted[1])
-        self._engine_counted = (prefill, reused)
+        stats = engine.stats
+        prefill, reused, steps, rows = stats.prefill_tokens, stats.reused_tokens, stats.decode_steps, stats.decode_rows
+        counted = self._engine_counted
+        self.count("prefill_tokens", prefill - counted[0])
+        self.count("reused_tokens", reused - counted[1])
+        self._decoded = (self._decoded[0] + steps - counted[2], self._decoded[1] + rows - counted[3])
+        self._engine_counted = (prefill, reused, steps, rows)
         self.gauges["engine_rows"] = float(len(engine.rows("resting")))
+
+    def heartbeat(self) -> Heartbeat:
+        """The actor's heartbeat with `batch_rows`: the engine's mean decoding batch since the last heartbeat."""
+        (steps, rows), (seen_steps, seen_rows) = self._decoded, self._beat_decoded
+        self.gauges["batch_rows"] = (rows - seen_rows) / (steps - seen_steps) if steps > seen_steps else 0.0
+        self._beat_decoded = (steps, rows)
+        return super().heartbeat()
 
     def _note_speculation(self, version: int, stats: SpeculativeStats) -> None:
         self.count("mtp_drafted", stats.drafted)
@@ -353,10 +407,27 @@ class Generator(Actor):
             finally:
                 self._model_lock.release()
 
+    def release_episode(self, ids: list[int]) -> None:
+        """Close the engine row of an episode that ended (`ids`: its whole token sequence; loop.py calls it as soon
+        as the episode is done, before its group publishes): at once when the model is free, else before the next
+        decoding step."""
+        if self._engine is None:
+            return
+        self._ended.append(ids)
+        if self._model_lock.acquire(blocking=False):
+            try:
+                self._close_finished(self._engine)
+            finally:
+                self._model_lock.release()
+
     def _close_finished(self, engine: TurnEngine) -> None:
         """Called with the model lock held."""
+        if not self._to_close and not self._ended:
+            return
         while self._to_close:
             engine.close_prefixed(self._to_close.pop())
+        while self._ended:
+            engine.close_ended(self._ended.pop())
         self.gauges["engine_rows"] = float(len(engine.rows("resting")))
 
     def write_summary(self, context: list[int], *, budget: int, keep: int, prompt: list[int], tokens: int,

@@ -81,6 +81,11 @@ class GeneratorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     rows join and leave the decoding batch between steps. Same distribution and behaviour logprobs as plain
     sampling (to float summation order). A routed (MoE) policy always samples with `generate` (the engine records
     no routing); false: every call prefills its whole contexts."""
+    continuous_batching: bool = True
+    """With `turn_cache`: every task's sampling request joins the engine's running decoding batch at its next step
+    and is answered as soon as its own rows ended (actors/generator/stepper.py), so a task whose tool call
+    returned does not wait for another task's call to end; false: requests that arrive while a call runs go
+    together into the next call, which runs until all of its rows ended (actors/generator/batcher.py)."""
     kv_cache_tokens: NonNegativeInt = 0
     """Cache slots (tokens) the turn engine of one generator holds across all its episodes; episodes that do not
     fit wait for room (resting episodes' caches are evicted first, least recently used), they never fail. 0: room

@@ -495,14 +495,17 @@ class GroupLoop:
     (`partial_every_tokens` ids at most, each capped by max_tokens, the environment's room and the context;
     weights swapped in flight; a scripted turn is scored by one forward pass instead and taken in the same step);
     else a round: each done draft taken as a policy turn through the environment (`Plug.round`), and an episode
-    that goes on in a fresh context (`Plug.restart`) closes its turns so far as a segment. With `max_group_size`,
-    a finished group without a pass grows by G. Then the Rollouts go out (msg id = rollout id), the partial is
+    that goes on in a fresh context (`Plug.restart`) closes its turns so far as a segment. An episode that ended
+    frees its sampling rows at once (`Generator.release_episode`). With `max_group_size`, a finished group without
+    a pass grows by G. Then the Rollouts go out (msg id = rollout id), the partial is
     deleted and the plug cleans up.
     """
 
     def __init__(self, gen: Generator, plug: BasePlug, message: TaskMessage, key: str) -> None:
         self.gen, self.plug, self.message, self.key = gen, plug, message, key
         self.group_size = message.group_size if message.group_size >= 1 else gen.config.group_size
+        self._released: set[int] = set()
+        """Episodes whose sampling rows were released (done when loaded, or since)."""
 
     async def run(self) -> Literal["published", "taken_over"]:
         gen, plug = self.gen, self.plug
@@ -517,6 +520,7 @@ class GroupLoop:
             log.info("partial_resumed", task_id=group.task_id, rounds=group.rounds, chunks=group.chunks,
                      tokens=group.sampled_tokens, writer=group.writer, **plug.log_fields)
         place = _Place(gen.places)
+        self._released = {g for g, ep in enumerate(group.episodes) if ep.done}
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(plug.background)
@@ -524,6 +528,7 @@ class GroupLoop:
                     while True:
                         while not group.finished():
                             await self._advance(group, place)
+                            self._release_ended(group)
                             group.writer = gen.ident.actor_id
                             revision = await self._save(group, revision)
                         if any(plug.passed(ep) for ep in group.episodes) or \
@@ -562,6 +567,14 @@ class GroupLoop:
         stepping = [g for g, ep in enumerate(eps) if not ep.done and ep.draft_done]
         if stepping:
             await self._round(group, stepping)
+
+    def _release_ended(self, group: Group) -> None:
+        """The generator frees the sampling rows of the episodes that ended in this step (their group may still
+        sample for a while)."""
+        for g, ep in enumerate(group.episodes):
+            if ep.done and g not in self._released:
+                self._released.add(g)
+                self.gen.release_episode(state_tokens(ep.state, self.plug.tokenizer).ids)
 
     async def _summaries(self, group: Group, starting: list[int]) -> bool:
         """Summarise each starting episode whose plug asks for it (or end it: `NO_ROOM`); True when any was

@@ -294,23 +294,29 @@ async def test_identical_drafts_of_a_round_run_in_the_sandbox_once(env: Env) -> 
     assert len({msgspec.json.encode(r.verdict) for r in group}) == 1 and group[0].verdict.total == 6
 
 
-async def test_concurrent_tasks_are_sampled_in_merged_batches_with_exact_logprobs(env: Env) -> None:
-    """concurrent_tasks = 3: the three tasks' drafts share generate calls (left-padded together), yet every
-    rollout's behaviour logprobs equal a plain forward pass over its own tokens, and every group is whole."""
+@pytest.mark.parametrize("continuous", [False, True])
+async def test_concurrent_tasks_are_sampled_in_merged_batches_with_exact_logprobs(env: Env, continuous: bool) -> None:
+    """concurrent_tasks = 3: the three tasks' drafts share decoding batches (merged calls of the batcher, or
+    requests joining the engine driver's running batch), yet every rollout's behaviour logprobs equal a plain
+    forward pass over its own tokens, and every group is whole."""
     model = tiny_model()
     tasks = [coding_task(i) for i in range(3)]
     for task in tasks:
         await env.admin.publish(env.admin.subjects.tasks("hub"), task_message(task), msg_id=task.task_id)
-    config = msgspec.structs.replace(CONFIG, concurrent_tasks=3, max_attempts=1)
+    config = msgspec.structs.replace(CONFIG, concurrent_tasks=3, max_attempts=1, continuous_batching=continuous)
     async with sandbox(env), generator(env, model, version=1, config=config) as actor:
         stream = env.admin.subjects.tasks_stream("hub")
 
         async def done() -> bool:
             return await stored(env, stream) == 0 and actor.counters.get("tasks", 0) == 3  # type: ignore[attr-defined]
         await eventually(done)
-        batcher = actor._batcher  # type: ignore[attr-defined]
-        assert batcher.rows > batcher.calls       # some call carried more than one task's rows
-        assert batcher.rows / batcher.calls > config.group_size
+        batcher, driver = actor._batcher, actor._driver  # type: ignore[attr-defined]
+        if continuous:
+            assert batcher.calls == 0 and driver.requests == driver.submitted >= 3
+        else:
+            assert driver is None
+            assert batcher.rows > batcher.calls       # some call carried more than one task's rows
+            assert batcher.rows / batcher.calls > config.group_size
     group = await rollouts(env)
     assert sorted(r.rollout_id for r in group) == sorted(f"{t.task_id}-{g}" for t in tasks for g in range(2))
     for r in group:
@@ -339,7 +345,9 @@ async def test_tasks_ahead_wait_for_a_sampling_place_and_every_group_is_publishe
     monkeypatch.setattr(Generator, "_sample_rows", recording)
     for task in tasks:
         await env.admin.publish(env.admin.subjects.tasks("hub"), task_message(task), msg_id=task.task_id)
-    config = msgspec.structs.replace(CONFIG, concurrent_tasks=1, tasks_ahead=2, max_attempts=1)
+    # the batcher's calls (`_sample_rows`) show which tasks sample together; the engine driver has no calls
+    config = msgspec.structs.replace(CONFIG, concurrent_tasks=1, tasks_ahead=2, max_attempts=1,
+                                     continuous_batching=False)
     async with sandbox(env), generator(env, model, version=1, config=config) as actor:
         stream = env.admin.subjects.tasks_stream("hub")
 
