@@ -1,8 +1,8 @@
 """TensorBoard event files of a run, for researchers who read their curves in TensorBoard.
 
 Owns: `TensorBoardSink` (followed messages → scalars in `events.out.tfevents.*` under one directory: each
-TrainStep keyed by optimizer step, each EvalReport by policy version, the generators' throughput per step,
-every Heartbeat's counters and gauges at its wall time), `tensorboard_dir` (where the directory of
+TrainStep keyed by optimizer step, each EvalReport by policy version, the generators' throughput and MTP acceptance
+per step, every Heartbeat's counters and gauges at its wall time), `tensorboard_dir` (where the directory of
 `--tensorboard` / `[logging] tensorboard` lies) and `require_writer` (the one-line error when the `metrics`
 extra is missing). Does not: follow the bus (ops/runview.py `RunView`), read event files, or draw (`rlbus plot`).
 Uses tensorboard's own event writer, so nothing here imports torch.
@@ -52,7 +52,9 @@ def tensorboard_dir(flag: Path | None, configured: str | None, state: Path) -> P
 class TensorBoardSink:
     """Writes the scalars of a run's messages into one event file (a new one per `rlbus up`) under `logdir`.
 
-    Tags: `train/<figure>` and `throughput/<rate>` at the TrainStep's optimizer step, `eval/<figure>` at the
+    Tags: `train/<figure>` and `throughput/<rate>` at the TrainStep's optimizer step (`throughput/mtp_acceptance`:
+    drafts the generators' MTP heads had accepted over those checked since the step before, from their
+    `mtp_drafted` / `mtp_accepted` heartbeat counters; absent when none were), `eval/<figure>` at the
     EvalReport's policy version, `health/<actor id>/<counter or gauge>` at the heartbeat's Unix second (plot
     them against TensorBoard's wall-time axis); every event carries its message's own wall time.
     """
@@ -71,6 +73,10 @@ class TensorBoardSink:
         self._trained = 0
         self._generators: dict[str, float] = {}
         """Generator actor id → its latest `tokens_per_s` gauge."""
+        self._drafts: dict[str, tuple[float, float]] = {}
+        """Generator actor id → its latest (mtp_drafted, mtp_accepted) counters."""
+        self._drafts_at_step: dict[str, tuple[float, float]] = {}
+        """The same, as they were at the last TrainStep written."""
 
     def write(self, message: Any) -> None:
         """Write the scalars of a TrainStep, EvalReport or Heartbeat; any other message is ignored."""
@@ -98,6 +104,15 @@ class TensorBoardSink:
                   "throughput/trained_rollouts_per_s": self._trained / max(step.created_at - self._opened, 1e-9)}
         if self._generators:
             values["throughput/generator_tokens_per_s"] = sum(self._generators.values())
+        drafted = accepted = 0.0
+        for actor, (d, a) in self._drafts.items():
+            d0, a0 = self._drafts_at_step.get(actor, (0.0, 0.0))
+            if d < d0:                  # a restarted generator counts from 0 again
+                d0 = a0 = 0.0
+            drafted, accepted = drafted + d - d0, accepted + a - a0
+        self._drafts_at_step = dict(self._drafts)
+        if drafted > 0:
+            values["throughput/mtp_acceptance"] = accepted / drafted
         self._scalars(step.step, step.created_at, values)
 
     def eval_report(self, report: EvalReport) -> None:
@@ -108,6 +123,8 @@ class TensorBoardSink:
     def heartbeat(self, beat: Heartbeat) -> None:
         if beat.actor_kind == "generator" and "tokens_per_s" in beat.gauges:
             self._generators[beat.actor_id] = beat.gauges["tokens_per_s"]
+        if beat.actor_kind == "generator" and "mtp_drafted" in beat.counters:
+            self._drafts[beat.actor_id] = (beat.counters["mtp_drafted"], beat.counters.get("mtp_accepted", 0.0))
         prefix = f"health/{beat.actor_id}/"
         values: dict[str, float] = {prefix + name: value for name, value in beat.counters.items()}
         values.update({prefix + name: value for name, value in beat.gauges.items()})

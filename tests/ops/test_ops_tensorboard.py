@@ -86,6 +86,25 @@ def test_sink_writes_steps_evals_and_heartbeats_that_tensorboard_reads_back(tmp_
     assert _points(_read(tmp_path / "tb"), "train/loss") == {1: 0.3125, 2: -0.75, 3: 0.125}
 
 
+def test_each_step_shows_the_mtp_acceptance_of_the_drafts_checked_since_the_step_before(tmp_path: Path) -> None:
+    """Pooled over generators from their mtp_drafted / mtp_accepted counters; a restarted generator counts from 0
+    again; a step after which nothing was drafted has no point."""
+    def beat(actor: str, drafted: int, accepted: int, at: float) -> Heartbeat:
+        return Heartbeat(actor_id=actor, actor_kind="generator", region="hub", state="busy", sent_at=at,
+                         counters={"mtp_drafted": drafted, "mtp_accepted": accepted})
+
+    def step(n: int) -> TrainStep:
+        return TrainStep(step=n, policy_version=n, rollout_ids=[str(n)], created_at=1_800_000_000.0 + 10 * n)
+
+    sink = TensorBoardSink(tmp_path / "tb")
+    for message in [beat("g0", 100, 60, 1), beat("g1", 100, 20, 2), step(1),       # (60 + 20) / 200
+                    beat("g0", 200, 110, 11), beat("g1", 40, 30, 12), step(2),     # g1 restarted: (50 + 30) / 140
+                    step(3)]:
+        sink.write(message)
+    sink.close()
+    assert _points(_read(tmp_path / "tb"), "throughput/mtp_acceptance") == {1: _f32(0.4), 2: _f32(80 / 140)}
+
+
 def test_a_relative_directory_lies_where_its_source_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--tensorboard: against the working directory; `[logging] tensorboard`: against the state directory; the
     flag wins; an absolute one stays; neither: no event files. A key of the wrong type names file and key."""
