@@ -4,7 +4,8 @@ re-prefill of the whole history at every turn and against transformers' own `gen
 - Owns: the agentic sampling benchmark (`run`, `table`): episodes of a prompt, then turns of sampled ids each
   followed by a fixed scripted observation (no tool runs, so only generation is timed); policy tokens per second
   with the cache kept vs re-prefilled, on the built-in `small` policy and a small Qwen2 built on the spot; the
-  batch occupancy of continuous vs static batching while tools run (simulated delays).
+  batch occupancy of continuous vs static batching while tools run (simulated delays); the generator's two
+  sampling paths (engine driver, batcher) serving concurrent tasks whose tools take seeded delays.
 - Does not: assert anything about the figures, or run sandboxes, environments or the bus.
 """
 
@@ -66,6 +67,26 @@ OCC_FULL: Final = Occupancy(episodes=8, turns=4, prompt=64, observation=32, turn
 OCC_QUICK: Final = Occupancy(episodes=3, turns=3, prompt=8, observation=4, turn_range=(2, 8), delay_range=(0, 6))
 
 
+@dataclass(frozen=True)
+class Tasks:
+    """The generator-level measurement: `tasks` concurrent tasks of `group` episodes each, `turns` turns whose
+    lengths are drawn in `turn_range` (one length per task and turn: a task's rows sample together), a tool
+    delay drawn in `delay_s` seconds after each turn."""
+
+    tasks: int
+    group: int
+    turns: int
+    prompt: int
+    observation: int
+    turn_range: tuple[int, int]
+    delay_s: tuple[float, float]
+
+
+TASKS_FULL: Final = Tasks(tasks=4, group=4, turns=4, prompt=64, observation=32, turn_range=(16, 64),
+                          delay_s=(0.0, 0.5))
+TASKS_QUICK: Final = Tasks(tasks=3, group=2, turns=3, prompt=8, observation=4, turn_range=(4, 12), delay_s=(0.0, 0.02))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agentic-rounds", type=int, default=3,
                    help="agentic: timed rounds, the modes alternating within each; medians reported (default 3)")
@@ -85,6 +106,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       while tools run (a seeded delay, counted in decoding steps, after each turn; seeded turn lengths): static
       batching starts every row's next turn together once all tools have returned; continuous batching lets a row
       rejoin as soon as its own has. `occupancy_steps` gives both runs' lengths in steps.
+    - `generator_batch_rows` {"continuous", "batcher"}: the mean decoding batch (rows per decoding step) of the
+      generator's two sampling paths serving `Tasks` concurrent tasks whose tools take seeded delays (real
+      sleeps) between turns: the engine driver (actors/generator/stepper.py: a task's request joins the running
+      batch at the next step) and the batcher (actors/generator/batcher.py: requests that arrive during a call go
+      into the next call, which runs until all its rows ended), on the built-in policy's turn engine (a batcher
+      call decodes every row to its longest request's n, the rest cut off: those rows count too);
+      `generator_tokens_per_s` the policy tokens kept per second of each (wall time of the run, delays included).
     - `episode_tokens`: the episodes' shape and final length.
     - `spec_speedup` and `mtp_acceptance` {"builtin", "hf"}: MTP speculative sampling over plain greedy decoding at
       equal outputs, and the share of drafts accepted, on two policies trained on strided counting (the Qwen2's
@@ -125,6 +153,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rate = {p: {m: tokens[p][m] / statistics.median(ts) for m, ts in arms.items()} for p, arms in times.items()}
         occupancy = {mode: _occupancy(builtin, occ, continuous=mode == "continuous")
                      for mode in ("continuous", "static")}
+        load = TASKS_QUICK if quick else TASKS_FULL
+        served = {mode: _generator_paths(builtin, load, continuous=mode == "continuous")
+                  for mode in ("continuous", "batcher")}
         from rlbus.ops.bench import speculative
 
         spec = speculative.measure(quick, rounds)
@@ -135,6 +166,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "vs_transformers_ratio": rate["hf"]["cached"] / rate["hf"]["transformers"],
         "batch_occupancy": {m: o["occupancy"] for m, o in occupancy.items()},
         "occupancy_steps": {m: o["steps"] for m, o in occupancy.items()},
+        "generator_batch_rows": {m: o["batch_rows"] for m, o in served.items()},
+        "generator_tokens_per_s": {m: o["tokens_per_s"] for m, o in served.items()},
         "episode_tokens": {"episodes": shape.episodes, "prompt": shape.prompt, "turns": shape.turns,
                            "turn": shape.turn, "observation": shape.observation, "final": shape.final},
         "tokens_per_s": rate,
@@ -311,6 +344,60 @@ def _occupancy(policy: Any, occ: Occupancy, *, continuous: bool) -> dict[str, fl
     return {"occupancy": busy / (occ.max_batch * clock), "steps": clock}
 
 
+def _generator_paths(policy: Any, load: Tasks, *, continuous: bool) -> dict[str, float]:
+    """`load`'s tasks served by the engine driver (continuous) or the batcher over one turn engine, as the generator
+    serves its tasks; the mean decoding batch and the policy tokens per second over the run's wall time."""
+    import threading
+
+    import anyio
+
+    from rlbus.actors.generator.batcher import SampleBatcher
+    from rlbus.actors.generator.stepper import EngineDriver
+    from rlbus.model.sampling.engine import TurnEngine
+    from rlbus.model.sampling.generate import SampledSequence
+
+    rng = random.Random(_SEED + 2)
+    lengths = [[rng.randint(*load.turn_range) for _ in range(load.turns)] for _ in range(load.tasks)]
+    delays = [[rng.uniform(*load.delay_s) for _ in range(load.turns)] for _ in range(load.tasks)]
+    obs = _ids(rng, load.observation, policy.vocab_size)
+    prompts = [_ids(rng, load.prompt, policy.vocab_size) for _ in range(load.tasks)]
+    engine = TurnEngine(policy, temperature=1.0, kv_cache_tokens=load.tasks * load.group * policy.max_seq_len,
+                        max_batch=256)
+    lock = threading.Lock()
+    sampled = 0
+
+    async def serve() -> None:
+        def call(contexts: list[list[int]], n: int, seed: int) -> list[SampledSequence]:
+            with lock:
+                return engine.generate(contexts, max_new_tokens=n, seed=seed)
+
+        driver = EngineDriver(lambda: engine, lock, before_step=lambda e, step: None)
+        batcher = SampleBatcher(call, max_len=policy.max_seq_len)
+        sample = driver.sample if continuous else batcher.sample
+
+        async def task(t: int) -> None:
+            nonlocal sampled
+            contexts = [prompts[t] + [3 + g] for g in range(load.group)]   # a group: one prompt, rows apart
+            for turn in range(load.turns):
+                outs = await sample(contexts, lengths[t][turn], _SEED + 100 * t + turn)
+                sampled += sum(len(o.tokens) for o in outs)
+                await anyio.sleep(delays[t][turn])
+                contexts = [c + o.tokens.tolist() + obs for c, o in zip(contexts, outs, strict=True)]
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(driver.run)
+            async with anyio.create_task_group() as tasks:
+                for t in range(load.tasks):
+                    tasks.start_soon(task, t)
+            tg.cancel_scope.cancel()
+
+    t0 = time.perf_counter()
+    anyio.run(serve)
+    wall = time.perf_counter() - t0
+    stats = engine.stats
+    return {"batch_rows": stats.decode_rows / max(stats.decode_steps, 1), "tokens_per_s": sampled / wall}
+
+
 # ---- the table ----------------------------------------------------------------------------------------------
 def table(result: dict[str, Any]) -> str:
     r = result
@@ -328,6 +415,10 @@ def table(result: dict[str, Any]) -> str:
     occ, steps = r["batch_occupancy"], r["occupancy_steps"]
     lines.append(f"batch occupancy while tools run: continuous {occ['continuous']:.3f} ({steps['continuous']} steps), "
                  f"static {occ['static']:.3f} ({steps['static']} steps)")
+    rows, served = r["generator_batch_rows"], r["generator_tokens_per_s"]
+    lines.append(f"generator paths, concurrent tasks with tool delays: engine driver {rows['continuous']:.2f} rows/step "
+                 f"({served['continuous']:.1f} tok/s), batcher {rows['batcher']:.2f} rows/step "
+                 f"({served['batcher']:.1f} tok/s)")
     from rlbus.ops.bench import speculative
 
     lines.extend(speculative.lines(r))

@@ -1,7 +1,8 @@
 """`rlbus bench agentic --quick --json` prints one object with the stable keys, and the invariants hold: every ratio
 is a positive finite number, the episodes have the shape the bench names, and continuous batching keeps more of the
 batch sampling than static batching on the quick shape's seeded tool delays (the quick shape is one where they
-differ), and MTP speculative sampling gives the same tokens as plain greedy decoding for both policies. No speed is
+differ), the generator's two sampling paths report a mean decoding batch of at least one row, and MTP
+speculative sampling gives the same tokens as plain greedy decoding for both policies. No speed is
 asserted."""
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def test_quick_agentic_bench_keys_and_invariants(tmp_path: Path, monkeypatch: py
     occ, steps = r["batch_occupancy"], r["occupancy_steps"]
     assert set(occ) == {"continuous", "static"} and all(0 < x <= 1 for x in occ.values())
     assert occ["continuous"] > occ["static"] and steps["continuous"] < steps["static"]
+    for key in ("generator_batch_rows", "generator_tokens_per_s"):
+        assert set(r[key]) == {"continuous", "batcher"} and all(math.isfinite(x) and x > 0 for x in r[key].values())
+    assert all(x >= 1 for x in r["generator_batch_rows"].values())
 
     for key in ("spec_speedup", "mtp_acceptance"):
         assert set(r[key]) == {"hf", "builtin"}
