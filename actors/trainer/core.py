@@ -11,9 +11,10 @@ and the bytes of a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
@@ -326,23 +327,55 @@ def mtp_distill_problem(policy: Policy) -> str | None:
     return None
 
 
-def distill_heads(policy: Policy, batch: RolloutBatch, weight: float, clip: float) -> float:
-    """Put `weight` x the gradient of the built-in policy's MTP heads' `distill_loss` on `batch` (every real
-    position: prompts and completions) into the heads' `.grad`, clipped to norm `clip`; returns the loss.
+@contextlib.contextmanager
+def hidden_states(policy: Policy) -> Iterator[list[Tensor]]:
+    """While open, every hidden state the built-in policy's output head reads (the last block's output, the input of
+    its final norm), detached, in call order: one (B, L, D) for a full forward of a batch, or (distinct prompts,
+    P, D) then (B, width, D) for `shared_prompt_logprobs`."""
+    seen: list[Tensor] = []
+    handle = policy.module.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
-    The main head's logits and the hidden state the heads read come from a forward without gradients, and the
-    gradient is taken with respect to the heads' parameters alone, so the trunk, the embedding and the output
-    head (which the heads share) get nothing from it: the RL gradient is as without the heads.
+
+def completion_windows(batch: RolloutBatch, seen: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """The hidden states `hidden_states` saw, at each row's last prompt token and completion tokens: (B, 1 + W, D)
+    with W the longest completion, and which of them are real (B, 1 + W) (1 + T_b per row). These are the positions
+    a generator drafts from."""
+    width = int(batch.lengths.max()) if batch.lengths.numel() else 0
+    device = batch.tokens.device
+    offsets = torch.arange(width + 1, device=device)[None]
+    real = offsets <= batch.lengths[:, None]
+    if len(seen) == 1:                      # the full forward: row b's window starts at P_b - 1
+        hidden = seen[0]
+        at = (batch.prompt_lengths[:, None] - 1 + offsets).clamp_max(hidden.shape[1] - 1)
+        return hidden.gather(1, at[:, :, None].expand(-1, -1, hidden.shape[2])), real
+    prompts, completions = seen               # shared prompts: left-padded, each one's last token in the last column
+    _, copies = distinct_prompts([batch.tokens[b, :P].tolist() for b, P in enumerate(batch.prompt_lengths.tolist())])
+    last = prompts[:, -1].index_select(0, torch.tensor(copies, dtype=torch.long, device=device))
+    return torch.cat([last[:, None], completions[:, :width]], dim=1), real
+
+
+def distill_heads(policy: Policy, batch: RolloutBatch, seen: Sequence[Tensor], weight: float, clip: float) -> float:
+    """Put `weight` x the gradient of the built-in policy's MTP heads' `distill_loss` into the heads' `.grad`,
+    clipped to norm `clip`; returns the loss. It is taken at the positions generators draft from
+    (`completion_windows` of the hidden states the RL forward computed, `seen`): each row's last prompt token and
+    its completion tokens.
+
+    The main head's logits come from those detached states, and the gradient is taken with respect to the heads'
+    parameters alone, so the trunk, the embedding and the output head (which the heads share) get nothing from
+    it: the RL gradient is as without the heads.
     """
     from rlbus.model.training.mtp import distill_loss
 
     model = policy.module
-    heads = [p for p in model.mtp.parameters()]
+    heads = list(model.mtp.parameters())
+    hidden, real = completion_windows(batch, seen)
     with torch.no_grad():
-        out = model(batch.tokens, routing=batch.routing, with_mtp=False)
-    width = batch.tokens.shape[1]
-    real = torch.arange(width, device=batch.tokens.device)[None] < (batch.prompt_lengths + batch.lengths)[:, None]
-    loss, _ = distill_loss(out.logits, model.mtp_head_logits(out.hidden), real)
+        logits = model.head(hidden)
+    loss, _ = distill_loss(logits, model.mtp_head_logits(hidden), real)
     grads = torch.autograd.grad(weight * loss, heads)
     for p, g in zip(heads, grads, strict=True):
         p.grad = g if p.grad is None else p.grad + g
@@ -542,7 +575,8 @@ class TrainerCore:
         """
         batch = rollout_batch(rollouts, moe=self.moe, device=self.policy.device)
         self.policy.train()
-        logp, replaced = self.logprobs_replaced(self.policy, batch, objective.temperature)
+        with hidden_states(self.policy) if objective.mtp_distill > 0 else contextlib.nullcontext([]) as seen:
+            logp, replaced = self.logprobs_replaced(self.policy, batch, objective.temperature)
         with torch.no_grad():
             ref = self.logprobs(self.reference, batch, objective.temperature)
         rewards, lengths, group_ids = per_rollout(batch)
@@ -562,7 +596,7 @@ class TrainerCore:
         applied = math.isfinite(loss) and math.isfinite(grad_norm)
         distilled = None
         if objective.mtp_distill > 0:
-            distilled = distill_heads(self.policy, batch, objective.mtp_distill, clip)
+            distilled = distill_heads(self.policy, batch, seen, objective.mtp_distill, clip)
             applied = applied and math.isfinite(distilled)
         if applied:
             if lr is not None:

@@ -1,6 +1,7 @@
-"""`[trainer] mtp_distill`: an RL step that also distils the built-in policy's MTP heads from its main head moves the
-heads (only them) and lowers their distillation loss on the step's batch; at 0 the heads stay as they were. A
-policy the key cannot serve is refused naming it, at the trainer and in `rlbus validate`."""
+"""`[trainer] mtp_distill`: an RL step that also distils the built-in policy's MTP heads from its main head, at the
+positions generators draft from (read off the RL forward, whether it runs each prompt once or not), moves the heads
+(only them) and lowers their distillation loss on the step's batch; at 0 the heads stay as they were. A policy the
+key cannot serve is refused naming it, at the trainer and in `rlbus validate`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ from helpers.rollouts import sample_rollouts
 
 from rlbus.actors.trainer.actor import build_trainer_core
 from rlbus.actors.trainer.config import TrainerConfig
-from rlbus.actors.trainer.core import Objective, TrainerCore, rollout_batch
+from rlbus.actors.trainer.core import (
+    Objective,
+    RolloutBatch,
+    TrainerCore,
+    completion_windows,
+    hidden_states,
+    rollout_batch,
+    shared_prompt_logprobs,
+)
 from rlbus.messages.errors import TopologyError
 from rlbus.model.policies.builtin import BuiltinPolicy
 from rlbus.model.policies.transformer import ModelConfig, Transformer
@@ -30,12 +39,27 @@ def _cores() -> tuple[TrainerCore, TrainerCore]:
                  for _ in range(2))  # type: ignore[return-value]
 
 
-def _heads_loss(core: TrainerCore, batch: object) -> float:
-    model = core.model
+def _heads_loss(core: TrainerCore, batch: RolloutBatch) -> float:
+    """The heads' `distill_loss` where generators draft from, through a full forward of the batch."""
+    with torch.no_grad(), hidden_states(core.policy) as seen:
+        core.policy(batch.tokens)
+    hidden, real = completion_windows(batch, seen)
     with torch.no_grad():
-        out = model(batch.tokens, with_mtp=True)  # type: ignore[attr-defined]
-    real = torch.arange(batch.tokens.shape[1])[None] < (batch.prompt_lengths + batch.lengths)[:, None]  # type: ignore[attr-defined]
-    return float(distill_loss(out.logits, out.mtp_logits, real)[0])
+        return float(distill_loss(core.model.head(hidden), core.model.mtp_head_logits(hidden), real)[0])
+
+
+def test_the_drafting_positions_are_those_of_the_full_forward_when_groups_share_a_prompt() -> None:
+    """`completion_windows` of the RL forward that runs each prompt once equals that of a full forward."""
+    core, _ = _cores()
+    batch = rollout_batch(sample_rollouts(core.model, tasks=2, group_size=3, max_new_tokens=7))
+    with torch.no_grad(), hidden_states(core.policy) as shared:
+        assert shared_prompt_logprobs(core.policy, batch) is not None
+    with torch.no_grad(), hidden_states(core.policy) as full:
+        core.policy(batch.tokens)
+    assert (len(shared), len(full)) == (2, 1)
+    (a, real_a), (b, real_b) = completion_windows(batch, shared), completion_windows(batch, full)
+    assert torch.equal(real_a, real_b) and int(real_a.sum()) == int(batch.lengths.sum()) + len(batch.lengths)
+    torch.testing.assert_close(a[real_a], b[real_b], atol=1e-5, rtol=1e-4)
 
 
 def test_a_step_with_mtp_distill_trains_the_heads_alone_and_lowers_their_loss() -> None:
