@@ -28,8 +28,9 @@ PRETRAIN = "[pretrain]\nsteps = 2\neval_n = 1\nmax_seq_len = 2048\n\n"
 def test_up_agentic_runs_repository_tasks_to_a_clean_end(tmp_path: Path) -> None:
     """One optimizer step on rollouts of repository tasks; both ledgers clean; the topology otherwise as shipped.
     The closing summary prints the final checkpoint's agentic scores (pass@1, mean@2 and pass@2, what an episode
-    costs) and draws accuracy against cost; the summary JSON holds the steps, the ledger, and `base` and `final`
-    with the same keys and the same two samples per task, one of each on a built-in repository task."""
+    costs) and draws accuracy against cost and the pass@1 and pass@k curves; the summary JSON holds the steps, the
+    ledger, and `base` and `final` with the same keys and the same two samples per task, one of each on a built-in
+    repository task."""
     text = example_path("agentic").read_text()
     for line, shorter in SHORTER.items():
         assert text.count(f"\n{line}\n") == 1, line
@@ -53,6 +54,8 @@ def test_up_agentic_runs_repository_tasks_to_a_clean_end(tmp_path: Path) -> None
     assert " policy tokens" in proc.stdout.split("rlbus up: summary")[1], proc.stdout[-2000:]
     png = tmp_path / "D" / "plots" / "accuracy_cost.png"
     assert f"accuracy against cost: {png}" in proc.stdout and png.read_bytes()[:4] == b"\x89PNG"
+    curves = png.with_name("pass_at_k.png")
+    assert f"pass@1 and pass@k per version: {curves}" in proc.stdout and curves.read_bytes()[:4] == b"\x89PNG"
     doc = json.loads((tmp_path / "summary.json").read_text())
     assert doc["steps"] == 1 and doc["final_version"] == 1, doc
     book = doc["ledger"]
