@@ -70,7 +70,7 @@ class Drafter:
     def draft_logits(self, hidden: Tensor, k: int) -> Tensor:
         """hidden (B, D) of the last kept token -> (B, k, V): head j's logits for the token j after the next."""
         h = hidden[:, None]
-        return torch.cat([self.project(head(h)) for head in self.heads[:k]], dim=1)
+        return self.project(torch.cat([head(h) for head in self.heads[:k]], dim=1))   # one read-out for all
 
 
 @contextlib.contextmanager
@@ -108,6 +108,22 @@ def drafter_for(policy: Policy | nn.Module) -> Drafter:
 def residual(p: Tensor, q: Tensor) -> Tensor:
     """The unnormalised distribution a rejected draft is replaced from: max(0, p - q)."""
     return (p - q).clamp_min(0)
+
+
+def _logp(logits: Tensor, tau: float) -> Tensor:
+    """log softmax(logits / tau) in float32, as `generate` computes it (x / 1 is x: no division at tau 1)."""
+    x = logits.float()
+    return torch.log_softmax(x if tau == 1 else x / tau, dim=-1)
+
+
+def _leading(drafts: list[int], choice: list[int]) -> int:
+    """How many drafts, from the first, equal the main head's choice at their position."""
+    n = 0
+    for d, c in zip(drafts, choice, strict=False):
+        if d != c:
+            break
+        n += 1
+    return n
 
 
 def _draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -169,12 +185,14 @@ def speculative_sample(
     if on_step is not None and (new := on_step(0)) is not None:
         version = new
     logits, hidden = drafter.forward(tokens, cache, mask)
-    logp = torch.log_softmax(logits[:, -1].float() / tau, dim=-1)
+    logp = _logp(logits[:, -1], tau)
     y = logp.argmax(-1) if temperature == 0 else _draw(logp.exp(), generator)
     for b, (t, lp) in enumerate(zip(y.tolist(), logp.gather(-1, y[:, None])[:, 0].tolist(), strict=True)):
         record.add(b, t, lp, version)
     last = hidden[:, -1]
     n = 1
+    # Per step: the bookkeeping runs on Python lists read out once (a step of a small model costs about what a
+    # forward of one token does, so a few tensor operations and syncs per token would show).
     while n < max_new_tokens and not record.done():
         k = min(K, max_new_tokens - n - 1)
         drafts, q = _drafts(drafter, last, k, temperature, generator) if k else (y.new_zeros(B, 0), None)
@@ -183,37 +201,46 @@ def speculative_sample(
             version = new
         logits, hidden = drafter.forward(torch.cat([y[:, None], drafts], dim=1), cache, None)
         stats.forward_passes += 1
-        logp = torch.log_softmax(logits.float() / tau, dim=-1)       # (B, 1 + k, V)
-        p = logp.exp()
-        if temperature == 0 or q is None:
-            accept = logp[:, :k].argmax(-1) == drafts
-        else:
-            p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]
-            q_d = q.gather(-1, drafts[..., None])[..., 0]
-            u = torch.rand(drafts.shape, generator=generator, device=p_d.device)
-            accept = u * q_d <= p_d            # probability min(1, p / q)
-        held = accept.long().cumprod(dim=1).sum(dim=1)               # (B,) drafts accepted in a row
-        active = torch.tensor([not f for f in record.finished], device=held.device)
-        a = int(held[active].min()) if k else 0
-        # token a + 1 of each row: its accepted draft, a residual draw after a rejection, or a bonus draw
+        logp = _logp(logits, tau)                                    # (B, 1 + k, V)
+        active = [b for b in range(B) if not record.finished[b]]
         if temperature == 0:
-            nxt = logp[:, a].argmax(-1)
-        elif a == k:
-            nxt = _draw(p[:, a], generator)
+            choice = logp.argmax(-1)                                 # (B, 1 + k): the main head's tokens
+            chosen = choice.tolist()
+            held = [_leading(d, c) for d, c in zip(drafts.tolist(), chosen, strict=True)]
+            a = min(held[b] for b in active)                         # drafts every unfinished row keeps
+            nxt = choice[:, a]
+            # the kept drafts equal the main head's tokens, so each row keeps its choices 0..a
+            kept = [c[: a + 1] for c in chosen]
+            kept_logp = logp[:, : a + 1].gather(-1, choice[:, : a + 1, None])[..., 0].tolist()
         else:
-            assert q is not None
-            rest = residual(p[:, a], q[:, a])
-            empty = rest.sum(-1) <= 0             # p == q to rounding: a rejection there is measure zero
-            rest[empty] = p[empty, a]
-            nxt = torch.where(held > a, drafts[:, a], _draw(rest, generator))
-        kept = torch.cat([drafts[:, :a], nxt[:, None]], dim=1)        # (B, a + 1)
-        kept_logp = logp[:, : a + 1].gather(-1, kept[..., None])[..., 0]
-        for b in range(B):
-            for t, lp in zip(kept[b].tolist(), kept_logp[b].tolist(), strict=True):
+            p = logp.exp()
+            if q is None:
+                held_t = torch.zeros(B, dtype=torch.long, device=p.device)
+            else:
+                p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+                q_d = q.gather(-1, drafts[..., None])[..., 0]
+                u = torch.rand(drafts.shape, generator=generator, device=p_d.device)
+                accept = u * q_d <= p_d        # probability min(1, p / q)
+                held_t = accept.long().cumprod(dim=1).sum(dim=1)     # (B,) drafts accepted in a row
+            held = held_t.tolist()
+            a = min(held[b] for b in active)
+            # token a + 1 of each row: its accepted draft, a residual draw after a rejection, or a bonus draw
+            if a == k:
+                nxt = _draw(p[:, a], generator)
+            else:
+                assert q is not None
+                rest = residual(p[:, a], q[:, a])
+                empty = rest.sum(-1) <= 0             # p == q to rounding: a rejection there is measure zero
+                rest[empty] = p[empty, a]
+                nxt = torch.where(held_t > a, drafts[:, a], _draw(rest, generator))
+            kept_t = torch.cat([drafts[:, :a], nxt[:, None]], dim=1)   # (B, a + 1)
+            kept = kept_t.tolist()
+            kept_logp = logp[:, : a + 1].gather(-1, kept_t[..., None])[..., 0].tolist()
+        for b in active:
+            for t, lp in zip(kept[b], kept_logp[b], strict=True):
                 record.add(b, t, lp, version)
-        n_active = int(active.sum())
-        stats.drafted += k * n_active
-        stats.accepted += a * n_active + (int((held[active] > a).sum()) if a < k else 0)
+        stats.drafted += k * len(active)
+        stats.accepted += a * len(active) + sum(held[b] > a for b in active)
         n += a + 1
         cache.truncate(start + 1 + a)
         y, last = nxt, hidden[:, a]
