@@ -272,8 +272,11 @@ class TurnEngine:
     def open_turns(self, contexts: Sequence[Sequence[int]], *, max_new_tokens: int, seed: int) -> list[Hashable]:
         """Queue a turn after each context without row keys (they join at the next `step`); returns the rows, in
         order. Each context continues the resting row (of earlier calls of this method) whose ids share the longest
-        prefix with it, a chunk or turn of the same episode; otherwise it opens a row whose generator is seeded from
-        `seed` and its index. Every context is checked before any is queued. Rows are never closed here: their
+        prefix with it, a chunk or turn of the same episode; otherwise it opens a row. Either way the row samples this
+        turn with a generator seeded from `seed` and the context's index, as a row opened now would: what a call
+        draws does not depend on whether its rows were cached (a group resumed from its partial by another
+        generator, whose engine holds none of its rows, samples what the first would have). Every context is
+        checked before any is queued. Rows are never closed here: their
         caches go least recently used first when `kv_cache_tokens` needs room, and a row without a cache is
         forgotten, so kv_cache_tokens is required.
 
@@ -289,16 +292,17 @@ class TurnEngine:
                 index.setdefault(tuple(r.tokens[:_MATCH_IDS]), []).append(r)
         keys: list[Hashable] = []
         for i, context in enumerate(contexts):
+            generator = (torch.Generator().manual_seed((seed * 1_000_003 + i) % 2**63) if self.temperature > 0
+                         else None)
             found = [r for r in index.get(tuple(context[:_MATCH_IDS]), []) if r.state == "resting"]
             best = max(found, key=lambda r: common_prefix(r.tokens[: r.cached], context), default=None)
             if best is not None:
+                best.generator = generator
                 self.turn(best.key, context, max_new_tokens)
                 keys.append(best.key)
                 continue
             key = _Anonymous(self._opened)
             self._opened += 1
-            generator = (torch.Generator().manual_seed((seed * 1_000_003 + i) % 2**63) if self.temperature > 0
-                         else None)
             self.turn(key, context, max_new_tokens, generator=generator)
             keys.append(key)
         return keys

@@ -11,12 +11,12 @@ equal a forward pass of the final sequences. (Greedy, a group's episodes are ali
 episodes.)
 
 Sampled (temperature > 0) on and off cannot agree token for token: `turn_cache` off samples each call with one
-generator seeded from the call's seed (`generate`), on samples each row with its own generator, seeded from the
-call's seed and the row's index when the engine opens the row and carried across the row's calls. For the same
-reason a sampled group resumed with the cache on does not draw what the uninterrupted group would have drawn after
-the stop (the heir's engine opens fresh rows, seeded at the resume's call), where with it off it does. What holds
-is tested: the heir continues the saved turns and drafts as they were (tokens, logprobs, versions), and every
-behaviour logprob, before and after the resume, is a forward pass's at the sampling temperature.
+generator seeded from the call's seed (`generate`), on samples each row of a call with its own generator, seeded
+from the call's seed and the row's index (`TurnEngine.open_turns`). Because that seeding is per call, whether the
+row was cached or not, a sampled group resumed with the cache on draws what the uninterrupted group would have
+(engine-level: tests/model/test_model_sampling_engine.py). Tested here: the heir continues the saved turns and
+drafts as they were (tokens, logprobs, versions), and every behaviour logprob, before and after the resume, is a
+forward pass's at the sampling temperature.
 """
 
 from __future__ import annotations

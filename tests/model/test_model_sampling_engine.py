@@ -229,6 +229,23 @@ def test_generate_drop_in_finds_each_context_row_by_its_cached_prefix() -> None:
     assert len(sampling.generate([[5, 6, 7]], max_new_tokens=2, seed=2**64 - 1)[0].tokens) == 2
 
 
+def test_a_call_draws_the_same_whether_its_rows_were_cached_or_not() -> None:
+    """Sampled, a `generate` call continuing cached rows draws what a fresh engine (a generator that resumed the
+    group from its partial, holding none of its rows) draws for the same contexts and seed: each row samples a
+    call with a generator seeded from the call's seed and the context's index, not one carried from its last call."""
+    policy = _builtin(8)
+    contexts = [list(range(20, 50)), list(range(60, 85))]
+    kept = TurnEngine(policy, temperature=1.0, kv_cache_tokens=400)
+    first = kept.generate(contexts, max_new_tokens=6, seed=11)
+    nexts = [c + s.tokens.tolist() + [9, 9] for c, s in zip(contexts, first, strict=True)]
+    again = kept.generate(nexts, max_new_tokens=8, seed=12)
+    fresh = TurnEngine(policy, temperature=1.0, kv_cache_tokens=400).generate(nexts, max_new_tokens=8, seed=12)
+    assert kept.stats.reused_tokens > 0
+    for a, b in zip(again, fresh, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=LOGP_ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["builtin", "hf"])
 def test_rows_that_fit_alone_but_not_together_in_the_context_join_one_after_the_other(
         request: pytest.FixtureRequest, kind: str) -> None:
