@@ -37,6 +37,7 @@ from rlbus.actors.common.feed import (
     Position,
     TaskSequence,
     assign_region,
+    fed_id,
     listed_tasks,
     load_position,
     position_matches,
@@ -66,7 +67,9 @@ class Feeder(Actor):
 
     Task sources: the built-in family `model.tasks.train_tasks(seed)`, HumanEval's problems of
     `tasks = "humaneval"`, the built-in repository tasks of `tasks = "repo"` / `"repo:LEVEL"`, the repository
-    task file of `tasks = "PATH"`, or a JSONL file of tasks (the layouts: actors/common/feed.py). The lockstep
+    task file of `tasks = "PATH"`, or a JSONL file of tasks (the layouts: actors/common/feed.py); a listed source is
+    fed for `epochs` (default: without end), each epoch after the first shuffled, its tasks under ids "ID~eE".
+    A finite sequence fed to its end is said once: the log line `feed_exhausted` and the gauge `exhausted`. The lockstep
     schedule (`lockstep`) feeds one batch of tasks per new policy version, for the synchronous arm of
     `rlbus bench async`.
 
@@ -149,7 +152,7 @@ class Feeder(Actor):
                 await self._save_position()
             self.count("polls")                    # a whole poll done: what a watcher waits on, never a clock
             if self._exhausted():
-                log.info("feeder_done", tasks=self.counters.get("tasks", 0), cursors=self.cursors)
+                self._report_exhausted()
                 await anyio.sleep_forever()
             await anyio.sleep(self.config.poll_interval_s)
 
@@ -165,6 +168,16 @@ class Feeder(Actor):
 
     def _exhausted(self) -> bool:
         return all(self._next_index(r) is None for r, _ in self.weights)
+
+    def _report_exhausted(self) -> None:
+        """Say once that a finite sequence is fed to its end: the log line `feed_exhausted` and the heartbeat gauge
+        `exhausted` (the sequence's length, what `rlbus up` prints). Nothing more is fed to train on."""
+        if "exhausted" in self.gauges:
+            return
+        assert self.tasks.end is not None
+        self.gauges["exhausted"] = float(self.tasks.end)
+        log.info("feed_exhausted", tasks=self.tasks.end, source=self.source, published=self.counters.get("tasks", 0),
+                 cursors=self.cursors)
 
     async def _backlog(self, region: str) -> int | None:
         """Messages in the region's TASKS stream, or None when its server does not answer."""
@@ -255,12 +268,12 @@ class Feeder(Actor):
         return True
 
     def _message(self, index: int, region: str, min_version: int = 0) -> TaskMessage:
-        task = self.tasks.get(index)
+        task, task_id = self.tasks.get(index), fed_id(self.tasks, index)
         if self.curriculum is not None:
-            self._task_levels[task.task_id] = task.level
+            self._task_levels[task_id] = task.level
             if len(self._task_levels) > LEVELS_KEPT:
                 del self._task_levels[next(iter(self._task_levels))]
-        return TaskMessage(task_id=task.task_id, prompt=task.prompt,
+        return TaskMessage(task_id=task_id, prompt=task.prompt,
                            verifier=verifier_for(task, with_reference=self._file_source), group_size=self.launch.group_size, region=region,
                            seed=task_seed(self.config.seed, index), min_version=min_version)
 
@@ -346,6 +359,8 @@ class Feeder(Actor):
                         else:
                             await anyio.sleep(self.config.poll_interval_s)
                 self.fed_versions[region] = version
+                if self._exhausted():
+                    self._report_exhausted()
                 self.tasks.forget_below(min(self.cursors.values()))
                 self.gauges["position"] = float(min(self.cursors.values()))
                 log.info("feeder_lockstep_batch", region=region, version=version, tasks=fed,

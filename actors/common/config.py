@@ -83,7 +83,13 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     region_weights: dict[str, NonNegativeFloat] = {}
     """Share of tasks per region name, like `{hub = 1, eu = 2}`; default: proportional to generator counts."""
     max_tasks: PositiveInt | None = None
-    """Stop after this many tasks; default: feed forever."""
+    """Stop after this many tasks; default: feed forever (a listed source: for its `epochs`)."""
+    epochs: NonNegativeInt = 0
+    """A listed source (`tasks_file`, a repository task file, "humaneval"): how many times its tasks are fed; 0 (the
+    default): again and again without end, as RL over a fixed set of tasks expects, `max_tasks` the cap. Epoch 0
+    is in the source's order, each later one in an order shuffled by `seed` and the epoch; a task fed in epoch
+    E > 0 has the id "ID~eE" (the id the streams deduplicate by, and that rollouts and ledgers key on), its prompt
+    and verifier unchanged. The built-in sources ("builtin", "repo") are endless and take no epochs."""
     tasks_file: Path | None = None
     """A JSONL file of tasks instead of the built-in family: per line an object in the rlbus layout (task_id, prompt,
     entry_point, tests [{args, expected}]), the test-source layout (`test`: Python asserts or a `check(candidate)`

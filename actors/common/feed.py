@@ -1,8 +1,9 @@
 """The task feed: the sequence of tasks a feeder puts on the bus, its regions, its saved position, and the
 task codec every consumer of tasks shares.
 
-- Owns: the task sequence of each source (`task_sequence`, `listed_tasks`, `read_tasks_file`; under a
-  `[feeder.curriculum]`, a `CurriculumSequence` of per-level streams), `assign_region`
+- Owns: the task sequence of each source (`task_sequence`, `listed_tasks`, `read_tasks_file`; a listed source's
+  epochs and the id each task is fed under, `fed_id`; under a `[feeder.curriculum]`, a `CurriculumSequence` of
+  per-level streams), `assign_region`
   (the deterministic weighted region of each task), the verifier spec a generator rebuilds a task from
   (`verifier_for` / `task_from_verifier`), the feeder's saved `Position` in the hub's PARTIALS KV under
   `POSITION_KEY` (`read_position`), and which ids its cursors have fed (`fed_task_ids`).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import random
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -184,15 +186,25 @@ def task_source(config: FeederConfig, launch: FeederLaunch | None = None) -> str
     return f"builtin:{config.seed}{levels}{curriculum}{excluding}"
 
 
+def epoch_task_id(task_id: str, epoch: int) -> str:
+    """The id a listed source's task is fed under in `epoch`: its own in epoch 0, "ID~eE" in epoch E > 0 (the
+    streams deduplicate publishes by this id, and rollouts and the ledgers key on it)."""
+    return task_id if epoch == 0 else f"{task_id}~e{epoch}"
+
+
 class TaskSequence:
     """Random access to the task sequence (built-in or file), caching the window still needed; tasks whose
     prompt hash is in `exclude` (the evaluator's held-out set of a listed source), and repository tasks of a
-    function in `skip_functions` (the evaluator's `:heldout` split), are skipped."""
+    function in `skip_functions` (the evaluator's `:heldout` split), are skipped.
+
+    A listed source of n tasks is walked `epochs` times (0: without end): index i is task i mod n of epoch
+    i // n, epoch 0 in the source's order, epoch e > 0 in a permutation seeded by (`seed`, e); it is fed under
+    `epoch_task_id` (`task_id`). The built-in streams are endless and have no epochs."""
 
     def __init__(self, seed: int, tasks: list[FedTask] | None = None, max_tasks: int | None = None,
                  *, eval_seed: int | None = None, levels: Sequence[int] = (),
                  exclude: frozenset[str] = frozenset(), repo: str | None = None,
-                 skip_functions: frozenset[str] = frozenset()) -> None:
+                 skip_functions: frozenset[str] = frozenset(), epochs: int = 1) -> None:
         self._exclude = exclude
         self._repo = repo
         self._skip = skip_functions
@@ -206,13 +218,17 @@ class TaskSequence:
         self._eval_seed = eval_seed
         self._cache: list[FedTask] = []
         self._base = 0
-        ends = [n for n in (max_tasks, None if tasks is None else len(tasks)) if n is not None]
+        self._orders: dict[int, list[int]] = {}
+        """Listed source: the order of each epoch in use (the latest few)."""
+        listed = None if tasks is None else 0 if not tasks else len(tasks) * epochs if epochs else None
+        ends = [n for n in (max_tasks, listed) if n is not None]
         self.end: int | None = min(ends) if ends else None
         """First index past the sequence (None: endless)."""
 
     def get(self, index: int) -> FedTask:
         if self._listed is not None:
-            return self._listed[index]
+            epoch, k = divmod(index, len(self._listed))
+            return self._listed[self._order(epoch)[k] if epoch else k]
         if index < self._base:
             raise IndexError(f"task {index} was dropped from the cache (window starts at {self._base})")
         if self._stream is None and self._repo is not None:
@@ -227,6 +243,23 @@ class TaskSequence:
         if missing > 0:
             self._cache.extend(itertools.islice(self._stream, missing))
         return self._cache[index - self._base]
+
+    def task_id(self, index: int) -> str:
+        """The id task `index` is fed under: a listed source's `epoch_task_id`, else the task's own."""
+        task = self.get(index)
+        if self._listed is None:
+            return task.task_id
+        return epoch_task_id(task.task_id, index // len(self._listed))
+
+    def _order(self, epoch: int) -> list[int]:
+        """Epoch `epoch`'s permutation of the listed tasks' positions, seeded by (seed, epoch)."""
+        if (order := self._orders.get(epoch)) is None:
+            order = list(range(len(self._listed or ())))
+            random.Random(f"epoch:{self._seed}:{epoch}").shuffle(order)
+            if len(self._orders) >= 4:              # regions' cursors straddle an epoch's end at most
+                del self._orders[min(self._orders)]
+            self._orders[epoch] = order
+        return order
 
     def forget_below(self, index: int) -> None:
         """Drop cached tasks before `index` (every region's cursor is past them)."""
@@ -276,7 +309,12 @@ def task_sequence(config: FeederConfig, launch: FeederLaunch, listed: list[FedTa
         else:
             repo = config.tasks
     return TaskSequence(config.seed, listed, config.max_tasks, eval_seed=launch.eval_seed, levels=config.levels,
-                        exclude=exclude, repo=repo, skip_functions=skip)
+                        exclude=exclude, repo=repo, skip_functions=skip, epochs=config.epochs)
+
+
+def fed_id(tasks: TaskSequence | CurriculumSequence[FedTask], index: int) -> str:
+    """The id task `index` of `tasks` is fed under (`TaskSequence.task_id`; a curriculum's task's own)."""
+    return tasks.task_id(index) if isinstance(tasks, TaskSequence) else tasks.get(index).task_id
 
 
 def curriculum_sequence(config: FeederConfig, launch: FeederLaunch, exclude: frozenset[str],
@@ -336,10 +374,10 @@ def fed_task_ids(config: FeederConfig, launch: FeederLaunch, cursors: Mapping[st
         stop = min(stop, tasks.end)
     for index in range(stop):
         region = assign_region(config.seed, index, weights)
-        task = tasks.get(index)
+        task_id = fed_id(tasks, index)
         tasks.forget_below(index)
         if index < cursors.get(region, 0):
-            out[region].append(task.task_id)
+            out[region].append(task_id)
     return out
 
 

@@ -1,7 +1,8 @@
 """The feeder on real regions (a hub and a leaf, each its own nats-server and JetStream domain): every
 region's TASKS is filled to the bound and no further and topped up as generators take tasks, each task
 goes to its deterministic region only, a restarted feeder neither repeats nor skips a task, a cut-off
-region's tasks wait for it, and a JSONL task file is fed to its end; the ids the saved cursors cover are
+region's tasks wait for it, and a JSONL task file is fed to the end of its epochs (each after the first shuffled,
+under ids of its own); the ids the saved cursors cover are
 exactly the tasks fed, and the task ledger accounts for each (rolled out, pending, dead-lettered, or lost)."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rlbus.actors.common.feed import (
     Position,
     TaskSequence,
     assign_region,
+    fed_id,
     fed_task_ids,
     read_position,
     read_tasks_file,
@@ -256,13 +258,23 @@ async def test_every_backlog_is_filled_to_the_bound_and_topped_up(two_regions: t
         assert feeder.counters["tasks"] == 11 and feeder.counters.get("duplicates", 0) == 0
 
 
-async def test_restarted_feeder_neither_repeats_nor_skips(two_regions: tuple[RegionSet, str]) -> None:
+@pytest.mark.parametrize("source", ["builtin", "file"])
+async def test_restarted_feeder_neither_repeats_nor_skips(two_regions: tuple[RegionSet, str], tmp_path: Path,
+                                                          source: str) -> None:
     """A feeder stopped after filling the backlogs, whose last saved position is even older than what it
     published (a crash between publish and save), is restarted: generators get each of the first 10 tasks
-    exactly once, in its region; the republished ones are dropped by the streams' msg-id dedupe."""
+    exactly once, in its region; the republished ones are dropped by the streams' msg-id dedupe. A file of 4
+    tasks fed without end is stopped in its second epoch and gets 10 distinct ids over 3 epochs."""
     env = await _provision(*two_regions)
     config = FeederConfig(seed=9, backlog_per_region=3, max_tasks=10, poll_interval_s=0.1)
     launch = FeederLaunch(regions=["hub", "eu"])
+    ids = sequence_ids(9)
+    if source == "file":
+        path = tmp_path / "tasks.jsonl"
+        path.write_text("".join(verifier_for(t)["task"] + "\n" for t in eval_tasks(4, n=4)))
+        config = msgspec.structs.replace(config, tasks_file=str(path))
+        ids = [fed_id(task_sequence(config, launch, read_tasks_file(path)), i) for i in range(10)]
+        assert len(set(ids)) == 10 and {i.partition("~e")[2] for i in ids} == {"", "1", "2"}
     async with feeding(env, config, launch):
         async def full() -> bool:
             return [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [3, 3]
@@ -276,7 +288,7 @@ async def test_restarted_feeder_neither_repeats_nor_skips(two_regions: tuple[Reg
     finally:
         await admin.close()
     weights = feed_weights(config, launch, "hub")
-    wanted = {r: expected_ids(9, weights, r, 10, end=10) for r in ("hub", "eu")}
+    wanted = {r: [ids[i] for i in range(10) if assign_region(9, i, weights) == r] for r in ("hub", "eu")}
     taken: list[tuple[str, str]] = []
     async with feeding(env, config, launch) as feeder, anyio.create_task_group() as tg:
         for region in ("hub", "eu"):
@@ -288,8 +300,9 @@ async def test_restarted_feeder_neither_repeats_nor_skips(two_regions: tuple[Reg
         await polls_later(feeder)                      # nothing more arrives
         assert [len(await stream_tasks(env, r)) for r in ("hub", "eu")] == [0, 0]
         assert feeder.counters["duplicates"] == 6 and feeder.counters["tasks"] == 4
-    assert Counter(taken) == Counter((r, t) for r, ids in wanted.items() for t in ids)
-    assert sorted(t for _, t in taken) == sorted(sequence_ids(9)[:10])
+        assert await saved_fed_ids(env, config, launch) == wanted
+    assert Counter(taken) == Counter((r, t) for r, region_ids in wanted.items() for t in region_ids)
+    assert sorted(t for _, t in taken) == sorted(ids[:10])
 
 
 async def test_cut_off_region_waits_for_its_tasks(tmp_path: Path) -> None:
@@ -318,26 +331,41 @@ async def test_cut_off_region_waits_for_its_tasks(tmp_path: Path) -> None:
         rs.stop()
 
 
-async def test_task_file_is_fed_to_its_end(tmp_path: Path) -> None:
-    """A JSONL file of 3 tasks: all 3 reach the only region, in file order, then the feeder is done."""
+@pytest.mark.parametrize("epochs", [1, 2, 0])
+async def test_task_file_is_fed_to_its_end(tmp_path: Path, epochs: int) -> None:
+    """A JSONL file of 3 tasks reaches the only region in file order; with 2 epochs it is fed again in another
+    order (seed 0's), each task under the id "ID~e1" with its prompt and verifier; then the feeder says it is done
+    (the gauge `exhausted`). With endless epochs (0) it fills the backlog of 10 and is never done."""
     tasks = eval_tasks(4, n=3)
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(verifier_for(t)["task"] + "\n" for t in tasks))
     rs, run = _start(tmp_path, ["hub"])
+    n = 3 * epochs if epochs else 10
     try:
         env = await _provision(rs, run)
-        config = FeederConfig(backlog_per_region=10, tasks_file=str(path), poll_interval_s=0.1)
+        config = FeederConfig(backlog_per_region=10, tasks_file=str(path), poll_interval_s=0.1, epochs=epochs)
         launch = FeederLaunch()
         async with feeding(env, config, launch) as feeder:
             async def fed() -> bool:
-                return feeder.counters.get("tasks", 0) == 3
+                return feeder.counters.get("tasks", 0) == n
             await eventually(fed)
             await polls_later(feeder)
             queued = await stream_tasks(env, "hub")
-            assert [task_from_verifier(t) for t in queued] == tasks
-            assert feeder.counters["tasks"] == 3
+            assert feeder.counters["tasks"] == n and len(queued) == n
+            assert feeder.gauges.get("exhausted") == (float(n) if epochs else None)
     finally:
         rs.stop()
+    assert [task_from_verifier(t) for t in queued[:3]] == tasks
+    assert len({t.task_id for t in queued}) == n
+    by_id = {t.task_id: t for t in queued[:3]}
+    order = []
+    for index, message in enumerate(queued[3:], start=3):
+        original, _, epoch = message.task_id.partition("~e")
+        assert int(epoch) == index // 3 and message.prompt == by_id[original].prompt
+        assert message.verifier == by_id[original].verifier
+        order.append(original)
+    if epochs != 1:
+        assert sorted(order[:3]) == sorted(by_id) and order[:3] != list(by_id)      # epoch 1: shuffled
 
 
 def test_sequence_skips_the_evaluators_held_out_prompts_and_the_launcher_names_them(tmp_path: Path) -> None:
@@ -371,7 +399,7 @@ def test_a_listed_held_out_source_is_skipped_by_prompt_hash_and_named_in_the_sav
     feed_file, held_out_file = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
     feed_file.write_text("".join(verifier_for(t)["task"] + "\n" for t in train))
     held_out_file.write_text("".join(verifier_for(t)["task"] + "\n" for t in (train[0], train[2])))
-    config = FeederConfig(tasks_file=str(feed_file))
+    config = FeederConfig(tasks_file=str(feed_file), epochs=1)
     launch = FeederLaunch(eval_tasks=str(held_out_file))
     sequence = task_sequence(config, launch, read_tasks_file(feed_file))
     assert sequence.end == 1 and sequence.get(0) == train[1]
@@ -400,7 +428,7 @@ def test_levels_keep_only_those_built_in_tasks_in_sequence_order() -> None:
 
 def test_fed_task_ids_follow_each_cursor_and_the_task_file(tmp_path: Path) -> None:
     """A region is fed exactly the indices below its own cursor that are assigned to it (another region's
-    higher cursor adds nothing); a tasks file is read from the config and cut at its end."""
+    higher cursor adds nothing); a tasks file is read from the config and cut at the end of its epochs."""
     config = FeederConfig(seed=3)
     launch = FeederLaunch(regions=["hub", "eu"])
     weights = feed_weights(config, launch, "hub")
@@ -411,10 +439,12 @@ def test_fed_task_ids_follow_each_cursor_and_the_task_file(tmp_path: Path) -> No
     tasks = eval_tasks(4, n=3)
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(verifier_for(t)["task"] + "\n" for t in tasks))
-    from_file = FeederConfig(tasks_file=str(path))
+    from_file = FeederConfig(tasks_file=str(path), epochs=1)
     from_file_launch = FeederLaunch()
     assert fed_task_ids(from_file, from_file_launch, {"hub": 2}, "hub") == {"hub": [t.task_id for t in tasks[:2]]}
     assert fed_task_ids(from_file, from_file_launch, {"hub": 99}, "hub") == {"hub": [t.task_id for t in tasks]}
+    endless = fed_task_ids(FeederConfig(tasks_file=str(path)), from_file_launch, {"hub": 5}, "hub")["hub"]
+    assert endless[:3] == [t.task_id for t in tasks] and all(i.endswith("~e1") for i in endless[3:])
 
 
 async def saved_fed_ids(env: Env, config: FeederConfig, launch: FeederLaunch) -> dict[str, list[str]]:
@@ -474,11 +504,18 @@ async def settle_one(env: Env, region: str, how: str) -> str:
     raise AssertionError("unreachable")
 
 
-async def test_task_ledger_accounts_for_every_fed_task(two_regions: tuple[RegionSet, str]) -> None:
+@pytest.mark.parametrize("source", ["builtin", "file"])
+async def test_task_ledger_accounts_for_every_fed_task(two_regions: tuple[RegionSet, str], tmp_path: Path,
+                                                       source: str) -> None:
     """8 tasks fed, 4 per region: one rolled out in each region, one dead-lettered in eu, one deleted from the
-    hub's TASKS by hand, the rest still queued → the deleted one alone is lost; the others are accounted."""
+    hub's TASKS by hand, the rest still queued → the deleted one alone is lost; the others are accounted. From a
+    file of 3 tasks fed without end, the 8 span 3 epochs."""
     env = await _provision(*two_regions)
     config = FeederConfig(seed=3, backlog_per_region=8, max_tasks=8, poll_interval_s=0.1)
+    if source == "file":
+        path = tmp_path / "tasks.jsonl"
+        path.write_text("".join(verifier_for(t)["task"] + "\n" for t in eval_tasks(4, n=3)))
+        config = msgspec.structs.replace(config, tasks_file=str(path))
     launch = FeederLaunch(regions=["hub", "eu"])
     assert [assign_region(3, i, feed_weights(config, launch, "hub")) for i in range(8)].count("eu") == 4
     async with feeding(env, config, launch):
@@ -510,6 +547,9 @@ async def test_task_ledger_accounts_for_every_fed_task(two_regions: tuple[Region
     assert book.lost == [deleted] and not book.clean
     assert (book.fed, book.rolled_out, book.dead_lettered, book.pending) == (8, 2, 1, 4)
     assert book.unfed == [] and deleted not in [*rolled, dead]
+    if source == "file":
+        fed = fed_task_ids(config, launch, {"hub": 8, "eu": 8}, "hub")
+        assert {i.partition("~e")[2] for ids in fed.values() for i in ids} == {"", "1", "2"}
 
 
 async def test_work_ahead_of_the_trainer_stays_under_the_bound(tmp_path: Path) -> None:

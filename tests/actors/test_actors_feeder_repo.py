@@ -58,7 +58,7 @@ def test_training_skips_the_functions_and_prompts_of_a_held_out_split(tmp_path: 
     rows.write_text("".join(json.dumps({"task_id": t.task_id, "instruction": t.instruction, "files": t.files,
                                         "hidden_tests": t.hidden_tests, "solution": t.solution,
                                         "function": t.function}) + "\n" for t in tasks))
-    config = FeederConfig(tasks=str(rows))
+    config = FeederConfig(tasks=str(rows), epochs=1)
     listed = task_sequence(config, FeederLaunch(eval_tasks=f"{rows}:heldout"), listed_tasks(config))
     train = [t.task_id for t in load_repo_tasks(f"{rows}:train", n=30)]
     assert listed.end == len(train) < 30 and [listed.get(i).task_id for i in range(len(train))] == train

@@ -65,10 +65,10 @@ def write(path: Path, lines: list[object]) -> Path:
 
 
 def test_a_repository_task_file_is_walked_in_file_order_with_repository_verifiers(tmp_path: Path) -> None:
-    """The sequence is the file's tasks in order and ends with it; each verifier rebuilds its task; the saved
-    position names the file; a bad file is refused naming its line and key."""
+    """The sequence of one epoch is the file's tasks in order and ends with it; each verifier rebuilds its task; the
+    saved position names the file; a bad file is refused naming its line and key."""
     path = write(tmp_path / "calc.jsonl", rows())
-    config = FeederConfig(tasks=str(path))
+    config = FeederConfig(tasks=str(path), epochs=1)
     sequence = task_sequence(config, FeederLaunch())
     tasks = [sequence.get(i) for i in range(2)]
     assert sequence.end == 2 and [t.task_id for t in tasks] == ["calc-fix", "calc-new"]
@@ -143,7 +143,7 @@ async def served(rs: RegionSet, run: str, tasks: Path, model: Transformer) -> As
     generator = Generator(ActorId(run, "hub", "generator", "g1"), buses[1], config, FAST,
                           weights=LocalWeights(model, version=1))
     feeder = Feeder(ActorId(run, "hub", "feeder", "f1"), buses[2],
-                    FeederConfig(tasks=str(tasks), backlog_per_region=4, poll_interval_s=0.2),
+                    FeederConfig(tasks=str(tasks), backlog_per_region=4, poll_interval_s=0.2, epochs=1),
                     FAST, FeederLaunch(regions=["hub"], group_size=2))
     async with hosted(sandbox, generator, feeder, close=buses):
         yield generator
@@ -180,10 +180,10 @@ async def test_the_feeder_serves_a_repository_task_file_to_a_generator_that_solv
 
 def test_the_evaluators_repository_tasks_are_never_fed(tmp_path: Path) -> None:
     """With a repository task file as the evaluator's held-out set, the feeder's file sequence skips every task of
-    it (by prompt hash), and its saved position says so."""
+    it (by prompt hash) in every epoch, and its saved position says so."""
     train = write(tmp_path / "train.jsonl", rows())
     held = write(tmp_path / "held.jsonl", rows()[:1])
     config, launch = FeederConfig(tasks=str(train)), FeederLaunch(eval_tasks=str(held))
     sequence = task_sequence(config, launch)
-    assert sequence.end == 1 and sequence.get(0).task_id == "calc-new"
+    assert sequence.end is None and [sequence.get(i).task_id for i in range(3)] == ["calc-new"] * 3
     assert task_source(config, launch) == f"{train}:0:excluding={held}"

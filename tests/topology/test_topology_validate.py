@@ -153,6 +153,18 @@ def test_evaluator_tasks_may_name_a_source_or_a_file_but_not_the_feeders_file(tm
     assert topology is not None and not [p for p in problems if p.severity == "error"]
 
 
+def test_feeder_epochs_repeat_a_listed_source_and_warn_on_an_endless_one(tmp_path: Path) -> None:
+    """`[feeder] epochs` validates beside HumanEval; beside the endless built-in family it is a warning on its key;
+    a negative count is an error."""
+    base = (BAD / "evaluator_tasks_missing.toml").read_text().split("[evaluator]")[0]
+    path = tmp_path / "epochs.toml"
+    for feeder, expected in (('tasks = "humaneval"\nepochs = 2', []), ("epochs = 2", [("feeder.epochs", "warning")]),
+                             ("epochs = -1", [("feeder.epochs", "error")])):
+        path.write_text(base + f"[feeder]\n{feeder}\n")
+        _, problems = validate(path, local_cores=CORES)
+        assert [(p.key, p.severity) for p in problems if p.key == "feeder.epochs"] == expected, (feeder, problems)
+
+
 def test_evaluator_samples_apply_to_repository_tasks_only(tmp_path: Path) -> None:
     """`[evaluator] tasks = "repo"` (any seed, a level, the held-out split) validates with samples beside a feeder of
     built-in repository tasks (training skips the held-out prompts); samples on function-writing tasks are an

@@ -299,6 +299,11 @@ def _settings(topology: Topology) -> Iterator[Found]:
     if feeder.tasks == "humaneval" and feeder.levels:
         yield _p("feeder.levels", f"levels {feeder.levels} select among the built-in function-writing family only, "
                  f"not HumanEval's problems; remove them", also=("feeder.tasks",))
+    listed = feeder.tasks_file is not None or feeder.tasks == "humaneval" or names_task_file(feeder.tasks)
+    if feeder.epochs and not listed:
+        yield _p("feeder.epochs", f"epochs {feeder.epochs} repeat a listed source (feeder.tasks_file, a repository task "
+                 f"file, 'humaneval'); feeder.tasks {feeder.tasks!r} is endless: remove it", "warning",
+                 also=("feeder.tasks",))
     if feeder.levels and feeder.tasks_file is not None:
         yield _p("feeder.levels", f"levels {feeder.levels} select among the built-in tasks only, but feeder.tasks_file "
                  f"= {feeder.tasks_file!r} is set; remove one of them", also=("feeder.tasks_file",))
