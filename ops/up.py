@@ -497,6 +497,7 @@ async def _launched(topology: Any, state: Path, args: argparse.Namespace, rl: bo
                     tg.start_soon(_cancel_when, view.step_reached, tg.cancel_scope)
                 clock = RunClock(args.duration)
                 tg.start_soon(_follow_clock, clock, view, tg.cancel_scope)
+                tg.start_soon(_follow_feed, view, topology)
             finish.set()        # the actors are gone: the recording takes what the streams hold and ends
         print(f"rlbus up: stopping: actors drained, servers stopping ({time.monotonic() - started:.0f}s)", flush=True)
         if rl:
@@ -712,6 +713,32 @@ async def _follow_clock(clock: RunClock, view: Any, scope: Any) -> None:
             print(f"rlbus up: --for {clock.limit:g}s of RL spent ({clock.wall:.0f}s since the actors started, "
                   f"{clock.evaluating:.0f}s of them evaluating): draining", flush=True)
             scope.cancel()
+            return
+        await anyio.sleep(CLOCK_TICK_S)
+
+
+def feed_exhausted_line(beats: Any, topology: Any) -> str | None:
+    """The line saying that a feeder has fed all the tasks of its finite source (its heartbeat's gauge `exhausted`:
+    actors/feeder.py), or None while none has."""
+    for beat in beats.values():
+        if beat.actor_kind == "feeder" and "exhausted" in beat.gauges:
+            feeder = topology.feeder
+            source = feeder.tasks_file if feeder.tasks_file is not None else feeder.tasks
+            return (f"rlbus up: the feeder fed all {beat.gauges['exhausted']:.0f} tasks of {source}; nothing more to "
+                    f"train (feeder.epochs, feeder.max_tasks)")
+    return None
+
+
+async def _follow_feed(view: Any, topology: Any) -> None:
+    """Print `feed_exhausted_line` once, when a feeder's heartbeat first says so; until the run is cancelled."""
+    import anyio
+
+    beats = getattr(view, "beats", None)
+    if beats is None:
+        beats = getattr(view, "latest", {})
+    while True:
+        if (line := feed_exhausted_line(beats, topology)) is not None:
+            print(line, flush=True)
             return
         await anyio.sleep(CLOCK_TICK_S)
 

@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Final
 
+import msgspec
 import pytest
 
+from rlbus.actors.common.config import FeederConfig
 from rlbus.messages.schemas import Heartbeat
 from rlbus.model.tasks.changes import split_of
-from rlbus.ops.up import RECIPE_LOG, RunClock, _ensure_pretrained, evaluating, read_stages
+from rlbus.ops.up import (
+    RECIPE_LOG,
+    RunClock,
+    _ensure_pretrained,
+    evaluating,
+    feed_exhausted_line,
+    read_stages,
+)
 from rlbus.topology.examples import __file__ as examples_init
 from rlbus.topology.file.load import validate_text
 
@@ -123,3 +133,17 @@ def test_for_counts_the_run_only_while_no_evaluator_evaluates() -> None:
     assert evaluating({"e": busy, "t": ready}, 101.0)
     assert not evaluating({"t": ready}, 101.0)
     assert not evaluating({"e": busy}, 200.0)
+
+
+def test_up_says_when_the_feeder_has_fed_all_tasks_of_its_source() -> None:
+    """The console line comes from a feeder's heartbeat gauge `exhausted` and names the count and the source."""
+    topology = SimpleNamespace(feeder=FeederConfig(tasks_file="made.jsonl", epochs=2))
+    feeding = Heartbeat(actor_id="hub-feeder-0", actor_kind="feeder", region="hub", state="ready",
+                        gauges={"position": 5.0})
+    other = Heartbeat(actor_id="hub-trainer-0", actor_kind="trainer", region="hub", state="busy",
+                      gauges={"exhausted": 1.0})
+    assert feed_exhausted_line({"f": feeding, "t": other}, topology) is None
+    done = msgspec.structs.replace(feeding, gauges={"exhausted": 140.0})
+    line = feed_exhausted_line({"f": done, "t": other}, topology)
+    assert line == ("rlbus up: the feeder fed all 140 tasks of made.jsonl; nothing more to train "
+                    "(feeder.epochs, feeder.max_tasks)")
