@@ -724,8 +724,8 @@ def feed_exhausted_line(beats: Any, topology: Any) -> str | None:
         if beat.actor_kind == "feeder" and "exhausted" in beat.gauges:
             feeder = topology.feeder
             source = feeder.tasks_file if feeder.tasks_file is not None else feeder.tasks
-            return (f"rlbus up: the feeder fed all {beat.gauges['exhausted']:.0f} tasks of {source}; nothing more to "
-                    f"train (feeder.epochs, feeder.max_tasks)")
+            return (f"rlbus up: the feeder fed all {beat.gauges['exhausted']:.0f} tasks of {source}; no more follow: "
+                    f"RL idles once they are trained (feeder.epochs, feeder.max_tasks)")
     return None
 
 

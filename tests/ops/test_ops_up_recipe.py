@@ -145,5 +145,5 @@ def test_up_says_when_the_feeder_has_fed_all_tasks_of_its_source() -> None:
     assert feed_exhausted_line({"f": feeding, "t": other}, topology) is None
     done = msgspec.structs.replace(feeding, gauges={"exhausted": 140.0})
     line = feed_exhausted_line({"f": done, "t": other}, topology)
-    assert line == ("rlbus up: the feeder fed all 140 tasks of made.jsonl; nothing more to train "
-                    "(feeder.epochs, feeder.max_tasks)")
+    assert line == ("rlbus up: the feeder fed all 140 tasks of made.jsonl; no more follow: RL idles once they "
+                    "are trained (feeder.epochs, feeder.max_tasks)")
