@@ -106,7 +106,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     adds this weight times their self-distillation loss on the step's rollouts (model/training/mtp.py
     `distill_loss`: KL from the main head's distribution, detached, to each head's, at each row's last prompt token
     and completion tokens, where generators draft from; read off the RL forward), whose gradient reaches the heads
-    only. 0: the heads stay as pretrained (the RL loss never reaches them). A built-in
+    only. Their only gradient is this one, and AdamW normalises its scale, so the weight acts as a switch (it still
+    scales the gradient before the `grad_clip` of the heads); they step at the trainer's learning rate. 0: the
+    heads stay as pretrained (the RL loss never reaches them). A built-in
     policy with `mtp_heads` and a one-rank trainer only: a policy without heads, a Hugging Face one (its heads are a
     file sent once, not part of a version) or `world_size` > 1 is refused."""
     seed: int = 0
