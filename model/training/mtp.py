@@ -1,22 +1,25 @@
-"""MTP heads for a Hugging Face policy: drafters for speculative sampling, distilled from the policy itself.
+"""MTP heads distilled from a policy itself: the drafters of speculative sampling.
 
-- Owns: `MTPHeads` (K Medusa-style heads over the final norm's output, each then read out by the policy's output
-  embedding), their file `mtp_heads.safetensors` beside the model (`heads_to_bytes`, `heads_from_files`), the
-  self-distillation loss of any policy's heads (`distill_loss`), and `distill_mtp_heads`: heads initialised from
-  scratch and trained by it on pretraining documents, the policy frozen.
+- Owns: `MTPHeads` (K Medusa-style heads over the final norm's output of a Hugging Face policy, each then read out
+  by its output embedding), their file `mtp_heads.safetensors` beside the model (`heads_to_bytes`,
+  `heads_from_files`), the self-distillation loss of any policy's heads (`distill_loss`), and `distill_mtp_heads`:
+  heads initialised from scratch and trained by it on pretraining documents, the policy frozen; a Hugging Face
+  policy's in a new `MTPHeads`, the built-in transformer's in its own model (`Transformer.mtp`,
+  `ModelConfig.mtp_heads`), which its `pretrain.pt` then saves.
 - Does not: sample (model/sampling/speculative.py), run phases (model/training/phases.py calls
-  `distill_mtp_heads` after a phase with `mtp_heads`), or step the built-in transformer's heads (they are part
-  of its model: `lm_loss` trains them where a bench does, and the trainer keeps them following the policy during RL
-  with `distill_loss` under `[trainer] mtp_distill`, actors/trainer/core.py).
+  `distill_mtp_heads` after a phase with `mtp_heads`), or step the built-in transformer's heads during RL (the
+  trainer keeps them following the policy with `distill_loss` under `[trainer] mtp_distill`,
+  actors/trainer/core.py; `lm_loss` trains them with the main head where a bench does).
 
 The file sits beside config.json; plain `transformers` never reads it, so the directory still loads as it is.
 `HFPolicy` lists it among `files()` when present, so a joiner built from the spec gets the heads with the config
 and tokenizer (uploaded once, beside version 0: a Hugging Face policy's heads do not train during RL and are not
-part of a version).
+part of a version). The built-in policy's heads are weights of its model, published with every version.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -99,7 +102,8 @@ def heads_from_files(files: Mapping[str, bytes], model: nn.Module) -> MTPHeads |
 # ---- self-distillation --------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class DistillResult:
-    heads: MTPHeads
+    heads: nn.Module
+    """A Hugging Face policy's new `MTPHeads`; the built-in policy's own `Transformer.mtp` (a list of `MTPHead`)."""
     losses: list[float]
     """Mean KL (nats per position, over heads) of each step."""
     acceptance: list[float]
@@ -154,29 +158,57 @@ def distill_loss(logits: Tensor, head_logits: Sequence[Tensor], real: Tensor) ->
 def distill_mtp_heads(policy: Policy, documents: Iterator[tuple[list[int], Any]], *, n_heads: int, steps: int,
                       batch_size: int = 8, seq_len: int = 256, lr: float = 3e-3, seed: int = 0,
                       report: Callable[[int, float], None] | None = None) -> DistillResult:
-    """Fresh `MTPHeads` trained on `documents` ((ids, weights) pairs, the pretraining corpus) for `steps` AdamW
+    """Fresh MTP heads trained on `documents` ((ids, weights) pairs, the pretraining corpus) for `steps` AdamW
     steps of `distill_loss`. The policy is frozen: its forward runs without gradients, so the model saved beside
-    the heads is the one the phase trained.
+    (or with) the heads is the one the phase trained.
 
-    :raises PolicyError: a policy that is not a Hugging Face one (the built-in transformer trains its own heads).
+    A Hugging Face policy's heads are a new `MTPHeads` over the input of its output embedding, returned for the
+    caller to set (`HFPolicy.set_mtp_heads`). The built-in policy's are its transformer's own: `n_heads` fresh
+    `MTPHead`s replace `Transformer.mtp` (and `ModelConfig.mtp_heads`) in place, over the last block's output, read
+    out by its final norm and output head as `Transformer.mtp_head_logits` reads them; saving the model saves them.
+
+    :raises PolicyError: a policy with no output head to read the heads out through.
     """
-    if policy.kind != "hf":
-        raise PolicyError(f"{policy.kind} policy: MTP heads are distilled for Hugging Face policies only (the "
-                          "built-in transformer has its own, `mtp_heads` in its ModelConfig)")
-    from rlbus.model.sampling.speculative import _captured_input
+    from rlbus.model.policies.builtin import BuiltinPolicy
 
     torch.manual_seed(seed)
     random.seed(seed)
     started = time.monotonic()
-    out_embed = policy.module.get_output_embeddings()
-    width = int(policy.module.config.hidden_size)
-    heads = MTPHeads(n_heads, width).to(device=policy.device)
-    opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
+    p0 = next(policy.module.parameters())
+    forward: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+    if isinstance(policy, BuiltinPolicy):
+        model = policy.transformer
+        model.config = dataclasses.replace(model.config, mtp_heads=n_heads)
+        model.mtp = nn.ModuleList(MTPHead(model.config.d_model) for _ in range(n_heads)).to(device=p0.device,
+                                                                                           dtype=p0.dtype)
+        trained: nn.Module = model.mtp
+        heads: list[nn.Module] = list(model.mtp)
+        project: Callable[[Tensor], Tensor] = model.head
+
+        def forward(ids: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
+            out = model(ids, attention_mask=real, with_mtp=False)
+            return out.logits.float(), out.hidden
+    else:
+        from rlbus.model.sampling.speculative import _captured_input
+
+        get = getattr(policy.module, "get_output_embeddings", None)
+        out_embed = get() if callable(get) else None
+        if out_embed is None:
+            raise PolicyError(f"{policy.kind} policy: no output embedding to read MTP heads out through")
+        fresh = MTPHeads(n_heads, int(policy.module.config.hidden_size)).to(device=policy.device)
+        trained, heads, project = fresh, list(fresh.heads), out_embed
+
+        def forward(ids: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
+            with _captured_input(out_embed) as seen:
+                logits = policy.forward(ids, attention_mask=real).logits.float()
+            return logits, seen[0].to(next(fresh.parameters()).dtype)
+    own = {id(p) for p in trained.parameters()}
+    opt = torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0)
     pad = getattr(policy.tokenizer, "pad_id", 0)
     length = min(seq_len, policy.max_seq_len)
     was_training = policy.module.training
     policy.eval()
-    frozen = [(p, p.requires_grad) for p in policy.module.parameters()]
+    frozen = [(p, p.requires_grad) for p in policy.module.parameters() if id(p) not in own]
     for p, _ in frozen:
         p.requires_grad_(False)
     losses: list[float] = []
@@ -185,14 +217,13 @@ def distill_mtp_heads(policy: Policy, documents: Iterator[tuple[list[int], Any]]
         for step in range(steps):
             ids, real = _windows(documents, batch_size, length, pad)
             ids, real = ids.to(policy.device), real.to(policy.device)
-            with torch.no_grad(), _captured_input(out_embed) as seen:
-                logits = policy.forward(ids, attention_mask=real).logits.float()
             if ids.shape[1] < 2:
                 raise PolicyError(f"documents of one token cannot train MTP heads (seq_len {length})")
-            hidden = seen[0].to(next(heads.parameters()).dtype)
+            with torch.no_grad():
+                logits, hidden = forward(ids, real)
             width = ids.shape[1]
-            loss, agree = distill_loss(logits, [out_embed(head(hidden[:, : width - k]))
-                                                for k, head in enumerate(heads.heads, start=1) if k < width], real)
+            loss, agree = distill_loss(logits, [project(head(hidden[:, : width - k]))
+                                                for k, head in enumerate(heads, start=1) if k < width], real)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -203,8 +234,7 @@ def distill_mtp_heads(policy: Policy, documents: Iterator[tuple[list[int], Any]]
         for p, flag in frozen:
             p.requires_grad_(flag)
         policy.train(was_training)
-    p0 = next(policy.module.parameters())
-    return DistillResult(heads.to(dtype=p0.dtype).eval(), losses, agree, time.monotonic() - started)
+    return DistillResult(trained.to(dtype=p0.dtype).eval(), losses, agree, time.monotonic() - started)
 
 
 def summary(result: DistillResult) -> dict[str, Any]:

@@ -8,9 +8,11 @@
   same phases ends with the weights of an unbroken run, each phase trained once from its predecessor's output: a
   phase's weights and its step count are written together (a built-in `pretrain.pt` holds its step, a Hugging
   Face directory is replaced whole with its `pretrain.json`), and its marker only after that.
-- A phase with `mtp_heads` then distils that many MTP heads from its model, frozen, on the pretraining corpus
-  (model/training/mtp.py), into `mtp_heads.safetensors` beside it, before its marker (a resume that finds the
-  model saved but not marked distils them again, with the same seed).
+- A phase with `mtp_heads` then distils that many MTP heads from scratch from its model, frozen, on the
+  pretraining corpus (model/training/mtp.py), before its marker: a Hugging Face policy's into
+  `mtp_heads.safetensors` beside it, the built-in policy's into its own model (`ModelConfig.mtp_heads`), saved
+  again in its `pretrain.pt` at the same step, so later phases and every load have them (a resume that finds the
+  model saved but not marked distils them again, from scratch, with the same seed).
 - Does not: own the training loops (model/training/pretrain.py `pretrain`, model/training/sft.py `sft`), the
   corpus (model/training/corpus.py) or the `[pretrain]` keys (topology/file/schema.py `PretrainPhase`).
 """
@@ -288,18 +290,20 @@ def _sft(config: PretrainConfig, phase: Phase, seed: int, out_dir: Path, threads
 
 def _distill(config: PretrainConfig, phase: Phase, seed: int, out_dir: Path, policy: Policy, begin: int
              ) -> dict[str, Any]:
-    """Distil `phase.mtp_heads` heads from the phase's model (frozen) on the pretraining corpus of a main phase's
-    data, for `mtp_steps` steps (default the phase's), and write them beside the model; returns their record.
+    """Distil `phase.mtp_heads` fresh heads from the phase's model (frozen) on the pretraining corpus of a main
+    phase's data, for `mtp_steps` steps (default the phase's), and save them: a Hugging Face policy's into
+    `mtp_heads.safetensors` beside the model, the built-in policy's in its `pretrain.pt` (written again with them,
+    its step and summary unchanged). Returns their record.
 
-    :raises PolicyError: a built-in policy (its MTP heads are part of its model: `ModelConfig.mtp_heads`).
+    :raises PolicyError: a routed (MoE) policy: speculative sampling, the heads' only use, refuses it.
     """
     from rlbus.model.policies.hf import HFPolicy
     from rlbus.model.training.mtp import MTP_FILE, distill_mtp_heads, summary
     from rlbus.model.training.pretrain import _corpus
 
-    if not isinstance(policy, HFPolicy):
-        raise PolicyError(f"phase {phase.name!r}: mtp_heads distils heads for a Hugging Face policy; the built-in "
-                          "policy trains its own MTP heads with the LM loss (ModelConfig.mtp_heads)")
+    if policy.moe is not None:
+        raise PolicyError(f"phase {phase.name!r}: mtp_heads on a routed (MoE) policy; speculative sampling records "
+                          "no routing and refuses it, so its heads would never draft")
     dirs = (*config.corpus_dirs, phase.data) if phase.data and phase.kind == "main" else config.corpus_dirs
     cfg = dataclasses.replace(config, corpus_dirs=dirs,
                               code_fraction=config.code_fraction or (0.5 if phase.data and phase.kind == "main"
@@ -308,6 +312,12 @@ def _distill(config: PretrainConfig, phase: Phase, seed: int, out_dir: Path, pol
     documents = _corpus(cfg, seed + begin, policy.tokenizer, length, eval_tasks(config.task_seed, config.eval_n))
     result = distill_mtp_heads(policy, documents, n_heads=phase.mtp_heads, steps=phase.mtp_steps or phase.steps,
                                batch_size=phase.batch_size or config.batch_size, seq_len=length, seed=seed + begin)
+    if isinstance(policy, BuiltinPolicy):       # the heads are weights of its model: save it again, same step
+        meta = torch.load(out_dir / CHECKPOINT_NAME, map_location="cpu", weights_only=True)["meta"]
+        _save(out_dir / CHECKPOINT_NAME, policy.transformer, dataclasses.replace(config, model=policy.config),
+              dict(meta))
+        return {**summary(result), "file": CHECKPOINT_NAME}
+    assert isinstance(policy, HFPolicy)
     policy.set_mtp_heads(result.heads)
     tmp = out_dir / f".{MTP_FILE}.tmp"
     tmp.write_bytes(policy.files()[MTP_FILE])

@@ -203,10 +203,11 @@ class PretrainPhase(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """'long_context': the RoPE base after the extension; default: the base scaled NTK-style by the context
     ratio r, `theta * r ** (d / (d - 2))` (d: the head dimension)."""
     mtp_heads: NonNegativeInt = 0
-    """After the phase, distil this many MTP heads (the drafters of `[generator] speculative`) from the phase's
-    model, frozen, on the pretraining corpus (KL to the main head's distribution k tokens on), into
-    `mtp_heads.safetensors` beside the model; a Hugging Face policy only (the built-in one trains its own). 0: none
-    (heads distilled by an earlier phase stay, as drafters of a model that has moved on)."""
+    """After the phase, distil this many MTP heads (the drafters of `[generator] speculative`), from scratch, from
+    the phase's model, frozen, on the pretraining corpus (KL to the main head's distribution k tokens on): a Hugging
+    Face policy's into `mtp_heads.safetensors` beside the model, the built-in policy's into its own model
+    (`mtp_heads` in its config, saved in `pretrain.pt`); not for a routed (MoE) policy. 0: none (heads distilled by
+    an earlier phase stay, as drafters of a model that has moved on)."""
     mtp_steps: PositiveInt | None = None
     """Distillation steps of `mtp_heads`; default: the phase's `steps`."""
 
