@@ -10,17 +10,11 @@ kept by in-progress acks and delivered once, and versions the publisher announce
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
-import json
 import os
 import signal
 import subprocess
-import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -28,11 +22,29 @@ import msgspec
 import nats.js.errors
 import pytest
 import torch
-from helpers import eventually, hosted, new_run
+from helpers import eventually, new_run
+from helpers.generator_bus import (
+    FAST,
+    Env,
+    env_fixture,
+    reap,
+    rollouts,
+    save_checkpoint,
+    serve_generator,
+    serve_sandbox,
+    server_fixture,
+    serving,
+    spans,
+    spawn,
+    stop,
+    stored,
+    stored_in,
+    teacher_forced,
+)
 from helpers.hf import build_family
 from nats.js.kv import KeyValue
 
-from rlbus.actors.base import Actor, ActorId, ActorLimits
+from rlbus.actors.base import ActorId
 from rlbus.actors.checkpointer import Checkpointer
 from rlbus.actors.common.config import (
     CheckpointerConfig,
@@ -61,70 +73,28 @@ from rlbus.messages import codec
 from rlbus.messages.bus import Bus, ConnectOptions, Identity
 from rlbus.messages.schemas import Heartbeat, Rollout, SandboxVerdict
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.messages.streams import StreamSettings, provision_hub, provision_region, provision_run
-from rlbus.messages.subjects import BucketScope
+from rlbus.messages.streams import StreamSettings, provision_region, provision_run
 from rlbus.model.policies.interface import as_policy
 from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.model.tasks.builtin import Task, eval_tasks
 from rlbus.ops.bench.version_source import published_state, upload_version
 from rlbus.topology.network.regions import RegionSet
-from rlbus.topology.network.server_config import ServerOptions
-from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)
 
 RUNS = tuple(new_run() for _ in range(16))
 """Run ids of this module: the server grants their PARTIALS buckets to the generator role."""
-FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
 TOK = ByteTokenizer()
 CONFIG = GeneratorConfig(group_size=2, temperature=1.0, max_tokens=12, partial_every_tokens=5, max_attempts=3,
                          sandbox_timeout_s=10.0)
 SANDBOX = SandboxConfig(pool_size=1, concurrency=2, cpu_seconds=2.0, wall_seconds=2.0, memory_mb=256,
                         max_processes=8, max_file_mb=1, max_open_files=32, max_output_kb=16)
-REPO = Path(__file__).resolve().parents[2]
 
 
-@dataclass
-class Env:
-    server: EmbeddedServer
-    run: str
-    admin: Bus
-
-    async def bus(self, role: str) -> Bus:
-        cred = self.server.credential(role)
-        return await Bus.connect(self.server.url, run=self.run,
-                                 options=ConnectOptions(user=cred.user, password=cred.password))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
-    """A server whose role users may write the PARTIALS buckets of this module's runs."""
-    srv = EmbeddedServer.start(tmp_path_factory.mktemp("gen-js"), ServerOptions(
-        name="gen", scope=BucketScope(runs=RUNS, regions=("hub",))))
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-_free = list(RUNS)
-
-
-@pytest.fixture
-async def env(server: EmbeddedServer) -> AsyncIterator[Env]:
-    """A fresh run with the hub's region and hub streams provisioned (tiny settings)."""
-    run = _free.pop()
-    cred = server.credential("admin")
-    admin = await Bus.connect(server.url, run=run, options=ConnectOptions(user=cred.user, password=cred.password))
-    settings = StreamSettings.tiny()
-    await provision_region(admin.nc, admin.subjects, "hub", domain=None, settings=settings)
-    await provision_hub(admin.nc, admin.subjects, "hub", {"hub": None}, settings)
-    try:
-        yield Env(server, run, admin)
-    finally:
-        await admin.close()
+server = server_fixture("gen", RUNS)
+env = env_fixture(RUNS)
 
 
 def tiny_model(**overrides: object) -> Transformer:
@@ -141,23 +111,13 @@ def task_message(task: Task, group_size: int = 2) -> TaskMessage:
                        region="hub", seed=1)
 
 
-@asynccontextmanager
-async def serving(env: Env, role: str, make: Callable[[Bus], Actor]) -> AsyncIterator[Actor]:
-    """Serve the actor `make(bus)` builds (on a bus of `role`) in this process until the block ends."""
-    bus = await env.bus(role)
-    async with hosted(make(bus), close=[bus]) as actor:
-        yield actor
-
-
 def generator(env: Env, model: Transformer, *, version: int, config: GeneratorConfig = CONFIG,
               actor_id: str = "g1") -> object:
-    return serving(env, "generator", lambda bus: Generator(ActorId(env.run, "hub", "generator", actor_id), bus,
-                                                           config, FAST, weights=LocalWeights(model, version=version)))
+    return serve_generator(env, model, config, version=version, actor_id=actor_id)
 
 
 def sandbox(env: Env) -> object:
-    return serving(env, "sandbox", lambda bus: SandboxSupervisor(ActorId(env.run, "hub", "sandbox", "sb"), bus,
-                                                                  SANDBOX, FAST))
+    return serve_sandbox(env, SANDBOX)
 
 
 async def train_everything(env: Env, pretrained: Path, state: Path, produced: int) -> Ledger:
@@ -177,46 +137,10 @@ async def train_everything(env: Env, pretrained: Path, state: Path, produced: in
                                 what="every rollout trained or dropped", timeout_s=120, poll_s=0.5)
 
 
-async def stored(env: Env, stream: str) -> int:
-    return int((await env.admin.js.stream_info(stream)).state.messages)
-
-
-async def rollouts(env: Env) -> list[Rollout]:
-    stream = env.admin.subjects.rollouts_stream("hub")
-    info = await env.admin.js.stream_info(stream)
-    out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        msg = await env.admin.js.get_msg(stream, seq)
-        out.append(codec.decode_as(msg.data, msg.headers, Rollout))
-    return sorted(out, key=lambda r: r.group_index)
-
-
 LOGPROB_ATOL = 1e-4
 """The generator's behaviour logprobs come from a batched, left-padded forward over a float32 KV cache, so
 they differ from one plain teacher-forced forward by float32 rounding (~1e-6 here); a misaligned token
 would differ by far more."""
-
-
-def teacher_forced(model: Transformer, rollout: Rollout) -> torch.Tensor:
-    """(T,) log-probability of each completion token given everything before it, one plain forward pass."""
-    ids = torch.tensor([*rollout.prompt_tokens.tolist(), *rollout.completion_tokens.tolist()])[None]
-    routing = None if rollout.routing is None else torch.from_numpy(rollout.routing.numpy().copy())[None]
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids, routing=routing, with_mtp=False).logits[0].float(), dim=-1)
-    P = len(rollout.prompt_tokens)
-    return logp[P - 1:-1].gather(-1, ids[0, P:, None])[:, 0]
-
-
-def runs(mask: list[int]) -> list[tuple[int, int]]:
-    """(start, end) of each run of 1s."""
-    out, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        if not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def check_layout(rollout: Rollout, task: Task, attempts: int) -> None:
@@ -225,11 +149,11 @@ def check_layout(rollout: Rollout, task: Task, attempts: int) -> None:
     T = len(rollout.completion_tokens)
     assert len(rollout.behaviour_logprobs) == len(rollout.policy_versions) == len(rollout.loss_mask) == T
     completion, mask = rollout.completion_tokens.tolist(), rollout.loss_mask.tolist()
-    spans = runs(mask)
-    assert len(spans) == attempts and rollout.timings["attempts"] == attempts
-    assert all(0 < e - s <= CONFIG.max_tokens for s, e in spans)
-    assert spans[0][0] == 0 and spans[-1][1] == T           # starts and ends with sampled tokens
-    for (_, end), (start, _) in itertools.pairwise(spans):   # between attempts: feedback, then a new turn
+    turns = spans(mask)
+    assert len(turns) == attempts and rollout.timings["attempts"] == attempts
+    assert all(0 < e - s <= CONFIG.max_tokens for s, e in turns)
+    assert turns[0][0] == 0 and turns[-1][1] == T           # starts and ends with sampled tokens
+    for (_, end), (start, _) in itertools.pairwise(turns):   # between attempts: feedback, then a new turn
         between = completion[end:start]
         if completion[end - 1] != TOK.end_turn_id:
             assert between[0] == TOK.end_turn_id             # a truncated attempt is closed (masked)
@@ -495,8 +419,8 @@ async def test_over_budget_history_is_summarised(env: Env) -> None:
         completion, mask = r.completion_tokens.tolist(), r.loss_mask.tolist()
         assert r.prompt_tokens.tolist()[:-1] == TOK.prompt_ids(task.prompt)[:-1]
         assert r.prompt_tokens.tolist()[-1] == TOK.summary_id             # the summary follows the prompt
-        assert len(runs(mask)) == 1 and r.timings["attempts"] == 2         # only the attempt after it is trained
-        s, e = runs(mask)[0]
+        assert len(spans(mask)) == 1 and r.timings["attempts"] == 2         # only the attempt after it is trained
+        s, e = spans(mask)[0]
         assert completion[s - 1] == TOK.assistant_id and 0 < e - s <= 12 and e == len(completion)
         assert s <= 12 + 2 and len(r.prompt_tokens) + len(completion) <= keep + 16 + 12
         m = torch.tensor(mask, dtype=torch.bool)
@@ -516,37 +440,12 @@ async def test_over_budget_history_is_summarised(env: Env) -> None:
 
 
 # ---- chaos: a generator process SIGKILLed mid-rollout ---------------------------------------------------
-def _spawn(env: Env, actor_id: str, settings: dict[str, object], log_path: Path) -> subprocess.Popen[bytes]:
-    cred = env.server.credential("generator")
-    cmd = [sys.executable, "-m", "rlbus.ops.actor", "--kind", "generator", "--run", env.run, "--region", "hub",
-           "--id", actor_id, "--url", env.server.url, "--heartbeat-s", "0.2", "--drain-s", "3",
-           "--settings", json.dumps(settings)]
-    environ = {**os.environ, "RLBUS_NATS_USER": cred.user, "RLBUS_NATS_PASSWORD": cred.password,
-               "RLBUS_TORCH_THREADS": "1"}
-    with log_path.open("wb") as log:
-        return subprocess.Popen(cmd, env=environ, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return proc.wait()
-
-
 def _policy_files(kind: str, root: Path) -> Path:
     """What a `local:` generator and the trainer start from: a tiny built-in `pretrain.pt`, or a tiny Qwen2
     Hugging Face directory."""
     if kind == "hf":
         return build_family(root, "qwen2-tied", max_seq_len=1024)
-    checkpoint = root / "pretrain.pt"
-    model = tiny_model()
-    torch.save({"state_dict": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-                "tokenizer": TOK.info(), "meta": {}}, checkpoint)
-    return checkpoint
+    return save_checkpoint(tiny_model(), root / "pretrain.pt")
 
 
 @pytest.mark.chaos
@@ -583,7 +482,7 @@ async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once
 
     async with sandbox(env), anyio.create_task_group() as tg:
         tg.start_soon(listen)
-        victim = _spawn(env, "victim", {**settings, "local_version": 1}, tmp_path / "victim.log")
+        victim = spawn(env, "generator", "victim", {**settings, "local_version": 1}, tmp_path / "victim.log")
         heir: subprocess.Popen[bytes] | None = None
         try:
             await env.admin.publish(s.tasks("hub"), task_message(task), msg_id=task.task_id)
@@ -596,21 +495,18 @@ async def test_sigkilled_generator_task_is_resumed_by_another_and_published_once
             victim.wait()
             saved = await partial()
             assert saved is not None and not saved.finished(3) and saved.writer == "victim"
-            heir = _spawn(env, "heir", {**settings, "local_version": 2}, tmp_path / "heir.log")
+            heir = spawn(env, "generator", "heir", {**settings, "local_version": 2}, tmp_path / "heir.log")
 
             async def published() -> bool:
                 return await stored(env, s.rollouts_stream("hub")) >= 2 and await stored(env, s.tasks_stream("hub")) == 0
             await eventually(published, timeout_s=90)
-            assert _stop(heir) == 0, (tmp_path / "heir.log").read_text()[-3000:]
+            assert stop(heir) == 0, (tmp_path / "heir.log").read_text()[-3000:]
 
             async def heir_stopped() -> bool:
                 return "heir" in heartbeats and heartbeats["heir"].state == "stopped"
             await eventually(heir_stopped)
         finally:
-            for proc in (victim, heir):
-                if proc is not None and proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            reap(victim, heir)
             tg.cancel_scope.cancel()
     group = await rollouts(env)
     assert Counter(r.rollout_id for r in group) == {f"{task.task_id}-0": 1, f"{task.task_id}-1": 1}
@@ -762,6 +658,3 @@ async def test_published_versions_reach_the_generator_mid_group(tmp_path: Path) 
             await bus.close()
         await anyio.to_thread.run_sync(rs.stop)
 
-
-async def stored_in(bus: Bus, stream: str) -> int:
-    return int((await bus.js.stream_info(stream)).state.messages)

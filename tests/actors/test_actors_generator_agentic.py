@@ -7,28 +7,35 @@ finishes the group (reward still 1, published once); no session is left open aft
 from __future__ import annotations
 
 import copy
-import dataclasses
-import json
 import os
 import signal
 import subprocess
-import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
 import nats.js.errors
 import pytest
 import torch
-from helpers import eventually, hosted, new_run
+from helpers import eventually, new_run
+from helpers.generator_bus import (
+    Env,
+    env_fixture,
+    reap,
+    rollouts,
+    save_checkpoint,
+    serve_generator,
+    serve_sandbox,
+    server_fixture,
+    spawn,
+    stop,
+    stored,
+    teacher_forced,
+)
 
-from rlbus.actors.base import ActorId, ActorLimits
 from rlbus.actors.common.errors import PartialGroupError
-from rlbus.actors.common.weight_source import LocalWeights
 from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
 from rlbus.actors.generator.agentic import (
     AgenticEpisode,
@@ -44,12 +51,8 @@ from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
 from rlbus.actors.sandbox.pool import available_levels
 from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.actors.trainer.core import TrainerCore, rollout_batch
-from rlbus.messages import codec
-from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.messages.schemas import Rollout, Segment, TensorBlob
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
-from rlbus.messages.subjects import BucketScope
 from rlbus.model.env import (
     SUBMIT_SCRIPT,
     AgenticBudgets,
@@ -65,59 +68,20 @@ from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.policies.transformer import ModelConfig, Transformer
 from rlbus.model.tasks.builtin import eval_tasks
 from rlbus.model.tasks.repo import RepoTask, repo_task
-from rlbus.topology.network.server_config import ServerOptions
-from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)
 
 RUNS = tuple(new_run() for _ in range(8))
 """Run ids of this module (one per test that takes `env`): the server grants their buckets to the roles."""
-FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
 TOK = ByteTokenizer()
 SANDBOX = SandboxConfig(pool_size=1, concurrency=2, cpu_seconds=4.0, wall_seconds=8.0, memory_mb=256,
                         max_processes=16, max_file_mb=1, max_open_files=64, max_output_kb=16, max_sessions=8,
                         workspace_mb=4, max_lease_s=60.0, session_spares=0)
-REPO = Path(__file__).resolve().parents[2]
 
 
-@dataclass
-class Env:
-    server: EmbeddedServer
-    run: str
-    admin: Bus
-
-    async def bus(self, role: str) -> Bus:
-        cred = self.server.credential(role)
-        return await Bus.connect(self.server.url, run=self.run,
-                                 options=ConnectOptions(user=cred.user, password=cred.password))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
-    srv = EmbeddedServer.start(tmp_path_factory.mktemp("agentic-js"), ServerOptions(
-        name="agentic", scope=BucketScope(runs=RUNS, regions=("hub",))))
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-_free = list(RUNS)
-
-
-@pytest.fixture
-async def env(server: EmbeddedServer) -> AsyncIterator[Env]:
-    run = _free.pop()
-    cred = server.credential("admin")
-    admin = await Bus.connect(server.url, run=run, options=ConnectOptions(user=cred.user, password=cred.password))
-    settings = StreamSettings.tiny()
-    await provision_region(admin.nc, admin.subjects, "hub", domain=None, settings=settings)
-    await provision_hub(admin.nc, admin.subjects, "hub", {"hub": None}, settings)
-    try:
-        yield Env(server, run, admin)
-    finally:
-        await admin.close()
+server = server_fixture("agentic", RUNS)
+env = env_fixture(RUNS)
 
 
 def tiny_model(**shape: int) -> Transformer:
@@ -130,36 +94,12 @@ def message(task: RepoTask, group_size: int = 2) -> TaskMessage:
                        group_size=group_size, region="hub", seed=1)
 
 
-@asynccontextmanager
-async def supervisor(env: Env) -> AsyncIterator[SandboxSupervisor]:
-    bus = await env.bus("sandbox")
-    actor = SandboxSupervisor(ActorId(env.run, "hub", "sandbox", "sb"), bus, SANDBOX, FAST,
-                              SandboxLaunch(isolation=available_levels()[0]))  # type: ignore[arg-type]
-    async with hosted(actor, close=[bus]) as served:
-        yield served
+def supervisor(env: Env) -> Any:
+    return serve_sandbox(env, SANDBOX, SandboxLaunch(isolation=available_levels()[0]))  # type: ignore[arg-type]
 
 
-@asynccontextmanager
-async def generator(env: Env, model: Transformer, config: GeneratorConfig) -> AsyncIterator[Generator]:
-    bus = await env.bus("generator")
-    actor = Generator(ActorId(env.run, "hub", "generator", "g1"), bus, config, FAST,
-                      weights=LocalWeights(model, version=2))
-    async with hosted(actor, close=[bus]) as served:
-        yield served
-
-
-async def rollouts(env: Env) -> list[Rollout]:
-    stream = env.admin.subjects.rollouts_stream("hub")
-    info = await env.admin.js.stream_info(stream)
-    out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        msg = await env.admin.js.get_msg(stream, seq)
-        out.append(codec.decode_as(msg.data, msg.headers, Rollout))
-    return sorted(out, key=lambda r: (r.task_id, r.group_index))
-
-
-async def stored(env: Env, stream: str) -> int:
-    return int((await env.admin.js.stream_info(stream)).state.messages)
+def generator(env: Env, model: Transformer, config: GeneratorConfig) -> Any:
+    return serve_generator(env, model, config, version=2)
 
 
 async def workspace_objects(env: Env) -> list[str]:
@@ -168,14 +108,6 @@ async def workspace_objects(env: Env) -> list[str]:
         return [o.name for o in await store.list() if not o.deleted]
     except nats.js.errors.NotFoundError:
         return []
-
-
-def teacher_forced(model: Transformer, rollout: Rollout) -> torch.Tensor:
-    ids = torch.tensor([*rollout.prompt_tokens.tolist(), *rollout.completion_tokens.tolist()])[None]
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids, with_mtp=False).logits[0].float(), dim=-1)
-    P = len(rollout.prompt_tokens)
-    return logp[P - 1:-1].gather(-1, ids[0, P:, None])[:, 0]
 
 
 def sessions_open(actor: SandboxSupervisor) -> int:
@@ -411,27 +343,6 @@ def _segment(prompt: list[int], ids: list[int], logprob: float) -> Segment:
 
 
 # ---- chaos: a generator process SIGKILLed mid-episode ------------------------------------------------------
-def _spawn(env: Env, actor_id: str, settings: dict[str, object], log_path: Path) -> subprocess.Popen[bytes]:
-    cred = env.server.credential("generator")
-    cmd = [sys.executable, "-m", "rlbus.ops.actor", "--kind", "generator", "--run", env.run, "--region", "hub",
-           "--id", actor_id, "--url", env.server.url, "--heartbeat-s", "0.2", "--drain-s", "3",
-           "--settings", json.dumps(settings)]
-    environ = {**os.environ, "RLBUS_NATS_USER": cred.user, "RLBUS_NATS_PASSWORD": cred.password,
-               "RLBUS_TORCH_THREADS": "1"}
-    with log_path.open("wb") as log:
-        return subprocess.Popen(cmd, env=environ, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return proc.wait()
-
-
 @pytest.mark.chaos
 async def test_sigkilled_generator_mid_episode_is_resumed_from_the_workspace_snapshot(env: Env,
                                                                                     tmp_path: Path) -> None:
@@ -441,9 +352,7 @@ async def test_sigkilled_generator_mid_episode_is_resumed_from_the_workspace_sna
     and the group is in ROLLOUTS exactly once; the dead one's sessions expire, the heir's are closed."""
     # a policy slow enough to score (about a second a turn on one thread) that the kill lands between the turns
     model = tiny_model(d_model=384, n_layers=6, n_heads=6, d_ff=1152)
-    checkpoint = tmp_path / "pretrain.pt"
-    torch.save({"state_dict": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-                "tokenizer": TOK.info(), "meta": {}}, checkpoint)
+    checkpoint = save_checkpoint(model, tmp_path / "pretrain.pt")
     task = repo_task(2, 3)
     settings = {"weights": f"local:{checkpoint}", "group_size": 2, "max_tokens": 600, "script": "reference",
                 "sandbox_timeout_s": 20.0, "session_lease_s": 3.0}
@@ -452,7 +361,7 @@ async def test_sigkilled_generator_mid_episode_is_resumed_from_the_workspace_sna
     key = partial_key(task.task_id)
     saved: list[AgenticPartial] = []
     async with supervisor(env) as sandbox:
-        victim = _spawn(env, "victim", {**settings, "local_version": 1}, tmp_path / "victim.log")
+        victim = spawn(env, "generator", "victim", {**settings, "local_version": 1}, tmp_path / "victim.log")
         heir: subprocess.Popen[bytes] | None = None
         try:
             watcher = await kv.watch(key)
@@ -477,18 +386,15 @@ async def test_sigkilled_generator_mid_episode_is_resumed_from_the_workspace_sna
             edited = {p: v.decode() for p, v in snapshot.files.items()}
             assert edited and all(task.solution[p] == text for p, text in edited.items())
             assert not any(episode_state(ep).done for ep in partial.episodes)
-            heir = _spawn(env, "heir", {**settings, "local_version": 2}, tmp_path / "heir.log")
+            heir = spawn(env, "generator", "heir", {**settings, "local_version": 2}, tmp_path / "heir.log")
 
             async def published() -> bool:
                 return (await stored(env, s.rollouts_stream("hub")) >= 2
                         and await stored(env, s.tasks_stream("hub")) == 0)
             await eventually(published, timeout_s=120, what="the heir published the group")
-            assert _stop(heir) == 0, (tmp_path / "heir.log").read_text()[-3000:]
+            assert stop(heir) == 0, (tmp_path / "heir.log").read_text()[-3000:]
         finally:
-            for proc in (victim, heir):
-                if proc is not None and proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            reap(victim, heir)
         await eventually(lambda: sessions_open(sandbox), lambda n: n == 0, what="every session gone", timeout_s=15)
     group = await rollouts(env)
     assert Counter(r.rollout_id for r in group) == {f"{task.task_id}-0": 1, f"{task.task_id}-1": 1}

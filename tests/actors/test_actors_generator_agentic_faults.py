@@ -10,25 +10,34 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import json
 import os
 import re
 import signal
 import subprocess
-import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
 import pytest
 import torch
 from helpers import eventually, hosted, new_run
+from helpers.generator_bus import (
+    FAST,
+    Env,
+    env_fixture,
+    provisioned,
+    reap,
+    rollouts,
+    save_checkpoint,
+    serve_generator,
+    serve_sandbox,
+    server_fixture,
+    spawn,
+)
 
-from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.base import ActorId
 from rlbus.actors.common.feed import verifier_for
 from rlbus.actors.common.ledger import reason_category
 from rlbus.actors.common.sessions import restore_files
@@ -44,14 +53,11 @@ from rlbus.actors.generator.agentic import (
 from rlbus.actors.generator.config import AgenticSettings
 from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
 from rlbus.actors.sandbox.pool import available_levels
-from rlbus.actors.sandbox.supervisor import SandboxSupervisor
 from rlbus.actors.trainer.core import TrainerCore, plan_step, rollout_batch
-from rlbus.messages import codec
-from rlbus.messages.bus import Bus, ConnectOptions
 from rlbus.messages.errors import NO_LEADER_S
 from rlbus.messages.schemas import Rollout, TensorBlob, ToolResult
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
+from rlbus.messages.streams import StreamSettings
 from rlbus.messages.subjects import BucketScope
 from rlbus.model.env import AgenticEnvironment, state_context
 from rlbus.model.env.summaries import FRESH_HEAD, SUMMARY_REQUEST
@@ -67,59 +73,19 @@ pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)
 
 RUNS = tuple(new_run() for _ in range(6))
-FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
 TOK = ByteTokenizer()
 SANDBOX = SandboxConfig(pool_size=1, concurrency=2, cpu_seconds=4.0, wall_seconds=8.0, memory_mb=256,
                         max_processes=16, max_file_mb=1, max_open_files=64, max_output_kb=16, max_sessions=16,
                         workspace_mb=4, max_lease_s=60.0, session_spares=0)
 LAUNCH = SandboxLaunch(isolation=available_levels()[0])  # type: ignore[arg-type]
-REPO = Path(__file__).resolve().parents[2]
 EDITS = {"group_size": 1, "max_tokens": 1200, "script": "edits", "sandbox_timeout_s": 20.0, "session_lease_s": 3.0}
 """Generator settings of the scripted episodes here: one episode, the `edits` script, short leases."""
 LISTING = re.compile(r"^([0-9a-f]{64})  \./(\S+)$", re.MULTILINE)
+SETTINGS = dataclasses.replace(StreamSettings.tiny(), max_deliver=8)     # a task outlives three SIGKILLs
 
 
-@dataclass
-class Env:
-    server: EmbeddedServer
-    run: str
-    admin: Bus
-
-    async def bus(self, role: str) -> Bus:
-        cred = self.server.credential(role)
-        return await Bus.connect(self.server.url, run=self.run,
-                                 options=ConnectOptions(user=cred.user, password=cred.password))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
-    srv = EmbeddedServer.start(tmp_path_factory.mktemp("faults-js"), ServerOptions(
-        name="faults", scope=BucketScope(runs=RUNS, regions=("hub",))))
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-_free = list(RUNS)
-
-
-async def _provisioned(server: EmbeddedServer, run: str) -> Env:
-    cred = server.credential("admin")
-    admin = await Bus.connect(server.url, run=run, options=ConnectOptions(user=cred.user, password=cred.password))
-    settings = dataclasses.replace(StreamSettings.tiny(), max_deliver=8)     # a task outlives three SIGKILLs
-    await provision_region(admin.nc, admin.subjects, "hub", domain=None, settings=settings)
-    await provision_hub(admin.nc, admin.subjects, "hub", {"hub": None}, settings)
-    return Env(server, run, admin)
-
-
-@pytest.fixture
-async def env(server: EmbeddedServer) -> AsyncIterator[Env]:
-    made = await _provisioned(server, _free.pop())
-    try:
-        yield made
-    finally:
-        await made.admin.close()
+server = server_fixture("faults", RUNS)
+env = env_fixture(RUNS, SETTINGS)
 
 
 def tiny_model(**shape: int) -> Transformer:
@@ -137,39 +103,17 @@ def message(task: RepoTask, task_id: str, group_size: int = 1) -> TaskMessage:
                        region="hub", seed=1)
 
 
-@asynccontextmanager
-async def supervisor(env: Env) -> AsyncIterator[SandboxSupervisor]:
-    bus = await env.bus("sandbox")
-    async with hosted(SandboxSupervisor(ActorId(env.run, "hub", "sandbox", "sb"), bus, SANDBOX, FAST, LAUNCH),
-                      close=[bus]) as served:
-        yield served
+def supervisor(env: Env) -> Any:
+    return serve_sandbox(env, SANDBOX, LAUNCH)
 
 
-@asynccontextmanager
-async def generator(env: Env, model: Transformer, config: GeneratorConfig) -> AsyncIterator[Generator]:
-    bus = await env.bus("generator")
-    actor = Generator(ActorId(env.run, "hub", "generator", "g1"), bus, config, FAST,
-                      weights=LocalWeights(model, version=2))
-    async with hosted(actor, close=[bus]) as served:
-        yield served
-
-
-async def rollouts(env: Env) -> list[Rollout]:
-    stream = env.admin.subjects.rollouts_stream("hub")
-    info = await env.admin.js.stream_info(stream)
-    out: list[Rollout] = []
-    if not info.state.messages:
-        return out
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        msg = await env.admin.js.get_msg(stream, seq)
-        out.append(codec.decode_as(msg.data, msg.headers, Rollout))
-    return sorted(out, key=lambda r: (r.task_id, r.group_index))
+def generator(env: Env, model: Transformer, config: GeneratorConfig) -> Any:
+    return serve_generator(env, model, config, version=2)
 
 
 async def published(env: Env, task_id: str, n: int = 1) -> list[Rollout]:
-    async def probe() -> list[Rollout]:
-        return [r for r in await rollouts(env) if r.task_id == task_id]
-    return await eventually(probe, lambda rs: len(rs) >= n, what=f"{task_id} published", timeout_s=180)
+    return await eventually(lambda: rollouts(env, task_id), lambda rs: len(rs) >= n, what=f"{task_id} published",
+                            timeout_s=180)
 
 
 def listing(rollout: Rollout) -> dict[str, str]:
@@ -183,39 +127,6 @@ def expected_listing(task: RepoTask) -> dict[str, str]:
     files = {p: t.encode() for p, t in task.solution.items() if p != "README.md"}
     files |= {"notes/plan.md": b"done: edit, then submit\n", "notes/more/b.txt": b"more\n"}
     return {p: hashlib.sha256(v).hexdigest() for p, v in files.items()}
-
-
-def _env_of(env: Env, role: str) -> dict[str, str]:
-    cred = env.server.credential(role)
-    return {**os.environ, "RLBUS_NATS_USER": cred.user, "RLBUS_NATS_PASSWORD": cred.password,
-            "RLBUS_TORCH_THREADS": "1"}
-
-
-def _spawn(env: Env, kind: str, actor_id: str, settings: dict[str, object], log_path: Path,
-           launch: dict[str, object] | None = None, *, nice: int = 0) -> subprocess.Popen[bytes]:
-    """An actor process; `nice` > 0 runs it at that niceness, so the test process reacts to what it writes before
-    it gets far (a kill aimed between two of its writes)."""
-    cmd = [*(["nice", "-n", str(nice)] if nice else []), sys.executable, "-m", "rlbus.ops.actor", "--kind", kind,
-           "--run", env.run, "--region", "hub",
-           "--id", actor_id, "--url", env.server.url, "--heartbeat-s", "0.2", "--drain-s", "3",
-           "--settings", json.dumps(settings)]
-    if launch is not None:
-        cmd += ["--launch", json.dumps(launch)]
-    with log_path.open("wb") as log:
-        return subprocess.Popen(cmd, env=_env_of(env, kind), stdout=subprocess.DEVNULL, stderr=log, cwd=REPO)
-
-
-def _reap(*procs: subprocess.Popen[bytes] | None) -> None:
-    for proc in procs:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def _checkpoint(model: Transformer, path: Path) -> Path:
-    torch.save({"state_dict": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-                "tokenizer": TOK.info(), "meta": {}}, path)
-    return path
 
 
 # ---- pure ---------------------------------------------------------------------------------------------------
@@ -291,7 +202,7 @@ async def test_three_generator_sigkills_in_one_episode_keep_every_edit(env: Env,
     model = slow_model()
     task = repo_task(2, 8)
     s = env.admin.subjects
-    checkpoint = _checkpoint(model, tmp_path / "pretrain.pt")
+    checkpoint = save_checkpoint(model, tmp_path / "pretrain.pt")
     settings = {**EDITS, "weights": f"local:{checkpoint}", "local_version": 1}
     kv = await env.admin.js.key_value(s.partials_bucket("hub"))
     procs: list[subprocess.Popen[bytes]] = []
@@ -304,7 +215,7 @@ async def test_three_generator_sigkills_in_one_episode_keep_every_edit(env: Env,
         try:
             watcher = await kv.watch("*")
             await env.admin.publish(s.tasks("hub"), message(task, "killed"), msg_id="killed")
-            procs.append(_spawn(env, "generator", "victim-0", settings, tmp_path / "victim-0.log"))
+            procs.append(spawn(env, "generator", "victim-0", settings, tmp_path / "victim-0.log"))
             with anyio.fail_after(240):
                 async for entry in watcher:
                     if entry is None or not entry.value:
@@ -316,13 +227,13 @@ async def test_three_generator_sigkills_in_one_episode_keep_every_edit(env: Env,
                     procs[-1].wait()
                     killed.append(partial.turns)
                     name = f"victim-{len(killed)}" if len(killed) < 3 else "heir"
-                    procs.append(_spawn(env, "generator", name, settings, tmp_path / f"{name}.log"))
+                    procs.append(spawn(env, "generator", name, settings, tmp_path / f"{name}.log"))
                     if len(killed) == 3:
                         break
             await watcher.stop()
             (resumed,) = await published(env, "killed")
         finally:
-            _reap(*procs)
+            reap(*procs)
         await eventually(lambda: len(sandbox.sessions.sessions) if sandbox.sessions else -1, lambda n: n == 0,
                          what="every session gone", timeout_s=20)
     assert killed == sorted(set(killed)) and len(killed) == 3 and killed[0] >= 1, killed
@@ -342,7 +253,7 @@ async def test_a_sigkilled_sandbox_supervisor_costs_a_session_not_the_episode(en
     task = repo_task(3, 9)
     s = env.admin.subjects
     kv = await env.admin.js.key_value(s.partials_bucket("hub"))
-    first = _spawn(env, "sandbox", "sb-a", msgspec.to_builtins(SANDBOX), tmp_path / "sb-a.log",
+    first = spawn(env, "sandbox", "sb-a", msgspec.to_builtins(SANDBOX), tmp_path / "sb-a.log",
                    msgspec.to_builtins(LAUNCH))
     second: subprocess.Popen[bytes] | None = None
     config = GeneratorConfig(**{k: v for k, v in EDITS.items() if k != "session_lease_s"})  # type: ignore[arg-type]
@@ -357,12 +268,12 @@ async def test_a_sigkilled_sandbox_supervisor_costs_a_session_not_the_episode(en
             await watcher.stop()
             os.kill(first.pid, signal.SIGKILL)
             first.wait()
-            second = _spawn(env, "sandbox", "sb-b", msgspec.to_builtins(SANDBOX), tmp_path / "sb-b.log",
+            second = spawn(env, "sandbox", "sb-b", msgspec.to_builtins(SANDBOX), tmp_path / "sb-b.log",
                             msgspec.to_builtins(LAUNCH))
             (rollout,) = await published(env, "crash")
             counters = dict(actor.counters)
     finally:
-        _reap(first, second)
+        reap(first, second)
     assert counters["sessions_lost"] >= 1 and counters.get("sandbox_errors", 0) == 0
     assert counters["restores_checked"] == counters["restores_equal"] >= 1, counters  # the reopened workspace's digest
     assert (rollout.reward, rollout.timings["sandbox_error"]) == (1.0, 0.0)
@@ -380,7 +291,7 @@ async def test_a_generator_rides_out_its_servers_outage(tmp_path: Path) -> None:
     srv = EmbeddedServer.start(tmp_path / "js", ServerOptions(name="outage",
                                                             scope=BucketScope(runs=(run,), regions=("hub",))))
     try:
-        env = await _provisioned(srv, run)
+        env = await provisioned(srv, run, SETTINGS)
         try:
             task = eval_tasks(11, n=1)[0]
             model = slow_model()
@@ -421,7 +332,7 @@ async def test_a_generator_started_while_its_server_is_down_waits_for_it(tmp_pat
     srv = EmbeddedServer.start(tmp_path / "js", ServerOptions(name="startup",
                                                             scope=BucketScope(runs=(run,), regions=("hub",))))
     try:
-        env = await _provisioned(srv, run)
+        env = await provisioned(srv, run, SETTINGS)
         try:
             task = eval_tasks(12, n=1)[0]
             s = env.admin.subjects
@@ -466,7 +377,7 @@ async def test_requested_summaries_survive_a_sigkill_between_them_and_every_segm
     model = tiny_model()
     task = repo_task(2, 8)
     first = len(state_context(AgenticEnvironment(TOK, tool_list="compact").start(task), TOK))
-    checkpoint = _checkpoint(model, tmp_path / "pretrain.pt")
+    checkpoint = save_checkpoint(model, tmp_path / "pretrain.pt")
     settings = {**EDITS, "weights": f"local:{checkpoint}", "local_version": 2,
                 "agentic": {"summary_at_tokens": first + 200, "summary_tokens": 12}}
     kv = await env.admin.js.key_value(env.admin.subjects.partials_bucket("hub"))
@@ -475,7 +386,7 @@ async def test_requested_summaries_survive_a_sigkill_between_them_and_every_segm
         try:
             watcher = await kv.watch("*")
             await env.admin.publish(env.admin.subjects.tasks("hub"), message(task, "chain"), msg_id="chain")
-            procs.append(_spawn(env, "generator", "victim", settings, tmp_path / "victim.log", nice=19))
+            procs.append(spawn(env, "generator", "victim", settings, tmp_path / "victim.log", nice=19))
             with anyio.fail_after(120):
                 async for entry in watcher:
                     if entry is None or not entry.value:
@@ -488,10 +399,10 @@ async def test_requested_summaries_survive_a_sigkill_between_them_and_every_segm
             await watcher.stop()
             left = decode_agentic((await kv.get("chain")).value or b"")
             assert episode_state(left.episodes[0]).summaries == 1   # ... and before the second
-            procs.append(_spawn(env, "generator", "heir", settings, tmp_path / "heir.log"))
+            procs.append(spawn(env, "generator", "heir", settings, tmp_path / "heir.log"))
             (rollout,) = await published(env, "chain")
         finally:
-            _reap(*procs)
+            reap(*procs)
     assert rollout.generator_id == "heir" and rollout.timings["resumes"] == 1.0
     texts = [text_of([*r.prompt_tokens.tolist(), *r.completion_tokens.tolist()]) for r in [*rollout.segments, rollout]]
     seen = {path: sha for text in texts for sha, path in LISTING.findall(text)}   # the listing may be summarised away

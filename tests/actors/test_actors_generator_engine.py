@@ -8,61 +8,28 @@ draft (acceptance counted in the heartbeat) and the logprobs are still the train
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import torch
 from helpers import eventually, new_run
-from test_actors_generator_agentic import (
-    Env,
-    generator,
-    message,
-    rollouts,
-    sessions_open,
-    supervisor,
-    tiny_model,
-)
+from helpers.generator_bus import Env, env_fixture, rollouts, server_fixture
+from test_actors_generator_agentic import generator, message, sessions_open, supervisor, tiny_model
 
 from rlbus.actors.generator.actor import GeneratorConfig
 from rlbus.actors.generator.config import AgenticSettings
 from rlbus.actors.generator.loop import Group, GroupLoop
 from rlbus.actors.trainer.core import TrainerCore, rollout_batch
-from rlbus.messages.bus import Bus, ConnectOptions
-from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
-from rlbus.messages.subjects import BucketScope
 from rlbus.model.policies.interface import as_policy
 from rlbus.model.tasks.repo import repo_task
-from rlbus.topology.network.server_config import ServerOptions
-from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)
 
-RUNS = [new_run(), new_run()]
+RUNS = (new_run(), new_run())
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
-    srv = EmbeddedServer.start(tmp_path_factory.mktemp("engine-js"), ServerOptions(
-        name="engine", scope=BucketScope(runs=tuple(RUNS), regions=("hub",))))
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture
-async def env(server: EmbeddedServer) -> AsyncIterator[Env]:
-    run = RUNS.pop()
-    cred = server.credential("admin")
-    admin = await Bus.connect(server.url, run=run, options=ConnectOptions(user=cred.user, password=cred.password))
-    settings = StreamSettings.tiny()
-    await provision_region(admin.nc, admin.subjects, "hub", domain=None, settings=settings)
-    await provision_hub(admin.nc, admin.subjects, "hub", {"hub": None}, settings)
-    try:
-        yield Env(server, run, admin)
-    finally:
-        await admin.close()
+server = server_fixture("engine", RUNS)
+env = env_fixture(RUNS)
 
 
 async def test_agentic_turns_reuse_the_episode_cache_and_score_as_the_trainer_does(

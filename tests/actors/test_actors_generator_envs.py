@@ -6,36 +6,31 @@ reward it gave, and behaviour logprobs that a forward pass at the sampling tempe
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import anyio
 import nats.js.errors
 import pytest
 import torch
 from helpers import eventually, hosted, new_run
+from helpers.generator_bus import FAST, connect, provisioned, rollouts, server_fixture, spans, teacher_forced
 from helpers.toy_env import KIND, GuessEnvironment, Tally
 
-from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.base import ActorId
 from rlbus.actors.common.weight_source import LocalWeights
 from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
 from rlbus.actors.generator.loop import BasePlug, register_environment
-from rlbus.messages import codec
-from rlbus.messages.bus import Bus, ConnectOptions
-from rlbus.messages.schemas import Rollout
+from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
-from rlbus.messages.subjects import BucketScope
 from rlbus.model.env import state_tokens
 from rlbus.model.policies.tokenizer import ByteTokenizer
 from rlbus.model.policies.transformer import ModelConfig, Transformer
-from rlbus.topology.network.server_config import ServerOptions
 from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)
 
 RUN = new_run()
-FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
 TOK = ByteTokenizer()
 TEMPERATURE = 0.7
 CONFIG = GeneratorConfig(group_size=2, temperature=TEMPERATURE, max_tokens=7, partial_every_tokens=3)
@@ -49,51 +44,16 @@ class Blocked(Tally):
         await anyio.sleep_forever()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
-    srv = EmbeddedServer.start(tmp_path_factory.mktemp("envs-js"), ServerOptions(
-        name="envs", scope=BucketScope(runs=(RUN,), regions=("hub",))))
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-async def connect(server: EmbeddedServer, role: str) -> Bus:
-    cred = server.credential(role)
-    return await Bus.connect(server.url, run=RUN, options=ConnectOptions(user=cred.user, password=cred.password))
+server = server_fixture("envs", (RUN,))
 
 
 @pytest.fixture
 async def admin(server: EmbeddedServer) -> AsyncIterator[Bus]:
-    bus = await connect(server, "admin")
-    settings = StreamSettings.tiny()
-    await provision_region(bus.nc, bus.subjects, "hub", domain=None, settings=settings)
-    await provision_hub(bus.nc, bus.subjects, "hub", {"hub": None}, settings)
+    made = await provisioned(server, RUN)
     try:
-        yield bus
+        yield made.admin
     finally:
-        await bus.close()
-
-
-def teacher_forced(model: Transformer, rollout: Rollout) -> torch.Tensor:
-    """(T,) log-probability of each completion token at the sampling temperature, one plain forward pass."""
-    ids = torch.tensor([*rollout.prompt_tokens.tolist(), *rollout.completion_tokens.tolist()])[None]
-    with torch.no_grad():
-        logits = model(ids, with_mtp=False).logits[0].float()
-    P = len(rollout.prompt_tokens)
-    return torch.log_softmax(logits / TEMPERATURE, dim=-1)[P - 1:-1].gather(-1, ids[0, P:, None])[:, 0]
-
-
-def spans(mask: list[int]) -> list[tuple[int, int]]:
-    out, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        if not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
+        await made.admin.close()
 
 
 async def test_a_toy_environment_runs_through_the_generator_and_resumes_mid_round(server: EmbeddedServer,
@@ -114,12 +74,12 @@ async def test_a_toy_environment_runs_through_the_generator_and_resumes_mid_roun
         return Generator(ActorId(RUN, "hub", "generator", actor_id), bus, CONFIG, FAST,
                          weights=LocalWeights(model, version=3))
 
-    bus = await connect(server, "generator")
+    bus = await connect(server, RUN, "generator")
     async with hosted(generator("g1", bus), close=[bus]):
         await eventually(lambda: len(ports["g1"].heard), lambda n: n >= 1, what="g1 stepping its first round")
     saved = (await kv.get(partial_key(task.task_id))).value or b""
     assert saved                                             # the drafts, saved before the round g1 never finished
-    bus = await connect(server, "generator")
+    bus = await connect(server, RUN, "generator")
     async with hosted(generator("g2", bus), close=[bus]) as heir:
         await eventually(lambda: heir.counters.get("tasks", 0), lambda n: n == 1, what="g2 publishing the group")
         counters = dict(heir.counters)
@@ -127,13 +87,7 @@ async def test_a_toy_environment_runs_through_the_generator_and_resumes_mid_roun
     with pytest.raises(nats.js.errors.KeyNotFoundError):
         await kv.get(partial_key(task.task_id))
 
-    stream = s.rollouts_stream("hub")
-    info = await admin.js.stream_info(stream)
-    group = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        msg = await admin.js.get_msg(stream, seq)
-        group.append(codec.decode_as(msg.data, msg.headers, Rollout))
-    group.sort(key=lambda r: r.group_index)
+    group = await rollouts(admin)
     assert [r.rollout_id for r in group] == ["guess-7-0", "guess-7-1"]
     env = GuessEnvironment(TOK)
     replayed: list[tuple[int, int]] = []
@@ -155,7 +109,7 @@ async def test_a_toy_environment_runs_through_the_generator_and_resumes_mid_roun
         assert all(lp == 0.0 for lp, m in zip(r.behaviour_logprobs.tolist(), mask, strict=True) if not m)
         assert set(r.policy_versions.tolist()) == {3}
         keep = torch.tensor(mask, dtype=torch.bool)
-        torch.testing.assert_close(teacher_forced(model, r)[keep], torch.tensor(r.behaviour_logprobs.tolist())[keep],
+        torch.testing.assert_close(teacher_forced(model, r, TEMPERATURE)[keep], torch.tensor(r.behaviour_logprobs.tolist())[keep],
                                    atol=1e-4, rtol=0)
         firsts.append(tally.heard[0])
     assert sorted(ports["g2"].heard) == sorted(replayed)      # the heir's port saw every guess, each once

@@ -22,37 +22,33 @@ forward pass's at the sampling temperature.
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
 import torch
 from helpers import eventually, hosted, new_run
+from helpers.generator_bus import FAST, connect, provisioned, rollouts, server_fixture, spans
 from helpers.hf import build_family, random_state
 from helpers.toy_env import GuessEnvironment, Tally
 
-from rlbus.actors.base import ActorId, ActorLimits
+from rlbus.actors.base import ActorId
 from rlbus.actors.common.weight_source import LocalWeights
 from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
 from rlbus.actors.generator.loop import BasePlug, Group, register_environment
-from rlbus.messages import codec
-from rlbus.messages.bus import Bus, ConnectOptions
+from rlbus.messages.bus import Bus
 from rlbus.messages.schemas import Rollout
 from rlbus.messages.schemas import Task as TaskMessage
-from rlbus.messages.streams import StreamSettings, provision_hub, provision_region
-from rlbus.messages.subjects import BucketScope
 from rlbus.model.env import state_context
 from rlbus.model.policies.hf import HFPolicy
 from rlbus.model.policies.interface import Policy, as_policy
 from rlbus.model.policies.transformer import ModelConfig, Transformer
-from rlbus.topology.network.server_config import ServerOptions
 from rlbus.topology.network.servers import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 torch.set_num_threads(1)
 
 RUN = new_run()
-FAST = ActorLimits(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
 KIND = "toy-guess-resume-v1"
 TARGET = 7
 LOGP_ATOL = 1e-4
@@ -82,34 +78,19 @@ class Halting(LocalWeights):
         return None
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
-    srv = EmbeddedServer.start(tmp_path_factory.mktemp("resume-js"), ServerOptions(
-        name="resume", scope=BucketScope(runs=(RUN,), regions=("hub",))))
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-async def connect(server: EmbeddedServer, role: str) -> Bus:
-    cred = server.credential(role)
-    return await Bus.connect(server.url, run=RUN, options=ConnectOptions(user=cred.user, password=cred.password))
+server = server_fixture("resume", (RUN,))
 
 
 @pytest.fixture
 async def admin(server: EmbeddedServer) -> AsyncIterator[Bus]:
-    bus = await connect(server, "admin")
-    settings = StreamSettings.tiny()
-    await provision_region(bus.nc, bus.subjects, "hub", domain=None, settings=settings)
-    await provision_hub(bus.nc, bus.subjects, "hub", {"hub": None}, settings)
+    made = await provisioned(server, RUN)
     register_environment(KIND, lambda gen, message: BasePlug(gen, GuessEnvironment(gen.tokenizer),
                                                              int(message.verifier["target"]),
                                                              port=PORTS.setdefault(gen.ident.actor_id, Tally())))
     try:
-        yield bus
+        yield made.admin
     finally:
-        await bus.close()
+        await made.admin.close()
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +132,7 @@ async def stop_and_resume(server: EmbeddedServer, admin: Bus, policy: Policy, *,
         return Generator(ActorId(RUN, "hub", "generator", f"{task_id}-{name}"), bus, config, FAST, weights=weights)
 
     halting = Halting(policy, PORTS.setdefault(f"{task_id}-first", Tally()))
-    bus = await connect(server, "generator")
+    bus = await connect(server, RUN, "generator")
     async with hosted(generator("first", bus, halting), close=[bus]) as first:
         try:
             await eventually(halting.blocked.is_set, what="the first generator in its stopping call", timeout_s=60)
@@ -161,20 +142,12 @@ async def stop_and_resume(server: EmbeddedServer, admin: Bus, policy: Policy, *,
     assert saved
     await kv.put(key, saved)
     group = BasePlug(first, GuessEnvironment(first.tokenizer), TARGET).decode(saved, task_id, GROUP)
-    bus = await connect(server, "generator")
+    bus = await connect(server, RUN, "generator")
     async with hosted(generator("heir", bus, LocalWeights(policy, version=3)), close=[bus]) as heir:
         await eventually(lambda: heir.counters.get("tasks", 0), lambda n: n == 1, what="the heir publishing",
                          timeout_s=60)
     assert heir.counters["resumed"] == 1 and heir.counters.get("partials_discarded", 0) == 0
-    stream = s.rollouts_stream("hub")
-    info = await admin.js.stream_info(stream)
-    out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        msg = await admin.js.get_msg(stream, seq)
-        rollout = codec.decode_as(msg.data, msg.headers, Rollout)
-        if rollout.task_id == task_id:
-            out.append(rollout)
-    out.sort(key=lambda r: r.group_index)
+    out = await rollouts(admin, task_id)
     assert [r.group_index for r in out] == [0, 1]
     return Resumed(group, out, dict(first.counters), dict(heir.counters))
 
@@ -189,18 +162,6 @@ def stopped_mid_turn(saved: Group) -> None:
 def resumed_tokens(saved: Group, policy: Policy) -> int:
     """The ids of every resumed episode's context and draft: what an heir's engine, holding no row, prefills."""
     return sum(len(state_context(ep.state, policy.tokenizer)) + len(ep.draft_ids) for ep in saved.episodes)
-
-
-def spans(mask: list[int]) -> list[tuple[int, int]]:
-    """(start, end) of each run of 1s: the policy's turns."""
-    out, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        if not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def forward_logprobs(policy: Policy, rollout: Rollout, temperature: float) -> torch.Tensor:
