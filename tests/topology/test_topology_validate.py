@@ -285,3 +285,18 @@ def test_a_feeder_backlog_below_what_the_generators_hold_is_warned_about(tmp_pat
     path.write_text(text.replace("backlog_per_region = 16\n", "backlog_per_region = 16\nlockstep = true\n"))
     _, problems = validate(path, local_cores=CORES)
     assert "feeder.backlog_per_region" not in [p.key for p in problems]
+
+
+def test_speculation_on_the_builtin_policy_without_a_phase_with_heads_is_warned_about(tmp_path: Path) -> None:
+    """tiny.toml with `[generator] speculative = true`: a warning on the key (its pretraining has no phase with
+    `mtp_heads`, so generators would sample plainly); none once a phase distils heads."""
+    text = example_path("tiny").read_text().replace("[generator]\n", "[generator]\nspeculative = true\n", 1)
+    path = tmp_path / "spec.toml"
+    path.write_text(text)
+    _, problems = validate(path, local_cores=CORES)
+    assert [(p.severity, p.key) for p in problems] == [("warning", "generator.speculative")]
+    assert "sample plainly" in problems[0].message
+    phase = '\n  [[pretrain.phases]]\n  name = "main"\n  steps = 30\n  mtp_heads = 2\n'
+    path.write_text(text.replace("steps = 30\n", "", 1).replace("eval_n = 8\n", "eval_n = 8\n" + phase, 1))
+    _, problems = validate(path, local_cores=CORES)
+    assert problems == []

@@ -261,6 +261,10 @@ def _settings(topology: Topology) -> Iterator[Found]:
         yield _p("trainer.mtp_distill", "a Hugging Face policy's MTP heads are a file sent to generators once "
                  "(mtp_heads.safetensors), not part of a version, so they cannot follow the policy during RL; "
                  "expected 0", also=("policy",))
+    if gen.speculative and topology.policy.kind == "builtin" and not any(p.mtp_heads for p in topology.pretrain.phases):
+        yield _p("generator.speculative", "the built-in policy gets MTP heads only from a [[pretrain.phases]] phase "
+                 "with mtp_heads, and no phase has any: generators will sample plainly; expected a phase with "
+                 "mtp_heads > 0, or false", "warning", also=("pretrain",))
     if trainer.mtp_distill > 0 and trainer.world_size > 1:
         yield _p("trainer.mtp_distill", f"the MTP heads are distilled by a one-rank trainer only, found world_size "
                  f"{trainer.world_size}; expected 0 or trainer.world_size = 1")
