@@ -3,8 +3,8 @@ sampling keeps every sampled token distributed exactly as the policy's own, at a
 
 - Owns: `speculative_sample` (batched, KV-cached, weights swapped in flight; greedy or sampled), `Drafter` and `drafter_for` (the heads of
   a built-in policy, `Transformer.mtp`, or of a Hugging Face policy, `HFPolicy.mtp_heads`) (counted in model/sampling/generate.py `SpeculativeStats`).
-- Does not: train heads (model/training/loss.py `lm_loss` for the built-in ones, model/training/mtp.py for a
-  Hugging Face policy's), swap weights mid-call, record MoE routing (a routed policy is refused: sample it with
+- Does not: train heads (model/training/mtp.py distils both policies' heads in a pretraining phase with
+  `mtp_heads`; `[trainer] mtp_distill` keeps the built-in ones following the policy during RL), swap weights mid-call, record MoE routing (a routed policy is refused: sample it with
   `generate`), or batch turns across calls (model/sampling/engine.py).
 
 Exactness (Leviathan et al. 2023; Chen et al. 2023). Head k drafts d_k ~ q_k from the hidden state of the last
@@ -95,7 +95,7 @@ def drafter_for(policy: Policy | nn.Module) -> Drafter:
         model = policy.module
         if not model.config.mtp_heads:
             raise ValueError("the built-in policy has no MTP heads (ModelConfig.mtp_heads = 0); speculative "
-                             "sampling needs them")
+                             "sampling needs them (a pretraining phase with mtp_heads distils them)")
         return Drafter(policy, list(model.mtp), model.head, None)
     heads = getattr(policy, "mtp_heads", None)
     if heads is None or not len(heads):
