@@ -1,18 +1,17 @@
 """A function-writing group's partial layout (`PartialGroup`, saved under the task id in a region's PARTIALS KV).
 
-- Owns: `PartialGroup`, its pure transitions (start, add a sampled chunk, take a graded attempt's state, summarise,
-  grow, pick the G to publish), `check_partial` (refuses a hostile or corrupt partial), `build_rollout`, and what
-  every plug shares (`SampledSummary`, `check_segment`, `fill_versions`, `group_sizes`).
-- Guarantee: pure: no bus, no model, no clock (callers pass `now`).
-- Does not: sample, grade or talk to NATS (actors/generator/loop.py drives a group; function.py converts it).
+- Owns: `PartialGroup` (its encoding, and `function_state`: an episode's state for model/env/function.py),
+  `check_partial` (refuses a hostile or corrupt partial), and what every plug shares (`SampledSummary`,
+  `check_segment`, `fill_versions`, `group_sizes`).
+- Guarantee: pure: no bus, no model, no clock.
+- Does not: change a group, sample, grade or talk to NATS (actors/generator/loop.py drives a group and builds its
+  Rollouts; function.py converts the loop's group to and from this layout).
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, get_args
@@ -22,9 +21,9 @@ import numpy as np
 import zstandard
 
 from rlbus.actors.common.errors import PartialGroupError
-from rlbus.messages.schemas import Rollout, SandboxVerdict, Segment, TensorBlob
-from rlbus.model.env import FunctionEnvironment, FunctionState, state_context, state_of, summarized
-from rlbus.model.env.episodes import MAX_ATTEMPTS, Episode, Turn, completion_text
+from rlbus.messages.schemas import SandboxVerdict, Segment, TensorBlob
+from rlbus.model.env import FunctionState, state_of
+from rlbus.model.env.episodes import Episode, Turn
 from rlbus.model.policies.interface import ChatTokenizer, frame_turn
 from rlbus.model.tasks.builtin import Task
 from rlbus.model.tasks.grading import GradeResult, Status
@@ -79,7 +78,7 @@ class EpisodeState(msgspec.Struct, kw_only=True):
     routing: TensorBlob | None = None
     """int64 (R, n_moe_layers, top_k): experts of the first R tokens of the current sequence (MoE only)."""
     segments: list[Segment] = []
-    """What each summary closed, oldest first (`record_summary`): the turns before it and the summary itself,
+    """What each summary closed, oldest first: the turns before it and the summary itself,
     each with the context it was sampled under; the Rollout carries them (`Rollout.segments`)."""
 
     @property
@@ -94,13 +93,8 @@ class EpisodeState(msgspec.Struct, kw_only=True):
 
 class PartialGroup(msgspec.Struct, kw_only=True):
     """A task's group in progress, saved after every sampled chunk and every graded round: a msgpack map
-    via msgspec (`encode_partial`), zstd-compressed past 64 KiB; `format` = PARTIAL_FORMAT.
-
-    Its transitions: `new_group`, `add_chunk`, `record_attempt` / `apply_step` (`function_state` is an
-    episode's state for model/env/function.py, `apply_step` takes the state after its turn back),
-    `record_summary` (replaces the history by a summary), `grow_group` (a group without a pass) and
-    `published_episodes` (the G of a grown group to publish).
-    """
+    via msgspec (`encode_partial`), zstd-compressed past 64 KiB; `format` = PARTIAL_FORMAT. Written and read
+    back by actors/generator/function.py (`FunctionPlug.encode` / `decode`)."""
 
     format: int = PARTIAL_FORMAT
     task_id: str
@@ -156,8 +150,8 @@ class PartialLimits:
     held_version: int
     """No token may claim a policy version newer than the weights this generator holds."""
     max_group_size: int = 0
-    """A group without a pass may have grown by `group_size` at a time up to this many episodes
-    (`grow_group`); 0 or <= group_size: it never grows."""
+    """A group without a pass may have grown by `group_size` at a time up to this many episodes;
+    0 or <= group_size: it never grows."""
     routing: tuple[int, int, int] | None = None
     """(n_moe_layers, top_k, n_experts) of an MoE model; None: a dense model, partials carry no routing."""
 
@@ -165,7 +159,7 @@ class PartialLimits:
 def check_partial(state: PartialGroup, task: Task, task_id: str, tokenizer: ChatTokenizer,
                   limits: PartialLimits) -> None:
     """Raise PartialGroupError (naming the first problem) unless `state` is a partial this task's group could
-    have saved: same format and task; a group size of G or, grown (`grow_group`), a multiple of G up to
+    have saved: same format and task; a group size of G or, grown, a multiple of G up to
     `limits.max_group_size`, with that many episodes that start with the task's own prompt; token ids in
     the vocabulary; per-token logprobs (finite, <= 0) and versions (0..held) as long as the ids; attempts
     graded against the task's tests, at most `max_attempts`, only the last one passed; drafts within
@@ -264,50 +258,9 @@ def check_segment(seg: Segment, limits: PartialLimits, *, what: str) -> None:
         raise PartialGroupError(f"{what}: routing saved for a dense model")
 
 
-def new_group(task: Task, task_id: str, group_size: int, tokenizer: ChatTokenizer, *, now: float) -> PartialGroup:
-    """G fresh episodes holding only the prompt."""
-    return PartialGroup(task_id=task_id, group_size=group_size, started_at=now,
-                        episodes=[_fresh(task, tokenizer) for _ in range(group_size)])
-
-
-def _fresh(task: Task, tokenizer: ChatTokenizer) -> EpisodeState:
-    """An episode as the function-writing environment starts it (the prompt as the user turn)."""
-    return EpisodeState(turns=[TurnState(role=t.role, ids=list(t.ids))
-                               for t in FunctionEnvironment(tokenizer).start(task).turns])
-
-
 def group_sizes(group_size: int, max_group_size: int) -> range:
     """The sizes a group started at `group_size` can have: G, 2G, ... up to max_group_size (at least G)."""
     return range(group_size, max(group_size, max_group_size) + 1, group_size)
-
-
-def any_passed(state: PartialGroup) -> bool:
-    """Some episode's last attempt passed every test."""
-    return any(ep.passed for ep in state.episodes)
-
-
-def grow_group(state: PartialGroup, task: Task, tokenizer: ChatTokenizer, n: int) -> None:
-    """Add n fresh episodes (the prompt only) to the group; its Rollouts will all carry the new size."""
-    if n < 1:
-        raise ValueError(f"grow by {n} episodes: expected at least 1")
-    state.episodes.extend(_fresh(task, tokenizer) for _ in range(n))
-    state.group_size += n
-
-
-def published_episodes(state: PartialGroup, group_size: int) -> list[EpisodeState]:
-    """`group_size` episodes of a grown group, in their order: its passing ones (at most G - 1, so a
-    failure stays) and failing ones drawn at random to fill G — seeded by the task id, so a republish after
-    a crash sends the same rollouts. Without a pass: the first G (all-fail; the trainer drops it as flat).
-    The failures drawn are a uniform sample of the group's, so the mean-centred advantages keep their signs
-    and about their sizes, while the step's batch holds G of these rollouts instead of the whole group."""
-    passed = [g for g, ep in enumerate(state.episodes) if ep.passed]
-    if not passed:
-        return state.episodes[:group_size]
-    failed = [g for g, ep in enumerate(state.episodes) if not ep.passed]
-    keep = passed[:group_size - 1]
-    rng = random.Random(hashlib.sha256(f"{state.task_id}:subsample".encode()).digest())
-    keep += rng.sample(failed, min(len(failed), group_size - len(keep)))
-    return [state.episodes[g] for g in sorted(keep)]
 
 
 def episode_of(ep: EpisodeState, task: Task, max_attempts: int) -> Episode:
@@ -321,60 +274,10 @@ def function_state(ep: EpisodeState, task: Task, max_attempts: int) -> FunctionS
     return state_of(episode_of(ep, task, max_attempts))
 
 
-def base_context(ep: EpisodeState, task: Task, tokenizer: ChatTokenizer, max_attempts: int) -> list[int]:
-    """What the next attempt continues: the episode so far, then the assistant header (draft not included)."""
-    return state_context(function_state(ep, task, max_attempts), tokenizer)
-
-
 def prompt_length(task: Task, tokenizer: ChatTokenizer) -> int:
     """Tokens kept ahead of a summary: bos and the user turn (<|bos|><|user|>prompt<|end_turn|>)."""
     return (len(tokenizer.bos()) + len(tokenizer.header("user")) + len(tokenizer.encode(task.prompt))
             + len(tokenizer.closing()))
-
-
-def add_chunk(ep: EpisodeState, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
-              routing: np.ndarray | None, context_len: int, *, stop_ids: Sequence[int], limit: int) -> int:
-    """Append a sampled chunk to the draft, cut after its first stop id; returns the ids kept.
-
-    `routing` (context_len + len(tokens), L, k) is the call's record over its context and tokens; the
-    rows not yet held are appended. The draft is done at a stop id or at `limit` ids.
-    """
-    cut = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
-    ep.draft_ids += [int(t) for t in tokens[:cut]]
-    ep.draft_logprobs += [float(x) for x in logprobs[:cut]]
-    ep.draft_versions += [int(v) for v in versions[:cut]]
-    if routing is not None:
-        held = ep.routing.numpy() if ep.routing is not None else np.zeros((0, *routing.shape[1:]), np.int64)
-        rows = np.concatenate([held, routing[held.shape[0]: context_len + cut]])
-        ep.routing = TensorBlob.of(rows, "int64")
-    stopped = cut > 0 and tokens[cut - 1] in stop_ids
-    ep.draft_done = stopped or len(ep.draft_ids) >= limit
-    return cut
-
-
-def record_attempt(ep: EpisodeState, task: Task, attempt: Attempt, tokenizer: ChatTokenizer,
-                   max_attempts: int) -> None:
-    """Turn the done draft into an assistant turn graded by `attempt` (plus an observation when it
-    failed and attempts are left: `FunctionEnvironment.record`), and clear the draft."""
-    env = FunctionEnvironment(tokenizer, max_attempts=max_attempts)
-    apply_step(ep, env.record(function_state(ep, task, max_attempts), ep.draft_ids, attempt.grade()).state, attempt)
-
-
-def apply_step(ep: EpisodeState, new: FunctionState, attempt: Attempt) -> None:
-    """Take the environment's state after the done draft's turn (`FunctionEnvironment.step` or `record` from
-    `function_state`): the draft becomes the assistant turn, with its logprobs and versions, the turns the
-    environment added follow it, `attempt` (the grade, with the sandbox's verdict) is kept; the draft is cleared.
-
-    :raises ValueError: `new` is not the state after this draft.
-    """
-    n = len(ep.turns)
-    if len(new.turns) <= n or new.turns[n] != Turn("assistant", tuple(ep.draft_ids)):
-        raise ValueError(f"the state after the turn does not follow the episode's {n} turns and its draft")
-    ep.turns.append(TurnState(role="assistant", ids=list(ep.draft_ids), logprobs=list(ep.draft_logprobs),
-                              versions=list(ep.draft_versions)))
-    ep.turns.extend(TurnState(role=turn.role, ids=list(turn.ids)) for turn in new.turns[n + 1:])
-    ep.attempts.append(attempt)
-    ep.draft_ids, ep.draft_logprobs, ep.draft_versions, ep.draft_done = [], [], [], False
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,35 +303,15 @@ class SampledSummary:
             routing=None if self.routing is None or not routing else TensorBlob.of(self.routing, "int64"))
 
 
-def record_summary(ep: EpisodeState, task: Task, summary: SampledSummary, tokenizer: ChatTokenizer) -> None:
-    """Close the episode's current segment (its turns since the last summary, when it trained on any) and add
-    the summary as a segment of its own, under the context it was written in; then replace the history after
-    the prompt by the summary turn (model/env/episodes.py add_summary)."""
-    before = episode_segment(ep, task, tokenizer)
-    if before is not None:
-        ep.segments.append(before)
-    ep.segments.append(summary.segment())
-    new = summarized(function_state(ep, task, MAX_ATTEMPTS), summary.ids)     # the turns are all it changes
-    ep.turns = [ep.turns[0], *(TurnState(role=t.role, ids=list(t.ids)) for t in new.turns[1:])]
-    ep.routing = None
-    ep.summaries += 1
-
-
-def policy_text(ids: Sequence[int], tokenizer: ChatTokenizer) -> str:
-    """The text of sampled ids up to the first stop; ids the tokenizer does not know are skipped
-    (model/env/episodes.py `completion_text`, what the environment grades)."""
-    return completion_text(ids, tokenizer)
-
-
 @dataclass(frozen=True, slots=True)
 class Flat:
-    """An episode as one sequence (L,) with the per-token training arrays."""
+    """An episode as one sequence (L,) with the per-token arrays."""
 
     ids: list[int]
     loss_mask: list[int]
     logprobs: list[float]
     versions: list[int]
-    """-1 where no policy token is (filled in by `build_rollout`)."""
+    """-1 where no policy token is."""
 
 
 def flatten(ep: EpisodeState, tokenizer: ChatTokenizer) -> Flat:
@@ -472,65 +355,3 @@ def attempt_reward(attempt: Attempt, partial_credit: float = 0.0) -> float:
     if attempt.status == "passed":
         return 1.0
     return partial_credit * attempt.n_passed / attempt.n_tests if attempt.n_tests > 0 else 0.0
-
-
-def episode_segment(ep: EpisodeState, task: Task, tokenizer: ChatTokenizer) -> Segment | None:
-    """The episode's finished turns as trained tokens (layout in `build_rollout`): the prompt, then up to
-    the last policy-sampled id; None when no turn since the prompt (or the last summary) was sampled."""
-    flat = flatten(ep, tokenizer)
-    policy_positions = [i for i, m in enumerate(flat.loss_mask) if m]
-    end = policy_positions[-1] + 1 if policy_positions else len(flat.ids)
-    n_prompt = prompt_length(task, tokenizer) + len(tokenizer.header("assistant"))
-    if not policy_positions or end < n_prompt:
-        return None
-    versions = fill_versions(flat.versions[:end])
-    routing = None
-    if ep.routing is not None:
-        rows = ep.routing.numpy()
-        if rows.shape[0] < end:
-            raise ValueError(f"routing covers {rows.shape[0]} of {end} tokens")
-        routing = TensorBlob.of(rows[:end], "int64")
-    return Segment(
-        prompt_tokens=TensorBlob.of(flat.ids[:n_prompt], "int32"),
-        completion_tokens=TensorBlob.of(flat.ids[n_prompt:end], "int32"),
-        behaviour_logprobs=TensorBlob.of(flat.logprobs[n_prompt:end], "float32"),
-        policy_versions=TensorBlob.of(versions[n_prompt:end], "int32"),
-        loss_mask=TensorBlob.of(flat.loss_mask[n_prompt:end], "uint8"), routing=routing)
-
-
-def build_rollout(ep: EpisodeState, *, task: Task, task_id: str, group_index: int, group_size: int,
-                  tokenizer: ChatTokenizer, region: str, generator_id: str,
-                  timings: dict[str, float], partial_credit: float = 0.0) -> Rollout:
-    """The finished episode as a Rollout, its earlier segments included; reward 1.0 when the last attempt
-    passed every hidden test, else partial_credit * (tests passed / tests) of that attempt (0.0 with the
-    default: no partial credit).
-
-    Token layout (model/env/episodes.py): <|bos|> then per turn <|role|> content <|end_turn|>; a policy turn's
-    content is its sampled ids verbatim and gets no extra <|end_turn|> when it ends with one. A Rollout is
-    that sequence up to the last sampled token: `prompt_tokens` = <|bos|><|user|>prompt<|end_turn|> and the
-    next role id (<|assistant|>, the context of the first attempt); `completion_tokens` = the rest.
-    loss_mask is 1 exactly on assistant tokens. Observations, framing and summaries are 0 there: a summary
-    was sampled while reading the old history, which the Rollout no longer holds, so it is trained as a
-    segment of its own under what the policy read (`record_summary`; `Rollout.segments`), and is context in
-    the rest. behaviour_logprobs are 0.0 where the mask is 0, and policy_versions there repeat the version
-    of the nearest policy token before them (after them for the prompt), so min/max over a Rollout's
-    versions are always real versions. The MoE routing record covers prompt + completion,
-    (P + T, n_moe_layers, top_k) int64: each token's experts from the forward pass that first fed it, which
-    is what `model.generate` reports and the trainer replays.
-    """
-    try:
-        tail = episode_segment(ep, task, tokenizer)
-    except ValueError as err:
-        raise ValueError(f"episode {task_id}-{group_index}: {err}") from None
-    if tail is None:
-        raise ValueError(f"episode {task_id}-{group_index} has no sampled token to train on")
-    last = ep.attempts[-1] if ep.attempts else Attempt(status="error", n_passed=0, n_tests=len(task.tests),
-                                                        feedback="never attempted")
-    return Rollout(
-        rollout_id=f"{task_id}-{group_index}", task_id=task_id, group_index=group_index, group_size=group_size,
-        prompt_tokens=tail.prompt_tokens, completion_tokens=tail.completion_tokens,
-        behaviour_logprobs=tail.behaviour_logprobs, policy_versions=tail.policy_versions,
-        loss_mask=tail.loss_mask, routing=tail.routing, reward=attempt_reward(last, partial_credit),
-        verdict=last.verdict, timings=dict(timings), region=region, generator_id=generator_id,
-        segments=list(ep.segments),
-    )

@@ -12,12 +12,13 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from helpers.function_partials import new_group
 
 from rlbus.actors.common.checkpoints import read_durable_state
 from rlbus.actors.common.errors import CheckpointError, PartialGroupError, TaskError, WeightsError
 from rlbus.actors.common.feed import read_tasks_file, task_from_verifier, verifier_for
 from rlbus.actors.common.weight_source import open_weights
-from rlbus.actors.generator.group import PartialLimits, check_partial, decode_partial, new_group
+from rlbus.actors.generator.group import PartialLimits, check_partial, decode_partial
 from rlbus.actors.trainer.core import STATE_FORMAT, build_core
 from rlbus.actors.trainer.resume import load_state
 from rlbus.messages.bus import digest

@@ -23,6 +23,7 @@ import nats.js.errors
 import pytest
 import torch
 from helpers import eventually, new_run
+from helpers.function_partials import new_group, record_attempt
 from helpers.generator_bus import (
     FAST,
     Env,
@@ -56,14 +57,7 @@ from rlbus.actors.common.feed import verifier_for
 from rlbus.actors.common.ledger import Ledger, read_ledger
 from rlbus.actors.common.weight_source import LocalWeights
 from rlbus.actors.generator.actor import Generator, GeneratorConfig, partial_key
-from rlbus.actors.generator.group import (
-    Attempt,
-    PartialGroup,
-    decode_partial,
-    encode_partial,
-    new_group,
-    record_attempt,
-)
+from rlbus.actors.generator.group import Attempt, PartialGroup, decode_partial, encode_partial
 from rlbus.actors.publisher import Publisher
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
 from rlbus.actors.trainer.actor import Trainer

@@ -20,6 +20,7 @@ import nats.js.errors
 import pytest
 import torch
 from helpers import eventually, new_run
+from helpers.function_partials import new_group
 from helpers.generator_bus import (
     Env,
     env_fixture,
@@ -46,7 +47,7 @@ from rlbus.actors.generator.agentic import (
     episode_state,
 )
 from rlbus.actors.generator.config import AgenticSettings
-from rlbus.actors.generator.group import decode_partial, encode_partial, new_group
+from rlbus.actors.generator.group import decode_partial, encode_partial
 from rlbus.actors.sandbox.config import SandboxConfig, SandboxLaunch
 from rlbus.actors.sandbox.pool import available_levels
 from rlbus.actors.sandbox.supervisor import SandboxSupervisor

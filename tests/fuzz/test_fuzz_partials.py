@@ -24,6 +24,7 @@ import pytest
 import torch
 import zstandard
 from helpers import hosted, new_run
+from helpers.function_partials import base_context, new_group, record_attempt
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -38,12 +39,9 @@ from rlbus.actors.generator.group import (
     Attempt,
     PartialGroup,
     PartialLimits,
-    base_context,
     check_partial,
     decode_partial,
     encode_partial,
-    new_group,
-    record_attempt,
 )
 from rlbus.actors.sandbox.supervisor import SandboxConfig, SandboxSupervisor
 from rlbus.messages.bus import Bus, ConnectOptions

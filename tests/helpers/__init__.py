@@ -6,7 +6,8 @@ subcommand in-process, single-server targets), `rl_bus` (a provisioned one-regio
 `rollouts` (synthetic rollouts sampled from a real model), `samples` (one message of every kind),
 `fuzz_payloads` (hostile payloads), `runs` (the finished `rlbus up` run of the `finished_run` fixture),
 `ast_guard` (the audit hook that fails a test building an AST off the main thread), `procs` (a run's actor
-processes in /proc).
+processes in /proc), `generator_bus` (a module's server and a provisioned run per test for generator tests),
+`function_partials` (function-writing partials as a generator saves them).
 """
 
 from __future__ import annotations
