@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import msgspec
 import pytest
-from helpers import new_run
+from helpers import eventually_sync, new_run
 from helpers.hf import build_family
 
 from rlbus.messages import codec
@@ -158,15 +158,38 @@ def _three_regions_hf(tmp_path: Path) -> Path:
 def test_rlbus_up_three_regions_stops_clean(tmp_path: Path, stop: str,
                                             processes_mentioning: Callable[[str], list[int]]) -> None:
     """`rlbus up` on the 3-region demo runs, stops (by --for or Ctrl-C) with exit 0, and no process survives.
-    "steps-hf": the RL job in three regions on a Hugging Face policy, stopped by --steps: every region's
-    generator builds the policy from the files and weights in its own region's store, the ledger is clean."""
+    "steps-hf": the RL job in three regions on a Hugging Face policy, stopped by Ctrl-C once every region's
+    generator holds the policy, built from the files and weights in its own region's store, and the trainer took
+    2 steps (a fixed --steps could end the run before the slowest region's generator has loaded it); the ledger is
+    clean."""
     state = tmp_path / "state"
     topology = str(_three_regions_hf(tmp_path)) if stop == "steps-hf" else "demo"
     cmd = [sys.executable, "-m", "rlbus.ops.cli", "up", topology, "--state-dir", str(state)]
-    if stop in ("for", "steps-hf"):
-        until = ["--for", "6"] if stop == "for" else ["--steps", "2"]
-        proc = subprocess.run([*cmd, *until], capture_output=True, text=True, timeout=120 if stop == "for" else 600)
+    if stop == "for":
+        proc = subprocess.run([*cmd, "--for", "6"], capture_output=True, text=True, timeout=120)
         out, code = proc.stdout, proc.returncode
+    elif stop == "steps-hf":
+        console = tmp_path / "console.txt"
+        with console.open("w") as sink:     # a file, not a pipe: nothing reads it until the run ends
+            p = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.DEVNULL, text=True)
+        try:
+            logs = {name: state / "logs" / f"{name}.log" for name in
+                    ("hub-generator-0", "eu-generator-0", "us-generator-0", "hub-trainer-0")}
+
+            def said(name: str, event: str) -> int:
+                path = logs[name]
+                return path.read_text().count(f'"event": "{event}"') if path.exists() else 0
+
+            eventually_sync(lambda: (all(said(g, "generator_weights_ready") for g in list(logs)[:3])
+                            and said("hub-trainer-0", "trainer_step") >= 2) or p.poll() is not None,
+                            what="every region's generator holding the policy and 2 trainer steps", timeout_s=480)
+            p.send_signal(signal.SIGINT)
+            code = p.wait(timeout=120)
+            out = console.read_text()
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     else:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         try:
