@@ -401,11 +401,7 @@ class Generator(Actor):
         if self._engine is None or ids.prefix is None or len(ids.prefix) < MIN_RELEASE_IDS:
             return
         self._to_close.append(ids.prefix)
-        if self._model_lock.acquire(blocking=False):
-            try:
-                self._close_finished(self._engine)
-            finally:
-                self._model_lock.release()
+        self._close_if_free()
 
     def release_episode(self, ids: list[int]) -> None:
         """Close the engine row of an episode that ended (`ids`: its whole token sequence; loop.py calls it as soon
@@ -414,7 +410,11 @@ class Generator(Actor):
         if self._engine is None:
             return
         self._ended.append(ids)
-        if self._model_lock.acquire(blocking=False):
+        self._close_if_free()
+
+    def _close_if_free(self) -> None:
+        """Close the rows queued for closing now if the model lock is free (else the next holder does)."""
+        if self._engine is not None and self._model_lock.acquire(blocking=False):
             try:
                 self._close_finished(self._engine)
             finally:
